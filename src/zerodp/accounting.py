@@ -1,0 +1,166 @@
+"""Model-state memory and communication formulas of the ZeRO paper, and the reports that compare them
+with what an engine actually holds and sends.
+
+Source: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
+(SC20), section 5 (memory, figure 1: K = 12 for mixed-precision Adam) and section 7 (communication).
+With Psi trainable parameters, N_d data-parallel ranks, ``p``/``g`` bytes per parameter/gradient
+element and ``K`` optimizer-state bytes per element (fp32 master weights included):
+
+=========  ==============================  =============================  ==================
+stage      parameters                      gradients                      optimizer states
+=========  ==============================  =============================  ==================
+0 (DP)     p Psi                           g Psi                          K Psi
+1 (P_os)   p Psi                           g Psi                          K Psi / N_d
+2 (+g)     p Psi                           g Psi / N_d                    K Psi / N_d
+3 (+p)     p Psi / N_d                     g Psi / N_d                    K Psi / N_d
+=========  ==============================  =============================  ==================
+
+Mixed precision (p = g = 2, K = 12) gives 16 Psi, 4 Psi + 12 Psi/N_d, 2 Psi + 14 Psi/N_d, 16 Psi/N_d:
+for Psi = 7.5e9 and N_d = 64, 120 / 31.4 / 16.6 / 1.9 GB. Per-step traffic per rank is 2 Psi elements
+for stages 0-2 and 3 Psi for stage 3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STAGES = (0, 1, 2, 3)
+STAGE_NAMES = {0: "data parallel", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "master_weights", "comm_buffers")
+
+
+@dataclass(frozen=True)
+class BytesPerElement:
+    """Model-state bytes per trainable element. ``optimizer`` is K and includes fp32 master weights
+    when they are a separate copy (``master``), so the paper's K = 12 is ``optimizer=8, master=4``."""
+
+    param: int
+    grad: int
+    optimizer: int  # Adam moments: 8 for fp32 exp_avg + exp_avg_sq
+    master: int  # separate fp32 master copy: 4 in mixed precision, 0 when params are already fp32
+
+    @property
+    def k(self) -> int:
+        return self.optimizer + self.master
+
+
+MIXED_PRECISION_ADAM = BytesPerElement(param=2, grad=2, optimizer=8, master=4)
+FP32_ADAM = BytesPerElement(param=4, grad=4, optimizer=8, master=0)
+
+
+def model_state_bytes(stage: int, numel: int, world_size: int, b: BytesPerElement) -> dict[str, float]:
+    """Paper formula (table above) for one rank: bytes by category for ``numel`` trainable elements.
+
+    Raises:
+        ValueError: stage not in 0..3 or world_size < 1.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    n = world_size
+    return {
+        "parameters": b.param * numel / (n if stage >= 3 else 1),
+        "gradients": b.grad * numel / (n if stage >= 2 else 1),
+        "optimizer_states": b.optimizer * numel / (n if stage >= 1 else 1),
+        "master_weights": b.master * numel / (n if stage >= 1 else 1),
+        "comm_buffers": 0.0,
+    }
+
+
+def comm_elements_per_step(stage: int, numel: int) -> int:
+    """Per-rank traffic per optimizer step in elements (paper section 7): 2 Psi, or 3 Psi at stage 3."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage}")
+    return (3 if stage == 3 else 2) * numel
+
+
+def human_bytes(n: float) -> str:
+    """Decimal units, as the paper's table (1 GB = 1e9 bytes)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}" if unit == "GB" else f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def estimate_table(numel: int, world_size: int, b: BytesPerElement = MIXED_PRECISION_ADAM) -> str:
+    """Text table of per-rank model-state bytes and per-step traffic for stages 0-3."""
+    rows = [f"Psi = {numel:,} trainable parameters, N_d = {world_size}, "
+            f"bytes/element: param {b.param}, grad {b.grad}, K = {b.k}"]
+    rows.append(f"{'stage':<22}{'per-rank model states':>24}{'traffic/step/rank':>22}")
+    for stage in STAGES:
+        total = sum(model_state_bytes(stage, numel, world_size, b).values())
+        elems = comm_elements_per_step(stage, numel)
+        rows.append(f"{STAGE_NAMES[stage]:<22}{human_bytes(total):>24}"
+                    f"{f'{elems // numel} Psi = ' + human_bytes(elems * b.param):>22}")
+    return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of model state this rank holds, measured from the engine's tensors, beside the formula.
+
+    ``measured`` and ``formula`` map each of :data:`CATEGORIES` to bytes. ``numel`` is Psi (trainable
+    elements, without padding); padding to a multiple of ``world_size`` shows up as measured bytes
+    slightly above the formula. ``peak`` holds high-water marks in bytes (e.g. ``gradients`` for the
+    stage-2 gradient buckets in flight plus the owned partition).
+    """
+
+    stage: int
+    rank: int
+    world_size: int
+    numel: int
+    frozen_numel: int
+    measured: dict[str, int]
+    formula: dict[str, float]
+    peak: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.measured.values())
+
+    @property
+    def formula_total(self) -> float:
+        return sum(self.formula.values())
+
+    def format(self) -> str:
+        lines = [f"rank {self.rank}/{self.world_size}  stage {self.stage}  Psi = {self.numel:,}"
+                 + (f" (+{self.frozen_numel:,} frozen)" if self.frozen_numel else "")]
+        lines.append(f"  {'category':<18}{'measured':>14}{'formula':>14}")
+        for c in CATEGORIES:
+            lines.append(f"  {c:<18}{human_bytes(self.measured[c]):>14}{human_bytes(self.formula[c]):>14}")
+        lines.append(f"  {'total':<18}{human_bytes(self.total):>14}{human_bytes(self.formula_total):>14}")
+        for c, v in self.peak.items():
+            lines.append(f"  peak {c:<13}{human_bytes(v):>14}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class CommReport:
+    """Collectives issued since the last reset; ``expected_elements_per_step`` is 2 Psi or 3 Psi."""
+
+    stage: int
+    numel: int
+    steps: int
+    records: list  # list[comm.CommRecord]
+    traffic_elements: int  # Psi-equivalent elements over all records (all-reduce counted twice)
+    model_traffic_elements: int  # the same, gradient and parameter collectives only
+
+    @property
+    def expected_elements_per_step(self) -> int:
+        return comm_elements_per_step(self.stage, self.numel)
+
+    @property
+    def elements_per_step(self) -> float:
+        return self.model_traffic_elements / self.steps if self.steps else 0.0
+
+    def format(self) -> str:
+        lines = [f"  {'op':<16}{'purpose':<18}{'count':>7}{'elements':>14}{'bytes':>12}"]
+        for r in self.records:
+            lines.append(f"  {r.op:<16}{r.purpose:<18}{r.count:>7}{r.elements:>14,}{human_bytes(r.bytes):>12}")
+        if self.steps:
+            ratio = self.elements_per_step / self.numel if self.numel else 0.0
+            want = self.expected_elements_per_step // max(self.numel, 1)
+            lines.append(f"  per step: {self.elements_per_step:,.0f} elements = {ratio:.3f} Psi "
+                         f"(formula {want} Psi = {self.expected_elements_per_step:,})")
+        return "\n".join(lines)

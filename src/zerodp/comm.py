@@ -1,0 +1,135 @@
+"""Collectives used by the engine, each recorded in a :class:`CommLedger`.
+
+These are thin wrappers over ``torch.distributed``'s own collectives (never a hand-written one); they
+take their process group and buffers as arguments so they can be tested alone, and every call appends
+``(op, elements, bytes)`` to the ledger the engine reports from.
+
+Traffic convention (ZeRO paper, section 7): the volume of one collective is the number of elements of
+the full (unpartitioned) tensor it operates on. A reduce-scatter or an all-gather of a Psi-element
+buffer moves Psi elements per rank; an all-reduce moves 2 Psi (reduce-scatter + all-gather).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp, Work
+
+#: how many "Psi-equivalents" of traffic each op counts per element of its full tensor.
+TRAFFIC_FACTOR: dict[str, int] = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+
+
+def init_distributed(backend: Optional[str] = None) -> None:
+    """Initialise the default process group from torchrun's environment variables.
+
+    Uses NCCL when CUDA is available and gloo otherwise (``backend`` overrides). Does nothing when the
+    default group is already initialised. Without ``RANK``/``WORLD_SIZE`` in the environment (a plain
+    ``python script.py``), initialises a world of one rank on a free local port.
+
+    Raises:
+        RuntimeError: torch.distributed is not available in this build.
+    """
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this torch build")
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """Totals of one collective kind since the ledger's last reset."""
+
+    op: str
+    count: int
+    elements: int  # elements of the full tensors operated on (see module docstring)
+    bytes: int  # bytes of the full tensors operated on
+    purpose: str
+
+
+@dataclass
+class CommLedger:
+    """Counts every collective the engine issues, per (op, purpose)."""
+
+    _totals: dict[tuple[str, str], list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0]))
+    steps: int = 0  # optimizer steps since the last reset
+
+    def record(self, op: str, tensor_numel: int, element_size: int, purpose: str) -> None:
+        t = self._totals[(op, purpose)]
+        t[0] += 1
+        t[1] += tensor_numel
+        t[2] += tensor_numel * element_size
+
+    def reset(self) -> None:
+        self._totals.clear()
+        self.steps = 0
+
+    def records(self) -> list[CommRecord]:
+        return [
+            CommRecord(op=op, count=c, elements=e, bytes=b, purpose=p)
+            for (op, p), (c, e, b) in sorted(self._totals.items())
+        ]
+
+    def traffic_elements(self, purpose: Optional[str] = None) -> int:
+        """Psi-equivalent element traffic per rank (all-reduce counted twice), optionally one purpose."""
+        return sum(
+            TRAFFIC_FACTOR[op] * e
+            for (op, p), (_, e, _) in self._totals.items()
+            if purpose is None or p == purpose
+        )
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: Optional[ProcessGroup], ledger: CommLedger, purpose: str,
+    op: ReduceOp.RedOpType = ReduceOp.SUM, async_op: bool = False,
+) -> Optional[Work]:
+    """In-place all-reduce of ``tensor`` (any shape) across ``group``."""
+    ledger.record("all_reduce", tensor.numel(), tensor.element_size(), purpose)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: Optional[ProcessGroup], ledger: CommLedger,
+    purpose: str, async_op: bool = False,
+) -> Optional[Work]:
+    """Sum ``input`` (1-D, N x ``output.numel()`` elements) across ranks; rank r gets chunk r in ``output``."""
+    ledger.record("reduce_scatter", input.numel(), input.element_size(), purpose)
+    return dist.reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: Optional[ProcessGroup], ledger: CommLedger,
+    purpose: str, async_op: bool = False,
+) -> Optional[Work]:
+    """Concatenate every rank's 1-D ``input`` into ``output`` (N x ``input.numel()``); may be in place."""
+    ledger.record("all_gather", output.numel(), output.element_size(), purpose)
+    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+def broadcast(
+    tensor: torch.Tensor, src: int, group: Optional[ProcessGroup], ledger: CommLedger, purpose: str
+) -> None:
+    """Overwrite ``tensor`` on every rank with global rank ``src``'s copy."""
+    ledger.record("broadcast", tensor.numel(), tensor.element_size(), purpose)
+    dist.broadcast(tensor, src=src, group=group)

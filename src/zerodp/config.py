@@ -1,0 +1,175 @@
+"""Engine configuration: DeepSpeed's JSON key names, validated with pydantic.
+
+Every field keeps DeepSpeed's spelling and, where DeepSpeed's default would silently change results
+compared with plain PyTorch (e.g. gradient clipping), the plain-PyTorch default instead. Each default
+lives in exactly one place: the field declaration below.
+
+Errors: :func:`load_config` raises :class:`ConfigError` (a ``ValueError``) naming every offending key
+path, what was given and what is allowed. Unknown keys are refused (``extra="forbid"``) so a typo
+never falls back to a default silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Literal, Mapping, Optional, Tuple, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A zerodp config (dict or JSON file) has an unknown key or a value outside what is allowed."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+
+class AdamParams(_Strict):
+    """``optimizer.params``: passed to ``torch.optim.Adam``/``AdamW``; omitted keys take torch's defaults."""
+
+    lr: float = Field(1e-3, ge=0.0, description="learning rate")
+    betas: Tuple[float, float] = Field((0.9, 0.999), description="(beta1, beta2), each in [0, 1)")
+    eps: float = Field(1e-8, gt=0.0, description="denominator epsilon")
+    weight_decay: Optional[float] = Field(
+        None, ge=0.0, description="L2 (Adam) or decoupled (AdamW) decay; None = torch's default"
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: Tuple[float, float]) -> Tuple[float, float]:
+        for b in v:
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"each beta must be in [0, 1), got {v}")
+        return v
+
+
+class OptimizerConfig(_Strict):
+    """``optimizer``: ``type`` is ``Adam`` (torch.optim.Adam) or ``AdamW`` (torch.optim.AdamW).
+
+    Unlike DeepSpeed, ``Adam`` means torch's L2-regularised Adam, not AdamW: the result equals what
+    ``torch.optim.Adam`` computes on the whole model.
+    """
+
+    type: Literal["Adam", "AdamW"]
+    params: AdamParams = Field(default_factory=AdamParams)
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_type(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return {"adam": "Adam", "adamw": "AdamW"}.get(v.lower(), v)
+        return v
+
+
+class ZeroConfig(_Strict):
+    """``zero_optimization``: which model states are partitioned and how they are communicated."""
+
+    stage: Literal[0, 1, 2] = Field(
+        0, description="0: data parallel; 1: + optimizer states; 2: + gradients partitioned"
+    )
+    reduce_bucket_size: int = Field(
+        500_000_000, gt=0, description="elements per gradient reduction bucket (and partition unit)"
+    )
+    allgather_bucket_size: int = Field(
+        500_000_000, gt=0, description="elements of updated parameters all-gathered in flight at once"
+    )
+    overlap_comm: bool = Field(
+        True, description="launch each gradient bucket's collective asynchronously during backward"
+    )
+    contiguous_gradients: bool = Field(
+        True, description="stage 2: keep one persistent bucket buffer instead of allocating per bucket"
+    )
+
+    @field_validator("reduce_bucket_size", "allgather_bucket_size", mode="before")
+    @classmethod
+    def _int_from_float(cls, v: Any) -> Any:
+        # DeepSpeed configs often write 5e8; accept integral floats, refuse 1.5.
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        return v
+
+
+class ZeroDPConfig(_Strict):
+    """Top-level config, DeepSpeed key names. See the README for an example file."""
+
+    train_batch_size: Optional[int] = Field(
+        None, gt=0, description="global batch = micro batch x accumulation steps x world size"
+    )
+    train_micro_batch_size_per_gpu: int = Field(1, gt=0, description="samples per rank per micro-step")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="micro-steps per optimizer step")
+    optimizer: OptimizerConfig = Field(
+        default_factory=lambda: OptimizerConfig(type="AdamW"), description="the torch optimizer"
+    )
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    gradient_clipping: float = Field(
+        0.0, ge=0.0, description="max global L2 gradient norm; 0 disables (PyTorch's default)"
+    )
+    seed: Optional[int] = Field(None, ge=0, description="torch.manual_seed applied by initialize()")
+    steps_per_print: int = Field(10, gt=0, description="optimizer steps between log lines")
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise :class:`ConfigError` if ``train_batch_size`` disagrees with the other batch keys."""
+        if self.train_batch_size is None:
+            return
+        implied = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * world_size
+        if implied != self.train_batch_size:
+            raise ConfigError(
+                f"train_batch_size={self.train_batch_size} must equal train_micro_batch_size_per_gpu "
+                f"({self.train_micro_batch_size_per_gpu}) x gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}) x world size ({world_size}) = {implied}"
+            )
+
+
+def _format_errors(err: ValidationError, model: type[BaseModel]) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_keys(model, e["loc"][:-1])
+            lines.append(f"unknown key '{path}'; allowed keys here: {', '.join(allowed)}")
+        else:
+            given = e.get("input")
+            lines.append(f"'{path}': {e['msg']} (got {given!r})")
+    return "invalid zerodp config:\n  " + "\n  ".join(lines)
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    current: Any = model
+    for part in loc:
+        field = current.model_fields.get(part) if isinstance(current, type) else None
+        if field is None:
+            return []
+        ann = field.annotation
+        current = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if current is None:
+            return []
+    return sorted(current.model_fields)
+
+
+def load_config(config: Union[str, os.PathLike, Mapping[str, Any], ZeroDPConfig, None]) -> ZeroDPConfig:
+    """Parse a config dict, JSON file path or :class:`ZeroDPConfig`.
+
+    Raises:
+        ConfigError: unreadable file, invalid JSON, unknown key or out-of-range value; the message
+            names each key path and what is allowed.
+    """
+    if isinstance(config, ZeroDPConfig):
+        return config
+    if config is None:
+        config = {}
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config, encoding="utf-8") as f:
+                config = json.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {os.fspath(config)!r}: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {os.fspath(config)!r} is not valid JSON: {exc}") from None
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
+    try:
+        return ZeroDPConfig.model_validate(dict(config))
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, ZeroDPConfig)) from None

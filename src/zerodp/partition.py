@@ -1,0 +1,149 @@
+"""Flat-buffer layout and partitioning of trainable parameters (stages 0-2).
+
+[Note: layout] The trainable parameters of one optimizer param group (and one dtype/device) are packed
+into a single 1-D *flat buffer*; each parameter's ``.data`` becomes a view into it. The flat buffer is
+cut into *buckets* of at most ``reduce_bucket_size`` elements along parameter boundaries (a parameter
+larger than that gets a bucket of its own), in reverse registration order so that backward fills the
+buckets roughly one after another. Each bucket is padded to a multiple of the data-parallel world size
+N and split into N equal *shards*: data-parallel rank r owns shard r of every bucket. Because every
+bucket splits evenly, one ``reduce_scatter_tensor`` per bucket delivers each rank exactly the gradient
+of the elements it owns, and one in-place ``all_gather_into_tensor`` per bucket rebuilds the updated
+parameters. With a single bucket this is ZeRO's "flat buffer padded to a multiple of N, rank r owns
+partition r".
+
+The optimizer sees one 1-D view per (parameter, owned range) *piece*, so torch's Adam keeps per-parameter
+state (including the step count) exactly as it would for the unpartitioned model, and a parameter that
+received no gradient is skipped exactly as torch skips a parameter whose ``.grad`` is None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """Where one trainable parameter lives in its group's flat buffer."""
+
+    name: str  # fully qualified name in the module (first name, for tied parameters)
+    param: nn.Parameter
+    index: int  # position among all trainable parameters of the engine (grad-presence flag)
+    offset: int  # first element in the flat buffer
+    numel: int
+    shape: torch.Size
+
+
+@dataclass(eq=False)
+class Bucket:
+    """A contiguous, padded range of a flat buffer: the unit of reduction and of ownership."""
+
+    index: int  # position within its group
+    start: int  # first element in the flat buffer
+    numel: int  # padded length, a multiple of world_size
+    slots: list[ParamSlot]
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[lo, hi) in flat-buffer coordinates owned by ``rank``."""
+        lo = self.start + rank * self.shard_numel
+        return lo, lo + self.shard_numel
+
+
+@dataclass(eq=False)
+class Piece:
+    """The part of one parameter inside this rank's shard of one bucket: one optimizer tensor."""
+
+    slot: ParamSlot
+    bucket: Bucket
+    lo: int  # flat-buffer coordinates, [lo, hi)
+    hi: int
+    tensor: torch.Tensor  # 1-D view of the flat buffer, (hi - lo) elements, the optimizer's "param"
+
+
+@dataclass(eq=False)
+class FlatGroup:
+    """One optimizer param group's trainable parameters of one dtype and device, flattened."""
+
+    index: int
+    options: dict[str, Any]  # per-group optimizer options (lr, weight_decay, ...)
+    buffer: torch.Tensor  # 1-D, dtype of the parameters, all buckets back to back, padding zeroed
+    buckets: list[Bucket]
+    slots: list[ParamSlot]
+    pieces: list[Piece] = field(default_factory=list)  # this rank's pieces, filled by assign_pieces
+
+    @property
+    def padded_numel(self) -> int:
+        return self.buffer.numel()
+
+
+def plan_buckets(
+    named: list[tuple[str, nn.Parameter]], first_index: int, bucket_size: int, world_size: int
+) -> tuple[list[ParamSlot], list[Bucket], int]:
+    """Assign flat-buffer offsets and buckets to ``named`` (in registration order).
+
+    Returns (slots, buckets, padded total elements). Parameters are laid out in reverse order, the
+    order in which backward usually produces their gradients.
+    """
+    slots: list[ParamSlot] = []
+    buckets: list[Bucket] = []
+    current: list[tuple[str, nn.Parameter, int]] = []
+    cursor = 0
+
+    def close() -> None:
+        nonlocal cursor, current
+        if not current:
+            return
+        start = cursor
+        bucket_slots = []
+        for name, p, idx in current:
+            slot = ParamSlot(name, p, idx, cursor, p.numel(), p.shape)
+            bucket_slots.append(slot)
+            cursor += p.numel()
+        padded = -(-(cursor - start) // world_size) * world_size
+        cursor = start + padded
+        buckets.append(Bucket(len(buckets), start, padded, bucket_slots, world_size))
+        slots.extend(bucket_slots)
+        current = []
+
+    filled = 0
+    for i, (name, p) in reversed(list(enumerate(named))):
+        if current and filled + p.numel() > bucket_size:
+            close()
+            filled = 0
+        current.append((name, p, first_index + i))
+        filled += p.numel()
+    close()
+    return slots, buckets, cursor
+
+
+def flatten_into(group_slots: list[ParamSlot], padded_numel: int) -> torch.Tensor:
+    """Copy each slot's parameter into a new zeroed flat buffer and make ``param.data`` a view of it."""
+    first = group_slots[0].param
+    buffer = torch.zeros(padded_numel, dtype=first.dtype, device=first.device)
+    for s in group_slots:
+        view = buffer[s.offset : s.offset + s.numel]
+        view.copy_(s.param.detach().reshape(-1))
+        s.param.data = view.view(s.shape)
+    return buffer
+
+
+def assign_pieces(group: FlatGroup, rank: int, owns_everything: bool) -> None:
+    """Fill ``group.pieces`` with this rank's optimizer tensors: the owned range of each parameter.
+
+    ``owns_everything`` (stage 0) makes every parameter one whole piece.
+    """
+    group.pieces = []
+    for b in group.buckets:
+        lo_b, hi_b = (b.start, b.start + b.numel) if owns_everything else b.shard_range(rank)
+        for s in b.slots:
+            lo, hi = max(lo_b, s.offset), min(hi_b, s.offset + s.numel)
+            if lo < hi:
+                group.pieces.append(Piece(s, b, lo, hi, group.buffer[lo:hi]))
