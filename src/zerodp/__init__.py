@@ -1,0 +1,13 @@
+"""zerodp: ZeRO (Zero Redundancy Optimizer) data parallelism on torch.distributed.
+
+Public API: :func:`initialize` returns an :class:`Engine` (``engine(*inputs)``, ``engine.backward(loss)``,
+``engine.step()``); :func:`init_distributed` sets up the default process group from torchrun's
+environment. Config keys follow DeepSpeed's names (:mod:`zerodp.config`).
+"""
+
+from .comm import init_distributed
+from .config import ConfigError, ZeroDPConfig, load_config
+from .engine import Engine, initialize
+
+__version__ = "0.1.0"
+__all__ = ["initialize", "init_distributed", "Engine", "ConfigError", "ZeroDPConfig", "load_config"]

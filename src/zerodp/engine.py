@@ -1,0 +1,276 @@
+"""The training engine returned by :func:`zerodp.initialize`.
+
+One micro-step is ``loss = engine(batch); engine.backward(loss); engine.step()``. ``step()`` is called
+after every micro-batch, as in DeepSpeed; the optimizer runs only at each gradient accumulation
+boundary (every ``gradient_accumulation_steps`` micro-steps). What each stage holds and sends:
+
+- stage 0: full parameters, gradients and optimizer states; gradients all-reduced (2 Psi).
+- stage 1: optimizer states partitioned; gradients reduce-scattered (Psi) at the boundary, updated
+  parameter shards all-gathered (Psi).
+- stage 2: gradients partitioned as well: reduce-scattered bucket by bucket during backward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+from .accounting import CATEGORIES, FP32_ADAM, BytesPerElement, CommReport, MemoryReport, model_state_bytes
+from .comm import CommLedger
+from .config import ConfigError, ZeroDPConfig, load_config
+from .optim import ParamGroupSpec, build_optimizer, normalize_param_groups
+from .partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
+from .reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer, PartitionedGradReducer
+
+
+class Engine:
+    """Wraps ``module`` for ZeRO data-parallel training. Build it with :func:`zerodp.initialize`."""
+
+    def __init__(
+        self, module: nn.Module, config: ZeroDPConfig,
+        param_groups: list[ParamGroupSpec], process_group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.stage = config.zero_optimization.stage
+        self.gradient_accumulation_steps = config.gradient_accumulation_steps
+        self.global_steps = 0  # optimizer steps taken
+        self.micro_steps = 0  # micro-batches seen
+        self.ledger = CommLedger()
+        self._global_grad_norm: Optional[float] = None
+
+        zc = config.zero_optimization
+        self.groups = self._flatten(param_groups, zc.reduce_bucket_size)
+        trainable = {id(s.param) for g in self.groups for s in g.slots}
+        self.frozen = [p for p in _unique_params(module) if id(p) not in trainable]
+        self._broadcast_from_rank0()
+        for g in self.groups:
+            assign_pieces(g, self.rank, owns_everything=self.stage == 0)
+
+        reducer_args = (self.groups, self.rank, self.world_size, process_group, self.ledger, zc.overlap_comm)
+        self.reducer: GradientReducer
+        if self.stage == 0:
+            self.reducer = AllReduceReducer(*reducer_args)
+        elif self.stage == 1:
+            self.reducer = FullGradReduceScatter(*reducer_args)
+        else:
+            self.reducer = PartitionedGradReducer(*reducer_args, contiguous_gradients=zc.contiguous_gradients)
+        self.reducer.attach()
+        self.optimizer = build_optimizer(config.optimizer, self.groups)
+        self.ledger.reset()  # the report covers training, not the initial broadcast
+
+    # ---- construction ------------------------------------------------------------------------------
+    def _flatten(self, specs: list[ParamGroupSpec], bucket_size: int) -> list[FlatGroup]:
+        groups: list[FlatGroup] = []
+        index = 0
+        for spec in specs:
+            by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+            for name, p in spec.params:
+                by_kind.setdefault((p.dtype, p.device), []).append((name, p))
+            for named in by_kind.values():
+                slots, buckets, padded = plan_buckets(named, index, bucket_size, self.world_size)
+                index += len(named)
+                buffer = flatten_into(slots, padded)
+                groups.append(FlatGroup(len(groups), dict(spec.options), buffer, buckets, slots))
+        return groups
+
+    def _broadcast_from_rank0(self) -> None:
+        """Make every rank start from rank 0's parameters and buffers, as DDP does."""
+        if self.world_size == 1:
+            return
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group else 0
+        tensors = [g.buffer for g in self.groups] + [p.data for p in self.frozen]
+        tensors += [b for b in self.module.buffers()]
+        for t in tensors:
+            comm.broadcast(t, src, self.process_group, self.ledger, "init")
+
+    # ---- training loop -----------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        self.module.eval()
+        return self
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next :meth:`step` will run the optimizer."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss`` (a scalar) divided by ``gradient_accumulation_steps``.
+
+        Gradient collectives are launched during backward (stage 2: every micro-step; stages 0-1: on
+        the boundary micro-step only) and have completed when this returns.
+
+        Raises:
+            ValueError: ``loss`` is not a scalar tensor that requires grad.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError("engine.backward(loss) needs a scalar tensor that requires grad, got "
+                             f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+        if self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps
+        boundary = self.is_gradient_accumulation_boundary()
+        self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
+        loss.backward()
+        self.reducer.end_micro_step()
+
+    def step(self) -> None:
+        """End a micro-step; at a gradient accumulation boundary, update the parameters."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        present = self.reducer.presence()
+        for g in self.groups:
+            for piece in g.pieces:
+                has_grad = bool(present[piece.slot.index])
+                piece.tensor.grad = self.reducer.piece_grad(g, piece.lo, piece.hi) if has_grad else None
+        clip = self.config.gradient_clipping
+        if clip > 0:
+            self._clip_gradients(clip)
+        self.optimizer.step()
+        for g in self.groups:
+            for piece in g.pieces:
+                piece.tensor.grad = None
+        if self.stage >= 1:
+            self._all_gather_params()
+        self.reducer.zero_grads()
+        self.global_steps += 1
+        self.ledger.steps += 1
+
+    def _clip_gradients(self, max_norm: float) -> None:
+        """Scale owned gradients so the global L2 norm is at most ``max_norm`` (clip_grad_norm_)."""
+        grads = [p.tensor.grad for g in self.groups for p in g.pieces if p.tensor.grad is not None]
+        sq = torch.zeros(1, dtype=torch.float64)
+        for gr in grads:
+            sq += gr.detach().double().pow(2).sum().cpu()
+        if self.stage >= 1 and self.world_size > 1:
+            comm.all_reduce(sq, self.process_group, self.ledger, "grad_norm")
+        norm = sq.sqrt().item()
+        self._global_grad_norm = norm
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for gr in grads:
+                gr.mul_(coef)
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """L2 norm of the full gradient at the last step (computed only when clipping is on)."""
+        return self._global_grad_norm
+
+    def _all_gather_params(self) -> None:
+        """Rebuild full parameters from every rank's updated shard, in place, bucket by bucket, with
+        at most ``allgather_bucket_size`` elements in flight."""
+        limit = self.config.zero_optimization.allgather_bucket_size
+        in_flight: deque[tuple[int, Any]] = deque()
+        for g in self.groups:
+            for b in g.buckets:
+                lo, hi = b.shard_range(self.rank)
+                out = g.buffer[b.start : b.start + b.numel]
+                work = comm.all_gather(out, g.buffer[lo:hi], self.process_group, self.ledger,
+                                       "parameters", async_op=True)
+                in_flight.append((b.numel, work))
+                while sum(n for n, _ in in_flight) > limit and len(in_flight) > 1:
+                    in_flight.popleft()[1].wait()
+        for _, work in in_flight:
+            work.wait()
+
+    # ---- reports -----------------------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        """Psi: trainable elements, without padding."""
+        return sum(s.numel for g in self.groups for s in g.slots)
+
+    def _bytes_per_element(self) -> BytesPerElement:
+        return FP32_ADAM
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of model state held by this rank, measured from the engine's tensors, beside the
+        paper's formula for this stage (see :mod:`zerodp.accounting`)."""
+        frozen_bytes = sum(p.numel() * p.element_size() for p in self.frozen)
+        held = self.reducer.held_bytes()
+        measured = {
+            "parameters": sum(_nbytes(g.buffer) for g in self.groups) + frozen_bytes,
+            "gradients": held["gradients"],
+            "optimizer_states": sum(
+                _nbytes(t) for st in self.optimizer.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor)
+            ),
+            "master_weights": 0,  # fp32 training: the optimizer updates views of the parameters
+            "comm_buffers": held["comm_buffers"],
+        }
+        formula = model_state_bytes(self.stage, self.numel, self.world_size, self._bytes_per_element())
+        formula["parameters"] += frozen_bytes
+        return MemoryReport(
+            stage=self.stage, rank=self.rank, world_size=self.world_size, numel=self.numel,
+            frozen_numel=sum(p.numel() for p in self.frozen), measured=measured, formula=formula,
+            peak={"gradients+buffers": self.reducer.peak_grad_bytes},
+        )
+
+    def comm_report(self) -> CommReport:
+        """Every collective since the last :meth:`reset_comm_report` (op, count, elements, bytes)."""
+        model = self.ledger.traffic_elements("gradients") + self.ledger.traffic_elements("parameters")
+        return CommReport(stage=self.stage, numel=self.numel, steps=self.ledger.steps,
+                          records=self.ledger.records(), traffic_elements=self.ledger.traffic_elements(),
+                          model_traffic_elements=model)
+
+    def reset_comm_report(self) -> None:
+        self.ledger.reset()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _unique_params(module: nn.Module) -> list[nn.Parameter]:
+    return list(module.parameters())
+
+
+def initialize(
+    model: nn.Module,
+    config: Union[str, Mapping[str, Any], ZeroDPConfig, None] = None,
+    model_parameters: Optional[Iterable[Any]] = None,
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> Engine:
+    """Wrap ``model`` in a ZeRO engine.
+
+    Args:
+        model: the module to train; its parameters are re-laid out into flat buffers (their values are
+            kept; every rank starts from rank 0's values).
+        config: dict, path to a JSON file with DeepSpeed key names, or a parsed config.
+        model_parameters: iterable of parameters or of torch-style param-group dicts (``{"params":
+            [...], "weight_decay": 0.0}``); defaults to all of ``model``'s trainable parameters.
+        process_group: data-parallel group; default the whole world (initialised from torchrun's
+            environment by :func:`zerodp.init_distributed` if needed).
+
+    Raises:
+        ConfigError: invalid config (names the key and what is allowed).
+        ValueError: a parameter in ``model_parameters`` is not part of ``model``, appears twice, or a
+            group has an unknown option.
+    """
+    cfg = load_config(config)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    comm.init_distributed()
+    cfg.check_world_size(dist.get_world_size(process_group))
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed)
+    specs = normalize_param_groups(model, model_parameters)
+    return Engine(model, cfg, specs, process_group)
+
+
+__all__ = ["Engine", "initialize", "ConfigError", "CATEGORIES"]

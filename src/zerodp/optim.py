@@ -1,0 +1,85 @@
+"""Param groups and the torch optimizer that updates this rank's partition.
+
+The optimizer is torch's own ``Adam``/``AdamW``; its "parameters" are the 1-D pieces of the flat
+buffers this rank owns (:class:`zerodp.partition.Piece`), one per (parameter, owned range), so its
+per-parameter state and skipping of ``grad is None`` match torch on the unpartitioned model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from .config import OptimizerConfig
+from .partition import FlatGroup
+
+#: options a param-group dict may carry besides ``params`` (torch's Adam/AdamW options we support).
+GROUP_OPTIONS = ("lr", "betas", "eps", "weight_decay", "name")
+
+
+@dataclass
+class ParamGroupSpec:
+    """One user param group: trainable named parameters and per-group optimizer options."""
+
+    params: list[tuple[str, nn.Parameter]]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def normalize_param_groups(module: nn.Module, model_parameters: Optional[Iterable[Any]]) -> list[ParamGroupSpec]:
+    """Turn ``model_parameters`` (None, parameters, or param-group dicts) into named groups.
+
+    Frozen parameters (``requires_grad=False``) are dropped from the groups; they stay in the module,
+    replicated. Raises ValueError for a parameter not in ``module``, one listed twice, a group without
+    ``params`` or with an option outside :data:`GROUP_OPTIONS`.
+    """
+    names = {id(p): n for n, p in module.named_parameters()}
+    if model_parameters is None:
+        raw: list[dict[str, Any]] = [{"params": list(module.parameters())}]
+    else:
+        items = list(model_parameters)
+        if items and all(isinstance(x, dict) for x in items):
+            raw = [dict(x) for x in items]
+        elif all(isinstance(x, torch.Tensor) for x in items):
+            raw = [{"params": items}]
+        else:
+            raise ValueError("model_parameters must be an iterable of parameters or of param-group "
+                             "dicts ({'params': [...], 'weight_decay': ...}), not a mix")
+    seen: set[int] = set()
+    specs = []
+    for gi, group in enumerate(raw):
+        if "params" not in group:
+            raise ValueError(f"param group {gi} has no 'params' key")
+        unknown = sorted(set(group) - {"params", *GROUP_OPTIONS})
+        if unknown:
+            raise ValueError(f"param group {gi} has unsupported option(s) {unknown}; allowed: "
+                             f"{', '.join(GROUP_OPTIONS)}")
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        named = []
+        for p in params:
+            if id(p) not in names:
+                raise ValueError(f"param group {gi} holds a tensor of shape {tuple(p.shape)} that is not "
+                                 "a parameter of the model passed to initialize()")
+            if id(p) in seen:
+                raise ValueError(f"parameter '{names[id(p)]}' appears in more than one param group")
+            seen.add(id(p))
+            if p.requires_grad:
+                named.append((names[id(p)], p))
+        options = {k: v for k, v in group.items() if k != "params"}
+        if "betas" in options:
+            options["betas"] = tuple(options["betas"])
+        specs.append(ParamGroupSpec(named, options))
+    return [s for s in specs if s.params] or specs[:1]
+
+
+def build_optimizer(cfg: OptimizerConfig, groups: list[FlatGroup]) -> torch.optim.Optimizer:
+    """torch Adam/AdamW over this rank's pieces, one torch param group per flat group (possibly empty)."""
+    defaults = {k: v for k, v in cfg.params.model_dump().items() if v is not None}
+    cls = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}[cfg.type]
+    torch_groups = [{"params": [p.tensor for p in g.pieces], **g.options} for g in groups]
+    if not torch_groups:
+        torch_groups = [{"params": []}]
+    return cls(torch_groups, **defaults)

@@ -1,0 +1,306 @@
+"""Gradient reduction during backward, one strategy per stage (chosen once, not checked per hook).
+
+Each trainable parameter gets one post-accumulate-grad hook. When every parameter of a bucket has its
+gradient for the current micro-step, the bucket's collective is launched (asynchronously when
+``overlap_comm``), so communication overlaps the rest of backward. Buckets whose parameters got no
+gradient are launched when backward returns (their missing gradients are zeros).
+
+- :class:`AllReduceReducer` (stage 0): gradients live in a full flat gradient buffer that ``param.grad``
+  views; each bucket is all-reduced in place at the gradient accumulation boundary.
+- :class:`FullGradReduceScatter` (stage 1): the same full gradient buffer, but each bucket is
+  reduce-scattered at the boundary; the owned shard is written back into the buffer's owned range.
+- :class:`PartitionedGradReducer` (stage 2): there is no full gradient buffer. Each gradient is copied
+  into its bucket's staging buffer and freed at once; a complete bucket is reduce-scattered every
+  micro-step and the result accumulated into the owned gradient partition (fp32 when params are).
+  Gradient memory peaks at the staging buffers in flight plus the owned partition.
+
+All strategies pre-divide by the world size, so the owned gradient is the data-parallel mean.
+Every rank also records which parameters received a gradient (on any micro-step since the last
+boundary); :meth:`GradientReducer.presence` all-reduces those flags so every rank skips exactly the
+parameters that no rank produced a gradient for, as torch's optimizer does for ``grad is None``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional
+
+import torch
+from torch.distributed import ProcessGroup, ReduceOp, Work
+from torch.utils.hooks import RemovableHandle
+
+from . import comm
+from .comm import CommLedger
+from .partition import Bucket, FlatGroup, ParamSlot
+
+#: stage-2 buckets whose reduce-scatter may be in flight at once (the rest wait): bounds memory.
+MAX_BUCKETS_IN_FLIGHT = 2
+
+
+class GradientReducer:
+    """Base: bookkeeping shared by the three strategies. See the module docstring."""
+
+    collective_purpose = "gradients"
+
+    def __init__(
+        self, groups: list[FlatGroup], rank: int, world_size: int, group: Optional[ProcessGroup],
+        ledger: CommLedger, overlap_comm: bool,
+    ) -> None:
+        self.groups = groups
+        self.rank = rank
+        self.world_size = world_size
+        self.pg = group
+        self.ledger = ledger
+        self.overlap = overlap_comm
+        self.slots: list[ParamSlot] = [s for g in groups for s in g.slots]
+        n_slots = max((s.index for s in self.slots), default=-1) + 1
+        self._present = torch.zeros(n_slots, dtype=torch.int32)
+        self._slot_bucket: dict[int, tuple[FlatGroup, Bucket]] = {
+            s.index: (g, b) for g in groups for b in g.buckets for s in b.slots
+        }
+        self._pending: dict[int, int] = {}  # id(bucket) -> params still to arrive this micro-step
+        self._reducing = False
+        self._in_flight: deque[tuple[Bucket, FlatGroup, Work, object]] = deque()
+        self.peak_grad_bytes = 0
+        self._handles: list[RemovableHandle] = []
+
+    # ---- hook wiring -------------------------------------------------------------------------------
+    def attach(self) -> None:
+        """Register one post-accumulate-grad hook per trainable parameter (the only hooks we add)."""
+        for s in self.slots:
+            self._handles.append(s.param.register_post_accumulate_grad_hook(self._make_hook(s)))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _make_hook(self, slot: ParamSlot):
+        def hook(param: torch.nn.Parameter) -> None:
+            self._on_grad(slot, param)
+
+        return hook
+
+    # ---- micro-step protocol -----------------------------------------------------------------------
+    def begin_micro_step(self, reduce: bool) -> None:
+        """Called before backward. ``reduce``: launch collectives during this backward."""
+        self._reducing = reduce
+        self._pending = {id(b): len(b.slots) for g in self.groups for b in g.buckets}
+
+    def end_micro_step(self) -> None:
+        """Called after backward returns: launch buckets still waiting, then wait for all collectives."""
+        if self._reducing:
+            for g in self.groups:
+                for b in g.buckets:
+                    if self._pending[id(b)] > 0:
+                        self._pending[id(b)] = 0
+                        self._launch(g, b)
+        self._drain(0)
+        self._reducing = False
+
+    def presence(self) -> torch.Tensor:
+        """All-reduce (MAX) the per-parameter "received a gradient" flags; returns int32[num_params]."""
+        if self.world_size > 1 and self._present.numel():
+            comm.all_reduce(self._present, self.pg, self.ledger, "grad_presence", op=ReduceOp.MAX)
+        return self._present
+
+    def zero_grads(self) -> None:
+        """After the optimizer step: forget gradients and presence flags."""
+        self._present.zero_()
+
+    # ---- to be provided by each strategy -----------------------------------------------------------
+    def _on_grad(self, slot: ParamSlot, param: torch.nn.Parameter) -> None:
+        raise NotImplementedError
+
+    def _launch(self, g: FlatGroup, b: Bucket) -> None:
+        raise NotImplementedError
+
+    def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
+        """Runs after bucket ``b``'s collective finished."""
+
+    def owned_grad(self, g: FlatGroup) -> torch.Tensor:
+        """1-D tensor indexed like ``g.buffer`` restricted to what this rank owns (see piece_grad)."""
+        raise NotImplementedError
+
+    def piece_grad(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
+        """The averaged gradient of flat range [lo, hi) of ``g`` (which this rank owns)."""
+        raise NotImplementedError
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes currently held: {'gradients': ..., 'comm_buffers': ...}."""
+        raise NotImplementedError
+
+    # ---- shared helpers ----------------------------------------------------------------------------
+    def _ready(self, g: FlatGroup, b: Bucket) -> None:
+        self._pending[id(b)] -= 1
+        if self._pending[id(b)] == 0:
+            self._launch(g, b)
+
+    def _track(self, g: FlatGroup, b: Bucket, work: Work, payload: object) -> None:
+        self._in_flight.append((b, g, work, payload))
+        self._note_peak()
+        self._drain(MAX_BUCKETS_IN_FLIGHT if self.overlap else 0)
+
+    def _drain(self, keep: int) -> None:
+        while len(self._in_flight) > keep:
+            b, g, work, payload = self._in_flight.popleft()
+            work.wait()
+            self._complete(g, b, payload)
+
+    def _note_peak(self) -> None:
+        self.peak_grad_bytes = max(self.peak_grad_bytes, sum(self.held_bytes().values()))
+
+
+class _FullGradBuffer(GradientReducer):
+    """Stages 0 and 1: ``param.grad`` is a view of a full flat gradient buffer per group."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.grad_buffers: dict[int, torch.Tensor] = {
+            g.index: torch.zeros_like(g.buffer) for g in self.groups
+        }
+        self._views: dict[int, torch.Tensor] = {}
+        for g in self.groups:
+            for s in g.slots:
+                view = self.grad_buffers[g.index][s.offset : s.offset + s.numel].view(s.shape)
+                self._views[s.index] = view
+                s.param.grad = view
+
+    def _on_grad(self, slot: ParamSlot, param: torch.nn.Parameter) -> None:
+        view = self._views[slot.index]
+        if param.grad is not view:
+            # Someone replaced .grad (e.g. module.zero_grad(set_to_none=True)): fold it back in.
+            if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                view.add_(param.grad)
+            param.grad = view
+        self._present[slot.index] = 1
+        if self._reducing:
+            g, b = self._slot_bucket[slot.index]
+            self._ready(g, b)
+
+    def zero_grads(self) -> None:
+        super().zero_grads()
+        for buf in self.grad_buffers.values():
+            buf.zero_()
+        for s in self.slots:  # restore views if the user set grads to None
+            s.param.grad = self._views[s.index]
+
+    def piece_grad(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
+        return self.grad_buffers[g.index][lo:hi]
+
+    def _bucket_grad(self, g: FlatGroup, b: Bucket) -> torch.Tensor:
+        return self.grad_buffers[g.index][b.start : b.start + b.numel]
+
+
+class AllReduceReducer(_FullGradBuffer):
+    """Stage 0: plain data parallelism, in-place all-reduce per bucket at the boundary."""
+
+    def _launch(self, g: FlatGroup, b: Bucket) -> None:
+        grad = self._bucket_grad(g, b)
+        grad.div_(self.world_size)
+        work = comm.all_reduce(grad, self.pg, self.ledger, self.collective_purpose, async_op=True)
+        self._track(g, b, work, None)
+
+    def held_bytes(self) -> dict[str, int]:
+        return {"gradients": sum(t.numel() * t.element_size() for t in self.grad_buffers.values()),
+                "comm_buffers": 0}
+
+
+class FullGradReduceScatter(_FullGradBuffer):
+    """Stage 1: full gradients kept between micro-steps; reduce-scatter per bucket at the boundary."""
+
+    def _launch(self, g: FlatGroup, b: Bucket) -> None:
+        grad = self._bucket_grad(g, b)
+        grad.div_(self.world_size)
+        recv = torch.empty(b.shard_numel, dtype=grad.dtype, device=grad.device)
+        work = comm.reduce_scatter(recv, grad, self.pg, self.ledger, self.collective_purpose, async_op=True)
+        self._track(g, b, work, recv)
+
+    def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
+        lo, hi = b.shard_range(self.rank)
+        self.grad_buffers[g.index][lo:hi].copy_(payload)
+
+    def held_bytes(self) -> dict[str, int]:
+        recv = sum(p.numel() * p.element_size() for _, _, _, p in self._in_flight)
+        return {"gradients": sum(t.numel() * t.element_size() for t in self.grad_buffers.values()),
+                "comm_buffers": recv}
+
+
+class PartitionedGradReducer(GradientReducer):
+    """Stage 2: bucketed reduce-scatter every micro-step; only the owned gradient partition is kept.
+
+    ``contiguous_gradients=True`` copies each gradient into its bucket's staging buffer as soon as it
+    is produced and frees it (lowest memory); ``False`` keeps the parameters' own ``.grad`` tensors
+    until the bucket is complete and flattens them then (one copy fewer per element, more memory).
+    """
+
+    def __init__(self, *args, contiguous_gradients: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.contiguous = contiguous_gradients
+        # owned gradient partition per group: shard of every bucket back to back, 1-D
+        self._owned_offsets: dict[tuple[int, int], int] = {}
+        self.owned: dict[int, torch.Tensor] = {}
+        for g in self.groups:
+            off = 0
+            for b in g.buckets:
+                self._owned_offsets[(g.index, b.index)] = off
+                off += b.shard_numel
+            self.owned[g.index] = torch.zeros(off, dtype=g.buffer.dtype, device=g.buffer.device)
+        self._staging: dict[int, torch.Tensor] = {}  # id(bucket) -> staging buffer being filled
+
+    def _staging_for(self, b: Bucket, g: FlatGroup) -> torch.Tensor:
+        buf = self._staging.get(id(b))
+        if buf is None:
+            buf = torch.zeros(b.numel, dtype=g.buffer.dtype, device=g.buffer.device)
+            self._staging[id(b)] = buf
+            self._note_peak()
+        return buf
+
+    def _on_grad(self, slot: ParamSlot, param: torch.nn.Parameter) -> None:
+        self._present[slot.index] = 1
+        g, b = self._slot_bucket[slot.index]
+        if self.contiguous:
+            buf = self._staging_for(b, g)
+            rel = slot.offset - b.start
+            buf[rel : rel + slot.numel].copy_(param.grad.reshape(-1))
+            param.grad = None
+        self._ready(g, b)
+
+    def _launch(self, g: FlatGroup, b: Bucket) -> None:
+        buf = self._staging_for(b, g)
+        if not self.contiguous:
+            for s in b.slots:
+                if s.param.grad is not None:
+                    rel = s.offset - b.start
+                    buf[rel : rel + s.numel].copy_(s.param.grad.reshape(-1))
+                    s.param.grad = None
+        del self._staging[id(b)]
+        buf.div_(self.world_size)
+        recv = torch.empty(b.shard_numel, dtype=buf.dtype, device=buf.device)
+        work = comm.reduce_scatter(recv, buf, self.pg, self.ledger, self.collective_purpose, async_op=True)
+        self._track(g, b, work, (buf, recv))
+
+    def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
+        _, recv = payload  # the staging buffer is dropped with the payload here
+        off = self._owned_offsets[(g.index, b.index)]
+        self.owned[g.index][off : off + b.shard_numel].add_(recv)
+
+    def piece_grad(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
+        for b in g.buckets:
+            b_lo, b_hi = b.shard_range(self.rank)
+            if b_lo <= lo and hi <= b_hi:
+                off = self._owned_offsets[(g.index, b.index)] + (lo - b_lo)
+                return self.owned[g.index][off : off + (hi - lo)]
+        raise KeyError(f"flat range [{lo}, {hi}) of group {g.index} is not owned by rank {self.rank}")
+
+    def zero_grads(self) -> None:
+        super().zero_grads()
+        for t in self.owned.values():
+            t.zero_()
+
+    def held_bytes(self) -> dict[str, int]:
+        owned = sum(t.numel() * t.element_size() for t in self.owned.values())
+        staging = sum(t.numel() * t.element_size() for t in self._staging.values())
+        flight = sum(buf.numel() * buf.element_size() + recv.numel() * recv.element_size()
+                     for _, _, _, (buf, recv) in self._in_flight)
+        return {"gradients": owned + staging, "comm_buffers": flight}
