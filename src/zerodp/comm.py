@@ -12,6 +12,7 @@ buffer moves Psi elements per rank; an all-reduce moves 2 Psi (reduce-scatter + 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -24,11 +25,12 @@ from torch.distributed import ProcessGroup, ReduceOp, Work
 TRAFFIC_FACTOR: dict[str, int] = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
 
 
-def init_distributed(backend: Optional[str] = None) -> None:
+def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
     """Initialise the default process group from torchrun's environment variables.
 
     Uses NCCL when CUDA is available and gloo otherwise (``backend`` overrides). Does nothing when the
-    default group is already initialised. Without ``RANK``/``WORLD_SIZE`` in the environment (a plain
+    default group is already initialised. ``timeout_s`` bounds how long a collective waits for the
+    other ranks (torch's default when None). Without ``RANK``/``WORLD_SIZE`` in the environment (a plain
     ``python script.py``), initialises a world of one rank on a free local port.
 
     Raises:
@@ -46,7 +48,8 @@ def init_distributed(backend: Optional[str] = None) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend)
+    kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group(backend=backend, **kwargs)
 
 
 def _free_port() -> int:

@@ -1,0 +1,28 @@
+"""Launch tests/dist_worker.py under torch's own launcher and collect every rank's results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+TIMEOUT_S = 600
+
+
+def run_worker(world_size: int, stages: str = "0,1,2", scenarios: str = "all",
+               worker: Path = WORKER) -> list[dict]:
+    """Run the worker on ``world_size`` local gloo ranks; return one results dict per rank."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={world_size}", str(worker), "--out", out,
+               "--stages", stages, "--scenarios", scenarios]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"worker failed (world {world_size}, rc {proc.returncode}):\n"
+                               f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]

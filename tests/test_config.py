@@ -1,0 +1,78 @@
+"""Bad configs and bad arguments are refused with messages naming the key and what is allowed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import zerodp
+from zerodp.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize(
+    "config, fragments",
+    [
+        ({"zero_optimization": {"stgae": 2}}, ["unknown key 'zero_optimization.stgae'", "stage"]),
+        ({"zero_optimization": {"stage": 7}}, ["zero_optimization.stage", "0, 1", "7"]),
+        ({"optimizer": {"type": "SGD"}}, ["optimizer.type", "'Adam' or 'AdamW'", "SGD"]),
+        ({"optimizer": {"type": "Adam", "params": {"lr": -1}}}, ["optimizer.params.lr", "-1"]),
+        ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.5]}}}, ["optimizer.params.betas", "[0, 1)"]),
+        ({"optimizer": {"type": "Adam", "params": {"momentum": 0.9}}}, ["optimizer.params.momentum", "weight_decay"]),
+        ({"train_micro_batch_size_per_gpu": 0}, ["train_micro_batch_size_per_gpu", "greater than 0"]),
+        ({"gradient_accumulation_steps": "two"}, ["gradient_accumulation_steps", "two"]),
+        ({"zero_optimization": {"reduce_bucket_size": 1.5}}, ["zero_optimization.reduce_bucket_size", "1.5"]),
+        ({"gradient_clipping": -1.0}, ["gradient_clipping"]),
+        ({"fp32_allreduce": True}, ["unknown key 'fp32_allreduce'", "train_micro_batch_size_per_gpu"]),
+    ],
+)
+def test_bad_config_names_key_and_allowed(config: dict, fragments: list[str]) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config(config)
+    for frag in fragments:
+        assert frag in str(exc.value), str(exc.value)
+
+
+def test_deepspeed_spellings_load() -> None:
+    cfg = load_config({"optimizer": {"type": "adamw", "params": {"lr": 3e-4, "betas": [0.9, 0.95]}},
+                       "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}})
+    assert cfg.optimizer.type == "AdamW"
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+    assert cfg.gradient_clipping == 0.0  # PyTorch's default: no clipping unless asked
+
+
+def test_config_file(tmp_path) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    assert load_config(str(path)).zero_optimization.stage == 1
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(str(tmp_path / "missing.json"))
+
+
+def test_batch_size_consistency() -> None:
+    cfg = load_config({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2,
+                       "gradient_accumulation_steps": 2})
+    with pytest.raises(ConfigError, match="train_batch_size=10 must equal"):
+        cfg.check_world_size(2)
+    load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                 "gradient_accumulation_steps": 2}).check_world_size(2)
+
+
+def test_bad_param_groups() -> None:
+    model = nn.Linear(3, 2)
+    other = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        zerodp.initialize(model, {}, model_parameters=other.parameters())
+    with pytest.raises(ValueError, match="more than one param group"):
+        zerodp.initialize(model, {}, model_parameters=[{"params": [model.weight]},
+                                                       {"params": [model.weight, model.bias]}])
+    with pytest.raises(ValueError, match="unsupported option.*momentum.*allowed: lr"):
+        zerodp.initialize(model, {}, model_parameters=[{"params": [model.weight], "momentum": 0.9}])
+    with pytest.raises(ValueError, match="scalar tensor that requires grad"):
+        engine = zerodp.initialize(model, {})
+        engine.backward(torch.ones(2))
