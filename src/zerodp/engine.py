@@ -64,22 +64,22 @@ class Engine:
         else:
             self.reducer = PartitionedGradReducer(*reducer_args, contiguous_gradients=zc.contiguous_gradients)
         self.reducer.attach()
-        self.optimizer = build_optimizer(config.optimizer, self.groups)
+        self.optimizer = build_optimizer(config.optimizer, param_groups, self.groups)
         self.ledger.reset()  # the report covers training, not the initial broadcast
 
     # ---- construction ------------------------------------------------------------------------------
     def _flatten(self, specs: list[ParamGroupSpec], bucket_size: int) -> list[FlatGroup]:
         groups: list[FlatGroup] = []
         index = 0
-        for spec in specs:
+        for gi, spec in enumerate(specs):
             by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
             for name, p in spec.params:
                 by_kind.setdefault((p.dtype, p.device), []).append((name, p))
             for named in by_kind.values():
-                slots, buckets, padded = plan_buckets(named, index, bucket_size, self.world_size)
+                slots, buckets, padded = plan_buckets(named, index, bucket_size, self.world_size, gi)
                 index += len(named)
                 buffer = flatten_into(slots, padded)
-                groups.append(FlatGroup(len(groups), dict(spec.options), buffer, buckets, slots))
+                groups.append(FlatGroup(len(groups), buffer, buckets, slots))
         return groups
 
     def _broadcast_from_rank0(self) -> None:

@@ -75,11 +75,15 @@ def normalize_param_groups(module: nn.Module, model_parameters: Optional[Iterabl
     return [s for s in specs if s.params] or specs[:1]
 
 
-def build_optimizer(cfg: OptimizerConfig, groups: list[FlatGroup]) -> torch.optim.Optimizer:
-    """torch Adam/AdamW over this rank's pieces, one torch param group per flat group (possibly empty)."""
+def build_optimizer(
+    cfg: OptimizerConfig, specs: list[ParamGroupSpec], groups: list[FlatGroup]
+) -> torch.optim.Optimizer:
+    """torch Adam/AdamW over this rank's pieces: one torch param group per user param group, in the
+    user's order (possibly empty on this rank), so group hyperparameters and schedulers line up."""
     defaults = {k: v for k, v in cfg.params.model_dump().items() if v is not None}
     cls = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}[cfg.type]
-    torch_groups = [{"params": [p.tensor for p in g.pieces], **g.options} for g in groups]
-    if not torch_groups:
-        torch_groups = [{"params": []}]
+    torch_groups: list[dict[str, Any]] = [{"params": [], **s.options} for s in specs] or [{"params": []}]
+    for g in groups:
+        for piece in g.pieces:
+            torch_groups[piece.slot.group_index]["params"].append(piece.tensor)
     return cls(torch_groups, **defaults)

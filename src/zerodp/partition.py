@@ -31,10 +31,11 @@ class ParamSlot:
 
     name: str  # fully qualified name in the module (first name, for tied parameters)
     param: nn.Parameter
-    index: int  # position among all trainable parameters of the engine (grad-presence flag)
+    index: int  # position among all parameters of the engine (grad-presence flag)
     offset: int  # first element in the flat buffer
     numel: int
     shape: torch.Size
+    group_index: int = 0  # which user param group (optimizer options) it belongs to
 
 
 @dataclass(eq=False)
@@ -73,19 +74,20 @@ class FlatGroup:
     """One optimizer param group's trainable parameters of one dtype and device, flattened."""
 
     index: int
-    options: dict[str, Any]  # per-group optimizer options (lr, weight_decay, ...)
-    buffer: torch.Tensor  # 1-D, dtype of the parameters, all buckets back to back, padding zeroed
+    buffer: torch.Tensor  # 1-D; all buckets back to back (padding zeroed), or only this rank's shard
     buckets: list[Bucket]
     slots: list[ParamSlot]
     pieces: list[Piece] = field(default_factory=list)  # this rank's pieces, filled by assign_pieces
+    shard_offset: int = 0  # flat coordinate of buffer[0]: 0, or rank x shard size when sharded
 
     @property
     def padded_numel(self) -> int:
-        return self.buffer.numel()
+        return sum(b.numel for b in self.buckets)
 
 
 def plan_buckets(
-    named: list[tuple[str, nn.Parameter]], first_index: int, bucket_size: int, world_size: int
+    named: list[tuple[str, nn.Parameter]], first_index: int, bucket_size: int, world_size: int,
+    group_index: int = 0,
 ) -> tuple[list[ParamSlot], list[Bucket], int]:
     """Assign flat-buffer offsets and buckets to ``named`` (in registration order).
 
@@ -104,7 +106,7 @@ def plan_buckets(
         start = cursor
         bucket_slots = []
         for name, p, idx in current:
-            slot = ParamSlot(name, p, idx, cursor, p.numel(), p.shape)
+            slot = ParamSlot(name, p, idx, cursor, p.numel(), p.shape, group_index)
             bucket_slots.append(slot)
             cursor += p.numel()
         padded = -(-(cursor - start) // world_size) * world_size
@@ -141,9 +143,10 @@ def assign_pieces(group: FlatGroup, rank: int, owns_everything: bool) -> None:
     ``owns_everything`` (stage 0) makes every parameter one whole piece.
     """
     group.pieces = []
+    base = group.shard_offset
     for b in group.buckets:
         lo_b, hi_b = (b.start, b.start + b.numel) if owns_everything else b.shard_range(rank)
         for s in b.slots:
             lo, hi = max(lo_b, s.offset), min(hi_b, s.offset + s.numel)
-            if lo < hi:
-                group.pieces.append(Piece(s, b, lo, hi, group.buffer[lo:hi]))
+            if lo < hi and s.param.requires_grad:
+                group.pieces.append(Piece(s, b, lo, hi, group.buffer[lo - base : hi - base]))
