@@ -7,7 +7,8 @@ environment. Config keys follow DeepSpeed's names (:mod:`zerodp.config`).
 
 from .comm import init_distributed
 from .config import ConfigError, ZeroDPConfig, load_config
+from . import zero
 from .engine import Engine, initialize
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "init_distributed", "Engine", "ConfigError", "ZeroDPConfig", "load_config"]
+__all__ = ["zero", "initialize", "init_distributed", "Engine", "ConfigError", "ZeroDPConfig", "load_config"]

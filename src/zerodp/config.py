@@ -66,8 +66,8 @@ class OptimizerConfig(_Strict):
 class ZeroConfig(_Strict):
     """``zero_optimization``: which model states are partitioned and how they are communicated."""
 
-    stage: Literal[0, 1, 2] = Field(
-        0, description="0: data parallel; 1: + optimizer states; 2: + gradients partitioned"
+    stage: Literal[0, 1, 2, 3] = Field(
+        0, description="0: data parallel; 1: + optimizer states; 2: + gradients; 3: + parameters partitioned"
     )
     reduce_bucket_size: int = Field(
         500_000_000, gt=0, description="elements per gradient reduction bucket (and partition unit)"
@@ -79,10 +79,21 @@ class ZeroConfig(_Strict):
         True, description="launch each gradient bucket's collective asynchronously during backward"
     )
     contiguous_gradients: bool = Field(
-        True, description="stage 2: keep one persistent bucket buffer instead of allocating per bucket"
+        True, description="stages 2-3: copy each gradient into its bucket as produced and free it at once"
     )
 
-    @field_validator("reduce_bucket_size", "allgather_bucket_size", mode="before")
+    stage3_param_persistence_threshold: int = Field(
+        100_000, ge=0, description="stage 3: parameters with at most this many elements stay gathered"
+    )
+    stage3_max_live_parameters: int = Field(
+        1_000_000_000, gt=0, description="stage 3: prefetch never makes more elements gathered at once"
+    )
+    stage3_prefetch_bucket_size: int = Field(
+        50_000_000, ge=0, description="stage 3: elements prefetched ahead of use along the trace (0: off)"
+    )
+
+    @field_validator("reduce_bucket_size", "allgather_bucket_size", "stage3_param_persistence_threshold",
+                     "stage3_max_live_parameters", "stage3_prefetch_bucket_size", mode="before")
     @classmethod
     def _int_from_float(cls, v: Any) -> Any:
         # DeepSpeed configs often write 5e8; accept integral floats, refuse 1.5.

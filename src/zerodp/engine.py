@@ -25,6 +25,7 @@ from .comm import CommLedger
 from .config import ConfigError, ZeroDPConfig, load_config
 from .optim import ParamGroupSpec, build_optimizer, normalize_param_groups
 from .partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
+from .stage3 import Stage3
 from .reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer, PartitionedGradReducer
 
 
@@ -48,9 +49,15 @@ class Engine:
         self._global_grad_norm: Optional[float] = None
 
         zc = config.zero_optimization
-        self.groups = self._flatten(param_groups, zc.reduce_bucket_size)
-        trainable = {id(s.param) for g in self.groups for s in g.slots}
-        self.frozen = [p for p in _unique_params(module) if id(p) not in trainable]
+        self.sharding: Optional[Stage3] = None
+        if self.stage == 3:
+            self.sharding = Stage3(module, param_groups, self.rank, self.world_size, process_group,
+                                   self.ledger, zc)
+            self.groups = self.sharding.groups
+        else:
+            self.groups = self._flatten(param_groups, zc.reduce_bucket_size)
+        in_groups = {id(s.param) for g in self.groups for s in g.slots}
+        self.frozen = [p for p in _unique_params(module) if id(p) not in in_groups]
         self._broadcast_from_rank0()
         for g in self.groups:
             assign_pieces(g, self.rank, owns_everything=self.stage == 0)
@@ -87,13 +94,17 @@ class Engine:
         if self.world_size == 1:
             return
         src = dist.get_global_rank(self.process_group, 0) if self.process_group else 0
-        tensors = [g.buffer for g in self.groups] + [p.data for p in self.frozen]
+        tensors = [p.data for p in self.frozen]
+        if self.sharding is None:  # stage-3 units were broadcast before sharding
+            tensors += [g.buffer for g in self.groups]
         tensors += [b for b in self.module.buffers()]
         for t in tensors:
             comm.broadcast(t, src, self.process_group, self.ledger, "init")
 
     # ---- training loop -----------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.sharding is not None:
+            return self.sharding.forward(self.module, args, kwargs)
         return self.module(*args, **kwargs)
 
     forward = __call__
@@ -128,6 +139,8 @@ class Engine:
         self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
         loss.backward()
         self.reducer.end_micro_step()
+        if self.sharding is not None:
+            self.sharding.end_backward()
 
     def step(self) -> None:
         """End a micro-step; at a gradient accumulation boundary, update the parameters."""
@@ -147,7 +160,9 @@ class Engine:
         for g in self.groups:
             for piece in g.pieces:
                 piece.tensor.grad = None
-        if self.stage >= 1:
+        if self.sharding is not None:
+            self.sharding.after_step()
+        elif self.stage >= 1:
             self._all_gather_params()
         self.reducer.zero_grads()
         self.global_steps += 1
@@ -193,7 +208,7 @@ class Engine:
     @property
     def numel(self) -> int:
         """Psi: trainable elements, without padding."""
-        return sum(s.numel for g in self.groups for s in g.slots)
+        return sum(s.numel for g in self.groups for s in g.slots if s.group_index >= 0 and s.param.requires_grad)
 
     def _bytes_per_element(self) -> BytesPerElement:
         return FP32_ADAM
@@ -204,7 +219,7 @@ class Engine:
         frozen_bytes = sum(p.numel() * p.element_size() for p in self.frozen)
         held = self.reducer.held_bytes()
         measured = {
-            "parameters": sum(_nbytes(g.buffer) for g in self.groups) + frozen_bytes,
+            "parameters": sum(_nbytes(g.buffer) for g in self.groups) + frozen_bytes,  # stage 3: shards
             "gradients": held["gradients"],
             "optimizer_states": sum(
                 _nbytes(t) for st in self.optimizer.state.values() for t in st.values()
@@ -215,10 +230,17 @@ class Engine:
         }
         formula = model_state_bytes(self.stage, self.numel, self.world_size, self._bytes_per_element())
         formula["parameters"] += frozen_bytes
+        peak = {"gradients+buffers": self.reducer.peak_grad_bytes}
+        if self.sharding is not None:
+            held3 = self.sharding.held_bytes()
+            measured["parameters"] += held3["gathered"]
+            elem = self.groups[0].buffer.element_size() if self.groups else 4
+            peak["gathered_parameters"] = self.sharding.coordinator.peak_live_elements * elem
         return MemoryReport(
             stage=self.stage, rank=self.rank, world_size=self.world_size, numel=self.numel,
-            frozen_numel=sum(p.numel() for p in self.frozen), measured=measured, formula=formula,
-            peak={"gradients+buffers": self.reducer.peak_grad_bytes},
+            frozen_numel=sum(p.numel() for g in self.groups for p in [s.param for s in g.slots]
+                             if not p.requires_grad) + sum(p.numel() for p in self.frozen),
+            measured=measured, formula=formula, peak=peak,
         )
 
     def comm_report(self) -> CommReport:

@@ -148,5 +148,5 @@ def assign_pieces(group: FlatGroup, rank: int, owns_everything: bool) -> None:
         lo_b, hi_b = (b.start, b.start + b.numel) if owns_everything else b.shard_range(rank)
         for s in b.slots:
             lo, hi = max(lo_b, s.offset), min(hi_b, s.offset + s.numel)
-            if lo < hi and s.param.requires_grad:
+            if lo < hi and s.group_index >= 0 and s.param.requires_grad:
                 group.pieces.append(Piece(s, b, lo, hi, group.buffer[lo - base : hi - base]))

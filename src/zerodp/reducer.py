@@ -37,6 +37,10 @@ from .partition import Bucket, FlatGroup, ParamSlot
 MAX_BUCKETS_IN_FLIGHT = 2
 
 
+def _trainable(s: ParamSlot) -> bool:
+    return s.group_index >= 0 and s.param.requires_grad
+
+
 class GradientReducer:
     """Base: bookkeeping shared by the three strategies. See the module docstring."""
 
@@ -52,8 +56,9 @@ class GradientReducer:
         self.pg = group
         self.ledger = ledger
         self.overlap = overlap_comm
-        self.slots: list[ParamSlot] = [s for g in groups for s in g.slots]
-        n_slots = max((s.index for s in self.slots), default=-1) + 1
+        # parameters that get hooks and gradients: trainable and in one of the user's param groups
+        self.slots: list[ParamSlot] = [s for g in groups for s in g.slots if _trainable(s)]
+        n_slots = max((s.index for g in groups for s in g.slots), default=-1) + 1
         self._present = torch.zeros(n_slots, dtype=torch.int32)
         self._slot_bucket: dict[int, tuple[FlatGroup, Bucket]] = {
             s.index: (g, b) for g in groups for b in g.buckets for s in b.slots
@@ -85,14 +90,14 @@ class GradientReducer:
     def begin_micro_step(self, reduce: bool) -> None:
         """Called before backward. ``reduce``: launch collectives during this backward."""
         self._reducing = reduce
-        self._pending = {id(b): len(b.slots) for g in self.groups for b in g.buckets}
+        self._pending = {id(b): sum(map(_trainable, b.slots)) for g in self.groups for b in g.buckets}
 
     def end_micro_step(self) -> None:
         """Called after backward returns: launch buckets still waiting, then wait for all collectives."""
         if self._reducing:
             for g in self.groups:
                 for b in g.buckets:
-                    if self._pending[id(b)] > 0:
+                    if self._pending[id(b)] > 0:  # some parameters got no gradient: they count as 0
                         self._pending[id(b)] = 0
                         self._launch(g, b)
         self._drain(0)
@@ -270,7 +275,7 @@ class PartitionedGradReducer(GradientReducer):
         buf = self._staging_for(b, g)
         if not self.contiguous:
             for s in b.slots:
-                if s.param.grad is not None:
+                if _trainable(s) and s.param.grad is not None:
                     rel = s.offset - b.start
                     buf[rel : rel + s.numel].copy_(s.param.grad.reshape(-1))
                     s.param.grad = None

@@ -1,0 +1,197 @@
+"""The partitioned-parameter coordinator (stage 3): fetch, release, trace and prefetch.
+
+Every module hook (see :mod:`zerodp.hooks`) calls :meth:`ParameterCoordinator.fetch` before the module
+runs (forward or backward) and :meth:`ParameterCoordinator.release` after it. The first training
+iteration records the order of fetches (forward then backward) as the *trace*; once every rank has
+checked that it recorded the same trace (one small all-reduce), later iterations prefetch the units of
+the next modules in the trace asynchronously, up to ``stage3_prefetch_bucket_size`` elements ahead and
+never beyond ``stage3_max_live_parameters`` gathered elements, so all-gathers overlap compute. A fetch
+that does not match the trace (data-dependent control flow, a skipped module) invalidates it: no more
+prefetch this iteration, and the next iteration records afresh. Collective order stays identical on all
+ranks as long as every rank runs the same modules in the same order, which stage 3 requires (as in
+DeepSpeed and FSDP).
+
+Trace modes (DeepSpeed's ZeRoTraceMode): RECORD -> COMPLETE -> (mismatch) INVALID -> RECORD.
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup, ReduceOp
+
+from . import comm
+from .comm import CommLedger
+from .sharded import ShardedUnit, ShardState, UnitIndex
+
+
+class TraceMode(enum.Enum):
+    RECORD = "record"
+    COMPLETE = "complete"
+    INVALID = "invalid"
+
+
+class ParameterCoordinator:
+    """Gathers and releases stage-3 units around each module's forward and backward."""
+
+    def __init__(
+        self, index: UnitIndex, module_positions: dict[int, int], pg: Optional[ProcessGroup],
+        ledger: CommLedger, prefetch_bucket_size: int, max_live_parameters: int,
+    ) -> None:
+        self.index = index
+        self.positions = module_positions  # id(module) -> position in named_modules() (rank-independent)
+        self.pg = pg
+        self.ledger = ledger
+        self.prefetch_bucket_size = prefetch_bucket_size
+        self.max_live = max_live_parameters
+        self.mode = TraceMode.RECORD
+        self.trace: list[nn.Module] = []
+        self.cursor = 0
+        self.active = False  # inside a training iteration (forward with grad, then backward)
+        self.prefetches_issued = 0  # all-gathers launched ahead of use
+        self.prefetch_hits = 0  # fetches served by a prefetch already in flight or done
+        self.trace_recordings = 0  # completed, cross-rank-checked recordings
+        self.peak_live_elements = 0
+        self.busy = False  # set while the coordinator itself touches parameters
+
+    # ---- iteration boundaries -----------------------------------------------------------------------
+    def begin_iteration(self) -> None:
+        if self.mode is not TraceMode.COMPLETE:
+            self.mode = TraceMode.RECORD
+            self.trace = []
+        self.cursor = 0
+        self.active = True
+
+    def end_iteration(self) -> None:
+        """After backward: validate a fresh recording across ranks, then release everything."""
+        if self.active and self.mode is TraceMode.RECORD and self.trace:
+            self._check_same_trace_on_all_ranks()
+            self.mode = TraceMode.COMPLETE
+            self.trace_recordings += 1
+        elif self.active and self.mode is TraceMode.COMPLETE and self.cursor != len(self.trace):
+            self.mode = TraceMode.INVALID  # this iteration ran fewer modules than recorded
+        self.active = False
+        self.release_all()
+
+    def _check_same_trace_on_all_ranks(self) -> None:
+        ids = [self.positions[id(m)] for m in self.trace]
+        digest = zlib.crc32(str(ids).encode()) & 0x7FFFFFFF
+        t = torch.tensor([len(ids), digest], dtype=torch.int64)
+        lo, hi = t.clone(), t.clone()
+        comm.all_reduce(lo, self.pg, self.ledger, "trace_check", op=ReduceOp.MIN)
+        comm.all_reduce(hi, self.pg, self.ledger, "trace_check", op=ReduceOp.MAX)
+        if not torch.equal(lo, hi):
+            raise RuntimeError(
+                "ZeRO stage 3: ranks ran different submodules or in a different order in this iteration "
+                f"(this rank: {len(ids)} module fetches). Stage 3 requires every rank to run the same "
+                "modules in the same order; make control flow independent of the rank's data.")
+
+    # ---- fetch / release ---------------------------------------------------------------------------
+    def fetch(self, module: nn.Module) -> None:
+        """Make every unit ``module`` needs UNSHARDED (waiting for a prefetch if one is in flight)."""
+        units = self.index.by_module.get(id(module))
+        if not units:
+            return
+        if self.active:
+            self._follow_trace(module)
+        self.busy = True
+        try:
+            for u in units:
+                if u.state is ShardState.SHARDED:
+                    u.start_gather(self.pg, self.ledger, "parameters")
+                elif u.prefetched:
+                    self.prefetch_hits += 1
+            for u in units:
+                if u.state is ShardState.GATHERING:
+                    u.finish_gather()
+                u.users += 1
+                u.prefetched = False
+            self._note_live()
+            if self.active and self.mode is TraceMode.COMPLETE:
+                self._prefetch()
+        finally:
+            self.busy = False
+
+    def release(self, module: nn.Module) -> None:
+        units = self.index.by_module.get(id(module))
+        if not units:
+            return
+        self.busy = True
+        try:
+            for u in units:
+                u.users -= 1
+                if u.users <= 0 and not u.persistent:
+                    u.release()
+        finally:
+            self.busy = False
+
+    def fetch_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        """A parameter of another module was used inside ``module``'s forward: gather it now and from
+        now on with ``module`` (as :func:`zerodp.zero.register_external_parameter` does)."""
+        if self.index.register_external(module, param):
+            u = self.index.by_param[id(param)]
+            self.busy = True
+            try:
+                if u.state is ShardState.SHARDED:
+                    u.start_gather(self.pg, self.ledger, "parameters")
+                if u.state is ShardState.GATHERING:
+                    u.finish_gather()
+                u.users += 1
+                u.prefetched = False
+                self._note_live()
+            finally:
+                self.busy = False
+
+    def release_all(self) -> None:
+        """Release every non-persistent unit (end of backward, end of an eval forward)."""
+        self.busy = True
+        try:
+            for u in self.index.units:
+                if not u.persistent:
+                    u.release()
+        finally:
+            self.busy = False
+
+    def release_idle(self) -> None:
+        """Release units gathered but not in use by any module (e.g. prefetched, then unused)."""
+        for u in self.index.units:
+            if not u.persistent and u.users <= 0:
+                u.release()
+
+    # ---- trace and prefetch ------------------------------------------------------------------------
+    def _follow_trace(self, module: nn.Module) -> None:
+        if self.mode is TraceMode.RECORD:
+            self.trace.append(module)
+        elif self.mode is TraceMode.COMPLETE:
+            if self.cursor < len(self.trace) and self.trace[self.cursor] is module:
+                self.cursor += 1
+            else:
+                self.mode = TraceMode.INVALID
+
+    def _prefetch(self) -> None:
+        budget = self.prefetch_bucket_size
+        live = self.live_elements()
+        for module in self.trace[self.cursor : self.cursor + 64]:
+            if budget <= 0:
+                break
+            for u in self.index.by_module.get(id(module), ()):
+                if u.state is not ShardState.SHARDED:
+                    continue
+                if live + u.numel > self.max_live or u.numel > budget:
+                    return
+                u.start_gather(self.pg, self.ledger, "parameters")
+                u.prefetched = True
+                self.prefetches_issued += 1
+                budget -= u.numel
+                live += u.numel
+        self._note_live()
+
+    def live_elements(self) -> int:
+        return sum(u.numel for u in self.index.units if u.state is not ShardState.SHARDED)
+
+    def _note_live(self) -> None:
+        self.peak_live_elements = max(self.peak_live_elements, self.live_elements())

@@ -1,0 +1,160 @@
+"""The four stage-3 module hooks, registered in one place (:func:`register_stage3_hooks`).
+
+- pre-forward: fetch the module's units; wrap its tensor inputs in :class:`_PostBackward`.
+- post-forward: release the units; wrap its tensor outputs in :class:`_PreBackward`.
+- pre-backward: :class:`_PreBackward`'s backward runs when the gradient of the module's outputs
+  arrives, before the module's own backward: fetch the units again (torch has no module pre-backward
+  hook that fires at that moment for every output structure).
+- post-backward: :class:`_PostBackward`'s backward runs once the gradients of the module's inputs are
+  computed, i.e. after the module's backward: release the units. Modules whose inputs need no gradient
+  are released by the coordinator at the end of backward.
+
+Inputs and outputs may be tensors, or tuples, lists, dicts and dataclasses of them, or anything else
+(left untouched). Parameters of other modules used directly inside a forward are detected by
+:class:`ExternalParameterMode` (a ``TorchFunctionMode`` active only inside the engine's forward) and
+gathered from then on with the module that used them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from .coordinator import ParameterCoordinator
+from .sharded import ShardState
+
+
+class _PreBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, coordinator: ParameterCoordinator, module: nn.Module, *tensors: torch.Tensor):
+        ctx.coordinator, ctx.module = coordinator, module
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):
+        ctx.coordinator.fetch(ctx.module)
+        return (None, None, *grads)
+
+
+class _PostBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, coordinator: ParameterCoordinator, module: nn.Module, *tensors: torch.Tensor):
+        ctx.coordinator, ctx.module = coordinator, module
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):
+        ctx.coordinator.release(ctx.module)
+        return (None, None, *grads)
+
+
+def _collect(obj: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            _collect(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _collect(x, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _collect(getattr(obj, f.name), out)
+
+
+def _replace(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return mapping.get(id(obj), obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_replace(x, mapping) for x in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_replace(x, mapping) for x in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _replace(v, mapping)) for k, v in obj.items())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _replace(getattr(obj, f.name), mapping) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+def _wrap(fn: type[torch.autograd.Function], coordinator: ParameterCoordinator, module: nn.Module, obj: Any) -> Any:
+    tensors: list[torch.Tensor] = []
+    _collect(obj, tensors)
+    if not tensors:
+        return obj
+    unique = list({id(t): t for t in tensors}.values())
+    wrapped = fn.apply(coordinator, module, *unique)
+    return _replace(obj, {id(t): w for t, w in zip(unique, wrapped)})
+
+
+class ModuleStack:
+    """The modules whose forward is running, innermost last (for external-parameter detection)."""
+
+    def __init__(self) -> None:
+        self.stack: list[nn.Module] = []
+
+
+def register_stage3_hooks(
+    root: nn.Module, coordinator: ParameterCoordinator, stack: ModuleStack
+) -> list[RemovableHandle]:
+    """Register pre/post-forward hooks on every submodule of ``root`` (backward ones ride on them)."""
+    handles: list[RemovableHandle] = []
+
+    def needs_backward_hooks(module: nn.Module) -> bool:
+        return torch.is_grad_enabled() and bool(coordinator.index.by_module.get(id(module)))
+
+    def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
+        stack.stack.append(module)
+        coordinator.fetch(module)
+        if needs_backward_hooks(module):
+            return _wrap(_PostBackward, coordinator, module, (args, kwargs))
+        return None
+
+    def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        if stack.stack and stack.stack[-1] is module:
+            stack.stack.pop()
+        coordinator.release(module)
+        if needs_backward_hooks(module):
+            return _wrap(_PreBackward, coordinator, module, output)
+        return None
+
+    for module in root.modules():
+        handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True))
+        handles.append(module.register_forward_hook(post_forward, with_kwargs=True))
+    return handles
+
+
+class ExternalParameterMode(TorchFunctionMode):
+    """Detects a partitioned parameter used while SHARDED inside a module's forward (e.g. a parent
+    reading ``self.child.weight``): gathers it and registers it as external to that module."""
+
+    def __init__(self, coordinator: ParameterCoordinator, stack: ModuleStack) -> None:
+        super().__init__()
+        self.coordinator = coordinator
+        self.stack = stack
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        c = self.coordinator
+        if not c.busy and self.stack.stack:
+            for a in _flat_args(args, kwargs):
+                if isinstance(a, nn.Parameter):
+                    u = c.index.by_param.get(id(a))
+                    if u is not None and u.state is not ShardState.UNSHARDED:
+                        c.fetch_external(self.stack.stack[-1], a)
+        return func(*args, **kwargs)
+
+
+def _flat_args(args: tuple, kwargs: dict):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+    yield from kwargs.values()

@@ -1,0 +1,166 @@
+"""Stage-3 sharded units: one module's parameters, partitioned, gathered only while needed.
+
+[Note: units] Each submodule's directly-owned parameters (``recurse=False``; a tied parameter belongs to
+the first module that owns it) form one *unit*: a flat layout padded to a multiple of the world size
+N, of which rank r keeps only shard r (1-D, ``numel / N`` elements). Gathering a unit is one coalesced
+``all_gather_into_tensor`` into a full flat buffer whose views become the parameters' ``.data``;
+releasing it points ``.data`` back at an empty placeholder (shape ``(0,)``) and drops the buffer.
+Parameters with at most ``stage3_param_persistence_threshold`` elements go to one *persistent* unit
+that stays gathered and is re-gathered after each optimizer step.
+
+State machine (FSDP2's ShardedState / DeepSpeed's ZeroParamStatus): SHARDED -> GATHERING (collective in
+flight) -> UNSHARDED -> SHARDED, transitions only in :meth:`ShardedUnit.start_gather`,
+:meth:`ShardedUnit.finish_gather` and :meth:`ShardedUnit.release`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup, Work
+
+from . import comm
+from .comm import CommLedger
+from .partition import Bucket, FlatGroup, ParamSlot
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    UNSHARDED = "unsharded"
+
+
+@dataclass(eq=False)
+class ShardedUnit:
+    """One module's partitioned parameters. ``group`` is the optimizer/reducer view: its ``buffer`` is
+    this rank's shard and its single bucket spans the unit."""
+
+    name: str  # qualified name of the owning module ("" for the root, "<persistent>")
+    group: FlatGroup
+    rank: int
+    world_size: int
+    persistent: bool = False
+    state: ShardState = ShardState.SHARDED
+    full: Optional[torch.Tensor] = None  # 1-D, padded numel, while GATHERING/UNSHARDED
+    work: Optional[Work] = None
+    users: int = 0  # modules currently holding it gathered (forward or backward)
+    prefetched: bool = False  # gathered ahead of use by the coordinator
+
+    @property
+    def numel(self) -> int:
+        return self.group.buckets[0].numel
+
+    @property
+    def shard(self) -> torch.Tensor:
+        return self.group.buffer
+
+    @property
+    def slots(self) -> list[ParamSlot]:
+        return self.group.slots
+
+    def start_gather(self, pg: Optional[ProcessGroup], ledger: CommLedger, purpose: str) -> None:
+        """SHARDED -> GATHERING: launch the all-gather of every rank's shard into a new full buffer."""
+        assert self.state is ShardState.SHARDED, f"unit '{self.name}' gathered while {self.state}"
+        self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=self.shard.device)
+        self.work = comm.all_gather(self.full, self.shard, pg, ledger, purpose, async_op=True)
+        self.state = ShardState.GATHERING
+
+    def finish_gather(self) -> None:
+        """GATHERING -> UNSHARDED: wait, then point each parameter's ``.data`` at its full view."""
+        assert self.state is ShardState.GATHERING, f"unit '{self.name}' finished while {self.state}"
+        self.work.wait()
+        self.work = None
+        for s in self.slots:
+            s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
+        self.state = ShardState.UNSHARDED
+
+    def release(self) -> None:
+        """UNSHARDED -> SHARDED: drop the full buffer; parameters become empty placeholders."""
+        if self.state is ShardState.GATHERING:
+            self.finish_gather()
+        if self.state is ShardState.SHARDED:
+            return
+        for s in self.slots:
+            s.param.data = _placeholder(self.shard)
+        self.full = None
+        self.users = 0
+        self.prefetched = False
+        self.state = ShardState.SHARDED
+
+    def write_back(self) -> None:
+        """Copy this rank's slice of the (possibly edited) full parameters into its shard."""
+        assert self.full is not None
+        lo = self.rank * self.shard.numel()
+        self.shard.copy_(self.full[lo : lo + self.shard.numel()])
+
+
+def _placeholder(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=like.dtype, device=like.device)
+
+
+def shard_unit(
+    name: str, named: list[tuple[str, nn.Parameter]], first_index: int, group_indices: list[int],
+    rank: int, world_size: int, persistent: bool = False,
+    sync: Optional[Callable[[torch.Tensor], None]] = None,
+) -> ShardedUnit:
+    """Lay out ``named`` (full, identical on every rank) as one unit and keep only shard ``rank``.
+
+    The parameters' ``.data`` become empty placeholders (or, for a persistent unit, views of a full
+    buffer kept gathered). Element i of the unit lives on rank ``i // (numel / world_size)``.
+    """
+    slots: list[ParamSlot] = []
+    cursor = 0
+    for i, ((pname, p), gi) in enumerate(zip(named, group_indices)):
+        slots.append(ParamSlot(pname, p, first_index + i, cursor, p.numel(), p.shape, gi))
+        cursor += p.numel()
+    padded = max(-(-cursor // world_size) * world_size, world_size)
+    bucket = Bucket(0, 0, padded, slots, world_size)
+    full = torch.zeros(padded, dtype=named[0][1].dtype, device=named[0][1].device)
+    for s in slots:
+        full[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+    if sync is not None:
+        sync(full)  # e.g. broadcast from rank 0 so every rank shards the same values
+    shard_numel = padded // world_size
+    shard = full[rank * shard_numel : (rank + 1) * shard_numel].clone()
+    group = FlatGroup(0, shard, [bucket], slots, shard_offset=rank * shard_numel)
+    unit = ShardedUnit(name, group, rank, world_size, persistent=persistent)
+    unit.full = full
+    for s in slots:
+        s.param.data = full[s.offset : s.offset + s.numel].view(s.shape)
+    unit.state = ShardState.UNSHARDED
+    if not persistent:
+        unit.release()
+    return unit
+
+
+@dataclass
+class UnitIndex:
+    """Which units each module needs: its own, plus those of tied and external parameters."""
+
+    units: list[ShardedUnit] = field(default_factory=list)
+    by_param: dict[int, ShardedUnit] = field(default_factory=dict)  # id(param) -> unit
+    by_module: dict[int, list[ShardedUnit]] = field(default_factory=dict)  # id(module) -> units
+
+    def add_module(self, module: nn.Module) -> None:
+        needed: list[ShardedUnit] = []
+        for p in module.parameters(recurse=False):
+            u = self.by_param.get(id(p))
+            if u is not None and not u.persistent and u not in needed:
+                needed.append(u)
+        if needed:
+            self.by_module[id(module)] = needed
+
+    def register_external(self, module: nn.Module, param: nn.Parameter) -> bool:
+        """Make ``module``'s forward gather ``param``'s unit too. Returns False if already so."""
+        u = self.by_param.get(id(param))
+        if u is None or u.persistent:
+            return False
+        needed = self.by_module.setdefault(id(module), [])
+        if u in needed:
+            return False
+        needed.append(u)
+        return True

@@ -1,0 +1,115 @@
+"""Stage 3 (P_os+g+p): the parameters themselves are partitioned (paper section 5.3).
+
+:class:`Stage3` builds one :class:`~zerodp.sharded.ShardedUnit` per submodule (see the note there),
+wires the coordinator and the module hooks, and runs the engine's forward inside the external-parameter
+detection mode. Gradients are reduce-scattered unit by unit by the stage-2 reducer (each unit is one
+bucket), so the owned gradient partition and the optimizer pieces are views of the shards only.
+Per step and rank: all-gather in forward (Psi) + all-gather in backward (Psi) + reduce-scatter (Psi).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+from .comm import CommLedger
+from .config import ZeroConfig
+from .coordinator import ParameterCoordinator
+from .hooks import ExternalParameterMode, ModuleStack, register_stage3_hooks
+from .optim import ParamGroupSpec
+from .partition import FlatGroup
+from .sharded import ShardedUnit, ShardState, UnitIndex, shard_unit
+from .zero import _Owner, _register_owner
+
+
+class Stage3:
+    """Owns the units, the coordinator and the hooks of one engine."""
+
+    def __init__(
+        self, module: nn.Module, specs: list[ParamGroupSpec], rank: int, world_size: int,
+        pg: Optional[dist.ProcessGroup], ledger: CommLedger, zc: ZeroConfig,
+    ) -> None:
+        self.rank, self.world_size, self.pg, self.ledger = rank, world_size, pg, ledger
+        spec_of = {id(p): gi for gi, spec in enumerate(specs) for _, p in spec.params}
+        src = dist.get_global_rank(pg, 0) if pg is not None else 0
+
+        def sync(full: torch.Tensor) -> None:
+            if world_size > 1:
+                comm.broadcast(full, src, pg, ledger, "init")
+
+        self.index = UnitIndex()
+        assigned: set[int] = set()
+        persistent: list[tuple[str, nn.Parameter]] = []
+        next_index = 0
+        threshold = zc.stage3_param_persistence_threshold
+        for mname, m in module.named_modules():
+            named = []
+            for pname, p in m.named_parameters(recurse=False):
+                if id(p) not in assigned:
+                    assigned.add(id(p))
+                    named.append((f"{mname}.{pname}" if mname else pname, p))
+            persistent += [(n, p) for n, p in named if p.numel() <= threshold]
+            big = [(n, p) for n, p in named if p.numel() > threshold]
+            if big:
+                next_index = self._add_unit(mname, big, next_index, spec_of, sync, persistent=False)
+        if persistent:
+            self._add_unit("<persistent>", persistent, next_index, spec_of, sync, persistent=True)
+        for i, u in enumerate(self.index.units):
+            u.group.index = i
+        for m in module.modules():
+            self.index.add_module(m)
+
+        positions = {id(m): i for i, m in enumerate(module.modules())}
+        self.coordinator = ParameterCoordinator(
+            self.index, positions, pg, ledger, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters)
+        for u in self.index.units:
+            for s in u.slots:
+                _register_owner(s.param, _Owner(u, pg, ledger, self.coordinator))
+        self.stack = ModuleStack()
+        self.handles = register_stage3_hooks(module, self.coordinator, self.stack)
+        self._mode = ExternalParameterMode(self.coordinator, self.stack)
+
+    def _add_unit(self, name: str, named: list, first: int, spec_of: dict, sync, persistent: bool) -> int:
+        groups = [spec_of.get(id(p), -1) for _, p in named]
+        u = shard_unit(name, named, first, groups, self.rank, self.world_size, persistent=persistent, sync=sync)
+        self.index.units.append(u)
+        for s in u.slots:
+            self.index.by_param[id(s.param)] = u
+        return first + len(named)
+
+    @property
+    def groups(self) -> list[FlatGroup]:
+        return [u.group for u in self.index.units]
+
+    @property
+    def units(self) -> list[ShardedUnit]:
+        return self.index.units
+
+    def forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        training = module.training and torch.is_grad_enabled()
+        if training:
+            self.coordinator.begin_iteration()
+        self.stack.stack.clear()
+        with self._mode:
+            out = module(*args, **kwargs)
+        if not training:
+            self.coordinator.release_idle()
+        return out
+
+    def end_backward(self) -> None:
+        self.coordinator.end_iteration()
+
+    def after_step(self) -> None:
+        """Re-gather the persistent unit (the only one kept gathered) from the updated shards."""
+        for u in self.units:
+            if u.persistent:
+                comm.all_gather(u.full, u.shard, self.pg, self.ledger, "parameters")
+
+    def held_bytes(self) -> dict[str, int]:
+        shards = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
+        gathered = sum(u.full.numel() * u.full.element_size() for u in self.units if u.full is not None)
+        return {"shards": shards, "gathered": gathered}
