@@ -12,11 +12,12 @@ Tolerance metric ("err"): max over elements of |a - b| / (ATOL + RTOL |b|); <= 1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import copy
 import json
 import os
 import traceback
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,9 @@ from torch import nn
 import zerodp
 
 RTOL, ATOL = 1e-5, 1e-6
+#: stage-3 keys (ignored below stage 3 only in the sense that they configure nothing there): small
+#: persistence threshold so that the scalar and 3-element parameters stay gathered, the rest sharded.
+STAGE3_DEFAULTS = {"stage3_param_persistence_threshold": 4}
 SCENARIOS: dict[str, Callable[[int], dict]] = {}
 
 
@@ -83,33 +87,136 @@ class TiedLM(nn.Module):
         return self.head(torch.relu(self.mix(self.emb(idx))))
 
 
+class TwiceBlock(nn.Module):
+    """One block called twice in a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(13, 8)
+        self.block = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.block(h))
+        h = torch.tanh(self.block(h)) + h
+        return self.out(h)
+
+
+class ParentReads(nn.Module):
+    """The parent uses ``child.weight`` directly (detected automatically) and also calls the child;
+    ``side.weight`` is only ever used by the parent (registered explicitly when asked)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(13, 7)
+        self.child = nn.Linear(7, 7)
+        self.side = nn.Linear(7, 7, bias=False)
+        self.out = nn.Linear(7, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = h + 0.5 * nn.functional.linear(h, self.child.weight)
+        h = h + 0.5 * torch.tanh(h @ self.side.weight.t())
+        h = torch.tanh(self.child(h))
+        return self.out(h)
+
+
+@dataclasses.dataclass
+class Packet:
+    hidden: torch.Tensor
+    note: str
+
+
+class Structured(nn.Module):
+    """Submodules returning a tuple, a dict, a dataclass and a non-tensor."""
+
+    class TupleOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(13, 6)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h, torch.tanh(h), "aux"
+
+    class DictOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, pair):
+            return {"a": self.lin(pair[0]), "b": pair[1], "count": 3}
+
+    class DataOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 5)
+
+        def forward(self, d):
+            return Packet(self.lin(d["a"] + d["b"]), note="ok")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = Structured.TupleOut()
+        self.d = Structured.DictOut()
+        self.p = Structured.DataOut()
+
+    def forward(self, x):
+        return self.p(self.d(self.t(x)[:2])).hidden
+
+
+#: Adam's eps for the GPT scenarios. The key part of the attention qkv bias has an exactly-zero true
+#: gradient (softmax is shift-invariant), so its gradient is summation-order noise (~1e-10) that Adam
+#: with eps=1e-8 would blow up to +-lr steps in arbitrary directions in both runs. eps=1e-4 keeps such
+#: noise from moving parameters while every real gradient is still far above it.
+GPT_ADAM = {"weight_decay": 0.1, "eps": 1e-4}
+
+
+def tiny_gpt() -> nn.Module:
+    from zerodp.model import GPT, GPTConfig
+
+    return GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=4, vocab_size=32, tie_embeddings=True))
+
+
 # ---- training loop shared by scenarios ---------------------------------------------------------------
-def make_batch(step: int, global_rows: int, kind: str):
+def make_batch(step: int, global_rows: int, kind: str, vocab: int = 11):
     g = torch.Generator().manual_seed(1000 + step)
-    if kind == "tied":
-        x = torch.randint(0, 11, (global_rows, 4), generator=g)
-        y = torch.randint(0, 11, (global_rows, 4), generator=g)
+    if kind == "tokens":
+        x = torch.randint(0, vocab, (global_rows, 4), generator=g)
+        y = torch.randint(0, vocab, (global_rows, 4), generator=g)
     else:
         x = torch.randn(global_rows, 13, generator=g)
         y = torch.randn(global_rows, 5, generator=g)
     return x, y
 
 
-def loss_fn(model_out: torch.Tensor, y: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind == "tied":
-        return nn.functional.cross_entropy(model_out.reshape(-1, 11), y.reshape(-1))
-    return ((model_out - y) ** 2).mean()
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def token_xent(out: Any, y: torch.Tensor) -> torch.Tensor:
+    logits = out[0] if isinstance(out, tuple) else out
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def compare_training(
-    stage: int, *, kind: str = "zoo", opt: str = "Adam", opt_params: Optional[dict] = None,
+    stage: int, *, model_fn: Callable[[], nn.Module] = lambda: Zoo(), kind: str = "zoo",
+    forward: Callable[[Any, torch.Tensor, int], Any] = lambda m, x, step: m(x),
+    loss: Callable[[Any, torch.Tensor], torch.Tensor] = mse, vocab: int = 11,
+    opt: str = "Adam", opt_params: Optional[dict] = None,
     zero: Optional[dict] = None, steps: int = 5, micro: int = 3, accum: int = 1, clip: float = 0.0,
     groups: Optional[Callable[[nn.Module], list]] = None, torch_groups: Optional[Callable[[nn.Module], list]] = None,
-    freeze: Optional[Callable[[nn.Module], None]] = None, branch_every: int = 1,
+    freeze: Optional[Callable[[nn.Module], None]] = None,
+    between: Optional[Callable[[int, Any, nn.Module, nn.Module], Optional[dict]]] = None,
 ) -> dict:
-    """Train with zerodp and with plain torch on the same global batches; return error metrics."""
+    """Train with zerodp and with plain torch on the same global batches; return error metrics.
+
+    ``between(step, engine, model, ref)`` runs after each step on both (e.g. edits, eval loops) and
+    may return extra metrics.
+    """
     torch.manual_seed(1234)
-    model = Zoo() if kind == "zoo" else TiedLM()
+    model = model_fn()
     if freeze is not None:
         freeze(model)
     ref = copy.deepcopy(model)
@@ -119,7 +226,7 @@ def compare_training(
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "optimizer": {"type": opt, "params": opt_params},
-        "zero_optimization": {"stage": stage, **(zero or {})},
+        "zero_optimization": {"stage": stage, **STAGE3_DEFAULTS, **(zero or {})},
         "gradient_clipping": clip,
     }
     engine = zerodp.initialize(model, config, model_parameters=groups(model) if groups else None)
@@ -129,13 +236,12 @@ def compare_training(
 
     r, n = rank(), world()
     loss_errs, norm_errs = [], []
+    extra: dict = {}
     for step in range(steps):
-        use_branch = step % branch_every == 0
-        x, y = make_batch(step, micro * n * accum, kind)
+        x, y = make_batch(step, micro * n * accum, kind, vocab)
         # reference: one step on the whole global batch
         ref_opt.zero_grad()
-        ref_out = ref(x) if kind == "tied" else ref(x, use_branch)
-        ref_loss = loss_fn(ref_out, y, kind)
+        ref_loss = loss(forward(ref, x, step), y)
         ref_loss.backward()
         if clip > 0:
             ref_norm = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], clip)
@@ -145,21 +251,28 @@ def compare_training(
         for j in range(accum):
             lo = (j * n + r) * micro
             xs, ys = x[lo : lo + micro], y[lo : lo + micro]
-            out = engine(xs) if kind == "tied" else engine(xs, use_branch)
-            loss = loss_fn(out, ys, kind)
-            engine.backward(loss)
+            micro_loss = loss(forward(engine, xs, step), ys)
+            engine.backward(micro_loss)
             engine.step()
-            total += loss.detach().double()
+            total += micro_loss.detach().double()
         dist.all_reduce(total)
         loss_errs.append(err((total / (n * accum)).reshape(()), ref_loss.detach()))
         if clip > 0:
             norm_errs.append(err(torch.tensor(engine.get_global_grad_norm()), ref_norm))
-    param_err = max(err(a, b) for a, b in zip(model.parameters(), ref.parameters()))
-    moved = max((a.detach() - b).abs().max().item() for a, b in zip(model.parameters(), initial))
+        if between is not None:
+            extra.update(between(step, engine, model, ref) or {})
+    with zerodp.zero.GatheredParameters(list(model.parameters())):
+        param_err = max(err(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+        moved = max((a.detach() - b).abs().max().item() for a, b in zip(model.parameters(), initial))
     out = {"loss_err": max(loss_errs), "param_err": param_err, "steps": engine.global_steps,
-           "moved": moved}
+           "moved": moved, **extra}
     if norm_errs:
         out["norm_err"] = max(norm_errs)
+    if engine.sharding is not None:
+        c = engine.sharding.coordinator
+        out.update(prefetches=c.prefetches_issued, prefetch_hits=c.prefetch_hits,
+                   recordings=c.trace_recordings, live_after=c.live_elements(),
+                   persistent_elements=sum(u.numel for u in engine.sharding.units if u.persistent))
     return out
 
 
@@ -188,7 +301,8 @@ def frozen(stage: int) -> dict:
 @scenario
 def no_grad_some_steps(stage: int) -> dict:
     """``branch`` gets no gradient on odd steps; ``never_used`` never does (torch skips both)."""
-    return compare_training(stage, opt="AdamW", opt_params={"weight_decay": 0.1}, branch_every=2,
+    return compare_training(stage, opt="AdamW", opt_params={"weight_decay": 0.1},
+                            forward=lambda m, x, step: m(x, step % 2 == 0),
                             zero={"reduce_bucket_size": 60}, steps=6)
 
 
@@ -225,7 +339,88 @@ def no_overlap_noncontiguous(stage: int) -> dict:
 
 @scenario
 def tied_weights(stage: int) -> dict:
-    return compare_training(stage, kind="tied", opt="AdamW", zero={"reduce_bucket_size": 50})
+    return compare_training(stage, model_fn=TiedLM, kind="tokens", loss=token_xent, opt="AdamW",
+                            zero={"reduce_bucket_size": 50})
+
+
+# ---- stage-3 scenarios (also run at stages 0-2: the same answers are expected there) ---------------
+@scenario
+def gpt_tied(stage: int) -> dict:
+    """The project's GPT with tied input/output embeddings."""
+    return compare_training(stage, model_fn=tiny_gpt, kind="tokens", vocab=32, loss=token_xent,
+                            opt="AdamW", opt_params=GPT_ADAM, steps=4)
+
+
+@scenario
+def block_called_twice(stage: int) -> dict:
+    return compare_training(stage, model_fn=TwiceBlock)
+
+
+@scenario
+def parent_reads_child_weight(stage: int) -> dict:
+    return compare_training(stage, model_fn=ParentReads, opt="AdamW")
+
+
+@scenario
+def registered_external(stage: int) -> dict:
+    def register(step: int, engine, model, ref) -> None:
+        if step == 0 and engine.sharding is not None:
+            zerodp.zero.register_external_parameter(model, model.side.weight)
+
+    return compare_training(stage, model_fn=ParentReads, between=register)
+
+
+@scenario
+def structured_outputs(stage: int) -> dict:
+    return compare_training(stage, model_fn=Structured, opt="AdamW")
+
+
+@scenario
+def gathered_edit_modifier_rank0(stage: int) -> dict:
+    """After step 1, rank 0 edits a weight inside GatheredParameters(modifier_rank=0); the other ranks
+    write garbage that must be discarded. Training continues from rank 0's edit."""
+
+    def edit(step: int, engine, model, ref) -> Optional[dict]:
+        if step != 1:
+            return None
+        with zerodp.zero.GatheredParameters([model.fc1.weight, model.fc2.bias], modifier_rank=0):
+            with torch.no_grad():
+                if rank() == 0:
+                    model.fc1.weight[0].fill_(0.5)
+                    model.fc2.bias.mul_(-1.0)
+                else:
+                    model.fc1.weight.fill_(123.0)
+        with torch.no_grad():
+            ref.fc1.weight[0].fill_(0.5)
+            ref.fc2.bias.mul_(-1.0)
+        with zerodp.zero.GatheredParameters([model.fc1.weight]):
+            return {"edit_err": err(model.fc1.weight, ref.fc1.weight)}
+
+    return compare_training(stage, between=edit)
+
+
+@scenario
+def eval_generation_between_steps(stage: int) -> dict:
+    """A no_grad generation loop in eval mode between training steps; nothing stays gathered."""
+
+    def generate(step: int, engine, model, ref) -> Optional[dict]:
+        from zerodp.model import generate as gen
+
+        engine.eval()
+        with torch.no_grad():
+            idx = torch.zeros(1, 1, dtype=torch.long)
+            out = gen(engine, idx, max_new_tokens=5, temperature=0)
+            ref.eval()
+            ref_out = gen(ref, idx, max_new_tokens=5, temperature=0)
+            ref.train()
+        engine.train()
+        live = engine.sharding.coordinator.live_elements() if engine.sharding else 0
+        persistent = sum(u.numel for u in engine.sharding.units if u.persistent) if engine.sharding else 0
+        return {f"same_tokens_{step}": bool(torch.equal(out, ref_out)),
+                f"gathered_after_eval_{step}": live - persistent}
+
+    return compare_training(stage, model_fn=tiny_gpt, kind="tokens", vocab=32, loss=token_xent,
+                            opt="AdamW", opt_params=GPT_ADAM, between=generate, steps=3)
 
 
 @scenario
@@ -233,18 +428,19 @@ def reports(stage: int) -> dict:
     """memory_report()/comm_report() against the tensors held and the paper's formulas."""
     torch.manual_seed(0)
     model = Zoo()
-    engine = zerodp.initialize(model, {"zero_optimization": {"stage": stage, "reduce_bucket_size": 40},
+    psi = sum(p.numel() for p in model.parameters())
+    engine = zerodp.initialize(model, {"zero_optimization": {"stage": stage, "reduce_bucket_size": 40,
+                                                             **STAGE3_DEFAULTS},
                                        "optimizer": {"type": "Adam"}})
     n = world()
     steps = 3
     engine.reset_comm_report()
     for step in range(steps):
         x, y = make_batch(step, 2, "zoo")
-        engine.backward(loss_fn(engine(x), y, "zoo"))
+        engine.backward(mse(engine(x), y))
         engine.step()
     mem = engine.memory_report()
     com = engine.comm_report()
-    psi = sum(p.numel() for p in model.parameters())
     padded = sum(g.padded_numel for g in engine.groups)
     owned = sum(b.shard_numel for g in engine.groups for b in g.buckets)
     n_pieces = sum(len(g.pieces) for g in engine.groups)
@@ -255,6 +451,10 @@ def reports(stage: int) -> dict:
         "ops": {f"{r.op}/{r.purpose}": [r.count, r.elements, r.bytes] for r in com.records},
         "steps": com.steps, "n_buckets": sum(len(g.buckets) for g in engine.groups), "world": n,
         "n_states": len(engine.optimizer.state),
+        "persistent": sum(u.numel for u in engine.sharding.units if u.persistent) if engine.sharding else 0,
+        "shards": sum(u.shard.numel() for u in engine.sharding.units) if engine.sharding else 0,
+        "peak_gathered": mem.peak.get("gathered_parameters", 0),
+        "largest_unit": max((u.numel for u in engine.sharding.units), default=0) if engine.sharding else 0,
         "optimizer_state_elements": sum(t.numel() for st in engine.optimizer.state.values()
                                         for k, t in st.items() if k != "step"),
     }
@@ -263,7 +463,7 @@ def reports(stage: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--stages", default="0,1,2")
+    ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--scenarios", default="all")
     args = ap.parse_args()
     zerodp.init_distributed(timeout_s=120)
@@ -279,6 +479,7 @@ def main() -> None:
             dist.barrier()
     with open(os.path.join(args.out, f"rank{rank()}.json"), "w") as f:
         json.dump(results, f)
+    dist.barrier()  # no rank tears down while another still has collectives in flight
     dist.destroy_process_group()
 
 

@@ -8,18 +8,22 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 TIMEOUT_S = 600
 
 
-def run_worker(world_size: int, stages: str = "0,1,2", scenarios: str = "all",
-               worker: Path = WORKER) -> list[dict]:
-    """Run the worker on ``world_size`` local gloo ranks; return one results dict per rank."""
+def run_worker(world_size: int, stages: str = "0,1,2,3", scenarios: str = "all",
+               worker: Path = WORKER, extra_args: Sequence[str] = ()) -> list[dict]:
+    """Run the worker on ``world_size`` local gloo ranks; return one results dict per rank.
+
+    ``extra_args`` are appended to the worker's command line (e.g. ``["--ckpt-dir", d]``).
+    """
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={world_size}", str(worker), "--out", out,
-               "--stages", stages, "--scenarios", scenarios]
+               "--stages", stages, "--scenarios", scenarios, *extra_args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
         if proc.returncode != 0:

@@ -18,11 +18,15 @@ import os
 import re
 import subprocess
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, get_args
 
 from zerodp import accounting
+from zerodp.config import ZeroConfig
 from zerodp.model import GPTConfig, count_parameters
 from zerodp.train import DEFAULTS
+
+#: ZeRO stages the engine accepts (``zero_optimization.stage`` of :mod:`zerodp.config`).
+STAGES: tuple[int, ...] = tuple(get_args(ZeroConfig.model_fields["stage"].annotation))
 
 #: ``zerodp train`` options forwarded to torchrun rather than to the workers: dest -> torchrun flag.
 LAUNCHER_FLAGS = {
@@ -83,45 +87,45 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small GPT on stdlib prose (or --data) with N ranks; print held-out loss "
                     "before/after, per-rank memory vs the ZeRO formula, traffic vs 2 Psi and a sample.")
     launch = tr.add_argument_group("launcher (passed to torch.distributed.run)")
-    launch.add_argument("--nproc", type=_int_at_least(1), default=d.nproc,
+    launch.add_argument("--nproc", metavar="N", type=_int_at_least(1), default=d.nproc,
                         help=f"ranks (processes) per node (default {d.nproc})")
-    launch.add_argument("--nnodes", help="number of nodes, or MIN:MAX (default 1)")
-    launch.add_argument("--node-rank", type=_int_at_least(0), help="this node's rank (static rendezvous)")
-    launch.add_argument("--master-addr", help="address of the node-rank-0 host")
-    launch.add_argument("--master-port", type=_int_at_least(1), help="port on the master host")
-    launch.add_argument("--rdzv-endpoint", help="rendezvous host:port (e.g. for --rdzv-backend c10d)")
-    launch.add_argument("--rdzv-backend", help="rendezvous backend, e.g. c10d or static")
-    launch.add_argument("--rdzv-id", help="job id shared by all nodes")
+    launch.add_argument("--nnodes", metavar="N|MIN:MAX", help="number of nodes, or MIN:MAX (default 1)")
+    launch.add_argument("--node-rank", metavar="R", type=_int_at_least(0), help="this node's rank (static rendezvous)")
+    launch.add_argument("--master-addr", metavar="HOST", help="address of the node-rank-0 host")
+    launch.add_argument("--master-port", metavar="PORT", type=_int_at_least(1), help="port on the master host")
+    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous host:port (e.g. for --rdzv-backend c10d)")
+    launch.add_argument("--rdzv-backend", metavar="NAME", help="rendezvous backend, e.g. c10d or static")
+    launch.add_argument("--rdzv-id", metavar="ID", help="job id shared by all nodes")
 
     eng = tr.add_argument_group("engine (or give them all in --config)")
-    eng.add_argument("--stage", type=int, choices=(0, 1, 2),
-                     help=f"ZeRO stage: 0 data parallel, 1 + optimizer states, 2 + gradients "
-                          f"(default {d.stage})")
+    eng.add_argument("--stage", type=int, choices=STAGES,
+                     help="ZeRO stage: " + ", ".join(f"{k} {accounting.STAGE_NAMES[k]}" for k in STAGES)
+                          + f" (default {d.stage})")
     eng.add_argument("--config", metavar="FILE",
                      help="DeepSpeed-style ds_config.json (excludes --stage/--lr/--micro-batch/--grad-accum)")
-    eng.add_argument("--micro-batch", type=_int_at_least(1),
+    eng.add_argument("--micro-batch", metavar="B", type=_int_at_least(1),
                      help=f"sequences per rank per micro-step (default {d.micro_batch})")
-    eng.add_argument("--grad-accum", type=_int_at_least(1),
+    eng.add_argument("--grad-accum", metavar="K", type=_int_at_least(1),
                      help=f"micro-steps per optimizer step (default {d.grad_accum})")
-    eng.add_argument("--lr", type=_float_in(0.0, 10.0), help=f"AdamW learning rate (default {d.lr})")
+    eng.add_argument("--lr", metavar="LR", type=_float_in(0.0, 10.0), help=f"AdamW learning rate (default {d.lr})")
 
     run = tr.add_argument_group("run")
     run.add_argument("--data", metavar="FILE", help="UTF-8 text file to train on (default: stdlib prose)")
-    run.add_argument("--steps", type=_int_at_least(0), help=f"optimizer steps (default {d.steps})")
-    run.add_argument("--seed", type=_int_at_least(0), help=f"model/data/sample seed (default {d.seed})")
-    run.add_argument("--eval-batches", type=_int_at_least(1),
-                     help=f"held-out batches of --micro-batch sequences (default {d.eval_batches})")
-    run.add_argument("--sample-tokens", type=_int_at_least(0),
+    run.add_argument("--steps", metavar="N", type=_int_at_least(0), help=f"optimizer steps (default {d.steps})")
+    run.add_argument("--seed", metavar="S", type=_int_at_least(0), help=f"model/data/sample seed (default {d.seed})")
+    run.add_argument("--eval-batches", metavar="N", type=_int_at_least(1),
+                     help=f"held-out batches of (micro batch x ranks) sequences (default {d.eval_batches})")
+    run.add_argument("--sample-tokens", metavar="N", type=_int_at_least(0),
                      help=f"bytes to generate after training (default {d.sample_tokens})")
-    run.add_argument("--prompt", help=f"generation prompt (default {d.prompt!r})")
-    run.add_argument("--temperature", type=_float_in(0.0, 100.0, lo_open=False),
+    run.add_argument("--prompt", metavar="TEXT", help=f"generation prompt (default {d.prompt!r})")
+    run.add_argument("--temperature", metavar="T", type=_float_in(0.0, 100.0, lo_open=False),
                      help=f"sampling temperature, 0 = greedy (default {d.temperature})")
 
     mdl = tr.add_argument_group("model")
-    mdl.add_argument("--n-layer", type=_int_at_least(1), help=f"transformer blocks (default {d.n_layer})")
-    mdl.add_argument("--n-head", type=_int_at_least(1), help=f"attention heads (default {d.n_head})")
-    mdl.add_argument("--d-model", type=_int_at_least(1), help=f"model width (default {d.d_model})")
-    mdl.add_argument("--seq-len", type=_int_at_least(1), help=f"context length in bytes (default {d.seq_len})")
+    mdl.add_argument("--n-layer", metavar="L", type=_int_at_least(1), help=f"transformer blocks (default {d.n_layer})")
+    mdl.add_argument("--n-head", metavar="H", type=_int_at_least(1), help=f"attention heads (default {d.n_head})")
+    mdl.add_argument("--d-model", metavar="D", type=_int_at_least(1), help=f"model width (default {d.d_model})")
+    mdl.add_argument("--seq-len", metavar="T", type=_int_at_least(1), help=f"context length in bytes (default {d.seq_len})")
     tr.set_defaults(handler=_cmd_train, parser=tr)
 
     es = sub.add_parser(

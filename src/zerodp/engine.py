@@ -253,6 +253,28 @@ class Engine:
     def reset_comm_report(self) -> None:
         self.ledger.reset()
 
+    # ---- checkpoints (zerodp.checkpoint) ---------------------------------------------------------------
+    def save_checkpoint(self, save_dir: Any, tag: Optional[str] = None,
+                        client_state: Optional[Mapping[str, Any]] = None) -> Any:
+        """Collective: write a sharded checkpoint to ``save_dir/<tag>`` (default ``global_step{N}``) and
+        point ``save_dir/latest`` at it; returns that directory. See :func:`zerodp.checkpoint.save_checkpoint`."""
+        from . import checkpoint
+
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: Any, tag: Optional[str] = None) -> tuple[Any, Any]:
+        """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;
+        returns (checkpoint directory, client_state). See :func:`zerodp.checkpoint.load_checkpoint`."""
+        from . import checkpoint
+
+        return checkpoint.load_checkpoint(self, load_dir, tag)
+
+    def module_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 state dict keyed like ``module.state_dict()``, fresh copies, on every rank."""
+        from . import checkpoint
+
+        return checkpoint.module_state_dict(self)
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import zerodp
-from zerodp import data
+from zerodp import accounting, data
 from zerodp.config import ZeroDPConfig, load_config
 from zerodp.model import GPT, GPTConfig, count_parameters, generate
 
@@ -130,21 +130,22 @@ def resolve_settings(args: argparse.Namespace) -> RunSettings:
 
 
 def evaluate(engine: Any, batches: list[data.Batch]) -> float:
-    """Mean held-out loss (nats per byte) over ``batches``, averaged across ranks.
+    """Mean held-out loss (nats per byte) over ``batches`` of global size ``micro * world_size``.
 
-    Every rank evaluates all batches (they are identical on every rank), so forward-time collectives,
-    if an engine had any, would line up; the final all-reduce only averages identical numbers.
+    Like training, rank ``r`` evaluates its :func:`zerodp.data.rank_slice` of every batch (so every rank
+    runs the same number of forwards) and the per-rank means are averaged: the result equals a
+    single-process evaluation of the whole batches, whatever the world size.
     """
+    rank, world = dist.get_rank(), dist.get_world_size()
     engine.eval()
     total = 0.0
     with torch.no_grad():
-        for x, y in batches:
+        for batch in batches:
+            x, y = data.rank_slice(batch, rank, world)
             _, loss = engine(x, y)
             total += loss.item()
     engine.train()
-    mean = torch.tensor([total / len(batches)], dtype=torch.float64)
-    dist.all_reduce(mean)
-    return float(mean) / dist.get_world_size()
+    return _global_mean(total / len(batches))
 
 
 def _global_mean(value: float) -> float:
@@ -207,7 +208,7 @@ def _run(s: RunSettings, t_start: float) -> None:
     text = data.load_text(s.data, min_bytes=data.min_corpus_bytes(mcfg.seq_len))
     train_tokens, heldout_tokens = data.split(data.encode(text))
     batches = data.GlobalBatches(train_tokens, mcfg.seq_len, micro, world, seed=s.seed)
-    eval_set = data.heldout_batches(heldout_tokens, mcfg.seq_len, micro, s.eval_batches)
+    eval_set = data.heldout_batches(heldout_tokens, mcfg.seq_len, micro * world, s.eval_batches)
 
     torch.manual_seed(s.seed)  # identical initial weights on every rank (the engine also broadcasts)
     model = GPT(mcfg)
@@ -264,7 +265,9 @@ def _run(s: RunSettings, t_start: float) -> None:
         for table in gathered or []:
             print(table)
         print(rule)
-        print(f"communication of rank 0 over the {s.steps} training steps (ZeRO formula: 2 Psi per step)")
+        psi_per_step = accounting.comm_elements_per_step(ecfg.zero_optimization.stage, 1)
+        print(f"communication of rank 0 over the {s.steps} training steps "
+              f"(ZeRO formula: {psi_per_step} Psi per step)")
         print(comm_table)
         print(rule)
         print(f"sample ({s.sample_tokens} bytes, temperature {s.temperature}, seed {s.seed}):")

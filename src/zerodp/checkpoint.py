@@ -1,0 +1,1141 @@
+"""Sharded checkpoints that do not depend on the world size or the ZeRO stage.
+
+[Note: format] A checkpoint is the directory ``save_dir/<tag>/`` (tag ``global_step{N}`` by default):
+
+- ``rank{r}.safetensors``, one per rank of the saving world: the *pieces* that rank owned. A piece is
+  elements ``[start, end)`` of one flattened trainable parameter (named by its first name in
+  ``module.state_dict()``); it is stored as ``param/<name>/<start>-<end>`` (fp32 values) plus one
+  tensor per optimizer-state entry, ``<key>/<name>/<start>-<end>`` (``exp_avg``, ``exp_avg_sq``:
+  ``end - start`` elements; ``step``: a scalar). A parameter that never received a gradient has no
+  state entries. The file also holds the rank's RNG states (``rng/torch_cpu``, ``rng/torch_cuda``) as
+  uint8 tensors. At stage 0 every rank owns everything, so only rank 0 writes pieces.
+- ``model_extra.safetensors`` (rank 0): frozen parameters and persistent buffers, full, native dtype.
+- ``meta.json`` (rank 0, written last): format version, stage, world size, every parameter and buffer
+  (name, shape, numel, dtype, requires_grad, tied aliases), the pieces of every rank file, the
+  optimizer's param groups (names and hyperparameters such as the current lr), ``global_steps``,
+  ``micro_steps`` and the caller's JSON ``client_state``.
+
+Pieces are addressed by parameter name and element range, never by flat-buffer offset, so a
+checkpoint saved by N ranks at any stage loads into M ranks at any stage: each rank assembles the
+ranges it needs now from whichever saved pieces overlap them. Loading never unpickles anything
+(safetensors and JSON only).
+
+[Note: crash safety] Every rank writes into ``save_dir/.tmp-<tag>/``; once all ranks have written
+(a collective that also propagates any rank's failure), rank 0 writes ``meta.json``, renames the
+directory to ``save_dir/<tag>`` (an existing one is moved aside first and removed after) and then
+replaces ``save_dir/latest`` atomically. A process killed at any point before that last replace
+leaves the previous checkpoint and ``latest`` untouched (a save replacing the checkpoint ``latest``
+names, killed between the two renames, is recovered by :func:`resolve_checkpoint`). ``save_dir`` must
+be on a filesystem that every rank sees (a shared one for multi-node runs).
+
+[Note: stage 3] What depends on where parameters live is confined to a :class:`CheckpointLayout`
+(which pieces a rank writes, where loaded values go, how to build the full state dict). Stages 0-2
+share :class:`ReplicatedParamsLayout`; stage 3 registers its own in :data:`LAYOUTS`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Union
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed import ReduceOp
+
+from . import comm
+from .partition import Piece
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+FORMAT = "zerodp-checkpoint"
+VERSION = 1
+META_FILE = "meta.json"
+EXTRA_FILE = "model_extra.safetensors"
+LATEST_FILE = "latest"
+TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+PARAM_KEY = "param"  # key prefix of the fp32 values of a piece
+RNG_PREFIX = "rng/"
+#: param-group options that describe how the optimizer runs, not what it computes: never restored.
+IMPLEMENTATION_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+#: param-group options carried over even when loading into another optimizer class (set by schedulers).
+SCHEDULED_OPTIONS = frozenset({"lr", "initial_lr"})
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written, found or read, or does not fit the engine it is loaded into."""
+
+
+# ---- the records stored in meta.json -------------------------------------------------------------------
+@dataclass(frozen=True)
+class PieceRecord:
+    """Elements ``[start, end)`` of flattened parameter ``name`` saved in one rank file.
+
+    ``state`` maps each optimizer-state key to its stored shape: ``[]`` for a scalar (``step``),
+    ``[end - start]`` for a per-element tensor (``exp_avg``, ``exp_avg_sq``); empty when the parameter
+    had no optimizer state (it never received a gradient).
+    """
+
+    name: str
+    start: int
+    end: int
+    state: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def key(self, kind: str) -> str:
+        """Tensor name in the rank file: ``<kind>/<name>/<start>-<end>`` (kind ``param`` or a state key)."""
+        return f"{kind}/{self.name}/{self.start}-{self.end}"
+
+
+@dataclass
+class RankRecord:
+    """One rank file: its pieces and which RNG states it holds (``torch_cpu``, ``torch_cuda``)."""
+
+    rank: int
+    file: str
+    pieces: list[PieceRecord]
+    rng: list[str]
+
+
+@dataclass
+class TensorRecord:
+    """A parameter or persistent buffer of the module, under its first ``state_dict`` name.
+
+    ``trained``: optimized by the engine, so its values are in the rank files' pieces (fp32);
+    otherwise (frozen parameters, buffers) they are in ``model_extra.safetensors`` in ``dtype``.
+    """
+
+    name: str
+    aliases: list[str]  # every state_dict name of this tensor (tied weights), ``name`` first
+    shape: list[int]
+    numel: int
+    dtype: str  # the module's dtype, e.g. "float32"
+    requires_grad: bool
+    trained: bool
+
+
+@dataclass
+class GroupRecord:
+    """One optimizer param group: its parameters (by name) and hyperparameters (lr, betas, ...)."""
+
+    index: int
+    names: list[str]
+    hyperparameters: dict[str, Any]
+
+
+@dataclass
+class CheckpointMeta:
+    """Everything in ``meta.json``. See the module docstring, [Note: format]."""
+
+    version: int
+    stage: int
+    world_size: int
+    dtype: str  # dtype of the stored piece values
+    optimizer: str
+    params: list[TensorRecord]
+    buffers: list[TensorRecord]
+    state_dict_keys: list[str]  # in module.state_dict() order
+    groups: list[GroupRecord]
+    ranks: list[RankRecord]
+    global_steps: int
+    micro_steps: int
+    client_state: Any
+    torch_version: str = torch.__version__
+    format: str = FORMAT
+
+    def to_json(self) -> str:
+        """Pretty JSON: one line per record, short lists (shapes, names) inline."""
+        d = asdict(self)
+        return _dump_json({"format": d.pop("format"), **d}, "") + "\n"
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "CheckpointMeta":
+        """Parse and check ``meta.json``'s content.
+
+        Raises:
+            CheckpointError: a key is missing or has the wrong type, the format or version is not this
+                one, names repeat, pieces lie outside their parameter or do not cover a trained
+                parameter, or pieces of one parameter disagree on which optimizer state exists.
+        """
+        d = _obj(obj, "meta.json")
+        fmt = _get(d, "format", str, "meta.json")
+        if fmt != FORMAT:
+            raise CheckpointError(f"'format' is {fmt!r}, not {FORMAT!r}")
+        version = _get(d, "version", int, "meta.json")
+        if version != VERSION:
+            raise CheckpointError(f"format version {version} is not supported (this zerodp reads version "
+                                  f"{VERSION})")
+        meta = cls(
+            version=version, stage=_get(d, "stage", int, "meta.json"),
+            world_size=_get(d, "world_size", int, "meta.json"), dtype=_get(d, "dtype", str, "meta.json"),
+            optimizer=_get(d, "optimizer", str, "meta.json"),
+            params=[_tensor_record(x, f"params[{i}]") for i, x in enumerate(_get(d, "params", list, "meta.json"))],
+            buffers=[_tensor_record(x, f"buffers[{i}]") for i, x in enumerate(_get(d, "buffers", list, "meta.json"))],
+            state_dict_keys=_str_list(_get(d, "state_dict_keys", list, "meta.json"), "state_dict_keys"),
+            groups=[_group_record(x, i) for i, x in enumerate(_get(d, "groups", list, "meta.json"))],
+            ranks=[_rank_record(x, i) for i, x in enumerate(_get(d, "ranks", list, "meta.json"))],
+            global_steps=_get(d, "global_steps", int, "meta.json"),
+            micro_steps=_get(d, "micro_steps", int, "meta.json"),
+            client_state=d.get("client_state"), torch_version=str(d.get("torch_version", "")), format=fmt,
+        )
+        meta._check_consistent()
+        return meta
+
+    def _check_consistent(self) -> None:
+        records = self.params + self.buffers
+        names = [r.name for r in records]
+        if len(set(names)) != len(names):
+            raise CheckpointError(f"names repeat in params/buffers: {sorted({n for n in names if names.count(n) > 1})}")
+        aliases = [a for r in records for a in r.aliases]
+        if sorted(aliases) != sorted(self.state_dict_keys) or len(set(aliases)) != len(aliases):
+            raise CheckpointError("the aliases of params and buffers do not match 'state_dict_keys' one to one")
+        for r in records:
+            if r.name not in r.aliases or r.numel != _prod(r.shape):
+                raise CheckpointError(f"record {r.name!r}: name not among its aliases or numel != prod(shape)")
+        if len(self.ranks) != self.world_size or [r.rank for r in self.ranks] != list(range(self.world_size)):
+            raise CheckpointError(f"'ranks' must list ranks 0..{self.world_size - 1} in order")
+        by_name = {r.name: r for r in self.params}
+        covered: dict[str, list[PieceRecord]] = {r.name: [] for r in self.params if r.trained}
+        for rr in self.ranks:
+            for p in rr.pieces:
+                rec = by_name.get(p.name)
+                if rec is None or not rec.trained:
+                    raise CheckpointError(f"{rr.file} holds a piece of {p.name!r}, which is not a trained parameter")
+                if not 0 <= p.start < p.end <= rec.numel:
+                    raise CheckpointError(f"{rr.file}: piece [{p.start}, {p.end}) of {p.name!r} lies outside "
+                                          f"its {rec.numel} elements")
+                for k, shape in p.state.items():
+                    if shape not in ([], [p.numel]):
+                        raise CheckpointError(f"{rr.file}: state {k!r} of {p.name!r} [{p.start}, {p.end}) has "
+                                              f"shape {shape}; expected [] or [{p.numel}]")
+                covered[p.name].append(p)
+        for name, pieces in covered.items():
+            gap = _first_gap(pieces, by_name[name].numel)
+            if gap is not None:
+                raise CheckpointError(f"the saved pieces of parameter {name!r} do not cover its elements "
+                                      f"(elements from {gap} are missing)")
+            kinds = {tuple(sorted(p.state)) for p in pieces}
+            if len(kinds) > 1:
+                raise CheckpointError(f"the pieces of parameter {name!r} disagree on its optimizer state")
+
+
+def _dump_json(v: Any, indent: str) -> str:
+    """Objects whose values are all scalars or lists of scalars go on one line; others are expanded."""
+    def flat(x: Any) -> bool:
+        if isinstance(x, dict):
+            return all(not isinstance(y, (dict, list)) or (isinstance(y, list) and all(map(_scalar, y)))
+                       or (isinstance(y, dict) and all(isinstance(z, list) and all(map(_scalar, z)) for z in y.values()))
+                       for y in x.values())
+        return isinstance(x, list) and all(map(_scalar, x))
+
+    if _scalar(v) or flat(v):
+        return json.dumps(v)
+    inner = indent + " "
+    if isinstance(v, list):
+        return "[\n" + ",\n".join(inner + _dump_json(x, inner) for x in v) + "\n" + indent + "]" if v else "[]"
+    if isinstance(v, dict):
+        if not v:
+            return "{}"
+        items = [f"{inner}{json.dumps(k)}: {_dump_json(x, inner)}" for k, x in v.items()]
+        return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+    return json.dumps(v)
+
+
+def _scalar(x: Any) -> bool:
+    return x is None or isinstance(x, (str, int, float, bool))
+
+
+def _obj(x: Any, where: str) -> dict:
+    if not isinstance(x, dict):
+        raise CheckpointError(f"{where}: expected a JSON object, got {type(x).__name__}")
+    return x
+
+
+def _get(d: dict, key: str, typ: type, where: str) -> Any:
+    if key not in d:
+        raise CheckpointError(f"{where}: missing key {key!r}")
+    v = d[key]
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise CheckpointError(f"{where}: {key!r} should be {typ.__name__}, got {type(v).__name__}")
+    return v
+
+
+def _str_list(v: list, where: str) -> list[str]:
+    if not all(isinstance(x, str) for x in v):
+        raise CheckpointError(f"{where}: expected a list of strings")
+    return list(v)
+
+
+def _int_list(v: Any, where: str) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise CheckpointError(f"{where}: expected a list of integers")
+    return list(v)
+
+
+def _tensor_record(x: Any, where: str) -> TensorRecord:
+    d = _obj(x, where)
+    return TensorRecord(
+        name=_get(d, "name", str, where), aliases=_str_list(_get(d, "aliases", list, where), where),
+        shape=_int_list(_get(d, "shape", list, where), where), numel=_get(d, "numel", int, where),
+        dtype=_get(d, "dtype", str, where), requires_grad=_get(d, "requires_grad", bool, where),
+        trained=_get(d, "trained", bool, where),
+    )
+
+
+def _group_record(x: Any, i: int) -> GroupRecord:
+    where = f"groups[{i}]"
+    d = _obj(x, where)
+    return GroupRecord(index=_get(d, "index", int, where), names=_str_list(_get(d, "names", list, where), where),
+                       hyperparameters=_get(d, "hyperparameters", dict, where))
+
+
+def _rank_record(x: Any, i: int) -> RankRecord:
+    where = f"ranks[{i}]"
+    d = _obj(x, where)
+    pieces = []
+    for j, p in enumerate(_get(d, "pieces", list, where)):
+        pw = f"{where}.pieces[{j}]"
+        pd = _obj(p, pw)
+        state = _get(pd, "state", dict, pw)
+        pieces.append(PieceRecord(_get(pd, "name", str, pw), _get(pd, "start", int, pw), _get(pd, "end", int, pw),
+                                  {str(k): _int_list(v, pw) for k, v in state.items()}))
+    return RankRecord(rank=_get(d, "rank", int, where), file=_get(d, "file", str, where), pieces=pieces,
+                      rng=_str_list(_get(d, "rng", list, where), where))
+
+
+def _prod(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _first_gap(pieces: list[PieceRecord], numel: int) -> Optional[int]:
+    """First element of ``[0, numel)`` no piece covers, or None."""
+    reach = 0
+    for p in sorted(pieces, key=lambda p: p.start):
+        if p.start > reach:
+            return reach
+        reach = max(reach, p.end)
+    return reach if reach < numel else None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---- what depends on the stage: where parameters live --------------------------------------------------
+@dataclass
+class Target:
+    """Elements ``[start, end)`` of flattened state_dict entry ``name`` that this rank holds in ``tensor``
+    (``end - start`` elements, any shape; written with ``copy_``, which casts to its dtype)."""
+
+    name: str
+    start: int
+    end: int
+    tensor: torch.Tensor
+
+
+class CheckpointLayout(Protocol):
+    """Stage-dependent part of saving and loading (see [Note: stage 3])."""
+
+    def saved_pieces(self, engine: "Engine") -> list[Piece]:
+        """The pieces (values and optimizer state) this rank writes to its rank file."""
+
+    def value_targets(self, engine: "Engine") -> list[Target]:
+        """Where this rank keeps trained parameter values: loading fills exactly these ranges."""
+
+    def extra_tensors(self, engine: "Engine") -> dict[str, torch.Tensor]:
+        """Frozen parameters and persistent buffers by first state_dict name, full and live; rank 0's
+        are saved, every rank's are loaded."""
+
+    def full_state_dict(self, engine: "Engine") -> dict[str, torch.Tensor]:
+        """Fresh full copies keyed like ``module.state_dict()``, trained parameters in fp32 (every rank)."""
+
+    def after_load(self, engine: "Engine") -> None:
+        """Runs after new values were copied into :meth:`value_targets` (e.g. re-gather parameters)."""
+
+
+class ReplicatedParamsLayout:
+    """Stages 0-2: every rank holds every parameter in full (views of the flat buffers) and the module's
+    frozen parameters and buffers in full. Pieces are the optimizer's owned ranges; at stage 0 every
+    rank owns everything, so only rank 0 writes them."""
+
+    def saved_pieces(self, engine: "Engine") -> list[Piece]:
+        if engine.stage == 0 and engine.rank != 0:
+            return []
+        return [p for g in engine.groups for p in g.pieces]
+
+    def value_targets(self, engine: "Engine") -> list[Target]:
+        return [Target(s.name, 0, s.numel, g.buffer[s.offset : s.offset + s.numel])
+                for g in engine.groups for s in g.slots]
+
+    def extra_tensors(self, engine: "Engine") -> dict[str, torch.Tensor]:
+        trained = {id(s.param) for g in engine.groups for s in g.slots}
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, t in engine.module.state_dict(keep_vars=True).items():
+            if id(t) in trained or id(t) in seen:
+                continue
+            seen.add(id(t))
+            out[name] = t.data if isinstance(t, torch.nn.Parameter) else t
+        return out
+
+    def full_state_dict(self, engine: "Engine") -> dict[str, torch.Tensor]:
+        trained = {id(s.param) for g in engine.groups for s in g.slots}
+        return {k: v.detach().to(dtype=torch.float32 if id(v) in trained else v.dtype, copy=True)
+                for k, v in engine.module.state_dict(keep_vars=True).items()}
+
+    def after_load(self, engine: "Engine") -> None:
+        pass
+
+
+#: layout per ZeRO stage; stage 3 adds its own.
+LAYOUTS: dict[int, CheckpointLayout] = {0: ReplicatedParamsLayout(), 1: ReplicatedParamsLayout(),
+                                        2: ReplicatedParamsLayout()}
+
+
+def layout_for(engine: "Engine") -> CheckpointLayout:
+    """The :class:`CheckpointLayout` of ``engine``'s stage.
+
+    Raises:
+        NotImplementedError: no layout is registered in :data:`LAYOUTS` for that stage.
+    """
+    try:
+        return LAYOUTS[engine.stage]
+    except KeyError:
+        raise NotImplementedError(f"checkpoints are not implemented for ZeRO stage {engine.stage}: register a "
+                                  "CheckpointLayout in zerodp.checkpoint.LAYOUTS") from None
+
+
+def module_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
+    """Full state dict of ``engine.module`` on every rank, keyed like ``module.state_dict()`` (tied
+    weights under each name, as separate tensors), trained parameters in fp32, buffers included."""
+    return layout_for(engine).full_state_dict(engine)
+
+
+# ---- describing the engine's model -------------------------------------------------------------------
+def describe_model(engine: "Engine") -> tuple[list[TensorRecord], list[TensorRecord], list[str]]:
+    """(parameter records, buffer records, state_dict keys) of ``engine.module`` as it is now."""
+    slot_names = {id(s.param): (s.name, s.shape) for g in engine.groups for s in g.slots}
+    param_ids = {id(p) for p in engine.module.parameters()}
+    sd = engine.module.state_dict(keep_vars=True)
+    aliases: dict[int, list[str]] = {}
+    first: dict[int, torch.Tensor] = {}
+    for k, v in sd.items():
+        aliases.setdefault(id(v), []).append(k)
+        first.setdefault(id(v), v)
+    params, buffers = [], []
+    for i, names in aliases.items():
+        t = first[i]
+        trained = i in slot_names
+        name, shape = slot_names[i] if trained else (names[0], t.shape)
+        rec = TensorRecord(name=name, aliases=[name] + [n for n in names if n != name], shape=list(shape),
+                           numel=_prod(list(shape)), dtype=_dtype_name(t.dtype),
+                           requires_grad=bool(t.requires_grad), trained=trained)
+        (params if i in param_ids else buffers).append(rec)
+    return params, buffers, list(sd.keys())
+
+
+def _optimizer_group_names(engine: "Engine") -> list[list[str]]:
+    """Names of the parameters in each of ``engine.optimizer.param_groups`` (one per flat group)."""
+    return [[s.name for s in engine.groups[i].slots] if i < len(engine.groups) else []
+            for i in range(len(engine.optimizer.param_groups))]
+
+
+def group_hyperparameters(meta: CheckpointMeta, names: list[str]) -> Optional[dict[str, Any]]:
+    """The saved hyperparameters of the optimizer group that held parameters ``names`` (any alias), matched
+    by name, so param groups may be split or numbered differently (other dtype split, stage 3 units);
+    None when no saved group held any of them.
+
+    Raises:
+        CheckpointError: the parameters were in saved groups with different hyperparameters.
+    """
+    canonical = {a: r.name for r in meta.params for a in r.aliases}
+    saved_group = {canonical.get(n, n): g for g in meta.groups for n in g.names}
+    found = {}
+    for n in names:
+        g = saved_group.get(canonical.get(n, n))
+        if g is not None:
+            found.setdefault(g.index, (g, n))
+    hps = {json.dumps({k: v for k, v in g.hyperparameters.items() if k not in IMPLEMENTATION_OPTIONS},
+                      sort_keys=True): (g, n) for g, n in found.values()}
+    if len(hps) > 1:
+        (g1, n1), (g2, n2) = list(hps.values())[:2]
+        raise CheckpointError(f"its parameters {n1!r} and {n2!r} were in saved param groups {g1.index} and "
+                              f"{g2.index} with different hyperparameters; group them as when saving")
+    return next(iter(found.values()))[0].hyperparameters if found else None
+
+
+def _group_records(engine: "Engine") -> list[GroupRecord]:
+    out = []
+    for i, (pg, names) in enumerate(zip(engine.optimizer.param_groups, _optimizer_group_names(engine))):
+        hp = {}
+        for k, v in pg.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor):
+                v = v.item() if v.numel() == 1 else v.tolist()
+            elif isinstance(v, tuple):
+                v = list(v)
+            try:
+                json.dumps(v)
+            except (TypeError, ValueError):
+                continue  # not a hyperparameter we can store; it stays as configured
+            hp[k] = v
+        out.append(GroupRecord(i, names, hp))
+    return out
+
+
+# ---- saving ------------------------------------------------------------------------------------------
+def save_checkpoint(engine: "Engine", save_dir: PathLike, tag: Optional[str] = None,
+                    client_state: Optional[Mapping[str, Any]] = None) -> Path:
+    """Write a checkpoint of ``engine`` to ``save_dir/<tag>`` and point ``save_dir/latest`` at it.
+
+    Collective: every rank of the engine's group must call it with the same ``save_dir`` and ``tag``.
+    See [Note: format] and [Note: crash safety].
+
+    Args:
+        save_dir: directory holding checkpoints (created if needed; visible to every rank).
+        tag: checkpoint name; default ``global_step{engine.global_steps}``. A checkpoint with the same
+            tag is replaced.
+        client_state: JSON-serialisable data returned by :func:`load_checkpoint` (rank 0's is kept; it
+            comes back as JSON does: tuples as lists, non-string dict keys as strings).
+
+    Returns:
+        The checkpoint directory ``save_dir/<tag>``.
+
+    Raises:
+        CheckpointError (on every rank): ``client_state`` is not JSON-serialisable, the tag is not a plain
+            directory name, the engine is in the middle of gradient accumulation, or a rank failed to
+            write (its own rank re-raises the original error); the previous checkpoint is intact.
+    """
+    layout = layout_for(engine)
+    save_dir = Path(save_dir)
+    tag = f"global_step{engine.global_steps}" if tag is None else tag
+    tmp = save_dir / f"{TMP_PREFIX}{tag}"
+    _collectively(engine, "save_checkpoint", lambda: _check_can_save(engine, tag, client_state))
+    _collectively(engine, "save_checkpoint", lambda: _prepare_dir(tmp) if engine.rank == 0 else None)
+    _collectively(engine, "save_checkpoint", lambda: _write_rank_file(engine, layout, tmp))
+    _collectively(engine, "save_checkpoint",
+                  lambda: _finish_save(engine, layout, save_dir, tag, client_state) if engine.rank == 0 else None)
+    return save_dir / tag
+
+
+def _check_can_save(engine: "Engine", tag: str, client_state: Any) -> None:
+    check_tag(tag)
+    if engine.micro_steps % engine.gradient_accumulation_steps != 0:
+        raise CheckpointError(
+            f"save_checkpoint at micro-step {engine.micro_steps} is inside a gradient accumulation window "
+            f"of {engine.gradient_accumulation_steps}: the partial gradients would be lost; save right "
+            "after the engine.step() that updates the parameters")
+    if client_state is not None:
+        try:
+            json.dumps(client_state, allow_nan=True)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"client_state must be JSON-serialisable (dicts, lists, str, numbers, "
+                                  f"bools, None): {e}") from None
+
+
+def check_tag(tag: str) -> str:
+    """Return ``tag`` if it can name a checkpoint directory.
+
+    Raises:
+        CheckpointError: empty, a path (contains a separator), ``.``/``..``, starts with ``.``, or is
+            ``latest``.
+    """
+    if (not isinstance(tag, str) or not tag or tag in (".", "..", LATEST_FILE) or tag.startswith(".")
+            or "/" in tag or os.sep in tag or (os.altsep and os.altsep in tag) or "\n" in tag):
+        raise CheckpointError(f"invalid checkpoint tag {tag!r}: use a plain directory name (not starting "
+                              f"with '.', not {LATEST_FILE!r})")
+    return tag
+
+
+def _prepare_dir(tmp: Path) -> None:
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by an interrupted save
+    tmp.mkdir()
+
+
+def _write_rank_file(engine: "Engine", layout: CheckpointLayout, tmp: Path) -> Path:
+    """Write this rank's pieces and RNG states to ``tmp/rank{r}.safetensors`` (fsynced)."""
+    if not tmp.is_dir():
+        raise CheckpointError(f"rank {engine.rank} does not see {tmp}, which rank 0 created: save_dir must be "
+                              "on a filesystem shared by all ranks")
+    tensors: dict[str, torch.Tensor] = {}
+    for piece in layout.saved_pieces(engine):
+        s = piece.slot
+        rec = PieceRecord(s.name, piece.lo - s.offset, piece.hi - s.offset)
+        tensors[rec.key(PARAM_KEY)] = piece.tensor.detach().to("cpu", torch.float32, copy=True)
+        for k, v in engine.optimizer.state.get(piece.tensor, {}).items():
+            if not isinstance(v, torch.Tensor) or list(v.shape) not in ([], [rec.numel]):
+                raise CheckpointError(f"optimizer state {k!r} of {s.name!r} is {type(v).__name__} "
+                                      f"{list(getattr(v, 'shape', []))}; only scalar tensors and tensors "
+                                      "shaped like the parameter piece can be saved")
+            if k == PARAM_KEY or k == "rng":
+                raise CheckpointError(f"optimizer state key {k!r} collides with a checkpoint key")
+            tensors[rec.key(k)] = v.detach().to("cpu", copy=True)
+    tensors[RNG_PREFIX + "torch_cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors[RNG_PREFIX + "torch_cuda"] = torch.cuda.get_rng_state()
+    path = tmp / _rank_file(engine.rank)
+    save_file(tensors, str(path), metadata={"format": FORMAT, "version": str(VERSION), "rank": str(engine.rank)})
+    _fsync(path)
+    return path
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank{rank}.safetensors"
+
+
+def _scan_rank_file(path: Path, rank: int) -> RankRecord:
+    """Rebuild a rank file's :class:`RankRecord` from its safetensors header (tensor names and shapes)."""
+    pieces: dict[tuple[str, int, int], dict[str, list[int]]] = {}
+    rng = []
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            if key.startswith(RNG_PREFIX):
+                rng.append(key[len(RNG_PREFIX):])
+                continue
+            kind, name, start, end = _parse_key(key)
+            pieces.setdefault((name, start, end), {})[kind] = list(f.get_slice(key).get_shape())
+    records = []
+    for (name, start, end), kinds in sorted(pieces.items()):
+        if kinds.pop(PARAM_KEY, None) is None:
+            raise CheckpointError(f"{path}: piece {name!r} [{start}, {end}) has optimizer state but no values")
+        records.append(PieceRecord(name, start, end, dict(sorted(kinds.items()))))
+    return RankRecord(rank, path.name, records, sorted(rng))
+
+
+def _parse_key(key: str) -> tuple[str, str, int, int]:
+    """``<kind>/<name>/<start>-<end>`` -> (kind, name, start, end); the name may contain '/'."""
+    try:
+        kind, rest = key.split("/", 1)
+        name, span = rest.rsplit("/", 1)
+        start, end = (int(x) for x in span.split("-"))
+    except ValueError:
+        raise CheckpointError(f"unexpected tensor name {key!r} in a rank file") from None
+    return kind, name, start, end
+
+
+def _finish_save(engine: "Engine", layout: CheckpointLayout, save_dir: Path, tag: str,
+                 client_state: Any) -> None:
+    """Rank 0, after every rank wrote its file: extra file, meta.json, rename, ``latest``."""
+    tmp = save_dir / f"{TMP_PREFIX}{tag}"
+    extra = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in layout.extra_tensors(engine).items()}
+    save_file(extra, str(tmp / EXTRA_FILE), metadata={"format": FORMAT, "version": str(VERSION)})
+    _fsync(tmp / EXTRA_FILE)
+    params, buffers, keys = describe_model(engine)
+    ranks = []
+    for r in range(engine.world_size):
+        path = tmp / _rank_file(r)
+        if not path.is_file():
+            raise CheckpointError(f"rank {r} did not write {path}")
+        ranks.append(_scan_rank_file(path, r))
+    meta = CheckpointMeta(
+        version=VERSION, stage=engine.stage, world_size=engine.world_size, dtype="float32",
+        optimizer=type(engine.optimizer).__name__, params=params, buffers=buffers, state_dict_keys=keys,
+        groups=_group_records(engine), ranks=ranks, global_steps=engine.global_steps,
+        micro_steps=engine.micro_steps, client_state=client_state,
+    )
+    _write_text(tmp / META_FILE, meta.to_json())
+    _fsync_dir(tmp)
+    _publish(save_dir, tag)
+
+
+def _publish(save_dir: Path, tag: str) -> None:
+    """Rename ``.tmp-<tag>`` to ``<tag>`` (moving an old ``<tag>`` aside), then replace ``latest``."""
+    final, tmp = save_dir / tag, save_dir / f"{TMP_PREFIX}{tag}"
+    if final.exists():
+        os.replace(final, save_dir / f"{OLD_PREFIX}{tag}-{uuid.uuid4().hex[:8]}")
+    os.replace(tmp, final)
+    _fsync_dir(save_dir)
+    _write_latest(save_dir, tag)
+    for old in save_dir.glob(f"{OLD_PREFIX}{tag}-*"):  # this one, and any left by a killed save
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_latest(save_dir: Path, tag: str) -> None:
+    _write_text(save_dir / LATEST_FILE, tag)
+    _fsync_dir(save_dir)
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Replace ``path`` atomically with ``text`` (write ``path.tmp``, fsync, os.replace)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync(path)
+    except OSError:  # some filesystems cannot fsync a directory
+        pass
+
+
+def _collectively(engine: "Engine", what: str, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on every rank, then synchronise: if it raised on any rank, raise on every rank
+    (the failing rank re-raises its own error, the others a :class:`CheckpointError`). Acts as a
+    barrier, so no rank hangs in a later collective when another failed."""
+    error: Optional[BaseException] = None
+    result = None
+    try:
+        result = fn()
+    except Exception as e:  # re-raised below, after every rank knows
+        error = e
+    failed = error is not None
+    if engine.world_size > 1:
+        flag = torch.tensor([int(failed)], dtype=torch.int32, device=_comm_device(engine))
+        comm.all_reduce(flag, engine.process_group, engine.ledger, "checkpoint", op=ReduceOp.MAX)
+        failed = bool(flag.item())
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"{what} failed on another rank (see that rank's error); nothing was changed here")
+    return result
+
+
+def _comm_device(engine: "Engine") -> torch.device:
+    if dist.get_backend(engine.process_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---- finding and reading -----------------------------------------------------------------------------
+def resolve_checkpoint(checkpoint_dir: PathLike, tag: Optional[str] = None) -> Path:
+    """The checkpoint directory for ``tag`` in ``checkpoint_dir`` (``latest``'s tag when None).
+
+    ``checkpoint_dir`` may also be a checkpoint directory itself (one holding ``meta.json``) when
+    ``tag`` is None. If ``<tag>`` is missing because a save replacing it was killed mid-rename, the
+    complete new (``.tmp-<tag>``) or old (``.old-<tag>-*``) directory is returned instead.
+
+    Raises:
+        CheckpointError: no ``latest`` file (and no ``meta.json``), an invalid tag, or no such checkpoint.
+    """
+    d = Path(checkpoint_dir)
+    if tag is None:
+        latest = d / LATEST_FILE
+        if latest.is_file():
+            tag = latest.read_text(encoding="utf-8").strip()
+            try:
+                check_tag(tag)
+            except CheckpointError as e:
+                raise CheckpointError(f"{latest} is corrupt: {e}") from None
+        elif (d / META_FILE).is_file():
+            return d
+        else:
+            raise CheckpointError(f"no checkpoint in {d}: it has neither a {LATEST_FILE!r} file nor a "
+                                  f"{META_FILE}; pass tag=... to name one")
+    path = d / check_tag(tag)
+    if (path / META_FILE).is_file():
+        return path
+    # A save replacing ``tag`` was killed between moving the old directory aside and renaming the new
+    # one into place: the new one is complete once its meta.json exists (written last), else the old one.
+    for candidate in [d / f"{TMP_PREFIX}{tag}", *sorted(d.glob(f"{OLD_PREFIX}{tag}-*"))]:
+        if not path.exists() and (candidate / META_FILE).is_file():
+            return candidate
+    raise CheckpointError(f"checkpoint {path} does not exist or has no {META_FILE}")
+
+
+def read_meta(path: Path) -> CheckpointMeta:
+    """Parse ``path/meta.json``.
+
+    Raises:
+        CheckpointError: missing, not JSON, or not a valid meta (names the file and the problem).
+    """
+    file = path / META_FILE
+    try:
+        obj = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file} is corrupt (not readable JSON): {e}") from None
+    try:
+        return CheckpointMeta.from_json(obj)
+    except CheckpointError as e:
+        raise CheckpointError(f"{file} is corrupt: {e}") from None
+
+
+class CheckpointReader:
+    """Reads one checkpoint directory: its meta and, lazily, ranges of saved tensors.
+
+    Use as a context manager; :meth:`validate_files` opens every file and checks it against
+    ``meta.json`` before anything is read.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.meta = read_meta(self.path)
+        self.records: dict[str, TensorRecord] = {r.name: r for r in self.meta.params + self.meta.buffers}
+        self.canonical: dict[str, str] = {a: r.name for r in self.records.values() for a in r.aliases}
+        self.pieces: dict[str, list[tuple[RankRecord, PieceRecord]]] = {}
+        for rr in self.meta.ranks:
+            for p in rr.pieces:
+                self.pieces.setdefault(p.name, []).append((rr, p))
+        for v in self.pieces.values():
+            v.sort(key=lambda x: x[1].start)
+        self._files: dict[str, Any] = {}
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._files.clear()
+
+    def _open(self, name: str) -> Any:
+        if name not in self._files:
+            file = self.path / name
+            if not file.is_file():
+                raise CheckpointError(f"checkpoint file {file} is missing")
+            try:
+                self._files[name] = safe_open(str(file), framework="pt")
+            except Exception as e:  # safetensors raises its own error type on truncated/corrupt files
+                raise CheckpointError(f"checkpoint file {file} is truncated or corrupt: {e}") from None
+        return self._files[name]
+
+    def validate_files(self) -> None:
+        """Open every rank file and the extra file; check their tensor names and shapes against meta.json.
+
+        Raises:
+            CheckpointError: a file is missing, truncated or corrupt, or holds other tensors than listed.
+        """
+        for rr in self.meta.ranks:
+            expected: dict[str, Optional[list[int]]] = {RNG_PREFIX + k: None for k in rr.rng}
+            for p in rr.pieces:
+                expected[p.key(PARAM_KEY)] = [p.numel]
+                expected.update({p.key(k): shape for k, shape in p.state.items()})
+            self._check_file(rr.file, expected)
+        extras: dict[str, Optional[list[int]]] = {r.name: r.shape for r in self.records.values() if not r.trained}
+        self._check_file(EXTRA_FILE, extras)
+
+    def _check_file(self, name: str, expected: Mapping[str, Optional[list[int]]]) -> None:
+        f = self._open(name)
+        try:
+            actual = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+        except Exception as e:
+            raise CheckpointError(f"checkpoint file {self.path / name} is corrupt: {e}") from None
+        missing, unexpected = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint file {self.path / name} does not match {META_FILE}: missing "
+                                  f"tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+        for k, shape in expected.items():
+            if shape is not None and actual[k] != shape:
+                raise CheckpointError(f"checkpoint file {self.path / name}: tensor {k!r} has shape {actual[k]}, "
+                                      f"{META_FILE} says {shape}")
+
+    def _read(self, file: str, key: str, lo: Optional[int] = None, hi: Optional[int] = None) -> torch.Tensor:
+        try:
+            f = self._open(file)
+            return f.get_tensor(key) if lo is None else f.get_slice(key)[lo:hi]
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"cannot read {key!r} from {self.path / file}: {e}") from None
+
+    def record(self, name: str) -> TensorRecord:
+        """The record of the tensor that state_dict name ``name`` (any alias) refers to."""
+        return self.records[self.canonical[name]]
+
+    def read_values(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of flattened tensor ``name`` (any alias): fp32 for trained
+        parameters (assembled from the overlapping pieces), the stored dtype otherwise. 1-D."""
+        rec = self.record(name)
+        if not rec.trained:
+            return self._read(EXTRA_FILE, rec.name).reshape(-1)[start:end]
+        return self.read_range(PARAM_KEY, rec.name, start, end, torch.float32)
+
+    def read_range(self, kind: str, name: str, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Per-element tensor ``kind`` (``param`` or a state key) of trained parameter ``name`` (its first
+        name), elements ``[start, end)``, assembled from every overlapping piece."""
+        out = torch.empty(end - start, dtype=dtype)
+        for rr, p in self.pieces.get(name, []):
+            lo, hi = max(start, p.start), min(end, p.end)
+            if lo < hi:
+                out[lo - start : hi - start] = self._read(rr.file, p.key(kind), lo - p.start, hi - p.start)
+        return out
+
+    def read_scalar(self, kind: str, name: str, start: int, end: int) -> torch.Tensor:
+        """Scalar state ``kind`` (``step``) of parameter ``name``, the same in every piece that overlaps
+        ``[start, end)``.
+
+        Raises:
+            CheckpointError: overlapping pieces hold different values.
+        """
+        values = [self._read(rr.file, p.key(kind)) for rr, p in self.pieces.get(name, [])
+                  if max(start, p.start) < min(end, p.end)]
+        if any(not torch.equal(v, values[0]) for v in values[1:]):
+            raise CheckpointError(f"pieces of {name!r} disagree on optimizer state {kind!r}")
+        return values[0]
+
+    def state_kinds(self, name: str) -> dict[str, list[int]]:
+        """Optimizer-state keys (-> shape of the first piece) of trained parameter ``name``; {} if none."""
+        pieces = self.pieces.get(name, [])
+        return dict(pieces[0][1].state) if pieces else {}
+
+    def read_rng(self, rank: int) -> dict[str, torch.Tensor]:
+        rr = self.meta.ranks[rank]
+        return {k: self._read(rr.file, RNG_PREFIX + k) for k in rr.rng}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors keyed like the saved module's ``state_dict()`` (tied names as separate copies):
+        trained parameters in fp32, frozen parameters and buffers in their dtype."""
+        full = {r.name: self.read_values(r.name, 0, r.numel).reshape(r.shape) for r in self.records.values()}
+        out: dict[str, torch.Tensor] = {}
+        for k in self.meta.state_dict_keys:
+            name = self.canonical[k]
+            out[k] = full[name] if k == name else full[name].clone()
+        return out
+
+
+# ---- loading -----------------------------------------------------------------------------------------
+def check_compatible(meta: CheckpointMeta, engine: "Engine") -> None:
+    """Compare the checkpoint's model with ``engine``'s.
+
+    Raises:
+        CheckpointError: listing every difference: names only one side has, tied names that differ,
+            parameter/buffer kind, shape or requires_grad mismatches, or an optimizer param group whose
+            parameters were saved in groups with different hyperparameters.
+    """
+    params, buffers, keys = describe_model(engine)
+    mine = {a: r for r in params + buffers for a in r.aliases}
+    theirs = {a: r for r in meta.params + meta.buffers for a in r.aliases}
+    kind_mine = {a: kind for kind, rs in (("parameter", params), ("buffer", buffers)) for r in rs for a in r.aliases}
+    kind_theirs = {a: kind for kind, rs in (("parameter", meta.params), ("buffer", meta.buffers))
+                   for r in rs for a in r.aliases}
+    problems = []
+    for k in meta.state_dict_keys:
+        if k not in mine:
+            problems.append(f"checkpoint has {kind_theirs[k]} {k!r} that the model lacks")
+    for k in keys:
+        if k not in theirs:
+            problems.append(f"model has {kind_mine[k]} {k!r} missing from checkpoint")
+    for k in keys:
+        if k not in theirs:
+            continue
+        a, b = theirs[k], mine[k]
+        if k != b.name:
+            continue  # report each tensor once, under its first name
+        if sorted(a.aliases) != sorted(b.aliases):
+            problems.append(f"tied names differ: checkpoint ties {sorted(a.aliases)}, model ties {sorted(b.aliases)}")
+        if kind_theirs[k] != kind_mine[k]:
+            problems.append(f"{k!r} is a {kind_theirs[k]} in the checkpoint but a {kind_mine[k]} in the model")
+        elif a.shape != b.shape:
+            problems.append(f"{kind_mine[k]} {k!r} has shape {a.shape} in the checkpoint but {b.shape} in the model")
+        elif kind_mine[k] == "parameter" and a.requires_grad != b.requires_grad:
+            problems.append(f"parameter {k!r} has requires_grad={a.requires_grad} in the checkpoint but "
+                            f"{b.requires_grad} in the model")
+    if not problems:
+        for i, names in enumerate(_optimizer_group_names(engine)):
+            try:
+                group_hyperparameters(meta, names)
+            except CheckpointError as e:
+                problems.append(f"optimizer param group {i}: {e}")
+    if problems:
+        raise CheckpointError("; ".join(problems))
+
+
+@dataclass
+class _StagedLoad:
+    """Everything read from a checkpoint, ready to be copied in (nothing touched yet)."""
+
+    path: Path
+    meta: CheckpointMeta
+    values: list[tuple[torch.Tensor, torch.Tensor]]  # (live tensor, new values)
+    states: list[tuple[torch.Tensor, Optional[dict[str, torch.Tensor]]]]  # (optimizer param, new state)
+    rng: dict[str, torch.Tensor]
+    hyperparameters: list[Optional[dict[str, Any]]]  # per optimizer param group; None: leave as is
+
+
+def _stage_load(engine: "Engine", layout: CheckpointLayout, reader: CheckpointReader) -> _StagedLoad:
+    values = []
+    for t in layout.value_targets(engine):
+        values.append((t.tensor, reader.read_values(t.name, t.start, t.end).reshape(t.tensor.shape)))
+    for name, live in layout.extra_tensors(engine).items():
+        values.append((live, reader.read_values(name, 0, live.numel()).reshape(live.shape)))
+    groups_by_piece = {}
+    for pg in engine.optimizer.param_groups:
+        for p in pg["params"]:
+            groups_by_piece[id(p)] = pg
+    states: list[tuple[torch.Tensor, Optional[dict[str, torch.Tensor]]]] = []
+    for g in engine.groups:
+        for piece in g.pieces:
+            rec = reader.record(piece.slot.name)
+            start, end = piece.lo - piece.slot.offset, piece.hi - piece.slot.offset
+            kinds = reader.state_kinds(rec.name) if rec.trained else {}
+            if not kinds:
+                states.append((piece.tensor, None))
+                continue
+            pg = groups_by_piece[id(piece.tensor)]
+            on_device = bool(pg.get("capturable") or pg.get("fused"))
+            st: dict[str, torch.Tensor] = {}
+            for k, shape in kinds.items():
+                if shape == []:
+                    v = reader.read_scalar(k, rec.name, start, end)
+                    st[k] = v.to(piece.tensor.device) if on_device else v
+                else:
+                    st[k] = reader.read_range(k, rec.name, start, end, piece.tensor.dtype).to(piece.tensor.device)
+            states.append((piece.tensor, st))
+    rng = reader.read_rng(engine.rank) if reader.meta.world_size == engine.world_size else {}
+    hps = [group_hyperparameters(reader.meta, names) for names in _optimizer_group_names(engine)]
+    return _StagedLoad(reader.path, reader.meta, values, states, rng, hps)
+
+
+def load_checkpoint(engine: "Engine", load_dir: PathLike, tag: Optional[str] = None) -> tuple[Path, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``engine``, any world size or stage.
+
+    Collective: every rank calls it. Every rank reads ``meta.json``, checks it against the engine and
+    every file against ``meta.json``, and reads what it needs into new tensors; only when every rank
+    succeeded are parameters, frozen parameters, buffers, optimizer state (pieces whose parameter had
+    none get none), param-group hyperparameters (matched to the saved groups by parameter name, see
+    :func:`group_hyperparameters`), ``global_steps``, ``micro_steps`` (``global_steps x
+    gradient_accumulation_steps`` if the saved count is not a multiple of this engine's accumulation
+    steps, so the next step is a full accumulation window) and (same world size only) each rank's RNG
+    states replaced. Gradients are zeroed. Resuming at the same world size
+    and stage continues bit-identically.
+
+    Args:
+        load_dir: the ``save_dir`` given to :func:`save_checkpoint` (or a checkpoint directory).
+        tag: checkpoint to load; default the one named by ``load_dir/latest``.
+
+    Returns:
+        (checkpoint directory, the ``client_state`` given to :func:`save_checkpoint`).
+
+    Raises:
+        CheckpointError (on every rank, before anything is changed): no such checkpoint; ``meta.json``
+            missing, corrupt or of another version; a rank file missing, truncated or not matching
+            ``meta.json``; saved pieces not covering a parameter; the model differs (names each
+            missing or extra name, shape or requires_grad mismatch).
+    """
+    layout = layout_for(engine)
+
+    def stage() -> _StagedLoad:
+        path = resolve_checkpoint(load_dir, tag)
+        with CheckpointReader(path) as reader:
+            try:
+                check_compatible(reader.meta, engine)
+            except CheckpointError as e:
+                raise CheckpointError(f"checkpoint {path} does not fit this model: {e}") from None
+            reader.validate_files()
+            return _stage_load(engine, layout, reader)
+
+    staged: _StagedLoad = _collectively(engine, "load_checkpoint", stage)
+    with torch.no_grad():
+        for live, new in staged.values:
+            live.copy_(new)
+    opt = engine.optimizer
+    for param, st in staged.states:
+        opt.state.pop(param, None)
+        if st is not None:
+            opt.state[param] = st
+    same_optimizer = staged.meta.optimizer == type(opt).__name__
+    for pg, hp in zip(opt.param_groups, staged.hyperparameters):
+        if hp is not None:
+            _restore_hyperparameters(pg, hp, same_optimizer)
+    engine.global_steps = staged.meta.global_steps
+    accum = engine.gradient_accumulation_steps
+    micro = staged.meta.micro_steps
+    engine.micro_steps = micro if micro % accum == 0 else staged.meta.global_steps * accum
+    if "torch_cpu" in staged.rng:
+        torch.set_rng_state(staged.rng["torch_cpu"])
+    if "torch_cuda" in staged.rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(staged.rng["torch_cuda"])
+    engine.reducer.zero_grads()
+    layout.after_load(engine)
+    return staged.path, staged.meta.client_state
+
+
+def _restore_hyperparameters(pg: dict[str, Any], hp: Mapping[str, Any], same_optimizer: bool) -> None:
+    """Set ``pg``'s saved options (lr as a scheduler left it, betas, ...) except implementation switches.
+    Across optimizer classes (Adam <-> AdamW) only the learning rate is carried over: the other options
+    mean different things there and stay as configured."""
+    for k, v in hp.items():
+        if k in IMPLEMENTATION_OPTIONS or (not same_optimizer and k not in SCHEDULED_OPTIONS):
+            continue
+        cur = pg.get(k)
+        if isinstance(cur, torch.Tensor):
+            cur.fill_(v)
+        elif isinstance(cur, tuple) or (cur is None and isinstance(v, list)):
+            pg[k] = tuple(v)
+        else:
+            pg[k] = v
+
+
+# ---- consolidation -----------------------------------------------------------------------------------
+def load_full_state_dict(checkpoint_dir: PathLike, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The full state dict stored in a checkpoint (see :meth:`CheckpointReader.full_state_dict`); needs
+    no process group.
+
+    Raises:
+        CheckpointError: as :func:`resolve_checkpoint`, :func:`read_meta` and
+            :meth:`CheckpointReader.validate_files`.
+    """
+    with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
+        reader.validate_files()
+        return reader.full_state_dict()
+
+
+def consolidate(checkpoint_dir: PathLike, out_path: PathLike, tag: Optional[str] = None) -> Path:
+    """Write a checkpoint's full state dict, keyed like ``model.state_dict()`` (every tied name, as its
+    own tensor; buffers included; trained parameters fp32), to one file loadable without zerodp.
+
+    Pure function: no process group, CPU only, reads only the checkpoint's files.
+
+    Args:
+        checkpoint_dir: a ``save_dir`` (its ``latest`` or ``tag`` is used) or a checkpoint directory.
+        out_path: ``*.safetensors`` (``safetensors.torch.load_file``) or ``*.pt``/``*.pth``
+            (``torch.load(weights_only=True)``); written atomically, parent directories created.
+        tag: checkpoint within ``checkpoint_dir``; default ``latest``.
+
+    Returns:
+        ``out_path`` as a Path.
+
+    Raises:
+        CheckpointError: an unknown extension, or the checkpoint cannot be read (see
+            :func:`load_full_state_dict`).
+    """
+    out = Path(out_path)
+    if out.suffix not in (".safetensors", ".pt", ".pth"):
+        raise CheckpointError(f"cannot tell the format of {out}: use a .safetensors or .pt file name")
+    sd = {k: v.contiguous() for k, v in load_full_state_dict(checkpoint_dir, tag).items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    if out.suffix == ".safetensors":
+        save_file(sd, str(tmp), metadata={"format": "pt"})
+    else:
+        torch.save(sd, tmp)
+    _fsync(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+__all__ = [
+    "CheckpointError", "CheckpointMeta", "CheckpointLayout", "ReplicatedParamsLayout", "LAYOUTS",
+    "save_checkpoint", "load_checkpoint", "module_state_dict", "consolidate", "load_full_state_dict",
+    "resolve_checkpoint", "read_meta",
+]

@@ -1,0 +1,415 @@
+"""Per-rank checkpoint test worker, launched by torchrun (see tests/distributed.py).
+
+Same structure as tests/dist_worker.py: one launch per world size runs several scenarios; results go to
+``OUT_DIR/rank{r}.json`` and the pytest side (tests/test_checkpoint.py) asserts on them. Scenarios are
+named ``name`` (run at every stage of ``--stages``) or ``name@stage`` or ``name@stage:arg``; results
+are keyed ``name/stage{S}`` (``name/stage{S}:arg`` with an argument). Checkpoints live under
+``--ckpt-dir``, which the pytest side shares between launches of different world sizes (resharding).
+
+Tolerance metric ("err"): max over elements of |a - b| / (ATOL + RTOL |b|); <= 1 means equal within
+1e-5 relative (fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch import nn
+
+import zerodp
+from zerodp import checkpoint
+from zerodp.checkpoint import consolidate, load_full_state_dict
+
+RTOL, ATOL = 1e-5, 1e-6
+GLOBAL_ROWS = 12  # global batch of the resharding scenarios: the same at world sizes 2, 3 and 4
+
+
+@dataclass
+class Context:
+    ckpt_dir: Path
+    arg: Optional[str]
+
+
+SCENARIOS: dict[str, Callable[[int, Context], dict]] = {}
+
+
+def scenario(fn: Callable[[int, Context], dict]) -> Callable[[int, Context], dict]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        return float("inf")
+    if a.numel() == 0:
+        return 0.0
+    return ((a - b).abs() / (ATOL + RTOL * b.abs())).max().item()
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def world() -> int:
+    return dist.get_world_size()
+
+
+# ---- models (as in tests/dist_worker.py) ---------------------------------------------------------------
+class Zoo(nn.Module):
+    """Odd-sized layers, a scalar parameter, a branch unused on odd steps, a never-used parameter."""
+
+    def __init__(self, d_in: int = 13, hidden: int = 7, d_out: int = 5) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, d_out)
+        self.scale = nn.Parameter(torch.tensor([0.75]))
+        self.branch = nn.Linear(hidden, hidden, bias=False)
+        self.never_used = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.fc2(h) * self.scale
+
+
+class TiedLM(nn.Module):
+    """Embedding and output head share one weight; a persistent and a non-persistent buffer."""
+
+    def __init__(self, vocab: int = 11, d: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("offset", torch.randn(d))
+        self.register_buffer("cache", torch.ones(2), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mix(self.emb(idx) + self.offset)))
+
+
+def zoo_groups(m: Zoo) -> list[dict]:
+    """Two param groups with different lr and weight decay (the same for engine and reference)."""
+    return [{"params": [m.fc1.weight, m.branch.weight, m.fc2.weight], "weight_decay": 0.1},
+            {"params": [m.fc1.bias, m.fc2.bias, m.scale, m.never_used], "weight_decay": 0.0, "lr": 0.01}]
+
+
+def config(stage: int, micro: int, accum: int = 1, bucket: int = 40) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.05}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": 30}}
+
+
+def zoo_engine(stage: int, micro: int, accum: int = 1, seed: int = 1234) -> tuple[Zoo, zerodp.Engine]:
+    torch.manual_seed(seed)
+    model = Zoo()
+    return model, zerodp.initialize(model, config(stage, micro, accum), model_parameters=zoo_groups(model))
+
+
+def make_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(rows, 13, generator=g), torch.randn(rows, 5, generator=g)
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def decay_lr(opt: torch.optim.Optimizer) -> None:
+    """A learning-rate scheduler: the checkpoint must carry the decayed lr."""
+    for g in opt.param_groups:
+        g["lr"] *= 0.9
+
+
+def engine_step(engine: zerodp.Engine, step: int, micro: int, accum: int, noise: bool) -> torch.Tensor:
+    """One optimizer step on this rank's share of the global batch; returns the micro-batch losses.
+    ``noise`` perturbs the inputs with the default (per-rank) RNG, which checkpoints must restore."""
+    n, r = world(), rank()
+    x, y = make_batch(step, micro * n * accum)
+    losses = []
+    for j in range(accum):
+        lo = (j * n + r) * micro
+        xs, ys = x[lo : lo + micro], y[lo : lo + micro]
+        if noise:
+            xs = xs + 0.01 * torch.randn(xs.shape)
+        loss = mse(engine(xs, step % 2 == 0), ys)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    decay_lr(engine.optimizer)
+    return torch.stack(losses)
+
+
+def global_loss(local: torch.Tensor) -> torch.Tensor:
+    total = local.double().sum().reshape(1)
+    dist.all_reduce(total)
+    return total[0] / (world() * local.numel())
+
+
+def reference(seed: int = 1234) -> tuple[Zoo, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    ref = Zoo()
+    return ref, torch.optim.AdamW(zoo_groups(ref), lr=0.02, weight_decay=0.05)
+
+
+def ref_step(ref: Zoo, opt: torch.optim.Optimizer, step: int) -> torch.Tensor:
+    """The same step in plain torch on the whole global batch."""
+    x, y = make_batch(step, GLOBAL_ROWS)
+    opt.zero_grad()
+    loss = mse(ref(x, step % 2 == 0), y)
+    loss.backward()
+    opt.step()
+    decay_lr(opt)
+    return loss.detach()
+
+
+def piece_states(engine: zerodp.Engine) -> list[tuple[str, int, int, dict]]:
+    return [(p.slot.name, p.lo - p.slot.offset, p.hi - p.slot.offset,
+             {k: v.clone() for k, v in engine.optimizer.state.get(p.tensor, {}).items()})
+            for g in engine.groups for p in g.pieces]
+
+
+def same_state_dict(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- scenarios -------------------------------------------------------------------------------------
+@scenario
+def exact_resume(stage: int, ctx: Context) -> dict:
+    """Save after 3 steps, train to 6; a fresh engine loading the checkpoint repeats steps 4-6 exactly."""
+    n_save, n_total, micro, accum = 3, 6, 2, 2
+    d = ctx.ckpt_dir / f"exact-w{world()}-s{stage}"
+    model, engine = zoo_engine(stage, micro, accum)
+    torch.manual_seed(100 + rank())  # per-rank noise streams
+    for step in range(n_save):
+        engine_step(engine, step, micro, accum, noise=True)
+    saved_at = engine.save_checkpoint(d, client_state={"step": n_save, "data": [1, 2.5, "x"]})
+    rng_at_save = torch.get_rng_state()
+    losses = [engine_step(engine, step, micro, accum, noise=True) for step in range(n_save, n_total)]
+    final, states = engine.module_state_dict(), piece_states(engine)
+    lrs = [g["lr"] for g in engine.optimizer.param_groups]
+
+    model2, engine2 = zoo_engine(stage, micro, accum, seed=999)  # fresh, different initial values
+    torch.manual_seed(5)  # a different RNG state: load must restore the saved one
+    path, client_state = engine2.load_checkpoint(d)
+    rng_restored = torch.equal(torch.get_rng_state(), rng_at_save)
+    steps_after_load = (engine2.global_steps, engine2.micro_steps)
+    losses2 = [engine_step(engine2, step, micro, accum, noise=True) for step in range(n_save, n_total)]
+    states2 = piece_states(engine2)
+    return {
+        "path": str(path), "saved_at": str(saved_at), "latest": (d / "latest").read_text(),
+        "client_state": client_state, "rng_restored": rng_restored, "steps_after_load": list(steps_after_load),
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, losses2)),
+        "params_equal": same_state_dict(final, engine2.module_state_dict()),
+        "model_params_equal": all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters())),
+        "states_equal": [s[:3] for s in states] == [s[:3] for s in states2] and all(
+            a[3].keys() == b[3].keys() and all(torch.equal(a[3][k], b[3][k]) for k in a[3])
+            for a, b in zip(states, states2)),
+        "pieces_without_state": sum(1 for s in states2 if not s[3]),
+        "pieces_with_state": sum(1 for s in states2 if s[3]),
+        "lrs_equal": lrs == [g["lr"] for g in engine2.optimizer.param_groups],
+        "steps": [engine2.global_steps, engine2.micro_steps],
+    }
+
+
+@scenario
+def reshard_save(stage: int, ctx: Context) -> dict:
+    """Train 3 steps beside the reference and save to ckpt_dir/reshard-w{N}; loaded by reshard_load."""
+    n = world()
+    micro = GLOBAL_ROWS // n
+    model, engine = zoo_engine(stage, micro)
+    ref, ref_opt = reference()
+    loss_errs = []
+    for step in range(3):
+        local = engine_step(engine, step, micro, 1, noise=False)
+        loss_errs.append(err(global_loss(local), ref_step(ref, ref_opt, step)))
+    engine.save_checkpoint(ctx.ckpt_dir / f"reshard-w{n}", client_state={"world": n, "stage": stage})
+    param_err = max(err(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    return {"loss_err": max(loss_errs), "param_err": param_err}
+
+
+@scenario
+def reshard_load(stage: int, ctx: Context) -> dict:
+    """Load ckpt_dir/reshard-{arg} (another world size and stage) into a fresh engine, check what was
+    loaded against the reference at step 3, then train to step 6 and compare again."""
+    n = world()
+    micro = GLOBAL_ROWS // n
+    src = ctx.ckpt_dir / f"reshard-{ctx.arg}"
+    ref, ref_opt = reference()
+    for step in range(3):
+        ref_step(ref, ref_opt, step)
+    model, engine = zoo_engine(stage, micro, seed=4321)
+    path, client_state = engine.load_checkpoint(src)
+    # exactly what the files hold (bit-identical), and close to the reference
+    exact = same_state_dict(load_full_state_dict(src), engine.module_state_dict())
+    load_param_err = max(err(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    ref_params = dict(ref.named_parameters())
+    state_errs, state_presence_ok, step_ok = [0.0], True, True
+    for name, start, end, st in piece_states(engine):
+        ref_st = ref_opt.state.get(ref_params[name], {})
+        state_presence_ok &= bool(st) == bool(ref_st)
+        if st:
+            step_ok &= float(st["step"]) == float(ref_st["step"])
+            for k in ("exp_avg", "exp_avg_sq"):
+                state_errs.append(err(st[k], ref_st[k].reshape(-1)[start:end]))
+    lrs_equal = [g["lr"] for g in engine.optimizer.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    loaded_steps = engine.global_steps
+    loss_errs = []
+    for step in range(3, 6):
+        local = engine_step(engine, step, micro, 1, noise=False)
+        loss_errs.append(err(global_loss(local), ref_step(ref, ref_opt, step)))
+    param_err = max(err(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    return {"client_state": client_state, "exact": exact, "load_param_err": load_param_err,
+            "state_err": max(state_errs), "state_presence_ok": state_presence_ok, "step_ok": step_ok,
+            "lrs_equal": lrs_equal, "loaded_steps": loaded_steps, "loss_err": max(loss_errs),
+            "param_err": param_err, "path": str(path)}
+
+
+@scenario
+def consolidate_tied(stage: int, ctx: Context) -> dict:
+    """Tied weights, a frozen parameter, buffers: consolidate() equals the reference's state_dict."""
+    n, micro = world(), 3
+    torch.manual_seed(1234)
+    model = TiedLM()
+    model.mix.bias.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    cfg = config(stage, micro, bucket=50)
+    engine = zerodp.initialize(model, cfg)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=0.02, weight_decay=0.05)
+    initial = {k: v.clone() for k, v in ref.state_dict().items()}
+    for step in range(4):
+        g = torch.Generator().manual_seed(1000 + step)
+        x = torch.randint(0, 11, (micro * n, 4), generator=g)
+        y = torch.randint(0, 11, (micro * n, 4), generator=g)
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(x).reshape(-1, 11), y.reshape(-1)).backward()
+        ref_opt.step()
+        lo = rank() * micro
+        out = engine(x[lo : lo + micro])
+        engine.backward(nn.functional.cross_entropy(out.reshape(-1, 11), y[lo : lo + micro].reshape(-1)))
+        engine.step()
+    d = ctx.ckpt_dir / f"tied-w{n}-s{stage}"
+    engine.save_checkpoint(d)
+    if rank() == 0:
+        consolidate(d, d / "out" / "model.safetensors")
+        consolidate(d, d / "out" / "model.pt")
+    dist.barrier()
+    sd = load_file(str(d / "out" / "model.safetensors"))
+    plain = TiedLM()
+    plain.load_state_dict(sd)  # strict: every key of the model's state_dict, nothing else
+    want = ref.state_dict()
+    mine = engine.module_state_dict()
+    pt = torch.load(d / "out" / "model.pt", weights_only=True)
+    return {
+        "keys": sorted(sd), "want_keys": sorted(want), "pt_keys_in_order": list(pt) == list(want),
+        "ref_err": max(err(plain.state_dict()[k], want[k]) for k in want),
+        "equals_module_state_dict": sorted(sd) == sorted(mine) and all(torch.equal(sd[k], mine[k]) for k in sd),
+        "pt_equal": sorted(pt) == sorted(sd) and all(torch.equal(pt[k], sd[k]) for k in sd),
+        "tied_equal": torch.equal(sd["head.weight"], sd["emb.weight"]),
+        "module_state_dict_keys_in_order": list(mine) == list(model.state_dict()),
+        "buffer_equal": torch.equal(sd["offset"], ref.offset),
+        "frozen_equal": torch.equal(sd["mix.bias"], ref.mix.bias.detach()),
+        "moved": max((want[k].float() - initial[k].float()).abs().max().item() for k in want),
+        "output_err": err(plain(torch.arange(8).reshape(2, 4) % 11), ref(torch.arange(8).reshape(2, 4) % 11)),
+    }
+
+
+@scenario
+def crash_safety(stage: int, ctx: Context) -> dict:
+    """Rank 1 dies after writing its file, before the rename: ``latest`` and the previous checkpoint
+    stay intact and load; the next save (and overwriting an existing tag) works."""
+    d = ctx.ckpt_dir / f"crash-w{world()}-s{stage}"
+    micro = 2
+    model, engine = zoo_engine(stage, micro)
+    for step in range(2):
+        engine_step(engine, step, micro, 1, noise=False)
+    engine.save_checkpoint(d)
+    saved = engine.module_state_dict()
+    for step in range(2, 4):
+        engine_step(engine, step, micro, 1, noise=False)
+
+    original = checkpoint._write_rank_file
+
+    def write_then_die(eng, layout, tmp):  # type: ignore[no-untyped-def]
+        path = original(eng, layout, tmp)
+        if rank() == world() - 1:
+            raise RuntimeError(f"simulated crash after writing {path.name}")
+        return path
+
+    checkpoint._write_rank_file = write_then_die
+    try:
+        engine.save_checkpoint(d)
+        crash_error = None
+    except Exception as e:  # every rank must raise
+        crash_error = f"{type(e).__name__}: {e}"
+    finally:
+        checkpoint._write_rank_file = original
+    latest_after_crash = (d / "latest").read_text()
+    listing_after_crash = sorted(os.listdir(d))
+    _, fresh = zoo_engine(stage, micro, seed=7)
+    path, _ = fresh.load_checkpoint(d)
+    previous_loads = same_state_dict(saved, fresh.module_state_dict()) and fresh.global_steps == 2
+
+    engine.save_checkpoint(d)  # the stale .tmp dir is replaced
+    latest_after_retry = (d / "latest").read_text()
+    engine.save_checkpoint(d, tag="global_step2")  # overwrite an existing checkpoint
+    _, fresh2 = zoo_engine(stage, micro, seed=8)
+    fresh2.load_checkpoint(d, tag="global_step2")
+    overwrite_loads = same_state_dict(engine.module_state_dict(), fresh2.module_state_dict())
+    dist.barrier()
+    return {"crash_error": crash_error, "latest_after_crash": latest_after_crash,
+            "listing_after_crash": listing_after_crash, "loaded": path.name, "previous_loads": previous_loads,
+            "latest_after_retry": latest_after_retry, "latest_final": (d / "latest").read_text(),
+            "overwrite_loads": overwrite_loads, "listing_final": sorted(os.listdir(d))}
+
+
+def parse_spec(spec: str, stages: list[int]) -> list[tuple[str, str, int, Optional[str]]]:
+    """``name`` | ``name@S`` | ``name@S:arg`` -> [(result key, name, stage, arg)]."""
+    name, _, rest = spec.partition("@")
+    if not rest:
+        return [(f"{name}/stage{s}", name, s, None) for s in stages]
+    stage, _, arg = rest.partition(":")
+    key = f"{name}/stage{stage}" + (f":{arg}" if arg else "")
+    return [(key, name, int(stage), arg or None)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--stages", default="0,1,2")
+    ap.add_argument("--scenarios", default="all")
+    ap.add_argument("--ckpt-dir", required=True, help="directory shared by every launch of one test session")
+    args = ap.parse_args()
+    zerodp.init_distributed(timeout_s=120)
+    stages = [int(s) for s in args.stages.split(",")]
+    specs = list(SCENARIOS) if args.scenarios == "all" else args.scenarios.split(",")
+    results: dict[str, dict] = {}
+    for spec in specs:
+        for key, name, stage, arg in parse_spec(spec, stages):
+            t0 = time.perf_counter()
+            try:
+                results[key] = {"ok": True, **SCENARIOS[name](stage, Context(Path(args.ckpt_dir), arg))}
+            except Exception:  # recorded and asserted on by pytest
+                results[key] = {"ok": False, "error": traceback.format_exc()}
+            results[key]["seconds"] = time.perf_counter() - t0
+            dist.barrier()
+    with open(os.path.join(args.out, f"rank{rank()}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,451 @@
+"""Sharded checkpoints: exact resume, resharding across world sizes and stages, consolidation, crash
+safety, and refusal of checkpoints that do not fit.
+
+Multi-rank tests: three torchrun launches of tests/ckpt_worker.py share one checkpoint directory, in
+this order: world 4 saves at stage 2; world 2 runs exact resume at stages 0-2, saves at stage 1, loads
+world 4's checkpoint at stage 0, consolidates a tied-weight model and simulates a crash; world 3 loads
+world 2's checkpoint at stage 2. Single-rank tests run in this process (a 1-rank gloo group) or in a
+subprocess that is killed mid-save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch import nn
+
+import zerodp
+from ckpt_worker import TiedLM, Zoo, zoo_groups
+from distributed import run_worker
+from zerodp.checkpoint import CheckpointError, consolidate, load_full_state_dict
+
+WORKER = Path(__file__).with_name("ckpt_worker.py")
+#: (world size, scenarios), run in this order: later launches load earlier launches' checkpoints.
+LAUNCHES = (
+    (4, "reshard_save@2"),
+    (2, "exact_resume@0,exact_resume@1,exact_resume@2,reshard_save@1,reshard_load@0:w4,"
+        "consolidate_tied@2,crash_safety@1"),
+    (3, "reshard_load@2:w2"),
+)
+
+
+# ---- multi-rank ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
+    ckpt_dir = tmp_path_factory.mktemp("ckpt")
+    out: dict[int, list[dict]] = {}
+    for world_size, scenarios in LAUNCHES:
+        out[world_size] = run_worker(world_size, "0", scenarios, worker=WORKER,
+                                     extra_args=["--ckpt-dir", str(ckpt_dir)])
+    return out
+
+
+def per_rank(launches: dict[int, list[dict]], world_size: int, key: str) -> list[dict]:
+    out = [r[key] for r in launches[world_size]]
+    for r, res in enumerate(out):
+        assert res["ok"], f"rank {r} raised:\n{res.get('error')}"
+    return out
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2))
+def test_exact_resume(launches: dict, stage: int) -> None:
+    for r, res in enumerate(per_rank(launches, 2, f"exact_resume/stage{stage}")):
+        assert res["path"] == res["saved_at"] and res["latest"] == "global_step3"
+        assert res["client_state"] == {"step": 3, "data": [1, 2.5, "x"]}
+        assert res["steps_after_load"] == [3, 6]  # global_steps, micro_steps (accumulation 2)
+        assert res["rng_restored"], f"rank {r}: torch CPU RNG state not restored"
+        assert res["lrs_equal"], f"rank {r}: scheduler-changed lr not restored"
+        assert res["losses_equal"], f"rank {r}: losses after resume are not bit-identical"
+        assert res["params_equal"] and res["model_params_equal"], f"rank {r}: parameters not bit-identical"
+        assert res["states_equal"], f"rank {r}: optimizer state not bit-identical"
+        assert res["pieces_with_state"] > 0
+    # 'never_used' never gets a gradient: its piece(s) have no optimizer state after loading either
+    assert sum(res["pieces_without_state"] for res in per_rank(launches, 2, f"exact_resume/stage{stage}")) >= 1
+
+
+@pytest.mark.parametrize("save_world,save_stage,load_world,load_stage",
+                         [(2, 1, 3, 2), (4, 2, 2, 0)])
+def test_reshard(launches: dict, save_world: int, save_stage: int, load_world: int, load_stage: int) -> None:
+    for r, res in enumerate(per_rank(launches, save_world, f"reshard_save/stage{save_stage}")):
+        assert res["loss_err"] <= 1.0 and res["param_err"] <= 1.0, f"saving rank {r} diverged from reference"
+    key = f"reshard_load/stage{load_stage}:w{save_world}"
+    for r, res in enumerate(per_rank(launches, load_world, key)):
+        assert res["client_state"] == {"world": save_world, "stage": save_stage}
+        assert res["exact"], f"rank {r}: loaded parameters differ from the checkpoint's values"
+        assert res["loaded_steps"] == 3
+        assert res["load_param_err"] <= 1.0, f"rank {r}: loaded parameters differ from reference"
+        assert res["state_presence_ok"] and res["step_ok"], f"rank {r}: optimizer state presence/step wrong"
+        assert res["state_err"] <= 1.0, f"rank {r}: exp_avg/exp_avg_sq differ from reference"
+        assert res["lrs_equal"], f"rank {r}: lr not restored"
+        # err <= 1: within 1e-6 + 1e-5 |torch| of plain torch after the same 6 steps
+        assert res["loss_err"] <= 1.0, f"rank {r}: losses after resharding differ (err {res['loss_err']})"
+        assert res["param_err"] <= 1.0, f"rank {r}: parameters after resharding differ (err {res['param_err']})"
+
+
+def test_consolidate_tied_weights(launches: dict) -> None:
+    for r, res in enumerate(per_rank(launches, 2, "consolidate_tied/stage2")):
+        assert res["keys"] == res["want_keys"], "consolidated keys differ from model.state_dict()"
+        assert "cache" not in res["keys"]  # non-persistent buffer
+        assert res["ref_err"] <= 1.0 and res["output_err"] <= 1.0, f"rank {r}: differs from reference"
+        assert res["moved"] > 1e-3, "training did not change the parameters: the comparison is vacuous"
+        assert res["equals_module_state_dict"] and res["module_state_dict_keys_in_order"]
+        assert res["pt_equal"] and res["pt_keys_in_order"]
+        assert res["tied_equal"] and res["buffer_equal"] and res["frozen_equal"]
+
+
+def test_crash_between_rank_writes(launches: dict) -> None:
+    results = per_rank(launches, 2, "crash_safety/stage1")
+    assert results[1]["crash_error"].startswith("RuntimeError: simulated crash")
+    assert "failed on another rank" in results[0]["crash_error"]  # no rank hangs or publishes
+    for res in results:
+        assert res["latest_after_crash"] == "global_step2"
+        assert res["listing_after_crash"] == [".tmp-global_step4", "global_step2", "latest"]
+        assert res["loaded"] == "global_step2" and res["previous_loads"]
+        assert res["latest_after_retry"] == "global_step4"
+        assert res["latest_final"] == "global_step2" and res["overwrite_loads"]
+        assert res["listing_final"] == ["global_step2", "global_step4", "latest"]
+
+
+# ---- single rank, in this process ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def process_group() -> Iterator[None]:
+    """A 1-rank gloo group in the pytest process, torn down (and its env vars removed) afterwards."""
+    if dist.is_initialized():
+        yield
+        return
+    env = dict(os.environ)
+    zerodp.init_distributed()
+    yield
+    dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def zoo_engine(stage: int = 1, model: nn.Module | None = None, accum: int = 1) -> zerodp.Engine:
+    model = Zoo() if model is None else model
+    groups = zoo_groups(model) if type(model) is Zoo else None
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "gradient_accumulation_steps": accum,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 40}}
+    return zerodp.initialize(model, cfg, model_parameters=groups)
+
+
+def train(engine: zerodp.Engine, steps: int = 1) -> None:
+    for i in range(steps):
+        g = torch.Generator().manual_seed(i)
+        engine.backward(engine(torch.randn(3, 13, generator=g)).pow(2).mean())
+        engine.step()
+
+
+@pytest.fixture(scope="module")
+def saved(process_group: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pristine 1-rank stage-1 checkpoint directory (copy it before corrupting it)."""
+    torch.manual_seed(0)
+    engine = zoo_engine()
+    train(engine, 2)
+    d = tmp_path_factory.mktemp("saved")
+    engine.save_checkpoint(d)
+    return d
+
+
+@pytest.fixture
+def ckpt(saved: Path, tmp_path: Path) -> Path:
+    d = tmp_path / "ckpt"
+    shutil.copytree(saved, d)
+    return d
+
+
+def snapshot(engine: zerodp.Engine) -> tuple:
+    state = [(k, {n: v.clone() for n, v in st.items()}) for k, st in engine.optimizer.state.items()]
+    return (engine.module_state_dict(), state, engine.global_steps, engine.micro_steps,
+            [dict((k, v) for k, v in g.items() if k != "params") for g in engine.optimizer.param_groups])
+
+
+def assert_unchanged(engine: zerodp.Engine, before: tuple) -> None:
+    after = snapshot(engine)
+    assert list(before[0]) == list(after[0])
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0]), "parameters changed by a refused load"
+    assert [id(k) for k, _ in before[1]] == [id(k) for k, _ in after[1]], "optimizer state changed"
+    assert all(torch.equal(a[n], b[n]) for (_, a), (_, b) in zip(before[1], after[1]) for n in a)
+    assert before[2:] == after[2:], "steps or hyperparameters changed by a refused load"
+
+
+def refused(engine: zerodp.Engine, d: Path, match: str, **kwargs: str) -> str:
+    before = snapshot(engine)
+    with pytest.raises(CheckpointError, match=match) as info:
+        engine.load_checkpoint(d, **kwargs)
+    assert_unchanged(engine, before)
+    return str(info.value)
+
+
+class Renamed(Zoo):
+    """``fc2`` is called ``fc3``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc3 = self.fc2
+        del self.fc2
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        return self.fc3(h + torch.tanh(self.branch(h))) * self.scale
+
+
+def test_refuses_missing_and_extra_names(process_group: None, ckpt: Path) -> None:
+    engine = zoo_engine(model=Renamed())
+    train(engine)
+    msg = refused(engine, ckpt, "does not fit this model")
+    assert "checkpoint has parameter 'fc2.weight' that the model lacks" in msg
+    assert "model has parameter 'fc3.weight' missing from checkpoint" in msg
+    assert "fc2.bias" in msg and "fc3.bias" in msg
+
+
+def test_refuses_shape_mismatch(process_group: None, ckpt: Path) -> None:
+    engine = zoo_engine(model=Zoo(hidden=8))
+    msg = refused(engine, ckpt, "shape")
+    assert "parameter 'fc1.weight' has shape [7, 13] in the checkpoint but [8, 13] in the model" in msg
+
+
+def test_refuses_requires_grad_mismatch(process_group: None, ckpt: Path) -> None:
+    model = Zoo()
+    model.fc1.bias.requires_grad_(False)
+    engine = zoo_engine(model=model)
+    refused(engine, ckpt, "parameter 'fc1.bias' has requires_grad=True in the checkpoint but False")
+
+
+def test_refuses_different_tying(process_group: None, ckpt: Path, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    tied = zoo_engine(model=TiedLM())
+    tied.save_checkpoint(tmp_path / "tied")
+    untied = TiedLM()
+    untied.head.weight = nn.Parameter(untied.emb.weight.detach().clone())
+    refused(zoo_engine(model=untied), tmp_path / "tied", r"tied names differ: checkpoint ties \['emb.weight', "
+            r"'head.weight'\], model ties \['emb.weight'\]")
+
+
+def corrupt_meta(d: Path, edit: Callable[[dict], None]) -> None:
+    meta_file = d / "global_step2" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    edit(meta)
+    meta_file.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("garbage", r"meta.json is corrupt \(not readable JSON\)"),
+    ("missing_key", r"meta.json is corrupt: meta.json: missing key 'ranks'"),
+    ("version", r"format version 99 is not supported"),
+    ("wrong_type", r"'global_steps' should be int, got str"),
+    ("gap", r"the saved pieces of parameter 'fc1.weight' do not cover its elements"),
+    ("deleted", r"global_step2 does not exist or has no meta.json"),
+])
+def test_refuses_corrupt_meta(process_group: None, ckpt: Path, case: str, match: str) -> None:
+    meta_file = ckpt / "global_step2" / "meta.json"
+    if case == "garbage":
+        meta_file.write_text('{"format": "zerodp-checkpoint", "vers')
+    elif case == "missing_key":
+        corrupt_meta(ckpt, lambda m: m.pop("ranks"))
+    elif case == "version":
+        corrupt_meta(ckpt, lambda m: m.update(version=99))
+    elif case == "wrong_type":
+        corrupt_meta(ckpt, lambda m: m.update(global_steps="2"))
+    elif case == "gap":
+        def drop(m: dict) -> None:
+            m["ranks"][0]["pieces"] = [p for p in m["ranks"][0]["pieces"] if p["name"] != "fc1.weight"]
+        corrupt_meta(ckpt, drop)
+    else:
+        meta_file.unlink()
+    engine = zoo_engine()
+    train(engine)
+    refused(engine, ckpt, match)
+
+
+@pytest.mark.parametrize("case", ["truncated", "missing", "extra_file_truncated"])
+def test_refuses_broken_rank_file(process_group: None, ckpt: Path, case: str) -> None:
+    name = "model_extra.safetensors" if case == "extra_file_truncated" else "rank0.safetensors"
+    f = ckpt / "global_step2" / name
+    if case == "missing":
+        f.unlink()
+        match = r"checkpoint file .*rank0.safetensors is missing"
+    else:
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) - 16])
+        match = rf"checkpoint file .*{name} is truncated or corrupt"
+    engine = zoo_engine()
+    train(engine)
+    refused(engine, ckpt, match)
+    with pytest.raises(CheckpointError, match=match):
+        consolidate(ckpt, ckpt / "out.safetensors")
+
+
+def test_refuses_missing_checkpoint(process_group: None, tmp_path: Path, ckpt: Path) -> None:
+    engine = zoo_engine()
+    refused(engine, tmp_path / "nothing-here", "no checkpoint in")
+    refused(engine, ckpt, "does not exist", tag="global_step7")
+    (ckpt / "latest").write_text("../escape")
+    refused(engine, ckpt, "is corrupt: invalid checkpoint tag")
+
+
+def test_killed_while_replacing_a_tag(process_group: None, ckpt: Path) -> None:
+    """Killed between moving the old ``global_step2`` aside and renaming the new one into place."""
+    engine = zoo_engine()
+    os.replace(ckpt / "global_step2", ckpt / ".old-global_step2-1234abcd")
+    path, _ = engine.load_checkpoint(ckpt)
+    assert path.name == ".old-global_step2-1234abcd" and engine.global_steps == 2
+    shutil.copytree(path, ckpt / ".tmp-global_step2")  # the new one, complete: preferred
+    assert engine.load_checkpoint(ckpt)[0].name == ".tmp-global_step2"
+    (ckpt / ".tmp-global_step2" / "meta.json").unlink()  # incomplete: the old one again
+    assert engine.load_checkpoint(ckpt)[0].name == ".old-global_step2-1234abcd"
+
+
+def test_micro_steps_realigned_to_new_accumulation(process_group: None, tmp_path: Path) -> None:
+    engine = zoo_engine()
+    train(engine, 3)
+    engine.save_checkpoint(tmp_path)
+    accumulating = zoo_engine(accum=2)
+    accumulating.load_checkpoint(tmp_path)
+    assert (accumulating.global_steps, accumulating.micro_steps) == (3, 6)  # saved micro_steps 3
+    assert not accumulating.is_gradient_accumulation_boundary()
+
+
+def test_save_refusals_leave_nothing(process_group: None, tmp_path: Path) -> None:
+    engine = zoo_engine()
+    train(engine)
+    with pytest.raises(CheckpointError, match="client_state must be JSON-serialisable"):
+        engine.save_checkpoint(tmp_path, client_state={"tensor": torch.zeros(1)})
+    with pytest.raises(CheckpointError, match="invalid checkpoint tag"):
+        engine.save_checkpoint(tmp_path, tag="a/b")
+    accumulating = zoo_engine(accum=2)
+    accumulating.backward(accumulating(torch.randn(2, 13)).sum())
+    accumulating.step()
+    with pytest.raises(CheckpointError, match="inside a gradient accumulation window"):
+        accumulating.save_checkpoint(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_single_rank_roundtrip_and_consolidate_without_process_group(
+        process_group: None, saved: Path, subprocesses: dict[str, subprocess.CompletedProcess]) -> None:
+    torch.manual_seed(3)
+    engine = zoo_engine(stage=2)
+    path, client_state = engine.load_checkpoint(saved)
+    assert path == saved / "global_step2" and client_state is None and engine.global_steps == 2
+    expected = engine.module_state_dict()
+    assert list(expected) == list(Zoo().state_dict())
+    # consolidated in a fresh interpreter with no process group at all
+    proc = subprocesses["consolidate"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = load_file(str(saved.parent / "consolidated" / "model.safetensors"))
+    assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in got)
+    with pytest.raises(CheckpointError, match="use a .safetensors or .pt"):
+        consolidate(saved, saved.parent / "consolidated" / "model.bin")
+
+
+def test_param_groups_matched_by_name(process_group: None, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    engine = zoo_engine()  # groups: {fc1.weight, branch.weight, fc2.weight} wd 0.1; the rest wd 0.0
+    train(engine)
+    engine.optimizer.param_groups[0]["lr"] = 0.0042  # as a scheduler would
+    engine.save_checkpoint(tmp_path)
+    # one group holding parameters that were saved with different hyperparameters: refused
+    model = Zoo()
+    merged = zerodp.initialize(model, {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}})
+    refused(merged, tmp_path, r"optimizer param group 0: its parameters .* were in saved param groups 0 and 1 "
+                              "with different hyperparameters")
+    # the first saved group split in two, in another order: each gets the saved hyperparameters
+    m = Zoo()
+    split = [{"params": [m.fc1.bias, m.fc2.bias, m.scale, m.never_used], "weight_decay": 0.5},
+             {"params": [m.fc2.weight], "weight_decay": 0.5},
+             {"params": [m.fc1.weight, m.branch.weight], "weight_decay": 0.5, "lr": 1.0}]
+    regrouped = zerodp.initialize(m, {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 1}},
+                                  model_parameters=split)
+    regrouped.load_checkpoint(tmp_path)
+    got = [(g["lr"], g["weight_decay"]) for g in regrouped.optimizer.param_groups]
+    assert got == [(0.01, 0.0), (0.0042, 0.1), (0.0042, 0.1)]
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    import torch, zerodp
+    from safetensors.torch import save_file
+    from zerodp import checkpoint
+    d, point = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    engine = zerodp.initialize(torch.nn.Linear(4, 3), {"zero_optimization": {"stage": 2}})
+    def train():
+        engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+        engine.step()
+    train()
+    engine.save_checkpoint(d)
+    save_file(engine.module_state_dict(), os.path.join(d, "expected.safetensors"))
+    train()
+    name = {"rank_file": "_write_rank_file", "latest": "_write_latest"}[point]
+    original = getattr(checkpoint, name)
+    def killed(*args, **kwargs):
+        if point == "rank_file":
+            original(*args, **kwargs)  # the rank file is complete ...
+        else:
+            save_dir, tag = args  # ... or latest.tmp is written but not yet renamed ...
+            with open(os.path.join(save_dir, "latest.tmp"), "w") as f:
+                f.write(tag)
+        os.kill(os.getpid(), signal.SIGKILL)  # ... and the process dies
+    setattr(checkpoint, name, killed)
+    engine.save_checkpoint(d)
+""")
+
+
+@pytest.fixture(scope="module")
+def subprocesses(saved: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
+    """Run, concurrently: KILL_SCRIPT at each kill point (in ``<tmp>/<point>``), and consolidate() of
+    ``saved`` into ``saved.parent/consolidated`` in an interpreter without a process group."""
+    env = {k: v for k, v in os.environ.items()  # not this process's 1-rank group
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    out = saved.parent / "consolidated" / "model.safetensors"
+    consolidate_code = (f"from zerodp.checkpoint import consolidate; import torch.distributed as d; "
+                        f"consolidate({str(saved)!r}, {str(out)!r}); assert not d.is_initialized()")
+    commands = {"consolidate": [sys.executable, "-c", consolidate_code]}
+    for point in KILL_POINTS:
+        commands[point] = [sys.executable, "-c", KILL_SCRIPT, str(tmp_path_factory.mktemp(point)), point]
+    procs = {k: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for k, cmd in commands.items()}
+    done = {}
+    for k, p in procs.items():
+        stdout, stderr = p.communicate(timeout=120)
+        done[k] = subprocess.CompletedProcess(commands[k], p.returncode, stdout, stderr)
+    done["dirs"] = {point: Path(commands[point][3]) for point in KILL_POINTS}  # type: ignore[assignment]
+    return done
+
+
+KILL_POINTS = ("rank_file", "latest")
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_killed_mid_save(process_group: None, subprocesses: dict, point: str) -> None:
+    """A process SIGKILLed after writing its rank file (before the rename), or after the rename but
+    before ``latest`` was replaced: ``latest`` still names the previous checkpoint, which loads."""
+    proc, d = subprocesses[point], subprocesses["dirs"][point]
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert (d / "latest").read_text() == "global_step1"
+    listing = sorted(p.name for p in d.iterdir())
+    if point == "rank_file":
+        assert listing == [".tmp-global_step2", "expected.safetensors", "global_step1", "latest"]
+    else:  # the new checkpoint is complete, but latest was not switched to it
+        assert listing == ["expected.safetensors", "global_step1", "global_step2", "latest", "latest.tmp"]
+        assert load_full_state_dict(d, tag="global_step2").keys() == {"weight", "bias"}
+    torch.manual_seed(9)
+    engine = zerodp.initialize(torch.nn.Linear(4, 3), {"zero_optimization": {"stage": 1}})
+    path, _ = engine.load_checkpoint(d)
+    assert path.name == "global_step1" and engine.global_steps == 1
+    expected = load_file(str(d / "expected.safetensors"))
+    got = engine.module_state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)

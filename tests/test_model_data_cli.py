@@ -1,0 +1,254 @@
+"""Model, data and CLI tests (single process, fast), plus one tiny end-to-end ``zerodp train`` run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zerodp import cli, data
+from zerodp.model import GPT, GPTConfig, count_parameters, generate
+
+CONFIGS = [
+    GPTConfig(),
+    GPTConfig(n_layer=1, n_head=2, d_model=32, seq_len=16),
+    GPTConfig(n_layer=3, n_head=3, d_model=48, seq_len=20, vocab_size=100, tie_embeddings=False),
+    GPTConfig(n_layer=2, n_head=1, d_model=8, seq_len=7, tie_embeddings=False, dropout=0.1),
+]
+
+
+# ---- model -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"L{c.n_layer}D{c.d_model}tie{c.tie_embeddings}")
+def test_count_parameters_matches_module(cfg: GPTConfig) -> None:
+    model = GPT(cfg)
+    assert count_parameters(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def test_tied_head_shares_storage_with_token_embedding() -> None:
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8))
+    assert model.head.weight is model.tok_emb.weight
+    assert model.head.weight.data_ptr() == model.tok_emb.weight.data_ptr()
+    untied = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8, tie_embeddings=False))
+    assert untied.head.weight.data_ptr() != untied.tok_emb.weight.data_ptr()
+
+
+def test_forward_shapes_and_loss() -> None:
+    cfg = GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=12)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    idx = torch.randint(0, 256, (3, 10))
+    logits, loss = model(idx)
+    assert logits.shape == (3, 10, 256) and logits.dtype == torch.float32 and loss is None
+    logits, loss = model(idx, idx)
+    assert loss is not None and loss.shape == () and abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.5
+    with pytest.raises(ValueError, match="seq_len"):
+        model(torch.zeros(1, 13, dtype=torch.long))
+
+
+def test_forward_is_causal() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=8)).eval()
+    a = torch.randint(0, 256, (1, 8))
+    b = a.clone()
+    b[0, 5:] = (b[0, 5:] + 1) % 256
+    la, _ = model(a)
+    lb, _ = model(b)
+    torch.testing.assert_close(la[:, :5], lb[:, :5])
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"d_model": 30, "n_head": 4}, "n_head"),
+    ({"n_layer": 0}, "n_layer"),
+    ({"seq_len": -1}, "seq_len"),
+    ({"vocab_size": 2.5}, "vocab_size"),
+    ({"dropout": 1.0}, "dropout"),
+    ({"tie_embeddings": "yes"}, "tie_embeddings"),
+])
+def test_config_validation_names_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"GPTConfig.{field}"):
+        GPTConfig(**kwargs)
+
+
+def test_config_from_dict_rejects_unknown_keys() -> None:
+    with pytest.raises(ValueError, match="allowed fields"):
+        GPTConfig.from_dict({"n_layers": 2})
+
+
+def test_generate_with_callable_crops_context_and_is_seeded() -> None:
+    cfg = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=6)
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    seen: list[int] = []
+
+    def call(idx: torch.Tensor):
+        seen.append(idx.shape[1])
+        return model(idx)
+
+    prompt = torch.tensor([[1, 2, 3]])
+    out1 = generate(call, prompt, 10, top_k=5, generator=torch.Generator().manual_seed(1), seq_len=6)
+    out2 = generate(model, prompt, 10, top_k=5, generator=torch.Generator().manual_seed(1))
+    assert out1.shape == (1, 13) and out1.dtype == torch.long
+    assert torch.equal(out1, out2) and torch.equal(out1[:, :3], prompt)
+    assert max(seen) == 6
+    greedy = generate(model, prompt, 4, temperature=0)
+    assert torch.equal(greedy, generate(model, prompt, 4, temperature=0))
+
+
+# ---- data ------------------------------------------------------------------------------------------
+
+def test_default_corpus_is_large_and_round_trips() -> None:
+    text = data.load_text(None)
+    tokens = data.encode(text)
+    assert tokens.dtype == torch.uint8 and tokens.numel() > 100_000
+    assert data.decode(tokens) == text
+    assert data.decode(data.encode("héllo ✓").long()) == "héllo ✓"
+    assert data.decode(torch.tensor([0xE2, 0x9C])) == "\ufffd"  # cut multi-byte char is replaced
+
+
+def test_load_text_errors(tmp_path) -> None:
+    with pytest.raises(ValueError, match="cannot read"):
+        data.load_text(tmp_path / "missing.txt")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"ok" * 1000 + b"\xff\xfe")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        data.load_text(bad)
+    short = tmp_path / "short.txt"
+    short.write_text("tiny", encoding="utf-8")
+    with pytest.raises(ValueError, match="at least"):
+        data.load_text(short)
+    good = tmp_path / "good.txt"
+    good.write_text("abc " * 500, encoding="utf-8")
+    assert data.load_text(good) == "abc " * 500
+
+
+def test_split_is_contiguous() -> None:
+    tokens = torch.arange(100, dtype=torch.uint8)
+    train, held = data.split(tokens, 0.1)
+    assert train.numel() == 90 and held.numel() == 10
+    assert torch.equal(torch.cat([train, held]), tokens)
+
+
+def test_global_batches_deterministic_and_rank_slices_partition() -> None:
+    tokens = data.encode(data.default_text()[:20_000])
+    world, micro, T = 4, 3, 16
+    a = data.GlobalBatches(tokens, T, micro, world, seed=7)
+    b = data.GlobalBatches(tokens, T, micro, world, seed=7)
+    x, y = a.batch(5)
+    assert x.shape == (micro * world, T) and x.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(x, b.batch(5)[0]) and torch.equal(y, b.batch(5)[1])
+    assert not torch.equal(x, a.batch(6)[0])
+    assert not torch.equal(x, data.GlobalBatches(tokens, T, micro, world, seed=8).batch(5)[0])
+    slices = [data.rank_slice((x, y), r, world) for r in range(world)]
+    assert all(sx.shape == (micro, T) for sx, _ in slices)
+    assert torch.equal(torch.cat([sx for sx, _ in slices]), x)
+    assert torch.equal(torch.cat([sy for _, sy in slices]), y)
+    with pytest.raises(ValueError):
+        data.rank_slice(x, world, world)
+
+
+def test_heldout_batches_deterministic() -> None:
+    held = data.encode(data.default_text()[-5_000:])
+    b1 = data.heldout_batches(held, 32, 4, 3)
+    b2 = data.heldout_batches(held, 32, 4, 3)
+    assert len(b1) == 3 and all(x.shape == (4, 32) for x, _ in b1)
+    assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(b1, b2))
+    with pytest.raises(ValueError, match="seq_len"):
+        data.heldout_batches(held[:10], 32, 1, 1)
+
+
+# ---- estimate CLI ----------------------------------------------------------------------------------
+
+def test_estimate_reproduces_paper_table(capsys) -> None:
+    assert cli.main(["estimate", "--params", "7.5e9", "--dp", "64"]) == 0
+    out = capsys.readouterr().out
+    for want in ("120.0 GB", "31.4 GB", "16.6 GB", "1.9 GB"):
+        assert want in out
+    assert cli.main(["estimate", "--params", "7500000000", "--dp", "64"]) == 0
+    assert capsys.readouterr().out == out
+
+
+def test_estimate_gpt_spec_and_json_file(capsys, tmp_path) -> None:
+    cfg = GPTConfig(n_layer=12, d_model=768, n_head=12, seq_len=1024)
+    cli.main(["estimate", "--params", "gpt:n_layer=12,d_model=768,n_head=12,seq_len=1024", "--dp", "8"])
+    out = capsys.readouterr().out
+    assert f"Psi = {count_parameters(cfg):,}" in out
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"n_layer": 2, "d_model": 64, "n_head": 4, "tie_embeddings": False}))
+    cli.main(["estimate", "--params", str(path), "--dp", "2", "--fp32"])
+    out = capsys.readouterr().out
+    n = count_parameters(GPTConfig(n_layer=2, d_model=64, n_head=4, tie_embeddings=False))
+    assert f"Psi = {n:,}" in out and "K = 8" in out
+
+
+@pytest.mark.parametrize("params", ["abc", "1.5", "0", "-3", "gpt:n_layer", "gpt:d_model=30,n_head=4",
+                                    "gpt:layers=2", "missing.json"])
+def test_estimate_bad_params_errors(params: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["estimate", "--params", params, "--dp", "8"])
+    assert exc.value.code == 2
+    assert "--params" in capsys.readouterr().err
+
+
+def test_train_flag_errors(capsys, tmp_path) -> None:
+    for argv, needle in [(["--stage", "3"], "--stage"), (["--steps", "x"], "--steps"),
+                         (["--config", "c.json", "--stage", "1"], "--config"),
+                         (["--n-head", "3"], "n_head"), (["--data", str(tmp_path / "none")], "cannot read")]:
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["train", *argv])
+        assert exc.value.code == 2
+        assert needle in capsys.readouterr().err
+
+
+def test_launcher_command() -> None:
+    args = cli.build_parser().parse_args(["train", "--nproc", "3", "--steps", "5", "--prompt=-x"])
+    cmd = cli.launcher_command(args)
+    assert cmd[:5] == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"]
+    assert "--standalone" in cmd and cmd[cmd.index("-m", 3):][:3] == ["-m", "zerodp.cli", "train"]
+    assert "--steps=5" in cmd and "--prompt=-x" in cmd and not any(c.startswith("--stage") for c in cmd)
+    args = cli.build_parser().parse_args(["train", "--nnodes", "2", "--node-rank", "1",
+                                          "--master-addr", "10.0.0.1", "--master-port", "29500"])
+    cmd = cli.launcher_command(args)
+    assert "--standalone" not in cmd
+    assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--master-addr") + 1] == "10.0.0.1"
+
+
+# ---- end to end ------------------------------------------------------------------------------------
+
+def test_tiny_train_run_end_to_end() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerodp.cli", "train", "--steps", "3", "--n-layer", "1", "--d-model", "32",
+         "--n-head", "2", "--seq-len", "32", "--eval-batches", "1", "--sample-tokens", "8"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "held-out loss (nats/byte):" in out
+    assert "rank 0/2" in out and "rank 1/2" in out
+    assert "per step:" in out and "= 2.000 Psi" in out
+    assert "sample (8 bytes" in out
+
+
+def test_config_file_sets_engine_and_seed(tmp_path) -> None:
+    from zerodp import train
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1}, "seed": 5,
+    }))
+    args = cli.build_parser().parse_args(["train", "--config", str(path), "--steps", "7"])
+    s = train.resolve_settings(args)
+    assert s.engine_config.zero_optimization.stage == 1 and s.engine_config.gradient_accumulation_steps == 2
+    assert s.seed == 5 and s.steps == 7 and s.model == GPTConfig(**{
+        k: getattr(train.DEFAULTS, k) for k in ("n_layer", "n_head", "d_model", "seq_len")})
+    flags = train.resolve_settings(cli.build_parser().parse_args(["train", "--stage", "0", "--lr", "0.01"]))
+    assert flags.engine_config.zero_optimization.stage == 0
+    assert flags.engine_config.optimizer.params.lr == 0.01 and flags.seed == train.DEFAULTS.seed
