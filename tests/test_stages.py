@@ -143,3 +143,20 @@ def test_stage3_comm_is_three_psi(world_size: int) -> None:
         assert res["elements_per_step"] == 3 * sharded + 2 * p
         assert res["ops"]["reduce_scatter/gradients"][1] == steps * padded
         assert res["ops"]["all_gather/parameters"][1] == steps * (2 * sharded + p)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_stage3_built_under_init_holds_only_its_partition(world_size: int) -> None:
+    for r, res in enumerate(per_rank(world_size, 3, "built_under_init")):
+        assert res["loss_err"] <= 1.0 and res["param_err"] <= 1.0, res
+        assert res["moved"] > 1e-3
+        # right after construction under Init only the small (persistent-size) parameters are held:
+        # 64-element biases x4 + 5 (out.bias) + 5 (scale)
+        assert res["held_after_init"] == 4 * 64 + 5 + 5
+        assert res["held_after_init"] < res["full_elements"] / 10
+        # after training: the partition plus the persistent parameters, nothing gathered
+        assert res["params_measured"] == 4 * (res["shard_elements"] + res["persistent_elements"])
+        # the gathered peak never exceeded the configured live bound (elements x 4 bytes)
+        assert 0 < res["peak_gathered_bytes"] <= 4 * res["max_live"]
+        if world_size > 1:
+            assert res["shard_elements"] <= res["full_elements"] / world_size + 8 * world_size

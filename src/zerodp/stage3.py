@@ -23,7 +23,7 @@ from .hooks import ExternalParameterMode, ModuleStack, register_stage3_hooks
 from .optim import ParamGroupSpec
 from .partition import FlatGroup
 from .sharded import ShardedUnit, ShardState, UnitIndex, shard_unit
-from .zero import _Owner, _register_owner
+from .zero import full_numel, _materialize, _Owner, _pre_sharded_unit, _register_owner
 
 
 class Stage3:
@@ -52,8 +52,8 @@ class Stage3:
                 if id(p) not in assigned:
                     assigned.add(id(p))
                     named.append((f"{mname}.{pname}" if mname else pname, p))
-            persistent += [(n, p) for n, p in named if p.numel() <= threshold]
-            big = [(n, p) for n, p in named if p.numel() > threshold]
+            persistent += [(n, p) for n, p in named if full_numel(p) <= threshold]
+            big = [(n, p) for n, p in named if full_numel(p) > threshold]
             if big:
                 next_index = self._add_unit(mname, big, next_index, spec_of, sync, persistent=False)
         if persistent:
@@ -75,7 +75,15 @@ class Stage3:
 
     def _add_unit(self, name: str, named: list, first: int, spec_of: dict, sync, persistent: bool) -> int:
         groups = [spec_of.get(id(p), -1) for _, p in named]
-        u = shard_unit(name, named, first, groups, self.rank, self.world_size, persistent=persistent, sync=sync)
+        u = None if persistent else _pre_sharded_unit([p for _, p in named])
+        if u is not None:  # built by zero.Init with this exact layout: adopt it as is
+            u.name = name
+            for i, (s, (pname, _), gi) in enumerate(zip(u.slots, named, groups)):
+                s.name, s.index, s.group_index = pname, first + i, gi
+        else:
+            _materialize([p for _, p in named])
+            u = shard_unit(name, named, first, groups, self.rank, self.world_size, persistent=persistent,
+                           sync=sync)
         self.index.units.append(u)
         for s in u.slots:
             self.index.by_param[id(s.param)] = u
