@@ -308,6 +308,40 @@ def test_killed_while_replacing_a_tag(process_group: None, ckpt: Path) -> None:
     assert engine.load_checkpoint(ckpt)[0].name == ".old-global_step2-1234abcd"
 
 
+class Mixed(nn.Module):
+    """A float64 parameter beside float32 ones: one param group spans two flat groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(13, 2)
+        self.w64 = nn.Parameter(torch.randn(13, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum(-1) + (x.double() @ self.w64).float()
+
+
+def test_mixed_dtypes_and_group_order(process_group: None, tmp_path: Path) -> None:
+    def make(seed: int) -> zerodp.Engine:
+        torch.manual_seed(seed)
+        m = Mixed()
+        groups = [{"params": [m.lin.weight, m.w64], "lr": 0.02}, {"params": [m.lin.bias], "weight_decay": 0.0}]
+        return zerodp.initialize(m, {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}},
+                                 model_parameters=groups)
+
+    engine = make(0)
+    assert len(engine.groups) == 3 and len(engine.optimizer.param_groups) == 2
+    train(engine, 2)
+    engine.optimizer.param_groups[1]["lr"] = 0.0033
+    engine.save_checkpoint(tmp_path)
+    fresh = make(1)
+    fresh.load_checkpoint(tmp_path)
+    assert [g["lr"] for g in fresh.optimizer.param_groups] == [0.02, 0.0033]
+    train(engine, 1)
+    train(fresh, 1)
+    a, b = engine.module_state_dict(), fresh.module_state_dict()
+    assert a["w64"].dtype == torch.float64 and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_micro_steps_realigned_to_new_accumulation(process_group: None, tmp_path: Path) -> None:
     engine = zoo_engine()
     train(engine, 3)

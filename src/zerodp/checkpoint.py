@@ -29,8 +29,12 @@ names, killed between the two renames, is recovered by :func:`resolve_checkpoint
 be on a filesystem that every rank sees (a shared one for multi-node runs).
 
 [Note: stage 3] What depends on where parameters live is confined to a :class:`CheckpointLayout`
-(which pieces a rank writes, where loaded values go, how to build the full state dict). Stages 0-2
-share :class:`ReplicatedParamsLayout`; stage 3 registers its own in :data:`LAYOUTS`.
+(which pieces a rank writes, where loaded values go, how to get full values). Stages 0-2 share
+:class:`ReplicatedParamsLayout`; stage 3 registers its own in :data:`LAYOUTS`: the same pieces;
+value targets = each slot's intersection with this rank's shard of its bucket (views of the shard
+buffer, frozen slots included); extra values = gathered frozen unit parameters plus buffers; extra
+targets = buffers (and frozen parameters outside units); full state dict = a clone under
+``zero.GatheredParameters``; after load, re-gather the persistent unit. The format needs no change.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from safetensors.torch import save_file
 from torch.distributed import ReduceOp
 
 from . import comm
-from .partition import Piece
+from .partition import ParamSlot, Piece
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -143,7 +147,7 @@ class CheckpointMeta:
     version: int
     stage: int
     world_size: int
-    dtype: str  # dtype of the stored piece values
+    dtype: str  # dtype of the stored piece values (float32; float64 for a float64 model)
     optimizer: str
     params: list[TensorRecord]
     buffers: list[TensorRecord]
@@ -183,7 +187,8 @@ class CheckpointMeta:
             world_size=_get(d, "world_size", int, "meta.json"), dtype=_get(d, "dtype", str, "meta.json"),
             optimizer=_get(d, "optimizer", str, "meta.json"),
             params=[_tensor_record(x, f"params[{i}]") for i, x in enumerate(_get(d, "params", list, "meta.json"))],
-            buffers=[_tensor_record(x, f"buffers[{i}]") for i, x in enumerate(_get(d, "buffers", list, "meta.json"))],
+            buffers=[_tensor_record(x, f"buffers[{i}]")
+                     for i, x in enumerate(_get(d, "buffers", list, "meta.json"))],
             state_dict_keys=_str_list(_get(d, "state_dict_keys", list, "meta.json"), "state_dict_keys"),
             groups=[_group_record(x, i) for i, x in enumerate(_get(d, "groups", list, "meta.json"))],
             ranks=[_rank_record(x, i) for i, x in enumerate(_get(d, "ranks", list, "meta.json"))],
@@ -198,7 +203,8 @@ class CheckpointMeta:
         records = self.params + self.buffers
         names = [r.name for r in records]
         if len(set(names)) != len(names):
-            raise CheckpointError(f"names repeat in params/buffers: {sorted({n for n in names if names.count(n) > 1})}")
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            raise CheckpointError(f"names repeat in params/buffers: {repeated}")
         aliases = [a for r in records for a in r.aliases]
         if sorted(aliases) != sorted(self.state_dict_keys) or len(set(aliases)) != len(aliases):
             raise CheckpointError("the aliases of params and buffers do not match 'state_dict_keys' one to one")
@@ -213,7 +219,8 @@ class CheckpointMeta:
             for p in rr.pieces:
                 rec = by_name.get(p.name)
                 if rec is None or not rec.trained:
-                    raise CheckpointError(f"{rr.file} holds a piece of {p.name!r}, which is not a trained parameter")
+                    raise CheckpointError(f"{rr.file} holds a piece of {p.name!r}, which is not a trained "
+                                          "parameter")
                 if not 0 <= p.start < p.end <= rec.numel:
                     raise CheckpointError(f"{rr.file}: piece [{p.start}, {p.end}) of {p.name!r} lies outside "
                                           f"its {rec.numel} elements")
@@ -234,12 +241,14 @@ class CheckpointMeta:
 
 def _dump_json(v: Any, indent: str) -> str:
     """Objects whose values are all scalars or lists of scalars go on one line; others are expanded."""
+    def scalars(x: Any) -> bool:
+        return isinstance(x, list) and all(map(_scalar, x))
+
     def flat(x: Any) -> bool:
         if isinstance(x, dict):
-            return all(not isinstance(y, (dict, list)) or (isinstance(y, list) and all(map(_scalar, y)))
-                       or (isinstance(y, dict) and all(isinstance(z, list) and all(map(_scalar, z)) for z in y.values()))
+            return all(_scalar(y) or scalars(y) or (isinstance(y, dict) and all(map(scalars, y.values())))
                        for y in x.values())
-        return isinstance(x, list) and all(map(_scalar, x))
+        return scalars(x)
 
     if _scalar(v) or flat(v):
         return json.dumps(v)
@@ -333,6 +342,16 @@ def _first_gap(pieces: list[PieceRecord], numel: int) -> Optional[int]:
     return reach if reach < numel else None
 
 
+def value_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype in which trained parameter values are stored and consolidated: fp32 (fp64 stays fp64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _parse_dtype(name: str) -> torch.dtype:
+    d = getattr(torch, name, None)
+    return d if isinstance(d, torch.dtype) else torch.float32
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -356,11 +375,16 @@ class CheckpointLayout(Protocol):
         """The pieces (values and optimizer state) this rank writes to its rank file."""
 
     def value_targets(self, engine: "Engine") -> list[Target]:
-        """Where this rank keeps trained parameter values: loading fills exactly these ranges."""
+        """The parameter ranges this rank keeps in its flat buffers: loading fills exactly these."""
 
-    def extra_tensors(self, engine: "Engine") -> dict[str, torch.Tensor]:
-        """Frozen parameters and persistent buffers by first state_dict name, full and live; rank 0's
-        are saved, every rank's are loaded."""
+    def extra_values(self, engine: "Engine") -> dict[str, torch.Tensor]:
+        """Full values of every state_dict entry outside the flat buffers' trained parameters (frozen
+        parameters, persistent buffers) by first state_dict name. Called on every rank when saving (it
+        may gather); rank 0's are written."""
+
+    def extra_targets(self, engine: "Engine") -> dict[str, torch.Tensor]:
+        """The live full tensors, by first state_dict name, that loading fills besides
+        :meth:`value_targets` (frozen parameters and buffers that every rank holds in full)."""
 
     def full_state_dict(self, engine: "Engine") -> dict[str, torch.Tensor]:
         """Fresh full copies keyed like ``module.state_dict()``, trained parameters in fp32 (every rank)."""
@@ -383,8 +407,11 @@ class ReplicatedParamsLayout:
         return [Target(s.name, 0, s.numel, g.buffer[s.offset : s.offset + s.numel])
                 for g in engine.groups for s in g.slots]
 
-    def extra_tensors(self, engine: "Engine") -> dict[str, torch.Tensor]:
-        trained = {id(s.param) for g in engine.groups for s in g.slots}
+    def extra_values(self, engine: "Engine") -> dict[str, torch.Tensor]:
+        return self.extra_targets(engine)
+
+    def extra_targets(self, engine: "Engine") -> dict[str, torch.Tensor]:
+        trained = {id(s.param) for g in engine.groups for s in g.slots}  # all trained at stages 0-2
         out: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for name, t in engine.module.state_dict(keep_vars=True).items():
@@ -395,8 +422,8 @@ class ReplicatedParamsLayout:
         return out
 
     def full_state_dict(self, engine: "Engine") -> dict[str, torch.Tensor]:
-        trained = {id(s.param) for g in engine.groups for s in g.slots}
-        return {k: v.detach().to(dtype=torch.float32 if id(v) in trained else v.dtype, copy=True)
+        trained = {id(s.param) for s in _trained_slots(engine)}
+        return {k: v.detach().to(dtype=value_dtype(v.dtype) if id(v) in trained else v.dtype, copy=True)
                 for k, v in engine.module.state_dict(keep_vars=True).items()}
 
     def after_load(self, engine: "Engine") -> None:
@@ -430,7 +457,8 @@ def module_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
 # ---- describing the engine's model -------------------------------------------------------------------
 def describe_model(engine: "Engine") -> tuple[list[TensorRecord], list[TensorRecord], list[str]]:
     """(parameter records, buffer records, state_dict keys) of ``engine.module`` as it is now."""
-    slot_names = {id(s.param): (s.name, s.shape) for g in engine.groups for s in g.slots}
+    slots = {id(s.param): s for g in engine.groups for s in g.slots}
+    trained_ids = {id(s.param) for s in _trained_slots(engine)}
     param_ids = {id(p) for p in engine.module.parameters()}
     sd = engine.module.state_dict(keep_vars=True)
     aliases: dict[int, list[str]] = {}
@@ -441,19 +469,28 @@ def describe_model(engine: "Engine") -> tuple[list[TensorRecord], list[TensorRec
     params, buffers = [], []
     for i, names in aliases.items():
         t = first[i]
-        trained = i in slot_names
-        name, shape = slot_names[i] if trained else (names[0], t.shape)
+        s = slots.get(i)  # a slot's parameter may be a placeholder (stage 3): take the slot's shape
+        name, shape = (s.name, s.shape) if s is not None else (names[0], t.shape)
         rec = TensorRecord(name=name, aliases=[name] + [n for n in names if n != name], shape=list(shape),
                            numel=_prod(list(shape)), dtype=_dtype_name(t.dtype),
-                           requires_grad=bool(t.requires_grad), trained=trained)
+                           requires_grad=bool(t.requires_grad), trained=i in trained_ids)
         (params if i in param_ids else buffers).append(rec)
     return params, buffers, list(sd.keys())
 
 
 def _optimizer_group_names(engine: "Engine") -> list[list[str]]:
-    """Names of the parameters in each of ``engine.optimizer.param_groups`` (one per flat group)."""
-    return [[s.name for s in engine.groups[i].slots] if i < len(engine.groups) else []
-            for i in range(len(engine.optimizer.param_groups))]
+    """Names of the parameters in each of ``engine.optimizer.param_groups`` (one per user param group,
+    ``ParamSlot.group_index``; a slot of a frozen parameter has none)."""
+    names: list[list[str]] = [[] for _ in engine.optimizer.param_groups]
+    for s in _trained_slots(engine):
+        if 0 <= s.group_index < len(names):
+            names[s.group_index].append(s.name)
+    return names
+
+
+def _trained_slots(engine: "Engine") -> list[ParamSlot]:
+    """Slots of the parameters the optimizer updates (a stage-3 unit also holds frozen ones)."""
+    return [s for g in engine.groups for s in g.slots if s.param.requires_grad]
 
 
 def group_hyperparameters(meta: CheckpointMeta, names: list[str]) -> Optional[dict[str, Any]]:
@@ -529,9 +566,10 @@ def save_checkpoint(engine: "Engine", save_dir: PathLike, tag: Optional[str] = N
     tmp = save_dir / f"{TMP_PREFIX}{tag}"
     _collectively(engine, "save_checkpoint", lambda: _check_can_save(engine, tag, client_state))
     _collectively(engine, "save_checkpoint", lambda: _prepare_dir(tmp) if engine.rank == 0 else None)
+    extra = _collectively(engine, "save_checkpoint", lambda: _copy_extra_values(engine, layout))
     _collectively(engine, "save_checkpoint", lambda: _write_rank_file(engine, layout, tmp))
     _collectively(engine, "save_checkpoint",
-                  lambda: _finish_save(engine, layout, save_dir, tag, client_state) if engine.rank == 0 else None)
+                  lambda: _finish_save(engine, extra, save_dir, tag, client_state) if engine.rank == 0 else None)
     return save_dir / tag
 
 
@@ -571,6 +609,14 @@ def _prepare_dir(tmp: Path) -> None:
     tmp.mkdir()
 
 
+def _copy_extra_values(engine: "Engine", layout: CheckpointLayout) -> dict[str, torch.Tensor]:
+    """Every rank asks the layout (it may gather); rank 0 keeps CPU copies for ``model_extra``."""
+    values = layout.extra_values(engine)
+    if engine.rank != 0:
+        return {}
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in values.items()}
+
+
 def _write_rank_file(engine: "Engine", layout: CheckpointLayout, tmp: Path) -> Path:
     """Write this rank's pieces and RNG states to ``tmp/rank{r}.safetensors`` (fsynced)."""
     if not tmp.is_dir():
@@ -580,14 +626,14 @@ def _write_rank_file(engine: "Engine", layout: CheckpointLayout, tmp: Path) -> P
     for piece in layout.saved_pieces(engine):
         s = piece.slot
         rec = PieceRecord(s.name, piece.lo - s.offset, piece.hi - s.offset)
-        tensors[rec.key(PARAM_KEY)] = piece.tensor.detach().to("cpu", torch.float32, copy=True)
+        tensors[rec.key(PARAM_KEY)] = piece.tensor.detach().to("cpu", value_dtype(piece.tensor.dtype), copy=True)
         for k, v in engine.optimizer.state.get(piece.tensor, {}).items():
             if not isinstance(v, torch.Tensor) or list(v.shape) not in ([], [rec.numel]):
                 raise CheckpointError(f"optimizer state {k!r} of {s.name!r} is {type(v).__name__} "
                                       f"{list(getattr(v, 'shape', []))}; only scalar tensors and tensors "
                                       "shaped like the parameter piece can be saved")
-            if k == PARAM_KEY or k == "rng":
-                raise CheckpointError(f"optimizer state key {k!r} collides with a checkpoint key")
+            if k in (PARAM_KEY, RNG_PREFIX[:-1]) or "/" in k:
+                raise CheckpointError(f"optimizer state key {k!r} collides with checkpoint tensor names")
             tensors[rec.key(k)] = v.detach().to("cpu", copy=True)
     tensors[RNG_PREFIX + "torch_cpu"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -632,11 +678,10 @@ def _parse_key(key: str) -> tuple[str, str, int, int]:
     return kind, name, start, end
 
 
-def _finish_save(engine: "Engine", layout: CheckpointLayout, save_dir: Path, tag: str,
+def _finish_save(engine: "Engine", extra: dict[str, torch.Tensor], save_dir: Path, tag: str,
                  client_state: Any) -> None:
     """Rank 0, after every rank wrote its file: extra file, meta.json, rename, ``latest``."""
     tmp = save_dir / f"{TMP_PREFIX}{tag}"
-    extra = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in layout.extra_tensors(engine).items()}
     save_file(extra, str(tmp / EXTRA_FILE), metadata={"format": FORMAT, "version": str(VERSION)})
     _fsync(tmp / EXTRA_FILE)
     params, buffers, keys = describe_model(engine)
@@ -647,7 +692,8 @@ def _finish_save(engine: "Engine", layout: CheckpointLayout, save_dir: Path, tag
             raise CheckpointError(f"rank {r} did not write {path}")
         ranks.append(_scan_rank_file(path, r))
     meta = CheckpointMeta(
-        version=VERSION, stage=engine.stage, world_size=engine.world_size, dtype="float32",
+        version=VERSION, stage=engine.stage, world_size=engine.world_size,
+        dtype=_dtype_name(value_dtype(engine.groups[0].buffer.dtype if engine.groups else torch.float32)),
         optimizer=type(engine.optimizer).__name__, params=params, buffers=buffers, state_dict_keys=keys,
         groups=_group_records(engine), ranks=ranks, global_steps=engine.global_steps,
         micro_steps=engine.micro_steps, client_state=client_state,
@@ -868,7 +914,7 @@ class CheckpointReader:
         rec = self.record(name)
         if not rec.trained:
             return self._read(EXTRA_FILE, rec.name).reshape(-1)[start:end]
-        return self.read_range(PARAM_KEY, rec.name, start, end, torch.float32)
+        return self.read_range(PARAM_KEY, rec.name, start, end, value_dtype(_parse_dtype(rec.dtype)))
 
     def read_range(self, kind: str, name: str, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """Per-element tensor ``kind`` (``param`` or a state key) of trained parameter ``name`` (its first
@@ -925,7 +971,8 @@ def check_compatible(meta: CheckpointMeta, engine: "Engine") -> None:
     params, buffers, keys = describe_model(engine)
     mine = {a: r for r in params + buffers for a in r.aliases}
     theirs = {a: r for r in meta.params + meta.buffers for a in r.aliases}
-    kind_mine = {a: kind for kind, rs in (("parameter", params), ("buffer", buffers)) for r in rs for a in r.aliases}
+    kind_mine = {a: kind for kind, rs in (("parameter", params), ("buffer", buffers))
+                 for r in rs for a in r.aliases}
     kind_theirs = {a: kind for kind, rs in (("parameter", meta.params), ("buffer", meta.buffers))
                    for r in rs for a in r.aliases}
     problems = []
@@ -942,11 +989,13 @@ def check_compatible(meta: CheckpointMeta, engine: "Engine") -> None:
         if k != b.name:
             continue  # report each tensor once, under its first name
         if sorted(a.aliases) != sorted(b.aliases):
-            problems.append(f"tied names differ: checkpoint ties {sorted(a.aliases)}, model ties {sorted(b.aliases)}")
+            problems.append(f"tied names differ: checkpoint ties {sorted(a.aliases)}, model ties "
+                            f"{sorted(b.aliases)}")
         if kind_theirs[k] != kind_mine[k]:
             problems.append(f"{k!r} is a {kind_theirs[k]} in the checkpoint but a {kind_mine[k]} in the model")
         elif a.shape != b.shape:
-            problems.append(f"{kind_mine[k]} {k!r} has shape {a.shape} in the checkpoint but {b.shape} in the model")
+            problems.append(f"{kind_mine[k]} {k!r} has shape {a.shape} in the checkpoint but {b.shape} in the "
+                            "model")
         elif kind_mine[k] == "parameter" and a.requires_grad != b.requires_grad:
             problems.append(f"parameter {k!r} has requires_grad={a.requires_grad} in the checkpoint but "
                             f"{b.requires_grad} in the model")
@@ -976,7 +1025,7 @@ def _stage_load(engine: "Engine", layout: CheckpointLayout, reader: CheckpointRe
     values = []
     for t in layout.value_targets(engine):
         values.append((t.tensor, reader.read_values(t.name, t.start, t.end).reshape(t.tensor.shape)))
-    for name, live in layout.extra_tensors(engine).items():
+    for name, live in layout.extra_targets(engine).items():
         values.append((live, reader.read_values(name, 0, live.numel()).reshape(live.shape)))
     groups_by_piece = {}
     for pg in engine.optimizer.param_groups:
