@@ -102,6 +102,75 @@ class ZeroConfig(_Strict):
         return v
 
 
+class BF16Config(_Strict):
+    """``bf16``: bfloat16 parameters and gradients, fp32 master weights and optimizer states."""
+
+    enabled: bool = False
+
+
+class FP16Config(_Strict):
+    """``fp16``: float16 parameters and gradients with loss scaling; fp32 master weights."""
+
+    enabled: bool = False
+    loss_scale: float = Field(0.0, ge=0.0, description="0: dynamic loss scaling; > 0: this static scale")
+    initial_scale_power: int = Field(16, ge=0, le=64, description="dynamic: the first scale is 2**this")
+    loss_scale_window: int = Field(1000, gt=0, description="dynamic: clean steps before the scale doubles")
+    hysteresis: int = Field(2, gt=0, description="dynamic: overflows tolerated before the scale halves")
+    min_loss_scale: float = Field(1.0, gt=0.0, description="dynamic: the scale never goes below this")
+
+
+WarmupType = Literal["log", "linear"]
+
+
+class WarmupLRParams(_Strict):
+    """lr(t) = min + (max - min) * gamma(t); gamma = log(t+1)/log(W) or t/W while t < W, then 1."""
+
+    warmup_min_lr: float = Field(0.0, ge=0.0)
+    warmup_max_lr: float = Field(0.001, ge=0.0)
+    warmup_num_steps: int = Field(1000, gt=0)
+    warmup_type: WarmupType = "log"
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    """As WarmupLR, then linear decay: gamma(t) = max(0, (T - t) / (T - W)) for t >= W."""
+
+    total_num_steps: int = Field(..., gt=0)
+
+
+class WarmupCosineLRParams(_Strict):
+    """Ratios of the optimizer's lr: warm up from warmup_min_ratio to 1 over W steps, then cosine
+    from 1 down to cos_min_ratio at T."""
+
+    total_num_steps: int = Field(..., gt=0)
+    warmup_min_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    warmup_num_steps: int = Field(1000, gt=0)
+    cos_min_ratio: float = Field(0.0001, ge=0.0, le=1.0)
+    warmup_type: WarmupType = "log"
+
+
+SCHEDULER_PARAMS: dict[str, type[_Strict]] = {
+    "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams, "WarmupCosineLR": WarmupCosineLRParams,
+}
+
+
+class SchedulerConfig(_Strict):
+    """``scheduler``: one of DeepSpeed's warmup schedules, stepped after every optimizer step."""
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _params_match_type(self) -> "SchedulerConfig":
+        try:
+            SCHEDULER_PARAMS[self.type].model_validate(self.params)
+        except ValidationError as err:
+            raise ValueError(_format_errors(err, SCHEDULER_PARAMS[self.type], prefix="scheduler.params")) from None
+        return self
+
+    def parsed_params(self) -> _Strict:
+        return SCHEDULER_PARAMS[self.type].model_validate(self.params)
+
+
 class ZeroDPConfig(_Strict):
     """Top-level config, DeepSpeed key names. See the README for an example file."""
 
@@ -117,8 +186,17 @@ class ZeroDPConfig(_Strict):
     gradient_clipping: float = Field(
         0.0, ge=0.0, description="max global L2 gradient norm; 0 disables (PyTorch's default)"
     )
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    scheduler: Optional[SchedulerConfig] = None
     seed: Optional[int] = Field(None, ge=0, description="torch.manual_seed applied by initialize()")
     steps_per_print: int = Field(10, gt=0, description="optimizer steps between log lines")
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> "ZeroDPConfig":
+        if self.bf16.enabled and self.fp16.enabled:
+            raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
+        return self
 
     def check_world_size(self, world_size: int) -> None:
         """Raise :class:`ConfigError` if ``train_batch_size`` disagrees with the other batch keys."""
@@ -133,12 +211,14 @@ class ZeroDPConfig(_Strict):
             )
 
 
-def _format_errors(err: ValidationError, model: type[BaseModel]) -> str:
+def _format_errors(err: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
     lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        path = ".".join([prefix] * bool(prefix) + [str(p) for p in e["loc"]]) or "<root>"
         if e["type"] == "extra_forbidden":
             allowed = _allowed_keys(model, e["loc"][:-1])
+            if prefix:
+                return f"unknown key '{path}'; allowed keys here: {', '.join(allowed)}"
             lines.append(f"unknown key '{path}'; allowed keys here: {', '.join(allowed)}")
         else:
             given = e.get("input")

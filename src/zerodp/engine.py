@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from . import comm
 from .accounting import CATEGORIES, FP32_ADAM, BytesPerElement, CommReport, MemoryReport, model_state_bytes
@@ -25,7 +26,10 @@ from .comm import CommLedger
 from .config import ConfigError, ZeroDPConfig, load_config
 from .optim import ParamGroupSpec, build_optimizer, normalize_param_groups
 from .partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
+from .precision import LossScaler, PrecisionPolicy
+from .schedulers import build_scheduler
 from .stage3 import Stage3
+from .zero import register_master_refresh
 from .reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer, PartitionedGradReducer
 
 
@@ -47,6 +51,11 @@ class Engine:
         self.micro_steps = 0  # micro-batches seen
         self.ledger = CommLedger()
         self._global_grad_norm: Optional[float] = None
+        self.precision = PrecisionPolicy.from_config(config)
+        self.loss_scaler: Optional[LossScaler] = LossScaler.from_config(config)
+        self.skipped_steps = 0  # optimizer steps skipped because some rank's gradients overflowed
+        if self.precision.has_master:
+            module.to(self.precision.param_dtype)  # floating parameters and buffers
 
         zc = config.zero_optimization
         self.sharding: Optional[Stage3] = None
@@ -61,6 +70,10 @@ class Engine:
         self._broadcast_from_rank0()
         for g in self.groups:
             assign_pieces(g, self.rank, owns_everything=self.stage == 0)
+            if self.precision.has_master:
+                for piece in g.pieces:
+                    piece.master = piece.tensor.detach().float().clone()
+        self._register_master_refresh()
 
         reducer_args = (self.groups, self.rank, self.world_size, process_group, self.ledger, zc.overlap_comm)
         self.reducer: GradientReducer
@@ -69,9 +82,14 @@ class Engine:
         elif self.stage == 1:
             self.reducer = FullGradReduceScatter(*reducer_args)
         else:
-            self.reducer = PartitionedGradReducer(*reducer_args, contiguous_gradients=zc.contiguous_gradients)
+            self.reducer = PartitionedGradReducer(
+                *reducer_args, contiguous_gradients=zc.contiguous_gradients,
+                accumulate_dtype=torch.float32 if self.precision.has_master else None)
         self.reducer.attach()
         self.optimizer = build_optimizer(config.optimizer, param_groups, self.groups)
+        self.lr_scheduler: Optional[LRScheduler] = None
+        if config.scheduler is not None:
+            self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
         self.ledger.reset()  # the report covers training, not the initial broadcast
 
     # ---- construction ------------------------------------------------------------------------------
@@ -88,6 +106,19 @@ class Engine:
                 buffer = flatten_into(slots, padded)
                 groups.append(FlatGroup(len(groups), buffer, buckets, slots))
         return groups
+
+    def _register_master_refresh(self) -> None:
+        """Let GatheredParameters(modifier_rank=...) edits reach the fp32 master copies."""
+        by_param: dict[int, list] = {}
+        for g in self.groups:
+            for piece in g.pieces:
+                if piece.master is not None:
+                    by_param.setdefault(id(piece.slot.param), []).append(piece)
+        for g in self.groups:
+            for s in g.slots:
+                pieces = by_param.get(id(s.param))
+                if pieces:
+                    register_master_refresh(s.param, lambda ps=pieces: [p.master.copy_(p.tensor) for p in ps])
 
     def _broadcast_from_rank0(self) -> None:
         """Make every rank start from rank 0's parameters and buffers, as DDP does."""
@@ -135,6 +166,8 @@ class Engine:
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
+        if self.loss_scaler is not None:
+            loss = loss * self.loss_scaler.scale
         boundary = self.is_gradient_accumulation_boundary()
         self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
         loss.backward()
@@ -148,18 +181,40 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        present = self.reducer.presence()
+        local_overflow = self.loss_scaler is not None and self._has_inf_or_nan()
+        present, overflow = self.reducer.presence(local_overflow)
+        if overflow:  # every rank skips: parameters and optimizer states stay exactly as they were
+            self.reducer.zero_grads()
+            self.loss_scaler.update(overflow=True)
+            self.skipped_steps += 1
+            self.global_steps += 1
+            self.ledger.steps += 1
+            return
         for g in self.groups:
             for piece in g.pieces:
-                has_grad = bool(present[piece.slot.index])
-                piece.tensor.grad = self.reducer.piece_grad(g, piece.lo, piece.hi) if has_grad else None
+                target = piece.opt_tensor
+                if present[piece.slot.index]:
+                    grad = self.reducer.piece_grad(g, piece.lo, piece.hi)
+                    target.grad = grad if grad.dtype == target.dtype else grad.to(target.dtype)
+                else:
+                    target.grad = None
+        if self.loss_scaler is not None:
+            inv = 1.0 / self.loss_scaler.scale
+            for t in self._opt_grads():
+                t.mul_(inv)
         clip = self.config.gradient_clipping
         if clip > 0:
             self._clip_gradients(clip)
         self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         for g in self.groups:
             for piece in g.pieces:
-                piece.tensor.grad = None
+                piece.opt_tensor.grad = None
+                if piece.master is not None:
+                    piece.tensor.copy_(piece.master)  # cast the update back to the module dtype
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
         if self.sharding is not None:
             self.sharding.after_step()
         elif self.stage >= 1:
@@ -168,9 +223,29 @@ class Engine:
         self.global_steps += 1
         self.ledger.steps += 1
 
+    def _opt_grads(self) -> list[torch.Tensor]:
+        return [p.opt_tensor.grad for g in self.groups for p in g.pieces if p.opt_tensor.grad is not None]
+
+    def _has_inf_or_nan(self) -> bool:
+        """Any inf/nan in the reduced gradients this rank owns (before the cross-rank check)."""
+        for g in self.groups:
+            for piece in g.pieces:
+                if not torch.isfinite(self.reducer.piece_grad(g, piece.lo, piece.hi)).all():
+                    return True
+        return False
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without loss scaling)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def get_lr(self) -> list[float]:
+        """Learning rate of each optimizer param group."""
+        return [g["lr"] for g in self.optimizer.param_groups]
+
     def _clip_gradients(self, max_norm: float) -> None:
         """Scale owned gradients so the global L2 norm is at most ``max_norm`` (clip_grad_norm_)."""
-        grads = [p.tensor.grad for g in self.groups for p in g.pieces if p.tensor.grad is not None]
+        grads = self._opt_grads()
         sq = torch.zeros(1, dtype=torch.float64)
         for gr in grads:
             sq += gr.detach().double().pow(2).sum().cpu()
@@ -211,7 +286,7 @@ class Engine:
         return sum(s.numel for g in self.groups for s in g.slots if s.group_index >= 0 and s.param.requires_grad)
 
     def _bytes_per_element(self) -> BytesPerElement:
-        return FP32_ADAM
+        return self.precision.bytes_per_element
 
     def memory_report(self) -> MemoryReport:
         """Bytes of model state held by this rank, measured from the engine's tensors, beside the
@@ -225,7 +300,9 @@ class Engine:
                 _nbytes(t) for st in self.optimizer.state.values() for t in st.values()
                 if isinstance(t, torch.Tensor)
             ),
-            "master_weights": 0,  # fp32 training: the optimizer updates views of the parameters
+            # fp32 training: none, the optimizer updates views of the parameters
+            "master_weights": sum(_nbytes(p.master) for g in self.groups for p in g.pieces
+                                  if p.master is not None),
             "comm_buffers": held["comm_buffers"],
         }
         formula = model_state_bytes(self.stage, self.numel, self.world_size, self._bytes_per_element())

@@ -85,5 +85,5 @@ def build_optimizer(
     torch_groups: list[dict[str, Any]] = [{"params": [], **s.options} for s in specs] or [{"params": []}]
     for g in groups:
         for piece in g.pieces:
-            torch_groups[piece.slot.group_index]["params"].append(piece.tensor)
+            torch_groups[piece.slot.group_index]["params"].append(piece.opt_tensor)
     return cls(torch_groups, **defaults)

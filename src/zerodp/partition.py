@@ -19,7 +19,7 @@ received no gradient is skipped exactly as torch skips a parameter whose ``.grad
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -66,7 +66,13 @@ class Piece:
     bucket: Bucket
     lo: int  # flat-buffer coordinates, [lo, hi)
     hi: int
-    tensor: torch.Tensor  # 1-D view of the flat buffer, (hi - lo) elements, the optimizer's "param"
+    tensor: torch.Tensor  # 1-D view of the flat buffer (or shard), (hi - lo) elements, module dtype
+    master: Optional[torch.Tensor] = None  # fp32 copy of ``tensor`` in mixed precision, else None
+
+    @property
+    def opt_tensor(self) -> torch.Tensor:
+        """What the optimizer updates: the fp32 master copy if there is one, else the view itself."""
+        return self.master if self.master is not None else self.tensor
 
 
 @dataclass(eq=False)

@@ -103,11 +103,13 @@ class GradientReducer:
         self._drain(0)
         self._reducing = False
 
-    def presence(self) -> torch.Tensor:
-        """All-reduce (MAX) the per-parameter "received a gradient" flags; returns int32[num_params]."""
-        if self.world_size > 1 and self._present.numel():
-            comm.all_reduce(self._present, self.pg, self.ledger, "grad_presence", op=ReduceOp.MAX)
-        return self._present
+    def presence(self, overflow: bool = False) -> tuple[torch.Tensor, bool]:
+        """One small all-reduce (MAX) of the per-parameter "received a gradient" flags and of this
+        rank's overflow flag. Returns (int32[num_params] flags, whether any rank overflowed)."""
+        flags = torch.cat([self._present, torch.tensor([int(overflow)], dtype=torch.int32)])
+        if self.world_size > 1:
+            comm.all_reduce(flags, self.pg, self.ledger, "grad_presence", op=ReduceOp.MAX)
+        return flags[:-1], bool(flags[-1])
 
     def zero_grads(self) -> None:
         """After the optimizer step: forget gradients and presence flags."""
@@ -239,7 +241,8 @@ class PartitionedGradReducer(GradientReducer):
     until the bucket is complete and flattens them then (one copy fewer per element, more memory).
     """
 
-    def __init__(self, *args, contiguous_gradients: bool = True, **kwargs) -> None:
+    def __init__(self, *args, contiguous_gradients: bool = True,
+                 accumulate_dtype: Optional[torch.dtype] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.contiguous = contiguous_gradients
         # owned gradient partition per group: shard of every bucket back to back, 1-D
@@ -250,7 +253,9 @@ class PartitionedGradReducer(GradientReducer):
             for b in g.buckets:
                 self._owned_offsets[(g.index, b.index)] = off
                 off += b.shard_numel
-            self.owned[g.index] = torch.zeros(off, dtype=g.buffer.dtype, device=g.buffer.device)
+            # accumulated across micro-steps in accumulate_dtype (fp32 in mixed precision)
+            dtype = accumulate_dtype or g.buffer.dtype
+            self.owned[g.index] = torch.zeros(off, dtype=dtype, device=g.buffer.device)
         self._staging: dict[int, torch.Tensor] = {}  # id(bucket) -> staging buffer being filled
 
     def _staging_for(self, b: Bucket, g: FlatGroup) -> torch.Tensor:

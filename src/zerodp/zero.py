@@ -55,6 +55,12 @@ class _OwnerRegistry:
 
 #: filled by each stage-3 engine (see :class:`zerodp.stage3.Stage3`).
 _OWNERS = _OwnerRegistry()
+#: parameter -> callable refreshing the fp32 master copies of its pieces after an edit (mixed precision)
+_MASTER_REFRESH = _OwnerRegistry()
+
+
+def register_master_refresh(param: nn.Parameter, refresh) -> None:
+    _MASTER_REFRESH.set(param, refresh)
 
 
 def _register_owner(param: nn.Parameter, owner: _Owner) -> None:
@@ -130,9 +136,14 @@ class GatheredParameters:
             for p in self.params:
                 if id(p) not in partitioned:
                     dist.broadcast(p.data, src=self.modifier_rank)
-        for u, owner in self._units:
-            if modify:
+        if modify:
+            for u, _ in self._units:
                 u.write_back()
+            for p in self.params:
+                refresh = _MASTER_REFRESH.get(p)
+                if refresh is not None:
+                    refresh()
+        for u, owner in self._units:
             u.users -= 1
             if u.users <= 0 and not u.persistent:
                 with _busy(owner):
@@ -242,6 +253,12 @@ class Init:
             if world > 1:
                 comm.broadcast(full, src, self.pg, self.ledger, "init")
 
+        dtype = (torch.bfloat16 if self.config.bf16.enabled
+                 else torch.float16 if self.config.fp16.enabled else None)
+        if dtype is not None:
+            for _, p in named:
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
         unit = shard_unit(name, named, 0, [-1] * len(named), rank, world, sync=sync)
         self.units.append(unit)
         for s in unit.slots:

@@ -1,0 +1,78 @@
+"""DeepSpeed's warmup learning-rate schedules as torch ``LRScheduler`` subclasses.
+
+``t`` is the number of optimizer steps already taken (0 for the first step); ``W`` the warmup steps,
+``T`` the total steps. Warmup factor: ``gamma(t) = log(t + 1) / log(W)`` (``warmup_type="log"``) or
+``t / W`` (``"linear"``) while ``t < W``, then 1.
+
+- WarmupLR:       lr(t) = min + (max - min) * gamma(t)
+- WarmupDecayLR:  as WarmupLR for t < W, then lr(t) = min + (max - min) * max(0, (T - t) / (T - W))
+- WarmupCosineLR: lr(t) = base_lr * r(t), r = warmup_min_ratio + (1 - warmup_min_ratio) * gamma(t)
+                  for t < W, then cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi (t - W)/(T - W))) / 2
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from .config import SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams
+
+
+def warmup_gamma(t: int, warmup_steps: int, warmup_type: str) -> float:
+    if t >= warmup_steps:
+        return 1.0
+    if warmup_type == "log":
+        return math.log(t + 1) / math.log(warmup_steps) if warmup_steps > 1 else 1.0
+    return t / warmup_steps
+
+
+class _ClosedForm(LRScheduler):
+    def lr_at(self, t: int, base_lr: float) -> float:
+        raise NotImplementedError
+
+    def get_lr(self) -> list[float]:  # type: ignore[override]
+        return [self.lr_at(self.last_epoch, base) for base in self.base_lrs]
+
+
+class WarmupLR(_ClosedForm):
+    def __init__(self, optimizer: Optimizer, p: WarmupLRParams, last_epoch: int = -1) -> None:
+        self.p = p
+        super().__init__(optimizer, last_epoch)
+
+    def lr_at(self, t: int, base_lr: float) -> float:
+        p = self.p
+        return p.warmup_min_lr + (p.warmup_max_lr - p.warmup_min_lr) * warmup_gamma(t, p.warmup_num_steps, p.warmup_type)
+
+
+class WarmupDecayLR(WarmupLR):
+    def __init__(self, optimizer: Optimizer, p: WarmupDecayLRParams, last_epoch: int = -1) -> None:
+        super().__init__(optimizer, p, last_epoch)
+
+    def lr_at(self, t: int, base_lr: float) -> float:
+        p = self.p
+        if t < p.warmup_num_steps:
+            return super().lr_at(t, base_lr)
+        gamma = max(0.0, (p.total_num_steps - t) / max(1.0, p.total_num_steps - p.warmup_num_steps))
+        return p.warmup_min_lr + (p.warmup_max_lr - p.warmup_min_lr) * gamma
+
+
+class WarmupCosineLR(_ClosedForm):
+    def __init__(self, optimizer: Optimizer, p: WarmupCosineLRParams, last_epoch: int = -1) -> None:
+        self.p = p
+        super().__init__(optimizer, last_epoch)
+
+    def lr_at(self, t: int, base_lr: float) -> float:
+        p = self.p
+        if t < p.warmup_num_steps:
+            g = warmup_gamma(t, p.warmup_num_steps, p.warmup_type)
+            return base_lr * (p.warmup_min_ratio + (1.0 - p.warmup_min_ratio) * g)
+        span = max(1, p.total_num_steps - p.warmup_num_steps)
+        progress = min(1.0, (t - p.warmup_num_steps) / span)
+        return base_lr * (p.cos_min_ratio + (1.0 - p.cos_min_ratio) * (1.0 + math.cos(math.pi * progress)) / 2.0)
+
+
+def build_scheduler(cfg: SchedulerConfig, optimizer: Optimizer) -> LRScheduler:
+    cls = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}[cfg.type]
+    return cls(optimizer, cfg.parsed_params())
