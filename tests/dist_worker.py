@@ -209,7 +209,8 @@ def compare_training(
     groups: Optional[Callable[[nn.Module], list]] = None, torch_groups: Optional[Callable[[nn.Module], list]] = None,
     freeze: Optional[Callable[[nn.Module], None]] = None,
     between: Optional[Callable[[int, Any, nn.Module, nn.Module], Optional[dict]]] = None,
-    build_under_init: bool = False,
+    build_under_init: bool = False, config_extra: Optional[dict] = None,
+    scheduler_ref: Optional[Callable[[int], float]] = None,
 ) -> dict:
     """Train with zerodp and with plain torch on the same global batches; return error metrics.
 
@@ -223,6 +224,7 @@ def compare_training(
         "optimizer": {"type": opt, "params": opt_params},
         "zero_optimization": {"stage": stage, **STAGE3_DEFAULTS, **(zero or {})},
         "gradient_clipping": clip,
+        **(config_extra or {}),
     }
     torch.manual_seed(1234)
     ref = model_fn()
@@ -249,6 +251,9 @@ def compare_training(
     for step in range(steps):
         x, y = make_batch(step, micro * n * accum, kind, vocab)
         # reference: one step on the whole global batch
+        if scheduler_ref is not None:
+            for g in ref_opt.param_groups:
+                g["lr"] = scheduler_ref(step)
         ref_opt.zero_grad()
         ref_loss = loss(forward(ref, x, step), y)
         ref_loss.backward()
@@ -267,7 +272,7 @@ def compare_training(
         dist.all_reduce(total)
         loss_errs.append(err((total / (n * accum)).reshape(()), ref_loss.detach()))
         if clip > 0:
-            norm_errs.append(err(torch.tensor(engine.get_global_grad_norm()), ref_norm))
+            norm_errs.append(abs(engine.get_global_grad_norm() - ref_norm.item()) / ref_norm.item())
         if between is not None:
             extra.update(between(step, engine, model, ref) or {})
     with zerodp.zero.GatheredParameters(list(model.parameters())):
@@ -465,6 +470,138 @@ def built_under_init(stage: int) -> dict:
     return compare_training(stage, model_fn=Wide, build_under_init=True, opt="AdamW",
                             opt_params={"eps": 1e-4, "lr": 0.005}, zero={"stage3_param_persistence_threshold": 64,
                                   "stage3_max_live_parameters": 2 * 4160 + 128})
+
+
+# ---- mixed precision, loss scaling, schedules (issue 4) ----------------------------------------------
+class MixedReference:
+    """Plain-PyTorch mixed precision: low-precision model, fp32 master copy, torch Adam on the master,
+    optional static/dynamic loss scale applied exactly as the engine documents."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, opt_cls, opt_params: dict) -> None:
+        self.model = model.to(dtype)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.opt = opt_cls(self.masters, **opt_params)
+
+    def step(self, loss: torch.Tensor, scale: float = 1.0, clip: float = 0.0) -> bool:
+        """Backward + update on the global batch; returns False (and changes nothing) on overflow."""
+        for p in self.params:
+            p.grad = None
+        (loss * scale).backward()
+        grads = [p.grad for p in self.params]
+        if any(g is not None and not torch.isfinite(g).all() for g in grads):
+            return False
+        for m, g in zip(self.masters, grads):
+            m.grad = None if g is None else g.float() / scale
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_([m for m in self.masters if m.grad is not None], clip)
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+        return True
+
+
+def compare_mixed(stage: int, dtype: torch.dtype, steps: int, config_extra: dict,
+                  inf_step: Optional[int] = None) -> dict:
+    """Train Zoo in ``dtype`` with zerodp and with MixedReference on the same global batches.
+    ``inf_step``: on that step the last rank's input holds an inf (its gradients overflow)."""
+    r, n = rank(), world()
+    micro = 3
+    opt_params = {"lr": 0.01, "weight_decay": 0.01}
+    config = {"train_micro_batch_size_per_gpu": micro, "optimizer": {"type": "AdamW", "params": opt_params},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 50, **STAGE3_DEFAULTS}, **config_extra}
+    torch.manual_seed(7)
+    base = Zoo()
+    ref = MixedReference(copy.deepcopy(base), dtype, torch.optim.AdamW, opt_params)
+    model = copy.deepcopy(base)
+    engine = zerodp.initialize(model, config)
+    scale = 2.0 ** config_extra.get("fp16", {}).get("initial_scale_power", 16) if dtype == torch.float16 else 1.0
+    out: dict = {"param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+    loss_errs = []
+    for step in range(steps):
+        x, y = make_batch(step, micro * n, "zoo")
+        x = x.to(dtype)
+        y = y.to(dtype)
+        if step == inf_step:
+            x[(n - 1) * micro] = float("inf")
+        ref_loss = mse(ref.model(x).float(), y.float())
+        ref_ok = ref.step(ref_loss, scale=scale)
+        if dtype == torch.float16 and not ref_ok:
+            scale /= 2.0  # the reference's own bookkeeping for the hysteresis=1 config used below
+        lo = r * micro
+        loss = mse(engine(x[lo : lo + micro]).float(), y[lo : lo + micro].float())
+        if step == inf_step:
+            with zerodp.zero.GatheredParameters(list(model.parameters())):
+                before = [p.detach().clone() for p in model.parameters()]
+            before_state = {k: v.clone() for st in engine.optimizer.state.values() for k, v in st.items()
+                            if k != "step"}
+            scale_before = engine.loss_scale
+        engine.backward(loss)
+        engine.step()
+        if step == inf_step:
+            with zerodp.zero.GatheredParameters(list(model.parameters())):
+                out["bit_identical_after_skip"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            after_state = {k: v for st in engine.optimizer.state.values() for k, v in st.items() if k != "step"}
+            out["opt_state_identical"] = (len(before_state) == len(after_state)
+                                          and all(torch.equal(v, after_state[k]) for k, v in before_state.items()))
+            out["scale_before"], out["scale_after"] = scale_before, engine.loss_scale
+            out["ref_skipped"] = not ref_ok
+        elif torch.isfinite(ref_loss):
+            total = loss.detach().double().reshape(1)
+            dist.all_reduce(total)
+            loss_errs.append(abs(total.item() / n - ref_loss.item()) / abs(ref_loss.item()))
+    with zerodp.zero.GatheredParameters(list(model.parameters())):
+        diffs = [((a.float() - b.float()).abs() / (b.float().abs() + 1e-2)).max().item()
+                 for a, b in zip(model.parameters(), ref.model.parameters())]
+        out["param_rel_err"] = max(diffs)
+        # norm-wise: ||zerodp - reference|| / ||reference|| per parameter tensor
+        out["param_norm_err"] = max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                                    for a, b in zip(model.parameters(), ref.model.parameters()))
+        out["moved"] = max((a.float() - b.float()).abs().max().item()
+                           for a, b in zip(model.parameters(), base.to(dtype).parameters()))
+    out.update(loss_rel_err=max(loss_errs), skipped=engine.skipped_steps, steps=engine.global_steps,
+               master_bytes=engine.memory_report().measured["master_weights"],
+               owned_elements=sum(p.tensor.numel() for g in engine.groups for p in g.pieces))
+    return out
+
+
+@scenario
+def bf16_twenty_steps(stage: int) -> dict:
+    return compare_mixed(stage, torch.bfloat16, 20, {"bf16": {"enabled": True}})
+
+
+@scenario
+def fp16_overflow_skips_everywhere(stage: int) -> dict:
+    return compare_mixed(stage, torch.float16, 6, {"fp16": {"enabled": True, "initial_scale_power": 8,
+                                                            "hysteresis": 1, "loss_scale_window": 100}},
+                         inf_step=2)
+
+
+@scenario
+def warmup_decay_lr(stage: int) -> dict:
+    """WarmupDecayLR from the config: lrs follow the formula, training equals a reference stepping
+    torch's Adam with the same lrs."""
+    W, T, lo_lr, hi_lr = 3, 8, 0.001, 0.03
+    sched = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": lo_lr, "warmup_max_lr": hi_lr,
+                                                  "warmup_num_steps": W, "total_num_steps": T,
+                                                  "warmup_type": "linear"}}
+
+    def formula(t: int) -> float:  # written out independently of zerodp.schedulers
+        gamma = t / W if t < W else max(0.0, (T - t) / (T - W))
+        return lo_lr + (hi_lr - lo_lr) * gamma
+
+    lrs: list[list[float]] = []
+
+    def record(step: int, engine, model, ref) -> None:
+        lrs.append(engine.get_lr())
+
+    torch.manual_seed(1234)
+    out = compare_training(stage, opt="Adam", zero={"reduce_bucket_size": 40}, steps=T,
+                           scheduler_ref=formula, config_extra={"scheduler": sched}, between=record)
+    # lrs[k] is the lr after k+1 steps, i.e. the one the (k+2)-th step uses
+    out["lr_err"] = max(abs(l - formula(k + 1)) for k, ls in enumerate(lrs) for l in ls)
+    return out
 
 
 @scenario

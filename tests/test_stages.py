@@ -45,7 +45,8 @@ def test_matches_reference(world_size: int, stage: int, name: str) -> None:
         assert res["moved"] > 1e-3, "training did not change the parameters: the comparison is vacuous"
         assert res["steps"] > 0
         if name == "clipping":
-            assert res["norm_err"] <= 1.0, "global grad norm differs from clip_grad_norm_"
+            # relative error of the global norm against clip_grad_norm_ on the whole model
+            assert res["norm_err"] <= 1e-6, f"global grad norm differs from clip_grad_norm_ ({res['norm_err']})"
         if name == "gathered_edit_modifier_rank0":
             assert res["edit_err"] <= 1.0, "rank 0's edit was not the one kept on every rank"
         if name == "eval_generation_between_steps":
@@ -160,3 +161,45 @@ def test_stage3_built_under_init_holds_only_its_partition(world_size: int) -> No
         assert 0 < res["peak_gathered_bytes"] <= 4 * res["max_live"]
         if world_size > 1:
             assert res["shard_elements"] <= res["full_elements"] / world_size + 8 * world_size
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_bf16_matches_mixed_precision_reference(world_size: int, stage: int) -> None:
+    for res in per_rank(world_size, stage, "bf16_twenty_steps"):
+        assert res["param_dtypes"] == ["torch.bfloat16"]
+        assert res["steps"] == 20 and res["skipped"] == 0
+        if world_size == 1:  # same arithmetic, same order: bit-identical to the reference
+            assert res["param_rel_err"] == 0.0 and res["loss_rel_err"] == 0.0
+        # bf16 has 8 significant bits (relative spacing 2^-8 = 0.4%). Across ranks the gradient sums
+        # round differently; after 20 Adam steps each parameter tensor stays within ~4 bf16 ulps
+        # (norm-wise) of the single-process reference (measured: <= 0.8%).
+        assert res["param_norm_err"] <= 0.016, res["param_norm_err"]
+        assert res["loss_rel_err"] <= 0.005, res["loss_rel_err"]
+        assert res["moved"] > 0.05
+        # fp32 master copy of exactly the owned elements: 4 bytes each
+        assert res["master_bytes"] == 4 * res["owned_elements"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_fp16_overflow_on_one_rank_skips_on_all(world_size: int, stage: int) -> None:
+    for res in per_rank(world_size, stage, "fp16_overflow_skips_everywhere"):
+        assert res["param_dtypes"] == ["torch.float16"]
+        assert res["ref_skipped"], "the reference did not overflow: the scenario tests nothing"
+        assert res["skipped"] == 1
+        assert res["bit_identical_after_skip"], "parameters changed on a skipped step"
+        assert res["opt_state_identical"], "optimizer states changed on a skipped step"
+        assert res["scale_before"] == 256.0 and res["scale_after"] == 128.0
+        if world_size == 1:
+            assert res["param_rel_err"] == 0.0
+        assert res["param_norm_err"] <= 0.004, res["param_norm_err"]  # fp16: 2^-11 spacing
+        assert res["loss_rel_err"] <= 0.001
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_warmup_decay_lr_follows_formula(world_size: int, stage: int) -> None:
+    for res in per_rank(world_size, stage, "warmup_decay_lr"):
+        assert res["lr_err"] <= 1e-12
+        assert res["loss_err"] <= 1.0 and res["param_err"] <= 1.0
