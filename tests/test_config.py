@@ -76,3 +76,55 @@ def test_bad_param_groups() -> None:
     with pytest.raises(ValueError, match="scalar tensor that requires grad"):
         engine = zerodp.initialize(model, {})
         engine.backward(torch.ones(2))
+
+
+def test_mixed_precision_and_scheduler_config_errors() -> None:
+    with pytest.raises(ConfigError, match="bf16.enabled and fp16.enabled are both true"):
+        load_config({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
+    with pytest.raises(ConfigError, match="unknown key 'fp16.hysterisis'.*hysteresis"):
+        load_config({"fp16": {"enabled": True, "hysterisis": 2}})
+    with pytest.raises(ConfigError, match="scheduler.params.total_num_steps.*Field required"):
+        load_config({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}})
+    with pytest.raises(ConfigError, match="unknown key 'scheduler.params.warmup_steps'.*warmup_num_steps"):
+        load_config({"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 5}}})
+    with pytest.raises(ConfigError, match="scheduler.type.*WarmupCosineLR.*OneCycle"):
+        load_config({"scheduler": {"type": "OneCycle"}})
+
+
+def test_torch_scheduler_callable() -> None:
+    model = nn.Linear(3, 2)
+    engine = zerodp.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}},
+                               lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5))
+    lrs = []
+    for _ in range(5):
+        engine.backward(model(torch.ones(1, 3)).sum())
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    assert lrs == pytest.approx([0.1, 0.05, 0.05, 0.025, 0.025])
+    opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1.0)
+    with pytest.raises(TypeError, match="must be a callable taking the engine's optimizer"):
+        zerodp.initialize(nn.Linear(3, 2), {}, lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+    with pytest.raises(ValueError, match="either lr_scheduler"):
+        zerodp.initialize(nn.Linear(3, 2), {"scheduler": {"type": "WarmupLR"}},
+                          lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1))
+
+
+def test_warmup_cosine_formula() -> None:
+    import math
+
+    from zerodp.schedulers import WarmupCosineLR
+    from zerodp.config import WarmupCosineLRParams
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=0.2)
+    sched = WarmupCosineLR(opt, WarmupCosineLRParams(total_num_steps=10, warmup_num_steps=4,
+                                                     warmup_min_ratio=0.1, cos_min_ratio=0.05,
+                                                     warmup_type="linear"))
+    got = []
+    for _ in range(11):
+        got.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    want = [0.2 * (0.1 + 0.9 * t / 4) for t in range(4)]
+    want += [0.2 * (0.05 + 0.95 * (1 + math.cos(math.pi * (t - 4) / 6)) / 2) for t in range(4, 11)]
+    assert got == pytest.approx(want)

@@ -13,7 +13,7 @@ boundary (every ``gradient_accumulation_steps`` micro-steps). What each stage ho
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -366,6 +366,7 @@ def initialize(
     config: Union[str, Mapping[str, Any], ZeroDPConfig, None] = None,
     model_parameters: Optional[Iterable[Any]] = None,
     process_group: Optional[dist.ProcessGroup] = None,
+    lr_scheduler: Optional[Callable[[torch.optim.Optimizer], LRScheduler]] = None,
 ) -> Engine:
     """Wrap ``model`` in a ZeRO engine.
 
@@ -377,11 +378,15 @@ def initialize(
             [...], "weight_decay": 0.0}``); defaults to all of ``model``'s trainable parameters.
         process_group: data-parallel group; default the whole world (initialised from torchrun's
             environment by :func:`zerodp.init_distributed` if needed).
+        lr_scheduler: a callable ``f(optimizer) -> torch LRScheduler`` (e.g. ``lambda opt:
+            torch.optim.lr_scheduler.StepLR(opt, 10)``), built on the engine's optimizer and stepped
+            after every optimizer step; mutually exclusive with the config's ``scheduler``.
 
     Raises:
         ConfigError: invalid config (names the key and what is allowed).
         ValueError: a parameter in ``model_parameters`` is not part of ``model``, appears twice, or a
-            group has an unknown option.
+            group has an unknown option; or both ``lr_scheduler`` and the config's ``scheduler``.
+        TypeError: ``lr_scheduler`` is a scheduler object (it would be bound to another optimizer).
     """
     cfg = load_config(config)
     if not isinstance(model, nn.Module):
@@ -390,8 +395,21 @@ def initialize(
     cfg.check_world_size(dist.get_world_size(process_group))
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
+    if lr_scheduler is not None:
+        if isinstance(lr_scheduler, LRScheduler) or not callable(lr_scheduler):
+            raise TypeError("lr_scheduler must be a callable taking the engine's optimizer, e.g. "
+                            "lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10); a scheduler "
+                            "object is bound to an optimizer the engine does not use")
+        if cfg.scheduler is not None:
+            raise ValueError("pass either lr_scheduler to initialize() or 'scheduler' in the config, not both")
     specs = normalize_param_groups(model, model_parameters)
-    return Engine(model, cfg, specs, process_group)
+    engine = Engine(model, cfg, specs, process_group)
+    if lr_scheduler is not None:
+        engine.lr_scheduler = lr_scheduler(engine.optimizer)
+        if not isinstance(engine.lr_scheduler, LRScheduler):
+            raise TypeError(f"lr_scheduler(optimizer) returned {type(engine.lr_scheduler).__name__}, "
+                            "not a torch.optim.lr_scheduler.LRScheduler")
+    return engine
 
 
 __all__ = ["Engine", "initialize", "ConfigError", "CATEGORIES"]
