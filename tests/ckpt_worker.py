@@ -6,6 +6,10 @@ named ``name`` (run at every stage of ``--stages``) or ``name@stage`` or ``name@
 are keyed ``name/stage{S}`` (``name/stage{S}:arg`` with an argument). Checkpoints live under
 ``--ckpt-dir``, which the pytest side shares between launches of different world sizes (resharding).
 
+Stage 3 runs with ``stage3_param_persistence_threshold`` 4 (only ``scale`` and ``never_used`` stay
+gathered): parameters are then empty placeholders outside forward, so every comparison of parameter
+values reads them under ``zerodp.zero.GatheredParameters`` (:func:`full_params`).
+
 Tolerance metric ("err"): max over elements of |a - b| / (ATOL + RTOL |b|); <= 1 means equal within
 1e-5 relative (fp32).
 """
@@ -16,6 +20,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import time
 import traceback
 from dataclasses import dataclass
@@ -101,6 +106,24 @@ class TiedLM(nn.Module):
         return self.head(torch.relu(self.mix(self.emb(idx) + self.offset)))
 
 
+class TiedZoo(Zoo):
+    """Zoo plus a layer whose weight is ``branch.weight`` (tied across two modules) and a persistent
+    buffer; built with ``fc1.bias`` frozen (see :func:`zoo_engine`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.again = nn.Linear(7, 7, bias=False)
+        self.again.weight = self.branch.weight
+        self.register_buffer("shift", torch.randn(5))
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        h = h + 0.5 * torch.tanh(self.again(h))
+        return self.fc2(h) * self.scale + self.shift
+
+
 def zoo_groups(m: Zoo) -> list[dict]:
     """Two param groups with different lr and weight decay (the same for engine and reference)."""
     return [{"params": [m.fc1.weight, m.branch.weight, m.fc2.weight], "weight_decay": 0.1},
@@ -110,13 +133,32 @@ def zoo_groups(m: Zoo) -> list[dict]:
 def config(stage: int, micro: int, accum: int = 1, bucket: int = 40) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.05}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": 30}}
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": 30,
+                                  **({"stage3_param_persistence_threshold": 4} if stage == 3 else {})}}
 
 
-def zoo_engine(stage: int, micro: int, accum: int = 1, seed: int = 1234) -> tuple[Zoo, zerodp.Engine]:
+def zoo_engine(stage: int, micro: int, accum: int = 1, seed: int = 1234, tied: bool = False,
+               hidden: int = 7) -> tuple[Zoo, zerodp.Engine]:
+    """A Zoo engine (``tied``: a :class:`TiedZoo` with ``fc1.bias`` frozen)."""
     torch.manual_seed(seed)
-    model = Zoo()
+    model = TiedZoo() if tied else Zoo(hidden=hidden)
+    if tied:
+        model.fc1.bias.requires_grad_(False)
     return model, zerodp.initialize(model, config(stage, micro, accum), model_parameters=zoo_groups(model))
+
+
+def full_params(model: nn.Module) -> list[torch.Tensor]:
+    """Copies of every parameter's full value (gathered at stage 3; collective)."""
+    with zerodp.zero.GatheredParameters(list(model.parameters())):
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def gathered_report(engine: zerodp.Engine) -> dict:
+    """Stage 3: elements gathered now, and those of the persistent unit (which should be all)."""
+    if engine.sharding is None:
+        return {"live": 0, "persistent": 0}
+    return {"live": engine.sharding.coordinator.live_elements(),
+            "persistent": sum(u.numel for u in engine.sharding.units if u.persistent)}
 
 
 def make_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,10 +231,12 @@ def same_state_dict(a: dict, b: dict) -> bool:
 # ---- scenarios -------------------------------------------------------------------------------------
 @scenario
 def exact_resume(stage: int, ctx: Context) -> dict:
-    """Save after 3 steps, train to 6; a fresh engine loading the checkpoint repeats steps 4-6 exactly."""
+    """Save after 3 steps, train to 6; a fresh engine loading the checkpoint repeats steps 4-6 exactly.
+    Argument ``tied``: a :class:`TiedZoo` (tied weight across modules, frozen parameter, buffer)."""
     n_save, n_total, micro, accum = 3, 6, 2, 2
-    d = ctx.ckpt_dir / f"exact-w{world()}-s{stage}"
-    model, engine = zoo_engine(stage, micro, accum)
+    tied = ctx.arg == "tied"
+    d = ctx.ckpt_dir / (f"exact-w{world()}-s{stage}" + ("-tied" if tied else ""))
+    model, engine = zoo_engine(stage, micro, accum, tied=tied)
     torch.manual_seed(100 + rank())  # per-rank noise streams
     for step in range(n_save):
         engine_step(engine, step, micro, accum, noise=True)
@@ -200,21 +244,29 @@ def exact_resume(stage: int, ctx: Context) -> dict:
     rng_at_save = torch.get_rng_state()
     losses = [engine_step(engine, step, micro, accum, noise=True) for step in range(n_save, n_total)]
     final, states = engine.module_state_dict(), piece_states(engine)
+    gathered_after_state_dict = gathered_report(engine)
+    with torch.random.fork_rng(devices=[]):  # shapes and dtypes of a plain model's state_dict
+        plain = {k: (list(v.shape), v.dtype) for k, v in (TiedZoo() if tied else Zoo()).state_dict().items()}
+    final_params = full_params(model)
     lrs = [g["lr"] for g in engine.optimizer.param_groups]
 
-    model2, engine2 = zoo_engine(stage, micro, accum, seed=999)  # fresh, different initial values
+    model2, engine2 = zoo_engine(stage, micro, accum, seed=999, tied=tied)  # fresh, different initial values
     torch.manual_seed(5)  # a different RNG state: load must restore the saved one
     path, client_state = engine2.load_checkpoint(d)
     rng_restored = torch.equal(torch.get_rng_state(), rng_at_save)
     steps_after_load = (engine2.global_steps, engine2.micro_steps)
     losses2 = [engine_step(engine2, step, micro, accum, noise=True) for step in range(n_save, n_total)]
     states2 = piece_states(engine2)
+    final2_params = full_params(model2)
     return {
         "path": str(path), "saved_at": str(saved_at), "latest": (d / "latest").read_text(),
         "client_state": client_state, "rng_restored": rng_restored, "steps_after_load": list(steps_after_load),
         "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, losses2)),
         "params_equal": same_state_dict(final, engine2.module_state_dict()),
-        "model_params_equal": all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters())),
+        "model_params_equal": len(final_params) == len(final2_params) and all(
+            torch.equal(a, b) for a, b in zip(final_params, final2_params)),
+        "state_dict_like_plain": {k: (list(v.shape), v.dtype) for k, v in final.items()} == plain,
+        "gathered_after_state_dict": gathered_after_state_dict, "gathered_end": gathered_report(engine2),
         "states_equal": [s[:3] for s in states] == [s[:3] for s in states2] and all(
             a[3].keys() == b[3].keys() and all(torch.equal(a[3][k], b[3][k]) for k in a[3])
             for a, b in zip(states, states2)),
@@ -236,15 +288,15 @@ def reshard_save(stage: int, ctx: Context) -> dict:
     for step in range(3):
         local = engine_step(engine, step, micro, 1, noise=False)
         loss_errs.append(err(global_loss(local), ref_step(ref, ref_opt, step)))
-    engine.save_checkpoint(ctx.ckpt_dir / f"reshard-w{n}", client_state={"world": n, "stage": stage})
-    param_err = max(err(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    engine.save_checkpoint(ctx.ckpt_dir / f"reshard-w{n}-s{stage}", client_state={"world": n, "stage": stage})
+    param_err = max(err(a, b) for a, b in zip(full_params(model), ref.parameters()))
     return {"loss_err": max(loss_errs), "param_err": param_err}
 
 
 @scenario
 def reshard_load(stage: int, ctx: Context) -> dict:
-    """Load ckpt_dir/reshard-{arg} (another world size and stage) into a fresh engine, check what was
-    loaded against the reference at step 3, then train to step 6 and compare again."""
+    """Load ckpt_dir/reshard-{arg} (``w<N>-s<S>``: another world size and stage) into a fresh engine,
+    check what was loaded against the reference at step 3, then train to step 6 and compare again."""
     n = world()
     micro = GLOBAL_ROWS // n
     src = ctx.ckpt_dir / f"reshard-{ctx.arg}"
@@ -254,8 +306,9 @@ def reshard_load(stage: int, ctx: Context) -> dict:
     model, engine = zoo_engine(stage, micro, seed=4321)
     path, client_state = engine.load_checkpoint(src)
     # exactly what the files hold (bit-identical), and close to the reference
+    gathered_after_load = gathered_report(engine)
     exact = same_state_dict(load_full_state_dict(src), engine.module_state_dict())
-    load_param_err = max(err(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    load_param_err = max(err(a, b) for a, b in zip(full_params(model), ref.parameters()))
     ref_params = dict(ref.named_parameters())
     state_errs, state_presence_ok, step_ok = [0.0], True, True
     for name, start, end, st in piece_states(engine):
@@ -271,8 +324,9 @@ def reshard_load(stage: int, ctx: Context) -> dict:
     for step in range(3, 6):
         local = engine_step(engine, step, micro, 1, noise=False)
         loss_errs.append(err(global_loss(local), ref_step(ref, ref_opt, step)))
-    param_err = max(err(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    param_err = max(err(a, b) for a, b in zip(full_params(model), ref.parameters()))
     return {"client_state": client_state, "exact": exact, "load_param_err": load_param_err,
+            "gathered_after_load": gathered_after_load,
             "state_err": max(state_errs), "state_presence_ok": state_presence_ok, "step_ok": step_ok,
             "lrs_equal": lrs_equal, "loaded_steps": loaded_steps, "loss_err": max(loss_errs),
             "param_err": param_err, "path": str(path)}
@@ -314,6 +368,7 @@ def consolidate_tied(stage: int, ctx: Context) -> dict:
     mine = engine.module_state_dict()
     pt = torch.load(d / "out" / "model.pt", weights_only=True)
     return {
+        "gathered_after_state_dict": gathered_report(engine),
         "keys": sorted(sd), "want_keys": sorted(want), "pt_keys_in_order": list(pt) == list(want),
         "ref_err": max(err(plain.state_dict()[k], want[k]) for k in want),
         "equals_module_state_dict": sorted(sd) == sorted(mine) and all(torch.equal(sd[k], mine[k]) for k in sd),
@@ -325,6 +380,52 @@ def consolidate_tied(stage: int, ctx: Context) -> dict:
         "moved": max((want[k].float() - initial[k].float()).abs().max().item() for k in want),
         "output_err": err(plain(torch.arange(8).reshape(2, 4) % 11), ref(torch.arange(8).reshape(2, 4) % 11)),
     }
+
+
+def model_snapshot(engine: zerodp.Engine, model: nn.Module) -> tuple:
+    """Everything a load may change: parameters (read gathered), buffers, optimizer pieces, steps, lrs."""
+    return (full_params(model), [b.clone() for b in model.buffers()], piece_states(engine),
+            engine.global_steps, engine.micro_steps, [g["lr"] for g in engine.optimizer.param_groups])
+
+
+def same_snapshot(a: tuple, b: tuple) -> bool:
+    def same(x: list, y: list) -> bool:
+        return len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
+
+    return (same(a[0], b[0]) and same(a[1], b[1]) and [s[:3] for s in a[2]] == [s[:3] for s in b[2]]
+            and all(u[3].keys() == v[3].keys() and all(torch.equal(u[3][k], v[3][k]) for k in u[3])
+                    for u, v in zip(a[2], b[2]))
+            and a[3:] == b[3:])
+
+
+@scenario
+def refuse_mismatch(stage: int, ctx: Context) -> dict:
+    """Loads refused on every rank leave a trained engine unchanged (parameters compared gathered):
+    a model of another shape, and a matching model given a checkpoint with a truncated rank file.
+    Uses world 4's stage-2 checkpoint (ckpt_dir/reshard-w4-s2)."""
+    n = world()
+    micro = GLOBAL_ROWS // n
+    src = ctx.ckpt_dir / "reshard-w4-s2"
+    broken = ctx.ckpt_dir / f"broken-w{n}-s{stage}"
+    if rank() == 0:
+        shutil.copytree(src, broken)
+        f = broken / "global_step3" / "rank1.safetensors"
+        f.write_bytes(f.read_bytes()[:-16])
+    dist.barrier()
+    out: dict = {}
+    for case, hidden, d in (("shape", 8, src), ("truncated", 7, broken)):
+        model, engine = zoo_engine(stage, micro, hidden=hidden, seed=55)
+        for step in range(2):
+            engine_step(engine, step, micro, 1, noise=False)
+        before = model_snapshot(engine, model)
+        try:
+            engine.load_checkpoint(d)
+            error = None
+        except checkpoint.CheckpointError as e:
+            error = str(e)
+        out[case] = {"error": error, "unchanged": same_snapshot(before, model_snapshot(engine, model)),
+                     "gathered": gathered_report(engine), "trained_steps": before[3]}
+    return out
 
 
 @scenario

@@ -2,10 +2,12 @@
 safety, and refusal of checkpoints that do not fit.
 
 Multi-rank tests: three torchrun launches of tests/ckpt_worker.py share one checkpoint directory, in
-this order: world 4 saves at stage 2; world 2 runs exact resume at stages 0-2, saves at stage 1, loads
-world 4's checkpoint at stage 0, consolidates a tied-weight model and simulates a crash; world 3 loads
-world 2's checkpoint at stage 2. Single-rank tests run in this process (a 1-rank gloo group) or in a
-subprocess that is killed mid-save.
+this order: world 4 saves at stage 2; world 2 runs exact resume at stages 0-3 (stage 3 with tied
+weights, a frozen parameter and a buffer), saves at stages 1 and 3, loads world 4's checkpoint at
+stages 0 and 3, consolidates a tied-weight model at stages 2 and 3, has loads refused at stage 3 and
+simulates a crash; world 3 loads world 2's stage-1 checkpoint at stage 2 and its stage-3 checkpoint at
+stage 1. Single-rank tests run in this process (a 1-rank gloo group) or in a subprocess that is killed
+mid-save.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ WORKER = Path(__file__).with_name("ckpt_worker.py")
 #: (world size, scenarios), run in this order: later launches load earlier launches' checkpoints.
 LAUNCHES = (
     (4, "reshard_save@2"),
-    (2, "exact_resume@0,exact_resume@1,exact_resume@2,reshard_save@1,reshard_load@0:w4,"
-        "consolidate_tied@2,crash_safety@1"),
-    (3, "reshard_load@2:w2"),
+    (2, "exact_resume@0,exact_resume@1,exact_resume@2,exact_resume@3:tied,reshard_save@1,reshard_save@3,"
+        "reshard_load@0:w4-s2,reshard_load@3:w4-s2,consolidate_tied@2,consolidate_tied@3,refuse_mismatch@3,"
+        "crash_safety@1"),
+    (3, "reshard_load@2:w2-s1,reshard_load@1:w2-s3"),
 )
 
 
@@ -59,9 +62,13 @@ def per_rank(launches: dict[int, list[dict]], world_size: int, key: str) -> list
     return out
 
 
-@pytest.mark.parametrize("stage", (0, 1, 2))
+def exact_resume_key(stage: int) -> str:
+    return "exact_resume/stage3:tied" if stage == 3 else f"exact_resume/stage{stage}"
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2, 3))
 def test_exact_resume(launches: dict, stage: int) -> None:
-    for r, res in enumerate(per_rank(launches, 2, f"exact_resume/stage{stage}")):
+    for r, res in enumerate(per_rank(launches, 2, exact_resume_key(stage))):
         assert res["path"] == res["saved_at"] and res["latest"] == "global_step3"
         assert res["client_state"] == {"step": 3, "data": [1, 2.5, "x"]}
         assert res["steps_after_load"] == [3, 6]  # global_steps, micro_steps (accumulation 2)
@@ -71,18 +78,26 @@ def test_exact_resume(launches: dict, stage: int) -> None:
         assert res["params_equal"] and res["model_params_equal"], f"rank {r}: parameters not bit-identical"
         assert res["states_equal"], f"rank {r}: optimizer state not bit-identical"
         assert res["pieces_with_state"] > 0
+        # module_state_dict(): full fp32 values keyed and shaped as the plain model's state_dict (stage 3:
+        # gathered to read, then released: only the persistent unit stays gathered)
+        assert res["state_dict_like_plain"]
+        assert res["gathered_after_state_dict"]["live"] == res["gathered_after_state_dict"]["persistent"]
+        assert res["gathered_end"]["live"] == res["gathered_end"]["persistent"]
+        if stage == 3:
+            assert res["gathered_end"]["persistent"] > 0  # 'scale' and 'never_used'
     # 'never_used' never gets a gradient: its piece(s) have no optimizer state after loading either
-    assert sum(res["pieces_without_state"] for res in per_rank(launches, 2, f"exact_resume/stage{stage}")) >= 1
+    assert sum(res["pieces_without_state"] for res in per_rank(launches, 2, exact_resume_key(stage))) >= 1
 
 
 @pytest.mark.parametrize("save_world,save_stage,load_world,load_stage",
-                         [(2, 1, 3, 2), (4, 2, 2, 0)])
+                         [(2, 1, 3, 2), (4, 2, 2, 0), (2, 3, 3, 1), (4, 2, 2, 3)])
 def test_reshard(launches: dict, save_world: int, save_stage: int, load_world: int, load_stage: int) -> None:
     for r, res in enumerate(per_rank(launches, save_world, f"reshard_save/stage{save_stage}")):
         assert res["loss_err"] <= 1.0 and res["param_err"] <= 1.0, f"saving rank {r} diverged from reference"
-    key = f"reshard_load/stage{load_stage}:w{save_world}"
+    key = f"reshard_load/stage{load_stage}:w{save_world}-s{save_stage}"
     for r, res in enumerate(per_rank(launches, load_world, key)):
         assert res["client_state"] == {"world": save_world, "stage": save_stage}
+        assert res["gathered_after_load"]["live"] == res["gathered_after_load"]["persistent"]
         assert res["exact"], f"rank {r}: loaded parameters differ from the checkpoint's values"
         assert res["loaded_steps"] == 3
         assert res["load_param_err"] <= 1.0, f"rank {r}: loaded parameters differ from reference"
@@ -94,8 +109,9 @@ def test_reshard(launches: dict, save_world: int, save_stage: int, load_world: i
         assert res["param_err"] <= 1.0, f"rank {r}: parameters after resharding differ (err {res['param_err']})"
 
 
-def test_consolidate_tied_weights(launches: dict) -> None:
-    for r, res in enumerate(per_rank(launches, 2, "consolidate_tied/stage2")):
+@pytest.mark.parametrize("stage", (2, 3))
+def test_consolidate_tied_weights(launches: dict, stage: int) -> None:
+    for r, res in enumerate(per_rank(launches, 2, f"consolidate_tied/stage{stage}")):
         assert res["keys"] == res["want_keys"], "consolidated keys differ from model.state_dict()"
         assert "cache" not in res["keys"]  # non-persistent buffer
         assert res["ref_err"] <= 1.0 and res["output_err"] <= 1.0, f"rank {r}: differs from reference"
@@ -103,6 +119,20 @@ def test_consolidate_tied_weights(launches: dict) -> None:
         assert res["equals_module_state_dict"] and res["module_state_dict_keys_in_order"]
         assert res["pt_equal"] and res["pt_keys_in_order"]
         assert res["tied_equal"] and res["buffer_equal"] and res["frozen_equal"]
+        assert res["gathered_after_state_dict"]["live"] == res["gathered_after_state_dict"]["persistent"] == 0
+
+
+def test_refused_load_leaves_stage3_engine_unchanged(launches: dict) -> None:
+    for r, res in enumerate(per_rank(launches, 2, "refuse_mismatch/stage3")):
+        shape, truncated = res["shape"], res["truncated"]
+        assert shape["error"] is not None and "does not fit this model" in shape["error"]
+        assert ("parameter 'fc1.weight' has shape [7, 13] in the checkpoint but [8, 13] in the model"
+                in shape["error"])
+        assert truncated["error"] is not None and "rank1.safetensors is truncated or corrupt" in truncated["error"]
+        for case in (shape, truncated):
+            assert case["trained_steps"] == 2
+            assert case["unchanged"], f"rank {r}: a refused load changed the engine"
+            assert case["gathered"]["live"] == case["gathered"]["persistent"]
 
 
 def test_crash_between_rank_writes(launches: dict) -> None:
@@ -483,3 +513,54 @@ def test_killed_mid_save(process_group: None, subprocesses: dict, point: str) ->
     expected = load_file(str(d / "expected.safetensors"))
     got = engine.module_state_dict()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_stage3_parameter_left_out_of_model_parameters(process_group: None, tmp_path: Path) -> None:
+    """At stage 3 a parameter that requires grad but is not given to the optimizer still lives in a unit
+    (with no optimizer piece): it is saved like a frozen one, and loads at stages 3 and 1."""
+    def make(stage: int, seed: int) -> tuple[Zoo, zerodp.Engine]:
+        torch.manual_seed(seed)
+        m = Zoo()
+        params = [p for n, p in m.named_parameters() if n != "fc2.bias"]
+        cfg = {"optimizer": {"type": "AdamW"},
+               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 4}}
+        return m, zerodp.initialize(m, cfg, model_parameters=params)
+
+    model, engine = make(3, 0)
+    train(engine, 2)
+    engine.save_checkpoint(tmp_path)
+    meta = json.loads((tmp_path / "global_step2" / "meta.json").read_text())
+    assert [r["trained"] for r in meta["params"] if r["name"] == "fc2.bias"] == [False]
+    expected = engine.module_state_dict()
+    for stage in (3, 1):
+        _, fresh = make(stage, 1)
+        fresh.load_checkpoint(tmp_path)
+        got = fresh.module_state_dict()
+        assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def test_stage3_load_drops_units_gathered_ahead(process_group: None, tmp_path: Path) -> None:
+    """A training forward without backward leaves units prefetched for the backward: loading releases
+    them (nothing stays gathered but the persistent unit) and the next forward uses the loaded values."""
+    def make(seed: int) -> zerodp.Engine:
+        torch.manual_seed(seed)
+        m = Zoo()
+        cfg = {"optimizer": {"type": "AdamW"},
+               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 4}}
+        return zerodp.initialize(m, cfg, model_parameters=zoo_groups(m))
+
+    engine = make(0)
+    train(engine, 2)  # the first iteration records the trace; from the second on, units are prefetched
+    engine.save_checkpoint(tmp_path)
+    train(engine, 1)
+    x = torch.randn(3, 13)
+    engine(x)  # forward with grad, no backward
+    c = engine.sharding.coordinator
+    persistent = sum(u.numel for u in engine.sharding.units if u.persistent)
+    assert c.live_elements() > persistent  # gathered ahead of the backward that never comes
+    engine.load_checkpoint(tmp_path)
+    assert c.live_elements() == persistent
+    fresh = make(1)
+    fresh.load_checkpoint(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(engine(x), fresh(x))

@@ -30,11 +30,18 @@ be on a filesystem that every rank sees (a shared one for multi-node runs).
 
 [Note: stage 3] What depends on where parameters live is confined to a :class:`CheckpointLayout`
 (which pieces a rank writes, where loaded values go, how to get full values). Stages 0-2 share
-:class:`ReplicatedParamsLayout`; stage 3 registers its own in :data:`LAYOUTS`: the same pieces;
-value targets = each slot's intersection with this rank's shard of its bucket (views of the shard
-buffer, frozen slots included); extra values = gathered frozen unit parameters plus buffers; extra
-targets = buffers (and frozen parameters outside units); full state dict = a clone under
-``zero.GatheredParameters``; after load, re-gather the persistent unit. The format needs no change.
+:class:`ReplicatedParamsLayout`; stage 3 uses :class:`ShardedParamsLayout`. At stage 3 every parameter
+(frozen ones too) lives in a :class:`~zerodp.sharded.ShardedUnit` whose flat group's ``buffer`` is this
+rank's shard, and a sharded parameter's ``.data`` is an empty placeholder (its shape is the slot's). The
+pieces are the optimizer's, exactly as at stages 1-2; loading fills each slot's intersection with this
+rank's shard (frozen slots from ``model_extra``); frozen parameters are gathered unit by unit to be
+saved, and full values are read unit by unit under ``zero.GatheredParameters``. Loading releases units
+left gathered but unused (e.g. prefetched) first, and afterwards re-gathers the persistent unit and any
+unit still in use, so no gathered copy is stale. The format is the same at every stage.
+
+[Note: optimizer parameter] The value saved for a piece, and the tensor its optimizer state is keyed
+by, is :func:`_piece_value` (an fp32 ``master`` when the piece has one, else the piece's view of the
+flat buffer). Loading writes it and, separately, the flat buffer (cast with ``copy_``).
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ from torch.distributed import ReduceOp
 
 from . import comm
 from .partition import ParamSlot, Piece
+from .sharded import ShardedUnit, ShardState
+from .zero import GatheredParameters
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -380,7 +389,7 @@ class CheckpointLayout(Protocol):
     def extra_values(self, engine: "Engine") -> dict[str, torch.Tensor]:
         """Full values of every state_dict entry outside the flat buffers' trained parameters (frozen
         parameters, persistent buffers) by first state_dict name. Called on every rank when saving (it
-        may gather); rank 0's are written."""
+        may gather); only rank 0's are written, so other ranks may leave out what they would copy."""
 
     def extra_targets(self, engine: "Engine") -> dict[str, torch.Tensor]:
         """The live full tensors, by first state_dict name, that loading fills besides
@@ -388,6 +397,9 @@ class CheckpointLayout(Protocol):
 
     def full_state_dict(self, engine: "Engine") -> dict[str, torch.Tensor]:
         """Fresh full copies keyed like ``module.state_dict()``, trained parameters in fp32 (every rank)."""
+
+    def before_load(self, engine: "Engine") -> None:
+        """Runs once every rank has staged the load successfully, before anything is copied in."""
 
     def after_load(self, engine: "Engine") -> None:
         """Runs after new values were copied into :meth:`value_targets` (e.g. re-gather parameters)."""
@@ -411,28 +423,120 @@ class ReplicatedParamsLayout:
         return self.extra_targets(engine)
 
     def extra_targets(self, engine: "Engine") -> dict[str, torch.Tensor]:
-        trained = {id(s.param) for g in engine.groups for s in g.slots}  # all trained at stages 0-2
-        out: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for name, t in engine.module.state_dict(keep_vars=True).items():
-            if id(t) in trained or id(t) in seen:
-                continue
-            seen.add(id(t))
-            out[name] = t.data if isinstance(t, torch.nn.Parameter) else t
-        return out
+        return _outside_slots(engine)  # all slots are trained at stages 0-2
 
     def full_state_dict(self, engine: "Engine") -> dict[str, torch.Tensor]:
         trained = {id(s.param) for s in _trained_slots(engine)}
         return {k: v.detach().to(dtype=value_dtype(v.dtype) if id(v) in trained else v.dtype, copy=True)
                 for k, v in engine.module.state_dict(keep_vars=True).items()}
 
+    def before_load(self, engine: "Engine") -> None:
+        pass
+
     def after_load(self, engine: "Engine") -> None:
         pass
 
 
-#: layout per ZeRO stage; stage 3 adds its own.
+class ShardedParamsLayout:
+    """Stage 3: each rank holds one shard of every unit (frozen parameters included) and the module's
+    buffers in full; parameters are gathered only to be read (see [Note: stage 3])."""
+
+    def saved_pieces(self, engine: "Engine") -> list[Piece]:
+        return [p for g in engine.groups for p in g.pieces]
+
+    def value_targets(self, engine: "Engine") -> list[Target]:
+        out = []
+        for g in engine.groups:
+            base, end = g.shard_offset, g.shard_offset + g.buffer.numel()  # the shard, in unit coordinates
+            for s in g.slots:
+                lo, hi = max(base, s.offset), min(end, s.offset + s.numel)
+                if lo < hi:
+                    out.append(Target(s.name, lo - s.offset, hi - s.offset, g.buffer[lo - base : hi - base]))
+        return out
+
+    def extra_values(self, engine: "Engine") -> dict[str, torch.Tensor]:
+        """Buffers (every rank), and on rank 0 CPU copies of the frozen unit parameters: each unit
+        holding one is gathered on every rank (collective), one unit at a time."""
+        trained = {id(s.param) for s in _trained_slots(engine)}
+        out: dict[str, torch.Tensor] = {}
+        for u in _units(engine):
+            frozen = [s for s in u.slots if id(s.param) not in trained]
+            if not frozen:
+                continue
+            with torch.no_grad(), GatheredParameters([s.param for s in frozen]):
+                if engine.rank == 0:
+                    for s in frozen:
+                        out[s.name] = s.param.detach().to("cpu", copy=True)
+        out.update(_outside_slots(engine))
+        return out
+
+    def extra_targets(self, engine: "Engine") -> dict[str, torch.Tensor]:
+        return _outside_slots(engine)  # buffers (a parameter outside every unit, if any, is full)
+
+    def full_state_dict(self, engine: "Engine") -> dict[str, torch.Tensor]:
+        """Gathers one unit at a time (collective) and copies its parameters; nothing stays gathered
+        that was not gathered before."""
+        trained = {id(s.param) for s in _trained_slots(engine)}
+        full: dict[int, torch.Tensor] = {}
+        for u in _units(engine):
+            with torch.no_grad(), GatheredParameters([s.param for s in u.slots]):
+                for s in u.slots:
+                    v = s.param.detach()
+                    full[id(s.param)] = v.to(dtype=value_dtype(v.dtype) if id(s.param) in trained else v.dtype,
+                                             copy=True)
+        out: dict[str, torch.Tensor] = {}
+        taken: set[int] = set()
+        for k, v in engine.module.state_dict(keep_vars=True).items():
+            if id(v) in full:  # tied names: the first takes the copy, the others get their own
+                out[k] = full[id(v)] if id(v) not in taken else full[id(v)].clone()
+                taken.add(id(v))
+            else:
+                out[k] = v.detach().clone()
+        return out
+
+    def before_load(self, engine: "Engine") -> None:
+        # Units gathered ahead of use (prefetched, then not used) would keep the old values: drop them
+        # now (finishing any all-gather in flight, so none reads a shard while it is overwritten).
+        engine.sharding.coordinator.release_idle()
+
+    def after_load(self, engine: "Engine") -> None:
+        sharding = engine.sharding
+        sharding.after_step()  # the persistent unit, from the new shards
+        for u in sharding.units:  # units held gathered right now (e.g. inside GatheredParameters)
+            if not u.persistent and u.state is not ShardState.SHARDED:
+                if u.state is ShardState.GATHERING:
+                    u.finish_gather()
+                comm.all_gather(u.full, u.shard, sharding.pg, sharding.ledger, "parameters")
+
+
+def _units(engine: "Engine") -> list[ShardedUnit]:
+    return engine.sharding.units if engine.sharding is not None else []
+
+
+def _outside_slots(engine: "Engine") -> dict[str, torch.Tensor]:
+    """The live state_dict entries (first name) that are not in any flat group: frozen parameters
+    outside the groups (stages 0-2) and persistent buffers."""
+    in_slots = {id(s.param) for g in engine.groups for s in g.slots}
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) in in_slots or id(t) in seen:
+            continue
+        seen.add(id(t))
+        out[name] = t.data if isinstance(t, torch.nn.Parameter) else t
+    return out
+
+
+def _piece_value(piece: Piece) -> torch.Tensor:
+    """The optimizer's parameter for ``piece``: its saved value and the key of its optimizer state (an
+    fp32 master copy when the piece has one, else its view of the flat buffer)."""
+    master = getattr(piece, "master", None)
+    return master if master is not None else piece.tensor
+
+
+#: layout per ZeRO stage.
 LAYOUTS: dict[int, CheckpointLayout] = {0: ReplicatedParamsLayout(), 1: ReplicatedParamsLayout(),
-                                        2: ReplicatedParamsLayout()}
+                                        2: ReplicatedParamsLayout(), 3: ShardedParamsLayout()}
 
 
 def layout_for(engine: "Engine") -> CheckpointLayout:
@@ -489,8 +593,9 @@ def _optimizer_group_names(engine: "Engine") -> list[list[str]]:
 
 
 def _trained_slots(engine: "Engine") -> list[ParamSlot]:
-    """Slots of the parameters the optimizer updates (a stage-3 unit also holds frozen ones)."""
-    return [s for g in engine.groups for s in g.slots if s.param.requires_grad]
+    """Slots of the parameters the optimizer updates. A stage-3 unit also holds frozen parameters and
+    ones left out of ``model_parameters`` (``group_index`` -1): those are saved like frozen ones."""
+    return [s for g in engine.groups for s in g.slots if s.group_index >= 0 and s.param.requires_grad]
 
 
 def group_hyperparameters(meta: CheckpointMeta, names: list[str]) -> Optional[dict[str, Any]]:
@@ -626,8 +731,9 @@ def _write_rank_file(engine: "Engine", layout: CheckpointLayout, tmp: Path) -> P
     for piece in layout.saved_pieces(engine):
         s = piece.slot
         rec = PieceRecord(s.name, piece.lo - s.offset, piece.hi - s.offset)
-        tensors[rec.key(PARAM_KEY)] = piece.tensor.detach().to("cpu", value_dtype(piece.tensor.dtype), copy=True)
-        for k, v in engine.optimizer.state.get(piece.tensor, {}).items():
+        value = _piece_value(piece)
+        tensors[rec.key(PARAM_KEY)] = value.detach().to("cpu", value_dtype(value.dtype), copy=True)
+        for k, v in engine.optimizer.state.get(value, {}).items():
             if not isinstance(v, torch.Tensor) or list(v.shape) not in ([], [rec.numel]):
                 raise CheckpointError(f"optimizer state {k!r} of {s.name!r} is {type(v).__name__} "
                                       f"{list(getattr(v, 'shape', []))}; only scalar tensors and tensors "
@@ -1036,20 +1142,23 @@ def _stage_load(engine: "Engine", layout: CheckpointLayout, reader: CheckpointRe
         for piece in g.pieces:
             rec = reader.record(piece.slot.name)
             start, end = piece.lo - piece.slot.offset, piece.hi - piece.slot.offset
+            param = _piece_value(piece)  # the optimizer's parameter
+            if param is not piece.tensor:  # a master copy: loaded besides the flat buffer (value_targets)
+                values.append((param, reader.read_values(rec.name, start, end).reshape(param.shape)))
             kinds = reader.state_kinds(rec.name) if rec.trained else {}
             if not kinds:
-                states.append((piece.tensor, None))
+                states.append((param, None))
                 continue
-            pg = groups_by_piece[id(piece.tensor)]
+            pg = groups_by_piece[id(param)]
             on_device = bool(pg.get("capturable") or pg.get("fused"))
             st: dict[str, torch.Tensor] = {}
             for k, shape in kinds.items():
                 if shape == []:
                     v = reader.read_scalar(k, rec.name, start, end)
-                    st[k] = v.to(piece.tensor.device) if on_device else v
+                    st[k] = v.to(param.device) if on_device else v
                 else:
-                    st[k] = reader.read_range(k, rec.name, start, end, piece.tensor.dtype).to(piece.tensor.device)
-            states.append((piece.tensor, st))
+                    st[k] = reader.read_range(k, rec.name, start, end, param.dtype).to(param.device)
+            states.append((param, st))
     rng = reader.read_rng(engine.rank) if reader.meta.world_size == engine.world_size else {}
     hps = [group_hyperparameters(reader.meta, names) for names in _optimizer_group_names(engine)]
     return _StagedLoad(reader.path, reader.meta, values, states, rng, hps)
@@ -1094,6 +1203,7 @@ def load_checkpoint(engine: "Engine", load_dir: PathLike, tag: Optional[str] = N
             return _stage_load(engine, layout, reader)
 
     staged: _StagedLoad = _collectively(engine, "load_checkpoint", stage)
+    layout.before_load(engine)
     with torch.no_grad():
         for live, new in staged.values:
             live.copy_(new)
@@ -1184,7 +1294,8 @@ def consolidate(checkpoint_dir: PathLike, out_path: PathLike, tag: Optional[str]
 
 
 __all__ = [
-    "CheckpointError", "CheckpointMeta", "CheckpointLayout", "ReplicatedParamsLayout", "LAYOUTS",
+    "CheckpointError", "CheckpointMeta", "CheckpointLayout", "ReplicatedParamsLayout", "ShardedParamsLayout",
+    "LAYOUTS",
     "save_checkpoint", "load_checkpoint", "module_state_dict", "consolidate", "load_full_state_dict",
     "resolve_checkpoint", "read_meta",
 ]
