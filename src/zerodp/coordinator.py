@@ -60,6 +60,8 @@ class ParameterCoordinator:
 
     # ---- iteration boundaries -----------------------------------------------------------------------
     def begin_iteration(self) -> None:
+        if self.active:  # the previous training forward had no backward: drop what it prefetched
+            self.release_idle()
         if self.mode is not TraceMode.COMPLETE:
             self.mode = TraceMode.RECORD
             self.trace = []
@@ -158,9 +160,13 @@ class ParameterCoordinator:
 
     def release_idle(self) -> None:
         """Release units gathered but not in use by any module (e.g. prefetched, then unused)."""
-        for u in self.index.units:
-            if not u.persistent and u.users <= 0:
-                u.release()
+        self.busy = True
+        try:
+            for u in self.index.units:
+                if not u.persistent and u.users <= 0:
+                    u.release()
+        finally:
+            self.busy = False
 
     # ---- trace and prefetch ------------------------------------------------------------------------
     def _follow_trace(self, module: nn.Module) -> None:

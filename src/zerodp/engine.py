@@ -315,8 +315,9 @@ class Engine:
             peak["gathered_parameters"] = self.sharding.coordinator.peak_live_elements * elem
         return MemoryReport(
             stage=self.stage, rank=self.rank, world_size=self.world_size, numel=self.numel,
-            frozen_numel=sum(p.numel() for g in self.groups for p in [s.param for s in g.slots]
-                             if not p.requires_grad) + sum(p.numel() for p in self.frozen),
+            frozen_numel=sum(s.numel for g in self.groups for s in g.slots
+                             if not (s.group_index >= 0 and s.param.requires_grad))
+            + sum(p.numel() for p in self.frozen),
             measured=measured, formula=formula, peak=peak,
         )
 
