@@ -195,8 +195,12 @@ def test_estimate_bad_params_errors(params: str, capsys) -> None:
     assert "--params" in capsys.readouterr().err
 
 
-def test_train_flag_errors(capsys, tmp_path) -> None:
-    for argv, needle in [(["--stage", "3"], "--stage"), (["--steps", "x"], "--steps"),
+def test_train_flag_errors(capsys, tmp_path, monkeypatch) -> None:
+    def no_launch(*a, **k):
+        raise AssertionError("invalid flags must be refused before launching workers")
+
+    monkeypatch.setattr(cli.subprocess, "run", no_launch)
+    for argv, needle in [(["--stage", "9"], "--stage"), (["--steps", "x"], "--steps"),
                          (["--config", "c.json", "--stage", "1"], "--config"),
                          (["--n-head", "3"], "n_head"), (["--data", str(tmp_path / "none")], "cannot read")]:
         with pytest.raises(SystemExit) as exc:

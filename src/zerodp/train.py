@@ -242,11 +242,11 @@ def _run(s: RunSettings, t_start: float) -> None:
     bar.close()
     train_s = time.perf_counter() - t_train
 
+    comm_table = engine.comm_report().format()  # before evaluation: training collectives only
     loss_after = evaluate(engine, eval_set)
     memory = engine.memory_report().format()
     gathered: Optional[list] = [None] * world if rank == 0 else None
     dist.gather_object(memory, gathered, dst=0)
-    comm_table = engine.comm_report().format()
 
     engine.eval()
     prompt = data.encode(s.prompt).long()[None, :]
