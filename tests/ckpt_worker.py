@@ -130,21 +130,42 @@ def zoo_groups(m: Zoo) -> list[dict]:
             {"params": [m.fc1.bias, m.fc2.bias, m.scale, m.never_used], "weight_decay": 0.0, "lr": 0.01}]
 
 
-def config(stage: int, micro: int, accum: int = 1, bucket: int = 40) -> dict:
+def config(stage: int, micro: int, accum: int = 1, bucket: int = 40, **extra: object) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.05}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": 30,
-                                  **({"stage3_param_persistence_threshold": 4} if stage == 3 else {})}}
+                                  **({"stage3_param_persistence_threshold": 4} if stage == 3 else {})},
+            **extra}
+
+
+#: config additions of the mixed-precision exact-resume variants (argument flags ``bf16``, ``fp16``):
+#: bf16 with a DeepSpeed schedule from the config; fp16 with a dynamic loss scale that halves after 2
+#: overflows and doubles after 3 clean steps (so the saved scaler state is neither the initial one nor
+#: what a fresh engine reaches by itself), and a torch StepLR passed to initialize().
+PRECISION_EXTRA = {
+    "bf16": {"bf16": {"enabled": True},
+             "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": 8,
+                                                                "warmup_min_ratio": 0.1,
+                                                                "warmup_type": "linear"}}},
+    "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 2, "loss_scale_window": 3}},
+}
+
+
+def step_lr(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
 
 def zoo_engine(stage: int, micro: int, accum: int = 1, seed: int = 1234, tied: bool = False,
-               hidden: int = 7) -> tuple[Zoo, zerodp.Engine]:
-    """A Zoo engine (``tied``: a :class:`TiedZoo` with ``fc1.bias`` frozen)."""
+               hidden: int = 7, precision: str = "fp32") -> tuple[Zoo, zerodp.Engine]:
+    """A Zoo engine (``tied``: a :class:`TiedZoo` with ``fc1.bias`` frozen; ``precision`` ``bf16`` or
+    ``fp16``: see :data:`PRECISION_EXTRA`)."""
     torch.manual_seed(seed)
     model = TiedZoo() if tied else Zoo(hidden=hidden)
     if tied:
         model.fc1.bias.requires_grad_(False)
-    return model, zerodp.initialize(model, config(stage, micro, accum), model_parameters=zoo_groups(model))
+    cfg = config(stage, micro, accum, **PRECISION_EXTRA.get(precision, {}))
+    return model, zerodp.initialize(model, cfg, model_parameters=zoo_groups(model),
+                                    lr_scheduler=step_lr if precision == "fp16" else None)
 
 
 def full_params(model: nn.Module) -> list[torch.Tensor]:
@@ -176,22 +197,31 @@ def decay_lr(opt: torch.optim.Optimizer) -> None:
         g["lr"] *= 0.9
 
 
-def engine_step(engine: zerodp.Engine, step: int, micro: int, accum: int, noise: bool) -> torch.Tensor:
+def engine_step(engine: zerodp.Engine, step: int, micro: int, accum: int, noise: bool,
+                inf: bool = False) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch; returns the micro-batch losses.
-    ``noise`` perturbs the inputs with the default (per-rank) RNG, which checkpoints must restore."""
+    ``noise`` perturbs the inputs with the default (per-rank) RNG, which checkpoints must restore.
+    Inputs are cast to the module's dtype (bf16/fp16 engines); ``inf``: the last rank's first
+    micro-batch holds an inf (its gradients overflow). The lr is decayed by hand unless the engine has
+    a scheduler."""
     n, r = world(), rank()
     x, y = make_batch(step, micro * n * accum)
+    dtype = engine.precision.param_dtype
     losses = []
     for j in range(accum):
         lo = (j * n + r) * micro
         xs, ys = x[lo : lo + micro], y[lo : lo + micro]
         if noise:
             xs = xs + 0.01 * torch.randn(xs.shape)
-        loss = mse(engine(xs, step % 2 == 0), ys)
+        xs = xs.to(dtype)
+        if inf and j == 0 and r == n - 1:
+            xs[0, 0] = float("inf")
+        loss = mse(engine(xs, step % 2 == 0).float(), ys)
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach())
-    decay_lr(engine.optimizer)
+    if engine.lr_scheduler is None:
+        decay_lr(engine.optimizer)
     return torch.stack(losses)
 
 
@@ -219,52 +249,148 @@ def ref_step(ref: Zoo, opt: torch.optim.Optimizer, step: int) -> torch.Tensor:
 
 
 def piece_states(engine: zerodp.Engine) -> list[tuple[str, int, int, dict]]:
+    """(name, start, end, optimizer state) of this rank's pieces (state keyed by the fp32 master when
+    there is one)."""
     return [(p.slot.name, p.lo - p.slot.offset, p.hi - p.slot.offset,
-             {k: v.clone() for k, v in engine.optimizer.state.get(p.tensor, {}).items()})
+             {k: v.clone() for k, v in engine.optimizer.state.get(p.opt_tensor, {}).items()})
             for g in engine.groups for p in g.pieces]
 
 
+def piece_values(engine: zerodp.Engine) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """(module-dtype value, fp32 master or None) of this rank's pieces, copied."""
+    return [(p.tensor.clone(), None if p.master is None else p.master.clone())
+            for g in engine.groups for p in g.pieces]
+
+
+def same_piece_values(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        x[0].dtype == y[0].dtype and torch.equal(x[0], y[0])
+        and (x[1] is None) == (y[1] is None) and (x[1] is None or (x[1].dtype == y[1].dtype
+                                                                      and torch.equal(x[1], y[1])))
+        for x, y in zip(a, b))
+
+
+def gathered_masters(engine: zerodp.Engine) -> dict[str, torch.Tensor]:
+    """Full fp32 master value of every trained parameter, assembled by this test from every rank's
+    pieces (all_gather_object; independent of zerodp's own assembly)."""
+    mine = [(p.slot.name, p.lo - p.slot.offset, p.hi - p.slot.offset, p.slot.shape, p.master.clone())
+            for g in engine.groups for p in g.pieces]
+    everyone: list = [None] * world()
+    dist.all_gather_object(everyone, mine)
+    out: dict[str, torch.Tensor] = {}
+    for pieces in everyone:
+        for name, start, end, shape, value in pieces:
+            full = out.setdefault(name, torch.full(shape, float("nan")))
+            full.view(-1)[start:end] = value
+    return out
+
+
 def same_state_dict(a: dict, b: dict) -> bool:
-    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    """Same keys in order, same dtypes, same values (torch.equal alone ignores dtype)."""
+    return list(a) == list(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
 
 
 # ---- scenarios -------------------------------------------------------------------------------------
 @scenario
 def exact_resume(stage: int, ctx: Context) -> dict:
     """Save after 3 steps, train to 6; a fresh engine loading the checkpoint repeats steps 4-6 exactly.
-    Argument ``tied``: a :class:`TiedZoo` (tied weight across modules, frozen parameter, buffer)."""
+    Argument: ``+``-separated flags. ``tied``: a :class:`TiedZoo` (tied weight across modules, frozen
+    parameter, buffer). ``bf16`` / ``fp16``: mixed precision (see :data:`PRECISION_EXTRA`; fp16: step 1
+    overflows on the last rank and is skipped); then the fp32 masters, the scheduler and loss-scaler
+    states are compared too, and the checkpoint is consolidated on every rank."""
     n_save, n_total, micro, accum = 3, 6, 2, 2
-    tied = ctx.arg == "tied"
-    d = ctx.ckpt_dir / (f"exact-w{world()}-s{stage}" + ("-tied" if tied else ""))
-    model, engine = zoo_engine(stage, micro, accum, tied=tied)
+    flags = set(ctx.arg.split("+")) if ctx.arg else set()
+    tied = "tied" in flags
+    precision = "bf16" if "bf16" in flags else "fp16" if "fp16" in flags else "fp32"
+    d = ctx.ckpt_dir / (f"exact-w{world()}-s{stage}" + "".join(f"-{f}" for f in sorted(flags)))
+    model, engine = zoo_engine(stage, micro, accum, tied=tied, precision=precision)
     torch.manual_seed(100 + rank())  # per-rank noise streams
     for step in range(n_save):
-        engine_step(engine, step, micro, accum, noise=True)
+        engine_step(engine, step, micro, accum, noise=True, inf=precision == "fp16" and step == 1)
     saved_at = engine.save_checkpoint(d, client_state={"step": n_save, "data": [1, 2.5, "x"]})
     rng_at_save = torch.get_rng_state()
+    sdv = model.state_dict(keep_vars=True)
+    first: dict[int, str] = {}
+    for k, v in sdv.items():
+        first.setdefault(id(v), k)
+    canon = {k: first[id(v)] for k, v in sdv.items()}  # every name -> first name (tied weights)
+    trained = {k for k, v in sdv.items() if isinstance(v, nn.Parameter) and v.requires_grad}
+    mixed: dict = {}
+    if precision != "fp32":
+        at_save = {"skipped": engine.skipped_steps, "loss_scale": engine.loss_scale,
+                   "scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
+                   "scheduler_epoch": engine.lr_scheduler.last_epoch}
+        state_dict_at_save, masters_at_save = engine.module_state_dict(), gathered_masters(engine)
+        with open(saved_at / "meta.json") as f:
+            meta = json.load(f)
+        out_file = d / "consolidated" / f"rank{rank()}.safetensors"  # pure: every rank writes its own
+        consolidate(d, out_file)
+        cons = load_file(str(out_file))
+        mixed.update(
+            at_save=at_save,
+            meta={k: meta.get(k) for k in ("precision", "dtype", "skipped_steps", "loss_scaler")},
+            meta_param_dtypes=sorted({r["dtype"] for r in meta["params"]}),
+            meta_scheduler_type=(meta.get("lr_scheduler") or {}).get("type"),
+            meta_scheduler_epoch=(meta.get("lr_scheduler") or {}).get("state", {}).get("last_epoch"),
+            trained=sorted(trained), masters=sorted(masters_at_save),
+            module_dtypes=sorted({str(v.dtype) for v in model.state_dict().values()}),
+            # module_state_dict(): trained parameters are the fp32 masters; the rest keep the module dtype
+            state_dict_is_masters=all(state_dict_at_save[k].dtype == torch.float32
+                                      and torch.equal(state_dict_at_save[k], masters_at_save[canon[k]])
+                                      for k in trained),
+            state_dict_rest_dtypes=sorted({str(v.dtype) for k, v in state_dict_at_save.items()
+                                           if k not in trained}),
+            masters_differ_from_module=any(not torch.equal(v, v.to(engine.precision.param_dtype).float())
+                                           for v in masters_at_save.values()),
+            # consolidate(): every floating tensor fp32; trained ones equal the masters
+            consolidated_keys_equal=sorted(cons) == sorted(state_dict_at_save),
+            consolidated_dtypes=sorted({str(v.dtype) for v in cons.values()}),
+            consolidated_is_masters=all(torch.equal(cons[k], masters_at_save[canon[k]]) for k in trained),
+            consolidated_equals_state_dict=all(torch.equal(cons[k], v.float()) for k, v in state_dict_at_save.items()),
+        )
     losses = [engine_step(engine, step, micro, accum, noise=True) for step in range(n_save, n_total)]
-    final, states = engine.module_state_dict(), piece_states(engine)
+    final, states, values = engine.module_state_dict(), piece_states(engine), piece_values(engine)
     gathered_after_state_dict = gathered_report(engine)
     with torch.random.fork_rng(devices=[]):  # shapes and dtypes of a plain model's state_dict
-        plain = {k: (list(v.shape), v.dtype) for k, v in (TiedZoo() if tied else Zoo()).state_dict().items()}
+        plain = {k: (list(v.shape), v.dtype if k in trained else engine.precision.param_dtype)
+                 for k, v in (TiedZoo() if tied else Zoo()).state_dict().items()}
     final_params = full_params(model)
     lrs = [g["lr"] for g in engine.optimizer.param_groups]
 
-    model2, engine2 = zoo_engine(stage, micro, accum, seed=999, tied=tied)  # fresh, different initial values
+    model2, engine2 = zoo_engine(stage, micro, accum, seed=999, tied=tied, precision=precision)  # fresh
     torch.manual_seed(5)  # a different RNG state: load must restore the saved one
     path, client_state = engine2.load_checkpoint(d)
     rng_restored = torch.equal(torch.get_rng_state(), rng_at_save)
     steps_after_load = (engine2.global_steps, engine2.micro_steps)
+    if precision != "fp32":
+        mixed["after_load"] = {"skipped": engine2.skipped_steps, "loss_scale": engine2.loss_scale,
+                               "scaler": engine2.loss_scaler.state_dict() if engine2.loss_scaler else None,
+                               "scheduler_epoch": engine2.lr_scheduler.last_epoch}
+        # the module-dtype pieces are the loaded masters rounded (as after an optimizer step)
+        mixed["params_cast_from_masters"] = all(
+            p.tensor.dtype == engine2.precision.param_dtype and torch.equal(p.tensor, p.master.to(p.tensor.dtype))
+            for g in engine2.groups for p in g.pieces)
+        mixed["loaded_state_dict_equal"] = same_state_dict(state_dict_at_save, engine2.module_state_dict())
     losses2 = [engine_step(engine2, step, micro, accum, noise=True) for step in range(n_save, n_total)]
     states2 = piece_states(engine2)
     final2_params = full_params(model2)
+    if precision != "fp32":
+        mixed["scheduler_equal"] = engine.lr_scheduler.state_dict() == engine2.lr_scheduler.state_dict()
+        mixed["scaler_equal"] = (engine.loss_scaler is None and engine2.loss_scaler is None) or (
+            engine.loss_scaler.state_dict() == engine2.loss_scaler.state_dict())
+        mixed["skipped_end"] = [engine.skipped_steps, engine2.skipped_steps]
     return {
+        **mixed,
+        "pieces_equal": same_piece_values(values, piece_values(engine2)),
+        "param_dtypes": sorted({str(p.dtype) for p in final2_params}),
         "path": str(path), "saved_at": str(saved_at), "latest": (d / "latest").read_text(),
         "client_state": client_state, "rng_restored": rng_restored, "steps_after_load": list(steps_after_load),
         "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, losses2)),
         "params_equal": same_state_dict(final, engine2.module_state_dict()),
         "model_params_equal": len(final_params) == len(final2_params) and all(
-            torch.equal(a, b) for a, b in zip(final_params, final2_params)),
+            a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(final_params, final2_params)),
         "state_dict_like_plain": {k: (list(v.shape), v.dtype) for k, v in final.items()} == plain,
         "gathered_after_state_dict": gathered_after_state_dict, "gathered_end": gathered_report(engine2),
         "states_equal": [s[:3] for s in states] == [s[:3] for s in states2] and all(

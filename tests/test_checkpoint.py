@@ -2,12 +2,13 @@
 safety, and refusal of checkpoints that do not fit.
 
 Multi-rank tests: three torchrun launches of tests/ckpt_worker.py share one checkpoint directory, in
-this order: world 4 saves at stage 2; world 2 runs exact resume at stages 0-3 (stage 3 with tied
-weights, a frozen parameter and a buffer), saves at stages 1 and 3, loads world 4's checkpoint at
-stages 0 and 3, consolidates a tied-weight model at stages 2 and 3, has loads refused at stage 3 and
-simulates a crash; world 3 loads world 2's stage-1 checkpoint at stage 2 and its stage-3 checkpoint at
-stage 1. Single-rank tests run in this process (a 1-rank gloo group) or in a subprocess that is killed
-mid-save.
+this order: world 4 saves at stage 2; world 2 runs exact resume at stages 0-3 in fp32 (stage 3 with tied
+weights, a frozen parameter and a buffer) and in bf16 (tied, with a config LR schedule; its checkpoint
+also consolidated), and in fp16 at stage 2 (a skipped step before the save, dynamic loss scale, a torch
+StepLR), saves at stages 1 and 3, loads world 4's checkpoint at stages 0 and 3, consolidates a
+tied-weight model at stages 2 and 3, has loads refused at stage 3 and simulates a crash; world 3 loads
+world 2's stage-1 checkpoint at stage 2 and its stage-3 checkpoint at stage 1. Single-rank tests run in
+this process (a 1-rank gloo group) or in a subprocess that is killed mid-save.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ WORKER = Path(__file__).with_name("ckpt_worker.py")
 #: (world size, scenarios), run in this order: later launches load earlier launches' checkpoints.
 LAUNCHES = (
     (4, "reshard_save@2"),
-    (2, "exact_resume@0,exact_resume@1,exact_resume@2,exact_resume@3:tied,reshard_save@1,reshard_save@3,"
-        "reshard_load@0:w4-s2,reshard_load@3:w4-s2,consolidate_tied@2,consolidate_tied@3,refuse_mismatch@3,"
-        "crash_safety@1"),
+    (2, "exact_resume@0,exact_resume@1,exact_resume@2,exact_resume@3:tied,exact_resume@0:bf16+tied,"
+        "exact_resume@1:bf16+tied,exact_resume@2:bf16+tied,exact_resume@3:bf16+tied,exact_resume@2:fp16,"
+        "reshard_save@1,reshard_save@3,reshard_load@0:w4-s2,reshard_load@3:w4-s2,consolidate_tied@2,"
+        "consolidate_tied@3,refuse_mismatch@3,crash_safety@1"),
     (3, "reshard_load@2:w2-s1,reshard_load@1:w2-s3"),
 )
 
@@ -62,13 +64,21 @@ def per_rank(launches: dict[int, list[dict]], world_size: int, key: str) -> list
     return out
 
 
-def exact_resume_key(stage: int) -> str:
+def exact_resume_key(stage: int, precision: str = "fp32") -> str:
+    if precision == "bf16":
+        return f"exact_resume/stage{stage}:bf16+tied"
+    if precision == "fp16":
+        return f"exact_resume/stage{stage}:fp16"
     return "exact_resume/stage3:tied" if stage == 3 else f"exact_resume/stage{stage}"
 
 
-@pytest.mark.parametrize("stage", (0, 1, 2, 3))
-def test_exact_resume(launches: dict, stage: int) -> None:
-    for r, res in enumerate(per_rank(launches, 2, exact_resume_key(stage))):
+EXACT_RESUME_CASES = [(s, "fp32") for s in (0, 1, 2, 3)] + [(s, "bf16") for s in (0, 1, 2, 3)] + [(2, "fp16")]
+
+
+@pytest.mark.parametrize("stage,precision", EXACT_RESUME_CASES)
+def test_exact_resume(launches: dict, stage: int, precision: str) -> None:
+    results = per_rank(launches, 2, exact_resume_key(stage, precision))
+    for r, res in enumerate(results):
         assert res["path"] == res["saved_at"] and res["latest"] == "global_step3"
         assert res["client_state"] == {"step": 3, "data": [1, 2.5, "x"]}
         assert res["steps_after_load"] == [3, 6]  # global_steps, micro_steps (accumulation 2)
@@ -76,7 +86,10 @@ def test_exact_resume(launches: dict, stage: int) -> None:
         assert res["lrs_equal"], f"rank {r}: scheduler-changed lr not restored"
         assert res["losses_equal"], f"rank {r}: losses after resume are not bit-identical"
         assert res["params_equal"] and res["model_params_equal"], f"rank {r}: parameters not bit-identical"
+        assert res["pieces_equal"], f"rank {r}: optimizer pieces (module dtype and fp32 masters) differ"
         assert res["states_equal"], f"rank {r}: optimizer state not bit-identical"
+        assert res["param_dtypes"] == [{"fp32": "torch.float32", "bf16": "torch.bfloat16",
+                                        "fp16": "torch.float16"}[precision]]
         assert res["pieces_with_state"] > 0
         # module_state_dict(): full fp32 values keyed and shaped as the plain model's state_dict (stage 3:
         # gathered to read, then released: only the persistent unit stays gathered)
@@ -86,7 +99,42 @@ def test_exact_resume(launches: dict, stage: int) -> None:
         if stage == 3:
             assert res["gathered_end"]["persistent"] > 0  # 'scale' and 'never_used'
     # 'never_used' never gets a gradient: its piece(s) have no optimizer state after loading either
-    assert sum(res["pieces_without_state"] for res in per_rank(launches, 2, exact_resume_key(stage))) >= 1
+    assert sum(res["pieces_without_state"] for res in results) >= 1
+    if precision != "fp32":
+        check_mixed_precision_resume(results, precision)
+
+
+def check_mixed_precision_resume(results: list[dict], precision: str) -> None:
+    module_dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
+    for r, res in enumerate(results):
+        # meta.json records the precision (pieces are fp32 values, the module's dtype per tensor)
+        assert res["meta"]["precision"] == precision and res["meta"]["dtype"] == "float32"
+        assert res["meta_param_dtypes"] == [module_dtype.removeprefix("torch.")]
+        assert res["module_dtypes"] == [module_dtype]
+        # module_state_dict() at the save: trained parameters are the fp32 masters (which are not all
+        # representable in the module dtype, so reading the module's values would differ); frozen
+        # parameters and buffers keep the module dtype
+        assert res["masters_differ_from_module"], "vacuous: every master is representable in the module dtype"
+        assert res["state_dict_is_masters"], f"rank {r}: module_state_dict() is not the fp32 masters"
+        assert res["state_dict_rest_dtypes"] == ([module_dtype] if precision == "bf16" else [])  # tied: frozen, buffer
+        # consolidate(): full fp32 state dict equal to the masters and to module_state_dict()
+        assert res["consolidated_keys_equal"] and res["consolidated_dtypes"] == ["torch.float32"]
+        assert res["consolidated_is_masters"] and res["consolidated_equals_state_dict"]
+        # load: masters get the saved fp32 values, the module's pieces are them rounded
+        assert res["params_cast_from_masters"] and res["loaded_state_dict_equal"]
+        assert res["after_load"] == res["at_save"], f"rank {r}: scheduler/loss scaler/skipped steps not restored"
+        assert res["scheduler_equal"] and res["scaler_equal"], f"rank {r}: states diverged after resume"
+        if precision == "bf16":
+            assert res["meta_scheduler_type"] == "WarmupCosineLR" and res["meta_scheduler_epoch"] == 3
+            assert res["meta"]["loss_scaler"] is None and res["at_save"]["skipped"] == 0
+        else:
+            # step 1 overflowed on the last rank and was skipped everywhere; with hysteresis 2 the scale
+            # stayed, one hysteresis step was used, and one clean step followed
+            assert res["at_save"]["skipped"] == 1 and res["meta"]["skipped_steps"] == 1
+            assert res["at_save"]["scaler"] == {"scale": 256.0, "hysteresis_left": 1, "clean_steps": 1}
+            assert res["meta"]["loss_scaler"] == {"dynamic": True, **res["at_save"]["scaler"]}
+            assert res["meta_scheduler_type"] == "StepLR" and res["meta_scheduler_epoch"] == 2
+            assert res["skipped_end"] == [1, 1]
 
 
 @pytest.mark.parametrize("save_world,save_stage,load_world,load_stage",
@@ -163,18 +211,21 @@ def process_group() -> Iterator[None]:
     os.environ.update(env)
 
 
-def zoo_engine(stage: int = 1, model: nn.Module | None = None, accum: int = 1) -> zerodp.Engine:
+def zoo_engine(stage: int = 1, model: nn.Module | None = None, accum: int = 1, **extra: object) -> zerodp.Engine:
+    """``extra``: config keys (``bf16``, ``fp16``, ``scheduler``) or ``lr_scheduler`` for initialize()."""
     model = Zoo() if model is None else model
     groups = zoo_groups(model) if type(model) is Zoo else None
+    lr_scheduler = extra.pop("lr_scheduler", None)
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "gradient_accumulation_steps": accum,
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 40}}
-    return zerodp.initialize(model, cfg, model_parameters=groups)
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 40}, **extra}
+    return zerodp.initialize(model, cfg, model_parameters=groups, lr_scheduler=lr_scheduler)
 
 
 def train(engine: zerodp.Engine, steps: int = 1) -> None:
     for i in range(steps):
         g = torch.Generator().manual_seed(i)
-        engine.backward(engine(torch.randn(3, 13, generator=g)).pow(2).mean())
+        x = torch.randn(3, 13, generator=g).to(engine.precision.param_dtype)
+        engine.backward(engine(x).float().pow(2).mean())
         engine.step()
 
 
@@ -564,3 +615,124 @@ def test_stage3_load_drops_units_gathered_ahead(process_group: None, tmp_path: P
     fresh.load_checkpoint(tmp_path)
     with torch.no_grad():
         assert torch.equal(engine(x), fresh(x))
+
+
+# ---- precision, loss scaler, LR scheduler (single rank) ------------------------------------------------
+BF16 = {"bf16": {"enabled": True}}
+FP16 = {"fp16": {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 2}}
+
+
+def masters_and_params(engine: zerodp.Engine) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, optimizer tensor (fp32 master or the fp32 parameter view), module-dtype piece)."""
+    return [(p.slot.name, p.opt_tensor, p.tensor) for g in engine.groups for p in g.pieces]
+
+
+def assert_loaded_exactly(engine: zerodp.Engine, values: dict[str, torch.Tensor]) -> None:
+    """The optimizer's fp32 tensors hold ``values`` exactly; the module's pieces are them cast."""
+    for g in engine.groups:
+        for p in g.pieces:
+            want = values[p.slot.name].reshape(-1)[p.lo - p.slot.offset : p.hi - p.slot.offset]
+            assert p.opt_tensor.dtype == torch.float32 and torch.equal(p.opt_tensor, want), p.slot.name
+            assert torch.equal(p.tensor, want.to(p.tensor.dtype)), p.slot.name
+    got = engine.module_state_dict()
+    for k, v in values.items():
+        assert got[k].dtype == torch.float32 and torch.equal(got[k], v), k
+
+
+def test_loads_across_precisions(process_group: None, saved: Path, tmp_path: Path) -> None:
+    """fp32 -> bf16 -> fp32 and fp16 -> bf16: trained values arrive exactly (fp32 masters), the module
+    dtype follows the engine; a non-fp16 engine has no loss scaler to restore."""
+    fp32_values = load_full_state_dict(saved)
+    bf16 = zoo_engine(stage=2, **BF16)
+    bf16.load_checkpoint(saved)
+    assert_loaded_exactly(bf16, fp32_values)
+    assert bf16.module.fc1.weight.dtype == torch.bfloat16
+    train(bf16, 2)
+    bf16.save_checkpoint(tmp_path / "bf16")
+    meta = json.loads((tmp_path / "bf16" / "global_step4" / "meta.json").read_text())
+    assert meta["precision"] == "bf16" and meta["dtype"] == "float32" and meta["loss_scaler"] is None
+    expected = bf16.module_state_dict()
+    fp32 = zoo_engine(stage=0)
+    fp32.load_checkpoint(tmp_path / "bf16")
+    assert_loaded_exactly(fp32, expected)
+    assert fp32.module.fc1.weight.dtype == torch.float32
+
+    fp16 = zoo_engine(stage=1, **FP16)
+    train(fp16, 3)
+    assert fp16.loss_scale == 32.0  # doubled once after 2 clean steps: the saved scale is not the initial one
+    fp16.save_checkpoint(tmp_path / "fp16")
+    meta = json.loads((tmp_path / "fp16" / "global_step3" / "meta.json").read_text())
+    assert meta["loss_scaler"] == {"dynamic": True, "scale": 32.0, "hysteresis_left": 2, "clean_steps": 1}
+    other = zoo_engine(stage=1, **BF16)
+    other.load_checkpoint(tmp_path / "fp16")
+    assert_loaded_exactly(other, fp16.module_state_dict())
+    again = zoo_engine(stage=2, **FP16)
+    again.load_checkpoint(tmp_path / "fp16")
+    assert again.loss_scaler.state_dict() == fp16.loss_scaler.state_dict()
+    static = zoo_engine(stage=2, fp16={"enabled": True, "loss_scale": 128.0})
+    static.load_checkpoint(tmp_path / "fp16")
+    assert static.loss_scale == 128.0  # a static scale stays as configured
+
+
+def test_refuses_values_that_overflow_the_engine_dtype(process_group: None, tmp_path: Path) -> None:
+    """An fp32 weight above fp16's largest finite value (65504) would become inf in an fp16 module: the
+    load is refused (and changes nothing); a bf16 engine takes it."""
+    torch.manual_seed(0)
+    engine = zoo_engine()
+    train(engine)
+    with torch.no_grad():
+        engine.module.fc2.bias[1] = 1e5
+    engine.save_checkpoint(tmp_path)
+    fp16 = zoo_engine(stage=2, **FP16)
+    train(fp16)
+    msg = refused(fp16, tmp_path, "was saved with fp32 and this engine uses fp16")
+    assert "['fc2.bias'] exceed the largest finite float16 (65504)" in msg
+    bf16 = zoo_engine(stage=2, **BF16)
+    bf16.load_checkpoint(tmp_path)
+    assert bf16.module_state_dict()["fc2.bias"][1].item() == 1e5
+
+
+def step_lr(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def test_lr_scheduler_state(process_group: None, tmp_path: Path) -> None:
+    """A torch scheduler's state is saved (JSON) and restored into one of the same class; a scheduler of
+    another class starts afresh (the param groups' lr is restored either way)."""
+    torch.manual_seed(0)
+    engine = zoo_engine(lr_scheduler=step_lr)
+    train(engine, 3)
+    engine.save_checkpoint(tmp_path)
+    meta = json.loads((tmp_path / "global_step3" / "meta.json").read_text())
+    assert meta["lr_scheduler"]["type"] == "StepLR" and meta["lr_scheduler"]["state"]["last_epoch"] == 3
+    assert meta["precision"] == "fp32" and meta["skipped_steps"] == 0 and meta["loss_scaler"] is None
+    same = zoo_engine(lr_scheduler=step_lr)
+    same.load_checkpoint(tmp_path)
+    assert same.lr_scheduler.state_dict() == engine.lr_scheduler.state_dict()
+    train(engine, 2)
+    train(same, 2)
+    assert same.get_lr() == engine.get_lr() and same.lr_scheduler.last_epoch == 5
+    cosine = {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2}}
+    other = zoo_engine(scheduler=cosine)
+    other.load_checkpoint(tmp_path)
+    assert other.lr_scheduler.last_epoch == 0  # as constructed
+    assert other.get_lr() == [g["hyperparameters"]["lr"] for g in meta["groups"]] == [0.005, 0.005]  # StepLR's
+
+
+def test_loads_checkpoint_without_precision_keys(process_group: None, saved: Path, tmp_path: Path) -> None:
+    """meta.json written before precision/skipped_steps/loss_scaler/lr_scheduler existed still loads;
+    an unknown precision is refused as corrupt."""
+    for case in ("old", "bad"):
+        d = tmp_path / case
+        shutil.copytree(saved, d)
+        meta_file = d / "global_step2" / "meta.json"
+        meta = json.loads(meta_file.read_text())
+        for k in ("precision", "skipped_steps", "loss_scaler", "lr_scheduler"):
+            meta.pop(k)
+        if case == "bad":
+            meta["precision"] = "fp8"
+        meta_file.write_text(json.dumps(meta))
+    engine = zoo_engine(stage=2, **BF16)
+    engine.load_checkpoint(tmp_path / "old")
+    assert_loaded_exactly(engine, load_full_state_dict(saved))
+    refused(engine, tmp_path / "bad", r"'precision' is 'fp8'; expected one of \['fp32', 'bf16', 'fp16'\]")

@@ -13,7 +13,11 @@
 - ``meta.json`` (rank 0, written last): format version, stage, world size, every parameter and buffer
   (name, shape, numel, dtype, requires_grad, tied aliases), the pieces of every rank file, the
   optimizer's param groups (names and hyperparameters such as the current lr), ``global_steps``,
-  ``micro_steps`` and the caller's JSON ``client_state``.
+  ``micro_steps``, the caller's JSON ``client_state``, and (keys added later, optional when reading)
+  ``precision`` (``fp32``/``bf16``/``fp16``: the module's parameter dtype; the top-level ``dtype`` is
+  that of the stored piece values, fp32 in all three), ``skipped_steps`` (fp16 overflows),
+  ``loss_scaler`` (fp16: ``dynamic``, ``scale``, ``hysteresis_left``, ``clean_steps``) and
+  ``lr_scheduler`` (class name and the JSON-serialisable entries of its ``state_dict()``).
 
 Pieces are addressed by parameter name and element range, never by flat-buffer offset, so a
 checkpoint saved by N ranks at any stage loads into M ranks at any stage: each rank assembles the
@@ -41,11 +45,22 @@ unit still in use, so no gathered copy is stale. The format is the same at every
 
 [Note: optimizer parameter] The value saved for a piece, and the tensor its optimizer state is keyed
 by, is :func:`_piece_value` (an fp32 ``master`` when the piece has one, else the piece's view of the
-flat buffer). Loading writes it and, separately, the flat buffer (cast with ``copy_``).
+flat buffer). Loading writes it and, separately, the flat buffer (cast with ``copy_``), so a bf16/fp16
+module's parameters are its masters rounded, as after an optimizer step. Full values
+(:func:`module_state_dict`) of trained parameters are the masters, assembled across ranks.
+
+[Note: precision] Pieces are fp32 whatever the precision, so a checkpoint loads into an engine of
+another precision (fp32 <-> bf16 <-> fp16) without losing trained values; frozen parameters and buffers
+are cast to the engine's module dtype. Refused: a finite saved value that would overflow to inf in the
+engine's dtype (:func:`_check_representable`). The loss scaler state is restored only between dynamic
+fp16 scalers (a static scale stays as configured; a non-fp16 engine has none); the LR scheduler's only
+into a scheduler of the same class (otherwise the configured one starts afresh; the param groups' lr is
+restored either way).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -81,6 +96,8 @@ RNG_PREFIX = "rng/"
 IMPLEMENTATION_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 #: param-group options carried over even when loading into another optimizer class (set by schedulers).
 SCHEDULED_OPTIONS = frozenset({"lr", "initial_lr"})
+#: ``meta.json``'s ``precision``: the module's parameter dtype under mixed precision.
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -166,6 +183,11 @@ class CheckpointMeta:
     global_steps: int
     micro_steps: int
     client_state: Any
+    # mixed precision and schedules (absent from older checkpoints: these defaults)
+    precision: str = ""  # "fp32", "bf16" or "fp16"; "" when not recorded (see :meth:`effective_precision`)
+    skipped_steps: int = 0  # optimizer steps skipped because gradients overflowed (fp16)
+    loss_scaler: Optional[dict[str, Any]] = None  # fp16: {"dynamic", "scale", "hysteresis_left", "clean_steps"}
+    lr_scheduler: Optional[dict[str, Any]] = None  # {"type": class name, "state": JSON parts of state_dict()}
     torch_version: str = torch.__version__
     format: str = FORMAT
 
@@ -203,10 +225,20 @@ class CheckpointMeta:
             ranks=[_rank_record(x, i) for i, x in enumerate(_get(d, "ranks", list, "meta.json"))],
             global_steps=_get(d, "global_steps", int, "meta.json"),
             micro_steps=_get(d, "micro_steps", int, "meta.json"),
-            client_state=d.get("client_state"), torch_version=str(d.get("torch_version", "")), format=fmt,
+            client_state=d.get("client_state"), precision=_opt(d, "precision", str, ""),
+            skipped_steps=_opt(d, "skipped_steps", int, 0), loss_scaler=_loss_scaler_record(d.get("loss_scaler")),
+            lr_scheduler=_scheduler_record(d.get("lr_scheduler")),
+            torch_version=str(d.get("torch_version", "")), format=fmt,
         )
         meta._check_consistent()
         return meta
+
+    def effective_precision(self) -> str:
+        """``precision``, or for a checkpoint that does not record it, what its parameters' dtypes imply."""
+        if self.precision:
+            return self.precision
+        dtypes = {r.dtype for r in self.params if r.trained}
+        return "bf16" if "bfloat16" in dtypes else "fp16" if "float16" in dtypes else "fp32"
 
     def _check_consistent(self) -> None:
         records = self.params + self.buffers
@@ -220,6 +252,10 @@ class CheckpointMeta:
         for r in records:
             if r.name not in r.aliases or r.numel != _prod(r.shape):
                 raise CheckpointError(f"record {r.name!r}: name not among its aliases or numel != prod(shape)")
+        if self.precision not in ("",) + PRECISIONS:
+            raise CheckpointError(f"'precision' is {self.precision!r}; expected one of {list(PRECISIONS)}")
+        if self.skipped_steps < 0:
+            raise CheckpointError(f"'skipped_steps' is {self.skipped_steps}; expected >= 0")
         if len(self.ranks) != self.world_size or [r.rank for r in self.ranks] != list(range(self.world_size)):
             raise CheckpointError(f"'ranks' must list ranks 0..{self.world_size - 1} in order")
         by_name = {r.name: r for r in self.params}
@@ -289,6 +325,32 @@ def _get(d: dict, key: str, typ: type, where: str) -> Any:
     if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
         raise CheckpointError(f"{where}: {key!r} should be {typ.__name__}, got {type(v).__name__}")
     return v
+
+
+def _opt(d: dict, key: str, typ: type, default: Any) -> Any:
+    """``d[key]`` checked like :func:`_get`, or ``default`` when absent (keys added after version 1)."""
+    return _get(d, key, typ, "meta.json") if key in d else default
+
+
+def _loss_scaler_record(x: Any) -> Optional[dict[str, Any]]:
+    if x is None:
+        return None
+    where = "loss_scaler"
+    d = _obj(x, where)
+    scale = d.get("scale")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+        raise CheckpointError(f"{where}: 'scale' should be a positive number, got {scale!r}")
+    return {"dynamic": _get(d, "dynamic", bool, where), "scale": float(scale),
+            "hysteresis_left": _get(d, "hysteresis_left", int, where),
+            "clean_steps": _get(d, "clean_steps", int, where)}
+
+
+def _scheduler_record(x: Any) -> Optional[dict[str, Any]]:
+    if x is None:
+        return None
+    where = "lr_scheduler"
+    d = _obj(x, where)
+    return {"type": _get(d, "type", str, where), "state": _get(d, "state", dict, where)}
 
 
 def _str_list(v: list, where: str) -> list[str]:
@@ -396,7 +458,8 @@ class CheckpointLayout(Protocol):
         :meth:`value_targets` (frozen parameters and buffers that every rank holds in full)."""
 
     def full_state_dict(self, engine: "Engine") -> dict[str, torch.Tensor]:
-        """Fresh full copies keyed like ``module.state_dict()``, trained parameters in fp32 (every rank)."""
+        """Fresh full copies keyed like ``module.state_dict()``, trained parameters in fp32 (the fp32
+        masters when the engine keeps them), frozen parameters and buffers in their dtype (every rank)."""
 
     def before_load(self, engine: "Engine") -> None:
         """Runs once every rank has staged the load successfully, before anything is copied in."""
@@ -426,9 +489,19 @@ class ReplicatedParamsLayout:
         return _outside_slots(engine)  # all slots are trained at stages 0-2
 
     def full_state_dict(self, engine: "Engine") -> dict[str, torch.Tensor]:
+        """Trained parameters: the fp32 masters when there are any (assembled across ranks at stages
+        1-2, see :func:`_full_master_values`), else the module's values cast to fp32."""
+        masters = _full_master_values(engine)
         trained = {id(s.param) for s in _trained_slots(engine)}
-        return {k: v.detach().to(dtype=value_dtype(v.dtype) if id(v) in trained else v.dtype, copy=True)
-                for k, v in engine.module.state_dict(keep_vars=True).items()}
+        out: dict[str, torch.Tensor] = {}
+        taken: set[int] = set()
+        for k, v in engine.module.state_dict(keep_vars=True).items():
+            if id(v) in masters:  # tied names: the first takes the copy, the others get their own
+                out[k] = masters[id(v)] if id(v) not in taken else masters[id(v)].clone()
+                taken.add(id(v))
+            else:
+                out[k] = v.detach().to(dtype=value_dtype(v.dtype) if id(v) in trained else v.dtype, copy=True)
+        return out
 
     def before_load(self, engine: "Engine") -> None:
         pass
@@ -475,12 +548,17 @@ class ShardedParamsLayout:
 
     def full_state_dict(self, engine: "Engine") -> dict[str, torch.Tensor]:
         """Gathers one unit at a time (collective) and copies its parameters; nothing stays gathered
-        that was not gathered before."""
+        that was not gathered before. With fp32 masters, trained parameters are assembled from every
+        rank's master pieces instead (:func:`_full_master_values`) and only units holding frozen
+        parameters are gathered."""
         trained = {id(s.param) for s in _trained_slots(engine)}
-        full: dict[int, torch.Tensor] = {}
+        full: dict[int, torch.Tensor] = _full_master_values(engine)
         for u in _units(engine):
-            with torch.no_grad(), GatheredParameters([s.param for s in u.slots]):
-                for s in u.slots:
+            rest = [s for s in u.slots if id(s.param) not in full]
+            if not rest:
+                continue
+            with torch.no_grad(), GatheredParameters([s.param for s in rest]):
+                for s in rest:
                     v = s.param.detach()
                     full[id(s.param)] = v.to(dtype=value_dtype(v.dtype) if id(s.param) in trained else v.dtype,
                                              copy=True)
@@ -534,6 +612,81 @@ def _piece_value(piece: Piece) -> torch.Tensor:
     return master if master is not None else piece.tensor
 
 
+def engine_precision(engine: "Engine") -> str:
+    """``"fp32"``, ``"bf16"`` or ``"fp16"``: the dtype policy of ``engine``'s module parameters."""
+    policy = getattr(engine, "precision", None)
+    dtype = policy.param_dtype if policy is not None else torch.float32
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+def _full_master_values(engine: "Engine") -> dict[int, torch.Tensor]:
+    """id(parameter) -> a fresh copy of its full fp32 master value (parameter-shaped), for every
+    trained parameter; {} when the engine keeps no master copies (fp32 training).
+
+    Collective at stages 1-3 with more than one rank: one all-reduce (SUM, ledger purpose
+    ``"checkpoint"``) per flat group of a buffer holding this rank's master pieces and -0.0 elsewhere.
+    The pieces of all ranks are disjoint and ``x + (-0.0) == x`` for every x (+0.0 and nan included),
+    so the sum is each element's master value bit for bit.
+    """
+    policy = getattr(engine, "precision", None)
+    if policy is None or not policy.has_master:
+        return {}
+    trained = {id(s.param) for s in _trained_slots(engine)}
+    out: dict[int, torch.Tensor] = {}
+    for g in engine.groups:
+        slots = [s for s in g.slots if id(s.param) in trained]
+        if not slots:
+            continue
+        full = torch.full((max(s.offset + s.numel for s in slots),), -0.0, dtype=torch.float32,
+                          device=g.buffer.device)
+        for piece in g.pieces:
+            if piece.master is not None:
+                full[piece.lo : piece.hi] = piece.master
+        if engine.stage > 0 and engine.world_size > 1:
+            comm.all_reduce(full, engine.process_group, engine.ledger, "checkpoint")
+        for s in slots:
+            out[id(s.param)] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
+    return out
+
+
+_NOT_JSON = object()
+
+
+def _json_part(v: Any) -> Any:
+    """``v`` without what JSON cannot hold: dict entries (recursively) whose key is not a string or whose
+    value is not JSON; a list or tuple (tuples become lists) holding such a value is dropped whole.
+    Returns ``_NOT_JSON`` when ``v`` itself cannot be stored."""
+    if isinstance(v, dict):
+        out = {}
+        for k, x in v.items():
+            j = _json_part(x)
+            if isinstance(k, str) and j is not _NOT_JSON:
+                out[k] = j
+        return out
+    if isinstance(v, (list, tuple)):
+        items = [_json_part(x) for x in v]
+        return _NOT_JSON if any(x is _NOT_JSON for x in items) else items
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return v
+    return _NOT_JSON
+
+
+def _loss_scaler_state(engine: "Engine") -> Optional[dict[str, Any]]:
+    scaler = getattr(engine, "loss_scaler", None)
+    if scaler is None:
+        return None
+    return {"dynamic": bool(scaler.dynamic), **scaler.state_dict()}
+
+
+def _scheduler_state(engine: "Engine") -> Optional[dict[str, Any]]:
+    """The engine's LR scheduler: class name and the JSON-serialisable part of its ``state_dict()``
+    (a DeepSpeed schedule's parameters come from the config, a LambdaLR's functions from the code)."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is None:
+        return None
+    return {"type": type(scheduler).__name__, "state": _json_part(scheduler.state_dict())}
+
+
 #: layout per ZeRO stage.
 LAYOUTS: dict[int, CheckpointLayout] = {0: ReplicatedParamsLayout(), 1: ReplicatedParamsLayout(),
                                         2: ReplicatedParamsLayout(), 3: ShardedParamsLayout()}
@@ -554,7 +707,9 @@ def layout_for(engine: "Engine") -> CheckpointLayout:
 
 def module_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
     """Full state dict of ``engine.module`` on every rank, keyed like ``module.state_dict()`` (tied
-    weights under each name, as separate tensors), trained parameters in fp32, buffers included."""
+    weights under each name, as separate tensors), buffers included. Trained parameters are fp32: the
+    fp32 master values under bf16/fp16 (collective: assembled across ranks), else the module's values;
+    frozen parameters and buffers keep the module's dtype."""
     return layout_for(engine).full_state_dict(engine)
 
 
@@ -802,7 +957,9 @@ def _finish_save(engine: "Engine", extra: dict[str, torch.Tensor], save_dir: Pat
         dtype=_dtype_name(value_dtype(engine.groups[0].buffer.dtype if engine.groups else torch.float32)),
         optimizer=type(engine.optimizer).__name__, params=params, buffers=buffers, state_dict_keys=keys,
         groups=_group_records(engine), ranks=ranks, global_steps=engine.global_steps,
-        micro_steps=engine.micro_steps, client_state=client_state,
+        micro_steps=engine.micro_steps, client_state=client_state, precision=engine_precision(engine),
+        skipped_steps=int(getattr(engine, "skipped_steps", 0)), loss_scaler=_loss_scaler_state(engine),
+        lr_scheduler=_scheduler_state(engine),
     )
     _write_text(tmp / META_FILE, meta.to_json())
     _fsync_dir(tmp)
@@ -1125,14 +1282,20 @@ class _StagedLoad:
     states: list[tuple[torch.Tensor, Optional[dict[str, torch.Tensor]]]]  # (optimizer param, new state)
     rng: dict[str, torch.Tensor]
     hyperparameters: list[Optional[dict[str, Any]]]  # per optimizer param group; None: leave as is
+    loss_scaler: Optional[dict[str, Any]] = None  # None: leave the engine's as is
+    lr_scheduler: Optional[dict[str, Any]] = None  # state_dict() entries to load; None: leave as is
 
 
 def _stage_load(engine: "Engine", layout: CheckpointLayout, reader: CheckpointReader) -> _StagedLoad:
-    values = []
+    named: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, live tensor, new values)
     for t in layout.value_targets(engine):
-        values.append((t.tensor, reader.read_values(t.name, t.start, t.end).reshape(t.tensor.shape)))
+        named.append((t.name, t.tensor, reader.read_values(t.name, t.start, t.end).reshape(t.tensor.shape)))
     for name, live in layout.extra_targets(engine).items():
-        values.append((live, reader.read_values(name, 0, live.numel()).reshape(live.shape)))
+        named.append((name, live, reader.read_values(name, 0, live.numel()).reshape(live.shape)))
+    theirs, mine = reader.meta.effective_precision(), engine_precision(engine)
+    if theirs != mine:
+        _check_representable(reader.path, named, theirs, mine)
+    values = [(live, new) for _, live, new in named]
     groups_by_piece = {}
     for pg in engine.optimizer.param_groups:
         for p in pg["params"]:
@@ -1161,7 +1324,40 @@ def _stage_load(engine: "Engine", layout: CheckpointLayout, reader: CheckpointRe
             states.append((param, st))
     rng = reader.read_rng(engine.rank) if reader.meta.world_size == engine.world_size else {}
     hps = [group_hyperparameters(reader.meta, names) for names in _optimizer_group_names(engine)]
-    return _StagedLoad(reader.path, reader.meta, values, states, rng, hps)
+    scaler, saved_scaler = getattr(engine, "loss_scaler", None), reader.meta.loss_scaler
+    scaler_state = (dict(saved_scaler) if scaler is not None and scaler.dynamic and saved_scaler is not None
+                    and saved_scaler["dynamic"] else None)
+    scheduler, saved_scheduler = getattr(engine, "lr_scheduler", None), reader.meta.lr_scheduler
+    scheduler_state = (copy.deepcopy(saved_scheduler["state"]) if scheduler is not None and saved_scheduler
+                       is not None and saved_scheduler["type"] == type(scheduler).__name__ else None)
+    return _StagedLoad(reader.path, reader.meta, values, states, rng, hps, scaler_state, scheduler_state)
+
+
+def _check_representable(path: Path, named: list[tuple[str, torch.Tensor, torch.Tensor]], theirs: str,
+                         mine: str) -> None:
+    """A checkpoint of another precision loads only if no finite saved value becomes inf in the dtype
+    this engine holds it in (e.g. a weight above 65504 in an fp16 module). Rounding to the engine's
+    dtype is not refused: the fp32 masters get the exact values, and frozen parameters and buffers are
+    held in the module dtype by this engine's precision policy anyway.
+
+    Raises:
+        CheckpointError: naming the tensors (first name) that would overflow.
+    """
+    bad: dict[str, torch.dtype] = {}
+    for name, live, new in named:
+        if not (live.is_floating_point() and new.is_floating_point()) or live.dtype == new.dtype:
+            continue
+        if torch.finfo(live.dtype).max >= torch.finfo(new.dtype).max:
+            continue
+        if (torch.isfinite(new) & ~torch.isfinite(new.to(live.dtype))).any():
+            bad.setdefault(name, live.dtype)
+    if bad:
+        names = sorted(bad)
+        dtype = bad[names[0]]
+        raise CheckpointError(
+            f"checkpoint {path} was saved with {theirs} and this engine uses {mine}: values of {names[:5]}"
+            f"{' and others' if len(names) > 5 else ''} exceed the largest finite {_dtype_name(dtype)} "
+            f"({torch.finfo(dtype).max:g}) and would become inf; load it into an engine with {theirs} or fp32")
 
 
 def load_checkpoint(engine: "Engine", load_dir: PathLike, tag: Optional[str] = None) -> tuple[Path, Any]:
@@ -1169,9 +1365,11 @@ def load_checkpoint(engine: "Engine", load_dir: PathLike, tag: Optional[str] = N
 
     Collective: every rank calls it. Every rank reads ``meta.json``, checks it against the engine and
     every file against ``meta.json``, and reads what it needs into new tensors; only when every rank
-    succeeded are parameters, frozen parameters, buffers, optimizer state (pieces whose parameter had
+    succeeded are parameters (fp32 masters and the module's, possibly lower-precision, copy), frozen
+    parameters, buffers, optimizer state (pieces whose parameter had
     none get none), param-group hyperparameters (matched to the saved groups by parameter name, see
-    :func:`group_hyperparameters`), ``global_steps``, ``micro_steps`` (``global_steps x
+    :func:`group_hyperparameters`), the LR scheduler's state, the fp16 loss scaler's state and
+    ``skipped_steps`` (see [Note: precision]), ``global_steps``, ``micro_steps`` (``global_steps x
     gradient_accumulation_steps`` if the saved count is not a multiple of this engine's accumulation
     steps, so the next step is a full accumulation window) and (same world size only) each rank's RNG
     states replaced. Gradients are zeroed. Resuming at the same world size
@@ -1188,7 +1386,8 @@ def load_checkpoint(engine: "Engine", load_dir: PathLike, tag: Optional[str] = N
         CheckpointError (on every rank, before anything is changed): no such checkpoint; ``meta.json``
             missing, corrupt or of another version; a rank file missing, truncated or not matching
             ``meta.json``; saved pieces not covering a parameter; the model differs (names each
-            missing or extra name, shape or requires_grad mismatch).
+            missing or extra name, shape or requires_grad mismatch); saved with another precision and
+            holding values this engine's dtype cannot represent (see [Note: precision]).
     """
     layout = layout_for(engine)
 
@@ -1216,6 +1415,12 @@ def load_checkpoint(engine: "Engine", load_dir: PathLike, tag: Optional[str] = N
     for pg, hp in zip(opt.param_groups, staged.hyperparameters):
         if hp is not None:
             _restore_hyperparameters(pg, hp, same_optimizer)
+    if staged.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(staged.lr_scheduler)
+    if staged.loss_scaler is not None:
+        engine.loss_scaler.load_state_dict(staged.loss_scaler)
+    if hasattr(engine, "skipped_steps"):
+        engine.skipped_steps = staged.meta.skipped_steps
     engine.global_steps = staged.meta.global_steps
     accum = engine.gradient_accumulation_steps
     micro = staged.meta.micro_steps
@@ -1261,7 +1466,9 @@ def load_full_state_dict(checkpoint_dir: PathLike, tag: Optional[str] = None) ->
 
 def consolidate(checkpoint_dir: PathLike, out_path: PathLike, tag: Optional[str] = None) -> Path:
     """Write a checkpoint's full state dict, keyed like ``model.state_dict()`` (every tied name, as its
-    own tensor; buffers included; trained parameters fp32), to one file loadable without zerodp.
+    own tensor; buffers included; floating tensors fp32 (fp64 stays fp64): trained parameters are the
+    fp32 master values of a bf16/fp16 run, its frozen parameters and buffers are cast up), to one file
+    loadable without zerodp.
 
     Pure function: no process group, CPU only, reads only the checkpoint's files.
 
@@ -1281,7 +1488,8 @@ def consolidate(checkpoint_dir: PathLike, out_path: PathLike, tag: Optional[str]
     out = Path(out_path)
     if out.suffix not in (".safetensors", ".pt", ".pth"):
         raise CheckpointError(f"cannot tell the format of {out}: use a .safetensors or .pt file name")
-    sd = {k: v.contiguous() for k, v in load_full_state_dict(checkpoint_dir, tag).items()}
+    sd = {k: (v.to(value_dtype(v.dtype)) if v.is_floating_point() else v).contiguous()
+          for k, v in load_full_state_dict(checkpoint_dir, tag).items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     if out.suffix == ".safetensors":

@@ -348,7 +348,9 @@ class Engine:
         return checkpoint.load_checkpoint(self, load_dir, tag)
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 state dict keyed like ``module.state_dict()``, fresh copies, on every rank."""
+        """Full state dict keyed like ``module.state_dict()``, fresh copies, on every rank (a
+        collective): trained parameters in fp32 (the fp32 masters under bf16/fp16), frozen parameters
+        and buffers in the module's dtype."""
         from . import checkpoint
 
         return checkpoint.module_state_dict(self)
