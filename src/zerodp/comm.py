@@ -21,6 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp, Work
 
+# torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 #: how many "Psi-equivalents" of traffic each op counts per element of its full tensor.
 TRAFFIC_FACTOR: dict[str, int] = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
 
@@ -118,7 +122,7 @@ def reduce_scatter(
 ) -> Optional[Work]:
     """Sum ``input`` (1-D, N x ``output.numel()`` elements) across ranks; rank r gets chunk r in ``output``."""
     ledger.record("reduce_scatter", input.numel(), input.element_size(), purpose)
-    return dist.reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=group, async_op=async_op)
+    return _reduce_scatter_single(output, input, op=ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_gather(
@@ -127,7 +131,7 @@ def all_gather(
 ) -> Optional[Work]:
     """Concatenate every rank's 1-D ``input`` into ``output`` (N x ``input.numel()``); may be in place."""
     ledger.record("all_gather", output.numel(), output.element_size(), purpose)
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
 def broadcast(

@@ -6,8 +6,8 @@ cut into *buckets* of at most ``reduce_bucket_size`` elements along parameter bo
 larger than that gets a bucket of its own), in reverse registration order so that backward fills the
 buckets roughly one after another. Each bucket is padded to a multiple of the data-parallel world size
 N and split into N equal *shards*: data-parallel rank r owns shard r of every bucket. Because every
-bucket splits evenly, one ``reduce_scatter_tensor`` per bucket delivers each rank exactly the gradient
-of the elements it owns, and one in-place ``all_gather_into_tensor`` per bucket rebuilds the updated
+bucket splits evenly, one reduce-scatter per bucket delivers each rank exactly the gradient
+of the elements it owns, and one in-place all-gather per bucket rebuilds the updated
 parameters. With a single bucket this is ZeRO's "flat buffer padded to a multiple of N, rank r owns
 partition r".
 

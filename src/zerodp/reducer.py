@@ -257,6 +257,7 @@ class PartitionedGradReducer(GradientReducer):
             dtype = accumulate_dtype or g.buffer.dtype
             self.owned[g.index] = torch.zeros(off, dtype=dtype, device=g.buffer.device)
         self._staging: dict[int, torch.Tensor] = {}  # id(bucket) -> staging buffer being filled
+        self._owned_written: set[int] = set()  # id(bucket) whose owned slice holds data since zeroing
 
     def _staging_for(self, b: Bucket, g: FlatGroup) -> torch.Tensor:
         buf = self._staging.get(id(b))
@@ -286,14 +287,22 @@ class PartitionedGradReducer(GradientReducer):
                     s.param.grad = None
         del self._staging[id(b)]
         buf.div_(self.world_size)
-        recv = torch.empty(b.shard_numel, dtype=buf.dtype, device=buf.device)
-        work = comm.reduce_scatter(recv, buf, self.pg, self.ledger, self.collective_purpose, async_op=True)
+        off = self._owned_offsets[(g.index, b.index)]
+        owned = self.owned[g.index][off : off + b.shard_numel]
+        if id(b) not in self._owned_written and owned.dtype == buf.dtype:
+            recv = None  # first reduction since zero_grads(): write straight into the owned partition
+            work = comm.reduce_scatter(owned, buf, self.pg, self.ledger, self.collective_purpose, async_op=True)
+        else:
+            recv = torch.empty(b.shard_numel, dtype=buf.dtype, device=buf.device)
+            work = comm.reduce_scatter(recv, buf, self.pg, self.ledger, self.collective_purpose, async_op=True)
+        self._owned_written.add(id(b))
         self._track(g, b, work, (buf, recv))
 
     def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
         _, recv = payload  # the staging buffer is dropped with the payload here
-        off = self._owned_offsets[(g.index, b.index)]
-        self.owned[g.index][off : off + b.shard_numel].add_(recv)
+        if recv is not None:  # accumulate (later micro-steps, or an fp32 partition of bf16 grads)
+            off = self._owned_offsets[(g.index, b.index)]
+            self.owned[g.index][off : off + b.shard_numel].add_(recv)
 
     def piece_grad(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
         for b in g.buckets:
@@ -307,10 +316,11 @@ class PartitionedGradReducer(GradientReducer):
         super().zero_grads()
         for t in self.owned.values():
             t.zero_()
+        self._owned_written.clear()
 
     def held_bytes(self) -> dict[str, int]:
         owned = sum(t.numel() * t.element_size() for t in self.owned.values())
         staging = sum(t.numel() * t.element_size() for t in self._staging.values())
-        flight = sum(buf.numel() * buf.element_size() + recv.numel() * recv.element_size()
+        flight = sum(buf.numel() * buf.element_size() + (recv.numel() * recv.element_size() if recv is not None else 0)
                      for _, _, _, (buf, recv) in self._in_flight)
         return {"gradients": owned + staging, "comm_buffers": flight}

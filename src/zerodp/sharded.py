@@ -3,7 +3,7 @@
 [Note: units] Each submodule's directly-owned parameters (``recurse=False``; a tied parameter belongs to
 the first module that owns it) form one *unit*: a flat layout padded to a multiple of the world size
 N, of which rank r keeps only shard r (1-D, ``numel / N`` elements). Gathering a unit is one coalesced
-``all_gather_into_tensor`` into a full flat buffer whose views become the parameters' ``.data``;
+all-gather into a full flat buffer whose views become the parameters' ``.data``;
 releasing it points ``.data`` back at an empty placeholder (shape ``(0,)``) and drops the buffer.
 Parameters with at most ``stage3_param_persistence_threshold`` elements go to one *persistent* unit
 that stays gathered and is re-gathered after each optimizer step.
