@@ -36,7 +36,8 @@ import zerodp
 from zerodp import checkpoint
 from zerodp.checkpoint import consolidate, load_full_state_dict
 
-RTOL, ATOL = 1e-5, 1e-6
+from dist_worker import Zoo, err, rank, world  # this file's folder is on sys.path when run as a script
+
 GLOBAL_ROWS = 12  # global batch of the resharding scenarios: the same at world sizes 2, 3 and 4
 
 
@@ -54,42 +55,7 @@ def scenario(fn: Callable[[int, Context], dict]) -> Callable[[int, Context], dic
     return fn
 
 
-def err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    if a.shape != b.shape:
-        return float("inf")
-    if a.numel() == 0:
-        return 0.0
-    return ((a - b).abs() / (ATOL + RTOL * b.abs())).max().item()
-
-
-def rank() -> int:
-    return dist.get_rank()
-
-
-def world() -> int:
-    return dist.get_world_size()
-
-
-# ---- models (as in tests/dist_worker.py) ---------------------------------------------------------------
-class Zoo(nn.Module):
-    """Odd-sized layers, a scalar parameter, a branch unused on odd steps, a never-used parameter."""
-
-    def __init__(self, d_in: int = 13, hidden: int = 7, d_out: int = 5) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d_in, hidden)
-        self.fc2 = nn.Linear(hidden, d_out)
-        self.scale = nn.Parameter(torch.tensor([0.75]))
-        self.branch = nn.Linear(hidden, hidden, bias=False)
-        self.never_used = nn.Parameter(torch.randn(3))
-
-    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
-        h = torch.tanh(self.fc1(x))
-        if use_branch:
-            h = h + torch.tanh(self.branch(h))
-        return self.fc2(h) * self.scale
-
-
+# ---- models and helpers shared with tests/dist_worker.py ----------------------------------------------
 class TiedLM(nn.Module):
     """Embedding and output head share one weight; a persistent and a non-persistent buffer."""
 

@@ -37,11 +37,7 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def _ddp(cfg: GPTConfig, lr: float) -> Step:
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.manual_seed(0)
-    model = DistributedDataParallel(GPT(cfg))
+def _torch_step(model: torch.nn.Module, lr: float) -> Step:
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -54,6 +50,13 @@ def _ddp(cfg: GPTConfig, lr: float) -> Step:
     return step
 
 
+def _ddp(cfg: GPTConfig, lr: float) -> Step:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    return _torch_step(DistributedDataParallel(GPT(cfg)), lr)
+
+
 def _fsdp2(cfg: GPTConfig, lr: float) -> Step:
     from torch.distributed.fsdp import fully_shard
 
@@ -62,13 +65,14 @@ def _fsdp2(cfg: GPTConfig, lr: float) -> Step:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    return _torch_step(model, lr)
 
+
+def _engine_step(engine) -> Step:
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = _loss(model(x)[0], y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = _loss(engine(x)[0], y)
+        engine.backward(loss)
+        engine.step()
         return loss.item()
 
     return step
@@ -80,14 +84,7 @@ def _zerodp(stage: int) -> Callable[[GPTConfig, float], Step]:
         engine = zerodp.initialize(GPT(cfg), {
             "optimizer": {"type": "AdamW", "params": {"lr": lr}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1000}})
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> float:
-            loss = _loss(engine(x)[0], y)
-            engine.backward(loss)
-            engine.step()
-            return loss.item()
-
-        return step
+        return _engine_step(engine)
 
     return build
 
@@ -102,14 +99,7 @@ def _deepspeed(stage: int) -> Callable[[GPTConfig, float], Step]:
             "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True}},
             "zero_optimization": {"stage": stage}})
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> float:
-            loss = _loss(engine(x)[0], y)
-            engine.backward(loss)
-            engine.step()
-            return loss.item()
-
-        return step
+        return _engine_step(engine)
 
     return build
 

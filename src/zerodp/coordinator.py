@@ -150,20 +150,17 @@ class ParameterCoordinator:
 
     def release_all(self) -> None:
         """Release every non-persistent unit (end of backward, end of an eval forward)."""
-        self.busy = True
-        try:
-            for u in self.index.units:
-                if not u.persistent:
-                    u.release()
-        finally:
-            self.busy = False
+        self._release_where(lambda u: True)
 
     def release_idle(self) -> None:
         """Release units gathered but not in use by any module (e.g. prefetched, then unused)."""
+        self._release_where(lambda u: u.users <= 0)
+
+    def _release_where(self, pick) -> None:
         self.busy = True
         try:
             for u in self.index.units:
-                if not u.persistent and u.users <= 0:
+                if not u.persistent and pick(u):
                     u.release()
         finally:
             self.busy = False

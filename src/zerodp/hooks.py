@@ -1,12 +1,14 @@
 """The four stage-3 module hooks, registered in one place (:func:`register_stage3_hooks`).
 
-- pre-forward: fetch the module's units; wrap its tensor inputs in :class:`_PostBackward`.
-- post-forward: release the units; wrap its tensor outputs in :class:`_PreBackward`.
-- pre-backward: :class:`_PreBackward`'s backward runs when the gradient of the module's outputs
-  arrives, before the module's own backward: fetch the units again (torch has no module pre-backward
-  hook that fires at that moment for every output structure).
-- post-backward: :class:`_PostBackward`'s backward runs once the gradients of the module's inputs are
-  computed, i.e. after the module's backward: release the units. Modules whose inputs need no gradient
+- pre-forward: fetch the module's units; route its tensor inputs through a :class:`_BackwardHook`
+  that releases them.
+- post-forward: release the units; route its tensor outputs through a :class:`_BackwardHook` that
+  fetches them.
+- pre-backward: the outputs' hook runs when the gradient of the module's outputs arrives, before the
+  module's own backward: fetch the units again (torch has no module pre-backward hook that fires at
+  that moment for every output structure).
+- post-backward: the inputs' hook runs once the gradients of the module's inputs are computed, i.e.
+  after the module's backward: release the units. Modules whose inputs need no gradient
   are released by the coordinator at the end of backward.
 
 Inputs and outputs may be tensors, or tuples, lists, dicts and dataclasses of them, or anything else
@@ -29,27 +31,17 @@ from .coordinator import ParameterCoordinator
 from .sharded import ShardState
 
 
-class _PreBackward(torch.autograd.Function):
+class _BackwardHook(torch.autograd.Function):
+    """Identity on ``tensors``; its backward calls ``action(module)`` before passing gradients on."""
+
     @staticmethod
-    def forward(ctx: Any, coordinator: ParameterCoordinator, module: nn.Module, *tensors: torch.Tensor):
-        ctx.coordinator, ctx.module = coordinator, module
+    def forward(ctx: Any, action: Callable[[nn.Module], None], module: nn.Module, *tensors: torch.Tensor):
+        ctx.action, ctx.module = action, module
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
-        ctx.coordinator.fetch(ctx.module)
-        return (None, None, *grads)
-
-
-class _PostBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, coordinator: ParameterCoordinator, module: nn.Module, *tensors: torch.Tensor):
-        ctx.coordinator, ctx.module = coordinator, module
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor):
-        ctx.coordinator.release(ctx.module)
+        ctx.action(ctx.module)
         return (None, None, *grads)
 
 
@@ -83,13 +75,14 @@ def _replace(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
     return obj
 
 
-def _wrap(fn: type[torch.autograd.Function], coordinator: ParameterCoordinator, module: nn.Module, obj: Any) -> Any:
+def _wrap(action: Callable[[nn.Module], None], module: nn.Module, obj: Any) -> Any:
+    """Route every tensor in ``obj`` that requires grad through one :class:`_BackwardHook`."""
     tensors: list[torch.Tensor] = []
     _collect(obj, tensors)
     if not tensors:
         return obj
     unique = list({id(t): t for t in tensors}.values())
-    wrapped = fn.apply(coordinator, module, *unique)
+    wrapped = _BackwardHook.apply(action, module, *unique)
     return _replace(obj, {id(t): w for t, w in zip(unique, wrapped)})
 
 
@@ -113,7 +106,8 @@ def register_stage3_hooks(
         stack.stack.append(module)
         coordinator.fetch(module)
         if needs_backward_hooks(module):
-            return _wrap(_PostBackward, coordinator, module, (args, kwargs))
+            # post-backward: runs once the gradients of the module's inputs exist
+            return _wrap(coordinator.release, module, (args, kwargs))
         return None
 
     def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -121,7 +115,8 @@ def register_stage3_hooks(
             stack.stack.pop()
         coordinator.release(module)
         if needs_backward_hooks(module):
-            return _wrap(_PreBackward, coordinator, module, output)
+            # pre-backward: runs when the gradient of the module's outputs arrives
+            return _wrap(coordinator.fetch, module, output)
         return None
 
     for module in root.modules():
