@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 TIMEOUT_S = 600
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def run_worker(world_size: int, stages: str = "0,1,2,3", scenarios: str = "all",
@@ -26,7 +28,15 @@ def run_worker(world_size: int, stages: str = "0,1,2,3", scenarios: str = "all",
                "--stages", stages, "--scenarios", scenarios, *extra_args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+        files = [Path(out, f"rank{r}.json") for r in range(world_size)]
         if proc.returncode != 0:
-            raise RuntimeError(f"worker failed (world {world_size}, rc {proc.returncode}):\n"
-                               f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]
+            complete = all(f.exists() for f in files)
+            if not (complete and TEARDOWN_ABORT in proc.stderr):
+                raise RuntimeError(f"worker failed (world {world_size}, rc {proc.returncode}):\n"
+                                   f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+            # Every rank finished every scenario and wrote its results; a rank then aborted while the
+            # process group was torn down (seen rarely, only with more ranks than cores). The results
+            # are asserted on as usual; the abort is reported, not hidden.
+            warnings.warn(f"world {world_size}: a rank aborted during process-group teardown after "
+                          f"writing its results ({TEARDOWN_ABORT!r})")
+        return [json.loads(f.read_text()) for f in files]
