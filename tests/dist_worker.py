@@ -435,6 +435,9 @@ def eval_generation_between_steps(stage: int) -> dict:
             ref.train()
         engine.train()
         live = engine.sharding.coordinator.live_elements() if engine.sharding else 0
+        # a training-mode forward with grad but no backward (e.g. a validation loss): whatever it
+        # prefetched for the backward is dropped by the next training forward
+        engine(torch.zeros(2, 3, dtype=torch.long))
         persistent = sum(u.numel for u in engine.sharding.units if u.persistent) if engine.sharding else 0
         return {f"same_tokens_{step}": bool(torch.equal(out, ref_out)),
                 f"gathered_after_eval_{step}": live - persistent}
