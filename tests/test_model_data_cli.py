@@ -1,7 +1,9 @@
-"""Model, data and CLI tests (single process, fast), plus one tiny end-to-end ``zerodp train`` run."""
+"""Model, data and CLI tests (single process, fast), plus three tiny end-to-end ``zerodp train`` runs
+(save every 3 steps, resume, uninterrupted) shared by the checkpoint, resume and consolidate tests."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -202,6 +204,10 @@ def test_train_flag_errors(capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(cli.subprocess, "run", no_launch)
     for argv, needle in [(["--stage", "9"], "--stage"), (["--steps", "x"], "--steps"),
                          (["--config", "c.json", "--stage", "1"], "--config"),
+                         (["--config", "c.json", "--bf16"], "--bf16"),
+                         (["--bf16", "--fp16"], "not allowed with argument --bf16"),
+                         (["--save-every", "-1"], "--save-every"),
+                         (["--resume", "--save-dir", str(tmp_path / "none")], "no checkpoint in"),
                          (["--n-head", "3"], "n_head"), (["--data", str(tmp_path / "none")], "cannot read")]:
         with pytest.raises(SystemExit) as exc:
             cli.main(["train", *argv])
@@ -220,23 +226,152 @@ def test_launcher_command() -> None:
     cmd = cli.launcher_command(args)
     assert "--standalone" not in cmd
     assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--master-addr") + 1] == "10.0.0.1"
+    args = cli.build_parser().parse_args(["train", "--bf16", "--resume", "--save-every", "3", "--save-dir", "d"])
+    cmd = cli.launcher_command(args)
+    assert "--bf16" in cmd and "--resume" in cmd and "--save-every=3" in cmd and "--save-dir=d" in cmd
+    assert "--fp16" not in " ".join(cmd)
+
+
+def test_bench_command_and_help(capsys) -> None:
+    from zerodp import bench
+
+    args = cli.build_parser().parse_args(["bench", "--steps", "6", "--rounds", "2"])
+    cmd = cli.bench_command(args)
+    assert cmd[:5] == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    tail = cmd[cmd.index("zerodp.bench") + 1:]
+    assert cmd[cmd.index("zerodp.bench") - 1] == "-m" and "--standalone" in cmd
+    assert "--steps=6" in tail and "--rounds=2" in tail and "--d-model=256" in tail
+    # every flag forwarded parses with bench's own parser, to the values given
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    parsed = ap.parse_args(tail)
+    assert parsed.steps == 6 and parsed.rounds == 2 and parsed.micro_batch == 8
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--help"])
+    assert exc.value.code == 0 and "--micro-batch N" in capsys.readouterr().out
+
+
+def test_engine_flags_build_config() -> None:
+    from zerodp import train
+
+    def settings(*argv: str):
+        return train.resolve_settings(cli.build_parser().parse_args(["train", *argv]))
+
+    d = train.DEFAULTS
+    s2 = settings()
+    assert s2.precision == "fp32" and s2.engine_config.zero_optimization.stage == 2
+    assert s2.engine_config.zero_optimization.reduce_bucket_size == d.stage2_reduce_bucket_size == 200_000
+    s3 = settings("--stage", "3", "--bf16")
+    z3 = s3.engine_config.zero_optimization
+    assert z3.stage3_param_persistence_threshold == d.stage3_param_persistence_threshold == 1024
+    assert s3.engine_config.bf16.enabled and not s3.engine_config.fp16.enabled and s3.precision == "bf16"
+    s1 = settings("--stage", "1", "--fp16")
+    assert s1.engine_config.fp16.enabled and s1.precision == "fp16"
+    assert s1.engine_config.zero_optimization.reduce_bucket_size == 500_000_000  # stage 2 only
+    assert s1.save_dir == d.save_dir and s1.save_every == 0 and not s1.resume
 
 
 # ---- end to end ------------------------------------------------------------------------------------
 
-def test_tiny_train_run_end_to_end() -> None:
+TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--eval-batches", "2",
+        "--sample-tokens", "8"]
+
+
+def _zerodp_train(*argv: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "zerodp.cli", "train", "--steps", "3", "--n-layer", "1", "--d-model", "32",
-         "--n-head", "2", "--seq-len", "32", "--eval-batches", "1", "--sample-tokens", "8"],
-        capture_output=True, text=True, timeout=120, env=env,
-    )
+    proc = subprocess.run([sys.executable, "-m", "zerodp.cli", "train", *TINY, *argv],
+                          capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory) -> dict:
+    """Three 2-rank runs of a 1-layer GPT: 6 steps saving every 3, the same resumed to 9 steps, and an
+    uninterrupted 9-step run."""
+    ckpt = tmp_path_factory.mktemp("ckpt") / "run"
+    first = _zerodp_train("--steps", "6", "--save-every", "3", "--save-dir", str(ckpt))
+    latest_after_first = (ckpt / "latest").read_text().strip()
+    resumed = _zerodp_train("--steps", "9", "--save-every", "3", "--save-dir", str(ckpt), "--resume")
+    whole = _zerodp_train("--steps", "9")
+    return {"ckpt": ckpt, "first": first, "resumed": resumed, "whole": whole,
+            "latest_after_first": latest_after_first}
+
+
+def _line(out: str, prefix: str) -> str:
+    lines = [ln for ln in out.splitlines() if ln.startswith(prefix)]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def test_tiny_train_run_end_to_end(tiny_runs) -> None:
+    out = tiny_runs["whole"].stdout
+    assert "ZeRO stage 2, fp32," in out
     assert "held-out loss (nats/byte):" in out
     assert "rank 0/2" in out and "rank 1/2" in out
     assert "per step:" in out and "= 2.000 Psi" in out
     assert "sample (8 bytes" in out
+    assert "checkpoints saved" not in out
+
+
+def test_resume_continues_exactly(tiny_runs) -> None:
+    first, resumed, whole = tiny_runs["first"].stdout, tiny_runs["resumed"].stdout, tiny_runs["whole"].stdout
+    assert tiny_runs["latest_after_first"] == "global_step6"
+    assert "checkpoints saved in" in first and "global_step3, global_step6 " in first
+    assert f"resumed from {tiny_runs['ckpt'] / 'global_step6'} at step 6" in resumed
+    assert "trained steps 7-9 (3 steps," in resumed
+    assert "6/9" in tiny_runs["resumed"].stderr  # the bar starts at the resumed step
+    # same loss before (from client_state) and after, to 6 decimals, as the uninterrupted run
+    loss = _line(whole, "held-out loss")
+    assert _line(resumed, "held-out loss") == loss
+    assert _line(first, "held-out loss").split("->")[0] == loss.split("->")[0]
+    assert _line(first, "held-out loss") != loss
+    assert sorted(p.name for p in tiny_runs["ckpt"].iterdir()) == [
+        "global_step3", "global_step6", "global_step9", "latest"]
+
+
+def test_resume_refuses_other_seed_or_model(tiny_runs, monkeypatch, capsys) -> None:
+    def no_launch(*a, **k):
+        raise AssertionError("a mismatched resume must be refused before launching workers")
+
+    monkeypatch.setattr(cli.subprocess, "run", no_launch)
+    ckpt = str(tiny_runs["ckpt"])
+    for extra, needle in [(["--seed", "1"], "seed 0 (this run: 1)"),
+                          (["--d-model", "64"], "d_model=32"),
+                          (["--steps", "9"], "at step 9, and --steps is 9")]:
+        argv = ["train", *TINY, "--steps", "12", "--save-dir", ckpt, "--resume"]
+        with pytest.raises(SystemExit) as exc:
+            cli.main([*argv, *extra])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "cannot resume" in err and needle in err
+
+
+def test_consolidate_loads_into_plain_gpt(tiny_runs, tmp_path, capsys) -> None:
+    from safetensors.torch import load_file
+
+    out = tmp_path / "export" / "model.safetensors"
+    assert cli.main(["consolidate", str(tiny_runs["ckpt"]), str(out)]) == 0
+    assert "global_step9" in capsys.readouterr().out
+    model = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=32))
+    model.load_state_dict(load_file(str(out)))  # strict
+    logits, _ = model(torch.randint(0, 256, (2, 32)))
+    assert logits.shape == (2, 32, 256) and torch.isfinite(logits).all()
+    # another tag gives other weights
+    early = tmp_path / "early.safetensors"
+    assert cli.main(["consolidate", str(tiny_runs["ckpt"]), str(early), "--tag", "global_step3"]) == 0
+    a, b = load_file(str(out)), load_file(str(early))
+    assert a.keys() == b.keys() and not torch.equal(a["tok_emb.weight"], b["tok_emb.weight"])
+
+
+def test_consolidate_errors(tiny_runs, tmp_path, capsys) -> None:
+    for argv in ([str(tmp_path / "none"), str(tmp_path / "m.safetensors")],
+                 [str(tiny_runs["ckpt"]), str(tmp_path / "m.bin")],
+                 [str(tiny_runs["ckpt"]), str(tmp_path / "m.pt"), "--tag", "global_step4"]):
+        assert cli.main(["consolidate", *argv]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("zerodp consolidate: error: ")
+    assert not list(tmp_path.glob("m.*"))
 
 
 def test_config_file_sets_engine_and_seed(tmp_path) -> None:

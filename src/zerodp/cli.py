@@ -1,9 +1,12 @@
-"""The ``zerodp`` command line: ``zerodp train`` and ``zerodp estimate``.
+"""The ``zerodp`` command line: ``zerodp train``, ``zerodp consolidate``, ``zerodp bench`` and ``zerodp estimate``.
 
 ``zerodp train`` outside a torchrun-launched process re-launches itself through torch's own launcher,
 ``python -m torch.distributed.run --nproc-per-node N [--standalone | rendezvous flags] -m zerodp.cli
 train ...``, and returns its exit code; inside one (``RANK`` or ``LOCAL_RANK`` set) it runs
-:func:`zerodp.train.run_worker`.
+:func:`zerodp.train.run_worker`. ``zerodp bench`` is launched the same way, running ``-m zerodp.bench``.
+
+``zerodp consolidate CHECKPOINT_DIR OUT`` writes a checkpoint's full state dict to one file
+(:func:`zerodp.checkpoint.consolidate`).
 
 ``zerodp estimate --params P --dp N`` prints the ZeRO paper's per-rank model-state memory and per-step
 traffic for stages 0-3 (:func:`zerodp.accounting.estimate_table`).
@@ -18,7 +21,7 @@ import os
 import re
 import subprocess
 import sys
-from typing import Callable, Optional, Sequence, get_args
+from typing import Any, Callable, Optional, Sequence, get_args
 
 from zerodp import accounting
 from zerodp.config import ZeroConfig
@@ -39,13 +42,16 @@ LAUNCHER_FLAGS = {
     "rdzv_id": "--rdzv-id",
 }
 
-#: ``zerodp train`` options forwarded to every worker: dest -> flag.
+#: ``zerodp train`` options forwarded to every worker: dest -> flag (``True`` values are passed as the
+#: bare flag).
 WORKER_FLAGS = {
     "stage": "--stage", "config": "--config", "data": "--data", "steps": "--steps",
     "n_layer": "--n-layer", "n_head": "--n-head", "d_model": "--d-model", "seq_len": "--seq-len",
     "micro_batch": "--micro-batch", "grad_accum": "--grad-accum", "lr": "--lr", "seed": "--seed",
+    "bf16": "--bf16", "fp16": "--fp16",
     "eval_batches": "--eval-batches", "sample_tokens": "--sample-tokens", "prompt": "--prompt",
-    "temperature": "--temperature",
+    "temperature": "--temperature", "save_dir": "--save-dir", "save_every": "--save-every",
+    "resume": "--resume",
 }
 
 
@@ -76,17 +82,9 @@ def _float_in(lo: float, hi: float, lo_open: bool = True) -> Callable[[str], flo
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``zerodp`` argument parser (subcommands ``train`` and ``estimate``)."""
-    parser = argparse.ArgumentParser(prog="zerodp", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,estimate}")
-
+def _add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
     d = DEFAULTS
-    tr = sub.add_parser(
-        "train", help="train the byte-level GPT with ZeRO data parallelism and report memory/traffic",
-        description="Train a small GPT on stdlib prose (or --data) with N ranks; print held-out loss "
-                    "before/after, per-rank memory vs the ZeRO formula, traffic vs 2 Psi and a sample.")
-    launch = tr.add_argument_group("launcher (passed to torch.distributed.run)")
+    launch = parser.add_argument_group("launcher (passed to torch.distributed.run)")
     launch.add_argument("--nproc", metavar="N", type=_int_at_least(1), default=d.nproc,
                         help=f"ranks (processes) per node (default {d.nproc})")
     launch.add_argument("--nnodes", metavar="N|MIN:MAX", help="number of nodes, or MIN:MAX (default 1)")
@@ -97,12 +95,70 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--rdzv-backend", metavar="NAME", help="rendezvous backend, e.g. c10d or static")
     launch.add_argument("--rdzv-id", metavar="ID", help="job id shared by all nodes")
 
+
+#: help texts of :func:`zerodp.bench.add_arguments`'s flags (which it declares without help).
+BENCH_HELP = {
+    "n_layer": "transformer blocks", "n_head": "attention heads", "d_model": "model width",
+    "seq_len": "context length in tokens", "micro_batch": "sequences per rank per step",
+    "steps": "timed steps per system and round", "warmup": "untimed steps before them",
+    "rounds": "rounds; each rebuilds and runs every system in turn",
+}
+
+
+class _Recorder:
+    """Passed to an ``add_arguments(parser)`` function: adds each argument to ``group`` (with a help
+    text from ``helps`` and its default) and records its (dest, first option string), so the parsed
+    values can be forwarded to the workers."""
+
+    def __init__(self, group: Any, add_arguments: Callable[[Any], None],
+                 helps: Optional[dict[str, str]] = None) -> None:
+        self.group = group
+        self.helps = helps or {}
+        self.flags: dict[str, str] = {}
+        add_arguments(self)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        dest = kwargs.get("dest") or args[0].lstrip("-").replace("-", "_")
+        if "help" not in kwargs:
+            kwargs["help"] = self.helps.get(dest, "")
+        if "default" in kwargs and "%(default)" not in kwargs["help"]:
+            kwargs["help"] = f"{kwargs['help']} (default %(default)s)".strip()
+        if kwargs.get("type") is int and "metavar" not in kwargs:
+            kwargs["metavar"] = "N"
+        action = self.group.add_argument(*args, **kwargs)
+        self.flags[action.dest] = action.option_strings[0]
+        return action
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``zerodp`` argument parser (subcommands ``train``, ``consolidate``, ``bench``, ``estimate``)."""
+    parser = argparse.ArgumentParser(prog="zerodp", description=__doc__.split("\n\n")[0].replace("``", ""))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,consolidate,bench,estimate}")
+
+    d = DEFAULTS
+    tr = sub.add_parser(
+        "train", help="train the byte-level GPT with ZeRO data parallelism and report memory/traffic",
+        description="Train a small GPT on stdlib prose (or --data) with N ranks; print held-out loss "
+                    "before/after, per-rank memory vs the ZeRO formula, traffic vs 2 Psi and a sample.")
+    _add_launcher_arguments(tr)
+
     eng = tr.add_argument_group("engine (or give them all in --config)")
     eng.add_argument("--stage", type=int, choices=STAGES,
                      help="ZeRO stage: " + ", ".join(f"{k} {accounting.STAGE_NAMES[k]}" for k in STAGES)
-                          + f" (default {d.stage})")
+                          + f" (default {d.stage}). Set from this flag, stage 2 uses reduce_bucket_size "
+                          f"{d.stage2_reduce_bucket_size:,} (a lower peak of gradient memory than DeepSpeed's 5e8) and "
+                          f"stage 3 stage3_param_persistence_threshold {d.stage3_param_persistence_threshold:,} "
+                          "(only biases and LayerNorms stay gathered; DeepSpeed's default 1e5 would keep "
+                          "every parameter of the default model whole)")
     eng.add_argument("--config", metavar="FILE",
-                     help="DeepSpeed-style ds_config.json (excludes --stage/--lr/--micro-batch/--grad-accum)")
+                     help="DeepSpeed-style ds_config.json (excludes --stage/--lr/--micro-batch/--grad-accum/"
+                          "--bf16/--fp16)")
+    prec = eng.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", action="store_const", const=True,
+                      help="bfloat16 parameters and gradients, fp32 master weights (config bf16.enabled)")
+    prec.add_argument("--fp16", action="store_const", const=True,
+                      help="float16 parameters and gradients with dynamic loss scaling, fp32 master "
+                           "weights (config fp16.enabled)")
     eng.add_argument("--micro-batch", metavar="B", type=_int_at_least(1),
                      help=f"sequences per rank per micro-step (default {d.micro_batch})")
     eng.add_argument("--grad-accum", metavar="K", type=_int_at_least(1),
@@ -121,12 +177,42 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", metavar="T", type=_float_in(0.0, 100.0, lo_open=False),
                      help=f"sampling temperature, 0 = greedy (default {d.temperature})")
 
+    ck = tr.add_argument_group("checkpoints")
+    ck.add_argument("--save-dir", metavar="DIR", help=f"checkpoint directory (default {d.save_dir}/)")
+    ck.add_argument("--save-every", metavar="N", type=_int_at_least(0),
+                    help=f"save a checkpoint after steps N, 2N, ... and after the last step; 0 = never "
+                         f"(default {d.save_every})")
+    ck.add_argument("--resume", action="store_const", const=True,
+                    help="load the latest checkpoint in --save-dir and train on from its step up to --steps "
+                         "(same seed, model and data required; the data continues where it stopped)")
+
     mdl = tr.add_argument_group("model")
     mdl.add_argument("--n-layer", metavar="L", type=_int_at_least(1), help=f"transformer blocks (default {d.n_layer})")
     mdl.add_argument("--n-head", metavar="H", type=_int_at_least(1), help=f"attention heads (default {d.n_head})")
     mdl.add_argument("--d-model", metavar="D", type=_int_at_least(1), help=f"model width (default {d.d_model})")
     mdl.add_argument("--seq-len", metavar="T", type=_int_at_least(1), help=f"context length in bytes (default {d.seq_len})")
     tr.set_defaults(handler=_cmd_train, parser=tr)
+
+    co = sub.add_parser(
+        "consolidate", help="write a checkpoint's full model weights to one .safetensors/.pt file",
+        description="Assemble the full state dict (fp32, keyed like model.state_dict()) of a zerodp "
+                    "checkpoint saved at any stage and world size into one file that loads without "
+                    "zerodp (safetensors.torch.load_file or torch.load).")
+    co.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
+                    help="a --save-dir (its 'latest' or --tag is used) or one checkpoint directory")
+    co.add_argument("out", metavar="OUT", help="output file, *.safetensors or *.pt/*.pth")
+    co.add_argument("--tag", metavar="T", help="checkpoint within CHECKPOINT_DIR (default: 'latest')")
+    co.set_defaults(handler=_cmd_consolidate, parser=co)
+
+    from zerodp import bench
+    be = sub.add_parser(
+        "bench", help="median step time of zerodp stages 0-3 vs torch DDP and FSDP2 (same model and data)",
+        description="Step time of zerodp's stages 0-3 against torch DDP and FSDP2 (and DeepSpeed when "
+                    "installed), same model and batches, median over the timed steps, one run via "
+                    "torch.distributed.run running python -m zerodp.bench.")
+    _add_launcher_arguments(be)
+    be.set_defaults(handler=_cmd_bench, parser=be,
+                    bench_flags=_Recorder(be.add_argument_group("benchmark"), bench.add_arguments, BENCH_HELP).flags)
 
     es = sub.add_parser(
         "estimate", help="per-rank model-state memory and traffic of ZeRO stages 0-3 (paper formulas)",
@@ -223,12 +309,11 @@ def _inside_torchrun() -> bool:
     return "RANK" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def launcher_command(args: argparse.Namespace) -> list[str]:
-    """The ``torch.distributed.run`` command line that runs ``zerodp train`` workers for ``args``.
+def torchrun_prefix(args: argparse.Namespace) -> list[str]:
+    """``python -m torch.distributed.run --nproc-per-node N [--standalone | rendezvous flags]`` for ``args``.
 
     ``--standalone`` is added when the run is single-node (``--nnodes`` unset or 1) and no master or
-    rendezvous flag is given. Only flags the user set are forwarded, so workers apply the same
-    defaults.
+    rendezvous flag is given.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
     launcher = {dest: getattr(args, dest) for dest in LAUNCHER_FLAGS if getattr(args, dest) is not None}
@@ -237,12 +322,38 @@ def launcher_command(args: argparse.Namespace) -> list[str]:
         cmd.append("--standalone")
     for dest, value in launcher.items():
         cmd += [LAUNCHER_FLAGS[dest], str(value)]
-    cmd += ["-m", "zerodp.cli", "train"]
-    for dest, flag in WORKER_FLAGS.items():
-        value = getattr(args, dest)
-        if value is not None:
-            cmd += [f"{flag}={value}"]
     return cmd
+
+
+def _forward(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
+    """``--flag=value`` for every set (not None) option in ``flags``; ``True`` gives the bare flag."""
+    out = []
+    for dest, flag in flags.items():
+        value = getattr(args, dest)
+        if value is True:
+            out.append(flag)
+        elif value is not None and value is not False:
+            out.append(f"{flag}={value}")
+    return out
+
+
+def launcher_command(args: argparse.Namespace) -> list[str]:
+    """The ``torch.distributed.run`` command line that runs ``zerodp train`` workers for ``args``.
+
+    Only flags the user set are forwarded, so workers apply the same defaults.
+    """
+    return torchrun_prefix(args) + ["-m", "zerodp.cli", "train"] + _forward(args, WORKER_FLAGS)
+
+
+def bench_command(args: argparse.Namespace) -> list[str]:
+    """The ``torch.distributed.run`` command line that runs ``python -m zerodp.bench`` for ``args``."""
+    return torchrun_prefix(args) + ["-m", "zerodp.bench"] + _forward(args, args.bench_flags)
+
+
+def _launch(cmd: list[str]) -> int:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default per worker, without its banner
+    return subprocess.run(cmd, env=env).returncode
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -253,14 +364,49 @@ def _cmd_train(args: argparse.Namespace) -> int:
         settings = train.resolve_settings(args)
         if not _inside_torchrun():
             from zerodp import data
-            data.load_text(settings.data, min_bytes=data.min_corpus_bytes(settings.model.seq_len))
+            text = data.load_text(settings.data, min_bytes=data.min_corpus_bytes(settings.model.seq_len))
+            if settings.resume:
+                train.check_resume(settings, train.corpus_fingerprint(data.encode(text)))
     except ValueError as exc:
         args.parser.error(str(exc))
     if _inside_torchrun():
         return train.run_worker(args)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default per worker, without its banner
-    return subprocess.run(launcher_command(args), env=env).returncode
+    return _launch(launcher_command(args))
+
+
+# ---- bench -----------------------------------------------------------------------------------------
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if _inside_torchrun():
+        from zerodp import bench
+
+        bench.run(args)
+        return 0
+    return _launch(bench_command(args))
+
+
+# ---- consolidate -----------------------------------------------------------------------------------
+
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    from zerodp import checkpoint
+
+    try:
+        src = checkpoint.resolve_checkpoint(args.checkpoint_dir, args.tag)
+        out = checkpoint.consolidate(args.checkpoint_dir, args.out, args.tag)
+        meta = checkpoint.read_meta(src)
+    except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
+        print(f"zerodp consolidate: error: {exc}", file=sys.stderr)
+        return 1
+    size = out.stat().st_size
+    print(f"wrote {out} ({len(meta.state_dict_keys)} tensors, {accounting.human_bytes(size)}) from {src} "
+          f"(step {meta.global_steps}, saved by {meta.world_size} ranks at ZeRO stage {meta.stage})")
+    cs = meta.client_state
+    if isinstance(cs, dict) and isinstance(cs.get("model"), dict):
+        try:
+            print(f"model: {GPTConfig.from_dict(cs['model'])} (load it into zerodp.model.GPT of this config)")
+        except (TypeError, ValueError):
+            pass
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

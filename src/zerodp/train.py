@@ -6,8 +6,12 @@ each runs :func:`run_worker`, which
 1. initialises the process group (:func:`zerodp.init_distributed`), builds the same GPT on every rank
    (seeded) and wraps it with :func:`zerodp.initialize`;
 2. measures the held-out loss (nats per byte) before training;
-3. trains ``steps`` optimizer steps on :class:`zerodp.data.GlobalBatches` (rank ``r`` reads rows
-   ``[r*micro, (r+1)*micro)`` of every global batch) with a tqdm bar on rank 0;
+   With ``--resume`` it instead loads ``latest`` from ``--save-dir`` (see :func:`check_resume`) and
+   takes the loss before training from the checkpoint's ``client_state``;
+3. trains up to ``steps`` optimizer steps on :class:`zerodp.data.GlobalBatches` (rank ``r`` reads rows
+   ``[r*micro, (r+1)*micro)`` of every global batch; optimizer step ``k`` uses micro-steps
+   ``k*accum ... k*accum + accum - 1``, so a resumed run reads exactly the batches an uninterrupted one
+   would) with a tqdm bar on rank 0, saving a checkpoint every ``--save-every`` steps and at the end;
 4. measures the held-out loss again, generates a short sample on every rank (same seed), and prints on
    rank 0: loss before -> after, every rank's memory report, rank 0's communication report for the
    training steps, and the sample.
@@ -18,7 +22,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -36,6 +42,16 @@ class TrainDefaults:
     """Defaults of ``zerodp train`` flags (the single place they are set; the CLI shows them).
 
     Sized so that 2 ranks at ZeRO stage 2 on a 2-core CPU finish in about two minutes.
+
+    Two engine settings are chosen for this small model (842,496 parameters) rather than DeepSpeed's
+    defaults, so that the memory table shows what the stage partitions:
+
+    - ``stage2_reduce_bucket_size`` (stage 2 only): gradient buckets of 200,000 elements instead of
+      5e8 (one bucket of the whole model), so backward holds less gradient memory at once (peak
+      gradients+buffers 4.07 MB instead of 5.05 MB on 2 ranks, measured over 40 steps);
+    - ``stage3_param_persistence_threshold`` (stage 3 only): parameters of at most 1,024 elements
+      (biases, LayerNorm weights) stay gathered; DeepSpeed's 1e5 would keep every parameter of the
+      default model whole, i.e. nothing would be partitioned.
     """
 
     nproc: int = 2
@@ -54,6 +70,10 @@ class TrainDefaults:
     prompt: str = "The "
     temperature: float = 0.8
     gradient_clipping: float = 1.0
+    stage2_reduce_bucket_size: int = 200_000
+    stage3_param_persistence_threshold: int = 1024
+    save_dir: str = "checkpoints"
+    save_every: int = 0
 
 
 DEFAULTS = TrainDefaults()
@@ -72,6 +92,19 @@ class RunSettings:
     sample_tokens: int
     prompt: str
     temperature: float
+    save_dir: str = DEFAULTS.save_dir
+    save_every: int = DEFAULTS.save_every
+    resume: bool = False
+
+    @property
+    def precision(self) -> str:
+        """``fp32``, ``bf16`` or ``fp16`` (the module's parameter dtype)."""
+        e = self.engine_config
+        return "bf16" if e.bf16.enabled else "fp16" if e.fp16.enabled else "fp32"
+
+
+#: engine flags that ``--config`` excludes (the file sets them).
+ENGINE_FLAGS = ("stage", "lr", "micro_batch", "grad_accum", "bf16", "fp16")
 
 
 def _pick(args: argparse.Namespace, name: str) -> Any:
@@ -80,33 +113,47 @@ def _pick(args: argparse.Namespace, name: str) -> Any:
 
 
 def engine_config_from_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """DeepSpeed-style config dict built from ``--stage --lr --micro-batch --grad-accum --seed``."""
-    return {
+    """DeepSpeed-style config dict built from ``--stage --lr --micro-batch --grad-accum --seed --bf16
+    --fp16`` (stage 2 adds ``reduce_bucket_size``, stage 3 ``stage3_param_persistence_threshold``, from
+    :data:`DEFAULTS`)."""
+    stage = _pick(args, "stage")
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 2:
+        zero["reduce_bucket_size"] = DEFAULTS.stage2_reduce_bucket_size
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = DEFAULTS.stage3_param_persistence_threshold
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": _pick(args, "micro_batch"),
         "gradient_accumulation_steps": _pick(args, "grad_accum"),
         "optimizer": {"type": "AdamW", "params": {"lr": _pick(args, "lr"), "betas": [0.9, 0.95],
                                                   "weight_decay": 0.0}},
-        "zero_optimization": {"stage": _pick(args, "stage")},
+        "zero_optimization": zero,
         "gradient_clipping": DEFAULTS.gradient_clipping,
         "seed": _pick(args, "seed"),
     }
+    for precision in ("bf16", "fp16"):
+        if getattr(args, precision, None):
+            config[precision] = {"enabled": True}
+    return config
 
 
 def resolve_settings(args: argparse.Namespace) -> RunSettings:
     """Merge flags (``None`` = not given), the ``--config`` file and :data:`DEFAULTS`.
 
-    With ``--config``, the engine settings (stage, optimizer, batch sizes) come from the file and
-    ``--stage/--lr/--micro-batch/--grad-accum`` must not be given; ``--seed`` defaults to the file's
-    ``seed`` if it has one.
+    With ``--config``, the engine settings (stage, optimizer, batch sizes, precision) come from the
+    file and ``--stage/--lr/--micro-batch/--grad-accum/--bf16/--fp16`` must not be given; ``--seed``
+    defaults to the file's ``seed`` if it has one.
 
     Raises:
-        ValueError: ``--config`` combined with an engine flag, or an invalid model shape.
+        ValueError: ``--config`` combined with an engine flag, ``--bf16`` with ``--fp16``, or an
+            invalid model shape.
         zerodp.ConfigError: invalid config file.
     """
+    if getattr(args, "bf16", None) and getattr(args, "fp16", None):
+        raise ValueError("--bf16 and --fp16 exclude each other")
     config_path = getattr(args, "config", None)
     if config_path is not None:
-        clash = [f"--{n.replace('_', '-')}" for n in ("stage", "lr", "micro_batch", "grad_accum")
-                 if getattr(args, n, None) is not None]
+        clash = [f"--{n.replace('_', '-')}" for n in ENGINE_FLAGS if getattr(args, n, None) not in (None, False)]
         if clash:
             raise ValueError(f"--config sets the engine; do not combine it with {', '.join(clash)} "
                              f"(put those values in the config file instead)")
@@ -125,8 +172,80 @@ def resolve_settings(args: argparse.Namespace) -> RunSettings:
         engine_config=engine_config, model=model, data=getattr(args, "data", None),
         steps=_pick(args, "steps"), seed=seed, eval_batches=_pick(args, "eval_batches"),
         sample_tokens=_pick(args, "sample_tokens"), prompt=prompt,
-        temperature=_pick(args, "temperature"),
+        temperature=_pick(args, "temperature"), save_dir=_pick(args, "save_dir"),
+        save_every=_pick(args, "save_every"), resume=bool(getattr(args, "resume", False)),
     )
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------
+
+#: ``client_state["zerodp_train"]`` of checkpoints written by ``zerodp train`` (format version).
+CLIENT_STATE_VERSION = 1
+
+
+def corpus_fingerprint(tokens: torch.Tensor) -> dict[str, int]:
+    """Length and CRC-32 of the encoded corpus (identifies the data whatever path it was read from)."""
+    return {"bytes": int(tokens.numel()), "crc32": zlib.crc32(tokens.numpy().tobytes())}
+
+
+def client_state(s: RunSettings, corpus: dict[str, int], world: int, loss_before: float) -> dict[str, Any]:
+    """What ``zerodp train`` stores in each checkpoint's ``client_state`` (JSON)."""
+    ecfg = s.engine_config
+    return {
+        "zerodp_train": CLIENT_STATE_VERSION, "seed": s.seed, "model": asdict(s.model), "corpus": corpus,
+        "micro_batch": ecfg.train_micro_batch_size_per_gpu, "grad_accum": ecfg.gradient_accumulation_steps,
+        "world_size": world, "loss_before": loss_before,
+    }
+
+
+def check_resume(s: RunSettings, corpus: Optional[dict[str, int]] = None) -> tuple[Path, dict[str, Any], int]:
+    """Find the checkpoint ``--resume`` loads (``latest`` in ``--save-dir``) and check that it fits.
+
+    Args:
+        s: this run's settings.
+        corpus: :func:`corpus_fingerprint` of this run's corpus (``None``: not checked).
+
+    Returns:
+        (checkpoint directory, its ``client_state``, its global step).
+
+    Raises:
+        ValueError: no checkpoint (or an unreadable one); one not written by ``zerodp train``; a
+            different seed, model shape or corpus than this run's; or a global step not below
+            ``--steps`` (nothing left to train).
+    """
+    from zerodp import checkpoint
+
+    d = Path(s.save_dir)
+    if not (d / checkpoint.LATEST_FILE).is_file() and not (d / checkpoint.META_FILE).is_file():
+        raise ValueError(f"--resume: no checkpoint in {d} (no '{checkpoint.LATEST_FILE}' file); save one "
+                         "with --save-every N first, or point --save-dir at the directory holding it")
+    path = checkpoint.resolve_checkpoint(d)  # CheckpointError is a ValueError
+    meta = checkpoint.read_meta(path)
+    cs = meta.client_state
+    if not isinstance(cs, dict) or cs.get("zerodp_train") != CLIENT_STATE_VERSION:
+        raise ValueError(f"cannot resume from {path}: it was not written by `zerodp train` (no "
+                         "zerodp_train client_state)")
+    diffs = []
+    if cs.get("seed") != s.seed:
+        diffs.append(f"seed {cs.get('seed')} (this run: {s.seed})")
+    saved_model = cs.get("model")
+    if saved_model != asdict(s.model):
+        try:
+            shown = str(GPTConfig.from_dict(saved_model))
+        except (TypeError, ValueError):
+            shown = repr(saved_model)
+        diffs.append(f"model {shown} (this run: {s.model})")
+    if corpus is not None and cs.get("corpus") != corpus:
+        c = cs.get("corpus") or {}
+        diffs.append(f"corpus of {c.get('bytes')} bytes, crc32 {c.get('crc32')} (this run: "
+                     f"{corpus['bytes']} bytes, crc32 {corpus['crc32']})")
+    if diffs:
+        raise ValueError(f"cannot resume from {path}: it was trained with " + "; ".join(diffs)
+                         + ". Use the same --seed/model flags/--data, or another --save-dir")
+    if meta.global_steps >= s.steps:
+        raise ValueError(f"cannot resume from {path}: it is at step {meta.global_steps}, and --steps is "
+                         f"{s.steps}; pass a larger --steps to train further")
+    return path, cs, meta.global_steps
 
 
 def evaluate(engine: Any, batches: list[data.Batch]) -> float:
@@ -169,11 +288,12 @@ class _LineStream:
         self.stream.flush()
 
 
-def _progress_bar(total: int, enabled: bool) -> tqdm:
-    """tqdm on stderr. When stderr is not a TTY (a log file, CI), it refreshes at most every 10 s and
-    each refresh is a separate line instead of a carriage-return redraw."""
+def _progress_bar(total: int, enabled: bool, initial: int = 0) -> tqdm:
+    """tqdm on stderr, starting at ``initial`` steps done (a resumed run). When stderr is not a TTY (a
+    log file, CI), it refreshes at most every 10 s and each refresh is a separate line instead of a
+    carriage-return redraw."""
     tty = sys.stderr.isatty()
-    return tqdm(total=total, disable=not enabled, desc="train", unit="step", dynamic_ncols=tty,
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step", dynamic_ncols=tty,
                 mininterval=0.2 if tty else 10.0, ascii=not tty,
                 file=sys.stderr if tty else _LineStream(sys.stderr))
 
@@ -200,33 +320,73 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _precision_text(s: RunSettings) -> str:
+    e = s.engine_config
+    if e.bf16.enabled:
+        return "bf16 (fp32 master weights)"
+    if e.fp16.enabled:
+        scale = (f"static loss scale {e.fp16.loss_scale:g}" if e.fp16.loss_scale > 0
+                 else f"dynamic loss scale from 2^{e.fp16.initial_scale_power}")
+        return f"fp16 ({scale}, fp32 master weights)"
+    return "fp32"
+
+
 def _run(s: RunSettings, t_start: float) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mcfg, ecfg = s.model, s.engine_config
     micro, accum = ecfg.train_micro_batch_size_per_gpu, ecfg.gradient_accumulation_steps
 
     text = data.load_text(s.data, min_bytes=data.min_corpus_bytes(mcfg.seq_len))
-    train_tokens, heldout_tokens = data.split(data.encode(text))
+    tokens = data.encode(text)
+    corpus = corpus_fingerprint(tokens)
+    train_tokens, heldout_tokens = data.split(tokens)
     batches = data.GlobalBatches(train_tokens, mcfg.seq_len, micro, world, seed=s.seed)
     eval_set = data.heldout_batches(heldout_tokens, mcfg.seq_len, micro * world, s.eval_batches)
+    if s.resume:
+        check_resume(s, corpus)  # a clear error before any engine is built
 
     torch.manual_seed(s.seed)  # identical initial weights on every rank (the engine also broadcasts)
     model = GPT(mcfg)
     engine = zerodp.initialize(model, ecfg)
     engine.train()
 
-    loss_before = evaluate(engine, eval_set)
+    start, saved = 0, None
+    if s.resume:
+        path, saved = engine.load_checkpoint(s.save_dir)
+        loss_before = float(saved["loss_before"])  # of the original run, before its first step
+        start = engine.global_steps
+    else:
+        loss_before = evaluate(engine, eval_set)
+    state = client_state(s, corpus, world, loss_before)
     tokens_per_step = micro * accum * world * mcfg.seq_len
     if rank == 0:
-        print(f"zerodp train: {world} ranks, ZeRO stage {ecfg.zero_optimization.stage}, "
+        schedule = f", {ecfg.scheduler.type} schedule" if ecfg.scheduler is not None else ""
+        print(f"zerodp train: {world} rank{'s' if world != 1 else ''}, ZeRO stage {ecfg.zero_optimization.stage}, {_precision_text(s)}{schedule}, "
               f"GPT {mcfg.n_layer} layers x d_model {mcfg.d_model} ({count_parameters(mcfg):,} params), "
               f"corpus {len(train_tokens):,} train + {len(heldout_tokens):,} held-out bytes, "
               f"{s.steps} steps x {tokens_per_step:,} tokens", flush=True)
+        if saved is not None:
+            print(f"resumed from {path} at step {start} (data continues at micro-step {start * accum})",
+                  flush=True)
+            if (saved.get("micro_batch", 0) * saved.get("world_size", 0), saved.get("grad_accum")) \
+                    != (micro * world, accum):  # GlobalBatches depend on micro * world only
+                print(f"note: the checkpoint was trained with {saved.get('world_size')} ranks x micro-batch "
+                      f"{saved.get('micro_batch')} x {saved.get('grad_accum')} accumulation steps; this run's "
+                      f"batches differ from what an uninterrupted run would have read", flush=True)
+
+    saved_paths: list[Path] = []
+    save_s = 0.0
+
+    def save() -> None:
+        nonlocal save_s
+        t0 = time.perf_counter()
+        saved_paths.append(Path(engine.save_checkpoint(s.save_dir, client_state=state)))
+        save_s += time.perf_counter() - t0
 
     engine.reset_comm_report()
-    bar = _progress_bar(s.steps, enabled=rank == 0)
+    bar = _progress_bar(s.steps, enabled=rank == 0, initial=start)
     t_train = time.perf_counter()
-    for step in range(s.steps):
+    for step in range(start, s.steps):
         step_loss = 0.0
         for m in range(accum):
             x, y = data.rank_slice(batches.batch(step * accum + m), rank, world)
@@ -235,12 +395,21 @@ def _run(s: RunSettings, t_start: float) -> None:
             engine.step()
             step_loss += loss.item() / accum
         step_loss = _global_mean(step_loss)
-        elapsed = time.perf_counter() - t_train
-        bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{(step + 1) * tokens_per_step / elapsed:,.0f}",
-                        refresh=False)
+        if s.save_every and (step + 1) % s.save_every == 0:
+            save()
+        elapsed = time.perf_counter() - t_train - save_s
+        postfix = {"loss": f"{step_loss:.3f}", "tok_s": f"{(step + 1 - start) * tokens_per_step / elapsed:,.0f}"}
+        if engine.lr_scheduler is not None:
+            postfix["lr"] = f"{engine.get_lr()[0]:.2e}"
+        if engine.loss_scaler is not None:
+            postfix["scale"] = f"{engine.loss_scale:g}"
+        bar.set_postfix(postfix, refresh=False)
         bar.update(1)
+    if s.save_every and s.steps % s.save_every != 0:
+        save()  # the final state, unless the last step already saved it
     bar.close()
-    train_s = time.perf_counter() - t_train
+    train_s = time.perf_counter() - t_train - save_s
+    n_steps = s.steps - start
 
     comm_table = engine.comm_report().format()  # before evaluation: training collectives only
     loss_after = evaluate(engine, eval_set)
@@ -257,16 +426,25 @@ def _run(s: RunSettings, t_start: float) -> None:
         total_s = time.perf_counter() - t_start
         rule = "-" * 72
         print(rule)
-        print(f"trained {s.steps} steps ({s.steps * tokens_per_step:,} tokens) in {train_s:.1f} s, "
-              f"{s.steps * tokens_per_step / train_s:,.0f} tokens/s; worker wall time {total_s:.1f} s")
-        print(f"held-out loss (nats/byte): {loss_before:.3f} -> {loss_after:.3f}")
+        which = f"steps {start + 1}-{s.steps} ({n_steps} steps, " if start else f"{n_steps} steps ("
+        print(f"trained {which}{n_steps * tokens_per_step:,} tokens) in {train_s:.1f} s, "
+              f"{n_steps * tokens_per_step / max(train_s, 1e-9):,.0f} tokens/s; worker wall time {total_s:.1f} s")
+        print(f"held-out loss (nats/byte): {loss_before:.6f} -> {loss_after:.6f}")
+        if ecfg.fp16.enabled:
+            print(f"fp16 loss scale at the end {engine.loss_scale:g}; {engine.skipped_steps} of "
+                  f"{engine.global_steps} steps skipped (gradient overflow)")
+        if saved_paths:
+            print(f"checkpoints saved in {s.save_dir}: "
+                  + ", ".join(p.name for p in saved_paths)
+                  + f" ({save_s:.1f} s, not counted above; continue with --resume, export with "
+                    f"`zerodp consolidate {s.save_dir} model.safetensors`)")
         print(rule)
         print("model-state memory per rank (measured from the engine's tensors vs the ZeRO paper formula)")
         for table in gathered or []:
             print(table)
         print(rule)
         psi_per_step = accounting.comm_elements_per_step(ecfg.zero_optimization.stage, 1)
-        print(f"communication of rank 0 over the {s.steps} training steps "
+        print(f"communication of rank 0 over the {n_steps} training steps "
               f"(ZeRO formula: {psi_per_step} Psi per step)")
         print(comm_table)
         print(rule)
