@@ -264,6 +264,8 @@ def test_engine_flags_build_config() -> None:
     s3 = settings("--stage", "3", "--bf16")
     z3 = s3.engine_config.zero_optimization
     assert z3.stage3_param_persistence_threshold == d.stage3_param_persistence_threshold == 1024
+    assert z3.stage3_prefetch_bucket_size == d.stage3_prefetch_bucket_size == 50_000
+    assert z3.stage3_max_live_parameters == d.stage3_max_live_parameters == 150_000
     assert s3.engine_config.bf16.enabled and not s3.engine_config.fp16.enabled and s3.precision == "bf16"
     s1 = settings("--stage", "1", "--fp16")
     assert s1.engine_config.fp16.enabled and s1.precision == "fp16"

@@ -51,7 +51,9 @@ class TrainDefaults:
       gradients+buffers 4.07 MB instead of 5.05 MB on 2 ranks, measured over 40 steps);
     - ``stage3_param_persistence_threshold`` (stage 3 only): parameters of at most 1,024 elements
       (biases, LayerNorm weights) stay gathered; DeepSpeed's 1e5 would keep every parameter of the
-      default model whole, i.e. nothing would be partitioned.
+      default model whole, i.e. nothing would be partitioned; and ``stage3_prefetch_bucket_size``
+      50,000 / ``stage3_max_live_parameters`` 150,000 elements, so at most a few blocks are gathered
+      at once instead of the whole model (DeepSpeed's 5e7 / 1e9 exceed this model's size).
     """
 
     nproc: int = 2
@@ -72,6 +74,8 @@ class TrainDefaults:
     gradient_clipping: float = 1.0
     stage2_reduce_bucket_size: int = 200_000
     stage3_param_persistence_threshold: int = 1024
+    stage3_prefetch_bucket_size: int = 50_000
+    stage3_max_live_parameters: int = 150_000
     save_dir: str = "checkpoints"
     save_every: int = 0
 
@@ -122,6 +126,8 @@ def engine_config_from_flags(args: argparse.Namespace) -> dict[str, Any]:
         zero["reduce_bucket_size"] = DEFAULTS.stage2_reduce_bucket_size
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = DEFAULTS.stage3_param_persistence_threshold
+        zero["stage3_prefetch_bucket_size"] = DEFAULTS.stage3_prefetch_bucket_size
+        zero["stage3_max_live_parameters"] = DEFAULTS.stage3_max_live_parameters
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": _pick(args, "micro_batch"),
         "gradient_accumulation_steps": _pick(args, "grad_accum"),
