@@ -565,6 +565,9 @@ def compare_mixed(stage: int, dtype: torch.dtype, steps: int, config_extra: dict
                            for a, b in zip(model.parameters(), base.to(dtype).parameters()))
     out.update(loss_rel_err=max(loss_errs), skipped=engine.skipped_steps, steps=engine.global_steps,
                master_bytes=engine.memory_report().measured["master_weights"],
+               grad_bytes=engine.memory_report().measured["gradients"],
+               grad_elements=(sum(b.shard_numel for g in engine.groups for b in g.buckets) if stage >= 2
+                              else sum(g.padded_numel for g in engine.groups)),
                owned_elements=sum(p.tensor.numel() for g in engine.groups for p in g.pieces))
     return out
 

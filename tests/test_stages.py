@@ -179,6 +179,9 @@ def test_bf16_matches_mixed_precision_reference(world_size: int, stage: int) -> 
         assert res["moved"] > 0.05
         # fp32 master copy of exactly the owned elements: 4 bytes each
         assert res["master_bytes"] == 4 * res["owned_elements"]
+        # gradients in bf16 (2 bytes): full at stages 0-1, the owned partition at 2-3 (no
+        # accumulation here, so no fp32 partition is needed)
+        assert res["grad_bytes"] == 2 * res["grad_elements"]
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -84,7 +84,11 @@ class Engine:
         else:
             self.reducer = PartitionedGradReducer(
                 *reducer_args, contiguous_gradients=zc.contiguous_gradients,
-                accumulate_dtype=torch.float32 if self.precision.has_master else None)
+                # k > 1 micro-steps accumulate into an fp32 partition so precision is not lost; with
+                # k = 1 the reduce-scatter result is kept in the module dtype (2 bytes, the paper's
+                # 2 Psi / N) and cast to fp32 for the master update at the step
+                accumulate_dtype=(torch.float32 if self.precision.has_master
+                                  and config.gradient_accumulation_steps > 1 else None))
         self.reducer.attach()
         self.optimizer = build_optimizer(config.optimizer, param_groups, self.groups)
         self.lr_scheduler: Optional[LRScheduler] = None
