@@ -128,3 +128,11 @@ def test_warmup_cosine_formula() -> None:
     want = [0.2 * (0.1 + 0.9 * t / 4) for t in range(4)]
     want += [0.2 * (0.05 + 0.95 * (1 + math.cos(math.pi * (t - 4) / 6)) / 2) for t in range(4, 11)]
     assert got == pytest.approx(want)
+
+
+def test_init_distributed_leaves_environment_alone() -> None:
+    """A world of one for a plain script must not make later code think it runs under torchrun."""
+    import os
+
+    zerodp.init_distributed()
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ

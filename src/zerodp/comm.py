@@ -46,13 +46,13 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs: dict = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        # a plain script: a world of one, without touching os.environ (a later torchrun-style check
+        # of RANK in this process must not be fooled)
+        kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     dist.init_process_group(backend=backend, **kwargs)
 
 
