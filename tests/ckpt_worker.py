@@ -601,8 +601,7 @@ def main() -> None:
             dist.barrier()
     with open(os.path.join(args.out, f"rank{rank()}.json"), "w") as f:
         json.dump(results, f)
-    dist.barrier()  # no rank tears down while another still has collectives in flight
-    dist.destroy_process_group()
+    zerodp.shutdown_distributed()  # barrier: no rank tears down while another is mid-collective
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> None:
         for name, ts in results.items():
             med = statistics.median(ts)  # type: ignore[arg-type]
             print(f"{name:<20}{med:>12.4f}{med / base:>9.2f}x")
-    dist.destroy_process_group()
+    zerodp.shutdown_distributed()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

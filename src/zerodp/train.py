@@ -320,9 +320,11 @@ def run_worker(args: argparse.Namespace) -> int:
     zerodp.init_distributed()
     try:
         _run(resolve_settings(args), t_start)
-    finally:
-        if dist.is_initialized():
+    except BaseException:
+        if dist.is_initialized():  # other ranks may never reach a barrier: tear down at once
             dist.destroy_process_group()
+        raise
+    zerodp.shutdown_distributed()
     return 0
 
 
