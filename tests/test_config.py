@@ -58,9 +58,34 @@ def test_batch_size_consistency() -> None:
     cfg = load_config({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2,
                        "gradient_accumulation_steps": 2})
     with pytest.raises(ConfigError, match="train_batch_size=10 must equal"):
-        cfg.check_world_size(2)
-    load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-                 "gradient_accumulation_steps": 2}).check_world_size(2)
+        cfg.for_world_size(2)
+    ok = load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                      "gradient_accumulation_steps": 2}).for_world_size(2)
+    assert (ok.train_micro_batch_size_per_gpu, ok.gradient_accumulation_steps) == (2, 2)
+
+
+def test_batch_sizes_derived_as_in_deepspeed() -> None:
+    only = load_config({"train_batch_size": 32}).for_world_size(2)
+    assert (only.train_micro_batch_size_per_gpu, only.gradient_accumulation_steps) == (16, 1)
+    gas = load_config({"train_batch_size": 32, "gradient_accumulation_steps": 4}).for_world_size(2)
+    assert gas.train_micro_batch_size_per_gpu == 4
+    micro = load_config({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}).for_world_size(2)
+    assert micro.gradient_accumulation_steps == 4
+    with pytest.raises(ConfigError, match="not divisible"):
+        load_config({"train_batch_size": 33}).for_world_size(2)
+
+
+@pytest.mark.parametrize("config, fragment", [
+    ({"bf16": {"enabled": "yes"}}, "bf16.enabled"),
+    ({"fp16": {"enabled": "off"}}, "fp16.enabled"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": "1e-3"}}}, "not a string"),
+    ({"gradient_clipping": "1.0"}, "not a string"),
+    ({"zero_optimization": {"stage": True}}, "not a boolean"),
+    ({"zero_optimization": {"overlap_comm": 1}}, "expected true or false"),
+])
+def test_no_lax_coercion(config: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(config)
 
 
 def test_bad_param_groups() -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Literal, Mapping, Optional, Tuple, Union
+from typing import Any, Literal, Mapping, Optional, Tuple, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -24,6 +24,42 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_lax_coercion(cls, v: Any, info: ValidationInfo) -> Any:
+        """Refuse what pydantic's lax mode would silently convert: "yes"/"off" for a bool, a string
+        for a number, true/false for a number or a stage."""
+        kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
+        if not kinds:
+            return v
+        if isinstance(v, bool) and bool not in kinds:
+            raise ValueError(f"expected {' or '.join(sorted(k.__name__ for k in kinds))}, not a boolean")
+        if isinstance(v, str) and str not in kinds:
+            raise ValueError(f"expected {' or '.join(sorted(k.__name__ for k in kinds))}, not a string")
+        if bool in kinds and not isinstance(v, bool) and v is not None:
+            raise ValueError("expected true or false")
+        return v
+
+
+def _scalar_kinds(annotation: Any) -> set[type]:
+    """The scalar types (bool, int, float, str) an annotation admits; empty for containers/models."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return {type(a) for a in get_args(annotation)}
+    if origin is Union:
+        kinds: set[type] = set()
+        for a in get_args(annotation):
+            if a is type(None):
+                continue
+            sub = _scalar_kinds(a)
+            if not sub:
+                return set()
+            kinds |= sub
+        return kinds
+    if annotation in (bool, int, float, str):
+        return {annotation, float} if annotation is int else {annotation}
+    return set()
 
 
 class AdamParams(_Strict):
@@ -198,17 +234,37 @@ class ZeroDPConfig(_Strict):
             raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
         return self
 
-    def check_world_size(self, world_size: int) -> None:
-        """Raise :class:`ConfigError` if ``train_batch_size`` disagrees with the other batch keys."""
-        if self.train_batch_size is None:
-            return
-        implied = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * world_size
-        if implied != self.train_batch_size:
+    def for_world_size(self, world_size: int) -> "ZeroDPConfig":
+        """Resolve the batch keys as DeepSpeed does: train_batch_size = micro x accumulation x world.
+
+        Given ``train_batch_size`` and one of the other two, the missing one is derived; given only
+        ``train_batch_size``, accumulation is 1 and the micro batch is ``train_batch_size / world``.
+
+        Raises:
+            ConfigError: the three disagree, or the derived value is not a whole number.
+        """
+        tbs = self.train_batch_size
+        if tbs is None:
+            return self
+        given = self.model_fields_set
+        micro, gas = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+        update: dict[str, int] = {}
+        if "train_micro_batch_size_per_gpu" not in given:
+            if tbs % (gas * world_size):
+                raise ConfigError(f"train_batch_size={tbs} is not divisible by gradient_accumulation_steps "
+                                  f"({gas}) x world size ({world_size}); set train_micro_batch_size_per_gpu")
+            update["train_micro_batch_size_per_gpu"] = micro = tbs // (gas * world_size)
+        elif "gradient_accumulation_steps" not in given:
+            if tbs % (micro * world_size):
+                raise ConfigError(f"train_batch_size={tbs} is not divisible by train_micro_batch_size_per_gpu "
+                                  f"({micro}) x world size ({world_size})")
+            update["gradient_accumulation_steps"] = gas = tbs // (micro * world_size)
+        implied = micro * gas * world_size
+        if implied != tbs:
             raise ConfigError(
-                f"train_batch_size={self.train_batch_size} must equal train_micro_batch_size_per_gpu "
-                f"({self.train_micro_batch_size_per_gpu}) x gradient_accumulation_steps "
-                f"({self.gradient_accumulation_steps}) x world size ({world_size}) = {implied}"
-            )
+                f"train_batch_size={tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "
+                f"gradient_accumulation_steps ({gas}) x world size ({world_size}) = {implied}")
+        return self.model_copy(update=update) if update else self
 
 
 def _format_errors(err: ValidationError, model: type[BaseModel], prefix: str = "") -> str:

@@ -399,7 +399,7 @@ def initialize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     comm.init_distributed()
-    cfg.check_world_size(dist.get_world_size(process_group))
+    cfg = cfg.for_world_size(dist.get_world_size(process_group))
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     if lr_scheduler is not None:
