@@ -371,7 +371,9 @@ def test_refuses_broken_rank_file(process_group: None, ckpt: Path, case: str) ->
 
 def test_refuses_missing_checkpoint(process_group: None, tmp_path: Path, ckpt: Path) -> None:
     engine = zoo_engine()
-    refused(engine, tmp_path / "nothing-here", "no checkpoint in")
+    refused(engine, tmp_path / "nothing-here", "checkpoint directory .* does not exist")
+    (tmp_path / "empty").mkdir()
+    refused(engine, tmp_path / "empty", "no checkpoint in")
     refused(engine, ckpt, "does not exist", tag="global_step7")
     (ckpt / "latest").write_text("../escape")
     refused(engine, ckpt, "is corrupt: invalid checkpoint tag")

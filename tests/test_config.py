@@ -161,3 +161,18 @@ def test_init_distributed_leaves_environment_alone() -> None:
 
     zerodp.init_distributed()
     assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+
+
+def test_consolidate_names_a_missing_directory(tmp_path) -> None:
+    from zerodp.checkpoint import CheckpointError, consolidate
+
+    with pytest.raises(CheckpointError, match="does not exist"):
+        consolidate(tmp_path / "nope", tmp_path / "out.safetensors")
+    with pytest.raises(CheckpointError, match="--tag"):
+        consolidate(tmp_path, tmp_path / "out.safetensors")
+
+
+def test_scheduler_warmup_longer_than_total_refused() -> None:
+    with pytest.raises(ConfigError, match=r"warmup_num_steps \(10\) must not exceed total_num_steps \(5\)"):
+        load_config({"scheduler": {"type": "WarmupDecayLR",
+                                   "params": {"warmup_num_steps": 10, "total_num_steps": 5}}})

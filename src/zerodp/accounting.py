@@ -77,9 +77,9 @@ def comm_elements_per_step(stage: int, numel: int) -> int:
 
 def human_bytes(n: float) -> str:
     """Decimal units, as the paper's table (1 GB = 1e9 bytes)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}" if unit == "GB" else f"{n / scale:.2f} {unit}"
+            return f"{n / scale:.1f} {unit}" if unit in ("GB", "TB", "PB") else f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
 
 
@@ -87,11 +87,11 @@ def estimate_table(numel: int, world_size: int, b: BytesPerElement = MIXED_PRECI
     """Text table of per-rank model-state bytes and per-step traffic for stages 0-3."""
     rows = [f"Psi = {numel:,} trainable parameters, N_d = {world_size}, "
             f"bytes/element: param {b.param}, grad {b.grad}, K = {b.k}"]
-    rows.append(f"{'stage':<22}{'per-rank model states':>24}{'traffic/step/rank':>22}")
+    rows.append(f"{'stage':<22}{'per-rank model states':>24}  {'traffic/step/rank':>22}")
     for stage in STAGES:
         total = sum(model_state_bytes(stage, numel, world_size, b).values())
         elems = comm_elements_per_step(stage, numel)
-        rows.append(f"{STAGE_NAMES[stage]:<22}{human_bytes(total):>24}"
+        rows.append(f"{STAGE_NAMES[stage]:<22}{human_bytes(total):>24}  "
                     f"{f'{elems // numel} Psi = ' + human_bytes(elems * b.param):>22}")
     return "\n".join(rows)
 

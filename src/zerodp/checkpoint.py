@@ -1058,9 +1058,11 @@ def resolve_checkpoint(checkpoint_dir: PathLike, tag: Optional[str] = None) -> P
                 raise CheckpointError(f"{latest} is corrupt: {e}") from None
         elif (d / META_FILE).is_file():
             return d
+        elif not d.is_dir():
+            raise CheckpointError(f"checkpoint directory {d} does not exist")
         else:
             raise CheckpointError(f"no checkpoint in {d}: it has neither a {LATEST_FILE!r} file nor a "
-                                  f"{META_FILE}; pass tag=... to name one")
+                                  f"{META_FILE}; name one with a tag (--tag in the CLI)")
     path = d / check_tag(tag)
     if (path / META_FILE).is_file():
         return path

@@ -15,6 +15,7 @@ traffic for stages 0-3 (:func:`zerodp.accounting.estimate_table`).
 from __future__ import annotations
 
 import argparse
+import decimal
 import json
 import math
 import os
@@ -257,10 +258,10 @@ def parse_params(spec: str) -> tuple[int, Optional[GPTConfig]]:
         cfg = GPTConfig.from_dict(fields)
         return count_parameters(cfg), cfg
     if _NUMBER.match(s):
-        v = float(s.replace("_", ""))
-        if not math.isfinite(v) or v < 1 or v != int(v):
+        v = decimal.Decimal(s.replace("_", ""))  # exact: 7.5e9 and 1e30 without float rounding
+        if not v.is_finite() or v < 1 or v != v.to_integral_value():
             raise ValueError(f"parameter count must be a positive integer, got {spec!r}")
-        return int(s.replace("_", "")) if s.replace("_", "").isdigit() else int(v), None
+        return int(v), None
     if os.path.isfile(s) or s.lower().endswith(".json"):
         try:
             with open(s, encoding="utf-8") as f:

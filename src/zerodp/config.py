@@ -172,6 +172,13 @@ class WarmupDecayLRParams(WarmupLRParams):
 
     total_num_steps: int = Field(..., gt=0)
 
+    @model_validator(mode="after")
+    def _warmup_within_total(self) -> "WarmupDecayLRParams":
+        if self.warmup_num_steps > self.total_num_steps:
+            raise ValueError(f"warmup_num_steps ({self.warmup_num_steps}) must not exceed total_num_steps "
+                             f"({self.total_num_steps})")
+        return self
+
 
 class WarmupCosineLRParams(_Strict):
     """Ratios of the optimizer's lr: warm up from warmup_min_ratio to 1 over W steps, then cosine
@@ -182,6 +189,13 @@ class WarmupCosineLRParams(_Strict):
     warmup_num_steps: int = Field(1000, gt=0)
     cos_min_ratio: float = Field(0.0001, ge=0.0, le=1.0)
     warmup_type: WarmupType = "log"
+
+    @model_validator(mode="after")
+    def _warmup_within_total(self) -> "WarmupCosineLRParams":
+        if self.warmup_num_steps > self.total_num_steps:
+            raise ValueError(f"warmup_num_steps ({self.warmup_num_steps}) must not exceed total_num_steps "
+                             f"({self.total_num_steps})")
+        return self
 
 
 SCHEDULER_PARAMS: dict[str, type[_Strict]] = {
@@ -278,7 +292,13 @@ def _format_errors(err: ValidationError, model: type[BaseModel], prefix: str = "
             lines.append(f"unknown key '{path}'; allowed keys here: {', '.join(allowed)}")
         else:
             given = e.get("input")
-            lines.append(f"'{path}': {e['msg']} (got {given!r})")
+            msg = e["msg"].removeprefix("Value error, ")
+            if msg.startswith("invalid zerodp config:\n"):  # nested (scheduler.params): already formatted
+                lines.extend(line.strip() for line in msg.splitlines()[1:])
+            elif isinstance(given, (dict, list)):
+                lines.append(f"'{path}': {msg}")
+            else:
+                lines.append(f"'{path}': {msg} (got {given!r})")
     return "invalid zerodp config:\n  " + "\n  ".join(lines)
 
 
