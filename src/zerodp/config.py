@@ -158,6 +158,14 @@ class FP16Config(_Strict):
 WarmupType = Literal["log", "linear"]
 
 
+def _warmup_within_total(params: Any) -> Any:
+    """Shared check of the decaying schedules: the warmup fits in the total number of steps."""
+    if params.warmup_num_steps > params.total_num_steps:
+        raise ValueError(f"warmup_num_steps ({params.warmup_num_steps}) must not exceed total_num_steps "
+                         f"({params.total_num_steps})")
+    return params
+
+
 class WarmupLRParams(_Strict):
     """lr(t) = min + (max - min) * gamma(t); gamma = log(t+1)/log(W) or t/W while t < W, then 1."""
 
@@ -172,12 +180,7 @@ class WarmupDecayLRParams(WarmupLRParams):
 
     total_num_steps: int = Field(..., gt=0)
 
-    @model_validator(mode="after")
-    def _warmup_within_total(self) -> "WarmupDecayLRParams":
-        if self.warmup_num_steps > self.total_num_steps:
-            raise ValueError(f"warmup_num_steps ({self.warmup_num_steps}) must not exceed total_num_steps "
-                             f"({self.total_num_steps})")
-        return self
+    _warmup_within_total = model_validator(mode="after")(lambda self: _warmup_within_total(self))
 
 
 class WarmupCosineLRParams(_Strict):
@@ -190,12 +193,7 @@ class WarmupCosineLRParams(_Strict):
     cos_min_ratio: float = Field(0.0001, ge=0.0, le=1.0)
     warmup_type: WarmupType = "log"
 
-    @model_validator(mode="after")
-    def _warmup_within_total(self) -> "WarmupCosineLRParams":
-        if self.warmup_num_steps > self.total_num_steps:
-            raise ValueError(f"warmup_num_steps ({self.warmup_num_steps}) must not exceed total_num_steps "
-                             f"({self.total_num_steps})")
-        return self
+    _warmup_within_total = model_validator(mode="after")(lambda self: _warmup_within_total(self))
 
 
 SCHEDULER_PARAMS: dict[str, type[_Strict]] = {
