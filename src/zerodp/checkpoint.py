@@ -493,15 +493,8 @@ class ReplicatedParamsLayout:
         1-2, see :func:`_full_master_values`), else the module's values cast to fp32."""
         masters = _full_master_values(engine)
         trained = {id(s.param) for s in _trained_slots(engine)}
-        out: dict[str, torch.Tensor] = {}
-        taken: set[int] = set()
-        for k, v in engine.module.state_dict(keep_vars=True).items():
-            if id(v) in masters:  # tied names: the first takes the copy, the others get their own
-                out[k] = masters[id(v)] if id(v) not in taken else masters[id(v)].clone()
-                taken.add(id(v))
-            else:
-                out[k] = v.detach().to(dtype=value_dtype(v.dtype) if id(v) in trained else v.dtype, copy=True)
-        return out
+        return _keyed_like_state_dict(engine, masters, lambda v: v.detach().to(
+            dtype=value_dtype(v.dtype) if id(v) in trained else v.dtype, copy=True))
 
     def before_load(self, engine: "Engine") -> None:
         pass
@@ -562,15 +555,7 @@ class ShardedParamsLayout:
                     v = s.param.detach()
                     full[id(s.param)] = v.to(dtype=value_dtype(v.dtype) if id(s.param) in trained else v.dtype,
                                              copy=True)
-        out: dict[str, torch.Tensor] = {}
-        taken: set[int] = set()
-        for k, v in engine.module.state_dict(keep_vars=True).items():
-            if id(v) in full:  # tied names: the first takes the copy, the others get their own
-                out[k] = full[id(v)] if id(v) not in taken else full[id(v)].clone()
-                taken.add(id(v))
-            else:
-                out[k] = v.detach().clone()
-        return out
+        return _keyed_like_state_dict(engine, full, lambda v: v.detach().clone())
 
     def before_load(self, engine: "Engine") -> None:
         # Units gathered ahead of use (prefetched, then not used) would keep the old values: drop them
@@ -1509,3 +1494,18 @@ __all__ = [
     "save_checkpoint", "load_checkpoint", "module_state_dict", "consolidate", "load_full_state_dict",
     "resolve_checkpoint", "read_meta",
 ]
+
+
+def _keyed_like_state_dict(engine: "Engine", full: dict[int, torch.Tensor],
+                           other: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``module.state_dict()``'s keys mapped to ``full[id(tensor)]`` where present (tied names: the
+    first takes that tensor, the others their own copy), else to ``other(tensor)``."""
+    out: dict[str, torch.Tensor] = {}
+    taken: set[int] = set()
+    for k, v in engine.module.state_dict(keep_vars=True).items():
+        if id(v) in full:
+            out[k] = full[id(v)] if id(v) not in taken else full[id(v)].clone()
+            taken.add(id(v))
+        else:
+            out[k] = other(v)
+    return out
