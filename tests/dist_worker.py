@@ -174,7 +174,7 @@ GPT_ADAM = {"weight_decay": 0.1, "eps": 1e-4}
 
 
 def tiny_gpt() -> nn.Module:
-    from zerodp.model import GPT, GPTConfig
+    from zerodp.app.model import GPT, GPTConfig
 
     return GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=4, vocab_size=32, tie_embeddings=True))
 
@@ -424,7 +424,7 @@ def eval_generation_between_steps(stage: int) -> dict:
     """A no_grad generation loop in eval mode between training steps; nothing stays gathered."""
 
     def generate(step: int, engine, model, ref) -> Optional[dict]:
-        from zerodp.model import generate as gen
+        from zerodp.app.model import generate as gen
 
         engine.eval()
         with torch.no_grad():
@@ -593,7 +593,7 @@ def warmup_decay_lr(stage: int) -> dict:
                                                   "warmup_num_steps": W, "total_num_steps": T,
                                                   "warmup_type": "linear"}}
 
-    def formula(t: int) -> float:  # written out independently of zerodp.schedulers
+    def formula(t: int) -> float:  # written out independently of zerodp.runtime.schedulers
         gamma = t / W if t < W else max(0.0, (T - t) / (T - W))
         return lo_lr + (hi_lr - lo_lr) * gamma
 

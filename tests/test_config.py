@@ -137,7 +137,7 @@ def test_torch_scheduler_callable() -> None:
 def test_warmup_cosine_formula() -> None:
     import math
 
-    from zerodp.schedulers import WarmupCosineLR
+    from zerodp.runtime.schedulers import WarmupCosineLR
     from zerodp.config import WarmupCosineLRParams
 
     p = torch.nn.Parameter(torch.zeros(1))

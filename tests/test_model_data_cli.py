@@ -12,8 +12,10 @@ import sys
 import pytest
 import torch
 
-from zerodp import cli, data
-from zerodp.model import GPT, GPTConfig, count_parameters, generate
+from zerodp.app import cli
+
+from zerodp.app import data
+from zerodp.app.model import GPT, GPTConfig, count_parameters, generate
 
 CONFIGS = [
     GPTConfig(),
@@ -219,7 +221,7 @@ def test_launcher_command() -> None:
     args = cli.build_parser().parse_args(["train", "--nproc", "3", "--steps", "5", "--prompt=-x"])
     cmd = cli.launcher_command(args)
     assert cmd[:5] == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"]
-    assert "--standalone" in cmd and cmd[cmd.index("-m", 3):][:3] == ["-m", "zerodp.cli", "train"]
+    assert "--standalone" in cmd and cmd[cmd.index("-m", 3):][:3] == ["-m", "zerodp.app.cli", "train"]
     assert "--steps=5" in cmd and "--prompt=-x" in cmd and not any(c.startswith("--stage") for c in cmd)
     args = cli.build_parser().parse_args(["train", "--nnodes", "2", "--node-rank", "1",
                                           "--master-addr", "10.0.0.1", "--master-port", "29500"])
@@ -233,13 +235,13 @@ def test_launcher_command() -> None:
 
 
 def test_bench_command_and_help(capsys) -> None:
-    from zerodp import bench
+    from zerodp.app import bench
 
     args = cli.build_parser().parse_args(["bench", "--steps", "6", "--rounds", "2"])
     cmd = cli.bench_command(args)
     assert cmd[:5] == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    tail = cmd[cmd.index("zerodp.bench") + 1:]
-    assert cmd[cmd.index("zerodp.bench") - 1] == "-m" and "--standalone" in cmd
+    tail = cmd[cmd.index("zerodp.app.bench") + 1:]
+    assert cmd[cmd.index("zerodp.app.bench") - 1] == "-m" and "--standalone" in cmd
     assert "--steps=6" in tail and "--rounds=2" in tail and "--d-model=256" in tail
     # every flag forwarded parses with bench's own parser, to the values given
     ap = argparse.ArgumentParser()
@@ -252,7 +254,7 @@ def test_bench_command_and_help(capsys) -> None:
 
 
 def test_engine_flags_build_config() -> None:
-    from zerodp import train
+    from zerodp.app import train
 
     def settings(*argv: str):
         return train.resolve_settings(cli.build_parser().parse_args(["train", *argv]))
@@ -281,7 +283,7 @@ TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32",
 
 def _zerodp_train(*argv: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-m", "zerodp.cli", "train", *TINY, *argv],
+    proc = subprocess.run([sys.executable, "-m", "zerodp.app.cli", "train", *TINY, *argv],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -377,7 +379,7 @@ def test_consolidate_errors(tiny_runs, tmp_path, capsys) -> None:
 
 
 def test_config_file_sets_engine_and_seed(tmp_path) -> None:
-    from zerodp import train
+    from zerodp.app import train
 
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps({

@@ -5,10 +5,10 @@ Public API: :func:`initialize` returns an :class:`Engine` (``engine(*inputs)``, 
 environment. Config keys follow DeepSpeed's names (:mod:`zerodp.config`).
 """
 
-from .comm import init_distributed, shutdown_distributed
-from .config import ConfigError, ZeroDPConfig, load_config
-from . import zero
-from .engine import Engine, initialize
+from zerodp.runtime.comm import init_distributed, shutdown_distributed
+from zerodp.config import ConfigError, ZeroDPConfig, load_config
+from zerodp import zero
+from zerodp.engine import Engine, initialize
 
 __version__ = "0.1.0"
 __all__ = ["zero", "initialize", "init_distributed", "shutdown_distributed", "Engine", "ConfigError", "ZeroDPConfig", "load_config"]

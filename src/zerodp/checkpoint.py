@@ -35,7 +35,7 @@ be on a filesystem that every rank sees (a shared one for multi-node runs).
 [Note: stage 3] What depends on where parameters live is confined to a :class:`CheckpointLayout`
 (which pieces a rank writes, where loaded values go, how to get full values). Stages 0-2 share
 :class:`ReplicatedParamsLayout`; stage 3 uses :class:`ShardedParamsLayout`. At stage 3 every parameter
-(frozen ones too) lives in a :class:`~zerodp.sharded.ShardedUnit` whose flat group's ``buffer`` is this
+(frozen ones too) lives in a :class:`~zerodp.stage3.units.ShardedUnit` whose flat group's ``buffer`` is this
 rank's shard, and a sharded parameter's ``.data`` is an empty placeholder (its shape is the slot's). The
 pieces are the optimizer's, exactly as at stages 1-2; loading fills each slot's intersection with this
 rank's shard (frozen slots from ``model_extra``); frozen parameters are gathered unit by unit to be
@@ -75,13 +75,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed import ReduceOp
 
-from . import comm
-from .partition import ParamSlot, Piece
-from .sharded import ShardedUnit, ShardState
-from .zero import GatheredParameters
+from zerodp.runtime import comm
+from zerodp.runtime.partition import ParamSlot, Piece
+from zerodp.stage3.units import ShardedUnit, ShardState
+from zerodp.zero import GatheredParameters
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from zerodp.engine import Engine
 
 FORMAT = "zerodp-checkpoint"
 VERSION = 1

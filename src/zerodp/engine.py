@@ -20,17 +20,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from . import comm
-from .accounting import CATEGORIES, FP32_ADAM, BytesPerElement, CommReport, MemoryReport, model_state_bytes
-from .comm import CommLedger
-from .config import ConfigError, ZeroDPConfig, load_config
-from .optim import ParamGroupSpec, build_optimizer, normalize_param_groups
-from .partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
-from .precision import LossScaler, PrecisionPolicy
-from .schedulers import build_scheduler
-from .stage3 import Stage3
-from .zero import register_master_refresh
-from .reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer, PartitionedGradReducer
+from zerodp.runtime import comm
+from zerodp.runtime.accounting import CATEGORIES, FP32_ADAM, BytesPerElement, CommReport, MemoryReport, model_state_bytes
+from zerodp.runtime.comm import CommLedger
+from zerodp.config import ConfigError, ZeroDPConfig, load_config
+from zerodp.runtime.optim import ParamGroupSpec, build_optimizer, normalize_param_groups
+from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
+from zerodp.runtime.precision import LossScaler, PrecisionPolicy
+from zerodp.runtime.schedulers import build_scheduler
+from zerodp.stage3.sharding import Stage3
+from zerodp.stage3.ownership import register_master_refresh
+from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer, PartitionedGradReducer
 
 
 class Engine:
@@ -294,7 +294,7 @@ class Engine:
 
     def memory_report(self) -> MemoryReport:
         """Bytes of model state held by this rank, measured from the engine's tensors, beside the
-        paper's formula for this stage (see :mod:`zerodp.accounting`)."""
+        paper's formula for this stage (see :mod:`zerodp.runtime.accounting`)."""
         frozen_bytes = sum(p.numel() * p.element_size() for p in self.frozen)
         held = self.reducer.held_bytes()
         measured = {
@@ -340,14 +340,14 @@ class Engine:
                         client_state: Optional[Mapping[str, Any]] = None) -> Any:
         """Collective: write a sharded checkpoint to ``save_dir/<tag>`` (default ``global_step{N}``) and
         point ``save_dir/latest`` at it; returns that directory. See :func:`zerodp.checkpoint.save_checkpoint`."""
-        from . import checkpoint
+        from zerodp import checkpoint
 
         return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: Any, tag: Optional[str] = None) -> tuple[Any, Any]:
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;
         returns (checkpoint directory, client_state). See :func:`zerodp.checkpoint.load_checkpoint`."""
-        from . import checkpoint
+        from zerodp import checkpoint
 
         return checkpoint.load_checkpoint(self, load_dir, tag)
 
@@ -355,7 +355,7 @@ class Engine:
         """Full state dict keyed like ``module.state_dict()``, fresh copies, on every rank (a
         collective): trained parameters in fp32 (the fp32 masters under bf16/fp16), frozen parameters
         and buffers in the module's dtype."""
-        from . import checkpoint
+        from zerodp import checkpoint
 
         return checkpoint.module_state_dict(self)
 

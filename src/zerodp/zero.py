@@ -4,80 +4,25 @@
   edit them); with ``modifier_rank`` set, that rank's edits are broadcast and re-partitioned on exit.
 - :func:`register_external_parameter`: declare that ``module``'s forward uses a parameter owned by
   another module, so it is gathered with ``module``. (Uses inside an engine forward are also detected
-  automatically, see :class:`zerodp.hooks.ExternalParameterMode`.)
+  automatically, see :class:`zerodp.stage3.hooks.ExternalParameterMode`.)
 - :class:`Init`: partition parameters as each submodule is constructed.
+- :func:`full_numel`, :func:`is_partitioned`: the real size and the state of a partitioned parameter.
 """
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm
-from .comm import CommLedger
-from .sharded import ShardedUnit, ShardState
-
-
-@dataclass(frozen=True)
-class _Owner:
-    unit: ShardedUnit
-    pg: Optional[dist.ProcessGroup]
-    ledger: CommLedger
-    coordinator: object  # ParameterCoordinator; typed loosely to avoid an import cycle
-
-
-class _OwnerRegistry:
-    """id(partitioned parameter) -> where its shard lives; an entry dies with its parameter.
-    (Tensors cannot key a WeakKeyDictionary: their ``__eq__`` is elementwise.)"""
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, _Owner]] = {}
-
-    def set(self, param: nn.Parameter, owner: _Owner) -> None:
-        key = id(param)
-        self._entries[key] = (weakref.ref(param, lambda _r: self._entries.pop(key, None)), owner)
-
-    def drop(self, param: torch.Tensor) -> None:
-        self._entries.pop(id(param), None)
-
-    def get(self, param: torch.Tensor) -> Optional[_Owner]:
-        entry = self._entries.get(id(param))
-        if entry is None or entry[0]() is not param:
-            return None
-        return entry[1]
-
-
-#: filled by each stage-3 engine (see :class:`zerodp.stage3.Stage3`).
-_OWNERS = _OwnerRegistry()
-#: parameter -> callable refreshing the fp32 master copies of its pieces after an edit (mixed precision)
-_MASTER_REFRESH = _OwnerRegistry()
-
-
-def register_master_refresh(param: nn.Parameter, refresh) -> None:
-    _MASTER_REFRESH.set(param, refresh)
-
-
-def _register_owner(param: nn.Parameter, owner: _Owner) -> None:
-    _OWNERS.set(param, owner)
-
-
-def full_numel(param: nn.Parameter) -> int:
-    """Elements of ``param``'s full value (``param.numel()`` is 0 while it is partitioned)."""
-    owner = _OWNERS.get(param)
-    if owner is None:
-        return param.numel()
-    return next(s.numel for s in owner.unit.slots if s.param is param)
-
-
-def is_partitioned(param: nn.Parameter) -> bool:
-    """True if ``param`` is managed by a stage-3 engine (its ``.data`` may be an empty placeholder)."""
-    return _OWNERS.get(param) is not None
+from zerodp.runtime import comm
+from zerodp.runtime.comm import CommLedger
+from zerodp.config import ConfigError, load_config
+from zerodp.stage3.ownership import (MASTER_REFRESH, OWNERS, Owner, coordinator_busy, full_numel,
+                                     is_partitioned)
+from zerodp.stage3.units import ShardedUnit, ShardState, shard_unit
 
 
 class GatheredParameters:
@@ -99,7 +44,7 @@ class GatheredParameters:
         self.params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._units: list[tuple[ShardedUnit, _Owner]] = []
+        self._units: list[tuple[ShardedUnit, Owner]] = []
 
     def __enter__(self) -> "GatheredParameters":
         if not self.enabled:
@@ -110,12 +55,12 @@ class GatheredParameters:
                 raise ValueError(f"modifier_rank must be in [0, {n}), got {self.modifier_rank}")
         seen: set[int] = set()
         for p in self.params:
-            owner = _OWNERS.get(p)
+            owner = OWNERS.get(p)
             if owner is None or id(owner.unit) in seen:
                 continue
             seen.add(id(owner.unit))
             u = owner.unit
-            with _busy(owner):
+            with coordinator_busy(owner):
                 if u.state is ShardState.SHARDED:
                     u.start_gather(owner.pg, owner.ledger, "gathered_parameters")
                 if u.state is ShardState.GATHERING:
@@ -140,29 +85,15 @@ class GatheredParameters:
             for u, _ in self._units:
                 u.write_back()
             for p in self.params:
-                refresh = _MASTER_REFRESH.get(p)
+                refresh = MASTER_REFRESH.get(p)
                 if refresh is not None:
                     refresh()
         for u, owner in self._units:
             u.users -= 1
             if u.users <= 0 and not u.persistent:
-                with _busy(owner):
+                with coordinator_busy(owner):
                     u.release()
         self._units = []
-
-
-@contextlib.contextmanager
-def _busy(owner: _Owner):
-    """Tell the owning engine's coordinator that parameter data is being swapped on purpose."""
-    c = owner.coordinator
-    if c is None:
-        yield
-        return
-    c.busy = True
-    try:
-        yield
-    finally:
-        c.busy = False
 
 
 def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
@@ -171,7 +102,7 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
     Raises:
         ValueError: ``param`` is not managed by a stage-3 engine.
     """
-    owner = _OWNERS.get(param)
+    owner = OWNERS.get(param)
     if owner is None:
         raise ValueError("register_external_parameter: the parameter is not partitioned by a stage-3 "
                          "engine (call it after zerodp.initialize with zero_optimization.stage 3)")
@@ -208,8 +139,6 @@ class Init:
 
     def __init__(self, config: object = None, enabled: bool = True,
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
-        from .config import ConfigError, load_config
-
         self.config = load_config(config)  # type: ignore[arg-type]
         self.enabled = enabled
         if enabled and self.config.zero_optimization.stage != 3:
@@ -238,11 +167,9 @@ class Init:
     def _on_register(self, parent: nn.Module, name: str, child: Optional[nn.Module]) -> None:
         if child is None:
             return
-        from .sharded import shard_unit
-
         threshold = self.config.zero_optimization.stage3_param_persistence_threshold
         named = [(n, p) for n, p in child.named_parameters(recurse=False)
-                 if p.numel() > threshold and _OWNERS.get(p) is None]
+                 if p.numel() > threshold and OWNERS.get(p) is None]
         if not named:
             return
         rank = dist.get_rank(self.pg)
@@ -262,34 +189,9 @@ class Init:
         unit = shard_unit(name, named, 0, [-1] * len(named), rank, world, sync=sync)
         self.units.append(unit)
         for s in unit.slots:
-            _OWNERS.set(s.param, _Owner(unit, self.pg, self.ledger, None))
+            OWNERS.set(s.param, Owner(unit, self.pg, self.ledger, None))
 
 
-def _pre_sharded_unit(params: list[nn.Parameter]) -> Optional[ShardedUnit]:
-    """The unit built by :class:`Init` holding exactly ``params`` in this order, if there is one."""
-    owners = [_OWNERS.get(p) for p in params]
-    if not owners or any(o is None for o in owners):
-        return None
-    unit = owners[0].unit
-    if any(o.unit is not unit for o in owners) or [s.param for s in unit.slots] != list(params):
-        return None
-    return unit
 
 
-def _materialize(params: list[nn.Parameter]) -> None:
-    """Give Init-partitioned ``params`` their full values again (each as its own tensor) and forget
-    their Init units; used when the engine lays them out differently than Init did."""
-    for p in params:
-        owner = _OWNERS.get(p)
-        if owner is None or owner.coordinator is not None:
-            continue
-        u = owner.unit
-        if u.state is ShardState.SHARDED:
-            u.start_gather(owner.pg, owner.ledger, "init")
-        if u.state is ShardState.GATHERING:
-            u.finish_gather()
-        for s in u.slots:
-            s.param.data = s.param.data.clone()
-            _OWNERS.drop(s.param)
-        u.full = None
-        u.state = ShardState.SHARDED
+__all__ = ["GatheredParameters", "Init", "register_external_parameter", "full_numel", "is_partitioned"]

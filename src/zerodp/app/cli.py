@@ -1,15 +1,15 @@
 """The ``zerodp`` command line: ``zerodp train``, ``zerodp consolidate``, ``zerodp bench`` and ``zerodp estimate``.
 
 ``zerodp train`` outside a torchrun-launched process re-launches itself through torch's own launcher,
-``python -m torch.distributed.run --nproc-per-node N [--standalone | rendezvous flags] -m zerodp.cli
+``python -m torch.distributed.run --nproc-per-node N [--standalone | rendezvous flags] -m zerodp.app.cli
 train ...``, and returns its exit code; inside one (``RANK`` or ``LOCAL_RANK`` set) it runs
-:func:`zerodp.train.run_worker`. ``zerodp bench`` is launched the same way, running ``-m zerodp.bench``.
+:func:`zerodp.app.train.run_worker`. ``zerodp bench`` is launched the same way, running ``-m zerodp.app.bench``.
 
 ``zerodp consolidate CHECKPOINT_DIR OUT`` writes a checkpoint's full state dict to one file
 (:func:`zerodp.checkpoint.consolidate`).
 
 ``zerodp estimate --params P --dp N`` prints the ZeRO paper's per-rank model-state memory and per-step
-traffic for stages 0-3 (:func:`zerodp.accounting.estimate_table`).
+traffic for stages 0-3 (:func:`zerodp.runtime.accounting.estimate_table`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import subprocess
 import sys
 from typing import Any, Callable, Optional, Sequence, get_args
 
-from zerodp import accounting
+from zerodp.runtime import accounting
 from zerodp.config import ZeroConfig
-from zerodp.model import GPTConfig, count_parameters
-from zerodp.train import DEFAULTS
+from zerodp.app.model import GPTConfig, count_parameters
+from zerodp.app.train import DEFAULTS
 
 #: ZeRO stages the engine accepts (``zero_optimization.stage`` of :mod:`zerodp.config`).
 STAGES: tuple[int, ...] = tuple(get_args(ZeroConfig.model_fields["stage"].annotation))
@@ -97,7 +97,7 @@ def _add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--rdzv-id", metavar="ID", help="job id shared by all nodes")
 
 
-#: help texts of :func:`zerodp.bench.add_arguments`'s flags (which it declares without help).
+#: help texts of :func:`zerodp.app.bench.add_arguments`'s flags (which it declares without help).
 BENCH_HELP = {
     "n_layer": "transformer blocks", "n_head": "attention heads", "d_model": "model width",
     "seq_len": "context length in tokens", "micro_batch": "sequences per rank per step",
@@ -205,12 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--tag", metavar="T", help="checkpoint within CHECKPOINT_DIR (default: 'latest')")
     co.set_defaults(handler=_cmd_consolidate, parser=co)
 
-    from zerodp import bench
+    from zerodp.app import bench
     be = sub.add_parser(
         "bench", help="median step time of zerodp stages 0-3 vs torch DDP and FSDP2 (same model and data)",
         description="Step time of zerodp's stages 0-3 against torch DDP and FSDP2 (and DeepSpeed when "
                     "installed), same model and batches, median over the timed steps, one run via "
-                    "torch.distributed.run running python -m zerodp.bench.")
+                    "torch.distributed.run running python -m zerodp.app.bench.")
     _add_launcher_arguments(be)
     be.set_defaults(handler=_cmd_bench, parser=be,
                     bench_flags=_Recorder(be.add_argument_group("benchmark"), bench.add_arguments, BENCH_HELP).flags)
@@ -343,12 +343,12 @@ def launcher_command(args: argparse.Namespace) -> list[str]:
 
     Only flags the user set are forwarded, so workers apply the same defaults.
     """
-    return torchrun_prefix(args) + ["-m", "zerodp.cli", "train"] + _forward(args, WORKER_FLAGS)
+    return torchrun_prefix(args) + ["-m", "zerodp.app.cli", "train"] + _forward(args, WORKER_FLAGS)
 
 
 def bench_command(args: argparse.Namespace) -> list[str]:
-    """The ``torch.distributed.run`` command line that runs ``python -m zerodp.bench`` for ``args``."""
-    return torchrun_prefix(args) + ["-m", "zerodp.bench"] + _forward(args, args.bench_flags)
+    """The ``torch.distributed.run`` command line that runs ``python -m zerodp.app.bench`` for ``args``."""
+    return torchrun_prefix(args) + ["-m", "zerodp.app.bench"] + _forward(args, args.bench_flags)
 
 
 def _launch(cmd: list[str]) -> int:
@@ -358,13 +358,13 @@ def _launch(cmd: list[str]) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from zerodp import train
+    from zerodp.app import train
 
     # Fail fast, before any process starts, on settings that every worker would reject.
     try:
         settings = train.resolve_settings(args)
         if not _inside_torchrun():
-            from zerodp import data
+            from zerodp.app import data
             text = data.load_text(settings.data, min_bytes=data.min_corpus_bytes(settings.model.seq_len))
             if settings.resume:
                 train.check_resume(settings, train.corpus_fingerprint(data.encode(text)))
@@ -379,7 +379,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if _inside_torchrun():
-        from zerodp import bench
+        from zerodp.app import bench
 
         bench.run(args)
         return 0
@@ -404,7 +404,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     cs = meta.client_state
     if isinstance(cs, dict) and isinstance(cs.get("model"), dict):
         try:
-            print(f"model: {GPTConfig.from_dict(cs['model'])} (load it into zerodp.model.GPT of this config)")
+            print(f"model: {GPTConfig.from_dict(cs['model'])} (load it into zerodp.app.model.GPT of this config)")
         except (TypeError, ValueError):
             pass
     return 0

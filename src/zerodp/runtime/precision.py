@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from .accounting import FP32_ADAM, MIXED_PRECISION_ADAM, BytesPerElement
-from .config import ZeroDPConfig
+from zerodp.runtime.accounting import FP32_ADAM, MIXED_PRECISION_ADAM, BytesPerElement
+from zerodp.config import ZeroDPConfig
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The partitioned-parameter coordinator (stage 3): fetch, release, trace and prefetch.
 
-Every module hook (see :mod:`zerodp.hooks`) calls :meth:`ParameterCoordinator.fetch` before the module
+Every module hook (see :mod:`zerodp.stage3.hooks`) calls :meth:`ParameterCoordinator.fetch` before the module
 runs (forward or backward) and :meth:`ParameterCoordinator.release` after it. The first training
 iteration records the order of fetches (forward then backward) as the *trace*; once every rank has
 checked that it recorded the same trace (one small all-reduce), later iterations prefetch the units of
@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
 
-from . import comm
-from .comm import CommLedger
-from .sharded import ShardedUnit, ShardState, UnitIndex
+from zerodp.runtime import comm
+from zerodp.runtime.comm import CommLedger
+from zerodp.stage3.units import ShardedUnit, ShardState, UnitIndex
 
 
 class TraceMode(enum.Enum):

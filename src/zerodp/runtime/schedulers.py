@@ -17,7 +17,7 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from .config import SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams
+from zerodp.config import SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams
 
 
 def warmup_gamma(t: int, warmup_steps: int, warmup_type: str) -> float:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zerodp
-from zerodp.model import GPT, GPTConfig
+from zerodp.app.model import GPT, GPTConfig
 
 Step = Callable[[torch.Tensor, torch.Tensor], float]
 

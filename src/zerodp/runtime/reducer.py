@@ -29,9 +29,9 @@ import torch
 from torch.distributed import ProcessGroup, ReduceOp, Work
 from torch.utils.hooks import RemovableHandle
 
-from . import comm
-from .comm import CommLedger
-from .partition import Bucket, FlatGroup, ParamSlot
+from zerodp.runtime import comm
+from zerodp.runtime.comm import CommLedger
+from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot
 
 #: stage-2 buckets whose reduce-scatter may be in flight at once (the rest wait): bounds memory.
 MAX_BUCKETS_IN_FLIGHT = 2

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup, Work
 
-from . import comm
-from .comm import CommLedger
-from .partition import Bucket, FlatGroup, ParamSlot
+from zerodp.runtime import comm
+from zerodp.runtime.comm import CommLedger
+from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot
 
 
 class ShardState(enum.Enum):

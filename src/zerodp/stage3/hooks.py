@@ -27,8 +27,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from .coordinator import ParameterCoordinator
-from .sharded import ShardState
+from zerodp.stage3.coordinator import ParameterCoordinator
+from zerodp.stage3.units import ShardState
 
 
 class _BackwardHook(torch.autograd.Function):

@@ -1,6 +1,6 @@
 """Stage 3 (P_os+g+p): the parameters themselves are partitioned (paper section 5.3).
 
-:class:`Stage3` builds one :class:`~zerodp.sharded.ShardedUnit` per submodule (see the note there),
+:class:`Stage3` builds one :class:`~zerodp.stage3.units.ShardedUnit` per submodule (see the note there),
 wires the coordinator and the module hooks, and runs the engine's forward inside the external-parameter
 detection mode. Gradients are reduce-scattered unit by unit by the stage-2 reducer (each unit is one
 bucket), so the owned gradient partition and the optimizer pieces are views of the shards only.
@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm
-from .comm import CommLedger
-from .config import ZeroConfig
-from .coordinator import ParameterCoordinator
-from .hooks import ExternalParameterMode, ModuleStack, register_stage3_hooks
-from .optim import ParamGroupSpec
-from .partition import FlatGroup
-from .sharded import ShardedUnit, ShardState, UnitIndex, shard_unit
-from .zero import full_numel, _materialize, _Owner, _pre_sharded_unit, _register_owner
+from zerodp.runtime import comm
+from zerodp.runtime.comm import CommLedger
+from zerodp.config import ZeroConfig
+from zerodp.stage3.coordinator import ParameterCoordinator
+from zerodp.stage3.hooks import ExternalParameterMode, ModuleStack, register_stage3_hooks
+from zerodp.runtime.optim import ParamGroupSpec
+from zerodp.runtime.partition import FlatGroup
+from zerodp.stage3.units import ShardedUnit, ShardState, UnitIndex, shard_unit
+from zerodp.stage3.ownership import Owner, full_numel, materialize, pre_sharded_unit, register_owner
 
 
 class Stage3:
@@ -68,20 +68,20 @@ class Stage3:
             self.index, positions, pg, ledger, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters)
         for u in self.index.units:
             for s in u.slots:
-                _register_owner(s.param, _Owner(u, pg, ledger, self.coordinator))
+                register_owner(s.param, Owner(u, pg, ledger, self.coordinator))
         self.stack = ModuleStack()
         self.handles = register_stage3_hooks(module, self.coordinator, self.stack)
         self._mode = ExternalParameterMode(self.coordinator, self.stack)
 
     def _add_unit(self, name: str, named: list, first: int, spec_of: dict, sync, persistent: bool) -> int:
         groups = [spec_of.get(id(p), -1) for _, p in named]
-        u = None if persistent else _pre_sharded_unit([p for _, p in named])
+        u = None if persistent else pre_sharded_unit([p for _, p in named])
         if u is not None:  # built by zero.Init with this exact layout: adopt it as is
             u.name = name
             for i, (s, (pname, _), gi) in enumerate(zip(u.slots, named, groups)):
                 s.name, s.index, s.group_index = pname, first + i, gi
         else:
-            _materialize([p for _, p in named])
+            materialize([p for _, p in named])
             u = shard_unit(name, named, first, groups, self.rank, self.world_size, persistent=persistent,
                            sync=sync)
         self.index.units.append(u)

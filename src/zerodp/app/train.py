@@ -1,6 +1,6 @@
 """The per-rank worker of ``zerodp train``: train the byte-level GPT with a zerodp engine and report.
 
-``zerodp train`` (see :mod:`zerodp.cli`) launches one process per rank through ``torch.distributed.run``;
+``zerodp train`` (see :mod:`zerodp.app.cli`) launches one process per rank through ``torch.distributed.run``;
 each runs :func:`run_worker`, which
 
 1. initialises the process group (:func:`zerodp.init_distributed`), builds the same GPT on every rank
@@ -8,7 +8,7 @@ each runs :func:`run_worker`, which
 2. measures the held-out loss (nats per byte) before training;
    With ``--resume`` it instead loads ``latest`` from ``--save-dir`` (see :func:`check_resume`) and
    takes the loss before training from the checkpoint's ``client_state``;
-3. trains up to ``steps`` optimizer steps on :class:`zerodp.data.GlobalBatches` (rank ``r`` reads rows
+3. trains up to ``steps`` optimizer steps on :class:`zerodp.app.data.GlobalBatches` (rank ``r`` reads rows
    ``[r*micro, (r+1)*micro)`` of every global batch; optimizer step ``k`` uses micro-steps
    ``k*accum ... k*accum + accum - 1``, so a resumed run reads exactly the batches an uninterrupted one
    would) with a tqdm bar on rank 0, saving a checkpoint every ``--save-every`` steps and at the end;
@@ -32,9 +32,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import zerodp
-from zerodp import accounting, data
+from zerodp.runtime import accounting
+from zerodp.app import data
 from zerodp.config import ZeroDPConfig, load_config
-from zerodp.model import GPT, GPTConfig, count_parameters, generate
+from zerodp.app.model import GPT, GPTConfig, count_parameters, generate
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,7 @@ def check_resume(s: RunSettings, corpus: Optional[dict[str, int]] = None) -> tup
 def evaluate(engine: Any, batches: list[data.Batch]) -> float:
     """Mean held-out loss (nats per byte) over ``batches`` of global size ``micro * world_size``.
 
-    Like training, rank ``r`` evaluates its :func:`zerodp.data.rank_slice` of every batch (so every rank
+    Like training, rank ``r`` evaluates its :func:`zerodp.app.data.rank_slice` of every batch (so every rank
     runs the same number of forwards) and the per-rank means are averaged: the result equals a
     single-process evaluation of the whole batches, whatever the world size.
     """
@@ -314,7 +315,7 @@ def run_worker(args: argparse.Namespace) -> int:
         0 on success (errors raise).
 
     Raises:
-        ValueError: invalid settings or data (see :func:`resolve_settings`, :func:`zerodp.data.load_text`).
+        ValueError: invalid settings or data (see :func:`resolve_settings`, :func:`zerodp.app.data.load_text`).
     """
     t_start = time.perf_counter()
     zerodp.init_distributed()

@@ -1,7 +1,7 @@
 """Param groups and the torch optimizer that updates this rank's partition.
 
 The optimizer is torch's own ``Adam``/``AdamW``; its "parameters" are the 1-D pieces of the flat
-buffers this rank owns (:class:`zerodp.partition.Piece`), one per (parameter, owned range), so its
+buffers this rank owns (:class:`zerodp.runtime.partition.Piece`), one per (parameter, owned range), so its
 per-parameter state and skipping of ``grad is None`` match torch on the unpartitioned model.
 """
 
@@ -13,8 +13,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from .config import OptimizerConfig
-from .partition import FlatGroup
+from zerodp.config import OptimizerConfig
+from zerodp.runtime.partition import FlatGroup
 
 #: options a param-group dict may carry besides ``params`` (torch's Adam/AdamW options we support).
 GROUP_OPTIONS = ("lr", "betas", "eps", "weight_decay", "name")

@@ -5,7 +5,7 @@ Default corpus: the English documentation prose that ships inside CPython's stan
 0.47 MB, present on every Python install, nothing to download.
 
 Tokens are bytes: :func:`encode` gives a ``torch.uint8`` tensor (one element per UTF-8 byte) and the
-samplers return ``torch.long`` windows ready for :class:`zerodp.model.GPT`.
+samplers return ``torch.long`` windows ready for :class:`zerodp.app.model.GPT`.
 
 Batches are defined globally: :class:`GlobalBatches` draws, for micro-step ``s``, the whole
 ``micro_batch_size * world_size`` rows from a generator seeded with ``(seed, s)``, and

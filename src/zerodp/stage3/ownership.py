@@ -1,0 +1,122 @@
+"""Which stage-3 unit owns each partitioned parameter (a registry keyed by parameter identity).
+
+Filled by :class:`zerodp.zero.Init` (units without a coordinator yet) and by each stage-3 engine
+(:class:`zerodp.stage3.sharding.Stage3`); read by :mod:`zerodp.zero`'s user-facing utilities and by the
+engine when it adopts units built by ``Init``. Also holds, per parameter, the callable that refreshes
+the fp32 master copies of its optimizer pieces after an edit under ``GatheredParameters``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerodp.runtime.comm import CommLedger
+from zerodp.stage3.coordinator import ParameterCoordinator
+from zerodp.stage3.units import ShardedUnit, ShardState
+
+
+@dataclass(frozen=True)
+class Owner:
+    unit: ShardedUnit
+    pg: Optional[dist.ProcessGroup]
+    ledger: CommLedger
+    coordinator: Optional[ParameterCoordinator]  # None while only zero.Init has partitioned it
+
+
+class OwnerRegistry:
+    """id(partitioned parameter) -> where its shard lives; an entry dies with its parameter.
+    (Tensors cannot key a WeakKeyDictionary: their ``__eq__`` is elementwise.)"""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, Owner]] = {}
+
+    def set(self, param: nn.Parameter, owner: Owner) -> None:
+        key = id(param)
+        self._entries[key] = (weakref.ref(param, lambda _r: self._entries.pop(key, None)), owner)
+
+    def drop(self, param: torch.Tensor) -> None:
+        self._entries.pop(id(param), None)
+
+    def get(self, param: torch.Tensor) -> Optional[Owner]:
+        entry = self._entries.get(id(param))
+        if entry is None or entry[0]() is not param:
+            return None
+        return entry[1]
+
+
+#: filled by each stage-3 engine (see :class:`zerodp.stage3.sharding.Stage3`).
+OWNERS = OwnerRegistry()
+#: parameter -> callable refreshing the fp32 master copies of its pieces after an edit (mixed precision)
+MASTER_REFRESH = OwnerRegistry()
+
+
+def register_master_refresh(param: nn.Parameter, refresh: Callable[[], object]) -> None:
+    MASTER_REFRESH.set(param, refresh)
+
+
+def register_owner(param: nn.Parameter, owner: Owner) -> None:
+    OWNERS.set(param, owner)
+
+
+def full_numel(param: nn.Parameter) -> int:
+    """Elements of ``param``'s full value (``param.numel()`` is 0 while it is partitioned)."""
+    owner = OWNERS.get(param)
+    if owner is None:
+        return param.numel()
+    return next(s.numel for s in owner.unit.slots if s.param is param)
+
+
+def is_partitioned(param: nn.Parameter) -> bool:
+    """True if ``param`` is managed by a stage-3 engine (its ``.data`` may be an empty placeholder)."""
+    return OWNERS.get(param) is not None
+
+
+@contextlib.contextmanager
+def coordinator_busy(owner: Owner) -> Iterator[None]:
+    """Tell the owning engine's coordinator that parameter data is being swapped on purpose."""
+    c = owner.coordinator
+    if c is None:
+        yield
+        return
+    c.busy = True
+    try:
+        yield
+    finally:
+        c.busy = False
+
+
+def pre_sharded_unit(params: list[nn.Parameter]) -> Optional[ShardedUnit]:
+    """The unit built by :class:`Init` holding exactly ``params`` in this order, if there is one."""
+    owners = [OWNERS.get(p) for p in params]
+    if not owners or any(o is None for o in owners):
+        return None
+    unit = owners[0].unit
+    if any(o.unit is not unit for o in owners) or [s.param for s in unit.slots] != list(params):
+        return None
+    return unit
+
+
+def materialize(params: list[nn.Parameter]) -> None:
+    """Give Init-partitioned ``params`` their full values again (each as its own tensor) and forget
+    their Init units; used when the engine lays them out differently than Init did."""
+    for p in params:
+        owner = OWNERS.get(p)
+        if owner is None or owner.coordinator is not None:
+            continue
+        u = owner.unit
+        if u.state is ShardState.SHARDED:
+            u.start_gather(owner.pg, owner.ledger, "init")
+        if u.state is ShardState.GATHERING:
+            u.finish_gather()
+        for s in u.slots:
+            s.param.data = s.param.data.clone()
+            OWNERS.drop(s.param)
+        u.full = None
+        u.state = ShardState.SHARDED
