@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerodp
+import zerodp.offload.nvme
 
 STEPS = 4
 ROWS = 12  # global batch rows per micro-step (divisible by 1, 2, 3)
@@ -62,7 +63,7 @@ def config(stage: int, scenario: str, device: str, nvme: str) -> dict:
         cfg["gradient_accumulation_steps"] = 2
         cfg["gradient_clipping"] = 0.05
     if scenario == "fp16_overflow":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 15, "hysteresis": 1}
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 18, "hysteresis": 1}
     if scenario == "adam_no_overlap":
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.01}}
         if device != "none":
@@ -119,13 +120,35 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
                 reports[device]["swap"] = [engine.offload.stats.bytes_read, engine.offload.stats.bytes_written]
                 reports[device]["subgroups"] = len(engine.offload.subgroups)
         engine.close()
-    out = {"equal": {d: all(torch.equal(runs["none"][k], runs[d][k]) for k in runs["none"])
+    out = {"steps": STEPS, "equal": {d: all(torch.equal(runs["none"][k], runs[d][k]) for k in runs["none"])
                      for d in ("cpu", "nvme")}, "reports": reports}
     if scenario == "fp32":
         ref = reference(scenario)
         out["ref_maxdiff"] = max((runs["none"][k] - ref[k]).abs().max().item() for k in ref)
-    if scenario in ("fp32", "bf16"):
+    if scenario == "bf16":
         out["ckpt"] = checkpoints(stage, scenario, nvme, ckpt)
+    return out
+
+
+def deleted_swap_file(nvme: str) -> dict:
+    """Rank 0 deletes its swap file mid-run: every rank raises at the next step, nothing changed."""
+    engine = build(1, "fp32", "nvme", nvme)
+    train(engine, range(1), 1)
+    before = params(engine)
+    if dist.get_rank() == 0:
+        os.remove(engine.offload.file.path)
+    out = {"raised_on": [], "message": ""}
+    try:
+        train(engine, range(1, 2), 1)
+        out["raised_on"].append(False)
+    except zerodp.offload.nvme.OffloadError as exc:
+        out["raised_on"].append(True)
+        out["message"] = str(exc)
+    engine.reducer.zero_grads()
+    out["unchanged"] = all(torch.equal(before[k], p) for k, p in
+                           {n: t for n, t in engine.module.state_dict().items()}.items()
+                           if engine.stage < 3)
+    engine.close()
     return out
 
 
@@ -166,7 +189,7 @@ def main() -> None:
                 results[f"{stage}/{sc}"] = run_scenario(stage, sc, args.nvme, args.ckpt)
             except Exception:  # recorded, asserted on by the test
                 results[f"{stage}/{sc}"] = {"error": traceback.format_exc()}
-    results["leftover"] = sorted(os.listdir(args.nvme)) if dist.get_rank() == 0 else []
+    results["errors"] = deleted_swap_file(args.nvme)
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(results, f, default=str)
     zerodp.shutdown_distributed() if hasattr(zerodp, "shutdown_distributed") else None
