@@ -49,7 +49,7 @@ WORKER_FLAGS = {
     "stage": "--stage", "config": "--config", "data": "--data", "steps": "--steps",
     "n_layer": "--n-layer", "n_head": "--n-head", "d_model": "--d-model", "seq_len": "--seq-len",
     "micro_batch": "--micro-batch", "grad_accum": "--grad-accum", "lr": "--lr", "seed": "--seed",
-    "bf16": "--bf16", "fp16": "--fp16",
+    "bf16": "--bf16", "fp16": "--fp16", "offload_optimizer": "--offload-optimizer", "nvme_path": "--nvme-path",
     "eval_batches": "--eval-batches", "sample_tokens": "--sample-tokens", "prompt": "--prompt",
     "temperature": "--temperature", "save_dir": "--save-dir", "save_every": "--save-every",
     "resume": "--resume",
@@ -160,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     prec.add_argument("--fp16", action="store_const", const=True,
                       help="float16 parameters and gradients with dynamic loss scaling, fp32 master "
                            "weights (config fp16.enabled)")
+    eng.add_argument("--offload-optimizer", choices=("cpu", "nvme"),
+                     help="ZeRO-Offload: fp32 masters, Adam moments and gradients of each rank's partition in "
+                          "host memory (cpu) or swap files (nvme); stages 1-3 "
+                          "(config zero_optimization.offload_optimizer.device)")
+    eng.add_argument("--nvme-path", metavar="DIR",
+                     help="directory for the swap files of --offload-optimizer nvme (offload_optimizer.nvme_path)")
     eng.add_argument("--micro-batch", metavar="B", type=_int_at_least(1),
                      help=f"sequences per rank per micro-step (default {d.micro_batch})")
     eng.add_argument("--grad-accum", metavar="K", type=_int_at_least(1),

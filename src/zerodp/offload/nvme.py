@@ -112,7 +112,9 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             self.grad_buffers.append(host_empty(piece.hi - piece.lo, self.pin))
             self._present.append(False)
         biggest = max((sg.nbytes for sg in self.subgroups), default=0)
-        self.buffers = [aligned_buffer(biggest, self.pin) for _ in range(self.cfg.buffer_count)]
+        # more buffers than sub-groups would never be used
+        count = max(1, min(self.cfg.buffer_count, len(self.subgroups)))
+        self.buffers = [aligned_buffer(biggest, self.pin) for _ in range(count)]
         for sg in self.subgroups:
             buf = self.buffers[0][: sg.nbytes]
             masters = buf[: sg.seg].view(torch.float32)
