@@ -103,6 +103,10 @@ BENCH_HELP = {
     "seq_len": "context length in tokens", "micro_batch": "sequences per rank per step",
     "steps": "timed steps per system and round", "warmup": "untimed steps before them",
     "rounds": "rounds; each rebuilds and runs every system in turn",
+    "offload": "add stage-2 rows with offload_optimizer cpu and nvme, the NVMe swap bandwidth vs raw "
+               "direct I/O on the same disk, and the CPU Adam kernels",
+    "nvme_path": "directory for the nvme row's swap files (default: a temporary directory)",
+    "sub_group_size": "sub_group_size of the nvme row (elements)",
 }
 
 
