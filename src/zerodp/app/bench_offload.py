@@ -85,7 +85,8 @@ def swap_report(directory: str) -> str:
     swap = moved / st.seconds if st.seconds else float("nan")
     direct = "O_DIRECT" if off.file.direct else "buffered (no O_DIRECT on this file system)"
     return (f"offload nvme ({direct}, {len(off.subgroups)} sub-groups, {len(off.buffers)} buffers): swap phase "
-            f"{moved / 1e6:.1f} MB read+written in {st.seconds * 1e3:.1f} ms = {swap / 1e6:.0f} MB/s; raw "
+            f"{moved / 1e6:.1f} MB read+written in {st.seconds * 1e3:.1f} ms (of which updates "
+            f"{st.update_seconds * 1e3:.1f} ms) = {swap / 1e6:.0f} MB/s; raw "
             f"sequential direct I/O of the same size: write {st.bytes_read / w / 1e6:.0f} MB/s, read "
             f"{st.bytes_read / r / 1e6:.0f} MB/s, together {raw / 1e6:.0f} MB/s; swap / raw = {swap / raw:.2f}")
 

@@ -25,6 +25,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence, get_args
 
 from zerodp.runtime import accounting
+from zerodp.offload.report import offload_estimate_table
 from zerodp.config import ZeroConfig
 from zerodp.app.model import GPTConfig, count_parameters
 from zerodp.app.train import DEFAULTS
@@ -311,6 +312,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         print(f"{cfg}: {numel:,} parameters")
     b = accounting.FP32_ADAM if args.fp32 else accounting.MIXED_PRECISION_ADAM
     print(accounting.estimate_table(numel, args.dp, b))
+    print(offload_estimate_table(numel, args.dp, b))
     return 0
 
 

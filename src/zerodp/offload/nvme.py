@@ -29,6 +29,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -68,6 +69,7 @@ class SwapStats:
     bytes_read: int = 0
     bytes_written: int = 0
     seconds: float = 0.0
+    update_seconds: float = 0.0  # of which: binding, the optimizer's arithmetic and the cast back
 
 
 class NvmeOptimizerOffload(HostOptimizerOffload):
@@ -183,8 +185,6 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Sub-group k is updated while k+1 is read and k-1 written (``aio.overlap_events``)."""
-        import time
-
         self._sync_copies()
         t0 = time.perf_counter()
         r0, w0 = self.io.bytes_read, self.io.bytes_written
@@ -200,6 +200,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             reads[k] = self.io.read(self.file, self.buffers[slot][: todo[k].nbytes], todo[k].offset)
 
         overlap = self.aio_cfg.overlap_events
+        busy = 0.0
         if todo:
             start_read(0)
         for k, sg in enumerate(todo):
@@ -207,7 +208,9 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             if overlap and k + 1 < len(todo):
                 start_read(k + 1)
             buf = self.buffers[k % nbuf][: sg.nbytes]
+            t1 = time.perf_counter()
             self._update(sg, buf, optimizer)
+            busy += time.perf_counter() - t1
             writes[k % nbuf] = self.io.write(self.file, buf, sg.offset)
             if not overlap:
                 writes.pop(k % nbuf).wait()
@@ -215,7 +218,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                     start_read(k + 1)
         for h in writes.values():
             h.wait()
-        self.stats = SwapStats(self.io.bytes_read - r0, self.io.bytes_written - w0, time.perf_counter() - t0)
+        self.stats = SwapStats(self.io.bytes_read - r0, self.io.bytes_written - w0, time.perf_counter() - t0, busy)
 
     def _update(self, sg: SubGroup, buf: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         f32 = buf.view(torch.float32)

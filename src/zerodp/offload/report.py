@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerodp.runtime.accounting import human_bytes
+from zerodp.runtime.accounting import STAGE_NAMES, BytesPerElement, human_bytes, model_state_bytes
 
 
 def offload_formula(device: str, numel_per_rank: float, buffer_bytes: int = 0) -> dict[str, dict[str, float]]:
@@ -49,4 +49,27 @@ class OffloadReport:
         return "\n".join(lines)
 
 
-__all__ = ["OffloadReport", "offload_formula"]
+def offload_estimate_table(numel: int, world_size: int, b: BytesPerElement) -> str:
+    """Per-rank device / host / NVMe bytes for stages 1-3 x offload none / cpu / nvme, as zerodp
+    places them (paper convention; swap buffers and padding not counted). With offload the device
+    keeps the module's parameters and its gradient partition (stage 1: full gradients); host memory
+    takes the fp32 gradient copy and, for cpu, the fp32 masters and Adam moments; NVMe takes the
+    masters and moments."""
+    rows = [f"offload (Psi = {numel:,}, N_d = {world_size}, bytes/element: param {b.param}, grad {b.grad})",
+            f"{'stage':<22}{'offload':<9}{'device':>14}{'host':>14}{'nvme':>14}"]
+    for stage in (1, 2, 3):
+        f = model_state_bytes(stage, numel, world_size, b)
+        owned = numel / world_size
+        for device in ("none", "cpu", "nvme"):
+            if device == "none":
+                dev, host, nvme = sum(f.values()), 0.0, 0.0
+            else:
+                form = offload_formula(device, owned)
+                dev = f["parameters"] + f["gradients"]
+                host, nvme = sum(form["host"].values()), sum(form["nvme"].values())
+            rows.append(f"{STAGE_NAMES[stage]:<22}{device:<9}{human_bytes(dev):>14}{human_bytes(host):>14}"
+                        f"{human_bytes(nvme):>14}")
+    return "\n".join(rows)
+
+
+__all__ = ["OffloadReport", "offload_formula", "offload_estimate_table"]
