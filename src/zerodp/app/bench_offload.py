@@ -118,4 +118,40 @@ def _split(numel: int, parts: int = 16) -> list[int]:
     return [base] * (parts - 1) + [numel - base * (parts - 1)]
 
 
-__all__ = ["offload_builders", "raw_direct_io", "swap_report", "adam_kernels", "NVME_ENGINES"]
+def swapper_only(numel: int, nvme_path: str, sub_group_size: int, steps: int = 3,
+                 thread_count: int = 1) -> str:
+    """One rank, stage 1, a ``numel``-element stack of 1000 x 1000 linear layers with the optimizer on NVMe: the swap
+    report after ``steps`` steps (``python -m zerodp.app.bench_offload``)."""
+    side = 1000  # layers of 1e6 elements, so sub-groups of sub_group_size form
+    layers = max(1, numel // (side * side))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(layers)])
+    engine = zerodp.initialize(model, {
+        "optimizer": {"type": "AdamW"}, "aio": {"thread_count": thread_count},
+        "zero_optimization": {"stage": 1, "sub_group_size": sub_group_size,
+                              "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}}})
+    NVME_ENGINES[:] = [engine]
+    x = torch.randn(4, side)
+    for _ in range(steps):
+        engine.backward(engine(x).square().mean() * 1e-3)
+        engine.step()
+    out = f"{layers * side * side:,} parameters, sub_group_size {sub_group_size:,}, aio.thread_count {thread_count}\n"
+    out += swap_report(nvme_path)
+    engine.close()
+    return out
+
+
+__all__ = ["swapper_only", "offload_builders", "raw_direct_io", "swap_report", "adam_kernels", "NVME_ENGINES"]
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="NVMe optimizer swapper bandwidth vs raw direct I/O, one rank")
+    ap.add_argument("--numel", type=int, default=25_000_000)
+    ap.add_argument("--nvme-path", required=True)
+    ap.add_argument("--sub-group-size", type=int, default=2_000_000)
+    ap.add_argument("--thread-count", type=int, default=1)
+    a = ap.parse_args()
+    print(swapper_only(a.numel, a.nvme_path, a.sub_group_size, thread_count=a.thread_count))
+    print(adam_kernels(a.numel))
