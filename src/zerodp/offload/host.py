@@ -18,7 +18,7 @@ result is bitwise equal.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -92,6 +92,12 @@ class HostOptimizerOffload:
         """The host gradients staged this step (for loss unscaling and clipping, in place)."""
         self._sync_copies()
         return [b for b, present in zip(self.grad_buffers, self._present) if present]
+
+    def grad_of(self, piece: Piece) -> Optional[torch.Tensor]:
+        """``piece``'s host gradient staged this step, or None if it has none."""
+        i = self._index[id(piece)]
+        self._sync_copies()
+        return self.grad_buffers[i] if self._present[i] else None
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Run ``optimizer`` (whose parameters are the masters) on the staged host gradients."""
