@@ -44,6 +44,7 @@ def test_matches_reference(world_size: int, stage: int, name: str) -> None:
         assert res["param_err"] <= 1.0, f"rank {r}: parameters differ from reference (err {res['param_err']})"
         assert res["moved"] > 1e-3, "training did not change the parameters: the comparison is vacuous"
         assert res["steps"] > 0
+        assert res["compared_params"] > 0
         if name == "clipping":
             # relative error of the global norm against clip_grad_norm_ on the whole model
             assert res["norm_err"] <= 1e-6, f"global grad norm differs from clip_grad_norm_ ({res['norm_err']})"
@@ -193,6 +194,8 @@ def test_fp16_overflow_on_one_rank_skips_on_all(world_size: int, stage: int) -> 
         assert res["skipped"] == 1
         assert res["bit_identical_after_skip"], "parameters changed on a skipped step"
         assert res["opt_state_identical"], "optimizer states changed on a skipped step"
+        # keyed by (parameter name, state key): every owned piece's two Adam states were compared
+        assert res["opt_state_compared"] == res["opt_state_expected"] > 0
         assert res["scale_before"] == 256.0 and res["scale_after"] == 128.0
         if world_size == 1:
             assert res["param_rel_err"] == 0.0
