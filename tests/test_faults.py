@@ -12,21 +12,28 @@ from pathlib import Path
 
 import pytest
 
-from distributed import run_worker
+from distributed import run_worker, selected_runs
 
 WORKER = Path(__file__).with_name("fault_worker.py")
 WORLD_SIZES = (2, 3)
 STAGES = (0, 1, 2, 3)
-SCENARIOS = ("accum_scale_sensitive", "accum_clip_below_norm", "rank_seeds_differ", "bf16_accum", "bf16_clip",
-             "fp16_loss_scale", "fp16_accum_clip", "storage")
 
-_cache: dict[int, list[dict]] = {}
+#: scenario each test function asserts on (test_mixed_precision_scale_sensitive: its ``name`` parameter)
+SCENARIO_OF = {"test_accumulation_is_scale_sensitive": "accum_scale_sensitive",
+               "test_accumulation_with_clipping_below_the_norm": "accum_clip_below_norm",
+               "test_ranks_built_from_different_seeds_train_rank0s_model": "rank_seeds_differ",
+               "test_storage_held_stages_0_to_2": "storage"}
 
 
-def per_rank(world_size: int, stage: int, name: str) -> list[dict]:
-    if world_size not in _cache:
-        _cache[world_size] = run_worker(world_size, scenarios=",".join(SCENARIOS), worker=WORKER)
-    out = [r[f"{name}/stage{stage}"] for r in _cache[world_size]]
+@pytest.fixture(scope="module")
+def launches(request: pytest.FixtureRequest) -> dict[int, list[dict]]:
+    """One torchrun launch per world size, running only the stages and scenarios the selected tests use."""
+    runs = selected_runs(request.session.items, request.module, SCENARIO_OF)
+    return {ws: run_worker(ws, stages, names, worker=WORKER) for ws, (stages, names) in runs.items()}
+
+
+def per_rank(launches: dict[int, list[dict]], world_size: int, stage: int, name: str) -> list[dict]:
+    out = [r[f"{name}/stage{stage}"] for r in launches[world_size]]
     for r, res in enumerate(out):
         assert res["ok"], f"rank {r} raised:\n{res.get('error')}"
     return out
@@ -42,15 +49,15 @@ def assert_matches_reference(res: dict) -> None:
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_accumulation_is_scale_sensitive(world_size: int, stage: int) -> None:
-    for res in per_rank(world_size, stage, "accum_scale_sensitive"):
+def test_accumulation_is_scale_sensitive(launches: dict, world_size: int, stage: int) -> None:
+    for res in per_rank(launches, world_size, stage, "accum_scale_sensitive"):
         assert_matches_reference(res)
 
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_accumulation_with_clipping_below_the_norm(world_size: int, stage: int) -> None:
-    for res in per_rank(world_size, stage, "accum_clip_below_norm"):
+def test_accumulation_with_clipping_below_the_norm(launches: dict, world_size: int, stage: int) -> None:
+    for res in per_rank(launches, world_size, stage, "accum_clip_below_norm"):
         assert_matches_reference(res)
         assert res["min_norm"] > 0.05, "the gradient norm never exceeded the clip: clipping untested"
         assert res["norm_err"] <= 1e-6, f"global grad norm differs from clip_grad_norm_ ({res['norm_err']})"
@@ -58,8 +65,8 @@ def test_accumulation_with_clipping_below_the_norm(world_size: int, stage: int) 
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_ranks_built_from_different_seeds_train_rank0s_model(world_size: int, stage: int) -> None:
-    for res in per_rank(world_size, stage, "rank_seeds_differ"):
+def test_ranks_built_from_different_seeds_train_rank0s_model(launches: dict, world_size: int, stage: int) -> None:
+    for res in per_rank(launches, world_size, stage, "rank_seeds_differ"):
         assert res["ranks_differed"], "the ranks' initial parameters were equal: the broadcast is untested"
         assert_matches_reference(res)
 
@@ -74,10 +81,10 @@ MIXED = {  # scenario: (move_err bound, norm_err bound); measured at most 0.0054
 @pytest.mark.parametrize("name", sorted(MIXED))
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_mixed_precision_scale_sensitive(world_size: int, stage: int, name: str) -> None:
+def test_mixed_precision_scale_sensitive(launches: dict, world_size: int, stage: int, name: str) -> None:
     move_bound, norm_bound = MIXED[name]
     dtype = "torch.bfloat16" if name.startswith("bf16") else "torch.float16"
-    for res in per_rank(world_size, stage, name):
+    for res in per_rank(launches, world_size, stage, name):
         assert res["param_dtypes"] == [dtype] and res["masters_dtype"] == ["torch.float32"]
         assert res["compared"] > 0 and res["steps"] == 6 and res["skipped"] == 0
         assert res["moved"] > 1e-3
@@ -90,8 +97,8 @@ def test_mixed_precision_scale_sensitive(world_size: int, stage: int, name: str)
 
 @pytest.mark.parametrize("stage", (0, 1, 2))
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_storage_held_stages_0_to_2(world_size: int, stage: int) -> None:
-    for res in per_rank(world_size, stage, "storage"):
+def test_storage_held_stages_0_to_2(launches: dict, world_size: int, stage: int) -> None:
+    for res in per_rank(launches, world_size, stage, "storage"):
         psi, n, k = res["psi"], res["world"], res["n_params"]
         # every parameter is a view of one flat fp32 storage, disjoint from the others, padded only up
         # to a multiple of N per bucket (at most one bucket per parameter); the same storage after steps

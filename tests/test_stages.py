@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_worker
+from distributed import run_worker, selected_runs
 
 WORLD_SIZES = (1, 2, 3, 4)
 STAGES = (0, 1, 2, 3)
@@ -18,17 +18,24 @@ TRAINING = ("adam_buckets", "adamw_one_bucket", "frozen", "no_grad_some_steps", 
             "gpt_tied", "block_called_twice", "parent_reads_child_weight", "registered_external",
             "structured_outputs", "gathered_edit_modifier_rank0", "eval_generation_between_steps")
 
-_cache: dict[int, list[dict]] = {}
+#: scenario each test function asserts on (test_matches_reference: its ``name`` parameter)
+SCENARIO_OF = {"test_memory_report_matches_formula": "reports", "test_comm_report_is_two_psi": "reports",
+               "test_stage3_memory_is_sixteen_psi_over_n": "reports@3", "test_stage3_comm_is_three_psi": "reports@3",
+               "test_stage3_built_under_init_holds_only_its_partition": "built_under_init@3",
+               "test_bf16_matches_mixed_precision_reference": "bf16_twenty_steps",
+               "test_fp16_overflow_on_one_rank_skips_on_all": "fp16_overflow_skips_everywhere",
+               "test_warmup_decay_lr_follows_formula": "warmup_decay_lr"}
 
 
-def results(world_size: int) -> list[dict]:
-    if world_size not in _cache:
-        _cache[world_size] = run_worker(world_size)
-    return _cache[world_size]
+@pytest.fixture(scope="module")
+def launches(request: pytest.FixtureRequest) -> dict[int, list[dict]]:
+    """One torchrun launch per world size, running only the stages and scenarios the selected tests use."""
+    runs = selected_runs(request.session.items, request.module, SCENARIO_OF)
+    return {ws: run_worker(ws, stages, names) for ws, (stages, names) in runs.items()}
 
 
-def per_rank(world_size: int, stage: int, name: str) -> list[dict]:
-    out = [r[f"{name}/stage{stage}"] for r in results(world_size)]
+def per_rank(launches: dict[int, list[dict]], world_size: int, stage: int, name: str) -> list[dict]:
+    out = [r[f"{name}/stage{stage}"] for r in launches[world_size]]
     for r, res in enumerate(out):
         assert res["ok"], f"rank {r} raised:\n{res.get('error')}"
     return out
@@ -37,8 +44,8 @@ def per_rank(world_size: int, stage: int, name: str) -> list[dict]:
 @pytest.mark.parametrize("name", TRAINING)
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_matches_reference(world_size: int, stage: int, name: str) -> None:
-    for r, res in enumerate(per_rank(world_size, stage, name)):
+def test_matches_reference(launches: dict, world_size: int, stage: int, name: str) -> None:
+    for r, res in enumerate(per_rank(launches, world_size, stage, name)):
         # err <= 1: |zerodp - torch| <= 1e-6 + 1e-5 |torch| on every loss and every parameter element
         assert res["loss_err"] <= 1.0, f"rank {r}: loss differs from reference (err {res['loss_err']})"
         assert res["param_err"] <= 1.0, f"rank {r}: parameters differ from reference (err {res['param_err']})"
@@ -70,8 +77,8 @@ def test_matches_reference(world_size: int, stage: int, name: str) -> None:
 
 @pytest.mark.parametrize("stage", (0, 1, 2))
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_memory_report_matches_formula(world_size: int, stage: int) -> None:
-    for res in per_rank(world_size, stage, "reports"):
+def test_memory_report_matches_formula(launches: dict, world_size: int, stage: int) -> None:
+    for res in per_rank(launches, world_size, stage, "reports"):
         n, psi, padded, owned = res["world"], res["psi"], res["padded"], res["owned"]
         m, f = res["measured"], res["formula"]
         assert res["numel"] == psi
@@ -94,8 +101,8 @@ def test_memory_report_matches_formula(world_size: int, stage: int) -> None:
 
 @pytest.mark.parametrize("stage", (0, 1, 2))
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_comm_report_is_two_psi(world_size: int, stage: int) -> None:
-    for res in per_rank(world_size, stage, "reports"):
+def test_comm_report_is_two_psi(launches: dict, world_size: int, stage: int) -> None:
+    for res in per_rank(launches, world_size, stage, "reports"):
         psi, padded, steps, n = res["psi"], res["padded"], res["steps"], res["world"]
         assert steps == 3
         assert res["expected_per_step"] == 2 * psi
@@ -114,8 +121,8 @@ def test_comm_report_is_two_psi(world_size: int, stage: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_stage3_memory_is_sixteen_psi_over_n(world_size: int) -> None:
-    for res in per_rank(world_size, 3, "reports"):
+def test_stage3_memory_is_sixteen_psi_over_n(launches: dict, world_size: int) -> None:
+    for res in per_rank(launches, world_size, 3, "reports"):
         n, psi, m, f = res["world"], res["psi"], res["measured"], res["formula"]
         persistent = res["persistent"]
         # formula: 4 + 4 + 8 bytes per element, each divided by N
@@ -135,8 +142,8 @@ def test_stage3_memory_is_sixteen_psi_over_n(world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_stage3_comm_is_three_psi(world_size: int) -> None:
-    for res in per_rank(world_size, 3, "reports"):
+def test_stage3_comm_is_three_psi(launches: dict, world_size: int) -> None:
+    for res in per_rank(launches, world_size, 3, "reports"):
         psi, padded, steps, p = res["psi"], res["padded"], res["steps"], res["persistent"]
         sharded = padded - p
         assert res["expected_per_step"] == 3 * psi
@@ -148,8 +155,8 @@ def test_stage3_comm_is_three_psi(world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_stage3_built_under_init_holds_only_its_partition(world_size: int) -> None:
-    for r, res in enumerate(per_rank(world_size, 3, "built_under_init")):
+def test_stage3_built_under_init_holds_only_its_partition(launches: dict, world_size: int) -> None:
+    for r, res in enumerate(per_rank(launches, world_size, 3, "built_under_init")):
         assert res["loss_err"] <= 1.0 and res["param_err"] <= 1.0, res
         assert res["moved"] > 1e-3
         # right after construction under Init only the small (persistent-size) parameters are held:
@@ -166,8 +173,8 @@ def test_stage3_built_under_init_holds_only_its_partition(world_size: int) -> No
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_bf16_matches_mixed_precision_reference(world_size: int, stage: int) -> None:
-    for res in per_rank(world_size, stage, "bf16_twenty_steps"):
+def test_bf16_matches_mixed_precision_reference(launches: dict, world_size: int, stage: int) -> None:
+    for res in per_rank(launches, world_size, stage, "bf16_twenty_steps"):
         assert res["param_dtypes"] == ["torch.bfloat16"]
         assert res["steps"] == 20 and res["skipped"] == 0
         if world_size == 1:  # same arithmetic, same order: bit-identical to the reference
@@ -187,8 +194,8 @@ def test_bf16_matches_mixed_precision_reference(world_size: int, stage: int) -> 
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_fp16_overflow_on_one_rank_skips_on_all(world_size: int, stage: int) -> None:
-    for res in per_rank(world_size, stage, "fp16_overflow_skips_everywhere"):
+def test_fp16_overflow_on_one_rank_skips_on_all(launches: dict, world_size: int, stage: int) -> None:
+    for res in per_rank(launches, world_size, stage, "fp16_overflow_skips_everywhere"):
         assert res["param_dtypes"] == ["torch.float16"]
         assert res["ref_skipped"], "the reference did not overflow: the scenario tests nothing"
         assert res["skipped"] == 1
@@ -205,7 +212,7 @@ def test_fp16_overflow_on_one_rank_skips_on_all(world_size: int, stage: int) -> 
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_warmup_decay_lr_follows_formula(world_size: int, stage: int) -> None:
-    for res in per_rank(world_size, stage, "warmup_decay_lr"):
+def test_warmup_decay_lr_follows_formula(launches: dict, world_size: int, stage: int) -> None:
+    for res in per_rank(launches, world_size, stage, "warmup_decay_lr"):
         assert res["lr_err"] <= 1e-12
         assert res["loss_err"] <= 1.0 and res["param_err"] <= 1.0
