@@ -455,6 +455,7 @@ def eval_generation_between_steps(stage: int) -> dict:
         engine(torch.zeros(2, 3, dtype=torch.long))
         persistent = sum(u.numel for u in engine.sharding.units if u.persistent) if engine.sharding else 0
         return {f"same_tokens_{step}": bool(torch.equal(out, ref_out)),
+                f"generated_tokens_{step}": out.shape[1] - idx.shape[1],
                 f"gathered_after_eval_{step}": live - persistent}
 
     return compare_training(stage, model_fn=tiny_gpt, kind="tokens", vocab=32, loss=token_xent,
@@ -684,7 +685,20 @@ def reports(stage: int) -> dict:
         "largest_unit": max((u.numel for u in engine.sharding.units), default=0) if engine.sharding else 0,
         "optimizer_state_elements": sum(t.numel() for st in engine.optimizer.state.values()
                                         for k, t in st.items() if k != "step"),
+        # live storage, measured from the tensors themselves (distinct untyped storages)
+        "live_param_bytes": _storage_bytes(model.parameters()),
+        "live_grad_bytes": _storage_bytes(p.grad for p in model.parameters() if p.grad is not None),
+        "live_state_bytes": _storage_bytes(t for st in engine.optimizer.state.values() for t in st.values()
+                                           if isinstance(t, torch.Tensor)),
+        "n_params": len(list(model.parameters())),
+        "no_state_elements": model.never_used.numel(),  # never gets a gradient: Adam creates no state
     }
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def main() -> None:
