@@ -15,7 +15,7 @@ PARTITION = "src/zerodp/runtime/partition.py"
 PRECISION = "src/zerodp/runtime/precision.py"
 SHARDING = "src/zerodp/stage3/sharding.py"
 HOOKS = "src/zerodp/stage3/hooks.py"
-CHECKPOINT = "src/zerodp/checkpoint.py"
+CHECKPOINT = "src/zerodp/checkpoint/load.py"
 
 FAULTS = "tests/test_faults.py"
 STAGES = "tests/test_stages.py"
