@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant's test run")
     args = ap.parse_args(argv)
+    # a terminated run still removes its temporary trees (TemporaryDirectory cleans up on SystemExit)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     mutants = MUTANTS
     if args.only:
         unknown = sorted(set(args.only) - {m.name for m in MUTANTS})
