@@ -16,6 +16,7 @@ PRECISION = "src/zerodp/runtime/precision.py"
 SHARDING = "src/zerodp/stage3/sharding.py"
 HOOKS = "src/zerodp/stage3/hooks.py"
 CHECKPOINT = "src/zerodp/checkpoint/load.py"
+CHECKPOINT_SAVE = "src/zerodp/checkpoint/save.py"
 
 FAULTS = "tests/test_faults.py"
 STAGES = "tests/test_stages.py"
@@ -70,6 +71,10 @@ MUTANTS: list[Mutant] = [
            "        engine.loss_scaler.load_state_dict(staged.loss_scaler)\n",
            "        pass\n",
            ["tests/test_checkpoint.py::test_loads_across_precisions"]),
+    Mutant("write_checkpoint_without_checksum", CHECKPOINT_SAVE,
+           "                **integrity.encode(integrity.checksums(tensors))}",
+           "                }",
+           ["tests/test_checkpoint_integrity.py::test_pristine_checkpoint_verifies_and_loads"]),
     Mutant("ignore_fp16_overflow", ENGINE,
            "local_overflow = self.loss_scaler is not None and self._has_inf_or_nan()",
            "local_overflow = False",
@@ -79,8 +84,8 @@ MUTANTS: list[Mutant] = [
            "self.scale = max(self.scale, self.min_scale)",
            [f"{STAGES}::test_fp16_overflow_on_one_rank_skips_on_all[2-0]"]),
     Mutant("clip_with_local_grad_norm", ENGINE,
-           "        if self.stage >= 1 and self.world_size > 1:\n            comm.all_reduce(sq,",
-           "        if False:\n            comm.all_reduce(sq,",
+           "norm = global_grad_norm(by_kind, self.topology, self.stage >= 1 and self.world_size > 1,",
+           "norm = global_grad_norm(by_kind, self.topology, False,",
            [f"{FAULTS}::test_accumulation_with_clipping_below_the_norm[2-1]"]),
     Mutant("skip_parameter_all_gather_after_step", ENGINE,
            "        elif self.stage >= 1:\n            self._all_gather_params()\n",
