@@ -1,6 +1,8 @@
 # Two entry points for a fresh machine (see README):
 #   make train   creates .venv, installs zerodp, trains the default GPT on stdlib prose (2 ranks, ZeRO-2)
 #   make test    creates .venv, installs zerodp with test deps, runs the test suite
+#   make mutants applies named faults to a copy of src/ one at a time; each must fail its tests (slow,
+#                not part of make test); prints "N/N mutants killed" last
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +13,7 @@ $(BIN)/zerodp: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-.PHONY: install train test
+.PHONY: install train test mutants
 install: $(BIN)/zerodp
 
 train: install
@@ -19,3 +21,6 @@ train: install
 
 test: install
 	$(BIN)/python -m pytest -q tests
+
+mutants: install
+	$(BIN)/python tools/mutants.py

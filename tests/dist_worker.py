@@ -210,12 +210,14 @@ def compare_training(
     freeze: Optional[Callable[[nn.Module], None]] = None,
     between: Optional[Callable[[int, Any, nn.Module, nn.Module], Optional[dict]]] = None,
     build_under_init: bool = False, config_extra: Optional[dict] = None,
-    scheduler_ref: Optional[Callable[[int], float]] = None,
+    scheduler_ref: Optional[Callable[[int], float]] = None, rank_seed: bool = False,
 ) -> dict:
     """Train with zerodp and with plain torch on the same global batches; return error metrics.
 
     ``between(step, engine, model, ref)`` runs after each step on both (e.g. edits, eval loops) and
-    may return extra metrics.
+    may return extra metrics. ``rank_seed``: rank r builds its model from seed 1234 + r (only rank 0's
+    equals the reference), so only the engine's broadcast from rank 0 can make the ranks agree;
+    ``ranks_differed`` reports whether the initial parameters really differed across ranks.
     """
     opt_params = {"lr": 0.02, **(opt_params or {})}
     config = {
@@ -239,6 +241,16 @@ def compare_training(
         extra["held_after_init"] = sum(p.data.numel() for p in model.parameters())
         if freeze is not None:
             freeze(model)
+    elif rank_seed:
+        torch.manual_seed(1234 + rank())
+        model = model_fn()
+        if freeze is not None:
+            freeze(model)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        spread = flat.clone()
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flat, op=dist.ReduceOp.MIN)
+        extra["ranks_differed"] = world() > 1 and bool((spread != flat).any().item())
     else:
         model = copy.deepcopy(ref)
     engine = zerodp.initialize(model, config, model_parameters=groups(model) if groups else None)
@@ -276,10 +288,13 @@ def compare_training(
         if between is not None:
             extra.update(between(step, engine, model, ref) or {})
     with zerodp.zero.GatheredParameters(list(model.parameters())):
-        param_err = max(err(a, b) for a, b in zip(model.parameters(), ref.parameters()))
-        moved = max((a.detach() - b).abs().max().item() for a, b in zip(model.parameters(), initial))
+        mine, want = dict(model.named_parameters()), dict(ref.named_parameters())
+        if sorted(mine) != sorted(want):
+            raise AssertionError(f"parameter names differ: {sorted(mine)} vs {sorted(want)}")
+        param_err = max(err(mine[k], want[k]) for k in want)
+        moved = max((a.detach() - b).abs().max().item() for a, b in zip(model.parameters(), initial, strict=True))
     out = {"loss_err": max(loss_errs), "param_err": param_err, "steps": engine.global_steps,
-           "moved": moved, **extra}
+           "moved": moved, "compared_params": len(want), **extra}
     if norm_errs:
         out["norm_err"] = max(norm_errs)
     if engine.sharding is not None:
@@ -440,6 +455,7 @@ def eval_generation_between_steps(stage: int) -> dict:
         engine(torch.zeros(2, 3, dtype=torch.long))
         persistent = sum(u.numel for u in engine.sharding.units if u.persistent) if engine.sharding else 0
         return {f"same_tokens_{step}": bool(torch.equal(out, ref_out)),
+                f"generated_tokens_{step}": out.shape[1] - idx.shape[1],
                 f"gathered_after_eval_{step}": live - persistent}
 
     return compare_training(stage, model_fn=tiny_gpt, kind="tokens", vocab=32, loss=token_xent,
@@ -485,6 +501,7 @@ class MixedReference:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.masters = [p.detach().float().clone() for p in self.params]
         self.opt = opt_cls(self.masters, **opt_params)
+        self.last_norm: Optional[float] = None  # global gradient norm before clipping (clip > 0)
 
     def step(self, loss: torch.Tensor, scale: float = 1.0, clip: float = 0.0) -> bool:
         """Backward + update on the global batch; returns False (and changes nothing) on overflow."""
@@ -494,15 +511,31 @@ class MixedReference:
         grads = [p.grad for p in self.params]
         if any(g is not None and not torch.isfinite(g).all() for g in grads):
             return False
-        for m, g in zip(self.masters, grads):
+        for m, g in zip(self.masters, grads, strict=True):
             m.grad = None if g is None else g.float() / scale
         if clip > 0:
-            torch.nn.utils.clip_grad_norm_([m for m in self.masters if m.grad is not None], clip)
+            self.last_norm = torch.nn.utils.clip_grad_norm_([m for m in self.masters if m.grad is not None],
+                                                            clip).item()
         self.opt.step()
         with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
+            for p, m in zip(self.params, self.masters, strict=True):
                 p.copy_(m)
         return True
+
+
+def optimizer_state_by_name(engine: zerodp.Engine) -> dict[tuple[str, str], torch.Tensor]:
+    """Copies of the optimizer's tensor states keyed by (parameter name, state key), ``step`` excluded.
+    Each rank holds at most one piece per parameter, so the key is unique (checked)."""
+    out: dict[tuple[str, str], torch.Tensor] = {}
+    for g in engine.groups:
+        for piece in g.pieces:
+            for key, v in engine.optimizer.state.get(piece.opt_tensor, {}).items():
+                if key == "step":
+                    continue
+                if (piece.slot.name, key) in out:
+                    raise AssertionError(f"two pieces of {piece.slot.name} on one rank")
+                out[(piece.slot.name, key)] = v.clone()
+    return out
 
 
 def compare_mixed(stage: int, dtype: torch.dtype, steps: int, config_extra: dict,
@@ -537,17 +570,22 @@ def compare_mixed(stage: int, dtype: torch.dtype, steps: int, config_extra: dict
         if step == inf_step:
             with zerodp.zero.GatheredParameters(list(model.parameters())):
                 before = [p.detach().clone() for p in model.parameters()]
-            before_state = {k: v.clone() for st in engine.optimizer.state.values() for k, v in st.items()
-                            if k != "step"}
+            before_state = optimizer_state_by_name(engine)
             scale_before = engine.loss_scale
         engine.backward(loss)
         engine.step()
         if step == inf_step:
             with zerodp.zero.GatheredParameters(list(model.parameters())):
-                out["bit_identical_after_skip"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-            after_state = {k: v for st in engine.optimizer.state.values() for k, v in st.items() if k != "step"}
-            out["opt_state_identical"] = (len(before_state) == len(after_state)
+                out["bit_identical_after_skip"] = all(torch.equal(a, b) for a, b in
+                                                      zip(before, model.parameters(), strict=True))
+            after_state = optimizer_state_by_name(engine)
+            out["opt_state_identical"] = (sorted(before_state) == sorted(after_state)
                                           and all(torch.equal(v, after_state[k]) for k, v in before_state.items()))
+            # (parameter name, state key) pairs compared: every owned piece's exp_avg and exp_avg_sq
+            out["opt_state_compared"] = len(before_state)
+            # (Zoo's never_used never gets a gradient, so torch's Adam never creates its state)
+            out["opt_state_expected"] = 2 * sum(1 for g in engine.groups for pc in g.pieces
+                                                if pc.slot.name != "never_used")
             out["scale_before"], out["scale_after"] = scale_before, engine.loss_scale
             out["ref_skipped"] = not ref_ok
         elif torch.isfinite(ref_loss):
@@ -555,14 +593,17 @@ def compare_mixed(stage: int, dtype: torch.dtype, steps: int, config_extra: dict
             dist.all_reduce(total)
             loss_errs.append(abs(total.item() / n - ref_loss.item()) / abs(ref_loss.item()))
     with zerodp.zero.GatheredParameters(list(model.parameters())):
-        diffs = [((a.float() - b.float()).abs() / (b.float().abs() + 1e-2)).max().item()
-                 for a, b in zip(model.parameters(), ref.model.parameters())]
+        mine, want = dict(model.named_parameters()), dict(ref.model.named_parameters())
+        if sorted(mine) != sorted(want):
+            raise AssertionError(f"parameter names differ: {sorted(mine)} vs {sorted(want)}")
+        diffs = [((mine[k].float() - b.float()).abs() / (b.float().abs() + 1e-2)).max().item()
+                 for k, b in want.items()]
         out["param_rel_err"] = max(diffs)
         # norm-wise: ||zerodp - reference|| / ||reference|| per parameter tensor
-        out["param_norm_err"] = max(((a.float() - b.float()).norm() / b.float().norm()).item()
-                                    for a, b in zip(model.parameters(), ref.model.parameters()))
+        out["param_norm_err"] = max(((mine[k].float() - b.float()).norm() / b.float().norm()).item()
+                                    for k, b in want.items())
         out["moved"] = max((a.float() - b.float()).abs().max().item()
-                           for a, b in zip(model.parameters(), base.to(dtype).parameters()))
+                           for a, b in zip(model.parameters(), base.to(dtype).parameters(), strict=True))
     out.update(loss_rel_err=max(loss_errs), skipped=engine.skipped_steps, steps=engine.global_steps,
                master_bytes=engine.memory_report().measured["master_weights"],
                grad_bytes=engine.memory_report().measured["gradients"],
@@ -644,7 +685,20 @@ def reports(stage: int) -> dict:
         "largest_unit": max((u.numel for u in engine.sharding.units), default=0) if engine.sharding else 0,
         "optimizer_state_elements": sum(t.numel() for st in engine.optimizer.state.values()
                                         for k, t in st.items() if k != "step"),
+        # live storage, measured from the tensors themselves (distinct untyped storages)
+        "live_param_bytes": _storage_bytes(model.parameters()),
+        "live_grad_bytes": _storage_bytes(p.grad for p in model.parameters() if p.grad is not None),
+        "live_state_bytes": _storage_bytes(t for st in engine.optimizer.state.values() for t in st.values()
+                                           if isinstance(t, torch.Tensor)),
+        "n_params": len(list(model.parameters())),
+        "no_state_elements": model.never_used.numel(),  # never gets a gradient: Adam creates no state
     }
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def main() -> None:

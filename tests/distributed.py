@@ -9,7 +9,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 TIMEOUT_S = 600
@@ -40,3 +40,26 @@ def run_worker(world_size: int, stages: str = "0,1,2,3", scenarios: str = "all",
             warnings.warn(f"world {world_size}: a rank aborted during process-group teardown after "
                           f"writing its results ({TEARDOWN_ABORT!r})")
         return [json.loads(f.read_text()) for f in files]
+
+
+def selected_runs(items: Sequence[Any], module: Any, scenario_of: dict[str, str]) -> dict[int, tuple[str, str]]:
+    """What the selected tests of ``module`` need launched: {world size: (stages, scenarios)}, each a
+    comma-separated list for :func:`run_worker`.
+
+    ``items`` is the session's selected test items; each test is parametrized by ``world_size`` and
+    ``stage`` and names its scenario by a ``name`` parameter or through ``scenario_of[function name]``
+    (``"scenario@stage"`` for a test without a ``stage`` parameter). A ``-k`` or node-id selection thus
+    launches only what it asserts on.
+    """
+    wanted: dict[int, tuple[set[int], set[str]]] = {}
+    for item in items:
+        if getattr(item, "module", None) is not module or not hasattr(item, "callspec"):
+            continue
+        params = item.callspec.params
+        if "world_size" not in params:
+            continue
+        name, _, fixed_stage = (params.get("name") or scenario_of[item.originalname]).partition("@")
+        stages, names = wanted.setdefault(params["world_size"], (set(), set()))
+        stages.add(params["stage"] if "stage" in params else int(fixed_stage))
+        names.add(name)
+    return {ws: (",".join(map(str, sorted(st))), ",".join(sorted(nm))) for ws, (st, nm) in sorted(wanted.items())}

@@ -292,14 +292,15 @@ def _zerodp_train(*argv: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory) -> dict:
     """Three 2-rank runs of a 1-layer GPT: 6 steps saving every 3, the same resumed to 9 steps, and an
-    uninterrupted 9-step run."""
+    uninterrupted 9-step run (saving only at its end, to compare its weights with the resumed run's)."""
     ckpt = tmp_path_factory.mktemp("ckpt") / "run"
     first = _zerodp_train("--steps", "6", "--save-every", "3", "--save-dir", str(ckpt))
     latest_after_first = (ckpt / "latest").read_text().strip()
     resumed = _zerodp_train("--steps", "9", "--save-every", "3", "--save-dir", str(ckpt), "--resume")
-    whole = _zerodp_train("--steps", "9")
+    whole_ckpt = ckpt.parent / "whole"
+    whole = _zerodp_train("--steps", "9", "--save-every", "9", "--save-dir", str(whole_ckpt))
     return {"ckpt": ckpt, "first": first, "resumed": resumed, "whole": whole,
-            "latest_after_first": latest_after_first}
+            "latest_after_first": latest_after_first, "whole_ckpt": whole_ckpt}
 
 
 def _line(out: str, prefix: str) -> str:
@@ -315,7 +316,7 @@ def test_tiny_train_run_end_to_end(tiny_runs) -> None:
     assert "rank 0/2" in out and "rank 1/2" in out
     assert "per step:" in out and "= 2.000 Psi" in out
     assert "sample (8 bytes" in out
-    assert "checkpoints saved" not in out
+    assert sorted(p.name for p in tiny_runs["whole_ckpt"].iterdir()) == ["global_step9", "latest"]
 
 
 def test_resume_continues_exactly(tiny_runs) -> None:
@@ -332,6 +333,21 @@ def test_resume_continues_exactly(tiny_runs) -> None:
     assert _line(first, "held-out loss") != loss
     assert sorted(p.name for p in tiny_runs["ckpt"].iterdir()) == [
         "global_step3", "global_step6", "global_step9", "latest"]
+
+
+def test_resumed_weights_equal_uninterrupted_run(tiny_runs, tmp_path) -> None:
+    """Bit-exact continuation: the resumed run's step-9 weights are the uninterrupted run's."""
+    from safetensors.torch import load_file
+
+    from zerodp.checkpoint import consolidate
+
+    resumed = load_file(str(consolidate(tiny_runs["ckpt"], tmp_path / "resumed.safetensors")))
+    whole = load_file(str(consolidate(tiny_runs["whole_ckpt"], tmp_path / "whole.safetensors")))
+    assert sorted(resumed) == sorted(whole) and len(whole) > 0
+    differ = [k for k in whole if not torch.equal(resumed[k], whole[k])]
+    assert not differ, f"resumed weights differ from the uninterrupted run's: {differ}"
+    early = load_file(str(consolidate(tiny_runs["ckpt"], tmp_path / "early.safetensors", tag="global_step3")))
+    assert any(not torch.equal(early[k], whole[k]) for k in whole), "vacuous: training did not change weights"
 
 
 def test_resume_refuses_other_seed_or_model(tiny_runs, monkeypatch, capsys) -> None:
@@ -361,6 +377,12 @@ def test_consolidate_loads_into_plain_gpt(tiny_runs, tmp_path, capsys) -> None:
     model.load_state_dict(load_file(str(out)))  # strict
     logits, _ = model(torch.randint(0, 256, (2, 32)))
     assert logits.shape == (2, 32, 256) and torch.isfinite(logits).all()
+    # the CLI's file holds the uninterrupted run's trained values (same 9 steps, bit-exact resume)
+    from zerodp.checkpoint import load_full_state_dict
+
+    whole = load_full_state_dict(tiny_runs["whole_ckpt"])
+    mine = model.state_dict()
+    assert sorted(whole) == sorted(mine) and all(torch.equal(mine[k], whole[k].float()) for k in whole)
     # another tag gives other weights
     early = tmp_path / "early.safetensors"
     assert cli.main(["consolidate", str(tiny_runs["ckpt"]), str(early), "--tag", "global_step3"]) == 0

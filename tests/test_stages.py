@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_worker
+from distributed import run_worker, selected_runs
 
 WORLD_SIZES = (1, 2, 3, 4)
 STAGES = (0, 1, 2, 3)
@@ -18,17 +18,24 @@ TRAINING = ("adam_buckets", "adamw_one_bucket", "frozen", "no_grad_some_steps", 
             "gpt_tied", "block_called_twice", "parent_reads_child_weight", "registered_external",
             "structured_outputs", "gathered_edit_modifier_rank0", "eval_generation_between_steps")
 
-_cache: dict[int, list[dict]] = {}
+#: scenario each test function asserts on (test_matches_reference: its ``name`` parameter)
+SCENARIO_OF = {"test_memory_report_matches_formula": "reports", "test_comm_report_is_two_psi": "reports",
+               "test_stage3_memory_is_sixteen_psi_over_n": "reports@3", "test_stage3_comm_is_three_psi": "reports@3",
+               "test_stage3_built_under_init_holds_only_its_partition": "built_under_init@3",
+               "test_bf16_matches_mixed_precision_reference": "bf16_twenty_steps",
+               "test_fp16_overflow_on_one_rank_skips_on_all": "fp16_overflow_skips_everywhere",
+               "test_warmup_decay_lr_follows_formula": "warmup_decay_lr"}
 
 
-def results(world_size: int) -> list[dict]:
-    if world_size not in _cache:
-        _cache[world_size] = run_worker(world_size)
-    return _cache[world_size]
+@pytest.fixture(scope="module")
+def launches(request: pytest.FixtureRequest) -> dict[int, list[dict]]:
+    """One torchrun launch per world size, running only the stages and scenarios the selected tests use."""
+    runs = selected_runs(request.session.items, request.module, SCENARIO_OF)
+    return {ws: run_worker(ws, stages, names) for ws, (stages, names) in runs.items()}
 
 
-def per_rank(world_size: int, stage: int, name: str) -> list[dict]:
-    out = [r[f"{name}/stage{stage}"] for r in results(world_size)]
+def per_rank(launches: dict[int, list[dict]], world_size: int, stage: int, name: str) -> list[dict]:
+    out = [r[f"{name}/stage{stage}"] for r in launches[world_size]]
     for r, res in enumerate(out):
         assert res["ok"], f"rank {r} raised:\n{res.get('error')}"
     return out
@@ -37,19 +44,23 @@ def per_rank(world_size: int, stage: int, name: str) -> list[dict]:
 @pytest.mark.parametrize("name", TRAINING)
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_matches_reference(world_size: int, stage: int, name: str) -> None:
-    for r, res in enumerate(per_rank(world_size, stage, name)):
+def test_matches_reference(launches: dict, world_size: int, stage: int, name: str) -> None:
+    for r, res in enumerate(per_rank(launches, world_size, stage, name)):
         # err <= 1: |zerodp - torch| <= 1e-6 + 1e-5 |torch| on every loss and every parameter element
         assert res["loss_err"] <= 1.0, f"rank {r}: loss differs from reference (err {res['loss_err']})"
         assert res["param_err"] <= 1.0, f"rank {r}: parameters differ from reference (err {res['param_err']})"
         assert res["moved"] > 1e-3, "training did not change the parameters: the comparison is vacuous"
         assert res["steps"] > 0
+        assert res["compared_params"] > 0
         if name == "clipping":
             # relative error of the global norm against clip_grad_norm_ on the whole model
             assert res["norm_err"] <= 1e-6, f"global grad norm differs from clip_grad_norm_ ({res['norm_err']})"
         if name == "gathered_edit_modifier_rank0":
             assert res["edit_err"] <= 1.0, "rank 0's edit was not the one kept on every rank"
         if name == "eval_generation_between_steps":
+            # 5 new tokens compared after each of the 3 steps
+            assert sum(v for k, v in res.items() if k.startswith("generated_tokens_")) == 15
+            assert sum(k.startswith("same_tokens_") for k in res) == 3
             for k, v in res.items():
                 if k.startswith("same_tokens_"):
                     assert v, f"{k}: greedy generation differs from the reference model's"
@@ -69,32 +80,40 @@ def test_matches_reference(world_size: int, stage: int, name: str) -> None:
 
 @pytest.mark.parametrize("stage", (0, 1, 2))
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_memory_report_matches_formula(world_size: int, stage: int) -> None:
-    for res in per_rank(world_size, stage, "reports"):
-        n, psi, padded, owned = res["world"], res["psi"], res["padded"], res["owned"]
+def test_memory_report_matches_formula(launches: dict, world_size: int, stage: int) -> None:
+    for res in per_rank(launches, world_size, stage, "reports"):
+        n, psi, k = res["world"], res["psi"], res["n_params"]
         m, f = res["measured"], res["formula"]
         assert res["numel"] == psi
-        # measured from the tensors held: fp32 parameters 4 B/elem, replicated at stages 0-2
-        assert m["parameters"] == 4 * padded
-        assert f["parameters"] == 4 * psi
-        # gradients: full at stages 0-1, the owned partition only at stage 2
-        assert m["gradients"] == (4 * owned if stage == 2 else 4 * padded)
-        assert f["gradients"] == pytest.approx(4 * psi / (n if stage == 2 else 1))
-        # Adam: exp_avg + exp_avg_sq (8 B/elem) on the owned elements (all at stage 0)
-        owned_real = res["optimizer_state_elements"] // 2
-        assert owned_real <= (padded if stage == 0 else owned)
-        assert f["optimizer_states"] == pytest.approx(8 * psi / (1 if stage == 0 else n))
-        # the padding is the only difference from the formula
-        assert m["optimizer_states"] - 4 * res["n_states"] == 8 * owned_real  # + one fp32 step count per tensor
-        assert abs(m["parameters"] + m["gradients"] - f["parameters"] - f["gradients"]) <= 8 * (padded - psi)
-        assert m["master_weights"] == 0 and m["comm_buffers"] == 0  # nothing in flight after step()
+        # padding: each bucket is padded to a multiple of N, and there is at most one bucket per parameter
+        pad = (n - 1) * k
+        # the report's "measured" bytes are the live storage (distinct untyped storages, measured in the
+        # worker from the module's parameters, their .grad and the optimizer's state tensors)
+        assert m["parameters"] == res["live_param_bytes"]
+        assert m["optimizer_states"] == res["live_state_bytes"]
+        assert m["master_weights"] == 0 and m["comm_buffers"] == 0  # fp32; nothing in flight after step()
+        # the paper's formula (4 Psi + 4 Psi + 8 Psi, the partitioned ones over N) predicts live storage
+        # up to the padding: parameters replicated at stages 0-2
+        assert 0 <= res["live_param_bytes"] - f["parameters"] <= 4 * pad
+        if stage < 2:  # .grad views one full flat gradient storage
+            assert m["gradients"] == res["live_grad_bytes"]
+            assert 0 <= res["live_grad_bytes"] - f["gradients"] <= 4 * pad
+        else:  # no .grad is kept; the owned partition is 1/N of the padded buckets
+            assert res["live_grad_bytes"] == 0
+            assert abs(m["gradients"] - f["gradients"]) <= 4 * k
+        # Adam: exp_avg + exp_avg_sq on the owned elements (all at stage 0), plus a 4-byte step
+        # count per state; never_used has no state; a rank owns up to k padding elements at 1-2
+        states = res["live_state_bytes"] - 4 * res["n_states"]
+        lack = 8 * res["no_state_elements"]
+        assert f["optimizer_states"] - lack - (0 if stage == 0 else 8 * k) <= states
+        assert states <= f["optimizer_states"] + (0 if stage == 0 else 8 * k)
         assert res["peak"]["gradients+buffers"] >= m["gradients"]
 
 
 @pytest.mark.parametrize("stage", (0, 1, 2))
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_comm_report_is_two_psi(world_size: int, stage: int) -> None:
-    for res in per_rank(world_size, stage, "reports"):
+def test_comm_report_is_two_psi(launches: dict, world_size: int, stage: int) -> None:
+    for res in per_rank(launches, world_size, stage, "reports"):
         psi, padded, steps, n = res["psi"], res["padded"], res["steps"], res["world"]
         assert steps == 3
         assert res["expected_per_step"] == 2 * psi
@@ -113,8 +132,8 @@ def test_comm_report_is_two_psi(world_size: int, stage: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_stage3_memory_is_sixteen_psi_over_n(world_size: int) -> None:
-    for res in per_rank(world_size, 3, "reports"):
+def test_stage3_memory_is_sixteen_psi_over_n(launches: dict, world_size: int) -> None:
+    for res in per_rank(launches, world_size, 3, "reports"):
         n, psi, m, f = res["world"], res["psi"], res["measured"], res["formula"]
         persistent = res["persistent"]
         # formula: 4 + 4 + 8 bytes per element, each divided by N
@@ -134,8 +153,8 @@ def test_stage3_memory_is_sixteen_psi_over_n(world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_stage3_comm_is_three_psi(world_size: int) -> None:
-    for res in per_rank(world_size, 3, "reports"):
+def test_stage3_comm_is_three_psi(launches: dict, world_size: int) -> None:
+    for res in per_rank(launches, world_size, 3, "reports"):
         psi, padded, steps, p = res["psi"], res["padded"], res["steps"], res["persistent"]
         sharded = padded - p
         assert res["expected_per_step"] == 3 * psi
@@ -147,8 +166,8 @@ def test_stage3_comm_is_three_psi(world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_stage3_built_under_init_holds_only_its_partition(world_size: int) -> None:
-    for r, res in enumerate(per_rank(world_size, 3, "built_under_init")):
+def test_stage3_built_under_init_holds_only_its_partition(launches: dict, world_size: int) -> None:
+    for r, res in enumerate(per_rank(launches, world_size, 3, "built_under_init")):
         assert res["loss_err"] <= 1.0 and res["param_err"] <= 1.0, res
         assert res["moved"] > 1e-3
         # right after construction under Init only the small (persistent-size) parameters are held:
@@ -165,8 +184,8 @@ def test_stage3_built_under_init_holds_only_its_partition(world_size: int) -> No
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_bf16_matches_mixed_precision_reference(world_size: int, stage: int) -> None:
-    for res in per_rank(world_size, stage, "bf16_twenty_steps"):
+def test_bf16_matches_mixed_precision_reference(launches: dict, world_size: int, stage: int) -> None:
+    for res in per_rank(launches, world_size, stage, "bf16_twenty_steps"):
         assert res["param_dtypes"] == ["torch.bfloat16"]
         assert res["steps"] == 20 and res["skipped"] == 0
         if world_size == 1:  # same arithmetic, same order: bit-identical to the reference
@@ -186,13 +205,15 @@ def test_bf16_matches_mixed_precision_reference(world_size: int, stage: int) -> 
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_fp16_overflow_on_one_rank_skips_on_all(world_size: int, stage: int) -> None:
-    for res in per_rank(world_size, stage, "fp16_overflow_skips_everywhere"):
+def test_fp16_overflow_on_one_rank_skips_on_all(launches: dict, world_size: int, stage: int) -> None:
+    for res in per_rank(launches, world_size, stage, "fp16_overflow_skips_everywhere"):
         assert res["param_dtypes"] == ["torch.float16"]
         assert res["ref_skipped"], "the reference did not overflow: the scenario tests nothing"
         assert res["skipped"] == 1
         assert res["bit_identical_after_skip"], "parameters changed on a skipped step"
         assert res["opt_state_identical"], "optimizer states changed on a skipped step"
+        # keyed by (parameter name, state key): every owned piece's two Adam states were compared
+        assert res["opt_state_compared"] == res["opt_state_expected"] > 0
         assert res["scale_before"] == 256.0 and res["scale_after"] == 128.0
         if world_size == 1:
             assert res["param_rel_err"] == 0.0
@@ -202,7 +223,7 @@ def test_fp16_overflow_on_one_rank_skips_on_all(world_size: int, stage: int) -> 
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_warmup_decay_lr_follows_formula(world_size: int, stage: int) -> None:
-    for res in per_rank(world_size, stage, "warmup_decay_lr"):
+def test_warmup_decay_lr_follows_formula(launches: dict, world_size: int, stage: int) -> None:
+    for res in per_rank(launches, world_size, stage, "warmup_decay_lr"):
         assert res["lr_err"] <= 1e-12
         assert res["loss_err"] <= 1.0 and res["param_err"] <= 1.0

@@ -1,0 +1,126 @@
+"""The deliberate faults ``make mutants`` applies (see tools/mutants.py), one per entry.
+
+Each :class:`Mutant` replaces ``old`` (which must occur exactly once in ``file``) with ``new`` and names
+the tests that must then fail. Selections are kept small (one world size, one stage) so the whole run
+takes a few minutes; each is run first on the unmutated tree and must pass there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ENGINE = "src/zerodp/engine.py"
+REDUCER = "src/zerodp/runtime/reducer.py"
+PARTITION = "src/zerodp/runtime/partition.py"
+PRECISION = "src/zerodp/runtime/precision.py"
+SHARDING = "src/zerodp/stage3/sharding.py"
+HOOKS = "src/zerodp/stage3/hooks.py"
+CHECKPOINT = "src/zerodp/checkpoint/load.py"
+CHECKPOINT_SAVE = "src/zerodp/checkpoint/save.py"
+
+FAULTS = "tests/test_faults.py"
+STAGES = "tests/test_stages.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """A named fault: replace ``old`` by ``new`` in ``file``; ``tests`` (pytest node ids) must fail."""
+
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: list[str] = field(default_factory=list)
+
+
+MUTANTS: list[Mutant] = [
+    Mutant("drop_accumulation_division", ENGINE,
+           "            loss = loss / self.gradient_accumulation_steps\n",
+           "            loss = loss\n",
+           [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-0]"]),
+    Mutant("skip_fp16_unscale", ENGINE,
+           "            for t in self._opt_grads():\n                t.mul_(inv)\n",
+           "            for t in self._opt_grads():\n                pass\n",
+           [f"{FAULTS}::test_mixed_precision_scale_sensitive[2-0-fp16_loss_scale]"]),
+    Mutant("skip_a_bucket_reduce_scatter_stage2", REDUCER,
+           "        del self._staging[id(b)]\n        buf.div_(self.world_size)\n",
+           "        del self._staging[id(b)]\n        if b.index == 0:\n            return\n"
+           "        buf.div_(self.world_size)\n",
+           [f"{STAGES}::test_matches_reference[2-2-adam_buckets]"]),
+    Mutant("average_over_wrong_world_size_stage0", REDUCER,
+           "        grad.div_(self.world_size)\n        work = comm.all_reduce(",
+           "        grad.div_(max(self.world_size - 1, 1))\n        work = comm.all_reduce(",
+           [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-0]"]),
+    Mutant("average_over_wrong_world_size_stage2", REDUCER,
+           "        buf.div_(self.world_size)\n",
+           "        buf.div_(self.world_size + 1)\n",
+           [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-2]"]),
+    Mutant("skip_rank0_broadcast", ENGINE,
+           "        if self.world_size == 1:\n            return\n        src = dist.get_global_rank(",
+           "        if True:\n            return\n        src = dist.get_global_rank(",
+           [f"{FAULTS}::test_ranks_built_from_different_seeds_train_rank0s_model[2-1]"]),
+    Mutant("skip_rank0_broadcast_stage3", SHARDING,
+           '            if world_size > 1:\n                comm.broadcast(full, src, pg, ledger, "init")',
+           '            if False:\n                comm.broadcast(full, src, pg, ledger, "init")',
+           [f"{FAULTS}::test_ranks_built_from_different_seeds_train_rank0s_model[2-3]"]),
+    Mutant("release_stage3_unit_before_backward_without_regather", HOOKS,
+           "            return _wrap(coordinator.fetch, module, output)\n",
+           "            return None\n",
+           [f"{STAGES}::test_matches_reference[2-3-adam_buckets]"]),
+    Mutant("skip_restoring_loss_scaler_from_checkpoint", CHECKPOINT,
+           "        engine.loss_scaler.load_state_dict(staged.loss_scaler)\n",
+           "        pass\n",
+           ["tests/test_checkpoint.py::test_loads_across_precisions"]),
+    Mutant("write_checkpoint_without_checksum", CHECKPOINT_SAVE,
+           "                **integrity.encode(integrity.checksums(tensors))}",
+           "                }",
+           ["tests/test_checkpoint_integrity.py::test_pristine_checkpoint_verifies_and_loads"]),
+    Mutant("ignore_fp16_overflow", ENGINE,
+           "local_overflow = self.loss_scaler is not None and self._has_inf_or_nan()",
+           "local_overflow = False",
+           [f"{STAGES}::test_fp16_overflow_on_one_rank_skips_on_all[2-2]"]),
+    Mutant("loss_scale_not_halved_on_overflow", PRECISION,
+           "self.scale = max(self.scale / 2.0, self.min_scale)",
+           "self.scale = max(self.scale, self.min_scale)",
+           [f"{STAGES}::test_fp16_overflow_on_one_rank_skips_on_all[2-0]"]),
+    Mutant("clip_with_local_grad_norm", ENGINE,
+           "norm = global_grad_norm(by_kind, self.topology, self.stage >= 1 and self.world_size > 1,",
+           "norm = global_grad_norm(by_kind, self.topology, False,",
+           [f"{FAULTS}::test_accumulation_with_clipping_below_the_norm[2-1]"]),
+    Mutant("skip_parameter_all_gather_after_step", ENGINE,
+           "        elif self.stage >= 1:\n            self._all_gather_params()\n",
+           "        elif self.stage >= 1:\n            pass\n",
+           [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-1]"]),
+    Mutant("master_not_copied_back_to_module", ENGINE,
+           "                    piece.tensor.copy_(piece.master)",
+           "                    pass",
+           [f"{FAULTS}::test_mixed_precision_scale_sensitive[2-0-bf16_accum]"]),
+    Mutant("stage2_overwrite_instead_of_accumulate", REDUCER,
+           "            self.owned[g.index][off : off + b.shard_numel].add_(recv)",
+           "            self.owned[g.index][off : off + b.shard_numel].copy_(recv)",
+           [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-2]"]),
+    Mutant("stage2_keep_grad_after_bucketing", REDUCER,
+           "            buf[rel : rel + slot.numel].copy_(param.grad.reshape(-1))\n            param.grad = None\n",
+           "            buf[rel : rel + slot.numel].copy_(param.grad.reshape(-1))\n",
+           [f"{FAULTS}::test_storage_held_stages_0_to_2[2-2]"]),
+    Mutant("parameters_copied_not_aliasing_flat_buffer", PARTITION,
+           "        s.param.data = view.view(s.shape)\n",
+           "        s.param.data = view.view(s.shape).clone()\n",
+           [f"{FAULTS}::test_storage_held_stages_0_to_2[2-0]"]),
+    Mutant("stage1_optimizer_states_not_partitioned", ENGINE,
+           "assign_pieces(g, self.rank, owns_everything=self.stage == 0)",
+           "assign_pieces(g, self.rank, owns_everything=self.stage <= 1)",
+           [f"{FAULTS}::test_storage_held_stages_0_to_2[2-1]"]),
+    Mutant("gradients_not_zeroed_after_step", REDUCER,
+           "        for buf in self.grad_buffers.values():\n            buf.zero_()\n",
+           "        for buf in self.grad_buffers.values():\n            pass\n",
+           [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-0]"]),
+    Mutant("unused_parameter_gets_zero_gradient", ENGINE,
+           "                if present[piece.slot.index]:\n",
+           "                if True:\n",
+           [f"{STAGES}::test_matches_reference[2-2-no_grad_some_steps]"]),
+    Mutant("skip_stage3_persistent_regather_after_step", SHARDING,
+           '                comm.all_gather(u.full, u.shard, self.pg, self.ledger, "parameters")\n',
+           "                pass\n",
+           [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-3]"]),
+]
