@@ -150,6 +150,7 @@ def run_stage(stage: int, mpu: MPU, ckpt_dir: Path) -> dict:
     # a checkpoint per model-parallel rank, loaded into a differently initialised engine
     save = ckpt_dir / f"stage{stage}"
     engine.save_checkpoint(save)
+    dist.barrier()  # the other model-parallel rank's data-parallel group saves its own directory
     fresh = zerodp.initialize(TPMLP(full_mlp(seed=99), mp_rank, mp_size, mpu.mp), config(stage), mpu=mpu)
     fresh.load_checkpoint(save)
     reloaded = fresh.module_state_dict()
