@@ -5,8 +5,8 @@ The engine calls :meth:`TrainingGuards.before_forward`, :meth:`TrainingGuards.be
 :func:`check_model_at_initialize` runs once in :func:`zerodp.initialize`. What each one covers:
 
 - Unfreezing after ``initialize`` (``requires_grad_(True)`` on a parameter that was frozen, or a
-  parameter added to the module afterwards): refused at the next ``backward``, before any gradient is
-  produced. Such a parameter has no partition, no gradient reduction and no optimizer state.
+  parameter added to the module afterwards): refused at the next training forward or ``backward``,
+  before any gradient is produced. Such a parameter has no partition, no gradient reduction and no optimizer state.
 - In-place edits of the module's parameters outside the optimizer (EMA, re-tying, re-initialising a
   head): with fp32 master weights (bf16/fp16), a module-dtype value that no longer equals its master's
   cast is copied into the master before the update, so the edit is kept (stages 0-3). At stage 3 the
@@ -171,6 +171,8 @@ class TrainingGuards:
 
     # ---- hooks called by the engine -----------------------------------------------------------------
     def before_forward(self) -> None:
+        if torch.is_grad_enabled() and self.engine.module.training:
+            self._check_unfrozen()
         if self._partitioned:
             self._check_partitioned_edits()
 
