@@ -200,6 +200,33 @@ def accessors(stage: int) -> dict:
             "p_grad_compared": compared, "stale_grad": stale_grad}
 
 
+@scenario
+def p_grad_with_accumulation(stage: int) -> dict:
+    """gradient_accumulation_steps 2: after every backward, param.grad is the averaged gradient of the
+    whole accumulation (boundary, stage 0) or None; never this rank's partial sum."""
+    engine, model, ref, ref_opt = setup(stage, gradient_accumulation_steps=2)
+    n, r = world(), rank()
+    worst, compared, partial_visible = 0.0, 0, 0
+    for step in range(2):
+        x, y = batch(step, 8, 2, MICRO * n * 2)
+        ref_opt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+        for j in range(2):
+            lo = (j * n + r) * MICRO
+            engine.backward(((engine(x[lo : lo + MICRO]) - y[lo : lo + MICRO]) ** 2).mean())
+            for p, rp in zip(model.parameters(), ref.parameters()):
+                if p.grad is not None and p.grad.numel() == rp.numel():
+                    if j == 0 and n > 1:
+                        partial_visible += 1
+                    else:
+                        worst = max(worst, err(p.grad, rp.grad))
+                        compared += 1
+            engine.step()
+    return {"p_grad_err": worst, "p_grad_compared": compared, "partial_visible": partial_visible,
+            "param_err": state_err(engine, ref)}
+
+
 # ---- 4: add_param_group after initialize ---------------------------------------------------------------
 @scenario
 def add_param_group_after_initialize(stage: int) -> dict:

@@ -69,6 +69,16 @@ def test_full_state_accessors(stage: int) -> None:
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_param_grad_never_partial_with_accumulation(stage: int) -> None:
+    for res in per_rank(stage, "p_grad_with_accumulation"):
+        assert res["partial_visible"] == 0, "param.grad held this rank's unreduced sum after backward"
+        assert res["p_grad_err"] <= 1.0, "param.grad after the boundary backward is not the averaged gradient"
+        if stage == 0:
+            assert res["p_grad_compared"] > 0
+        assert res["param_err"] <= 1.0
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_add_param_group_is_refused(stage: int) -> None:
     for res in per_rank(stage, "add_param_group_after_initialize"):
         assert_refused(res, "add_param_group", "model_parameters")

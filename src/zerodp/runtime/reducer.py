@@ -230,6 +230,21 @@ class _FullGradBuffer(GradientReducer):
         for s in self.slots:  # restore views if the user set grads to None
             s.param.grad = self._views[s.index]
 
+    #: after its collective, the buffer holds the averaged gradient everywhere (all-reduce), not only
+    #: in the owned ranges (reduce-scatter)
+    full_after_reduce = False
+
+    def end_micro_step(self) -> None:
+        reduced = self._reducing
+        super().end_micro_step()
+        if self.world_size > 1 and not (reduced and self.full_after_reduce):
+            # the buffer holds this rank's local sum (or, after a reduce-scatter, the average only in
+            # the owned ranges): a ``param.grad`` that looks valid but is not the averaged gradient
+            # must not be visible (zerodp.zero.safe_get_full_grad gives it). The next backward folds
+            # its gradients back into the buffer (see _on_grad); zero_grads() restores the views.
+            for s in self.slots:
+                s.param.grad = None
+
     def piece_grad(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
         return self.grad_buffers[g.index][lo:hi]
 
@@ -239,6 +254,8 @@ class _FullGradBuffer(GradientReducer):
 
 class AllReduceReducer(_FullGradBuffer):
     """Stage 0: plain data parallelism, in-place all-reduce per bucket at the boundary."""
+
+    full_after_reduce = True
 
     def _launch(self, g: FlatGroup, b: Bucket) -> None:
         grad = self._bucket_grad(g, b)
@@ -264,16 +281,6 @@ class FullGradReduceScatter(_FullGradBuffer):
     def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
         lo, hi = b.shard_range(self.rank)
         self.grad_buffers[g.index][lo:hi].copy_(payload)
-
-    def end_micro_step(self) -> None:
-        reduced = self._reducing
-        super().end_micro_step()
-        if reduced and self.world_size > 1:
-            # only the owned ranges of the buffer hold the averaged gradient now: a ``param.grad`` that
-            # looks valid but is partly a local sum must not be visible (zerodp.zero.safe_get_full_grad
-            # gives the full gradient); the views come back at zero_grads()
-            for s in self.slots:
-                s.param.grad = None
 
     def held_bytes(self) -> dict[str, int]:
         recv = sum(p.numel() * p.element_size() for _, _, _, p in self._in_flight)
