@@ -227,6 +227,24 @@ def p_grad_with_accumulation(stage: int) -> dict:
             "param_err": state_err(engine, ref)}
 
 
+@scenario
+def two_backward_calls_per_step(stage: int) -> dict:
+    """Two engine.backward calls (two losses) before one step: gradients add up, as in torch."""
+    engine, model, ref, ref_opt = setup(stage)
+    for step in range(3):
+        x, y = batch(step, 8, 2, MICRO * world())
+        ref_opt.zero_grad()
+        out = ref(x)
+        ((out - y) ** 2).mean().backward(retain_graph=True)
+        (out.abs().mean() * 0.3).backward()
+        ref_opt.step()
+        out = engine(local(x))
+        engine.backward(((out - local(y)) ** 2).mean(), retain_graph=True)
+        engine.backward(out.abs().mean() * 0.3)
+        engine.step()
+    return {"param_err": state_err(engine, ref)}
+
+
 # ---- 4: add_param_group after initialize ---------------------------------------------------------------
 @scenario
 def add_param_group_after_initialize(stage: int) -> dict:

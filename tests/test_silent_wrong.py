@@ -94,6 +94,12 @@ def test_parameter_reused_under_checkpoint(stage: int, reentrant: bool) -> None:
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_two_backward_calls_before_one_step(stage: int) -> None:
+    for res in per_rank(stage, "two_backward_calls_per_step"):
+        assert res["param_err"] <= 1.0, f"gradients of the two backward calls did not add up ({res['param_err']})"
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_sparse_gradients_refused_at_initialize(stage: int) -> None:
     for res in per_rank(stage, "sparse_embedding"):
         assert_refused(res, "'emb.weight'", "sparse=True", "sparse=False")

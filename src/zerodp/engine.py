@@ -163,8 +163,10 @@ class Engine:
         """True when the next :meth:`step` will run the optimizer."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Back-propagate ``loss`` (a scalar) divided by ``gradient_accumulation_steps``.
+        ``retain_graph``: as in ``torch.Tensor.backward``; several ``backward`` calls before one
+        ``step()`` add up their gradients, as in torch.
 
         Gradient collectives are launched during backward (stage 2: every micro-step; stages 0-1: on
         the boundary micro-step only) and have completed when this returns.
@@ -182,7 +184,7 @@ class Engine:
             loss = loss * self.loss_scaler.scale
         boundary = self.is_gradient_accumulation_boundary()
         self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
-        loss.backward()
+        loss.backward(retain_graph=retain_graph)
         self.reducer.end_micro_step()
         self.grads_ready = boundary
         if self.sharding is not None:

@@ -269,7 +269,26 @@ class AllReduceReducer(_FullGradBuffer):
 
 
 class FullGradReduceScatter(_FullGradBuffer):
-    """Stage 1: full gradients kept between micro-steps; reduce-scatter per bucket at the boundary."""
+    """Stage 1: full gradients kept between micro-steps; reduce-scatter per bucket at the boundary.
+
+    A second ``engine.backward`` on the boundary micro-step (before ``step()``) reduces again: the
+    buffer's non-owned ranges still hold this rank's already-reduced local gradient, so the owned
+    averages are set aside, the buffer is zeroed, and each new owned average is added to them.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._reduced = False  # a reduce-scatter happened since zero_grads()
+        self._carry: dict[int, torch.Tensor] = {}  # id(bucket) -> owned average set aside
+
+    def begin_micro_step(self, reduce: bool) -> None:
+        super().begin_micro_step(reduce)
+        if reduce and self._reduced:
+            for g in self.groups:
+                for b in g.buckets:
+                    lo, hi = b.shard_range(self.rank)
+                    self._carry[id(b)] = self.grad_buffers[g.index][lo:hi].clone()
+                self.grad_buffers[g.index].zero_()
 
     def _launch(self, g: FlatGroup, b: Bucket) -> None:
         grad = self._bucket_grad(g, b)
@@ -280,7 +299,17 @@ class FullGradReduceScatter(_FullGradBuffer):
 
     def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
         lo, hi = b.shard_range(self.rank)
-        self.grad_buffers[g.index][lo:hi].copy_(payload)
+        owned = self.grad_buffers[g.index][lo:hi]
+        owned.copy_(payload)
+        carry = self._carry.pop(id(b), None)
+        if carry is not None:
+            owned.add_(carry)
+        self._reduced = True
+
+    def zero_grads(self) -> None:
+        super().zero_grads()
+        self._reduced = False
+        self._carry.clear()
 
     def held_bytes(self) -> dict[str, int]:
         recv = sum(p.numel() * p.element_size() for _, _, _, p in self._in_flight)
