@@ -121,11 +121,19 @@ def edit_between_steps_fp32(stage: int) -> dict:
     _edit(model)
     _edit(ref)
     train_both(engine, model, ref, ref_opt, range(2, 4), 8, 2)
+    new_bias = torch.tensor([0.3, -0.7])  # re-binding: p.data = new tensor (re-initialising a head)
+    model[2].bias.data = new_bias.clone()
+    ref[2].bias.data = new_bias.clone()
+    train_both(engine, model, ref, ref_opt, range(4, 6), 8, 2)
     out = {"param_err": state_err(engine, ref)}
     if stage == 3:  # an edit of a partitioned parameter outside GatheredParameters must not vanish
+        x, y = batch(9, 8, 2, MICRO * world())
+        model[0].weight.data = torch.zeros(8, 8)
+        rebound = refusal(lambda: engine(local(x)))
+        out["rebound_refused"], out["rebound_message"] = rebound["refused"], rebound["message"]
+        model[0].weight.data = torch.empty(0)  # back to the placeholder
         with torch.no_grad():
             model[0].weight.mul_(0.5)
-        x, y = batch(9, 8, 2, MICRO * world())
         out.update(refusal(lambda: engine(local(x))))
     return out
 

@@ -47,6 +47,7 @@ def test_in_place_edit_between_steps_fp32(stage: int) -> None:
         assert res["param_err"] <= 1.0, f"edit lost or training differs from torch ({res['param_err']})"
         if stage == 3:
             assert_refused(res, "'0.weight'", "modified in place while partitioned", "GatheredParameters")
+            assert res["rebound_refused"] and "re-bound" in res["rebound_message"], res["rebound_message"]
 
 
 @pytest.mark.parametrize("stage", STAGES)

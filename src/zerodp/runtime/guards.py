@@ -13,8 +13,11 @@ The engine calls :meth:`TrainingGuards.before_forward`, :meth:`TrainingGuards.be
   persistent (always gathered) parameters' edits are written back into this rank's shard; an in-place
   edit of a *partitioned* parameter (its ``.data`` is an empty placeholder) is detected by its version
   counter and refused at the next forward/backward/step: such edits must be made inside
-  ``zerodp.zero.GatheredParameters(params, modifier_rank=0)``. (An edit through ``p.data`` of a
-  placeholder bypasses the version counter and cannot be seen.)
+  ``zerodp.zero.GatheredParameters(params, modifier_rank=0)``. (An in-place edit through ``p.data``
+  of a placeholder bypasses the version counter and cannot be seen.)
+- Re-binding ``p.data = new_tensor`` (same shape and dtype) between steps: adopted (copied into the
+  flat buffer, or the stage-3 persistent buffer, and ``p`` pointed back at it); at stage 3, re-binding a
+  partitioned parameter is refused like an in-place edit.
 - ``engine.optimizer.add_param_group`` after ``initialize``: refused (the new parameters would have no
   partition and no gradient reduction).
 - Sparse gradients (``nn.Embedding(..., sparse=True)``): refused at ``initialize``, naming the
@@ -143,7 +146,13 @@ class TrainingGuards:
 
     def _check_partitioned_edits(self) -> None:
         for (name, p, unit), v in zip(self._partitioned, self._versions):
-            if (p._version != v and unit.state is ShardState.SHARDED  # type: ignore[attr-defined]
+            sharded = unit.state is ShardState.SHARDED  # type: ignore[attr-defined]
+            if sharded and p.numel() != 0:
+                raise RefusedError(
+                    f"parameter '{name}' was re-bound (p.data = ...) while partitioned (ZeRO stage 3); the "
+                    "next gather would discard it. Edit it inside `with zerodp.zero.GatheredParameters("
+                    "[param], modifier_rank=0):` (in place, e.g. param.copy_(value))")
+            if (p._version != v and sharded
                     and getattr(p, ACK_ATTR, None) != p._version):
                 raise RefusedError(
                     f"parameter '{name}' was modified in place while partitioned (ZeRO stage 3: outside a "
@@ -173,8 +182,33 @@ class TrainingGuards:
     def before_forward(self) -> None:
         if torch.is_grad_enabled() and self.engine.module.training:
             self._check_unfrozen()
+        self._adopt_rebound()
         if self._partitioned:
             self._check_partitioned_edits()
+
+    def _adopt_rebound(self) -> None:
+        """``p.data = new_tensor`` detaches ``p`` from the flat buffer (stages 0-2) or from a stage-3
+        persistent unit's gathered buffer, so updates would no longer reach it: copy the new value
+        into the buffer and point ``p`` back at it (a later master compare adopts the value)."""
+        for g in self.engine.groups:
+            if self.engine.stage == 3:
+                unit = _persistent_unit_of(g)
+                if unit is None or unit.full is None:
+                    continue
+                base, shift = unit.full, 0
+            else:
+                base, shift = g.buffer, g.shard_offset
+            for s in g.slots:
+                view = base[s.offset - shift : s.offset - shift + s.numel]
+                if s.param.data_ptr() == view.data_ptr():
+                    continue
+                if tuple(s.param.shape) != tuple(s.shape) or s.param.dtype != base.dtype:
+                    raise RefusedError(
+                        f"parameter '{s.name}' was re-bound (p.data = ...) to a {s.param.dtype} tensor of shape "
+                        f"{tuple(s.param.shape)}; zerodp keeps {base.dtype} {tuple(s.shape)}. Assign a tensor of "
+                        "the same shape and dtype, or copy into it in place")
+                view.copy_(s.param.detach().reshape(-1))
+                s.param.data = view.view(s.shape)
 
     def before_backward(self) -> None:
         self._check_unfrozen()
