@@ -57,10 +57,15 @@ def register_engine(engine: AccessedEngine) -> None:
     """Make every parameter of ``engine.module`` findable by the accessors (called by the engine)."""
     ref = weakref.ref(engine)
     for p in engine.module.parameters():
-        _ENGINES[id(p)] = (weakref.ref(p), ref, None, None)
+        _ENGINES[id(p)] = (_param_ref(p), ref, None, None)
     for g in engine.groups:
         for s in g.slots:
-            _ENGINES[id(s.param)] = (weakref.ref(s.param), ref, g, s)
+            _ENGINES[id(s.param)] = (_param_ref(s.param), ref, g, s)
+
+
+def _param_ref(p: nn.Parameter) -> weakref.ref:
+    key = id(p)
+    return weakref.ref(p, lambda r: _ENGINES.pop(key, None) if _ENGINES.get(key, (None,))[0] is r else None)
 
 
 def _locate(param: nn.Parameter) -> tuple[AccessedEngine, Optional[FlatGroup], Optional[ParamSlot]]:

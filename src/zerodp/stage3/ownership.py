@@ -63,6 +63,7 @@ _PENDING_EXTERNAL: list[tuple[weakref.ref, weakref.ref]] = []
 
 def add_pending_external(module: nn.Module, param: nn.Parameter) -> None:
     """Remember an external-parameter declaration until an engine adopts ``module``."""
+    _PENDING_EXTERNAL[:] = [(m, p) for m, p in _PENDING_EXTERNAL if m() is not None and p() is not None]
     _PENDING_EXTERNAL.append((weakref.ref(module), weakref.ref(param)))
 
 
