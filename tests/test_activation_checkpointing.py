@@ -50,8 +50,6 @@ def test_segment_fed_by_frozen_layer_still_trains(results: list[dict], stage: in
 
 
 @pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.xfail(strict=True, reason="a weight reused in two reentrant segments is reduced after its first "
-                                       "accumulation (issue 10 item 5)")
 def test_weight_reused_in_two_checkpointed_segments(results: list[dict], stage: int) -> None:
     check(results, f"reuse@{stage}")
 

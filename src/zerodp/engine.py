@@ -31,6 +31,8 @@ from zerodp.runtime.precision import LossScaler, PrecisionPolicy
 from zerodp.runtime.schedulers import build_scheduler
 from zerodp.offload.build import OptimizerOffload, build_offload, no_offload
 from zerodp.offload.report import OffloadReport, offload_formula
+from zerodp.runtime.guards import TrainingGuards, check_model_at_initialize, refuse_add_param_group
+from zerodp import accessors
 from zerodp.runtime.topology import Topology, global_grad_norm, is_model_parallel_parameter, resolve_topology
 from zerodp.stage3.sharding import Stage3
 from zerodp.stage3.ownership import register_master_refresh
@@ -58,6 +60,7 @@ class Engine:
         self._global_grad_norm: Optional[float] = None
         self.precision = PrecisionPolicy.from_config(config)
         self.loss_scaler: Optional[LossScaler] = LossScaler.from_config(config)
+        self.grads_ready = False  # reduced gradients of a complete accumulation exist (until step())
         self.skipped_steps = 0  # optimizer steps skipped because some rank's gradients overflowed
         if self.precision.has_master:
             module.to(self.precision.param_dtype)  # floating parameters and buffers
@@ -100,6 +103,9 @@ class Engine:
                                   and config.gradient_accumulation_steps > 1 else None))
         self.reducer.attach()
         self.optimizer = build_optimizer(config.optimizer, param_groups, self.groups)
+        refuse_add_param_group(self.optimizer)
+        self.guards = TrainingGuards(self)
+        accessors.register_engine(self)
         self.lr_scheduler: Optional[LRScheduler] = None
         if config.scheduler is not None:
             self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
@@ -153,6 +159,7 @@ class Engine:
 
     # ---- training loop -----------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.guards.before_forward()
         if self.sharding is not None:
             return self.sharding.forward(self.module, args, kwargs)
         return self.module(*args, **kwargs)
@@ -171,8 +178,10 @@ class Engine:
         """True when the next :meth:`step` will run the optimizer."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Back-propagate ``loss`` (a scalar) divided by ``gradient_accumulation_steps``.
+        ``retain_graph``: as in ``torch.Tensor.backward``; several ``backward`` calls before one
+        ``step()`` add up their gradients, as in torch.
 
         Gradient collectives are launched during backward (stage 2: every micro-step; stages 0-1: on
         the boundary micro-step only) and have completed when this returns.
@@ -183,14 +192,16 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss) needs a scalar tensor that requires grad, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+        self.guards.before_backward()
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
         boundary = self.is_gradient_accumulation_boundary()
         self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
-        loss.backward()
+        loss.backward(retain_graph=retain_graph)
         self.reducer.end_micro_step()
+        self.grads_ready = boundary
         if self.sharding is not None:
             self.sharding.end_backward()
 
@@ -198,10 +209,12 @@ class Engine:
         """End a micro-step; at a gradient accumulation boundary, update the parameters."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
+        self.grads_ready = False
         if not boundary:
             return
         if self.offload is not None:
             self.offload.check_health()  # collective: a lost swap file stops every rank here
+        self.guards.before_update()
         local_overflow = self.loss_scaler is not None and self._has_inf_or_nan()
         present, overflow = self.reducer.presence(local_overflow)
         if overflow:  # every rank skips: parameters and optimizer states stay exactly as they were
@@ -225,9 +238,7 @@ class Engine:
             inv = 1.0 / self.loss_scaler.scale
             for t in self._opt_grads():
                 t.mul_(inv)
-        clip = self.config.gradient_clipping
-        if clip > 0:
-            self._clip_gradients(clip)
+        self._clip_gradients(self.config.gradient_clipping)  # also records the norm when clipping is off
         if self.offload is not None:
             self.offload.step(self.optimizer)
             self.offload.finish_step()  # the module's parameters now hold the update
@@ -249,6 +260,7 @@ class Engine:
         elif self.stage >= 1:
             self._all_gather_params()
         self.reducer.zero_grads()
+        self.guards.after_update()
         self.global_steps += 1
         self.ledger.steps += 1
 
@@ -275,7 +287,8 @@ class Engine:
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def _clip_gradients(self, max_norm: float) -> None:
-        """Scale owned gradients so the global L2 norm is at most ``max_norm`` (clip_grad_norm_)."""
+        """Record the global L2 gradient norm; if ``max_norm > 0``, scale owned gradients so that it is
+        at most ``max_norm`` (clip_grad_norm_)."""
         grads = self._opt_grads()
         by_kind: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for g in self.groups:
@@ -286,13 +299,16 @@ class Engine:
         norm = global_grad_norm(by_kind, self.topology, self.stage >= 1 and self.world_size > 1,
                                 lambda t, group: comm.all_reduce(t, group, self.ledger, "grad_norm"))
         self._global_grad_norm = norm
+        if max_norm <= 0:
+            return
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for gr in grads:
                 gr.mul_(coef)
 
     def get_global_grad_norm(self) -> Optional[float]:
-        """L2 norm of the full gradient at the last step (computed only when clipping is on)."""
+        """L2 norm of the full (averaged, unscaled) gradient at the last optimizer step, before clipping;
+        None before the first step. Computed at every step, with or without clipping."""
         return self._global_grad_norm
 
     def _all_gather_params(self) -> None:
@@ -478,6 +494,7 @@ def initialize(
                             "object is bound to an optimizer the engine does not use")
         if cfg.scheduler is not None:
             raise ValueError("pass either lr_scheduler to initialize() or 'scheduler' in the config, not both")
+    check_model_at_initialize(model, cfg.zero_optimization.stage)
     specs = normalize_param_groups(model, model_parameters)
     engine = Engine(model, cfg, specs, process_group)
     engine.topology = topology

@@ -7,6 +7,9 @@
   automatically, see :class:`zerodp.stage3.hooks.ExternalParameterMode`.)
 - :class:`Init`: partition parameters as each submodule is constructed.
 - :func:`full_numel`, :func:`is_partitioned`: the real size and the state of a partitioned parameter.
+- ``safe_get_full_grad`` / ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` /
+  ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``: DeepSpeed's accessors, at every
+  stage (see :mod:`zerodp.accessors`).
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from torch import nn
 
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
+from zerodp.runtime.guards import acknowledge_edit
+from zerodp.accessors import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
+                              safe_set_full_fp32_param, safe_set_full_optimizer_state)
 from zerodp.config import ConfigError, load_config
-from zerodp.stage3.ownership import (MASTER_REFRESH, OWNERS, Owner, coordinator_busy, full_numel,
-                                     is_partitioned)
+from zerodp.stage3.ownership import (MASTER_REFRESH, OWNERS, Owner, add_pending_external, coordinator_busy,
+                                     full_numel, is_partitioned)
 from zerodp.stage3.units import ShardedUnit, ShardState, shard_unit
 
 
@@ -88,6 +94,8 @@ class GatheredParameters:
                 refresh = MASTER_REFRESH.get(p)
                 if refresh is not None:
                     refresh()
+        for p in self.params:
+            acknowledge_edit(p)
         for u, owner in self._units:
             u.users -= 1
             if u.users <= 0 and not u.persistent:
@@ -99,16 +107,21 @@ class GatheredParameters:
 def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
     """Gather ``param`` (owned by another module) whenever ``module`` runs forward or backward.
 
+    May be called anywhere DeepSpeed allows it: in a module's ``__init__`` (under :class:`Init` or not)
+    or any time before or after :func:`zerodp.initialize`; a declaration made before a stage-3 engine
+    owns ``param`` is applied when the engine adopts the model. At stages 0-2 every parameter is always
+    full, so the declaration has nothing to do.
+
     Raises:
-        ValueError: ``param`` is not managed by a stage-3 engine.
+        TypeError: ``module`` is not a Module or ``param`` not a tensor.
     """
+    if not isinstance(module, nn.Module) or not isinstance(param, torch.Tensor):
+        raise TypeError("register_external_parameter(module, param) takes an nn.Module and a parameter, got "
+                        f"{type(module).__name__} and {type(param).__name__}")
     owner = OWNERS.get(param)
-    if owner is None:
-        raise ValueError("register_external_parameter: the parameter is not partitioned by a stage-3 "
-                         "engine (call it after zerodp.initialize with zero_optimization.stage 3)")
-    if owner.coordinator is None:
-        raise ValueError("register_external_parameter: call it after zerodp.initialize (the parameter "
-                         "is partitioned by zerodp.zero.Init but no engine owns it yet)")
+    if owner is None or owner.coordinator is None:
+        add_pending_external(module, param)
+        return
     owner.coordinator.index.register_external(module, param)
 
 
@@ -194,4 +207,6 @@ class Init:
 
 
 
-__all__ = ["GatheredParameters", "Init", "register_external_parameter", "full_numel", "is_partitioned"]
+__all__ = ["GatheredParameters", "Init", "register_external_parameter", "full_numel", "is_partitioned",
+           "safe_get_full_grad", "safe_get_full_fp32_param", "safe_get_full_optimizer_state",
+           "safe_set_full_fp32_param", "safe_set_full_optimizer_state"]

@@ -18,6 +18,16 @@ All strategies pre-divide by the world size, so the owned gradient is the data-p
 Every rank also records which parameters received a gradient (on any micro-step since the last
 boundary); :meth:`GradientReducer.presence` all-reduces those flags so every rank skips exactly the
 parameters that no rank produced a gradient for, as torch's optimizer does for ``grad is None``.
+
+[Note: repeated accumulation] A parameter's gradient may be accumulated more than once in one backward
+(``torch.utils.checkpoint(..., use_reentrant=True)`` around two uses of one module runs one inner
+backward per segment; so does ``torch.autograd.backward`` on several roots sharing a leaf). Its bucket
+must then be reduced once, after the last contribution. The first micro-step is a calibration step:
+every bucket is launched when backward returns, and each rank counts the hook calls per parameter;
+one all-reduce (MAX) then tells every rank whether any parameter was accumulated more than once. If so,
+buckets are always launched when backward returns (no overlap, exact and identical on all ranks);
+otherwise buckets are launched as soon as they are complete, and a later repeated accumulation into an
+already-reduced bucket raises instead of being lost.
 """
 
 from __future__ import annotations
@@ -64,6 +74,10 @@ class GradientReducer:
             s.index: (g, b) for g in groups for b in g.buckets for s in b.slots
         }
         self._pending: dict[int, int] = {}  # id(bucket) -> params still to arrive this micro-step
+        self._launched: set[int] = set()  # id(bucket) reduced this micro-step
+        self._count = torch.zeros(n_slots, dtype=torch.int32)  # hook calls per parameter this micro-step
+        self._deferred = True  # launch every bucket when backward returns (see the note)
+        self._calibrated = False
         self._reducing = False
         self._in_flight: deque[tuple[Bucket, FlatGroup, Work, object]] = deque()
         self.peak_grad_bytes = 0
@@ -82,6 +96,18 @@ class GradientReducer:
 
     def _make_hook(self, slot: ParamSlot):
         def hook(param: torch.nn.Parameter) -> None:
+            if param.grad is not None and param.grad.layout != torch.strided:
+                raise RuntimeError(f"parameter '{slot.name}' received a {param.grad.layout} gradient; zerodp "
+                                   "reduces dense gradients only (use sparse=False in nn.Embedding)")
+            self._count[slot.index] += 1
+            if self._count[slot.index] > 1:
+                _, b = self._slot_bucket[slot.index]
+                if id(b) in self._launched:
+                    raise RuntimeError(
+                        f"parameter '{slot.name}' received another gradient contribution in this backward "
+                        "after its bucket was reduced (the first micro-step had none: reentrant "
+                        "checkpointing or a repeated backward through a shared parameter started later). "
+                        "Use the same structure from the first micro-step, or use_reentrant=False")
             self._on_grad(slot, param)
 
         return hook
@@ -91,17 +117,26 @@ class GradientReducer:
         """Called before backward. ``reduce``: launch collectives during this backward."""
         self._reducing = reduce
         self._pending = {id(b): sum(map(_trainable, b.slots)) for g in self.groups for b in g.buckets}
+        self._launched = set()
+        self._count.zero_()
 
     def end_micro_step(self) -> None:
         """Called after backward returns: launch buckets still waiting, then wait for all collectives."""
         if self._reducing:
             for g in self.groups:
                 for b in g.buckets:
-                    if self._pending[id(b)] > 0:  # some parameters got no gradient: they count as 0
+                    if id(b) not in self._launched:  # deferred, or some parameters got no gradient (0)
                         self._pending[id(b)] = 0
+                        self._launched.add(id(b))
                         self._launch(g, b)
         self._drain(0)
         self._reducing = False
+        if not self._calibrated:
+            repeated = torch.tensor([int(bool((self._count > 1).any()))], dtype=torch.int32)
+            if self.world_size > 1:
+                comm.all_reduce(repeated, self.pg, self.ledger, "grad_reuse_check", op=ReduceOp.MAX)
+            self._deferred = bool(repeated.item())
+            self._calibrated = True
 
     def presence(self, overflow: bool = False) -> tuple[torch.Tensor, bool]:
         """One small all-reduce (MAX) of the per-parameter "received a gradient" flags and of this
@@ -138,9 +173,12 @@ class GradientReducer:
         raise NotImplementedError
 
     # ---- shared helpers ----------------------------------------------------------------------------
-    def _ready(self, g: FlatGroup, b: Bucket) -> None:
+    def _ready(self, slot: ParamSlot, g: FlatGroup, b: Bucket) -> None:
+        if self._count[slot.index] > 1:
+            return  # a repeated contribution to a bucket not yet launched: already counted
         self._pending[id(b)] -= 1
-        if self._pending[id(b)] == 0:
+        if self._pending[id(b)] == 0 and not self._deferred:
+            self._launched.add(id(b))
             self._launch(g, b)
 
     def _track(self, g: FlatGroup, b: Bucket, work: Work, payload: object) -> None:
@@ -183,7 +221,7 @@ class _FullGradBuffer(GradientReducer):
         self._present[slot.index] = 1
         if self._reducing:
             g, b = self._slot_bucket[slot.index]
-            self._ready(g, b)
+            self._ready(slot, g, b)
 
     def zero_grads(self) -> None:
         super().zero_grads()
@@ -191,6 +229,21 @@ class _FullGradBuffer(GradientReducer):
             buf.zero_()
         for s in self.slots:  # restore views if the user set grads to None
             s.param.grad = self._views[s.index]
+
+    #: after its collective, the buffer holds the averaged gradient everywhere (all-reduce), not only
+    #: in the owned ranges (reduce-scatter)
+    full_after_reduce = False
+
+    def end_micro_step(self) -> None:
+        reduced = self._reducing
+        super().end_micro_step()
+        if self.world_size > 1 and not (reduced and self.full_after_reduce):
+            # the buffer holds this rank's local sum (or, after a reduce-scatter, the average only in
+            # the owned ranges): a ``param.grad`` that looks valid but is not the averaged gradient
+            # must not be visible (zerodp.zero.safe_get_full_grad gives it). The next backward folds
+            # its gradients back into the buffer (see _on_grad); zero_grads() restores the views.
+            for s in self.slots:
+                s.param.grad = None
 
     def piece_grad(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
         return self.grad_buffers[g.index][lo:hi]
@@ -201,6 +254,8 @@ class _FullGradBuffer(GradientReducer):
 
 class AllReduceReducer(_FullGradBuffer):
     """Stage 0: plain data parallelism, in-place all-reduce per bucket at the boundary."""
+
+    full_after_reduce = True
 
     def _launch(self, g: FlatGroup, b: Bucket) -> None:
         grad = self._bucket_grad(g, b)
@@ -214,7 +269,26 @@ class AllReduceReducer(_FullGradBuffer):
 
 
 class FullGradReduceScatter(_FullGradBuffer):
-    """Stage 1: full gradients kept between micro-steps; reduce-scatter per bucket at the boundary."""
+    """Stage 1: full gradients kept between micro-steps; reduce-scatter per bucket at the boundary.
+
+    A second ``engine.backward`` on the boundary micro-step (before ``step()``) reduces again: the
+    buffer's non-owned ranges still hold this rank's already-reduced local gradient, so the owned
+    averages are set aside, the buffer is zeroed, and each new owned average is added to them.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._reduced = False  # a reduce-scatter happened since zero_grads()
+        self._carry: dict[int, torch.Tensor] = {}  # id(bucket) -> owned average set aside
+
+    def begin_micro_step(self, reduce: bool) -> None:
+        super().begin_micro_step(reduce)
+        if reduce and self._reduced:
+            for g in self.groups:
+                for b in g.buckets:
+                    lo, hi = b.shard_range(self.rank)
+                    self._carry[id(b)] = self.grad_buffers[g.index][lo:hi].clone()
+                self.grad_buffers[g.index].zero_()
 
     def _launch(self, g: FlatGroup, b: Bucket) -> None:
         grad = self._bucket_grad(g, b)
@@ -225,7 +299,17 @@ class FullGradReduceScatter(_FullGradBuffer):
 
     def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
         lo, hi = b.shard_range(self.rank)
-        self.grad_buffers[g.index][lo:hi].copy_(payload)
+        owned = self.grad_buffers[g.index][lo:hi]
+        owned.copy_(payload)
+        carry = self._carry.pop(id(b), None)
+        if carry is not None:
+            owned.add_(carry)
+        self._reduced = True
+
+    def zero_grads(self) -> None:
+        super().zero_grads()
+        self._reduced = False
+        self._carry.clear()
 
     def held_bytes(self) -> dict[str, int]:
         recv = sum(p.numel() * p.element_size() for _, _, _, p in self._in_flight)
@@ -273,9 +357,13 @@ class PartitionedGradReducer(GradientReducer):
         if self.contiguous:
             buf = self._staging_for(b, g)
             rel = slot.offset - b.start
-            buf[rel : rel + slot.numel].copy_(param.grad.reshape(-1))
+            target = buf[rel : rel + slot.numel]
+            if self._count[slot.index] > 1:  # repeated accumulation (see the note): add, not overwrite
+                target.add_(param.grad.reshape(-1))
+            else:
+                target.copy_(param.grad.reshape(-1))
             param.grad = None
-        self._ready(g, b)
+        self._ready(slot, g, b)
 
     def _launch(self, g: FlatGroup, b: Bucket) -> None:
         buf = self._staging_for(b, g)

@@ -57,6 +57,32 @@ OWNERS = OwnerRegistry()
 MASTER_REFRESH = OwnerRegistry()
 
 
+#: (module, parameter) pairs declared by register_external_parameter before a stage-3 engine owned them
+_PENDING_EXTERNAL: list[tuple[weakref.ref, weakref.ref]] = []
+
+
+def add_pending_external(module: nn.Module, param: nn.Parameter) -> None:
+    """Remember an external-parameter declaration until an engine adopts ``module``."""
+    _PENDING_EXTERNAL[:] = [(m, p) for m, p in _PENDING_EXTERNAL if m() is not None and p() is not None]
+    _PENDING_EXTERNAL.append((weakref.ref(module), weakref.ref(param)))
+
+
+def take_pending_external(root: nn.Module) -> list[tuple[nn.Module, nn.Parameter]]:
+    """The pending declarations whose module is inside ``root`` (removed from the pending list)."""
+    inside = {id(m) for m in root.modules()}
+    taken, kept = [], []
+    for mref, pref in _PENDING_EXTERNAL:
+        m, p = mref(), pref()
+        if m is None or p is None:
+            continue
+        if id(m) in inside:
+            taken.append((m, p))
+        else:
+            kept.append((mref, pref))
+    _PENDING_EXTERNAL[:] = kept
+    return taken
+
+
 def register_master_refresh(param: nn.Parameter, refresh: Callable[[], object]) -> None:
     MASTER_REFRESH.set(param, refresh)
 

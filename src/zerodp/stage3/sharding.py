@@ -23,7 +23,8 @@ from zerodp.stage3.hooks import ExternalParameterMode, ModuleStack, register_sta
 from zerodp.runtime.optim import ParamGroupSpec
 from zerodp.runtime.partition import FlatGroup
 from zerodp.stage3.units import ShardedUnit, ShardState, UnitIndex, shard_unit
-from zerodp.stage3.ownership import Owner, full_numel, materialize, pre_sharded_unit, register_owner
+from zerodp.stage3.ownership import (Owner, full_numel, materialize, pre_sharded_unit, register_owner,
+                                     take_pending_external)
 
 
 class Stage3:
@@ -62,6 +63,8 @@ class Stage3:
             u.group.index = i
         for m in module.modules():
             self.index.add_module(m)
+        for m, p in take_pending_external(module):  # register_external_parameter before initialize
+            self.index.register_external(m, p)
 
         positions = {id(m): i for i, m in enumerate(module.modules())}
         self.coordinator = ParameterCoordinator(

@@ -1,0 +1,246 @@
+"""Guards against silently wrong training: what a user does between steps is either applied or refused.
+
+The engine calls :meth:`TrainingGuards.before_forward`, :meth:`TrainingGuards.before_backward` and
+:meth:`TrainingGuards.before_update` (at each gradient accumulation boundary, before the optimizer);
+:func:`check_model_at_initialize` runs once in :func:`zerodp.initialize`. What each one covers:
+
+- Unfreezing after ``initialize`` (``requires_grad_(True)`` on a parameter that was frozen, or a
+  parameter added to the module afterwards): refused at the next training forward or ``backward``,
+  before any gradient is produced. Such a parameter has no partition, no gradient reduction and no optimizer state.
+- In-place edits of the module's parameters outside the optimizer (EMA, re-tying, re-initialising a
+  head): with fp32 master weights (bf16/fp16), a module-dtype value that no longer equals its master's
+  cast is copied into the master before the update, so the edit is kept (stages 0-3). At stage 3 the
+  persistent (always gathered) parameters' edits are written back into this rank's shard; an in-place
+  edit of a *partitioned* parameter (its ``.data`` is an empty placeholder) is detected by its version
+  counter and refused at the next forward/backward/step: such edits must be made inside
+  ``zerodp.zero.GatheredParameters(params, modifier_rank=0)``. (An in-place edit through ``p.data``
+  of a placeholder bypasses the version counter and cannot be seen.)
+- Re-binding ``p.data = new_tensor`` (same shape and dtype) between steps: adopted (copied into the
+  flat buffer, or the stage-3 persistent buffer, and ``p`` pointed back at it); at stage 3, re-binding a
+  partitioned parameter is refused like an in-place edit.
+- ``engine.optimizer.add_param_group`` after ``initialize``: refused (the new parameters would have no
+  partition and no gradient reduction).
+- Sparse gradients (``nn.Embedding(..., sparse=True)``): refused at ``initialize``, naming the
+  parameter; a sparse gradient produced anyway is refused in the gradient hook.
+- ``torch.compile`` at stage 3 (a compiled module or submodule, or ``module.compile()``): refused,
+  naming the module; stages 0-2 compose with ``torch.compile``.
+- ``channels_last`` (or any non-contiguous) parameter layout: the flat buffers hold parameters in
+  row-major order, so the layout is not kept; a ``UserWarning`` names each such parameter (values are
+  exact, convolutions may be slower).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Protocol
+
+import torch
+from torch import nn
+
+from zerodp.runtime.partition import FlatGroup
+from zerodp.stage3.ownership import OWNERS, is_partitioned
+from zerodp.stage3.units import ShardState
+
+
+#: attribute set on a parameter by :func:`acknowledge_edit`: the version counter of its last legitimate
+#: in-place edit (made inside ``GatheredParameters``).
+ACK_ATTR = "_zerodp_acknowledged_version"
+
+
+def acknowledge_edit(param: nn.Parameter) -> None:
+    """Mark ``param``'s current in-place edits as made while gathered (not a lost edit)."""
+    setattr(param, ACK_ATTR, param._version)
+
+
+class GuardedEngine(Protocol):
+    """What the guards read from the engine (a Protocol, so this module does not import it)."""
+
+    module: nn.Module
+    stage: int
+    groups: list[FlatGroup]
+    optimizer: torch.optim.Optimizer
+
+
+class RefusedError(RuntimeError):
+    """A use that zerodp would otherwise train wrongly with; the message says what to do instead."""
+
+
+def _names(module: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
+
+
+def check_model_at_initialize(model: nn.Module, stage: int) -> None:
+    """Refuse, before anything is changed, what the engine cannot train correctly.
+
+    Raises:
+        RefusedError: a trainable parameter would get sparse gradients (``sparse=True`` embedding),
+            or (stage 3) a submodule is compiled with ``torch.compile``.
+    """
+    for mname, m in model.named_modules():
+        if getattr(m, "sparse", False) is True and isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            if m.weight.requires_grad:
+                raise RefusedError(
+                    f"'{mname or type(m).__name__}.weight' produces sparse gradients ({type(m).__name__}"
+                    "(..., sparse=True)); zerodp reduces and partitions dense gradients only. Build the "
+                    "embedding with sparse=False (the default) before zerodp.initialize")
+        if stage == 3 and _is_compiled(m):
+            raise RefusedError(
+                f"module '{mname or type(m).__name__}' is compiled with torch.compile; ZeRO stage 3 swaps "
+                "parameter storage around each module's forward, which compiled graphs do not see. "
+                "Pass the uncompiled module to zerodp.initialize at stage 3, or use stage 0-2 (which "
+                "compose with torch.compile)")
+    names = _names(model)
+    for p in model.parameters():
+        if p.dim() > 1 and not p.is_contiguous() and not is_partitioned(p):
+            warnings.warn(
+                f"parameter '{names.get(id(p), '?')}' has a non-contiguous memory format (e.g. "
+                "channels_last); zerodp lays parameters out row-major in flat buffers, so after "
+                "initialize it is contiguous: values are unchanged, convolutions may be slower",
+                UserWarning, stacklevel=3)
+
+
+def _is_compiled(m: nn.Module) -> bool:
+    compiled_cls = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    optimized = getattr(compiled_cls, "OptimizedModule", None)
+    if optimized is not None and isinstance(m, optimized):
+        return True
+    return getattr(m, "_compiled_call_impl", None) is not None
+
+
+def refuse_add_param_group(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.add_param_group`` raise (see the module docstring)."""
+
+    def add_param_group(param_group: dict) -> None:
+        raise RefusedError(
+            "engine.optimizer.add_param_group() after zerodp.initialize is not supported: the new "
+            "parameters would get no partition and no gradient reduction (each rank would update them "
+            "with its own gradient). Pass every param group to zerodp.initialize(model_parameters=[...]) "
+            "instead (a group may start with lr=0 and be enabled later via its 'lr')")
+
+    optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
+
+
+class TrainingGuards:
+    """Per-engine state of the checks above (what was trainable at initialize, version baselines)."""
+
+    def __init__(self, engine: GuardedEngine) -> None:
+        self.engine = engine
+        trained = {id(s.param) for g in engine.groups for s in g.slots
+                   if s.group_index >= 0 and s.param.requires_grad}
+        self.known = {id(p) for p in engine.module.parameters()}
+        self.untrained = [p for p in engine.module.parameters() if id(p) not in trained]
+        self.was_frozen = {id(p) for p in self.untrained if not p.requires_grad}
+        self._partitioned: list[tuple[str, nn.Parameter, object]] = []
+        if engine.stage == 3:
+            for g in engine.groups:
+                for s in g.slots:
+                    owner = OWNERS.get(s.param)
+                    if owner is not None and not owner.unit.persistent:
+                        self._partitioned.append((s.name, s.param, owner.unit))
+        self.record_versions()
+
+    # ---- stage-3 edits of partitioned parameters ----------------------------------------------------
+    def record_versions(self) -> None:
+        """Take the current version counters of the partitioned parameters as the baseline."""
+        self._versions = [p._version for _, p, _ in self._partitioned]
+
+    def _check_partitioned_edits(self) -> None:
+        for (name, p, unit), v in zip(self._partitioned, self._versions):
+            sharded = unit.state is ShardState.SHARDED  # type: ignore[attr-defined]
+            if sharded and p.numel() != 0:
+                raise RefusedError(
+                    f"parameter '{name}' was re-bound (p.data = ...) while partitioned (ZeRO stage 3); the "
+                    "next gather would discard it. Edit it inside `with zerodp.zero.GatheredParameters("
+                    "[param], modifier_rank=0):` (in place, e.g. param.copy_(value))")
+            if (p._version != v and sharded
+                    and getattr(p, ACK_ATTR, None) != p._version):
+                raise RefusedError(
+                    f"parameter '{name}' was modified in place while partitioned (ZeRO stage 3: outside a "
+                    "forward its .data is an empty placeholder, so the edit did nothing). Make the edit "
+                    f"inside `with zerodp.zero.GatheredParameters([param], modifier_rank=0):`")
+        self.record_versions()
+
+    # ---- unfreezing ---------------------------------------------------------------------------------
+    def _check_unfrozen(self) -> None:
+        names = None
+        for p in self.untrained:
+            if p.requires_grad and id(p) in self.was_frozen:
+                names = names or _names(self.engine.module)
+                raise RefusedError(
+                    f"parameter '{names.get(id(p), '?')}' was frozen at zerodp.initialize and has been "
+                    "unfrozen (requires_grad_(True)) since; zerodp gives it no partition, gradient "
+                    "reduction or optimizer state, so it would silently not train. Keep it frozen, or "
+                    "leave it trainable at initialize and freeze it until needed (freezing mid-run is "
+                    "supported), or build a new engine with zerodp.initialize")
+        for n, p in self.engine.module.named_parameters():
+            if id(p) not in self.known and p.requires_grad:
+                raise RefusedError(
+                    f"parameter '{n}' was added to the module after zerodp.initialize; it has no "
+                    "partition, gradient reduction or optimizer state. Add it before initialize")
+
+    # ---- hooks called by the engine -----------------------------------------------------------------
+    def before_forward(self) -> None:
+        if torch.is_grad_enabled() and self.engine.module.training:
+            self._check_unfrozen()
+        self._adopt_rebound()
+        if self._partitioned:
+            self._check_partitioned_edits()
+
+    def _adopt_rebound(self) -> None:
+        """``p.data = new_tensor`` detaches ``p`` from the flat buffer (stages 0-2) or from a stage-3
+        persistent unit's gathered buffer, so updates would no longer reach it: copy the new value
+        into the buffer and point ``p`` back at it (a later master compare adopts the value)."""
+        for g in self.engine.groups:
+            if self.engine.stage == 3:
+                unit = _persistent_unit_of(g)
+                if unit is None or unit.full is None:
+                    continue
+                base, shift = unit.full, 0
+            else:
+                base, shift = g.buffer, g.shard_offset
+            for s in g.slots:
+                view = base[s.offset - shift : s.offset - shift + s.numel]
+                if s.param.data_ptr() == view.data_ptr():
+                    continue
+                if tuple(s.param.shape) != tuple(s.shape) or s.param.dtype != base.dtype:
+                    raise RefusedError(
+                        f"parameter '{s.name}' was re-bound (p.data = ...) to a {s.param.dtype} tensor of shape "
+                        f"{tuple(s.param.shape)}; zerodp keeps {base.dtype} {tuple(s.shape)}. Assign a tensor of "
+                        "the same shape and dtype, or copy into it in place")
+                view.copy_(s.param.detach().reshape(-1))
+                s.param.data = view.view(s.shape)
+
+    def before_backward(self) -> None:
+        self._check_unfrozen()
+        if self._partitioned:
+            self._check_partitioned_edits()
+
+    def before_update(self) -> None:
+        """At a gradient accumulation boundary, before the optimizer: adopt in-place edits."""
+        if self._partitioned:
+            self._check_partitioned_edits()
+        for g in self.engine.groups:
+            unit = _persistent_unit_of(g)
+            if unit is not None and unit.full is not None:
+                lo = unit.rank * unit.shard.numel()
+                if not torch.equal(unit.full[lo : lo + unit.shard.numel()], unit.shard):
+                    unit.write_back()  # an edit of an always-gathered stage-3 parameter
+            for piece in g.pieces:
+                if piece.master is None or getattr(self.engine, "offload", None) is not None:
+                    continue  # offloaded masters live on the host/NVMe (see README, Known limitations)
+                edited = piece.tensor != piece.master.to(piece.tensor.dtype)
+                if bool(edited.any()):  # keep the fp32 value of every element that was not edited
+                    piece.master[edited] = piece.tensor[edited].to(piece.master.dtype)
+
+    def after_update(self) -> None:
+        if self._partitioned:
+            self.record_versions()
+
+
+def _persistent_unit_of(g: FlatGroup) -> Optional[object]:
+    if not g.slots:
+        return None
+    owner = OWNERS.get(g.slots[0].param)
+    if owner is None or not owner.unit.persistent or owner.unit.group is not g:
+        return None
+    return owner.unit
