@@ -297,6 +297,16 @@ class Engine:
             for gr in grads:
                 gr.mul_(coef)
 
+    def parameters_finite(self) -> bool:
+        """Collective: True when every trained parameter holds only finite values on every rank (each
+        rank checks the pieces it updates: the fp32 masters under bf16/fp16, else the parameters).
+        One all-reduce of one int32 (recorded as ``checkpoint``: it guards saving)."""
+        bad = any(not bool(torch.isfinite(p.opt_tensor).all()) for g in self.groups for p in g.pieces)
+        flag = torch.tensor([int(bad)], dtype=torch.int32)
+        if self.world_size > 1:
+            comm.all_reduce(flag, self.process_group, self.ledger, "checkpoint", op=dist.ReduceOp.MAX)
+        return not bool(flag)
+
     def get_global_grad_norm(self) -> Optional[float]:
         """L2 norm of the full gradient at the last step (computed only when clipping is on)."""
         return self._global_grad_norm
