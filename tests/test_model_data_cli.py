@@ -496,3 +496,20 @@ def test_progress_log_at_most_one_line_per_interval() -> None:
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert min(gaps) >= LOG_INTERVAL_S == 10.0, gaps
     assert isinstance(progress_bar(5, enabled=True, stream=io.StringIO()), ProgressLog)  # not a TTY
+
+
+def test_make_train_installs_only_the_package() -> None:
+    import shutil
+    from pathlib import Path
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    root = Path(__file__).resolve().parents[1]
+
+    def installs(target: str) -> list[str]:
+        out = subprocess.run(["make", "-n", "-B", target], cwd=root, capture_output=True, text=True,
+                             check=True).stdout
+        return [ln for ln in out.splitlines() if "pip install" in ln and "--upgrade pip" not in ln]
+
+    assert installs("train") == [".venv/bin/pip install -q -e ."]  # no test dependencies
+    assert installs("test") == [".venv/bin/pip install -q -e '.[dev]'"]
