@@ -11,10 +11,11 @@ each runs :func:`run_worker`, which
 3. trains up to ``steps`` optimizer steps on :class:`zerodp.app.data.GlobalBatches` (rank ``r`` reads rows
    ``[r*micro, (r+1)*micro)`` of every global batch; optimizer step ``k`` uses micro-steps
    ``k*accum ... k*accum + accum - 1``, so a resumed run reads exactly the batches an uninterrupted one
-   would) with a progress display on rank 0 (:mod:`zerodp.app.progress`), saving a checkpoint every ``--save-every`` steps and at the end;
-   A non-finite training loss (fp32/bf16; fp16's loss scaler skips such steps) stops the run at the
-   step it first appears with :class:`TrainingDiverged` naming the step and the ranks, before that
-   step's checkpoint is written; a checkpoint is also never written from non-finite parameters;
+   would) with a progress display on rank 0 (:mod:`zerodp.app.progress`), saving a checkpoint every
+   ``--save-every`` steps and at the end. A non-finite training loss (fp32/bf16; fp16's loss scaler
+   skips such steps) stops the run at the step where it first appears with :class:`TrainingDiverged`
+   naming the step and the ranks, before that step's checkpoint is written; no checkpoint is written
+   from non-finite parameters either;
 4. measures the held-out loss again, generates a short sample on every rank (same seed), and prints on
    rank 0: loss before -> after, every rank's memory report, rank 0's communication report for the
    training steps, and the sample.
