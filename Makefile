@@ -1,25 +1,32 @@
 # Two entry points for a fresh machine (see README):
-#   make train   creates .venv, installs zerodp, trains the default GPT on stdlib prose (2 ranks, ZeRO-2)
-#   make test    creates .venv, installs zerodp with test deps, runs the test suite
+#   make train   creates .venv, installs zerodp alone (`pip install -e .`), trains the default GPT on
+#                stdlib prose (2 ranks, ZeRO-2)
+#   make test    creates .venv, installs zerodp with its test dependencies (`.[dev]`), runs the test suite
 #   make mutants applies named faults to a copy of src/ one at a time; each must fail its tests (slow,
 #                not part of make test); prints "N/N mutants killed" last
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-$(BIN)/zerodp: pyproject.toml
+$(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
 .PHONY: install train test mutants
-install: $(BIN)/zerodp
+install: $(VENV)/.installed-dev
 
-train: install
+train: $(VENV)/.installed
 	$(BIN)/zerodp train
 
-test: install
+test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q tests
 
 mutants: install

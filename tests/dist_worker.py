@@ -701,6 +701,30 @@ def _storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
+@scenario
+def misuse(stage: int) -> dict:
+    """A second initialize() on the wrapped model, then loss.backward() instead of engine.backward():
+    both refused with their messages (recorded per rank), on every rank alike, without a hang."""
+    torch.manual_seed(0)
+    model = Zoo()
+    cfg = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage, **STAGE3_DEFAULTS}}
+    engine = zerodp.initialize(model, cfg)
+    out: dict[str, Any] = {}
+    try:
+        zerodp.initialize(model, cfg)
+        out["rewrap"] = "accepted"
+    except ValueError as exc:
+        out["rewrap"] = str(exc)
+    x, y = make_batch(0, 2 * world(), "zoo")
+    loss = mse(engine(x[2 * rank(): 2 * rank() + 2]), y[2 * rank(): 2 * rank() + 2])
+    try:
+        loss.backward()
+        out["direct_backward"] = "accepted"
+    except RuntimeError as exc:
+        out["direct_backward"] = str(exc)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)

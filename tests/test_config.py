@@ -176,3 +176,56 @@ def test_scheduler_warmup_longer_than_total_refused() -> None:
     with pytest.raises(ConfigError, match=r"warmup_num_steps \(10\) must not exceed total_num_steps \(5\)"):
         load_config({"scheduler": {"type": "WarmupDecayLR",
                                    "params": {"warmup_num_steps": 10, "total_num_steps": 5}}})
+
+
+def _numeric_leaves(model: type, prefix: tuple = ()) -> list[tuple[tuple, object]]:
+    """(key path, a valid base value) for every int/float field of ``model``, nested models included."""
+    from typing import Union, get_args, get_origin
+
+    from pydantic import BaseModel
+
+    out = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        subs = [a for a in (ann, *get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if subs:
+            out += _numeric_leaves(subs[0], prefix + (name,))
+        elif ann in (int, float) or (get_origin(ann) is Union and {int, float} & set(get_args(ann))):
+            out.append((prefix + (name,), None))
+    return out
+
+
+def _nest(path: tuple, value: object, base: dict) -> dict:
+    cfg = json.loads(json.dumps(base))
+    d = cfg
+    for k in path[:-1]:
+        d = d.setdefault(k, {})
+    d[path[-1]] = value
+    return cfg
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_numbers_refused_in_every_field(bad: float) -> None:
+    from zerodp.config import SCHEDULER_PARAMS, ZeroDPConfig
+
+    base = {"optimizer": {"type": "AdamW"}}
+    cases = [(p, _nest(p, bad, base)) for p, _ in _numeric_leaves(ZeroDPConfig)]
+    cases.append((("optimizer", "params", "betas"), _nest(("optimizer", "params", "betas"), [0.9, bad], base)))
+    for stype, model in SCHEDULER_PARAMS.items():
+        params = {"total_num_steps": 10, "warmup_num_steps": 5} if "total_num_steps" in model.model_fields else {}
+        for (name,), _ in _numeric_leaves(model):
+            cases.append((("scheduler", "params", name),
+                          {"scheduler": {"type": stype, "params": {**params, name: bad}}}))
+    assert len(cases) > 20  # every numeric key of the schema was tried
+    for path, cfg in cases:
+        with pytest.raises(ConfigError) as exc:
+            load_config(cfg)
+        msg = str(exc.value)
+        assert ".".join(path) in msg and "finite number" in msg, (path, msg)
+
+
+def test_infinity_in_a_json_file_refused(tmp_path) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"optimizer": {"type": "AdamW", "params": {"lr": Infinity}}}')
+    with pytest.raises(ConfigError, match=r"'optimizer.params.lr': Input should be a finite number \(got inf\)"):
+        load_config(str(path))

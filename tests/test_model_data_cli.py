@@ -204,6 +204,7 @@ def test_train_flag_errors(capsys, tmp_path, monkeypatch) -> None:
         raise AssertionError("invalid flags must be refused before launching workers")
 
     monkeypatch.setattr(cli.subprocess, "run", no_launch)
+    monkeypatch.setattr(cli.launch, "run_torchrun", no_launch)
     for argv, needle in [(["--stage", "9"], "--stage"), (["--steps", "x"], "--steps"),
                          (["--config", "c.json", "--stage", "1"], "--config"),
                          (["--config", "c.json", "--bf16"], "--bf16"),
@@ -281,11 +282,11 @@ TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32",
         "--sample-tokens", "8"]
 
 
-def _zerodp_train(*argv: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+def _zerodp_train(*argv: str, ok: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "ZERODP_DEBUG")}
     proc = subprocess.run([sys.executable, "-m", "zerodp.app.cli", "train", *TINY, *argv],
                           capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
     return proc
 
 
@@ -355,6 +356,7 @@ def test_resume_refuses_other_seed_or_model(tiny_runs, monkeypatch, capsys) -> N
         raise AssertionError("a mismatched resume must be refused before launching workers")
 
     monkeypatch.setattr(cli.subprocess, "run", no_launch)
+    monkeypatch.setattr(cli.launch, "run_torchrun", no_launch)
     ckpt = str(tiny_runs["ckpt"])
     for extra, needle in [(["--seed", "1"], "seed 0 (this run: 1)"),
                           (["--d-model", "64"], "d_model=32"),
@@ -417,3 +419,119 @@ def test_config_file_sets_engine_and_seed(tmp_path) -> None:
     flags = train.resolve_settings(cli.build_parser().parse_args(["train", "--stage", "0", "--lr", "0.01"]))
     assert flags.engine_config.zero_optimization.stage == 0
     assert flags.engine_config.optimizer.params.lr == 0.01 and flags.seed == train.DEFAULTS.seed
+
+
+# ---- failures: one line each (see zerodp.app.launch) -------------------------------------------------
+
+def _error_lines(stderr: str) -> list[str]:
+    assert "Traceback" not in stderr, stderr  # tracebacks only with --debug / ZERODP_DEBUG=1
+    return [ln for ln in stderr.splitlines() if ln.startswith("zerodp train: error")]
+
+
+def test_truncated_checkpoint_is_one_line_error(tiny_runs, tmp_path) -> None:
+    import shutil
+
+    ckpt = tmp_path / "run"
+    shutil.copytree(tiny_runs["ckpt"], ckpt)
+    tag = (ckpt / "latest").read_text().strip()
+    victim = ckpt / tag / "rank1.safetensors"
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    proc = _zerodp_train("--steps", "12", "--save-dir", str(ckpt), "--resume", ok=False)
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr  # both ranks fail alike: the message is printed once
+    assert "rank1.safetensors" in lines[0] and "truncated" in lines[0], lines[0]
+    assert proc.returncode in (1, 2)
+    assert (ckpt / "latest").read_text().strip() == tag
+
+
+def test_non_finite_loss_stops_before_saving(tmp_path) -> None:
+    config = tmp_path / "huge_lr.json"  # lr 1e30: the first update sends the weights to ~1e30
+    config.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 1e30}},
+                                  "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4}))
+    save_dir = tmp_path / "ckpt"
+    proc = _zerodp_train("--config", str(config), "--steps", "4", "--save-every", "1",
+                         "--save-dir", str(save_dir), ok=False)
+    assert proc.returncode == 1
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert "TrainingDiverged: the training loss is nan on ranks 0, 1 at step 2" in lines[0], lines[0]
+    assert f"the last checkpoint, {save_dir / 'global_step1'}, was kept" in lines[0], lines[0]
+    # the step-1 checkpoint (finite weights) is still the latest; nothing was written from step 2 on
+    assert (save_dir / "latest").read_text().strip() == "global_step1"
+    assert sorted(p.name for p in save_dir.iterdir()) == ["global_step1", "latest"]
+    assert "held-out loss" not in proc.stdout
+
+
+def test_failure_summary_one_line_per_distinct_message() -> None:
+    from zerodp.app import launch
+
+    msgs = [{"rank": 1, "time": 2.0, "message": "ValueError: bad"},
+            {"rank": 0, "time": 3.0, "message": "ValueError: bad"},
+            {"rank": 2, "time": 1.0, "message": "RuntimeError: Connection closed by peer"}]
+    lines = launch.summarize(msgs, {0: "exited with code 1", 1: "exited with code 1", 2: "exited with code 1",
+                                    3: "was killed by SIGTERM", 4: "was killed by SIGKILL"})
+    assert lines == ["zerodp train: error on rank 2: RuntimeError: Connection closed by peer",
+                     "zerodp train: error on ranks 0, 1: ValueError: bad",
+                     "zerodp train: rank 4 was killed by SIGKILL",
+                     "(zerodp train --debug or ZERODP_DEBUG=1 prints every rank's traceback)"]
+    assert launch.summarize([], {0: "was killed by SIGKILL", 1: "was killed by SIGKILL"})[0] == \
+        "zerodp train: ranks 0, 1 was killed by SIGKILL"
+    err = ValueError("invalid zerodp config:\n  'a': no (got 1)\n  'b': no (got 2)")
+    assert launch.one_line(err) == "ValueError: invalid zerodp config: 'a': no (got 1); 'b': no (got 2)"
+
+
+def test_worker_failure_message_and_debug_switch(tmp_path, monkeypatch) -> None:
+    from zerodp.app import launch
+
+    monkeypatch.setenv("ZERODP_DEBUG", "0")
+    assert not launch.debug_enabled(None) and launch.debug_enabled(True)
+    monkeypatch.setenv("ZERODP_DEBUG", "1")
+    assert launch.debug_enabled(None)
+    monkeypatch.setenv("ZERODP_ERROR_DIR", str(tmp_path))
+    launch.report_worker_failure(ValueError("no"), 3)
+    rec = json.loads((tmp_path / "rank3.json").read_text())
+    assert rec["rank"] == 3 and rec["message"] == "ValueError: no"
+    args = cli.build_parser().parse_args(["train", "--debug"])
+    assert "--debug" in cli.launcher_command(args)
+
+
+def test_progress_log_at_most_one_line_per_interval() -> None:
+    import io
+
+    from zerodp.app.progress import LOG_INTERVAL_S, ProgressLog, progress_bar
+
+    now = [100.0]
+    out = io.StringIO()
+    log = ProgressLog(total=400, initial=7, stream=out, clock=lambda: now[0])
+    times = [now[0]]  # clock reading at each line written
+    for step in range(400 - 7):  # uneven step times: bursts of fast steps and a few slow ones
+        now[0] += 0.05 if step % 50 else 6.5
+        log.set_postfix({"loss": f"{step:.3f}"})
+        before = out.getvalue().count("\n")
+        log.update(1)
+        if out.getvalue().count("\n") > before:
+            times.append(now[0])
+    log.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "train: 7/400 steps, 0 s"  # the start (a resumed run: its first step)
+    assert len(lines) == len(times) >= 4, lines  # the run lasted long enough for several lines
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert min(gaps) >= LOG_INTERVAL_S == 10.0, gaps
+    assert isinstance(progress_bar(5, enabled=True, stream=io.StringIO()), ProgressLog)  # not a TTY
+
+
+def test_make_train_installs_only_the_package() -> None:
+    import shutil
+    from pathlib import Path
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    root = Path(__file__).resolve().parents[1]
+
+    def installs(target: str) -> list[str]:
+        out = subprocess.run(["make", "-n", "-B", target], cwd=root, capture_output=True, text=True,
+                             check=True).stdout
+        return [ln for ln in out.splitlines() if "pip install" in ln and "--upgrade pip" not in ln]
+
+    assert installs("train") == [".venv/bin/pip install -q -e ."]  # no test dependencies
+    assert installs("test") == [".venv/bin/pip install -q -e '.[dev]'"]

@@ -6,7 +6,8 @@ lives in exactly one place: the field declaration below.
 
 Errors: :func:`load_config` raises :class:`ConfigError` (a ``ValueError``) naming every offending key
 path, what was given and what is allowed. Unknown keys are refused (``extra="forbid"``) so a typo
-never falls back to a default silently.
+never falls back to a default silently, and so are non-finite numbers (``Infinity``, ``NaN``, which
+Python's JSON reader accepts) in every field (``allow_inf_nan=False``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod

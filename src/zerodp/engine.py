@@ -12,6 +12,7 @@ boundary (every ``gradient_accumulation_steps`` micro-steps). What each stage ho
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
@@ -37,6 +38,38 @@ from zerodp.runtime.topology import Topology, global_grad_norm, is_model_paralle
 from zerodp.stage3.sharding import Stage3
 from zerodp.stage3.ownership import register_master_refresh
 from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer, PartitionedGradReducer
+
+
+class _WrappedParams:
+    """id(parameter) -> (weak reference, description of the engine that wraps it); an entry dies with
+    its parameter. (Tensors cannot key a WeakKeyDictionary: their ``__eq__`` is elementwise.)"""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, str]] = {}
+
+    def add(self, param: torch.Tensor, engine: str) -> None:
+        key = id(param)
+        self._entries[key] = (weakref.ref(param, lambda _r: self._entries.pop(key, None)), engine)
+
+    def get(self, param: torch.Tensor) -> Optional[str]:
+        entry = self._entries.get(id(param))
+        return entry[1] if entry is not None and entry[0]() is param else None
+
+
+#: every parameter of every module an engine was built on (checked by :func:`initialize`).
+_WRAPPED = _WrappedParams()
+
+
+def _refuse_wrapped(model: nn.Module) -> None:
+    """Raise if any parameter of ``model`` already belongs to an engine: its data was re-laid out into
+    that engine's flat buffers (or shards) and its gradient hooks feed that engine's reducer."""
+    for name, p in model.named_parameters(remove_duplicate=True):
+        engine = _WRAPPED.get(p)
+        if engine is not None:
+            raise ValueError(
+                f"zerodp.initialize: the model is already wrapped by an engine ({engine}; parameter "
+                f"'{name}'); keep using that engine, or build a new model (a model, or any module sharing "
+                "its parameters, can be wrapped once)")
 
 
 class Engine:
@@ -110,6 +143,8 @@ class Engine:
         if config.scheduler is not None:
             self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
         self.ledger.reset()  # the report covers training, not the initial broadcast
+        for p in _unique_params(module):
+            _WRAPPED.add(p, f"ZeRO stage {self.stage}")
 
     # ---- construction ------------------------------------------------------------------------------
     def _flatten(self, specs: list[ParamGroupSpec], bucket_size: int) -> list[FlatGroup]:
@@ -306,6 +341,17 @@ class Engine:
             for gr in grads:
                 gr.mul_(coef)
 
+    def parameters_finite(self) -> bool:
+        """Collective over the whole world (every data- and model-parallel rank, as a save is): True
+        when every trained parameter holds only finite values on every rank (each rank checks the
+        pieces it updates: the fp32 masters under bf16/fp16, else the parameters). One all-reduce of
+        one int32 (recorded as ``checkpoint``: it guards saving)."""
+        bad = any(not bool(torch.isfinite(p.opt_tensor).all()) for g in self.groups for p in g.pieces)
+        flag = torch.tensor([int(bad)], dtype=torch.int32)
+        if dist.get_world_size() > 1:
+            comm.all_reduce(flag, None, self.ledger, "checkpoint", op=dist.ReduceOp.MAX)
+        return not bool(flag)
+
     def get_global_grad_norm(self) -> Optional[float]:
         """L2 norm of the full (averaged, unscaled) gradient at the last optimizer step, before clipping;
         None before the first step. Computed at every step, with or without clipping."""
@@ -474,13 +520,15 @@ def initialize(
 
     Raises:
         ConfigError: invalid config (names the key and what is allowed).
-        ValueError: a parameter in ``model_parameters`` is not part of ``model``, appears twice, or a
-            group has an unknown option; or both ``lr_scheduler`` and the config's ``scheduler``.
+        ValueError: ``model`` (or a parameter of it) is already wrapped by an engine; a parameter in
+            ``model_parameters`` is not part of ``model``, appears twice, or a group has an unknown
+            option; or both ``lr_scheduler`` and the config's ``scheduler``.
         TypeError: ``lr_scheduler`` is a scheduler object (it would be bound to another optimizer).
     """
     cfg = load_config(config)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _refuse_wrapped(model)
     comm.init_distributed()
     topology = resolve_topology(process_group, mpu)
     process_group = topology.dp_group

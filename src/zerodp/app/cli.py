@@ -1,9 +1,10 @@
 """The ``zerodp`` command line: ``zerodp train``, ``consolidate``, ``verify``, ``bench`` and ``estimate``.
 
 ``zerodp train`` outside a torchrun-launched process re-launches itself through torch's own launcher,
-``python -m torch.distributed.run --nproc-per-node N [--standalone | rendezvous flags] -m zerodp.app.cli
-train ...``, and returns its exit code; inside one (``RANK`` or ``LOCAL_RANK`` set) it runs
-:func:`zerodp.app.train.run_worker`. ``zerodp bench`` is launched the same way, running ``-m zerodp.app.bench``.
+``torch.distributed.run --nproc-per-node N [--standalone | rendezvous flags] -m zerodp.app.cli train
+...`` (run in this process by :func:`zerodp.app.launch.run_torchrun`, which turns failed workers into
+one line each); inside one (``RANK`` or ``LOCAL_RANK`` set) it runs :func:`zerodp.app.train.run_worker`.
+``zerodp bench`` is launched as ``python -m torch.distributed.run ... -m zerodp.app.bench``.
 
 ``zerodp consolidate CHECKPOINT_DIR OUT`` writes a checkpoint's full state dict to one file
 (:func:`zerodp.checkpoint.consolidate`). ``zerodp verify CHECKPOINT_DIR`` checks a checkpoint's files
@@ -27,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence, get_args
 
 from zerodp.runtime import accounting
 from zerodp.offload.report import offload_estimate_table
+from zerodp.app import launch
 from zerodp.config import ZeroConfig
 from zerodp.app.model import GPTConfig, count_parameters
 from zerodp.app.train import DEFAULTS
@@ -54,7 +56,7 @@ WORKER_FLAGS = {
     "bf16": "--bf16", "fp16": "--fp16", "offload_optimizer": "--offload-optimizer", "nvme_path": "--nvme-path",
     "eval_batches": "--eval-batches", "sample_tokens": "--sample-tokens", "prompt": "--prompt",
     "temperature": "--temperature", "save_dir": "--save-dir", "save_every": "--save-every",
-    "resume": "--resume",
+    "resume": "--resume", "debug": "--debug",
 }
 
 
@@ -205,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     mdl.add_argument("--n-head", metavar="H", type=_int_at_least(1), help=f"attention heads (default {d.n_head})")
     mdl.add_argument("--d-model", metavar="D", type=_int_at_least(1), help=f"model width (default {d.d_model})")
     mdl.add_argument("--seq-len", metavar="T", type=_int_at_least(1), help=f"context length in bytes (default {d.seq_len})")
+    tr.add_argument("--debug", action="store_const", const=True,
+                    help="on a failure, print every rank's full traceback (also: environment variable "
+                         "ZERODP_DEBUG=1) instead of one line per distinct error")
     tr.set_defaults(handler=_cmd_train, parser=tr)
 
     co = sub.add_parser(
@@ -393,9 +398,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 train.check_resume(settings, train.corpus_fingerprint(data.encode(text)))
     except ValueError as exc:
         args.parser.error(str(exc))
+    debug = launch.debug_enabled(args.debug)
     if _inside_torchrun():
-        return train.run_worker(args)
-    return _launch(launcher_command(args))
+        try:
+            return train.run_worker(args)
+        except Exception as exc:
+            if debug:
+                raise
+            launch.report_worker_failure(exc, int(os.environ.get("RANK", "0")))
+            return 1
+    return launch.run_torchrun(launcher_command(args)[3:], debug)
 
 
 # ---- bench -----------------------------------------------------------------------------------------

@@ -11,7 +11,11 @@ each runs :func:`run_worker`, which
 3. trains up to ``steps`` optimizer steps on :class:`zerodp.app.data.GlobalBatches` (rank ``r`` reads rows
    ``[r*micro, (r+1)*micro)`` of every global batch; optimizer step ``k`` uses micro-steps
    ``k*accum ... k*accum + accum - 1``, so a resumed run reads exactly the batches an uninterrupted one
-   would) with a tqdm bar on rank 0, saving a checkpoint every ``--save-every`` steps and at the end;
+   would) with a progress display on rank 0 (:mod:`zerodp.app.progress`), saving a checkpoint every
+   ``--save-every`` steps and at the end. A non-finite training loss (fp32/bf16; fp16's loss scaler
+   skips such steps) stops the run at the step where it first appears with :class:`TrainingDiverged`
+   naming the step and the ranks, before that step's checkpoint is written; no checkpoint is written
+   from non-finite parameters either;
 4. measures the held-out loss again, generates a short sample on every rank (same seed), and prints on
    rank 0: loss before -> after, every rank's memory report, rank 0's communication report for the
    training steps, and the sample.
@@ -20,6 +24,7 @@ each runs :func:`run_worker`, which
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import zlib
@@ -29,11 +34,11 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 import zerodp
 from zerodp.runtime import accounting
 from zerodp.app import data
+from zerodp.app.progress import progress_bar
 from zerodp.config import ZeroDPConfig, load_config
 from zerodp.app.model import GPT, GPTConfig, count_parameters, generate
 
@@ -286,29 +291,24 @@ def _global_mean(value: float) -> float:
     return float(t) / dist.get_world_size()
 
 
-class _LineStream:
-    """File-like wrapper turning tqdm's ``\\r`` redraws into one plain line per refresh (for logs)."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-
-    def write(self, s: str) -> None:
-        s = s.replace("\r", "").strip()
-        if s:
-            self.stream.write(s + "\n")
-
-    def flush(self) -> None:
-        self.stream.flush()
+class TrainingDiverged(RuntimeError):
+    """The training loss or the parameters became non-finite (inf/nan); nothing was saved from that
+    state."""
 
 
-def _progress_bar(total: int, enabled: bool, initial: int = 0) -> tqdm:
-    """tqdm on stderr, starting at ``initial`` steps done (a resumed run). When stderr is not a TTY (a
-    log file, CI), it refreshes at most every 10 s and each refresh is a separate line instead of a
-    carriage-return redraw."""
-    tty = sys.stderr.isatty()
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step", dynamic_ncols=tty,
-                mininterval=0.2 if tty else 10.0, ascii=not tty,
-                file=sys.stderr if tty else _LineStream(sys.stderr))
+def _step_losses(value: float) -> list[float]:
+    """Every rank's loss of this step (one all-gather of one float64 per rank), in rank order."""
+    t = torch.tensor([value], dtype=torch.float64)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [float(x) for x in out]
+
+
+def _diverged(what: str, step: int, last_saved: Optional[Path]) -> TrainingDiverged:
+    kept = (f"the last checkpoint, {last_saved}, was kept" if last_saved is not None
+            else "no checkpoint was written")
+    return TrainingDiverged(f"{what} at step {step}; training stopped and {kept}. Lower the learning rate "
+                            "(--lr, optimizer.params.lr), or set gradient_clipping in a --config file")
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -365,7 +365,7 @@ def _run(s: RunSettings, t_start: float) -> None:
     engine = zerodp.initialize(model, ecfg)
     engine.train()
 
-    start, saved = 0, None
+    start, saved, path = 0, None, None
     if s.resume:
         path, saved = engine.load_checkpoint(s.save_dir)
         loss_before = float(saved["loss_before"])  # of the original run, before its first step
@@ -391,15 +391,19 @@ def _run(s: RunSettings, t_start: float) -> None:
 
     saved_paths: list[Path] = []
     save_s = 0.0
+    check_loss = not ecfg.fp16.enabled  # fp16: a non-finite loss is an overflow, skipped by the scaler
 
-    def save() -> None:
+    def save(step: int) -> None:
         nonlocal save_s
+        if not engine.parameters_finite():
+            raise _diverged("the parameters became non-finite (inf/nan) in the update", step,
+                            saved_paths[-1] if saved_paths else path)
         t0 = time.perf_counter()
         saved_paths.append(Path(engine.save_checkpoint(s.save_dir, client_state=state)))
         save_s += time.perf_counter() - t0
 
     engine.reset_comm_report()
-    bar = _progress_bar(s.steps, enabled=rank == 0, initial=start)
+    bar = progress_bar(s.steps, enabled=rank == 0, initial=start)
     t_train = time.perf_counter()
     for step in range(start, s.steps):
         step_loss = 0.0
@@ -409,9 +413,14 @@ def _run(s: RunSettings, t_start: float) -> None:
             engine.backward(loss)
             engine.step()
             step_loss += loss.item() / accum
-        step_loss = _global_mean(step_loss)
+        losses = _step_losses(step_loss)
+        step_loss = sum(losses) / world
+        if check_loss and not math.isfinite(step_loss):
+            bad = [r for r, v in enumerate(losses) if not math.isfinite(v)]
+            raise _diverged(f"the training loss is {losses[bad[0]]} on rank{'s' if len(bad) > 1 else ''} "
+                            f"{', '.join(map(str, bad))}", step + 1, saved_paths[-1] if saved_paths else path)
         if s.save_every and (step + 1) % s.save_every == 0:
-            save()
+            save(step + 1)
         elapsed = time.perf_counter() - t_train - save_s
         postfix = {"loss": f"{step_loss:.3f}", "tok_s": f"{(step + 1 - start) * tokens_per_step / elapsed:,.0f}"}
         if engine.lr_scheduler is not None:
@@ -421,7 +430,7 @@ def _run(s: RunSettings, t_start: float) -> None:
         bar.set_postfix(postfix, refresh=False)
         bar.update(1)
     if s.save_every and s.steps % s.save_every != 0:
-        save()  # the final state, unless the last step already saved it
+        save(s.steps)  # the final state, unless the last step already saved it
     bar.close()
     train_s = time.perf_counter() - t_train - save_s
     n_steps = s.steps - start

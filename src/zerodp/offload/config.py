@@ -9,6 +9,7 @@ accepts but zerodp does not implement (``ratio`` below 1) is refused with the ke
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -17,7 +18,15 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
 class _StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _finite(cls, v: Any) -> Any:
+        """Infinity/NaN are refused in every field, with the same words as :mod:`zerodp.config`."""
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError("Input should be a finite number")
+        return v
 
 
 class OffloadOptimizerConfig(_StrictModel):

@@ -46,6 +46,12 @@ from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot
 #: stage-2 buckets whose reduce-scatter may be in flight at once (the rest wait): bounds memory.
 MAX_BUCKETS_IN_FLIGHT = 2
 
+#: raised (RuntimeError) when a gradient arrives outside ``engine.backward(loss)``.
+DIRECT_BACKWARD_MESSAGE = (
+    "loss.backward() was called on a model wrapped by a zerodp engine; call engine.backward(loss) "
+    "instead (it divides the loss by gradient_accumulation_steps, applies the fp16 loss scale and "
+    "reduces the gradients across ranks during backward), then engine.step()")
+
 
 def _trainable(s: ParamSlot) -> bool:
     return s.group_index >= 0 and s.param.requires_grad
@@ -79,6 +85,7 @@ class GradientReducer:
         self._deferred = True  # launch every bucket when backward returns (see the note)
         self._calibrated = False
         self._reducing = False
+        self._in_backward = False  # between begin_micro_step and end_micro_step
         self._in_flight: deque[tuple[Bucket, FlatGroup, Work, object]] = deque()
         self.peak_grad_bytes = 0
         self._handles: list[RemovableHandle] = []
@@ -96,6 +103,8 @@ class GradientReducer:
 
     def _make_hook(self, slot: ParamSlot):
         def hook(param: torch.nn.Parameter) -> None:
+            if not self._in_backward:  # a plain loss.backward(): nothing would be reduced or scaled
+                raise RuntimeError(DIRECT_BACKWARD_MESSAGE)
             if param.grad is not None and param.grad.layout != torch.strided:
                 raise RuntimeError(f"parameter '{slot.name}' received a {param.grad.layout} gradient; zerodp "
                                    "reduces dense gradients only (use sparse=False in nn.Embedding)")
@@ -116,6 +125,7 @@ class GradientReducer:
     def begin_micro_step(self, reduce: bool) -> None:
         """Called before backward. ``reduce``: launch collectives during this backward."""
         self._reducing = reduce
+        self._in_backward = True
         self._pending = {id(b): sum(map(_trainable, b.slots)) for g in self.groups for b in g.buckets}
         self._launched = set()
         self._count.zero_()
@@ -137,6 +147,7 @@ class GradientReducer:
                 comm.all_reduce(repeated, self.pg, self.ledger, "grad_reuse_check", op=ReduceOp.MAX)
             self._deferred = bool(repeated.item())
             self._calibrated = True
+        self._in_backward = False
 
     def presence(self, overflow: bool = False) -> tuple[torch.Tensor, bool]:
         """One small all-reduce (MAX) of the per-parameter "received a gradient" flags and of this

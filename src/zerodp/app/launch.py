@@ -1,0 +1,158 @@
+"""How ``zerodp train`` runs torch's launcher and reports worker failures: one line per failure.
+
+The launcher is torch's own (:func:`torch.distributed.run.run` with arguments parsed by
+:func:`torch.distributed.run.parse_args`, i.e. ``torchrun``), run in the ``zerodp train`` process. A
+worker that raises does not print its traceback: :func:`report_worker_failure` writes
+``{"rank", "time", "message"}`` to ``$ZERODP_ERROR_DIR/rank{r}.json`` (a directory
+:func:`run_torchrun` creates) and the worker exits with code 1. When the launcher reports the failed
+workers (torch's ``ChildFailedError``), :func:`run_torchrun` prints each distinct message once, in the
+order the ranks failed, naming the ranks (``zerodp train: error on ranks 0, 1: ...``), plus one line for
+every rank that died without a message (a signal, an exit code), and returns 1. torch's own failure
+report (its traceback and its log lines) is not printed.
+
+With ``--debug`` or ``ZERODP_DEBUG=1`` (see :func:`debug_enabled`) nothing is summarised: workers raise
+as usual (a full traceback per rank) and so does the launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence, TextIO
+
+#: environment variable turning on full tracebacks (any value but "", "0", "false", "no").
+DEBUG_ENV = "ZERODP_DEBUG"
+#: environment variable naming the directory where workers leave their one-line failure message.
+ERROR_DIR_ENV = "ZERODP_ERROR_DIR"
+PREFIX = "zerodp train"
+
+
+def debug_enabled(flag: Optional[bool] = None) -> bool:
+    """True with ``--debug`` (``flag``) or ``ZERODP_DEBUG`` set to a true value."""
+    return bool(flag) or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line: a multi-line message (e.g. a config error listing several keys)
+    is joined with "; " (after a trailing colon, with a space)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = ""
+    for ln in lines:
+        text += ln if not text else (" " if text.endswith(":") else "; ") + ln
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def report_worker_failure(exc: BaseException, rank: int, stream: TextIO = sys.stderr) -> None:
+    """Worker side: leave ``exc``'s one-line message for :func:`run_torchrun` (or, when the worker was
+    started by a launcher other than ``zerodp train``, print it on ``stream``)."""
+    message = one_line(exc)
+    directory = os.environ.get(ERROR_DIR_ENV)
+    if directory and os.path.isdir(directory):
+        path = Path(directory, f"rank{rank}.json")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"rank": rank, "time": time.time(), "message": message}))
+        os.replace(tmp, path)
+        return
+    print(f"{PREFIX}: error on rank {rank}: {message} (--debug or {DEBUG_ENV}=1 for the traceback)",
+          file=stream, flush=True)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
+
+
+def summarize(messages: Sequence[dict], launcher_failures: dict[int, str]) -> list[str]:
+    """The lines printed for a failed run.
+
+    Args:
+        messages: the workers' ``{"rank", "time", "message"}`` records.
+        launcher_failures: global rank -> the launcher's description of a failed worker that left no
+            message (exit code or signal).
+
+    Returns:
+        one line per distinct message (earliest first, with every rank that reported it), then one per
+        distinct launcher description (ranks grouped), then a hint about ``--debug``.
+    """
+    by_message: dict[str, list[int]] = {}
+    for m in sorted(messages, key=lambda m: (m["time"], m["rank"])):
+        by_message.setdefault(m["message"], []).append(int(m["rank"]))
+    reported = {r for ranks in by_message.values() for r in ranks}
+    by_reason: dict[str, list[int]] = {}
+    for rank, reason in sorted(launcher_failures.items()):
+        if rank not in reported:
+            by_reason.setdefault(reason, []).append(rank)
+    if by_message:  # ranks stopped by the launcher after another rank's error are not failures
+        by_reason = {k: v for k, v in by_reason.items() if "SIGTERM" not in k}
+    lines = [f"{PREFIX}: error on {_ranks(r)}: {msg}" for msg, r in by_message.items()]
+    lines += [f"{PREFIX}: {_ranks(r)} {reason}" for reason, r in by_reason.items()]
+    if not lines:
+        lines.append(f"{PREFIX}: the launcher reported a failure but no rank left a message")
+    lines.append(f"({PREFIX} --debug or {DEBUG_ENV}=1 prints every rank's traceback)")
+    return lines
+
+
+def _describe(failure: object) -> str:
+    code = getattr(failure, "exitcode", None)
+    if isinstance(code, int) and code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
+
+
+def run_torchrun(torchrun_args: Sequence[str], debug: bool, stream: TextIO = sys.stderr) -> int:
+    """Run torch's launcher with ``torchrun_args`` (what follows ``python -m torch.distributed.run``)
+    in this process; return 0, or 1 after printing :func:`summarize`'s lines on ``stream``.
+
+    Raises:
+        Exception: with ``debug``, whatever the launcher raises (torch's ``ChildFailedError`` names the
+            failed ranks and their tracebacks are above it).
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default per worker, without its banner
+    args = torchrun.parse_args(list(torchrun_args))
+    if debug:
+        torchrun.run(args)
+        return 0
+    elastic = logging.getLogger("torch.distributed.elastic")
+    saved = elastic.propagate, list(elastic.handlers)
+    elastic.propagate, elastic.handlers = False, [logging.NullHandler()]  # its failure log lines
+    directory = tempfile.mkdtemp(prefix="zerodp-errors-")
+    os.environ[ERROR_DIR_ENV] = directory
+    try:
+        torchrun.run(args)
+        return 0
+    except ChildFailedError as exc:
+        failures = {int(r): _describe(f) for r, f in exc.failures.items()}
+        lines = summarize(_read_messages(directory), failures)
+    except Exception as exc:  # the launcher itself failed (rendezvous, bad flag value)
+        lines = [f"{PREFIX}: launcher error: {one_line(exc)}"]
+    finally:
+        os.environ.pop(ERROR_DIR_ENV, None)
+        elastic.propagate, elastic.handlers = saved
+        shutil.rmtree(directory, ignore_errors=True)
+    for line in lines:
+        print(line, file=stream, flush=True)
+    return 1
+
+
+def _read_messages(directory: str) -> list[dict]:
+    out = []
+    for path in Path(directory).glob("rank*.json"):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
