@@ -13,7 +13,7 @@ boundary (every ``gradient_accumulation_steps`` micro-steps). What each stage ho
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from zerodp.runtime import comm
+from zerodp.runtime.collective_guard import CollectiveGuard
 from zerodp.runtime.accounting import CATEGORIES, FP32_ADAM, BytesPerElement, CommReport, MemoryReport, model_state_bytes
 from zerodp.runtime.comm import CommLedger
 from zerodp.config import ConfigError, ZeroDPConfig, load_config
@@ -94,6 +95,11 @@ class Engine:
         self.lr_scheduler: Optional[LRScheduler] = None
         if config.scheduler is not None:
             self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
+        gc = config.collective_guard
+        self.guard = CollectiveGuard(process_group, gc.timeout_s, gc.check_gathers, gc.enabled)
+        if self.sharding is not None:
+            self.sharding.coordinator.fetch_check = self.guard.gather_check(module)
+        self.guard.install_shutdown_check()
         self.ledger.reset()  # the report covers training, not the initial broadcast
 
     # ---- construction ------------------------------------------------------------------------------
@@ -137,9 +143,15 @@ class Engine:
             comm.broadcast(t, src, self.process_group, self.ledger, "init")
 
     # ---- training loop -----------------------------------------------------------------------------
+    def collective_call(self, name: str) -> ContextManager[None]:
+        """Context of one collective engine call: every rank agrees on it first (see
+        :mod:`zerodp.runtime.collective_guard`); raises CollectiveError subclasses otherwise."""
+        return self.guard.call(name, self.global_steps, self.micro_steps)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.sharding is not None:
-            return self.sharding.forward(self.module, args, kwargs)
+            with self.collective_call("forward"):
+                return self.sharding.forward(self.module, args, kwargs)
         return self.module(*args, **kwargs)
 
     forward = __call__
@@ -173,18 +185,22 @@ class Engine:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
         boundary = self.is_gradient_accumulation_boundary()
-        self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
-        loss.backward()
-        self.reducer.end_micro_step()
-        if self.sharding is not None:
-            self.sharding.end_backward()
+        with self.collective_call("backward"):
+            self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
+            loss.backward()
+            self.reducer.end_micro_step()
+            if self.sharding is not None:
+                self.sharding.end_backward()
 
     def step(self) -> None:
         """End a micro-step; at a gradient accumulation boundary, update the parameters."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
-        if not boundary:
-            return
+        if boundary:
+            with self.collective_call("step"):
+                self._optimizer_step()
+
+    def _optimizer_step(self) -> None:
         local_overflow = self.loss_scaler is not None and self._has_inf_or_nan()
         present, overflow = self.reducer.presence(local_overflow)
         if overflow:  # every rank skips: parameters and optimizer states stay exactly as they were
@@ -342,14 +358,16 @@ class Engine:
         point ``save_dir/latest`` at it; returns that directory. See :func:`zerodp.checkpoint.save_checkpoint`."""
         from zerodp import checkpoint
 
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
+        with self.collective_call("save_checkpoint"):
+            return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: Any, tag: Optional[str] = None) -> tuple[Any, Any]:
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;
         returns (checkpoint directory, client_state). See :func:`zerodp.checkpoint.load_checkpoint`."""
         from zerodp import checkpoint
 
-        return checkpoint.load_checkpoint(self, load_dir, tag)
+        with self.collective_call("load_checkpoint"):
+            return checkpoint.load_checkpoint(self, load_dir, tag)
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """Full state dict keyed like ``module.state_dict()``, fresh copies, on every rank (a
@@ -357,7 +375,8 @@ class Engine:
         and buffers in the module's dtype."""
         from zerodp import checkpoint
 
-        return checkpoint.module_state_dict(self)
+        with self.collective_call("module_state_dict"):
+            return checkpoint.module_state_dict(self)
 
 
 def _nbytes(t: torch.Tensor) -> int:

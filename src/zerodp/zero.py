@@ -7,6 +7,8 @@
   automatically, see :class:`zerodp.stage3.hooks.ExternalParameterMode`.)
 - :class:`Init`: partition parameters as each submodule is constructed.
 - :func:`full_numel`, :func:`is_partitioned`: the real size and the state of a partitioned parameter.
+- :func:`synced_generate`: a generation loop whose ranks finish at different steps (or that only
+  rank 0 needs) keeps every rank's forwards, hence stage-3 gathers, in step.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from zerodp.runtime.comm import CommLedger
 from zerodp.config import ConfigError, load_config
 from zerodp.stage3.ownership import (MASTER_REFRESH, OWNERS, Owner, coordinator_busy, full_numel,
                                      is_partitioned)
+from zerodp.stage3.synced import synced_generate
 from zerodp.stage3.units import ShardedUnit, ShardState, shard_unit
 
 
@@ -194,4 +197,4 @@ class Init:
 
 
 
-__all__ = ["GatheredParameters", "Init", "register_external_parameter", "full_numel", "is_partitioned"]
+__all__ = ["GatheredParameters", "Init", "register_external_parameter", "full_numel", "is_partitioned", "synced_generate"]
