@@ -3,8 +3,10 @@
 The guard owns one extra gloo process group (``dist.new_group``, with the guard's own short timeout)
 and one *agreement* per engine entry point that issues collectives (``forward`` at stage 3,
 ``backward``, ``step`` at a gradient accumulation boundary, ``save_checkpoint``, ``load_checkpoint``,
-``module_state_dict``, ``shutdown_distributed``) and, at stage 3, per module fetch that may gather
-(``gather(<module name>)``). An agreement is one all-gather of four int64 per rank:
+``module_state_dict``, ``shutdown_distributed``) and, at stage 3, per module fetch in a forward
+(``gather(<module name>)``). Backward fetches are not agreed one by one (that would double the cost):
+the backward entry is agreed and autograd replays the graph of the agreed forward, so they differ only
+if a rank's loss leaves a module out (e.g. a loss term that only some ranks add), which is not detected. An agreement is one all-gather of four int64 per rank:
 ``(call code, hash of the call's detail, optimizer step, micro-step)``.
 
 - All equal: the call proceeds; the real collectives pair up because every rank is in the same call.
@@ -102,6 +104,7 @@ class CollectiveGuard:
         self.enabled = enabled and self.world_size > 1
         self.check_gathers = check_gathers and self.enabled
         self.agreements = 0  # agreements completed (for the cost report)
+        self.seconds = 0.0  # wall time spent in agreements on this rank (includes waiting for peers)
         self.current: Optional[CallSite] = None
         self.broken: Optional[CollectiveError] = None
         CollectiveGuard._instances += 1
@@ -129,12 +132,14 @@ class CollectiveGuard:
         if self.broken is not None:
             raise type(self.broken)(f"{self.broken} (an earlier collective error left this engine "
                                     "unusable; restart the job)")
+        t0 = time.perf_counter()
         self._send.copy_(site.encode())
         try:
             dist.all_gather_into_tensor(self._recv, self._send, group=self.group)
         except Exception as exc:  # gloo timeout or a peer's connection closed
             self._fail(site, exc)
         self.agreements += 1
+        self.seconds += time.perf_counter() - t0
         table = self._recv.view(self.world_size, 4)
         if bool((table == table[0]).all()):
             return
@@ -179,6 +184,8 @@ class CollectiveGuard:
 
         def check(module: nn.Module) -> None:
             outer = self.current
+            if outer is not None and outer.call == "backward":
+                return  # backward replays the agreed forward's graph (see the module docstring)
             self.agree(CallSite("gather", names.get(id(module), type(module).__name__),
                                 outer.step if outer else -1, outer.micro_step if outer else -1))
         return check
