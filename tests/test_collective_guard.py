@@ -14,11 +14,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 WORKER = Path(__file__).with_name("guard_worker.py")
-WALL_S = 90  # a hang (the issue's symptom) fails the launch well before gloo's 30-minute timeout
+WALL_S = 150  # a hang (the issue's symptom) fails the launch well before gloo's 30-minute timeout
 
 
 def _port() -> int:
@@ -27,38 +28,56 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def launch(group: str, world: int = 2) -> tuple[list[dict | None], list[int], float, Path]:
-    out = Path(tempfile.mkdtemp(prefix=f"guard-{group}-"))
-    port = _port()
-    procs = []
-    t0 = time.monotonic()
-    for r in range(world):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONWARNINGS": "ignore"}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), "--group", group, "--out", str(out)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    codes, logs = [], []
-    for p in procs:
-        try:
-            stdout, _ = p.communicate(timeout=max(1.0, WALL_S - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{group}: ranks still running after {WALL_S} s (a hang)")
-        codes.append(p.returncode)
-        logs.append(stdout)
-    wall = time.monotonic() - t0
-    files = [out / f"rank{r}.json" for r in range(world)]
-    results = [json.loads(f.read_text()) if f.exists() else None for f in files]
-    if results[0] is None:
-        pytest.fail(f"{group}: rank 0 wrote no results (codes {codes}):\n" + "\n".join(l[-3000:] for l in logs))
-    return results, codes, wall, out
+class Launch:
+    """``world`` rank processes of one worker group, started at once (groups run concurrently: most of
+    their time is spent waiting on timeouts and process start-up)."""
+
+    def __init__(self, group: str, world: int = 2) -> None:
+        self.group, self.world = group, world
+        self.out = Path(tempfile.mkdtemp(prefix=f"guard-{group}-"))
+        port = _port()
+        self.t0 = time.monotonic()
+        self.procs = []
+        for r in range(world):
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                   "PYTHONWARNINGS": "ignore"}
+            self.procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), "--group", group, "--out", str(self.out)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+
+    def finish(self) -> tuple[list, list[int], Path]:
+        codes, logs = [], []
+        for p in self.procs:
+            try:
+                stdout, _ = p.communicate(timeout=max(1.0, WALL_S - (time.monotonic() - self.t0)))
+            except subprocess.TimeoutExpired:
+                for q in self.procs:
+                    q.kill()
+                pytest.fail(f"{self.group}: ranks still running after {WALL_S} s (a hang)")
+            codes.append(p.returncode)
+            logs.append(stdout)
+        files = [self.out / f"rank{r}.json" for r in range(self.world)]
+        results = [json.loads(f.read_text()) if f.exists() else None for f in files]
+        if results[0] is None:
+            pytest.fail(f"{self.group}: rank 0 wrote no results (codes {codes}):\n"
+                        + "\n".join(log[-3000:] for log in logs))
+        return results, codes, self.out
 
 
 @pytest.fixture(scope="module")
-def mismatch() -> list[dict]:
-    results, codes, _, _ = launch("mismatch")
+def launches() -> Iterator[dict[str, Launch]]:
+    started = {g: Launch(g) for g in ("mismatch", "kill_train", "kill_save")}
+    yield started
+    for launch in started.values():
+        for p in launch.procs:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def mismatch(launches: dict[str, Launch]) -> list[dict]:
+    results, codes, _ = launches["mismatch"].finish()
     assert codes == [0, 0], codes
     return results  # type: ignore[return-value]
 
@@ -124,8 +143,8 @@ def test_rank_outside_collectives_times_out(mismatch: list[dict]) -> None:
     assert mismatch[0]["shutdown"]["error"] is None and mismatch[1]["shutdown"]["error"] is None
 
 
-def test_killed_rank_during_training_is_named() -> None:
-    results, codes, wall, _ = launch("kill_train")
+def test_killed_rank_during_training_is_named(launches: dict[str, Launch]) -> None:
+    results, codes, _ = launches["kill_train"].finish()
     assert codes[1] == -9, codes
     assert codes[0] != 0, codes
     o = results[0]["kill_train"]
@@ -133,8 +152,8 @@ def test_killed_rank_during_training_is_named() -> None:
     assert "rank(s) 1 lost" in o["message"], o["message"]
 
 
-def test_killed_rank_during_save_keeps_previous_checkpoint() -> None:
-    results, codes, wall, out = launch("kill_save")
+def test_killed_rank_during_save_keeps_previous_checkpoint(launches: dict[str, Launch]) -> None:
+    results, codes, out = launches["kill_save"].finish()
     assert codes[1] == -9 and codes[0] != 0, codes
     o = results[0]["kill_save"]
     assert o["error"] == "RankLostError", o

@@ -35,7 +35,12 @@ from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, Grad
 
 
 class Engine:
-    """Wraps ``module`` for ZeRO data-parallel training. Build it with :func:`zerodp.initialize`."""
+    """Wraps ``module`` for ZeRO data-parallel training. Build it with :func:`zerodp.initialize`.
+
+    Every method that issues collectives (forward at stage 3, backward, step at a boundary, the
+    checkpoint methods) first agrees with the other ranks (:mod:`zerodp.runtime.collective_guard`) and
+    raises ``CollectiveMismatchError`` / ``CollectiveTimeoutError`` / ``RankLostError`` on every rank
+    when they are not all in the same call."""
 
     def __init__(
         self, module: nn.Module, config: ZeroDPConfig,
