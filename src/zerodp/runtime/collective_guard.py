@@ -108,13 +108,15 @@ class CollectiveGuard:
         self.current: Optional[CallSite] = None
         self.broken: Optional[CollectiveError] = None
         CollectiveGuard._instances += 1
-        self._key = f"zerodp/guard{CollectiveGuard._instances}"
+        ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
+                 else list(range(dist.get_world_size())))
+        # post-mortem keys: per guard (same count on every rank of a group) and per group of ranks
+        self._key = f"zerodp/guard{CollectiveGuard._instances}/{'-'.join(map(str, ranks))}"
         self.group: Optional[dist.ProcessGroup] = None
         if self.enabled:
-            ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
-                     else list(range(dist.get_world_size())))
-            self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
-            self._global_ranks = ranks
+            # only this group's ranks build it (a data-parallel subgroup of a larger world)
+            self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
+                                        use_local_synchronization=process_group is not None)
         self._send = torch.zeros(4, dtype=torch.int64)
         self._recv = torch.zeros(self.world_size * 4, dtype=torch.int64)  # gloo: a 1-D output
 
