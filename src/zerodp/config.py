@@ -166,6 +166,16 @@ class FP16Config(_Strict):
     min_loss_scale: float = Field(1.0, gt=0.0, description="dynamic: the scale never goes below this")
 
 
+class CollectiveGuardConfig(_Strict):
+    """``collective_guard`` (zerodp's own key): the agreement checks of
+    :mod:`zerodp.runtime.collective_guard` before every collective engine call."""
+
+    enabled: bool = Field(True, description="agree on the call before each collective engine call")
+    timeout_s: float = Field(60.0, gt=0.0, le=3600.0,
+                             description="seconds a rank waits for the others in an agreement")
+    check_gathers: bool = Field(True, description="stage 3: also agree before each module fetch")
+
+
 WarmupType = Literal["log", "linear"]
 
 
@@ -272,6 +282,7 @@ class ZeroDPConfig(_Strict):
     scheduler: Optional[SchedulerConfig] = None
     seed: Optional[int] = Field(None, ge=0, description="torch.manual_seed applied by initialize()")
     steps_per_print: int = Field(10, gt=0, description="optimizer steps between log lines")
+    collective_guard: CollectiveGuardConfig = Field(default_factory=CollectiveGuardConfig)
     activation_checkpointing: Optional[ActivationCheckpointingConfig] = None
 
     @model_validator(mode="after")

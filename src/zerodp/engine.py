@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zerodp import checkpointing
 from zerodp.runtime import comm
+from zerodp.runtime.collective_guard import CollectiveGuard
 from zerodp.runtime.accounting import CATEGORIES, FP32_ADAM, BytesPerElement, CommReport, MemoryReport, model_state_bytes
 from zerodp.runtime.comm import CommLedger
 from zerodp.config import ConfigError, ZeroDPConfig, load_config
@@ -73,7 +74,12 @@ def _refuse_wrapped(model: nn.Module) -> None:
 
 
 class Engine:
-    """Wraps ``module`` for ZeRO data-parallel training. Build it with :func:`zerodp.initialize`."""
+    """Wraps ``module`` for ZeRO data-parallel training. Build it with :func:`zerodp.initialize`.
+
+    Every method that issues collectives (forward at stage 3, backward, step at a boundary, the
+    checkpoint methods) first agrees with the other ranks (:mod:`zerodp.runtime.collective_guard`) and
+    raises ``CollectiveMismatchError`` / ``CollectiveTimeoutError`` / ``RankLostError`` on every rank
+    when they are not all in the same call."""
 
     def __init__(
         self, module: nn.Module, config: ZeroDPConfig,
@@ -142,6 +148,11 @@ class Engine:
         self.lr_scheduler: Optional[LRScheduler] = None
         if config.scheduler is not None:
             self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
+        gc = config.collective_guard
+        self.guard = CollectiveGuard(process_group, gc.timeout_s, gc.check_gathers, gc.enabled)
+        if self.sharding is not None:
+            self.sharding.coordinator.fetch_check = self.guard.gather_check(module)
+        self.guard.install_shutdown_check()
         self.ledger.reset()  # the report covers training, not the initial broadcast
         for p in _unique_params(module):
             _WRAPPED.add(p, f"ZeRO stage {self.stage}")
@@ -193,10 +204,16 @@ class Engine:
             comm.broadcast(t, src, self.process_group, self.ledger, "init")
 
     # ---- training loop -----------------------------------------------------------------------------
+    def collective_call(self, name: str) -> ContextManager[None]:
+        """Context of one collective engine call: every rank agrees on it first (see
+        :mod:`zerodp.runtime.collective_guard`); raises CollectiveError subclasses otherwise."""
+        return self.guard.call(name, self.global_steps, self.micro_steps)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.guards.before_forward()
         if self.sharding is not None:
-            return self.sharding.forward(self.module, args, kwargs)
+            with self.collective_call("forward"):
+                return self.sharding.forward(self.module, args, kwargs)
         return self.module(*args, **kwargs)
 
     forward = __call__
@@ -233,20 +250,24 @@ class Engine:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
         boundary = self.is_gradient_accumulation_boundary()
-        self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
-        loss.backward(retain_graph=retain_graph)
-        self.reducer.end_micro_step()
-        self.grads_ready = boundary
-        if self.sharding is not None:
-            self.sharding.end_backward()
+        with self.collective_call("backward"):
+            self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
+            loss.backward(retain_graph=retain_graph)
+            self.reducer.end_micro_step()
+            self.grads_ready = boundary
+            if self.sharding is not None:
+                self.sharding.end_backward()
 
     def step(self) -> None:
         """End a micro-step; at a gradient accumulation boundary, update the parameters."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.grads_ready = False
-        if not boundary:
-            return
+        if boundary:
+            with self.collective_call("step"):
+                self._optimizer_step()
+
+    def _optimizer_step(self) -> None:
         if self.offload is not None:
             self.offload.check_health()  # collective: a lost swap file stops every rank here
         self.guards.before_update()
@@ -447,7 +468,7 @@ class Engine:
         point ``save_dir/latest`` at it; returns that directory. See :func:`zerodp.checkpoint.save_checkpoint`."""
         from zerodp import checkpoint
 
-        with self._states_resident():
+        with self.collective_call("save_checkpoint"), self._states_resident():
             return checkpoint.save_checkpoint(self, self._checkpoint_dir(save_dir), tag, client_state)
 
     def load_checkpoint(self, load_dir: Any, tag: Optional[str] = None) -> tuple[Any, Any]:
@@ -455,7 +476,7 @@ class Engine:
         returns (checkpoint directory, client_state). See :func:`zerodp.checkpoint.load_checkpoint`."""
         from zerodp import checkpoint
 
-        with self._states_resident():
+        with self.collective_call("load_checkpoint"), self._states_resident():
             return checkpoint.load_checkpoint(self, self._checkpoint_dir(load_dir), tag)
 
     def _checkpoint_dir(self, d: Any) -> Any:
@@ -471,7 +492,7 @@ class Engine:
         and buffers in the module's dtype."""
         from zerodp import checkpoint
 
-        with self._states_resident():
+        with self.collective_call("module_state_dict"), self._states_resident():
             return checkpoint.module_state_dict(self)
 
     def _states_resident(self) -> Any:

@@ -10,6 +10,8 @@
 - ``safe_get_full_grad`` / ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` /
   ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``: DeepSpeed's accessors, at every
   stage (see :mod:`zerodp.accessors`).
+- :func:`synced_generate`: a generation loop whose ranks finish at different steps (or that only
+  rank 0 needs) keeps every rank's forwards, hence stage-3 gathers, in step.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from zerodp.accessors import (safe_get_full_fp32_param, safe_get_full_grad, safe
 from zerodp.config import ConfigError, load_config
 from zerodp.stage3.ownership import (MASTER_REFRESH, OWNERS, Owner, add_pending_external, coordinator_busy,
                                      full_numel, is_partitioned)
+from zerodp.stage3.synced import synced_generate
 from zerodp.stage3.units import ShardedUnit, ShardState, shard_unit
 
 
@@ -209,4 +212,4 @@ class Init:
 
 __all__ = ["GatheredParameters", "Init", "register_external_parameter", "full_numel", "is_partitioned",
            "safe_get_full_grad", "safe_get_full_fp32_param", "safe_get_full_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_optimizer_state"]
+           "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "synced_generate"]

@@ -446,8 +446,7 @@ def _run(s: RunSettings, t_start: float) -> None:
 
     engine.eval()
     prompt = data.encode(s.prompt).long()[None, :]
-    sample = generate(engine, prompt, s.sample_tokens, temperature=s.temperature,
-                      generator=torch.Generator().manual_seed(s.seed), seq_len=mcfg.seq_len)
+    sample = _synced_sample(engine, prompt, s, mcfg.seq_len)
 
     if rank == 0:
         total_s = time.perf_counter() - t_start
@@ -478,3 +477,20 @@ def _run(s: RunSettings, t_start: float) -> None:
         print(f"sample ({s.sample_tokens} bytes, temperature {s.temperature}, seed {s.seed}):")
         print(data.decode(sample[0]))
         print(rule, flush=True)
+
+
+def _synced_sample(engine: zerodp.Engine, prompt: torch.Tensor, s: RunSettings, seq_len: int) -> torch.Tensor:
+    """One token per :func:`zerodp.zero.synced_generate` step, so a rank that finishes first (every
+    rank here generates the same length, but a stop condition could end them apart) keeps serving the
+    other ranks' stage-3 gathers."""
+    gen = torch.Generator().manual_seed(s.seed)
+    state = {"idx": prompt}
+
+    def step(i: int, active: bool) -> bool:
+        nxt = generate(engine, state["idx"], 1, temperature=s.temperature, generator=gen, seq_len=seq_len)
+        if active:
+            state["idx"] = nxt
+        return state["idx"].shape[1] - prompt.shape[1] >= s.sample_tokens
+
+    zerodp.zero.synced_generate(engine, step, max_steps=s.sample_tokens)
+    return state["idx"]

@@ -66,8 +66,17 @@ def shutdown_distributed() -> None:
     """
     if not dist.is_initialized():
         return
+    if SHUTDOWN_CHECK:  # the latest engine's collective guard: agree that every rank is shutting down
+        SHUTDOWN_CHECK[-1]()
     dist.barrier()
+    SHUTDOWN_CHECK.clear()
     dist.destroy_process_group()
+
+
+#: set by :mod:`zerodp.runtime.collective_guard` (the latest engine's guard): run before the final
+#: barrier so a rank shutting down while another is still in a collective engine call raises instead
+#: of waiting for the process-group timeout.
+SHUTDOWN_CHECK: list = []
 
 
 def _free_port() -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import zlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -57,6 +57,9 @@ class ParameterCoordinator:
         self.trace_recordings = 0  # completed, cross-rank-checked recordings
         self.peak_live_elements = 0
         self.busy = False  # set while the coordinator itself touches parameters
+        #: called with the module before each fetch of a module that has units (the collective guard's
+        #: agreement, see :mod:`zerodp.runtime.collective_guard`); None: no check
+        self.fetch_check: Optional[Callable[[nn.Module], None]] = None
 
     # ---- iteration boundaries -----------------------------------------------------------------------
     def begin_iteration(self) -> None:
@@ -98,6 +101,8 @@ class ParameterCoordinator:
         units = self.index.by_module.get(id(module))
         if not units:
             return
+        if self.fetch_check is not None:
+            self.fetch_check(module)
         if self.active:
             self._follow_trace(module)
         self.busy = True

@@ -1,0 +1,292 @@
+"""Collective safety: every rank must be in the same engine call before a collective is issued.
+
+The guard owns one extra gloo process group (``dist.new_group``, with the guard's own short timeout)
+and one *agreement* per engine entry point that issues collectives (``forward`` at stage 3,
+``backward``, ``step`` at a gradient accumulation boundary, ``save_checkpoint``, ``load_checkpoint``,
+``module_state_dict``, ``shutdown_distributed``) and, at stage 3, per module fetch in a forward
+(``gather(<module name>)``). Backward fetches are not agreed one by one (that would double the cost):
+the backward entry is agreed and autograd replays the graph of the agreed forward, so they differ only
+if a rank's loss leaves a module out (e.g. a loss term that only some ranks add), which is not detected. An agreement is one all-gather of four int64 per rank:
+``(call code, hash of the call's detail, optimizer step, micro-step)``.
+
+- All equal: the call proceeds; the real collectives pair up because every rank is in the same call.
+- Different (e.g. rank 0 in ``save_checkpoint``, rank 1 in ``backward``): every rank received the same
+  table, so every rank raises :class:`CollectiveMismatchError` together, naming each rank's call and
+  step; the job's real collectives never started, so nothing hangs.
+- A rank does not arrive within ``timeout_s`` (stuck outside zerodp's calls, or dead): the waiting
+  ranks raise :class:`CollectiveTimeoutError` or :class:`RankLostError`; before raising, each failing
+  rank writes what it was doing into the default rendezvous store and waits briefly for the others, so
+  the message names the ranks that never answered (lost) and what the answering ones were doing.
+
+Everything here is ``torch.distributed``: an extra gloo group, ``all_gather_into_tensor``,
+``all_gather_object`` on the error path only, and the job's existing rendezvous store for the
+post-mortem. The cost is measured by ``benchmarks/collective_guard_overhead.py`` (docs/collective-safety.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Iterator, Optional
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerodp.runtime import comm
+
+#: calls the guard knows; the index is the code exchanged between ranks (same on every rank).
+CALLS: tuple[str, ...] = ("forward", "backward", "step", "gather", "save_checkpoint", "load_checkpoint",
+                          "module_state_dict", "shutdown_distributed", "synced_generate")
+_STORE_WAIT_S = 3.0  # how long a failing rank waits for the others' post-mortem reports
+
+
+class CollectiveError(RuntimeError):
+    """Base class: ranks disagreed about, or did not all reach, a collective engine call."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks entered different collective calls (or the same call at different steps)."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """Some rank did not reach the call within the guard's timeout (it is alive but elsewhere)."""
+
+
+class RankLostError(CollectiveError):
+    """A rank's process is gone (killed, crashed or exited) while the others needed it."""
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """What one rank is doing: ``call`` (one of :data:`CALLS`), its ``detail`` (a module name, a
+    directory), the optimizer ``step`` and the ``micro_step``."""
+
+    call: str
+    detail: str
+    step: int
+    micro_step: int
+
+    def describe(self) -> str:
+        what = f"{self.call}({self.detail})" if self.detail else self.call
+        return f"{what} at step {self.step} (micro-step {self.micro_step})"
+
+    def encode(self) -> torch.Tensor:
+        return torch.tensor([CALLS.index(self.call), zlib.crc32(self.detail.encode()) & 0x7FFFFFFF,
+                             self.step, self.micro_step], dtype=torch.int64)
+
+
+class CollectiveGuard:
+    """Agreement checks for one engine on its data-parallel group.
+
+    Args:
+        process_group: the engine's group (None: the default group). The guard builds a gloo group over
+            the same ranks; building it is itself a collective (done in the engine's constructor).
+        timeout_s: seconds a rank waits in an agreement for the others before raising (> 0).
+        check_gathers: also agree before each stage-3 module fetch (detects per-module divergence).
+        enabled: False makes every method a no-op (no extra group is built).
+    """
+
+    _instances = 0
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup], timeout_s: float,
+                 check_gathers: bool = True, enabled: bool = True) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"collective guard timeout_s must be > 0 seconds, got {timeout_s}")
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.timeout_s = float(timeout_s)
+        self.enabled = enabled and self.world_size > 1
+        self.check_gathers = check_gathers and self.enabled
+        self.agreements = 0  # agreements completed (for the cost report)
+        self.seconds = 0.0  # wall time spent in agreements on this rank (includes waiting for peers)
+        self.current: Optional[CallSite] = None
+        self.broken: Optional[CollectiveError] = None
+        CollectiveGuard._instances += 1
+        ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
+                 else list(range(dist.get_world_size())))
+        # post-mortem keys: per guard (same count on every rank of a group) and per group of ranks
+        self._key = f"zerodp/guard{CollectiveGuard._instances}/{'-'.join(map(str, ranks))}"
+        self.group: Optional[dist.ProcessGroup] = None
+        if self.enabled:
+            # only this group's ranks build it (a data-parallel subgroup of a larger world)
+            self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
+                                        use_local_synchronization=process_group is not None)
+        self._send = torch.zeros(4, dtype=torch.int64)
+        self._recv = torch.zeros(self.world_size * 4, dtype=torch.int64)  # gloo: a 1-D output
+
+    # ---- agreement ---------------------------------------------------------------------------------
+    def agree(self, site: CallSite) -> None:
+        """Return when every rank is at ``site``; raise on every rank otherwise.
+
+        Raises:
+            CollectiveMismatchError: another rank is in a different call, or at another step.
+            CollectiveTimeoutError: some rank did not arrive within ``timeout_s``.
+            RankLostError: some rank's process is gone.
+        """
+        if not self.enabled:
+            return
+        if self.broken is not None:
+            raise type(self.broken)(f"{self.broken} (an earlier collective error left this engine "
+                                    "unusable; restart the job)")
+        t0 = time.perf_counter()
+        self._send.copy_(site.encode())
+        try:
+            dist.all_gather_into_tensor(self._recv, self._send, group=self.group)
+        except Exception as exc:  # gloo timeout or a peer's connection closed
+            self._fail(site, exc)
+        self.agreements += 1
+        self.seconds += time.perf_counter() - t0
+        table = self._recv.view(self.world_size, 4)
+        if bool((table == table[0]).all()):
+            return
+        sites: list[Optional[str]] = [None] * self.world_size
+        try:  # every rank is here (the table arrived), so this pairs up
+            dist.all_gather_object(sites, site.describe(), group=self.group)
+        except Exception as exc:
+            self._fail(site, exc)
+        others = "; ".join(f"rank {r} is in {s}" for r, s in enumerate(sites) if r != self.rank)
+        self._raise(CollectiveMismatchError(
+            f"collective mismatch: rank {self.rank} entered {site.describe()}; {others}. Every rank must "
+            f"make the same collective engine calls in the same order (e.g. call {site.call} on every "
+            "rank, not under `if rank == 0`); at stage 3 every rank must run the same modules, see "
+            "zerodp.zero.synced_generate for generation loops of different lengths."))
+
+    @contextlib.contextmanager
+    def call(self, name: str, step: int, micro_step: int, detail: str = "") -> Iterator[None]:
+        """Agree on entry; inside, a failure of a real collective is diagnosed the same way."""
+        if not self.enabled or self.current is not None:  # nested: the outer call already agreed
+            yield
+            return
+        site = CallSite(name, detail, step, micro_step)
+        self.agree(site)
+        self.current = site
+        try:
+            yield
+        except CollectiveError:
+            raise
+        except RuntimeError as exc:
+            if _is_comm_failure(exc):
+                self._fail(site, exc)
+            raise
+        finally:
+            self.current = None
+
+    def gather_check(self, root: nn.Module) -> Optional[Callable[[nn.Module], None]]:
+        """The hook the stage-3 coordinator calls before fetching a submodule of ``root`` (None when
+        ``check_gathers`` is off): agree on ``gather(<module name>)`` within the current call."""
+        if not self.check_gathers:
+            return None
+        names = {id(m): name or "<root>" for name, m in root.named_modules()}
+
+        def check(module: nn.Module) -> None:
+            outer = self.current
+            if outer is not None and outer.call == "backward":
+                return  # backward replays the agreed forward's graph (see the module docstring)
+            self.agree(CallSite("gather", names.get(id(module), type(module).__name__),
+                                outer.step if outer else -1, outer.micro_step if outer else -1))
+        return check
+
+    def install_shutdown_check(self) -> None:
+        """Make :func:`zerodp.shutdown_distributed` agree first (the latest engine's guard wins)."""
+        if not self.enabled:
+            return
+        ref = weakref.ref(self)
+
+        def check() -> None:
+            guard = ref()
+            if guard is not None:
+                guard.agree(CallSite("shutdown_distributed", "", -1, -1))
+        comm.SHUTDOWN_CHECK[:] = [check]
+
+    # ---- failure path ------------------------------------------------------------------------------
+    def _fail(self, site: CallSite, exc: BaseException) -> None:
+        text = str(exc)
+        answered = self._post_mortem(site)
+        silent = [r for r in range(self.world_size) if r != self.rank and r not in answered]
+        seen = "; ".join(f"rank {r} reported {d}" for r, d in sorted(answered.items()) if r != self.rank)
+        where = f"rank {self.rank} was in {site.describe()}"
+        advice = (f"Every rank must make the same collective engine calls in the same order (e.g. "
+                  f"{site.call} on every rank). Cause: {_first_line(text)}")
+        err: CollectiveError
+        if silent and not _is_timeout(text):
+            err = RankLostError(
+                f"rank(s) {_fmt(silent)} lost: {where} when the connection to it broke, and it did not "
+                f"answer within {min(_STORE_WAIT_S, self.timeout_s):g} s (killed, crashed or exited)"
+                f"{'; ' + seen if seen else ''}. The job cannot continue; restart it from the last "
+                f"checkpoint (a save in progress is never published). Cause: {_first_line(text)}")
+        elif silent:
+            err = CollectiveTimeoutError(
+                f"collective timeout after {self.timeout_s:g} s: {where}; rank(s) {_fmt(silent)} never "
+                f"reached a matching call (busy outside zerodp's collective calls, stuck, or dead)"
+                f"{'; ' + seen if seen else ''}. {advice}")
+        else:
+            err = CollectiveTimeoutError(
+                f"collective timeout after {self.timeout_s:g} s: {where}; not every rank arrived in "
+                f"time and the waiting ones gave up ({seen}, after the wait). {advice}")
+        self._raise(err, cause=exc)
+
+    def _raise(self, err: CollectiveError, cause: Optional[BaseException] = None) -> None:
+        self.broken = err
+        raise err from cause
+
+    def _post_mortem(self, site: CallSite) -> dict[int, str]:
+        """Write this rank's call to the rendezvous store; collect what the others wrote (if any)."""
+        store = _default_store()
+        if store is None:
+            return {}
+        keys = [f"{self._key}/rank{r}" for r in range(self.world_size)]
+        try:
+            store.set(keys[self.rank], site.describe())
+        except Exception:
+            return {}
+        found: dict[int, str] = {self.rank: site.describe()}
+        deadline = time.monotonic() + min(_STORE_WAIT_S, self.timeout_s)
+        while True:
+            for r in range(self.world_size):
+                if r not in found:
+                    try:
+                        if store.check([keys[r]]):
+                            found[r] = store.get(keys[r]).decode()
+                    except Exception:
+                        return found
+            if len(found) == self.world_size or time.monotonic() > deadline:
+                return found
+            time.sleep(0.05)
+
+
+def _default_store() -> Optional[dist.Store]:
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return get() if get is not None else None
+    except Exception:
+        return None
+
+
+def _is_timeout(text: str) -> bool:
+    return "timed out" in text.lower() or "timeout" in text.lower()
+
+
+def _is_connection_loss(text: str) -> bool:
+    t = text.lower()
+    return any(k in t for k in ("connection closed", "connection reset", "broken pipe", "connection refused",
+                                "read error", "write error", "eof"))
+
+
+def _is_comm_failure(exc: RuntimeError) -> bool:
+    return (isinstance(exc, getattr(dist, "DistBackendError", ())) or "gloo" in str(exc).lower()
+            or _is_connection_loss(str(exc)) or "collective mismatch" in str(exc).lower())
+
+
+def _fmt(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line[:300]
