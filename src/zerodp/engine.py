@@ -315,8 +315,8 @@ class Engine:
         if self.sharding is not None:
             held3 = self.sharding.held_bytes()
             measured["parameters"] += held3["gathered"]
-            elem = self.groups[0].buffer.element_size() if self.groups else 4
-            peak["gathered_parameters"] = self.sharding.coordinator.peak_live_elements * elem
+            # read from the live storages of the gathered buffers, not from the coordinator's counts
+            peak["gathered_parameters"] = self.sharding.coordinator.peak_gathered_bytes
         return MemoryReport(
             stage=self.stage, rank=self.rank, world_size=self.world_size, numel=self.numel,
             frozen_numel=sum(s.numel for g in self.groups for s in g.slots
