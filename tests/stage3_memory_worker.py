@@ -255,6 +255,86 @@ def op_float_cast_in_bf16_model() -> dict:
     return run_case(FloatCastNorm, lambda r: torch.randn(r, 5, D), OP_ZERO, bf16=True, compare=False)
 
 
+# ---- load_module_state_dict after initialize (stages 0-3 x fp32/bf16) ------------------------------------
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(D, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 3)
+        self.register_buffer("offset", torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.norm(self.fc1(x)))) + self.offset
+
+
+def one_step(engine, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    r = rank()
+    xs = x[2 * r : 2 * r + 2].to(engine.precision.param_dtype)
+    loss = engine(xs).float().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    return engine.module_state_dict()
+
+
+@scenario
+def load_after_initialize() -> dict:
+    out: dict = {}
+    for stage in (0, 1, 2, 3):
+        for bf16 in (False, True):
+            key = f"stage{stage}_{'bf16' if bf16 else 'fp32'}"
+            cfg = config({"stage": stage, "stage3_param_persistence_threshold": 16}, bf16=bf16)
+            torch.manual_seed(1)
+            target = Small()
+            with torch.no_grad():
+                target.fc1.weight.fill_(0.5)  # a value far from any initialisation
+                for t in target.state_dict().values():  # bf16-representable: the bf16 reference engine's
+                    t.copy_(t.to(torch.bfloat16))      # masters (its weights cast up) are then the same
+            sd = {k: v.clone() for k, v in target.state_dict().items()}
+            torch.manual_seed(100)
+            x = torch.randn(2 * world(), D)
+            # reference: an engine built from the target weights (same stage and precision)
+            expected = one_step(zerodp.initialize(_copy(target), cfg), x)
+            torch.manual_seed(0)
+            engine = zerodp.initialize(Small(), cfg)
+            engine.load_module_state_dict(sd)
+            loaded = engine.module_state_dict()
+            got = one_step(engine, x)
+            row = {"loaded_exact": all(torch.equal(loaded[k], sd[k].to(loaded[k].dtype)) for k in sd),
+                   "step_equal": all(torch.equal(got[k], expected[k]) for k in expected),
+                   "compared": len(expected), "fc1_after": got["fc1.weight"].float().mean().item()}
+            if not bf16:  # and plain torch, one Adam step on the same per-rank chunks
+                ref = _copy(target)
+                opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+                for rr in range(world()):
+                    (ref(x[2 * rr : 2 * rr + 2]).pow(2).mean() / world()).backward()
+                opt.step()
+                row["torch_diff_steps"] = max((got[k].float() - v).abs().max().item()
+                                              for k, v in ref.state_dict().items()) / 0.01
+            try:  # the plain torch call: works, or raises naming the engine method
+                torch.manual_seed(0)
+                plain = zerodp.initialize(Small(), cfg)
+                plain.module.load_state_dict(sd)
+                row["plain"] = "loaded"
+                plain_got = one_step(plain, x)
+                row["plain_step_equal"] = all(torch.equal(plain_got[k], expected[k]) for k in expected)
+            except RuntimeError as e:
+                row["plain"] = "raised" if "load_module_state_dict" in str(e) else f"other error: {e}"
+            try:
+                engine.load_module_state_dict({k: v for k, v in sd.items() if k != "fc2.bias"})
+                row["strict_missing"] = "accepted"
+            except RuntimeError as e:
+                row["strict_missing"] = "raised" if "fc2.bias" in str(e) else str(e)
+            out[key] = row
+    return {"cases": out}
+
+
+def _copy(m: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(m)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)

@@ -63,3 +63,22 @@ def test_op_saved_parameter_storage_is_freed_after_forward(results: list[dict], 
         assert row["alive_after_backward"] == 0
         if "compared" in row:
             assert row["compared"] > 0 and row["param_diff_steps"] < 1e-3
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_load_module_state_dict_after_initialize(results: list[dict], stage: int, precision: str) -> None:
+    for row in _ok(results, "load_after_initialize"):
+        case = row["cases"][f"stage{stage}_{precision}"]
+        assert case["compared"] == 7
+        assert case["loaded_exact"]  # module_state_dict (fp32 masters / shards) returns what was loaded
+        assert case["step_equal"]  # one step == an engine built from those weights, bit for bit
+        assert abs(case["fc1_after"] - 0.5) < 0.01  # the loaded 0.5 was not reverted by the step
+        if precision == "fp32":
+            assert case["torch_diff_steps"] < 1e-3  # and == plain torch
+        assert case["strict_missing"] == "raised"
+        # the plain torch call works where it can, else raises naming engine.load_module_state_dict
+        if stage == 3 or precision == "bf16":
+            assert case["plain"] == "raised"
+        else:
+            assert case["plain"] == "loaded" and case["plain_step_equal"]

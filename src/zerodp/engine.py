@@ -25,6 +25,8 @@ from zerodp.runtime.accounting import CATEGORIES, FP32_ADAM, BytesPerElement, Co
 from zerodp.runtime.comm import CommLedger
 from zerodp.config import ConfigError, ZeroDPConfig, load_config
 from zerodp.runtime.optim import ParamGroupSpec, build_optimizer, normalize_param_groups
+from zerodp.runtime.module_state import (GatheredCopy, LoadResult, guard_module_load_state_dict,
+                                         load_module_state)
 from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
 from zerodp.runtime.precision import LossScaler, PrecisionPolicy
 from zerodp.runtime.schedulers import build_scheduler
@@ -74,6 +76,10 @@ class Engine:
                 for piece in g.pieces:
                     piece.master = piece.tensor.detach().float().clone()
         self._register_master_refresh()
+        if self.stage == 3 or self.precision.has_master:
+            why = ("stage 3 keeps each parameter as a shard; the module's parameters are empty placeholders"
+                   if self.stage == 3 else "the next step would copy the fp32 master weights back over them")
+            self._load_guards = guard_module_load_state_dict(module, why)
 
         reducer_args = (self.groups, self.rank, self.world_size, process_group, self.ledger, zc.overlap_comm)
         self.reducer: GradientReducer
@@ -350,6 +356,23 @@ class Engine:
         from zerodp import checkpoint
 
         return checkpoint.load_checkpoint(self, load_dir, tag)
+
+    def load_module_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> LoadResult:
+        """Collective: load a full state dict (keys and shapes of ``module.state_dict()``, e.g. from
+        :meth:`module_state_dict` or a plain PyTorch model) into this rank's parameters or shards and
+        fp32 master weights, at any stage and precision; optimizer states are kept. Every rank must pass
+        the same values. See :func:`zerodp.runtime.module_state.load_module_state`.
+
+        Raises:
+            RuntimeError: missing/unexpected keys with ``strict``, a shape mismatch, or ranks passing
+                different values.
+        """
+        gathered = []
+        if self.sharding is not None:
+            gathered = [GatheredCopy(u.group, u.full) for u in self.sharding.units
+                        if u.full is not None and u.full.untyped_storage().nbytes() > 0]
+        return load_module_state(self.module, self.groups, self.frozen, gathered, state_dict, strict,
+                                 self.process_group, self.ledger)
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """Full state dict keyed like ``module.state_dict()``, fresh copies, on every rank (a
