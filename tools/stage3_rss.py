@@ -19,6 +19,8 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 
 def peak_mb() -> float:
@@ -70,7 +72,8 @@ def worker(args: argparse.Namespace) -> None:
     row = {"stage": args.stage, "rank": engine.rank, "peak_built_mb": round(built, 1),
            "peak_initialized_mb": round(initialized, 1), "peak_trained_mb": round(peak_mb(), 1),
            "rss_end_mb": round(rss_mb(), 1), "gathered_after_forward_mb": round(gathered_after_forward / 1e6, 2)}
-    print("RESULT " + json.dumps(row), flush=True)
+    with open(os.path.join(args.out, f"rank{engine.rank}.json"), "w") as f:
+        json.dump(row, f)
     zerodp.shutdown_distributed()
 
 
@@ -79,6 +82,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--stages", default="0,3")
     ap.add_argument("--stage", type=int, default=None, help=argparse.SUPPRESS)  # set in the ranks
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--bf16", action="store_true")
@@ -88,13 +92,15 @@ def main() -> None:
         worker(args)
         return
     for stage in [int(s) for s in args.stages.split(",")]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world}",
-               __file__, "--stage", str(stage), "--hidden", str(args.hidden), "--steps", str(args.steps)]
-        cmd += ["--bf16"] * args.bf16 + ["--init"] * args.init
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        rows = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-        if out.returncode != 0 or not rows:
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={args.world}", __file__, "--stage", str(stage), "--out", tmp,
+                   "--hidden", str(args.hidden), "--steps", str(args.steps)]
+            cmd += ["--bf16"] * args.bf16 + ["--init"] * args.init
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            rows = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
+        if out.returncode != 0 or len(rows) != args.world:
             sys.exit(f"stage {stage} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
         for row in sorted(rows, key=lambda r: r["rank"]):
             print(json.dumps(row))
