@@ -10,7 +10,8 @@ from zerodp.runtime.collective_guard import (CollectiveError, CollectiveMismatch
                                              RankLostError)
 from zerodp.config import ConfigError, ZeroDPConfig, load_config
 from zerodp import zero
-from zerodp.engine import Engine, initialize
+from zerodp.engine import Engine
+from zerodp.entry import initialize
 
 __version__ = "0.1.0"
 __all__ = ["zero", "initialize", "init_distributed", "shutdown_distributed", "Engine", "ConfigError", "ZeroDPConfig", "load_config",

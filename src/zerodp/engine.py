@@ -14,28 +14,29 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Union
+from typing import Any, ContextManager, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from zerodp import checkpointing
 from zerodp.runtime import comm
 from zerodp.runtime.collective_guard import CollectiveGuard
-from zerodp.runtime.accounting import CATEGORIES, FP32_ADAM, BytesPerElement, CommReport, MemoryReport, model_state_bytes
+from zerodp.runtime.accounting import CATEGORIES, BytesPerElement, CommReport, MemoryReport, model_state_bytes
 from zerodp.runtime.comm import CommLedger
-from zerodp.config import ConfigError, ZeroDPConfig, load_config
-from zerodp.runtime.optim import ParamGroupSpec, build_optimizer, normalize_param_groups
+from zerodp.config import ConfigError, ZeroDPConfig
+from zerodp.runtime.optim import ParamGroupSpec, build_optimizer
+from zerodp.runtime.module_state import (GatheredCopy, LoadResult, guard_module_load_state_dict,
+                                         load_module_state)
 from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
 from zerodp.runtime.precision import LossScaler, PrecisionPolicy
 from zerodp.runtime.schedulers import build_scheduler
 from zerodp.offload.build import OptimizerOffload, build_offload, no_offload
 from zerodp.offload.report import OffloadReport, offload_formula
-from zerodp.runtime.guards import TrainingGuards, check_model_at_initialize, refuse_add_param_group
+from zerodp.runtime.guards import TrainingGuards, refuse_add_param_group
 from zerodp import accessors
-from zerodp.runtime.topology import Topology, global_grad_norm, is_model_parallel_parameter, resolve_topology
+from zerodp.runtime.topology import Topology, global_grad_norm, is_model_parallel_parameter
 from zerodp.stage3.sharding import Stage3
 from zerodp.stage3.ownership import register_master_refresh
 from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer, PartitionedGradReducer
@@ -61,7 +62,7 @@ class _WrappedParams:
 _WRAPPED = _WrappedParams()
 
 
-def _refuse_wrapped(model: nn.Module) -> None:
+def refuse_wrapped(model: nn.Module) -> None:
     """Raise if any parameter of ``model`` already belongs to an engine: its data was re-laid out into
     that engine's flat buffers (or shards) and its gradient hooks feed that engine's reducer."""
     for name, p in model.named_parameters(remove_duplicate=True):
@@ -125,6 +126,10 @@ class Engine:
         if self.offload is not None:
             self.offload.attach(self.groups)
         self._register_master_refresh()
+        if self.stage == 3 or self.precision.has_master:
+            why = ("stage 3 keeps each parameter as a shard; the module's parameters are empty placeholders"
+                   if self.stage == 3 else "the next step would copy the fp32 master weights back over them")
+            self._load_guards = guard_module_load_state_dict(module, why)
 
         reducer_args = (self.groups, self.rank, self.world_size, process_group, self.ledger, zc.overlap_comm)
         self.reducer: GradientReducer
@@ -431,8 +436,8 @@ class Engine:
         if self.sharding is not None:
             held3 = self.sharding.held_bytes()
             measured["parameters"] += held3["gathered"]
-            elem = self.groups[0].buffer.element_size() if self.groups else 4
-            peak["gathered_parameters"] = self.sharding.coordinator.peak_live_elements * elem
+            # read from the live storages of the gathered buffers, not from the coordinator's counts
+            peak["gathered_parameters"] = self.sharding.coordinator.peak_gathered_bytes
         return MemoryReport(
             stage=self.stage, rank=self.rank, world_size=self.world_size, numel=self.numel,
             frozen_numel=sum(s.numel for g in self.groups for s in g.slots
@@ -486,6 +491,23 @@ class Engine:
 
         return os.path.join(d, f"mp_rank_{self.topology.mp_rank:02d}") if self.topology.model_parallel else d
 
+    def load_module_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> LoadResult:
+        """Collective: load a full state dict (keys and shapes of ``module.state_dict()``, e.g. from
+        :meth:`module_state_dict` or a plain PyTorch model) into this rank's parameters or shards and
+        fp32 master weights, at any stage and precision; optimizer states are kept. Every rank must pass
+        the same values. See :func:`zerodp.runtime.module_state.load_module_state`.
+
+        Raises:
+            RuntimeError: missing/unexpected keys with ``strict``, a shape mismatch, or ranks passing
+                different values.
+        """
+        gathered = []
+        if self.sharding is not None:
+            gathered = [GatheredCopy(u.group, u.full) for u in self.sharding.units
+                        if u.full is not None and u.full.untyped_storage().nbytes() > 0]
+        return load_module_state(self.module, self.groups, self.frozen, gathered, state_dict, strict,
+                                 self.process_group, self.ledger)
+
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """Full state dict keyed like ``module.state_dict()``, fresh copies, on every rank (a
         collective): trained parameters in fp32 (the fp32 masters under bf16/fp16), frozen parameters
@@ -513,68 +535,4 @@ def _unique_params(module: nn.Module) -> list[nn.Parameter]:
     return list(module.parameters())
 
 
-def initialize(
-    model: nn.Module,
-    config: Union[str, Mapping[str, Any], ZeroDPConfig, None] = None,
-    model_parameters: Optional[Iterable[Any]] = None,
-    process_group: Optional[dist.ProcessGroup] = None,
-    lr_scheduler: Optional[Callable[[torch.optim.Optimizer], LRScheduler]] = None,
-    mpu: Any = None,
-) -> Engine:
-    """Wrap ``model`` in a ZeRO engine.
-
-    Args:
-        model: the module to train; its parameters are re-laid out into flat buffers (their values are
-            kept; every rank starts from rank 0's values).
-        config: dict, path to a JSON file with DeepSpeed key names, or a parsed config.
-        model_parameters: iterable of parameters or of torch-style param-group dicts (``{"params":
-            [...], "weight_decay": 0.0}``); defaults to all of ``model``'s trainable parameters.
-        process_group: data-parallel group (or a 1-D ``DeviceMesh``); default the whole world
-            (initialised from torchrun's environment by :func:`zerodp.init_distributed` if needed).
-        lr_scheduler: a callable ``f(optimizer) -> torch LRScheduler`` (e.g. ``lambda opt:
-            torch.optim.lr_scheduler.StepLR(opt, 10)``), built on the engine's optimizer and stepped
-            after every optimizer step; mutually exclusive with the config's ``scheduler``.
-        mpu: a model-parallel unit (DeepSpeed/Megatron protocol, see :mod:`zerodp.runtime.topology`):
-            ZeRO then partitions over ``mpu.get_data_parallel_group()``, gradient clipping sums
-            tensor-parallel parameters' norms over the model-parallel group, and each model-parallel
-            rank's checkpoints go to ``save_dir/mp_rank_XX``. Mutually exclusive with ``process_group``.
-
-    Raises:
-        ConfigError: invalid config (names the key and what is allowed).
-        ValueError: ``model`` (or a parameter of it) is already wrapped by an engine; a parameter in
-            ``model_parameters`` is not part of ``model``, appears twice, or a group has an unknown
-            option; or both ``lr_scheduler`` and the config's ``scheduler``.
-        TypeError: ``lr_scheduler`` is a scheduler object (it would be bound to another optimizer).
-    """
-    cfg = load_config(config)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    _refuse_wrapped(model)
-    comm.init_distributed()
-    topology = resolve_topology(process_group, mpu)
-    process_group = topology.dp_group
-    cfg = cfg.for_world_size(dist.get_world_size(process_group))
-    if cfg.seed is not None:
-        torch.manual_seed(cfg.seed)
-    if lr_scheduler is not None:
-        if isinstance(lr_scheduler, LRScheduler) or not callable(lr_scheduler):
-            raise TypeError("lr_scheduler must be a callable taking the engine's optimizer, e.g. "
-                            "lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10); a scheduler "
-                            "object is bound to an optimizer the engine does not use")
-        if cfg.scheduler is not None:
-            raise ValueError("pass either lr_scheduler to initialize() or 'scheduler' in the config, not both")
-    check_model_at_initialize(model, cfg.zero_optimization.stage)
-    specs = normalize_param_groups(model, model_parameters)
-    engine = Engine(model, cfg, specs, process_group)
-    engine.topology = topology
-    if cfg.activation_checkpointing is not None:  # as deepspeed.checkpointing.configure(mpu, config)
-        checkpointing.configure(mpu, deepspeed_config=cfg)
-    if lr_scheduler is not None:
-        engine.lr_scheduler = lr_scheduler(engine.optimizer)
-        if not isinstance(engine.lr_scheduler, LRScheduler):
-            raise TypeError(f"lr_scheduler(optimizer) returned {type(engine.lr_scheduler).__name__}, "
-                            "not a torch.optim.lr_scheduler.LRScheduler")
-    return engine
-
-
-__all__ = ["Engine", "initialize", "ConfigError", "CATEGORIES"]
+__all__ = ["Engine", "ConfigError", "CATEGORIES"]

@@ -30,6 +30,7 @@ from zerodp.accessors import (safe_get_full_fp32_param, safe_get_full_grad, safe
 from zerodp.config import ConfigError, load_config
 from zerodp.stage3.ownership import (MASTER_REFRESH, OWNERS, Owner, add_pending_external, coordinator_busy,
                                      full_numel, is_partitioned)
+from zerodp.stage3.init_writes import InitTouchMode
 from zerodp.stage3.synced import synced_generate
 from zerodp.stage3.units import ShardedUnit, ShardState, shard_unit
 
@@ -139,9 +140,13 @@ class Init:
     partitioned later by :func:`zerodp.initialize`. The only hook used is torch's own module
     registration hook, installed on ``__enter__`` and removed on ``__exit__`` (nothing is patched).
 
-    Code that changes a submodule's weights after it was assigned (e.g. ``self.apply(init_fn)`` at the
-    end of the root ``__init__``) must gather them first, one module at a time:
-    ``with GatheredParameters(list(m.parameters(recurse=False)), modifier_rank=0): init_fn(m)``.
+    Code that changes a submodule's weights after it was assigned (HF's ``post_init()``,
+    ``self.apply(init_fn)`` at the end of the root ``__init__``, ``nn.init.*`` on a child's weight)
+    needs no change: while ``Init`` is active, the first torch call on a partitioned parameter gathers
+    it, the call edits the full tensor as it would without ``Init`` (same random draws), and the edit is
+    re-partitioned from rank 0's values later (see :mod:`zerodp.stage3.init_writes`). The weights are
+    then bit-identical to those the constructor gives without ``Init`` (with fp32 parameters; with
+    bf16/fp16 the edit runs on the already-cast parameter).
 
     Args:
         config: the engine config (dict, JSON path or parsed); must be stage 3 when ``enabled``.
@@ -165,6 +170,8 @@ class Init:
         self.ledger = CommLedger()
         self.units: list[ShardedUnit] = []
         self._handle = None
+        self._touch: Optional[InitTouchMode] = None
+        self._touch_gathers = 0
 
     def __enter__(self) -> "Init":
         if not self.enabled:
@@ -173,16 +180,36 @@ class Init:
 
         comm.init_distributed()
         self._handle = register_module_module_registration_hook(self._on_register)
+        self._touch = InitTouchMode(self.pg, self.config.zero_optimization.stage3_max_live_parameters)
+        self._touch.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        if self._touch is not None:
+            touch, self._touch = self._touch, None
+            self._touch_gathers = touch.gathers  # units gathered because the constructor touched them
+            try:
+                if exc[0] is None:
+                    touch.flush_all()
+            finally:
+                touch.__exit__(None, None, None)
 
     def _on_register(self, parent: nn.Module, name: str, child: Optional[nn.Module]) -> None:
         if child is None:
             return
+        if self._touch is None:
+            self._partition(child, name)
+            return
+        self._touch.busy = True
+        try:
+            self._partition(child, name)
+        finally:
+            self._touch.busy = False
+
+    def _partition(self, child: nn.Module, name: str) -> None:
         threshold = self.config.zero_optimization.stage3_param_persistence_threshold
         named = [(n, p) for n, p in child.named_parameters(recurse=False)
                  if p.numel() > threshold and OWNERS.get(p) is None]

@@ -55,7 +55,8 @@ class ParameterCoordinator:
         self.prefetches_issued = 0  # all-gathers launched ahead of use
         self.prefetch_hits = 0  # fetches served by a prefetch already in flight or done
         self.trace_recordings = 0  # completed, cross-rank-checked recordings
-        self.peak_live_elements = 0
+        self.peak_live_elements = 0  # bookkeeping: elements of units not SHARDED (prefetch budget)
+        self.peak_gathered_bytes = 0  # measured: bytes of live gathered storage (full + cast buffers)
         self.busy = False  # set while the coordinator itself touches parameters
         #: called with the module before each fetch of a module that has units (the collective guard's
         #: agreement, see :mod:`zerodp.runtime.collective_guard`); None: no check
@@ -201,5 +202,10 @@ class ParameterCoordinator:
     def live_elements(self) -> int:
         return sum(u.numel for u in self.index.units if u.state is not ShardState.SHARDED)
 
+    def gathered_bytes(self) -> int:
+        """Bytes of gathered parameter storage alive now, read from the storages themselves."""
+        return sum(u.gathered_bytes() for u in self.index.units)
+
     def _note_live(self) -> None:
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements())
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())

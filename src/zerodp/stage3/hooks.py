@@ -14,7 +14,10 @@
 Inputs and outputs may be tensors, or tuples, lists, dicts and dataclasses of them, or anything else
 (left untouched). Parameters of other modules used directly inside a forward are detected by
 :class:`ExternalParameterMode` (a ``TorchFunctionMode`` active only inside the engine's forward) and
-gathered from then on with the module that used them.
+gathered from then on with the module that used them. The same mode routes dtype casts of a gathered
+parameter (``weight.float()``, ``weight.to(torch.bfloat16)``) through :class:`_ParamCast`, whose output
+lives in the unit's cast buffer: a cast saved by autograd is then freed with the unit after forward
+and re-filled when the unit is gathered for backward (see :mod:`zerodp.stage3.units`).
 """
 
 from __future__ import annotations
@@ -125,6 +128,25 @@ def register_stage3_hooks(
     return handles
 
 
+class _ParamCast(torch.autograd.Function):
+    """``param`` cast to ``buf``'s dtype, returned as a view of ``buf`` (a unit's cast buffer);
+    backward casts the gradient back. Saves nothing."""
+
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = param.dtype
+        return buf.view_as(buf)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
+
+
+#: the Tensor methods treated as dtype casts of a parameter
+_CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half,
+          torch.Tensor.bfloat16, torch.Tensor.type}
+
+
 class ExternalParameterMode(TorchFunctionMode):
     """Detects a partitioned parameter used while SHARDED inside a module's forward (e.g. a parent
     reading ``self.child.weight``): gathers it and registers it as external to that module."""
@@ -143,7 +165,25 @@ class ExternalParameterMode(TorchFunctionMode):
                     u = c.index.by_param.get(id(a))
                     if u is not None and u.state is not ShardState.UNSHARDED:
                         c.fetch_external(self.stack.stack[-1], a)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in _CASTS and not c.busy and args and isinstance(args[0], nn.Parameter):
+            return _cast_buffer_output(c, args[0], out)
+        return out
+
+
+def _cast_buffer_output(c: ParameterCoordinator, param: nn.Parameter, out: Any) -> Any:
+    """Replace ``out`` (``param`` cast to another dtype) with the same values in ``param``'s unit's
+    cast buffer, so that the memory is freed with the unit. Anything else is returned unchanged."""
+    u = c.index.by_param.get(id(param))
+    if (u is None or u.persistent or u.state is not ShardState.UNSHARDED or not isinstance(out, torch.Tensor)
+            or out is param or out.dtype == param.dtype or out.device != param.device
+            or out.shape != param.shape):
+        return out
+    buf = u.cast(param, out.dtype)
+    c._note_live()
+    if not (torch.is_grad_enabled() and param.requires_grad):
+        return buf.view_as(buf).detach()
+    return _ParamCast.apply(param, buf)
 
 
 def _flat_args(args: tuple, kwargs: dict):

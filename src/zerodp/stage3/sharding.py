@@ -122,5 +122,5 @@ class Stage3:
 
     def held_bytes(self) -> dict[str, int]:
         shards = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
-        gathered = sum(u.full.numel() * u.full.element_size() for u in self.units if u.full is not None)
+        gathered = sum(u.gathered_bytes() for u in self.units)  # live storage, not bookkeeping
         return {"shards": shards, "gathered": gathered}

@@ -3,8 +3,15 @@
 [Note: units] Each submodule's directly-owned parameters (``recurse=False``; a tied parameter belongs to
 the first module that owns it) form one *unit*: a flat layout padded to a multiple of the world size
 N, of which rank r keeps only shard r (1-D, ``numel / N`` elements). Gathering a unit is one coalesced
-all-gather into a full flat buffer whose views become the parameters' ``.data``;
-releasing it points ``.data`` back at an empty placeholder (shape ``(0,)``) and drops the buffer.
+all-gather into the unit's full flat buffer, whose views become the parameters' ``.data``;
+releasing it points ``.data`` back at an empty placeholder (shape ``(0,)``) and frees the buffer's
+memory by resizing its storage to 0 bytes (FSDP2's approach). The buffer *object* and its storage
+object live on: views that autograd saved during forward (``weight.t()`` in ``linear``, a transposed
+weight in ``matmul``) point at that storage, hold no memory while the unit is released, and become
+valid again when the unit is re-gathered (into the same storage, re-allocated) before the module's
+backward. Casts of a gathered parameter made inside the engine's forward (``weight.float()``,
+``weight.to(torch.bfloat16)``) are kept in per-unit *cast buffers* that follow the same rule (see
+:meth:`ShardedUnit.cast`).
 Parameters with at most ``stage3_param_persistence_threshold`` elements go to one *persistent* unit
 that stays gathered and is re-gathered after each optimizer step.
 
@@ -45,8 +52,10 @@ class ShardedUnit:
     world_size: int
     persistent: bool = False
     state: ShardState = ShardState.SHARDED
-    full: Optional[torch.Tensor] = None  # 1-D, padded numel, while GATHERING/UNSHARDED
+    full: Optional[torch.Tensor] = None  # 1-D, padded numel; its storage has 0 bytes while SHARDED
     work: Optional[Work] = None
+    # (slot position, dtype) -> cast of that parameter; storage re-filled on gather, emptied on release
+    casts: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     users: int = 0  # modules currently holding it gathered (forward or backward)
     prefetched: bool = False  # gathered ahead of use by the coordinator
 
@@ -63,39 +72,89 @@ class ShardedUnit:
         return self.group.slots
 
     def start_gather(self, pg: Optional[ProcessGroup], ledger: CommLedger, purpose: str) -> None:
-        """SHARDED -> GATHERING: launch the all-gather of every rank's shard into a new full buffer."""
+        """SHARDED -> GATHERING: re-allocate the full buffer's storage and launch the all-gather of
+        every rank's shard into it."""
         assert self.state is ShardState.SHARDED, f"unit '{self.name}' gathered while {self.state}"
-        self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=self.shard.device)
+        if self.full is None:
+            self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=self.shard.device)
+        else:
+            _allocate(self.full)
         self.work = comm.all_gather(self.full, self.shard, pg, ledger, purpose, async_op=True)
         self.state = ShardState.GATHERING
 
     def finish_gather(self) -> None:
-        """GATHERING -> UNSHARDED: wait, then point each parameter's ``.data`` at its full view."""
+        """GATHERING -> UNSHARDED: wait, point each parameter's ``.data`` at its full view and re-fill
+        the cast buffers."""
         assert self.state is ShardState.GATHERING, f"unit '{self.name}' finished while {self.state}"
         self.work.wait()
         self.work = None
         for s in self.slots:
-            s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
+            s.param.data = self._view(s)
+        for (i, _dtype), buf in self.casts.items():
+            _allocate(buf)
+            with torch.no_grad():
+                buf.copy_(self._view(self.slots[i]))
         self.state = ShardState.UNSHARDED
 
     def release(self) -> None:
-        """UNSHARDED -> SHARDED: drop the full buffer; parameters become empty placeholders."""
+        """UNSHARDED -> SHARDED: parameters become empty placeholders and the memory of the full
+        buffer and of the cast buffers is freed (their storages are resized to 0 bytes)."""
         if self.state is ShardState.GATHERING:
             self.finish_gather()
         if self.state is ShardState.SHARDED:
             return
         for s in self.slots:
             s.param.data = _placeholder(self.shard)
-        self.full = None
+        _free(self.full)
+        for buf in self.casts.values():
+            _free(buf)
         self.users = 0
         self.prefetched = False
         self.state = ShardState.SHARDED
+
+    def cast(self, param: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
+        """The cast buffer holding ``param`` (gathered, of this unit) in ``dtype``, re-filled now.
+
+        Raises:
+            RuntimeError: the unit is not gathered, or ``param`` is not one of its parameters.
+        """
+        if self.state is not ShardState.UNSHARDED:
+            raise RuntimeError(f"unit '{self.name}': cast of a parameter while the unit is {self.state.value}")
+        pos = next((i for i, s in enumerate(self.slots) if s.param is param), None)
+        if pos is None:
+            raise RuntimeError(f"unit '{self.name}' does not own the parameter being cast")
+        buf = self.casts.get((pos, dtype))
+        if buf is None:
+            buf = torch.empty(self.slots[pos].shape, dtype=dtype, device=self.shard.device)
+            self.casts[(pos, dtype)] = buf
+        with torch.no_grad():
+            buf.copy_(self._view(self.slots[pos]))
+        return buf
+
+    def gathered_bytes(self) -> int:
+        """Bytes this unit holds beyond its shard, read from the live storages (full + casts)."""
+        total = self.full.untyped_storage().nbytes() if self.full is not None else 0
+        return total + sum(b.untyped_storage().nbytes() for b in self.casts.values())
+
+    def _view(self, s: ParamSlot) -> torch.Tensor:
+        return self.full[s.offset : s.offset + s.numel].view(s.shape)
 
     def write_back(self) -> None:
         """Copy this rank's slice of the (possibly edited) full parameters into its shard."""
         assert self.full is not None
         lo = self.rank * self.shard.numel()
         self.shard.copy_(self.full[lo : lo + self.shard.numel()])
+
+
+def _free(t: Optional[torch.Tensor]) -> None:
+    if t is not None and t.untyped_storage().nbytes() > 0:
+        t.untyped_storage().resize_(0)
+
+
+def _allocate(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() < nbytes:
+        t.untyped_storage().resize_(nbytes)
 
 
 def _placeholder(like: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""``zerodp.initialize``: wrap a model in a ZeRO :class:`~zerodp.engine.Engine` (DeepSpeed's
+``deepspeed.initialize`` without the tuple): config parsing, the process-group topology, parameter
+groups, the engine, and the optional LR scheduler and activation-checkpointing configuration."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from zerodp import checkpointing
+from zerodp.config import ZeroDPConfig, load_config
+from zerodp.engine import Engine, refuse_wrapped
+from zerodp.runtime import comm
+from zerodp.runtime.guards import check_model_at_initialize
+from zerodp.runtime.optim import normalize_param_groups
+from zerodp.runtime.topology import resolve_topology
+
+
+def initialize(
+    model: nn.Module,
+    config: Union[str, Mapping[str, Any], ZeroDPConfig, None] = None,
+    model_parameters: Optional[Iterable[Any]] = None,
+    process_group: Optional[dist.ProcessGroup] = None,
+    lr_scheduler: Optional[Callable[[torch.optim.Optimizer], LRScheduler]] = None,
+    mpu: Any = None,
+) -> Engine:
+    """Wrap ``model`` in a ZeRO engine.
+
+    Args:
+        model: the module to train; its parameters are re-laid out into flat buffers (their values are
+            kept; every rank starts from rank 0's values).
+        config: dict, path to a JSON file with DeepSpeed key names, or a parsed config.
+        model_parameters: iterable of parameters or of torch-style param-group dicts (``{"params":
+            [...], "weight_decay": 0.0}``); defaults to all of ``model``'s trainable parameters.
+        process_group: data-parallel group (or a 1-D ``DeviceMesh``); default the whole world
+            (initialised from torchrun's environment by :func:`zerodp.init_distributed` if needed).
+        lr_scheduler: a callable ``f(optimizer) -> torch LRScheduler`` (e.g. ``lambda opt:
+            torch.optim.lr_scheduler.StepLR(opt, 10)``), built on the engine's optimizer and stepped
+            after every optimizer step; mutually exclusive with the config's ``scheduler``.
+        mpu: a model-parallel unit (DeepSpeed/Megatron protocol, see :mod:`zerodp.runtime.topology`):
+            ZeRO then partitions over ``mpu.get_data_parallel_group()``, gradient clipping sums
+            tensor-parallel parameters' norms over the model-parallel group, and each model-parallel
+            rank's checkpoints go to ``save_dir/mp_rank_XX``. Mutually exclusive with ``process_group``.
+
+    Raises:
+        ConfigError: invalid config (names the key and what is allowed).
+        ValueError: ``model`` (or a parameter of it) is already wrapped by an engine; a parameter in
+            ``model_parameters`` is not part of ``model``, appears twice, or a group has an unknown
+            option; or both ``lr_scheduler`` and the config's ``scheduler``.
+        TypeError: ``lr_scheduler`` is a scheduler object (it would be bound to another optimizer).
+    """
+    cfg = load_config(config)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    refuse_wrapped(model)
+    comm.init_distributed()
+    topology = resolve_topology(process_group, mpu)
+    process_group = topology.dp_group
+    cfg = cfg.for_world_size(dist.get_world_size(process_group))
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed)
+    if lr_scheduler is not None:
+        if isinstance(lr_scheduler, LRScheduler) or not callable(lr_scheduler):
+            raise TypeError("lr_scheduler must be a callable taking the engine's optimizer, e.g. "
+                            "lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10); a scheduler "
+                            "object is bound to an optimizer the engine does not use")
+        if cfg.scheduler is not None:
+            raise ValueError("pass either lr_scheduler to initialize() or 'scheduler' in the config, not both")
+    check_model_at_initialize(model, cfg.zero_optimization.stage)
+    specs = normalize_param_groups(model, model_parameters)
+    engine = Engine(model, cfg, specs, process_group)
+    engine.topology = topology
+    if cfg.activation_checkpointing is not None:  # as deepspeed.checkpointing.configure(mpu, config)
+        checkpointing.configure(mpu, deepspeed_config=cfg)
+    if lr_scheduler is not None:
+        engine.lr_scheduler = lr_scheduler(engine.optimizer)
+        if not isinstance(engine.lr_scheduler, LRScheduler):
+            raise TypeError(f"lr_scheduler(optimizer) returned {type(engine.lr_scheduler).__name__}, "
+                            "not a torch.optim.lr_scheduler.LRScheduler")
+    return engine
+
+
+__all__ = ["initialize"]
