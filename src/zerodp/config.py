@@ -18,7 +18,7 @@ from typing import Any, Literal, Mapping, Optional, Tuple, Union, get_args, get_
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from zerodp.config_keys import OPTIMIZERS, REFUSED_OPTIMIZERS, canonical_optimizer, not_implemented_keys
+from zerodp.config_keys import OPTIMIZERS, REFUSED_OPTIMIZERS, canonical_optimizer, screen_keys
 
 
 class ConfigError(ValueError):
@@ -385,7 +385,7 @@ def load_config(config: Union[str, os.PathLike, Mapping[str, Any], ZeroDPConfig,
             raise ConfigError(f"config file {os.fspath(config)!r} is not valid JSON: {exc}") from None
     if not isinstance(config, Mapping):
         raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
-    refused = not_implemented_keys(config)
+    config, refused = screen_keys(config)
     if refused:
         raise ConfigError("invalid zerodp config:\n  " + "\n  ".join(refused))
     try:

@@ -6,12 +6,16 @@
   optimizer, or a torch optimizer whose update depends on the parameter's shape or needs a closure).
 - :data:`NOT_IMPLEMENTED`: config key paths (dotted, DeepSpeed's spelling) refused with the message
   ``"'<key>' is not implemented: <reason>"`` instead of a generic unknown-key error.
+- :data:`ONLY_VALUE`: keys accepted only at the value that describes what zerodp always does
+  (``reduce_scatter: true``...), refused as not implemented at any other.
 
 The README's "DeepSpeed config keys" table lists the same keys (tests/test_readme_config_table.py).
 """
 
 from __future__ import annotations
 
+import copy
+import json
 from typing import Any, Mapping, Optional
 
 import torch
@@ -61,12 +65,6 @@ _SCOPE = "outside zerodp's scope (ZeRO data parallelism only)"
 #: ``aio``, ``sub_group_size``) are owned by zerodp.offload and are not listed here.
 NOT_IMPLEMENTED: dict[str, str] = {
     "zero_optimization.stage3_max_reuse_distance": "no reuse cache; a unit used again is gathered again",
-    "zero_optimization.reduce_scatter": "always on (gradients are reduce-scattered at stages 1-3)",
-    "zero_optimization.allgather_partitions": "always on (updated partitions are all-gathered)",
-    "zero_optimization.round_robin_gradients": "gradient partitions are assigned contiguously",
-    "zero_optimization.elastic_checkpoint": "checkpoints already load at any world size and stage",
-    "zero_optimization.ignore_unused_parameters": "unused parameters are always handled: a parameter "
-                                                  "with no gradient on any rank is skipped",
     "zero_optimization.zero_hpz_partition_size": _ZERO_PP,
     "zero_optimization.zero_quantized_weights": _ZERO_PP,
     "zero_optimization.zero_quantized_gradients": _ZERO_PP,
@@ -87,15 +85,47 @@ NOT_IMPLEMENTED: dict[str, str] = {
 }
 
 
-def not_implemented_keys(config: Mapping[str, Any]) -> list[str]:
-    """Messages for every key of :data:`NOT_IMPLEMENTED` present in ``config`` (a raw dict)."""
+#: dotted key path -> (the one value accepted: what zerodp always does, why another is refused). The
+#: key is dropped from the config when it has that value, refused as not implemented otherwise.
+ONLY_VALUE: dict[str, tuple[Any, str]] = {
+    "zero_optimization.reduce_scatter": (True, "gradients are always reduce-scattered at stages 1-3"),
+    "zero_optimization.allgather_partitions": (True, "updated partitions are always all-gathered"),
+    "zero_optimization.round_robin_gradients": (False, "gradient partitions are assigned contiguously"),
+    "zero_optimization.elastic_checkpoint": (False, "checkpoints load at any world size and stage anyway"),
+    "zero_optimization.ignore_unused_parameters": (True, "a parameter with no gradient on any rank is "
+                                                         "always skipped"),
+}
+
+
+def _lookup(config: Mapping[str, Any], path: str) -> tuple[bool, Any, Optional[dict]]:
+    node: Any = config
+    parent = None
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None, None
+        parent, node = node, node[part]
+    return True, node, parent
+
+
+def screen_keys(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Split off DeepSpeed keys zerodp does not model as fields.
+
+    Returns:
+        (``config`` without the :data:`ONLY_VALUE` keys that have their accepted value, a message for
+        every :data:`NOT_IMPLEMENTED` key present and every :data:`ONLY_VALUE` key with another value).
+    """
+    out = copy.deepcopy(dict(config))
     found = []
     for path, reason in NOT_IMPLEMENTED.items():
-        node: Any = config
-        for part in path.split("."):
-            if not isinstance(node, Mapping) or part not in node:
-                break
-            node = node[part]
-        else:
+        if _lookup(out, path)[0]:
             found.append(f"'{path}' is not implemented: {reason}")
-    return found
+    for path, (value, reason) in ONLY_VALUE.items():
+        present, given, parent = _lookup(out, path)
+        if not present:
+            continue
+        if given is value:
+            del parent[path.rsplit(".", 1)[-1]]
+        else:
+            found.append(f"'{path}' is not implemented for {json.dumps(given, default=repr)} (only "
+                         f"{json.dumps(value)} is accepted): {reason}")
+    return out, found

@@ -213,3 +213,44 @@ def _resolve_scheduler(cfg: dict[str, Any], optimizer_lr: Optional[float]) -> No
             raise ConfigError("invalid zerodp config:\n  'scheduler.params.warmup_max_lr' is \"auto\" (= the "
                               "optimizer's lr) but no optimizer lr is given; set optimizer.params.lr")
         params["warmup_max_lr"] = float(lr)
+
+
+#: fill_auto keyword (the HF TrainingArguments name) -> the config key paths it fills, as the HF
+#: Trainer's DeepSpeed integration does.
+TRAINER_FILLS: dict[str, tuple[str, ...]] = {
+    "per_device_train_batch_size": ("train_micro_batch_size_per_gpu",),
+    "gradient_accumulation_steps": ("gradient_accumulation_steps",),
+    "max_grad_norm": ("gradient_clipping",),
+    "learning_rate": ("optimizer.params.lr", "scheduler.params.warmup_max_lr"),
+    "adam_betas": ("optimizer.params.betas",),
+    "adam_epsilon": ("optimizer.params.eps",),
+    "weight_decay": ("optimizer.params.weight_decay",),
+    "warmup_steps": ("scheduler.params.warmup_num_steps",),
+    "max_steps": ("scheduler.params.total_num_steps",),
+    "fp16": ("fp16.enabled",),
+    "bf16": ("bf16.enabled",),
+}
+
+
+def fill_auto(config: Any, **values: Any) -> dict[str, Any]:
+    """Replace ``"auto"`` with the caller's training arguments, as the HF Trainer does before it calls
+    ``deepspeed.initialize`` (keywords: the TrainingArguments names in :data:`TRAINER_FILLS`, e.g.
+    ``learning_rate=3e-4, per_device_train_batch_size=8``). Keys left ``"auto"`` are resolved or refused
+    later by :func:`resolve_deepspeed_config`; ``train_batch_size`` is derived from the other two.
+
+    Raises:
+        TypeError: an unknown keyword (names the allowed ones).
+    """
+    unknown = sorted(set(values) - set(TRAINER_FILLS))
+    if unknown:
+        raise TypeError(f"fill_auto() got unknown argument(s) {unknown}; allowed: {', '.join(TRAINER_FILLS)}")
+    cfg = read_config(config)
+    for name, value in values.items():
+        for path in TRAINER_FILLS[name]:
+            node: Any = cfg
+            *parents, leaf = path.split(".")
+            for part in parents:
+                node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, dict) and node.get(leaf) == AUTO:
+                node[leaf] = list(value) if isinstance(value, tuple) else value
+    return cfg

@@ -299,6 +299,8 @@ class DeepSpeedEngine:
         if self.engine.rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(sd, os.path.join(save_dir, save_filename))
+        if dist.get_world_size(self.engine.process_group) > 1:
+            dist.barrier(self.engine.process_group)  # the file exists on return, on every rank
         return True
 
     def save_checkpoint(self, save_dir: Any, tag: Any = None, client_state: Optional[Mapping[str, Any]] = None,
