@@ -131,6 +131,50 @@ def ds_train(deepspeed: Any, stage: int, ckpt_dir: str, client_optimizer: bool) 
     return out, final
 
 
+class Shared(nn.Module):
+    """``shared`` runs twice per forward with ``mid`` (42 elements) in between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(6, 6)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.shared(x))
+        return self.head(torch.tanh(self.shared(torch.tanh(self.mid(h)))))
+
+
+def reuse_run(deepspeed: Any, distance: int) -> dict[str, Any]:
+    """Stage 3 with ``stage3_max_reuse_distance``: all-gathers after the first (recording) step."""
+    torch.manual_seed(0)
+    model = Shared()
+    config = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 4,
+                                    "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": distance}}
+    engine, _, loader, _ = deepspeed.initialize(model=model, training_data=dataset(), config=config)
+    for i, (x, y) in enumerate(loader):
+        if i == 1:
+            engine.reset_comm_report()
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    gathers = sum(r.count for r in engine.comm_report().records if r.op == "all_gather" and r.purpose == "parameters")
+    final = {k: v.clone() for k, v in engine.state_dict().items()}
+    torch.manual_seed(0)
+    ref = Shared()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    data, world = dataset(), dist.get_world_size()
+    order = [list(DistributedSampler(data, num_replicas=world, rank=r)) for r in range(world)]
+    for step in range(len(loader)):
+        for r in range(world):
+            x, y = data[order[r][step * MICRO:(step + 1) * MICRO]]
+            (nn.functional.mse_loss(ref(x), y) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"gathers": gathers, "reuse_hits": engine.sharding.coordinator.reuse_hits,
+            "err": max(err(final[k], v) for k, v in ref.state_dict().items()), "compared": len(final)}
+
+
 def _opt_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     return {f"{i}.{k}": v for i, st in enumerate(opt.state.values()) for k, v in st.items()
             if isinstance(v, torch.Tensor) and v.dim() > 0}
@@ -191,6 +235,12 @@ def main() -> None:
             except Exception:
                 results[name] = {"error": traceback.format_exc()}
             dist.barrier()
+    if "3" in a.stages.split(","):
+        for distance in (0, 100):
+            try:
+                results[f"reuse{distance}"] = reuse_run(deepspeed, distance)
+            except Exception:
+                results[f"reuse{distance}"] = {"error": traceback.format_exc()}
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     import zerodp

@@ -46,6 +46,18 @@ def test_deepspeed_script_matches_reference(stage: int, variant: str) -> None:
         assert r["latest"] == "2" and r["save16_keys"]
 
 
+def test_stage3_max_reuse_distance_keeps_a_reused_unit_gathered() -> None:
+    for rank, res in enumerate(results()):
+        off, on = res["reuse0"], res["reuse100"]
+        assert "error" not in off and "error" not in on, (off.get("error"), on.get("error"))
+        assert off["compared"] == on["compared"] == 6
+        assert off["err"] <= 1.0 and on["err"] <= 1.0, (off["err"], on["err"])
+        # per step after recording: 4 units gathered in forward (shared twice) and 4 in backward; with
+        # reuse, shared's second forward use and second backward use are served without a gather
+        assert off["reuse_hits"] == 0 and on["reuse_hits"] > 0
+        assert on["gathers"] < off["gathers"], (on["gathers"], off["gathers"])
+
+
 class HFLike(nn.Module):
     """A model with an HF-style ``config.hidden_size``."""
 

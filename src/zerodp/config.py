@@ -169,12 +169,17 @@ class ZeroConfig(_Strict):
     stage3_prefetch_bucket_size: int = Field(
         50_000_000, ge=0, description="stage 3: elements prefetched ahead of use along the trace (0: off)"
     )
+    stage3_max_reuse_distance: int = Field(
+        0, ge=0, description="stage 3: a unit the trace uses again within this many elements stays gathered "
+                             "(0: off; DeepSpeed's default is 1e9)"
+    )
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, description="stage 3: engine.save_16bit_model gathers and writes the full weights (else refused)"
     )
 
     @field_validator("reduce_bucket_size", "allgather_bucket_size", "stage3_param_persistence_threshold",
-                     "stage3_max_live_parameters", "stage3_prefetch_bucket_size", mode="before")
+                     "stage3_max_live_parameters", "stage3_prefetch_bucket_size", "stage3_max_reuse_distance",
+                     mode="before")
     @classmethod
     def _int_from_float(cls, v: Any) -> Any:
         # DeepSpeed configs often write 5e8; accept integral floats, refuse 1.5.

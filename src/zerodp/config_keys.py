@@ -64,7 +64,6 @@ _SCOPE = "outside zerodp's scope (ZeRO data parallelism only)"
 #: dotted key path -> why it is refused. The offload keys (``offload_optimizer``, ``offload_param``,
 #: ``aio``, ``sub_group_size``) are owned by zerodp.offload and are not listed here.
 NOT_IMPLEMENTED: dict[str, str] = {
-    "zero_optimization.stage3_max_reuse_distance": "no reuse cache; a unit used again is gathered again",
     "zero_optimization.zero_hpz_partition_size": _ZERO_PP,
     "zero_optimization.zero_quantized_weights": _ZERO_PP,
     "zero_optimization.zero_quantized_gradients": _ZERO_PP,
