@@ -247,3 +247,42 @@ def test_real_deepspeed_accepts_the_same_tutorial_config() -> None:
     for cfg in (DS_ZERO2, DS_ZERO3):
         ds = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, **cfg}, world_size=1)
         assert ds.zero_optimization_stage == cfg["zero_optimization"]["stage"]
+
+
+def test_steps_per_print_and_wall_clock_breakdown_print(capsys) -> None:
+    engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config={
+        "steps_per_print": 2, "wall_clock_breakdown": True, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    for _ in range(4):
+        engine.backward(engine(torch.randn(1, 3)).sum())
+        engine.step()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[zerodp]")]
+    assert [ln.split(",")[0] for ln in lines if ln.startswith("[zerodp] step=")] == ["[zerodp] step=2", "[zerodp] step=4"]
+    assert sum("forward=" in ln and "backward=" in ln for ln in lines) == 2
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop])
+def test_client_optimizer_with_param_groups_matches_torch(cls: type) -> None:
+    torch.manual_seed(0)
+    model, ref = nn.Linear(4, 3), nn.Linear(4, 3)
+    ref.load_state_dict(model.state_dict())
+
+    def groups(m: nn.Module) -> list[dict]:
+        return [{"params": [m.weight], "weight_decay": 0.1}, {"params": [m.bias], "weight_decay": 0.0, "lr": 0.05}]
+
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=cls(groups(model), lr=0.01),
+                                                   config={"zero_optimization": {"stage": 1}})
+    assert type(optimizer) is cls and [g["lr"] for g in optimizer.param_groups] == [0.01, 0.05]
+    opt = cls(groups(ref), lr=0.01)
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        ref(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    got = engine.state_dict()
+    compared = 0
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+        compared += 1
+    assert compared == 2

@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from zerodp.config import ConfigError, OptimizerConfig
+from zerodp.config import ConfigError, OptimizerConfig, optimizer_options
 from zerodp.config_keys import OPTIMIZERS
 from zerodp.deepspeed import checkpointing, zero
 from zerodp.deepspeed.config import read_config, resolve_deepspeed_config
@@ -131,12 +131,13 @@ def _from_client_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, Any], 
     if opt.state:
         raise NotImplementedError("a client optimizer that has already stepped (it has state) is not "
                                   "implemented: pass it before its first step")
-    defaults = {k: _plain(v) for k, v in opt.defaults.items()
-                if v is not None and k not in _IMPLEMENTATION_KEYS}
+    # only what the class's constructor takes (AdamW's defaults also hold decoupled_weight_decay=True)
+    accepted = set(optimizer_options(name)) - set(_IMPLEMENTATION_KEYS)
+    defaults = {k: _plain(v) for k, v in opt.defaults.items() if v is not None and k in accepted}
     groups = []
     for g in opt.param_groups:
         options = {k: _plain(v) for k, v in g.items()
-                   if k not in ("params", "initial_lr", *_IMPLEMENTATION_KEYS) and _plain(v) != defaults.get(k)}
+                   if k in accepted and _plain(v) != defaults.get(k)}
         groups.append({"params": g["params"], **options})
     section = OptimizerConfig(type=name, params=defaults).model_dump(exclude_none=True)
     return section, groups
