@@ -5,7 +5,8 @@ Modules: :mod:`~zerodp.checkpoint.format` (file names, tensor names, tags, the e
 (what is needed of an engine), :mod:`~zerodp.checkpoint.engine_state` (what is read off it),
 :mod:`~zerodp.checkpoint.layout` (per-stage placement), :mod:`~zerodp.checkpoint.save`,
 :mod:`~zerodp.checkpoint.reader`, :mod:`~zerodp.checkpoint.load` (resharding N -> M ranks, any stage),
-:mod:`~zerodp.checkpoint.consolidation`, :mod:`~zerodp.checkpoint.collective` and
+:mod:`~zerodp.checkpoint.consolidation`, :mod:`~zerodp.checkpoint.integrity` (CRC-32 per tensor),
+:mod:`~zerodp.checkpoint.collective` and
 :mod:`~zerodp.checkpoint.durable` (failure agreement, fsync).
 
 [Note: format] A checkpoint is the directory ``save_dir/<tag>/`` (tag ``global_step{N}`` by default):
@@ -26,6 +27,8 @@ Modules: :mod:`~zerodp.checkpoint.format` (file names, tensor names, tags, the e
   that of the stored piece values, fp32 in all three), ``skipped_steps`` (fp16 overflows),
   ``loss_scaler`` (fp16: ``dynamic``, ``scale``, ``hysteresis_left``, ``clean_steps``) and
   ``lr_scheduler`` (class name and the JSON-serialisable entries of its ``state_dict()``).
+  Since version 2 also ``ranks[r].crc32`` and ``extra_crc32``: the CRC-32 of every tensor of every
+  file (see :mod:`zerodp.checkpoint.integrity`).
 
 Pieces are addressed by parameter name and element range, never by flat-buffer offset, so a
 checkpoint saved by N ranks at any stage loads into M ranks at any stage: each rank assembles the

@@ -21,11 +21,11 @@ def load_full_state_dict(checkpoint_dir: PathLike, tag: Optional[str] = None) ->
 
     Raises:
         CheckpointError: as :func:`resolve_checkpoint`, :func:`read_meta` and
-            :meth:`CheckpointReader.validate_files`.
+            :meth:`CheckpointReader.verify_all` (a tensor whose bytes do not match its checksum).
     """
     with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
-        reader.validate_files()
-        return reader.full_state_dict()
+        reader.verify_all()  # every tensor of every file, optimizer state included: a corrupt checkpoint
+        return reader.full_state_dict()  # is refused even where the weights happen to be intact
 
 
 def consolidate(checkpoint_dir: PathLike, out_path: PathLike, tag: Optional[str] = None) -> Path:

@@ -12,7 +12,9 @@ from typing import Union
 import torch
 
 FORMAT = "zerodp-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: per-tensor CRC-32 checksums (see zerodp.checkpoint.integrity)
+#: versions this zerodp reads (1: no checksums, loaded unverified).
+READABLE_VERSIONS = (1, 2)
 META_FILE = "meta.json"
 EXTRA_FILE = "model_extra.safetensors"
 LATEST_FILE = "latest"

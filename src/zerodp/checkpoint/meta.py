@@ -16,8 +16,8 @@ from typing import Any, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from zerodp.checkpoint.format import (FORMAT, META_FILE, PRECISIONS, VERSION, CheckpointError, piece_key,
-                                      prod)
+from zerodp.checkpoint.format import (FORMAT, META_FILE, PRECISIONS, READABLE_VERSIONS, RNG_PREFIX,
+                                      CheckpointError, piece_key, prod)
 
 
 class _Record(BaseModel):
@@ -56,6 +56,14 @@ class RankRecord(_Record):
     file: str
     pieces: list[PieceRecord]
     rng: list[str]
+    crc32: Optional[dict[str, int]] = None  # tensor name -> CRC-32 of its bytes (version >= 2)
+
+    def tensor_names(self) -> list[str]:
+        """Every tensor the rank file holds: each piece's values and state entries, the RNG states."""
+        names = [RNG_PREFIX + k for k in self.rng]
+        for p in self.pieces:
+            names += [p.key("param")] + [p.key(k) for k in p.state]
+        return names
 
 
 class TensorRecord(_Record):
@@ -120,6 +128,7 @@ class CheckpointMeta(_Record):
     skipped_steps: int = 0  # optimizer steps skipped because gradients overflowed (fp16)
     loss_scaler: Optional[LossScalerRecord] = None
     lr_scheduler: Optional[SchedulerRecord] = None
+    extra_crc32: Optional[dict[str, int]] = None  # model_extra tensor name -> CRC-32 (version >= 2)
     torch_version: str = torch.__version__
 
     def to_json(self) -> str:
@@ -145,9 +154,9 @@ class CheckpointMeta(_Record):
                                       f"got {type(obj[key]).__name__}")
         if obj["format"] != FORMAT:
             raise CheckpointError(f"'format' is {obj['format']!r}, not {FORMAT!r}")
-        if obj["version"] != VERSION:
+        if obj["version"] not in READABLE_VERSIONS:
             raise CheckpointError(f"format version {obj['version']} is not supported (this zerodp reads "
-                                  f"version {VERSION})")
+                                  f"versions {list(READABLE_VERSIONS)})")
         data = dict(obj)
         data["torch_version"] = str(data.get("torch_version", ""))
         try:
@@ -206,6 +215,17 @@ class CheckpointMeta(_Record):
             kinds = {tuple(sorted(p.state)) for p in pieces}
             if len(kinds) > 1:
                 raise CheckpointError(f"the pieces of parameter {name!r} disagree on its optimizer state")
+        if self.version >= 2:
+            self._check_checksums_listed()
+
+    def _check_checksums_listed(self) -> None:
+        """Version 2: every tensor of every file has exactly one recorded checksum."""
+        for rr in self.ranks:
+            if rr.crc32 is None or sorted(rr.crc32) != sorted(rr.tensor_names()):
+                raise CheckpointError(f"{rr.file}: 'crc32' must list a checksum for each of its tensors")
+        extra = sorted(r.name for r in self.params + self.buffers if not r.trained)
+        if self.extra_crc32 is None or sorted(self.extra_crc32) != extra:
+            raise CheckpointError("'extra_crc32' must list a checksum for each frozen parameter and buffer")
 
 
 def read_meta(path: Path) -> CheckpointMeta:

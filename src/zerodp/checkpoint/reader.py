@@ -9,6 +9,7 @@ from typing import Any, Mapping, Optional
 import torch
 from safetensors import safe_open
 
+from zerodp.checkpoint import integrity
 from zerodp.checkpoint.format import (EXTRA_FILE, LATEST_FILE, META_FILE, OLD_PREFIX, PARAM_KEY, RNG_PREFIX,
                                       TMP_PREFIX, CheckpointError, PathLike, check_tag, parse_dtype,
                                       value_dtype)
@@ -71,6 +72,12 @@ class CheckpointReader:
         for v in self.pieces.values():
             v.sort(key=lambda x: x[1].start)
         self._files: dict[str, Any] = {}
+        # (file, tensor) -> CRC-32 recorded in meta.json (version >= 2); verified on first read
+        self._crc32: dict[tuple[str, str], int] = {}
+        for rr in self.meta.ranks:
+            self._crc32.update({(rr.file, k): v for k, v in (rr.crc32 or {}).items()})
+        self._crc32.update({(EXTRA_FILE, k): v for k, v in (self.meta.extra_crc32 or {}).items()})
+        self._verified: set[tuple[str, str]] = set()
 
     def __enter__(self) -> "CheckpointReader":
         return self
@@ -122,11 +129,43 @@ class CheckpointReader:
     def _read(self, file: str, key: str, lo: Optional[int] = None, hi: Optional[int] = None) -> torch.Tensor:
         try:
             f = self._open(file)
-            return f.get_tensor(key) if lo is None else f.get_slice(key)[lo:hi]
+            expected = self._crc32.get((file, key))
+            if expected is None or (file, key) in self._verified:
+                return f.get_tensor(key) if lo is None else f.get_slice(key)[lo:hi]
+            full = f.get_tensor(key)  # read whole once, to check its checksum
+            integrity.check(str(self.path / file), key, full, expected)
+            self._verified.add((file, key))
+            return full if lo is None else full[lo:hi]
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"cannot read {key!r} from {self.path / file}: {e}") from None
+
+    def verify_all(self) -> tuple[int, int, int]:
+        """Check every file against ``meta.json`` and every tensor against its recorded checksum
+        (version >= 2; a version-1 checkpoint has none, so only names and shapes are checked).
+
+        Returns:
+            (files, tensors, bytes of tensor data read).
+
+        Raises:
+            CheckpointError: the first problem found, naming the file (and tensor).
+        """
+        self.validate_files()
+        files = [(rr.file, rr.tensor_names()) for rr in self.meta.ranks]
+        files.append((EXTRA_FILE, [r.name for r in self.records.values() if not r.trained]))
+        tensors = nbytes = 0
+        for file, names in files:
+            for key in names:
+                t = self._read(file, key)
+                tensors += 1
+                nbytes += t.numel() * t.element_size()
+        return len(files), tensors, nbytes
+
+    @property
+    def has_checksums(self) -> bool:
+        """Whether ``meta.json`` records checksums (format version >= 2)."""
+        return self.meta.version >= 2
 
     def record(self, name: str) -> TensorRecord:
         """The record of the tensor that state_dict name ``name`` (any alias) refers to."""

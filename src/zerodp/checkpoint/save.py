@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from zerodp.checkpoint.collective import collectively
 from zerodp.checkpoint.durable import fsync, fsync_dir, write_text
+from zerodp.checkpoint import integrity
 from zerodp.checkpoint.engine_state import (describe_model, engine_precision, group_records, loss_scaler_state,
                                             piece_value, scheduler_state)
 from zerodp.checkpoint.format import (EXTRA_FILE, FORMAT, LATEST_FILE, META_FILE, OLD_PREFIX, PARAM_KEY,
@@ -115,7 +116,9 @@ def _write_rank_file(engine: Engine, layout: CheckpointLayout, tmp: Path) -> Pat
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors[RNG_PREFIX + "torch_cuda"] = torch.cuda.get_rng_state()
     path = tmp / rank_file(engine.rank)
-    save_file(tensors, str(path), metadata={"format": FORMAT, "version": str(VERSION), "rank": str(engine.rank)})
+    metadata = {"format": FORMAT, "version": str(VERSION), "rank": str(engine.rank),
+                **integrity.encode(integrity.checksums(tensors))}
+    save_file(tensors, str(path), metadata=metadata)
     fsync(path)
     return path
 
@@ -131,18 +134,20 @@ def _scan_rank_file(path: Path, rank: int) -> RankRecord:
                 continue
             kind, name, start, end = parse_key(key)
             pieces.setdefault((name, start, end), {})[kind] = list(f.get_slice(key).get_shape())
+        crc32 = integrity.decode(f.metadata(), str(path))
     records = []
     for (name, start, end), kinds in sorted(pieces.items()):
         if kinds.pop(PARAM_KEY, None) is None:
             raise CheckpointError(f"{path}: piece {name!r} [{start}, {end}) has optimizer state but no values")
         records.append(PieceRecord(name=name, start=start, end=end, state=dict(sorted(kinds.items()))))
-    return RankRecord(rank=rank, file=path.name, pieces=records, rng=sorted(rng))
+    return RankRecord(rank=rank, file=path.name, pieces=records, rng=sorted(rng), crc32=crc32)
 
 
 def _finish_save(engine: Engine, extra: dict[str, torch.Tensor], save_dir: Path, tag: str,
                  client_state: Any) -> None:
     """Rank 0, after every rank wrote its file: extra file, meta.json, rename, ``latest``."""
     tmp = save_dir / f"{TMP_PREFIX}{tag}"
+    extra_crc32 = integrity.checksums(extra)
     save_file(extra, str(tmp / EXTRA_FILE), metadata={"format": FORMAT, "version": str(VERSION)})
     fsync(tmp / EXTRA_FILE)
     params, buffers, keys = describe_model(engine)
@@ -159,7 +164,7 @@ def _finish_save(engine: Engine, extra: dict[str, torch.Tensor], save_dir: Path,
         groups=group_records(engine), ranks=ranks, global_steps=engine.global_steps,
         micro_steps=engine.micro_steps, client_state=client_state, precision=engine_precision(engine),
         skipped_steps=int(getattr(engine, "skipped_steps", 0)), loss_scaler=loss_scaler_state(engine),
-        lr_scheduler=scheduler_state(engine),
+        lr_scheduler=scheduler_state(engine), extra_crc32=extra_crc32,
     )
     write_text(tmp / META_FILE, meta.to_json())
     fsync_dir(tmp)
