@@ -69,7 +69,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "zero_optimization.zero_quantized_gradients": _ZERO_PP,
     "zero_optimization.mics_shard_size": _ZERO_PP,
     "zero_optimization.cpu_offload": "offload is configured with offload_optimizer",
-    "activation_checkpointing": "use torch.utils.checkpoint (or zerodp.deepspeed.checkpointing.checkpoint)",
     "prescale_gradients": "gradients are averaged once, after the reduction",
     "gradient_predivide_factor": "gradients are averaged once, after the reduction",
     "sparse_gradients": "gradients are reduced dense",

@@ -71,6 +71,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
         lr_scheduler: a callable ``f(optimizer) -> scheduler``, or a scheduler object bound to the
             client ``optimizer`` (rebound to the engine's optimizer with its state).
         collate_fn: for the DataLoader.
+        mpu: a model-parallel unit, passed to :func:`zerodp.initialize`.
         config / config_params: the DeepSpeed config (dict or JSON path), ``"auto"`` allowed.
 
     Returns:
@@ -78,11 +79,11 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
 
     Raises:
         ConfigError: invalid config, an unresolvable ``"auto"``, or both ``config`` and ``config_params``.
-        NotImplementedError: ``mpu``/``mesh_param`` (model parallelism), an optimizer class zerodp
+        NotImplementedError: ``mesh_param``, an optimizer class zerodp
             does not build, a client optimizer that has state, or a scheduler bound to another optimizer.
     """
-    if mpu is not None or mesh_param is not None:
-        raise NotImplementedError("initialize(mpu=/mesh_param=): model parallelism is not implemented in zerodp")
+    if mesh_param is not None:
+        raise NotImplementedError("initialize(mesh_param=) is not implemented in zerodp; pass mpu=")
     if model is None:
         raise ValueError("deepspeed.initialize needs model=")
     if config is not None and config_params is not None:
@@ -105,7 +106,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
     cfg = resolve_deepspeed_config(raw, model, optimizer_lr=float(lr) if lr is not None else None)
     shapes = {id(p): tuple(p.shape) for p in model.parameters()}
     scheduler_fn = _scheduler_factory(lr_scheduler, client_opt)
-    engine = _zerodp_initialize(model, cfg, model_parameters=model_parameters, lr_scheduler=scheduler_fn)
+    engine = _zerodp_initialize(model, cfg, model_parameters=model_parameters, lr_scheduler=scheduler_fn, mpu=mpu)
     if engine.stage == 3:
         for p in model.parameters():
             zero.set_ds_attributes(p, None if hasattr(p, "ds_shape") else shapes[id(p)])
