@@ -9,6 +9,8 @@ by the library itself.
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
 import statistics
 import time
 from typing import Callable
@@ -18,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zerodp
+from zerodp.app import bench_offload
 from zerodp.app.model import GPT, GPTConfig
 
 Step = Callable[[torch.Tensor, torch.Tensor], float]
@@ -111,6 +114,9 @@ def run(args: argparse.Namespace) -> None:
     systems: dict[str, Callable[[GPTConfig, float], Step]] = {"DDP": _ddp, "FSDP2": _fsdp2}
     for s in (0, 1, 2, 3):
         systems[f"zerodp stage {s}"] = _zerodp(s)
+    nvme_dir = args.nvme_path or tempfile.mkdtemp(prefix="zerodp_bench_")
+    if args.offload:
+        systems.update(bench_offload.offload_builders(nvme_dir, args.sub_group_size, lambda: GPT(cfg), _engine_step))
     try:
         import deepspeed  # noqa: F401
 
@@ -143,10 +149,17 @@ def run(args: argparse.Namespace) -> None:
         params = sum(p.numel() for p in GPT(cfg).parameters())
         print(f"GPT {params:,} parameters, {world} ranks ({dist.get_backend()}), micro-batch "
               f"{args.micro_batch} x {cfg.seq_len} tokens, median of {args.steps * args.rounds} steps")
-        print(f"{'system':<20}{'step (s)':>12}{'vs DDP':>10}")
+        print(f"{'system':<30}{'step (s)':>12}{'vs DDP':>10}")
         for name, ts in results.items():
             med = statistics.median(ts)  # type: ignore[arg-type]
-            print(f"{name:<20}{med:>12.4f}{med / base:>9.2f}x")
+            print(f"{name:<30}{med:>12.4f}{med / base:>9.2f}x")
+        if args.offload:
+            print(bench_offload.swap_report(nvme_dir))
+            print(bench_offload.adam_kernels(params // world))
+    for engine in bench_offload.NVME_ENGINES:
+        engine.close()
+    if not args.nvme_path and rank == 0:
+        shutil.rmtree(nvme_dir, ignore_errors=True)
     zerodp.shutdown_distributed()
 
 
@@ -159,6 +172,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--offload", action="store_true")
+    p.add_argument("--nvme-path", default=None)
+    p.add_argument("--sub-group-size", type=int, default=1_000_000)
 
 
 if __name__ == "__main__":
