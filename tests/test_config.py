@@ -17,7 +17,11 @@ from zerodp.config import ConfigError, load_config
     [
         ({"zero_optimization": {"stgae": 2}}, ["unknown key 'zero_optimization.stgae'", "stage"]),
         ({"zero_optimization": {"stage": 7}}, ["zero_optimization.stage", "0, 1", "7"]),
-        ({"optimizer": {"type": "SGD"}}, ["optimizer.type", "'Adam' or 'AdamW'", "SGD"]),
+        ({"optimizer": {"type": "Lamb"}}, ["optimizer.type", "'Lamb' is not implemented", "SGD"]),
+        ({"optimizer": {"type": "Sgdd"}}, ["optimizer.type", "unknown optimizer", "AdamW, SGD"]),
+        ({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.9]}}}, ["optimizer.params.betas", "momentum"]),
+        ({"zero_optimization": {"round_robin_gradients": True}},
+         ["'zero_optimization.round_robin_gradients' is not implemented"]),
         ({"optimizer": {"type": "Adam", "params": {"lr": -1}}}, ["optimizer.params.lr", "-1"]),
         ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.5]}}}, ["optimizer.params.betas", "[0, 1)"]),
         ({"optimizer": {"type": "Adam", "params": {"momentum": 0.9}}}, ["optimizer.params.momentum", "weight_decay"]),
@@ -96,8 +100,10 @@ def test_bad_param_groups() -> None:
     with pytest.raises(ValueError, match="more than one param group"):
         zerodp.initialize(model, {}, model_parameters=[{"params": [model.weight]},
                                                        {"params": [model.weight, model.bias]}])
-    with pytest.raises(ValueError, match="unsupported option.*momentum.*allowed: lr"):
+    with pytest.raises(ValueError, match=r"\['momentum'\] that torch.optim.AdamW does not take; allowed: .*lr"):
         zerodp.initialize(model, {}, model_parameters=[{"params": [model.weight], "momentum": 0.9}])
+    with pytest.raises(ValueError, match="unsupported option.*colour.*allowed: lr"):
+        zerodp.initialize(model, {}, model_parameters=[{"params": [model.weight], "colour": 1}])
     with pytest.raises(ValueError, match="scalar tensor that requires grad"):
         engine = zerodp.initialize(model, {})
         engine.backward(torch.ones(2))

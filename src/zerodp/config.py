@@ -12,12 +12,14 @@ Python's JSON reader accepts) in every field (``allow_inf_nan=False``).
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from typing import Any, Literal, Mapping, Optional, Tuple, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from zerodp.config_keys import OPTIMIZERS, REFUSED_OPTIMIZERS, canonical_optimizer, screen_keys
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig, refuse_offload_param
 
 
@@ -65,41 +67,80 @@ def _scalar_kinds(annotation: Any) -> set[type]:
     return set()
 
 
-class AdamParams(_Strict):
-    """``optimizer.params``: passed to ``torch.optim.Adam``/``AdamW``; omitted keys take torch's defaults."""
+class OptimizerParams(_Strict):
+    """``optimizer.params``: keyword arguments of the torch optimizer; omitted keys take torch's defaults.
 
-    lr: float = Field(1e-3, ge=0.0, description="learning rate")
-    betas: Tuple[float, float] = Field((0.9, 0.999), description="(beta1, beta2), each in [0, 1)")
-    eps: float = Field(1e-8, gt=0.0, description="denominator epsilon")
+    ``lr``, ``betas``, ``eps`` and ``weight_decay`` are checked here; any other key (``momentum``,
+    ``amsgrad``, ...) must be a keyword of the chosen torch optimizer (checked by
+    :class:`OptimizerConfig`) and is passed through unchanged.
+    """
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True, frozen=True)
+
+    lr: Optional[float] = Field(None, ge=0.0, description="learning rate; None = torch's default")
+    betas: Optional[Tuple[float, float]] = Field(None, description="(beta1, beta2), each in [0, 1)")
+    eps: Optional[float] = Field(None, gt=0.0, description="denominator epsilon")
     weight_decay: Optional[float] = Field(
         None, ge=0.0, description="L2 (Adam) or decoupled (AdamW) decay; None = torch's default"
     )
 
     @field_validator("betas")
     @classmethod
-    def _betas_in_range(cls, v: Tuple[float, float]) -> Tuple[float, float]:
-        for b in v:
+    def _betas_in_range(cls, v: Optional[Tuple[float, float]]) -> Optional[Tuple[float, float]]:
+        for b in v or ():
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"each beta must be in [0, 1), got {v}")
         return v
 
+    def torch_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments given (None = omitted), extras included."""
+        out = {k: v for k, v in self.model_dump().items() if v is not None}
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
+
+
+AdamParams = OptimizerParams  # the former name
+
 
 class OptimizerConfig(_Strict):
-    """``optimizer``: ``type`` is ``Adam`` (torch.optim.Adam) or ``AdamW`` (torch.optim.AdamW).
+    """``optimizer``: ``type`` names a torch optimizer (DeepSpeed's names, case-insensitive; see
+    :data:`zerodp.config_keys.OPTIMIZERS`), ``params`` its keyword arguments.
 
     Unlike DeepSpeed, ``Adam`` means torch's L2-regularised Adam, not AdamW: the result equals what
-    ``torch.optim.Adam`` computes on the whole model.
+    ``torch.optim.Adam`` computes on the whole model. (``zerodp.deepspeed.initialize`` maps
+    DeepSpeed's ``adam_w_mode`` to ``AdamW``.)
     """
 
-    type: Literal["Adam", "AdamW"]
-    params: AdamParams = Field(default_factory=AdamParams)
+    type: str
+    params: OptimizerParams = Field(default_factory=OptimizerParams)
 
-    @field_validator("type", mode="before")
+    @field_validator("type")
     @classmethod
-    def _canonical_type(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            return {"adam": "Adam", "adamw": "AdamW"}.get(v.lower(), v)
-        return v
+    def _canonical_type(cls, v: str) -> str:
+        name = canonical_optimizer(v)
+        if name is None:
+            raise ValueError(f"unknown optimizer; allowed: {', '.join(OPTIMIZERS)}")
+        if name in REFUSED_OPTIMIZERS:
+            raise ValueError(f"optimizer '{name}' is not implemented: {REFUSED_OPTIMIZERS[name]}; "
+                             f"allowed: {', '.join(OPTIMIZERS)}")
+        return name
+
+    @model_validator(mode="after")
+    def _params_fit_type(self) -> "OptimizerConfig":
+        allowed = optimizer_options(self.type)
+        unknown = sorted(set(self.params.torch_kwargs()) - set(allowed))
+        if unknown:
+            raise ValueError(f"optimizer.params.{unknown[0]} is not an option of torch.optim.{self.type}; "
+                             f"allowed keys here: {', '.join(allowed)}")
+        return self
+
+    def torch_class(self) -> type:
+        return OPTIMIZERS[self.type]
+
+
+def optimizer_options(name: str) -> list[str]:
+    """Keyword options of ``torch.optim.<name>`` (besides ``params``), in signature order."""
+    sig = inspect.signature(OPTIMIZERS[name].__init__)
+    return [p for p in sig.parameters if p not in ("self", "params")]
 
 
 class ZeroConfig(_Strict):
@@ -130,6 +171,13 @@ class ZeroConfig(_Strict):
     stage3_prefetch_bucket_size: int = Field(
         50_000_000, ge=0, description="stage 3: elements prefetched ahead of use along the trace (0: off)"
     )
+    stage3_max_reuse_distance: int = Field(
+        0, ge=0, description="stage 3: a unit the trace uses again within this many elements stays gathered "
+                             "(0: off; DeepSpeed's default is 1e9)"
+    )
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False, description="stage 3: engine.save_16bit_model gathers and writes the full weights (else refused)"
+    )
     offload_optimizer: OffloadOptimizerConfig = Field(
         default_factory=OffloadOptimizerConfig, description="ZeRO-Offload (zerodp.offload.config)"
     )
@@ -140,7 +188,8 @@ class ZeroConfig(_Strict):
     _refuse_offload_param = model_validator(mode="before")(lambda data: refuse_offload_param(data))
 
     @field_validator("reduce_bucket_size", "allgather_bucket_size", "stage3_param_persistence_threshold",
-                     "stage3_max_live_parameters", "stage3_prefetch_bucket_size", "sub_group_size", mode="before")
+                     "stage3_max_live_parameters", "stage3_prefetch_bucket_size", "stage3_max_reuse_distance",
+                     "sub_group_size", mode="before")
     @classmethod
     def _int_from_float(cls, v: Any) -> Any:
         # DeepSpeed configs often write 5e8; accept integral floats, refuse 1.5.
@@ -281,7 +330,13 @@ class ZeroDPConfig(_Strict):
     fp16: FP16Config = Field(default_factory=FP16Config)
     scheduler: Optional[SchedulerConfig] = None
     seed: Optional[int] = Field(None, ge=0, description="torch.manual_seed applied by initialize()")
-    steps_per_print: int = Field(10, gt=0, description="optimizer steps between log lines")
+    steps_per_print: int = Field(
+        10, gt=0, description="zerodp.deepspeed engines: rank 0 prints step, lr and loss scale every N steps")
+    wall_clock_breakdown: bool = Field(
+        False, description="zerodp.deepspeed engines: rank 0 prints forward/backward/step seconds every "
+                           "steps_per_print steps")
+    zero_allow_untested_optimizer: bool = Field(
+        False, description="accepted for DeepSpeed configs; every optimizer zerodp builds is element-wise")
     collective_guard: CollectiveGuardConfig = Field(default_factory=CollectiveGuardConfig)
     activation_checkpointing: Optional[ActivationCheckpointingConfig] = None
 
@@ -379,6 +434,9 @@ def load_config(config: Union[str, os.PathLike, Mapping[str, Any], ZeroDPConfig,
             raise ConfigError(f"config file {os.fspath(config)!r} is not valid JSON: {exc}") from None
     if not isinstance(config, Mapping):
         raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
+    config, refused = screen_keys(config)
+    if refused:
+        raise ConfigError("invalid zerodp config:\n  " + "\n  ".join(refused))
     try:
         return ZeroDPConfig.model_validate(dict(config))
     except ValidationError as err:

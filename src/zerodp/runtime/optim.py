@@ -1,6 +1,6 @@
 """Param groups and the torch optimizer that updates this rank's partition.
 
-The optimizer is torch's own ``Adam``/``AdamW``; its "parameters" are the 1-D pieces of the flat
+The optimizer is torch's own (``Adam``, ``AdamW``, ``SGD``, ... see :data:`zerodp.config_keys.OPTIMIZERS`); its "parameters" are the 1-D pieces of the flat
 buffers this rank owns (:class:`zerodp.runtime.partition.Piece`), one per (parameter, owned range), so its
 per-parameter state and skipping of ``grad is None`` match torch on the unpartitioned model.
 """
@@ -13,11 +13,15 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from zerodp.config import OptimizerConfig
+from zerodp.config import OptimizerConfig, optimizer_options
 from zerodp.runtime.partition import FlatGroup
 
-#: options a param-group dict may carry besides ``params`` (torch's Adam/AdamW options we support).
-GROUP_OPTIONS = ("lr", "betas", "eps", "weight_decay", "name")
+#: options a param-group dict may carry besides ``params``; :func:`build_optimizer` further checks
+#: that the configured torch optimizer takes each one.
+GROUP_OPTIONS = ("lr", "betas", "eps", "weight_decay", "name", "momentum", "dampening", "nesterov",
+                 "amsgrad", "maximize", "lr_decay", "initial_accumulator_value", "rho", "alpha",
+                 "centered", "momentum_decay", "decoupled_weight_decay", "etas", "step_sizes", "lambd",
+                 "t0")
 
 
 @dataclass
@@ -78,10 +82,21 @@ def normalize_param_groups(module: nn.Module, model_parameters: Optional[Iterabl
 def build_optimizer(
     cfg: OptimizerConfig, specs: list[ParamGroupSpec], groups: list[FlatGroup]
 ) -> torch.optim.Optimizer:
-    """torch Adam/AdamW over this rank's pieces: one torch param group per user param group, in the
-    user's order (possibly empty on this rank), so group hyperparameters and schedulers line up."""
-    defaults = {k: v for k, v in cfg.params.model_dump().items() if v is not None}
-    cls = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}[cfg.type]
+    """The configured torch optimizer over this rank's pieces: one torch param group per user param
+    group, in the user's order (possibly empty on this rank), so group hyperparameters and schedulers
+    line up.
+
+    Raises:
+        ValueError: a param group carries an option that ``cfg.type``'s torch class does not take.
+    """
+    defaults = cfg.params.torch_kwargs()
+    cls = cfg.torch_class()
+    allowed = set(optimizer_options(cfg.type)) | {"name"}
+    for gi, s in enumerate(specs):
+        unknown = sorted(set(s.options) - allowed)
+        if unknown:
+            raise ValueError(f"param group {gi} has option(s) {unknown} that torch.optim.{cfg.type} does not "
+                             f"take; allowed: {', '.join(sorted(allowed))}")
     torch_groups: list[dict[str, Any]] = [{"params": [], **s.options} for s in specs] or [{"params": []}]
     for g in groups:
         for piece in g.pieces:

@@ -5,7 +5,8 @@ runs (forward or backward) and :meth:`ParameterCoordinator.release` after it. Th
 iteration records the order of fetches (forward then backward) as the *trace*; once every rank has
 checked that it recorded the same trace (one small all-reduce), later iterations prefetch the units of
 the next modules in the trace asynchronously, up to ``stage3_prefetch_bucket_size`` elements ahead and
-never beyond ``stage3_max_live_parameters`` gathered elements, so all-gathers overlap compute. A fetch
+never beyond ``stage3_max_live_parameters`` gathered elements, so all-gathers overlap compute. A unit
+the trace uses again within ``stage3_max_reuse_distance`` elements is not released in between. A fetch
 that does not match the trace (data-dependent control flow, a skipped module) invalidates it: no more
 prefetch this iteration, and the next iteration records afresh. Collective order stays identical on all
 ranks as long as every rank runs the same modules in the same order, which stage 3 requires (as in
@@ -41,6 +42,7 @@ class ParameterCoordinator:
     def __init__(
         self, index: UnitIndex, module_positions: dict[int, int], pg: Optional[ProcessGroup],
         ledger: CommLedger, prefetch_bucket_size: int, max_live_parameters: int,
+        max_reuse_distance: int = 0,
     ) -> None:
         self.index = index
         self.positions = module_positions  # id(module) -> position in named_modules() (rank-independent)
@@ -48,6 +50,8 @@ class ParameterCoordinator:
         self.ledger = ledger
         self.prefetch_bucket_size = prefetch_bucket_size
         self.max_live = max_live_parameters
+        self.max_reuse_distance = max_reuse_distance
+        self.reuse_hits = 0  # releases skipped because the trace uses the unit again soon
         self.mode = TraceMode.RECORD
         self.trace: list[nn.Module] = []
         self.cursor = 0
@@ -132,10 +136,30 @@ class ParameterCoordinator:
         try:
             for u in units:
                 u.users -= 1
-                if u.users <= 0 and not u.persistent:
+                if u.users <= 0 and not u.persistent and not self._reused_soon(u):
                     u.release()
         finally:
             self.busy = False
+
+    def _reused_soon(self, unit: ShardedUnit) -> bool:
+        """``stage3_max_reuse_distance``: the recorded trace fetches ``unit`` again before more than
+        that many elements of other units are fetched (and keeping it stays within
+        ``stage3_max_live_parameters``). It then stays gathered until that use, or the end of the
+        iteration."""
+        if self.max_reuse_distance <= 0 or not self.active or self.mode is not TraceMode.COMPLETE:
+            return False
+        if self.live_elements() > self.max_live:
+            return False
+        distance = 0
+        for module in self.trace[self.cursor:]:
+            units = self.index.by_module.get(id(module), ())
+            if any(x is unit for x in units):
+                self.reuse_hits += 1
+                return True
+            distance += sum(x.numel for x in units)
+            if distance > self.max_reuse_distance:
+                return False
+        return False
 
     def fetch_external(self, module: nn.Module, param: nn.Parameter) -> None:
         """A parameter of another module was used inside ``module``'s forward: gather it now and from

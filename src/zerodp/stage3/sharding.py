@@ -68,7 +68,8 @@ class Stage3:
 
         positions = {id(m): i for i, m in enumerate(module.modules())}
         self.coordinator = ParameterCoordinator(
-            self.index, positions, pg, ledger, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters)
+            self.index, positions, pg, ledger, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
+            zc.stage3_max_reuse_distance)
         for u in self.index.units:
             for s in u.slots:
                 register_owner(s.param, Owner(u, pg, ledger, self.coordinator))

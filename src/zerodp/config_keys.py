@@ -1,0 +1,129 @@
+"""Which DeepSpeed names zerodp maps and which it refuses: optimizer types and unimplemented config keys.
+
+- :data:`OPTIMIZERS`: DeepSpeed's ``optimizer.type`` names (and every torch.optim optimizer by its
+  class name) mapped to the torch class the engine builds over this rank's pieces.
+- :data:`REFUSED_OPTIMIZERS`: names refused, each with the reason (a DeepSpeed-only fused/compressed
+  optimizer, or a torch optimizer whose update depends on the parameter's shape or needs a closure).
+- :data:`NOT_IMPLEMENTED`: config key paths (dotted, DeepSpeed's spelling) refused with the message
+  ``"'<key>' is not implemented: <reason>"`` instead of a generic unknown-key error.
+- :data:`ONLY_VALUE`: keys accepted only at the value that describes what zerodp always does
+  (``reduce_scatter: true``...), refused as not implemented at any other.
+
+The README's "DeepSpeed config keys" table lists the same keys (tests/test_readme_config_table.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Mapping, Optional
+
+import torch
+
+#: ``optimizer.type`` (case-insensitive) -> torch optimizer class. Each piece the optimizer sees is a
+#: 1-D slice of a parameter, so only element-wise optimizers are listed: their update of a slice equals
+#: the slice of their update on the whole parameter.
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    name: getattr(torch.optim, name)
+    for name in ("Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop",
+                 "Rprop", "ASGD")
+    if hasattr(torch.optim, name)
+}
+
+#: ``optimizer.type`` names refused, with the reason.
+REFUSED_OPTIMIZERS: dict[str, str] = {
+    "Lamb": "torch has no Lamb and zerodp does not ship one (its trust ratio needs each whole "
+            "parameter's norm, which a partitioned piece does not have)",
+    "OneBitAdam": "1-bit compressed communication is not implemented",
+    "ZeroOneAdam": "0/1 Adam compressed communication is not implemented",
+    "OneBitLamb": "1-bit compressed communication is not implemented",
+    "MuAdam": "muP optimizers are not implemented", "MuAdamW": "muP optimizers are not implemented",
+    "MuSGD": "muP optimizers are not implemented",
+    "Lion": "torch has no Lion and zerodp does not ship one",
+    "Muon": "its update orthogonalises each whole 2-D parameter; a partitioned 1-D piece would give "
+            "another result",
+    "Adafactor": "its second moment is factored by the parameter's rows and columns; a partitioned 1-D "
+                 "piece would give another result",
+    "LBFGS": "it needs a closure re-evaluating the loss, which engine.step() does not take",
+    "SparseAdam": "it needs sparse gradients; zerodp reduces dense ones",
+}
+
+
+def canonical_optimizer(name: str) -> Optional[str]:
+    """The canonical spelling of ``name`` (case-insensitive) in :data:`OPTIMIZERS` or
+    :data:`REFUSED_OPTIMIZERS`; None if neither knows it."""
+    for known in (*OPTIMIZERS, *REFUSED_OPTIMIZERS):
+        if known.lower() == name.lower():
+            return known
+    return None
+
+
+_ZERO_PP = "ZeRO++ (hierarchical partitioning, quantized weights/gradients) and MiCS are not implemented"
+_SCOPE = "outside zerodp's scope (ZeRO data parallelism only)"
+
+#: dotted key path -> why it is refused. The offload keys (``offload_optimizer``, ``offload_param``,
+#: ``aio``, ``sub_group_size``) are owned by zerodp.offload and are not listed here.
+NOT_IMPLEMENTED: dict[str, str] = {
+    "zero_optimization.zero_hpz_partition_size": _ZERO_PP,
+    "zero_optimization.zero_quantized_weights": _ZERO_PP,
+    "zero_optimization.zero_quantized_gradients": _ZERO_PP,
+    "zero_optimization.mics_shard_size": _ZERO_PP,
+    "zero_optimization.cpu_offload": "offload is configured with offload_optimizer",
+    "prescale_gradients": "gradients are averaged once, after the reduction",
+    "gradient_predivide_factor": "gradients are averaged once, after the reduction",
+    "sparse_gradients": "gradients are reduced dense",
+    "communication_data_type": "gradients are reduced in the module's dtype",
+    "data_types": "gradient accumulation dtype follows the precision settings",
+    "fp16.auto_cast": "inputs are not cast; the module runs in fp16",
+    "fp16.fp16_master_weights_and_grads": "masters are always fp32",
+    "bf16.immediate_grad_update": "gradients are reduced and applied at the step",
+    "amp": _SCOPE, "flops_profiler": _SCOPE, "tensorboard": _SCOPE, "wandb": _SCOPE, "csv_monitor": _SCOPE,
+    "comms_logger": _SCOPE, "autotuning": _SCOPE, "elasticity": _SCOPE, "pipeline": _SCOPE,
+    "compression_training": _SCOPE, "data_efficiency": _SCOPE, "checkpoint": _SCOPE,
+}
+
+
+#: dotted key path -> (the one value accepted: what zerodp always does, why another is refused). The
+#: key is dropped from the config when it has that value, refused as not implemented otherwise.
+ONLY_VALUE: dict[str, tuple[Any, str]] = {
+    "zero_optimization.reduce_scatter": (True, "gradients are always reduce-scattered at stages 1-3"),
+    "zero_optimization.allgather_partitions": (True, "updated partitions are always all-gathered"),
+    "zero_optimization.round_robin_gradients": (False, "gradient partitions are assigned contiguously"),
+    "zero_optimization.elastic_checkpoint": (False, "checkpoints load at any world size and stage anyway"),
+    "zero_optimization.ignore_unused_parameters": (True, "a parameter with no gradient on any rank is "
+                                                         "always skipped"),
+}
+
+
+def _lookup(config: Mapping[str, Any], path: str) -> tuple[bool, Any, Optional[dict]]:
+    node: Any = config
+    parent = None
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None, None
+        parent, node = node, node[part]
+    return True, node, parent
+
+
+def screen_keys(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Split off DeepSpeed keys zerodp does not model as fields.
+
+    Returns:
+        (``config`` without the :data:`ONLY_VALUE` keys that have their accepted value, a message for
+        every :data:`NOT_IMPLEMENTED` key present and every :data:`ONLY_VALUE` key with another value).
+    """
+    out = copy.deepcopy(dict(config))
+    found = []
+    for path, reason in NOT_IMPLEMENTED.items():
+        if _lookup(out, path)[0]:
+            found.append(f"'{path}' is not implemented: {reason}")
+    for path, (value, reason) in ONLY_VALUE.items():
+        present, given, parent = _lookup(out, path)
+        if not present:
+            continue
+        if given is value:
+            del parent[path.rsplit(".", 1)[-1]]
+        else:
+            found.append(f"'{path}' is not implemented for {json.dumps(given, default=repr)} (only "
+                         f"{json.dumps(value)} is accepted): {reason}")
+    return out, found

@@ -1,0 +1,200 @@
+"""``zerodp.deepspeed``: DeepSpeed's Python API over zerodp, so a DeepSpeed training script runs with
+``import zerodp.deepspeed as deepspeed`` as its only change.
+
+- :func:`initialize` returns DeepSpeed's 4-tuple ``(engine, optimizer, training_dataloader,
+  lr_scheduler)``; the engine is a :class:`DeepSpeedEngine` (DeepSpeed's method names).
+- :func:`init_distributed`, :mod:`zerodp.deepspeed.zero` (``Init``, ``GatheredParameters``,
+  ``register_external_parameter``), :mod:`zerodp.deepspeed.checkpointing`.
+- Configs are DeepSpeed's, ``"auto"`` included (:mod:`zerodp.deepspeed.config`).
+
+The real ``deepspeed`` package is never imported. ``zerodp.initialize`` keeps its own form.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from zerodp.config import ConfigError, OptimizerConfig, optimizer_options
+from zerodp.config_keys import OPTIMIZERS
+from zerodp.deepspeed import checkpointing, zero
+from zerodp.deepspeed.config import read_config, resolve_deepspeed_config
+from zerodp.deepspeed.engine import DeepSpeedEngine
+from zerodp.entry import initialize as _zerodp_initialize
+from zerodp.runtime import comm
+
+__version__ = "0.0.0+zerodp"  # not DeepSpeed: scripts that check deepspeed.__version__ see this
+
+
+def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True, timeout: Any = None,
+                     init_method: Optional[str] = None, dist_init_required: Optional[bool] = None,
+                     config: Any = None, rank: int = -1, world_size: int = -1) -> None:
+    """Initialise the default process group from torchrun's environment (:func:`zerodp.init_distributed`).
+
+    Raises:
+        NotImplementedError: ``init_method``, ``rank`` or ``world_size`` given (use torchrun's env).
+    """
+    if init_method is not None or rank != -1 or world_size != -1:
+        raise NotImplementedError("init_distributed(init_method/rank/world_size) is not implemented in zerodp; "
+                                  "launch with torchrun (RANK, WORLD_SIZE, MASTER_ADDR in the environment)")
+    timeout_s = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+    comm.init_distributed(backend=dist_backend, timeout_s=timeout_s)
+
+
+def initialize(args: Any = None, model: Optional[nn.Module] = None,
+               optimizer: Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer], None] = None,
+               model_parameters: Optional[Iterable[Any]] = None, training_data: Optional[Dataset] = None,
+               lr_scheduler: Union[LRScheduler, Callable[[torch.optim.Optimizer], Any], None] = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: Optional[bool] = None,
+               collate_fn: Optional[Callable] = None, config: Any = None, mesh_param: Any = None,
+               config_params: Any = None) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, Optional[DataLoader], Any]:
+    """``deepspeed.initialize``: wrap ``model`` in a ZeRO engine.
+
+    Args:
+        args: an argparse namespace; its ``deepspeed_config`` is the config when ``config`` is None.
+        model: the module to train.
+        optimizer: a torch optimizer over ``model``'s parameters (not yet stepped), or a callable
+            ``f(params) -> optimizer``; its class (one of :data:`zerodp.config_keys.OPTIMIZERS`),
+            defaults and param groups are rebuilt over this rank's partition. Exclusive with the
+            config's ``optimizer``.
+        model_parameters: parameters or param-group dicts (when ``optimizer`` is not an object).
+        training_data: a torch Dataset; the returned DataLoader reads it with a DistributedSampler
+            (shuffled, seed 0, as DeepSpeed) in micro-batches of ``train_micro_batch_size_per_gpu``.
+        lr_scheduler: a callable ``f(optimizer) -> scheduler``, or a scheduler object bound to the
+            client ``optimizer`` (rebound to the engine's optimizer with its state).
+        collate_fn: for the DataLoader.
+        mpu: a model-parallel unit, passed to :func:`zerodp.initialize`.
+        config / config_params: the DeepSpeed config (dict or JSON path), ``"auto"`` allowed.
+
+    Returns:
+        ``(engine, engine.optimizer, dataloader or None, engine.lr_scheduler)``.
+
+    Raises:
+        ConfigError: invalid config, an unresolvable ``"auto"``, or both ``config`` and ``config_params``.
+        NotImplementedError: ``mesh_param``, an optimizer class zerodp
+            does not build, a client optimizer that has state, or a scheduler bound to another optimizer.
+    """
+    if mesh_param is not None:
+        raise NotImplementedError("initialize(mesh_param=) is not implemented in zerodp; pass mpu=")
+    if model is None:
+        raise ValueError("deepspeed.initialize needs model=")
+    if config is not None and config_params is not None:
+        raise ConfigError("give config or config_params to initialize(), not both")
+    if config is None:
+        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
+    raw = read_config(config)
+    comm.init_distributed()
+    client_opt = None
+    if optimizer is not None:
+        if raw.get("optimizer") is not None:
+            raise ConfigError("initialize() got a client optimizer and the config has an 'optimizer' section; "
+                              "give one of them")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+            optimizer = optimizer(params)
+        client_opt = optimizer
+        raw["optimizer"], model_parameters = _from_client_optimizer(optimizer)
+    lr = client_opt.defaults.get("lr") if client_opt is not None else None
+    cfg = resolve_deepspeed_config(raw, model, optimizer_lr=float(lr) if lr is not None else None)
+    shapes = {id(p): tuple(p.shape) for p in model.parameters()}
+    scheduler_fn = _scheduler_factory(lr_scheduler, client_opt)
+    engine = _zerodp_initialize(model, cfg, model_parameters=model_parameters, lr_scheduler=scheduler_fn, mpu=mpu)
+    if engine.stage == 3:
+        for p in model.parameters():
+            zero.set_ds_attributes(p, None if hasattr(p, "ds_shape") else shapes[id(p)])
+    loader = None
+    if training_data is not None:
+        world, rank = dist.get_world_size(engine.process_group), dist.get_rank(engine.process_group)
+        sampler = DistributedSampler(training_data, num_replicas=world, rank=rank)
+        loader = DataLoader(training_data, batch_size=engine.config.train_micro_batch_size_per_gpu,
+                            sampler=sampler, collate_fn=collate_fn)
+    ds_engine = DeepSpeedEngine(engine, loader)
+    return ds_engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def _from_client_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The config ``optimizer`` section and param groups that rebuild ``opt`` over the engine's pieces."""
+    name = type(opt).__name__
+    if OPTIMIZERS.get(name) is not type(opt):
+        raise NotImplementedError(f"client optimizer {type(opt).__module__}.{name} is not implemented in zerodp; "
+                                  f"give one of torch.optim.{', torch.optim.'.join(OPTIMIZERS)}")
+    if opt.state:
+        raise NotImplementedError("a client optimizer that has already stepped (it has state) is not "
+                                  "implemented: pass it before its first step")
+    # only what the class's constructor takes (AdamW's defaults also hold decoupled_weight_decay=True)
+    accepted = set(optimizer_options(name)) - set(_IMPLEMENTATION_KEYS)
+    defaults = {k: _plain(v) for k, v in opt.defaults.items() if v is not None and k in accepted}
+    groups = []
+    for g in opt.param_groups:
+        options = {k: _plain(v) for k, v in g.items()
+                   if k in accepted and _plain(v) != defaults.get(k)}
+        groups.append({"params": g["params"], **options})
+    section = OptimizerConfig(type=name, params=defaults).model_dump(exclude_none=True)
+    return section, groups
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    return v
+
+
+def _scheduler_factory(sched: Any, client_opt: Optional[torch.optim.Optimizer]) -> Optional[Callable]:
+    """A callable ``f(engine optimizer) -> scheduler`` for :func:`zerodp.initialize`."""
+    if sched is None:
+        return None
+    if not isinstance(sched, LRScheduler):
+        if not callable(sched):
+            raise TypeError(f"lr_scheduler must be a torch LRScheduler or a callable, got {type(sched).__name__}")
+        return sched
+    if client_opt is None or sched.optimizer is not client_opt:
+        raise NotImplementedError("an lr_scheduler object bound to an optimizer other than the client optimizer "
+                                  "passed to initialize() is not implemented; pass a callable f(optimizer)")
+
+    def rebind(opt: torch.optim.Optimizer) -> LRScheduler:
+        for g, cg in zip(opt.param_groups, client_opt.param_groups):
+            g["lr"] = cg["lr"]
+            if "initial_lr" in cg:
+                g["initial_lr"] = cg["initial_lr"]
+        state = sched.state_dict()
+        params = inspect.signature(type(sched).__init__).parameters
+        if any(p.kind is p.VAR_POSITIONAL for p in params.values()):
+            raise NotImplementedError(f"rebinding {type(sched).__name__} is not implemented; pass a callable")
+        new = type(sched).__new__(type(sched))
+        new.__dict__.update({k: v for k, v in sched.__dict__.items() if k != "optimizer"})
+        new.optimizer = opt
+        new.load_state_dict(state)
+        _track_step_called(opt)
+        return new
+
+    return rebind
+
+
+def _track_step_called(opt: torch.optim.Optimizer) -> None:
+    """What torch's LRScheduler.__init__ does to the optimizer it is built on: mark ``opt.step`` so
+    that ``scheduler.step()`` can tell it ran (else torch warns of a wrong call order)."""
+    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+        return
+    step = opt.step
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = wrapper  # type: ignore[method-assign]
+
+
+__all__ = ["initialize", "init_distributed", "zero", "checkpointing", "DeepSpeedEngine", "ConfigError"]

@@ -1,0 +1,375 @@
+"""The engine ``zerodp.deepspeed.initialize`` returns: DeepSpeed's method names and semantics over a
+:class:`zerodp.Engine`.
+
+:class:`DeepSpeedEngine` wraps (does not subclass) the zerodp engine, because DeepSpeed spells as
+methods what zerodp keeps as attributes (``gradient_accumulation_steps()``). Everything zerodp's engine
+has and this class does not define is reached through it (``memory_report()``, ``comm_report()``...).
+
+What differs from DeepSpeed is refused, never ignored: ``backward(retain_graph=True)``,
+``backward(scale_wrt_gas=False)``, ``step(lr_kwargs=...)``, ``no_sync()`` at stages 2-3 (as DeepSpeed)
+or around a boundary backward, ``load_checkpoint(load_module_strict=False / custom_load_fn=...)``
+raise ``NotImplementedError`` naming the argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerodp.engine import Engine
+from zerodp.zero import GatheredParameters
+
+#: client_state is stored with torch.save in the checkpoint directory under this name (DeepSpeed users
+#: keep tensors and RNG states there); zerodp's JSON client_state then holds only this marker.
+CLIENT_STATE_FILE = "client_state.pt"
+CLIENT_STATE_MARKER = "__zerodp_deepspeed_client_state__"
+
+
+class DeepSpeedEngine:
+    """DeepSpeed's ``DeepSpeedEngine`` API over a :class:`zerodp.Engine` (``self.engine``).
+
+    Call it like the model; ``backward(loss)`` and ``step()`` every micro-batch, as in DeepSpeed.
+    """
+
+    def __init__(self, engine: Engine, training_dataloader: Any = None) -> None:
+        self.engine = engine
+        self.training_dataloader = training_dataloader
+        self._step_applied = False
+        self._no_sync = False
+        self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names this class lacks: zerodp's own engine API
+        if name == "engine":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    # ---- the module --------------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.engine.lr_scheduler
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = self.engine(*args, **kwargs)
+        self._times["forward"] += time.perf_counter() - t0
+        return out
+
+    forward = __call__
+
+    def train(self, mode: bool = True) -> "DeepSpeedEngine":
+        self.engine.train(mode)
+        return self
+
+    def eval(self) -> "DeepSpeedEngine":
+        self.engine.eval()
+        return self
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(*args, **kwargs)
+
+    # ---- training ----------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True, release_loss: bool = False,
+                 retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Back-propagate ``loss / gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``);
+        returns ``loss``.
+
+        Raises:
+            NotImplementedError: ``allreduce_gradients=False``, ``retain_graph=True``,
+                ``scale_wrt_gas=False``, or a boundary micro-step inside :meth:`no_sync`.
+        """
+        for name, value, default in (("allreduce_gradients", allreduce_gradients, True),
+                                     ("retain_graph", retain_graph, False), ("scale_wrt_gas", scale_wrt_gas, True)):
+            if value != default:
+                raise NotImplementedError(f"engine.backward({name}={value!r}) is not implemented in zerodp")
+        if self._no_sync and self.is_gradient_accumulation_boundary():
+            raise NotImplementedError(
+                "engine.backward inside no_sync() on a gradient accumulation boundary is not implemented: "
+                "zerodp reduces gradients in the boundary micro-step's backward; leave no_sync() for it")
+        t0 = time.perf_counter()
+        self.engine.backward(loss)
+        self._times["backward"] += time.perf_counter() - t0
+        return loss
+
+    def step(self, lr_kwargs: Optional[Mapping[str, Any]] = None) -> None:
+        """End a micro-step; at a boundary, update the parameters and step the LR scheduler.
+
+        Raises:
+            NotImplementedError: ``lr_kwargs`` given.
+        """
+        if lr_kwargs is not None:
+            raise NotImplementedError("engine.step(lr_kwargs=...) is not implemented in zerodp")
+        boundary = self.is_gradient_accumulation_boundary()
+        skipped = self.engine.skipped_steps
+        t0 = time.perf_counter()
+        self.engine.step()
+        self._times["step"] += time.perf_counter() - t0
+        if boundary:
+            self._step_applied = self.engine.skipped_steps == skipped
+            self._report()
+
+    def _report(self) -> None:
+        cfg = self.engine.config
+        if self.engine.global_steps % cfg.steps_per_print:
+            return
+        if self.engine.rank == 0:
+            print(f"[zerodp] step={self.engine.global_steps}, skipped={self.engine.skipped_steps}, "
+                  f"lr={self.get_lr()}, mom={self.get_mom()}, loss_scale={self.engine.loss_scale}", flush=True)
+            if cfg.wall_clock_breakdown:
+                t = self._times
+                print(f"[zerodp] time (s) over the last {cfg.steps_per_print} steps: forward={t['forward']:.4f} "
+                      f"backward={t['backward']:.4f} step={t['step']:.4f}", flush=True)
+        self._times = dict.fromkeys(self._times, 0.0)
+
+    def zero_grad(self) -> None:
+        """Forget accumulated gradients (DeepSpeed's ``engine.zero_grad``)."""
+        self.engine.reducer.zero_grads()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction in the backward passes inside (stages 0-1; DeepSpeed refuses it at
+        stages 2-3 too). zerodp already reduces only on the boundary micro-step at these stages.
+
+        Raises:
+            AssertionError: at stages 2-3 (as DeepSpeed: incompatible with gradient partitioning).
+        """
+        if self.engine.stage >= 2:
+            raise AssertionError(f"no_sync context manager is incompatible with gradient partitioning logic "
+                                 f"of ZeRO stage {self.engine.stage}")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary step was skipped (fp16 overflow)."""
+        return self._step_applied
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def get_lr(self) -> list[float]:
+        return self.engine.get_lr()
+
+    def get_mom(self) -> list[Any]:
+        """Per group: ``betas`` (Adam-like) or ``momentum`` (SGD-like), as DeepSpeed reports it."""
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def destroy(self) -> None:
+        """Nothing to tear down here (hooks live as long as the module); kept for DeepSpeed scripts."""
+
+    # ---- what DeepSpeed exposes as methods and properties ------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() * self.world_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.engine.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.engine.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.engine.stage
+
+    def zero_optimization(self) -> bool:
+        return self.engine.stage > 0
+
+    def bfloat16_enabled(self) -> bool:
+        return self.engine.config.bf16.enabled
+
+    def fp16_enabled(self) -> bool:
+        return self.engine.config.fp16.enabled
+
+    def gradient_clipping(self) -> float:
+        return self.engine.config.gradient_clipping
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.engine.is_gradient_accumulation_boundary()
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_steps
+
+    @property
+    def global_samples(self) -> int:
+        return self.engine.global_steps * self.train_batch_size()
+
+    @property
+    def micro_steps(self) -> int:
+        return self.engine.micro_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    dp_world_size = world_size
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def device(self) -> torch.device:
+        for g in self.engine.groups:
+            return g.buffer.device
+        return torch.device("cpu")
+
+    # ---- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the full module state dict on every rank (:meth:`zerodp.Engine.module_state_dict`)."""
+        return self.engine.module_state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Collective: copy full tensors (keyed like ``module.state_dict()``) into the partitioned model,
+        its fp32 masters included.
+
+        Raises:
+            KeyError: ``strict`` and a key is missing or unexpected (names them).
+            ValueError: a shape differs.
+        """
+        targets = dict(self.module.named_parameters(remove_duplicate=False))
+        buffers = dict(self.module.named_buffers())
+        if strict:
+            missing = sorted((set(targets) | set(buffers)) - set(state_dict))
+            extra = sorted(set(state_dict) - set(targets) - set(buffers))
+            if missing or extra:
+                raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {extra}")
+        params = list({id(p): p for p in targets.values()}.values())
+        with GatheredParameters(params, modifier_rank=0):
+            with torch.no_grad():
+                for name, p in targets.items():
+                    if name in state_dict:
+                        src = state_dict[name]
+                        if tuple(src.shape) != tuple(p.shape):
+                            raise ValueError(f"load_state_dict: {name} has shape {tuple(src.shape)}, the model "
+                                             f"{tuple(p.shape)}")
+                        p.copy_(src)
+        for name, b in buffers.items():
+            if name in state_dict:
+                b.copy_(state_dict[name])
+
+    def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Collective: write the full weights in the module's dtype to ``save_dir/save_filename`` (rank 0).
+
+        Raises:
+            ValueError: stage 3 without ``zero_optimization.stage3_gather_16bit_weights_on_model_save``
+                (DeepSpeed then writes nothing and returns False).
+            NotImplementedError: ``exclude_frozen_parameters=True``.
+        """
+        if exclude_frozen_parameters:
+            raise NotImplementedError("save_16bit_model(exclude_frozen_parameters=True) is not implemented")
+        zc = self.engine.config.zero_optimization
+        if self.engine.stage == 3 and not zc.stage3_gather_16bit_weights_on_model_save:
+            raise ValueError("save_16bit_model at stage 3 needs zero_optimization."
+                             "stage3_gather_16bit_weights_on_model_save: true in the config")
+        sd = self.engine.module_state_dict()
+        dtypes = {n: p.dtype for n, p in self.module.named_parameters(remove_duplicate=False)}
+        sd = {k: v.to(dtypes[k]) if k in dtypes else v for k, v in sd.items()}
+        if self.engine.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(sd, os.path.join(save_dir, save_filename))
+        if dist.get_world_size(self.engine.process_group) > 1:
+            dist.barrier(self.engine.process_group)  # the file exists on return, on every rank
+        return True
+
+    def save_checkpoint(self, save_dir: Any, tag: Any = None, client_state: Optional[Mapping[str, Any]] = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Collective: DeepSpeed's signature over :meth:`zerodp.Engine.save_checkpoint`. ``tag`` may be
+        an int; ``client_state`` may hold tensors and any picklable object (stored with torch.save in the
+        checkpoint directory, and returned as saved); ``save_latest=False`` leaves ``latest`` as it was.
+
+        Raises:
+            NotImplementedError: ``exclude_frozen_parameters=True``.
+        """
+        if exclude_frozen_parameters:
+            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True) is not implemented")
+        tag = None if tag is None else str(tag)
+        latest = Path(save_dir) / "latest"
+        before = latest.read_text(encoding="utf-8") if latest.is_file() else None
+        path = self.engine.save_checkpoint(save_dir, tag, {CLIENT_STATE_MARKER: CLIENT_STATE_FILE})
+        if self.engine.rank == 0:
+            torch.save(dict(client_state or {}), Path(path) / CLIENT_STATE_FILE)
+            if not save_latest:
+                if before is None:
+                    latest.unlink()
+                else:
+                    latest.write_text(before, encoding="utf-8")
+        if dist.get_world_size(self.engine.process_group) > 1:
+            dist.barrier(self.engine.process_group)
+        return True
+
+    def load_checkpoint(self, load_dir: Any, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
+        """Collective: DeepSpeed's signature over :meth:`zerodp.Engine.load_checkpoint`.
+
+        Returns ``(checkpoint path, client_state)``, or ``(None, None)`` with a warning when ``tag`` is
+        None and ``load_dir`` holds no ``latest`` file (as DeepSpeed). ``load_optimizer_states=False``
+        keeps the current optimizer state; ``load_lr_scheduler_states=False`` the current scheduler
+        state; ``load_module_only=True`` loads only the module (optimizer, scheduler, loss scaler,
+        step counters and RNG states are kept).
+
+        Raises:
+            NotImplementedError: ``load_module_strict=False`` or ``custom_load_fn``.
+            zerodp.checkpoint.CheckpointError: as :meth:`zerodp.Engine.load_checkpoint`.
+        """
+        if not load_module_strict:
+            raise NotImplementedError("load_checkpoint(load_module_strict=False) is not implemented")
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not implemented")
+        d = Path(load_dir)
+        if tag is None and not (d / "latest").is_file() and not (d / "meta.json").is_file():
+            warnings.warn(f"load_checkpoint: no 'latest' file in {d}; nothing loaded")
+            return None, None
+        e = self.engine
+        keep_opt = load_module_only or not load_optimizer_states
+        keep_sched = load_module_only or not load_lr_scheduler_states
+        opt_state = copy.deepcopy(e.optimizer.state_dict()) if keep_opt else None
+        sched_state = copy.deepcopy(e.lr_scheduler.state_dict()) if keep_sched and e.lr_scheduler else None
+        counters = (e.global_steps, e.micro_steps, e.skipped_steps, e.ledger.steps)
+        scaler = copy.deepcopy(e.loss_scaler.__dict__) if e.loss_scaler is not None else None
+        rng = torch.get_rng_state()
+        path, state = e.load_checkpoint(load_dir, None if tag is None else str(tag))
+        if opt_state is not None:
+            e.optimizer.load_state_dict(opt_state)
+        if sched_state is not None:
+            e.lr_scheduler.load_state_dict(sched_state)
+        if load_module_only:
+            e.global_steps, e.micro_steps, e.skipped_steps, e.ledger.steps = counters
+            if scaler is not None:
+                e.loss_scaler.__dict__.update(scaler)
+            torch.set_rng_state(rng)
+        if isinstance(state, dict) and state.get(CLIENT_STATE_MARKER) == CLIENT_STATE_FILE:
+            state = torch.load(Path(path) / CLIENT_STATE_FILE, weights_only=False)
+        return path, state

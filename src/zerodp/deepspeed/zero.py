@@ -1,0 +1,94 @@
+"""``zerodp.deepspeed.zero``: DeepSpeed's ``deepspeed.zero`` names over :mod:`zerodp.zero`.
+
+:class:`Init` takes DeepSpeed's keywords (``config_dict_or_path``, ``remote_device``, ``pin_memory``,
+``dtype``, ``enabled``, ``mpu``, ``data_parallel_group``...); a bare ``Init()`` partitions, as
+DeepSpeed does (stage 3 implied). Partitioned parameters carry ``ds_shape`` and ``ds_numel``.
+Keywords asking for something zerodp does not do (offload to CPU/NVMe, pinned memory, model
+parallelism, quantized weights, partitioning an already-built module) raise ``NotImplementedError``
+naming the keyword.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from zerodp import zero as _zero
+from zerodp.config import ConfigError
+from zerodp.deepspeed.config import read_config, resolve_deepspeed_config
+from zerodp.zero import GatheredParameters, full_numel, is_partitioned, register_external_parameter
+
+
+class Init(_zero.Init):
+    """``deepspeed.zero.Init``: partition parameters as each submodule is built (see
+    :class:`zerodp.zero.Init`), with DeepSpeed's keywords.
+
+    Args:
+        config_dict_or_path / config: the DeepSpeed config (dict or JSON path); ``"auto"`` values are
+            resolved as in :func:`zerodp.deepspeed.initialize` where no model is needed. Without a
+            config, or a config without ``zero_optimization.stage``, stage 3 is implied.
+        enabled: False makes this a no-op.
+        data_parallel_group: the process group (default: the world).
+        dtype: the dtype parameters are partitioned in; must agree with the config's fp16/bf16 (None:
+            taken from the config).
+        remote_device: None or ``"none"``; ``"cpu"``/``"nvme"`` (offload) refused.
+        pin_memory: False (True refused). mem_efficient_linear: accepted (no effect on results).
+
+    Raises:
+        NotImplementedError: ``module``, ``mpu``, ``remote_device`` "cpu"/"nvme", ``pin_memory=True``,
+            quantized weights or another unsupported keyword.
+        ConfigError: a stage other than 3, or ``dtype`` disagreeing with the config.
+    """
+
+    def __init__(self, module: Optional[nn.Module] = None, data_parallel_group: Any = None,
+                 mem_efficient_linear: bool = True, remote_device: Optional[str] = None,
+                 pin_memory: bool = False, config_dict_or_path: Any = None, config: Any = None,
+                 enabled: bool = True, dtype: Optional[torch.dtype] = None, mpu: Any = None,
+                 zero_param_parallel_group: Any = None, zero_quantized_weights: bool = False,
+                 zero_quantized_nontrainable_weights: bool = False, sequence_data_parallel_group: Any = None,
+                 param_swapper: Any = None) -> None:
+        refused = {"module": module is not None, "mpu": mpu is not None,
+                   "remote_device": remote_device not in (None, "none"),
+                   "pin_memory": bool(pin_memory), "zero_param_parallel_group": zero_param_parallel_group is not None,
+                   "zero_quantized_weights": bool(zero_quantized_weights),
+                   "zero_quantized_nontrainable_weights": bool(zero_quantized_nontrainable_weights),
+                   "sequence_data_parallel_group": sequence_data_parallel_group is not None,
+                   "param_swapper": param_swapper is not None}
+        bad = [k for k, v in refused.items() if v]
+        if bad:
+            raise NotImplementedError(f"zerodp.deepspeed.zero.Init({bad[0]}=...) is not implemented in zerodp "
+                                      "(no offload, model parallelism or quantization)")
+        if config_dict_or_path is not None and config is not None:
+            raise ValueError("zero.Init: give config_dict_or_path or config, not both")
+        raw = read_config(config if config is not None else config_dict_or_path)
+        raw.setdefault("zero_optimization", {}).setdefault("stage", 3)
+        for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size"):  # not used while building
+            if raw["zero_optimization"].get(key) == "auto":
+                del raw["zero_optimization"][key]
+        cfg = resolve_deepspeed_config(raw, model=None)
+        implied = (torch.bfloat16 if (cfg.get("bf16") or {}).get("enabled") else
+                   torch.float16 if (cfg.get("fp16") or {}).get("enabled") else None)
+        if dtype is not None and dtype != (implied or torch.float32):
+            raise ConfigError(f"zero.Init(dtype={dtype}) disagrees with the config's precision "
+                              f"({implied or 'fp32'}); zerodp partitions in the config's dtype")
+        super().__init__(config=cfg, enabled=enabled, process_group=data_parallel_group)
+
+    def _on_register(self, parent: nn.Module, name: str, child: Optional[nn.Module]) -> None:
+        before = len(self.units)
+        shapes = {} if child is None else {id(p): tuple(p.shape) for p in child.parameters(recurse=False)}
+        super()._on_register(parent, name, child)
+        for unit in self.units[before:]:
+            for s in unit.slots:
+                set_ds_attributes(s.param, shapes.get(id(s.param)))
+
+
+def set_ds_attributes(p: nn.Parameter, shape: Optional[tuple[int, ...]]) -> None:
+    """DeepSpeed's ``ds_shape``/``ds_numel`` on a (possibly partitioned) parameter."""
+    if shape is not None:
+        p.ds_shape = torch.Size(shape)
+    p.ds_numel = full_numel(p)
+
+
+__all__ = ["Init", "GatheredParameters", "register_external_parameter", "full_numel", "is_partitioned"]
