@@ -166,7 +166,10 @@ def run(args: argparse.Namespace) -> Optional[BenchResult]:
     timed_batches = _batches(cfg, micro, args.warmup + args.steps, rank, world)
     baseline = frozenset(live_storages())
 
-    probes = {name: _probe(name, cfg, probe_batches, baseline) for name in names}
+    excluded = [o.strip() for o in (args.exclude or "").split(",") if o.strip()]
+    probes = {name: ({"reason": f"excluded by --exclude {args.exclude}"}
+                     if name != "DDP" and any(e in name for e in excluded)
+                     else _probe(name, cfg, probe_batches, baseline)) for name in names}
     ran = [n for n in names if "reason" not in probes[n]]
     times: dict[str, list[list[float]]] = {n: [] for n in ran}
     for _ in range(args.rounds):  # interleaved: drift and load hit every system alike
@@ -201,6 +204,7 @@ def _assemble(args: argparse.Namespace, cfg: GPTConfig, micro: int, psi: int, wo
         for rnd, base in zip(times[name], times.get("DDP", [])):
             ratios.append(statistics.median(rnd) / statistics.median(base))
         steps = len(p["losses"])
+        counted = p["traffic_elements"] > 0 or world == 1
         diffs = [abs(a - b) for a, b in zip(p["losses"], ddp_losses)]
         systems.append(SystemResult(
             name=name, family=p["family"], stage=p["stage"], status="ran",
@@ -210,7 +214,7 @@ def _assemble(args: argparse.Namespace, cfg: GPTConfig, micro: int, psi: int, wo
             memory=[RankMemory(rank=r, measured=g[name]["measured"], unattributed=g[name]["unattributed"],
                                peak_rss=g[name]["peak_rss"], rss_before=g[name]["rss_before"])
                     for r, g in enumerate(gathered)],
-            traffic=Traffic(elements_per_step=p["traffic_elements"] / steps,
+            traffic=None if not counted else Traffic(elements_per_step=p["traffic_elements"] / steps,
                             psi_per_step=p["traffic_elements"] / steps / psi,
                             formula_psi=(comm_elements_per_step(p["stage"], psi) // psi
                                          if p["stage"] is not None and world > 1 else None),
@@ -308,6 +312,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--probe-steps", type=int, default=3)
     p.add_argument("--only", default=None)
+    p.add_argument("--exclude", default=None)
     p.add_argument("--out", default="bench_out")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--sweep-ranks", default="")

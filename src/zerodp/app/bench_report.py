@@ -72,7 +72,8 @@ class SystemResult(_Strict):
     max_loss_diff_vs_ddp: Optional[float] = None  # max |loss - DDP's loss| over the probe steps
     formula: Optional[dict[str, float]] = None  # bytes per rank, paper's table, fp32 AdamW
     memory: list[RankMemory] = Field(default_factory=list)
-    traffic: Optional[Traffic] = None
+    traffic: Optional[Traffic] = None  # None: no collective seen at torch.distributed's Python calls
+    #                                   (DeepSpeed stage 3 issues its gathers below them)
 
 
 class SweepPoint(_Strict):

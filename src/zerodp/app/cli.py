@@ -106,6 +106,7 @@ BENCH_HELP = {
     "preset": "model size: tiny (tests), small (~3.3M parameters) or medium (~25M); size flags override it",
     "probe_steps": "untimed steps that measure losses, memory and traffic (>= 2)",
     "only": "comma-separated substrings: run only the systems whose name contains one (DDP always runs)",
+    "exclude": "comma-separated substrings: report the systems whose name contains one as skipped",
     "out": "directory for bench.json and the PNG charts",
     "no_plots": "write no charts",
     "sweep_ranks": "first probe DDP and zerodp at these world sizes (e.g. 1,2,3,4) for the memory-vs-ranks chart",
