@@ -166,6 +166,8 @@ def run(args: argparse.Namespace) -> Optional[BenchResult]:
     timed_batches = _batches(cfg, micro, args.warmup + args.steps, rank, world)
     baseline = frozenset(live_storages())
 
+    _probe("DDP", cfg, probe_batches, baseline)  # discarded: one-time costs (lazy init, gloo, allocator)
+    release_free_memory()                       # would otherwise land on whichever system runs first
     excluded = [o.strip() for o in (args.exclude or "").split(",") if o.strip()]
     probes = {name: ({"reason": f"excluded by --exclude {args.exclude}"}
                      if name != "DDP" and any(e in name for e in excluded)

@@ -110,12 +110,13 @@ class BenchResult(_Strict):
 
 
 def format_table(res: BenchResult) -> str:
-    """The stdout table: one row per system (skipped ones with their reason)."""
+    """The stdout table: one row per system (skipped ones with their reason). ``RSS/+MiB`` is the
+    highest peak RSS over ranks and the highest rise over the RSS before the system was built (MiB)."""
     lines = [f"GPT {res.psi:,} parameters ({res.preset}), {res.world_size} ranks ({res.backend}), micro-batch "
              f"{res.micro_batch}, {res.steps} timed steps x {res.rounds} rounds, load average "
              f"{res.load_average_start[0]:.1f} -> {res.load_average_end[0]:.1f} on {res.cpu_count} CPUs",
              f"{'system':<34}{'median s':>9}{'IQR s':>8}{'vs DDP':>8}{'range':>13}{'model state':>13}"
-             f"{'formula':>11}{'peak RSS':>11}{'traffic':>14}{'dloss':>9}"]
+             f"{'formula':>11}{'RSS/+MiB':>11}{'traffic':>14}{'dloss':>9}"]
     for s in res.systems:
         if s.status == "skipped":
             lines.append(f"{s.name:<34}skipped: {s.reason}")
@@ -124,7 +125,8 @@ def format_table(res: BenchResult) -> str:
         rng = f"{min(s.ratio_per_round):.2f}-{max(s.ratio_per_round):.2f}" if s.ratio_per_round else "-"
         state = human_bytes(sum(m0.measured.values())) if m0 else "-"
         formula = human_bytes(sum(s.formula.values())) if s.formula else "-"
-        rss = human_bytes(max(m.peak_rss for m in s.memory)) if s.memory else "-"
+        rss = (f"{max(m.peak_rss for m in s.memory) / 2**20:.0f}"
+               f"/+{max(m.peak_rss - m.rss_before for m in s.memory) / 2**20:.0f}") if s.memory else "-"
         tr = s.traffic
         traffic = (f"{tr.psi_per_step:.2f}" + (f"/{tr.formula_psi} Psi" if tr.formula_psi else " Psi")) if tr else "-"
         dl = f"{s.max_loss_diff_vs_ddp:.1e}" if s.max_loss_diff_vs_ddp is not None else "-"
