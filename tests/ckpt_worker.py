@@ -34,6 +34,7 @@ from torch import nn
 
 import zerodp
 from zerodp import checkpoint
+from zerodp.checkpoint import save as checkpoint_save
 from zerodp.checkpoint import consolidate, load_full_state_dict
 
 from dist_worker import Zoo, err, rank, world  # this file's folder is on sys.path when run as a script
@@ -534,7 +535,7 @@ def crash_safety(stage: int, ctx: Context) -> dict:
     for step in range(2, 4):
         engine_step(engine, step, micro, 1, noise=False)
 
-    original = checkpoint._write_rank_file
+    original = checkpoint_save._write_rank_file
 
     def write_then_die(eng, layout, tmp):  # type: ignore[no-untyped-def]
         path = original(eng, layout, tmp)
@@ -542,14 +543,14 @@ def crash_safety(stage: int, ctx: Context) -> dict:
             raise RuntimeError(f"simulated crash after writing {path.name}")
         return path
 
-    checkpoint._write_rank_file = write_then_die
+    checkpoint_save._write_rank_file = write_then_die
     try:
         engine.save_checkpoint(d)
         crash_error = None
     except Exception as e:  # every rank must raise
         crash_error = f"{type(e).__name__}: {e}"
     finally:
-        checkpoint._write_rank_file = original
+        checkpoint_save._write_rank_file = original
     latest_after_crash = (d / "latest").read_text()
     listing_after_crash = sorted(os.listdir(d))
     _, fresh = zoo_engine(stage, micro, seed=7)

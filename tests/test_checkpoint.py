@@ -494,7 +494,7 @@ KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     import torch, zerodp
     from safetensors.torch import save_file
-    from zerodp import checkpoint
+    from zerodp.checkpoint import save as checkpoint_save
     d, point = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
     engine = zerodp.initialize(torch.nn.Linear(4, 3), {"zero_optimization": {"stage": 2}})
@@ -506,7 +506,7 @@ KILL_SCRIPT = textwrap.dedent("""
     save_file(engine.module_state_dict(), os.path.join(d, "expected.safetensors"))
     train()
     name = {"rank_file": "_write_rank_file", "latest": "_write_latest"}[point]
-    original = getattr(checkpoint, name)
+    original = getattr(checkpoint_save, name)
     def killed(*args, **kwargs):
         if point == "rank_file":
             original(*args, **kwargs)  # the rank file is complete ...
@@ -515,7 +515,7 @@ KILL_SCRIPT = textwrap.dedent("""
             with open(os.path.join(save_dir, "latest.tmp"), "w") as f:
                 f.write(tag)
         os.kill(os.getpid(), signal.SIGKILL)  # ... and the process dies
-    setattr(checkpoint, name, killed)
+    setattr(checkpoint_save, name, killed)
     engine.save_checkpoint(d)
 """)
 

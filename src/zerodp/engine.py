@@ -28,6 +28,7 @@ from zerodp.runtime.optim import ParamGroupSpec, build_optimizer, normalize_para
 from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
 from zerodp.runtime.precision import LossScaler, PrecisionPolicy
 from zerodp.runtime.schedulers import build_scheduler
+from zerodp.runtime.topology import Topology, global_grad_norm, is_model_parallel_parameter, resolve_topology
 from zerodp.stage3.sharding import Stage3
 from zerodp.stage3.ownership import register_master_refresh
 from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer, PartitionedGradReducer
@@ -43,6 +44,7 @@ class Engine:
         self.module = module
         self.config = config
         self.process_group = process_group
+        self.topology = Topology(dp_group=process_group)  # initialize(mpu=...) sets the model-parallel part
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.stage = config.zero_optimization.stage
@@ -250,12 +252,13 @@ class Engine:
     def _clip_gradients(self, max_norm: float) -> None:
         """Scale owned gradients so the global L2 norm is at most ``max_norm`` (clip_grad_norm_)."""
         grads = self._opt_grads()
-        sq = torch.zeros(1, dtype=torch.float64)
-        for gr in grads:
-            sq += gr.detach().double().pow(2).sum().cpu()
-        if self.stage >= 1 and self.world_size > 1:
-            comm.all_reduce(sq, self.process_group, self.ledger, "grad_norm")
-        norm = sq.sqrt().item()
+        by_kind: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for g in self.groups:
+            for p in g.pieces:
+                if p.opt_tensor.grad is not None:
+                    by_kind[0 if is_model_parallel_parameter(p.slot.param) else 1].append(p.opt_tensor.grad)
+        norm = global_grad_norm(by_kind, self.topology, self.stage >= 1 and self.world_size > 1,
+                                lambda t, group: comm.all_reduce(t, group, self.ledger, "grad_norm"))
         self._global_grad_norm = norm
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
@@ -342,14 +345,21 @@ class Engine:
         point ``save_dir/latest`` at it; returns that directory. See :func:`zerodp.checkpoint.save_checkpoint`."""
         from zerodp import checkpoint
 
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state)
+        return checkpoint.save_checkpoint(self, self._checkpoint_dir(save_dir), tag, client_state)
 
     def load_checkpoint(self, load_dir: Any, tag: Optional[str] = None) -> tuple[Any, Any]:
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;
         returns (checkpoint directory, client_state). See :func:`zerodp.checkpoint.load_checkpoint`."""
         from zerodp import checkpoint
 
-        return checkpoint.load_checkpoint(self, load_dir, tag)
+        return checkpoint.load_checkpoint(self, self._checkpoint_dir(load_dir), tag)
+
+    def _checkpoint_dir(self, d: Any) -> Any:
+        """``d``, or with model parallelism ``d/mp_rank_XX``: each model-parallel rank's DP group
+        saves and loads its own parameter shards (the same names hold different slices)."""
+        import os
+
+        return os.path.join(d, f"mp_rank_{self.topology.mp_rank:02d}") if self.topology.model_parallel else d
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """Full state dict keyed like ``module.state_dict()``, fresh copies, on every rank (a
@@ -374,6 +384,7 @@ def initialize(
     model_parameters: Optional[Iterable[Any]] = None,
     process_group: Optional[dist.ProcessGroup] = None,
     lr_scheduler: Optional[Callable[[torch.optim.Optimizer], LRScheduler]] = None,
+    mpu: Any = None,
 ) -> Engine:
     """Wrap ``model`` in a ZeRO engine.
 
@@ -383,11 +394,15 @@ def initialize(
         config: dict, path to a JSON file with DeepSpeed key names, or a parsed config.
         model_parameters: iterable of parameters or of torch-style param-group dicts (``{"params":
             [...], "weight_decay": 0.0}``); defaults to all of ``model``'s trainable parameters.
-        process_group: data-parallel group; default the whole world (initialised from torchrun's
-            environment by :func:`zerodp.init_distributed` if needed).
+        process_group: data-parallel group (or a 1-D ``DeviceMesh``); default the whole world
+            (initialised from torchrun's environment by :func:`zerodp.init_distributed` if needed).
         lr_scheduler: a callable ``f(optimizer) -> torch LRScheduler`` (e.g. ``lambda opt:
             torch.optim.lr_scheduler.StepLR(opt, 10)``), built on the engine's optimizer and stepped
             after every optimizer step; mutually exclusive with the config's ``scheduler``.
+        mpu: a model-parallel unit (DeepSpeed/Megatron protocol, see :mod:`zerodp.runtime.topology`):
+            ZeRO then partitions over ``mpu.get_data_parallel_group()``, gradient clipping sums
+            tensor-parallel parameters' norms over the model-parallel group, and each model-parallel
+            rank's checkpoints go to ``save_dir/mp_rank_XX``. Mutually exclusive with ``process_group``.
 
     Raises:
         ConfigError: invalid config (names the key and what is allowed).
@@ -399,6 +414,8 @@ def initialize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     comm.init_distributed()
+    topology = resolve_topology(process_group, mpu)
+    process_group = topology.dp_group
     cfg = cfg.for_world_size(dist.get_world_size(process_group))
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
@@ -411,6 +428,7 @@ def initialize(
             raise ValueError("pass either lr_scheduler to initialize() or 'scheduler' in the config, not both")
     specs = normalize_param_groups(model, model_parameters)
     engine = Engine(model, cfg, specs, process_group)
+    engine.topology = topology
     if lr_scheduler is not None:
         engine.lr_scheduler = lr_scheduler(engine.optimizer)
         if not isinstance(engine.lr_scheduler, LRScheduler):

@@ -1,4 +1,4 @@
-"""The ``zerodp`` command line: ``zerodp train``, ``zerodp consolidate``, ``zerodp bench`` and ``zerodp estimate``.
+"""The ``zerodp`` command line: ``zerodp train``, ``consolidate``, ``verify``, ``bench`` and ``estimate``.
 
 ``zerodp train`` outside a torchrun-launched process re-launches itself through torch's own launcher,
 ``python -m torch.distributed.run --nproc-per-node N [--standalone | rendezvous flags] -m zerodp.app.cli
@@ -6,7 +6,8 @@ train ...``, and returns its exit code; inside one (``RANK`` or ``LOCAL_RANK`` s
 :func:`zerodp.app.train.run_worker`. ``zerodp bench`` is launched the same way, running ``-m zerodp.app.bench``.
 
 ``zerodp consolidate CHECKPOINT_DIR OUT`` writes a checkpoint's full state dict to one file
-(:func:`zerodp.checkpoint.consolidate`).
+(:func:`zerodp.checkpoint.consolidate`). ``zerodp verify CHECKPOINT_DIR`` checks a checkpoint's files
+and per-tensor checksums without loading it into a job (:mod:`zerodp.checkpoint.integrity`).
 
 ``zerodp estimate --params P --dp N`` prints the ZeRO paper's per-rank model-state memory and per-step
 traffic for stages 0-3 (:func:`zerodp.runtime.accounting.estimate_table`).
@@ -140,9 +141,10 @@ class _Recorder:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``zerodp`` argument parser (subcommands ``train``, ``consolidate``, ``bench``, ``estimate``)."""
+    """The ``zerodp`` argument parser (subcommands ``train``, ``consolidate``, ``verify``, ``bench``,
+    ``estimate``)."""
     parser = argparse.ArgumentParser(prog="zerodp", description=__doc__.split("\n\n")[0].replace("``", ""))
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,consolidate,bench,estimate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,consolidate,verify,bench,estimate}")
 
     d = DEFAULTS
     tr = sub.add_parser(
@@ -212,6 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("out", metavar="OUT", help="output file, *.safetensors or *.pt/*.pth")
     co.add_argument("--tag", metavar="T", help="checkpoint within CHECKPOINT_DIR (default: 'latest')")
     co.set_defaults(handler=_cmd_consolidate, parser=co)
+
+    ve = sub.add_parser(
+        "verify", help="check a checkpoint's files and per-tensor CRC-32 checksums without loading it",
+        description="Read every file of a zerodp checkpoint, check it against meta.json and every tensor "
+                    "against the CRC-32 recorded when it was saved. Exit status 0: intact; 1: not.")
+    ve.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
+                    help="a --save-dir (its 'latest' or --tag is used) or one checkpoint directory")
+    ve.add_argument("--tag", metavar="T", help="checkpoint within CHECKPOINT_DIR (default: 'latest')")
+    ve.set_defaults(handler=_cmd_verify, parser=ve)
 
     from zerodp.app import bench
     be = sub.add_parser(
@@ -427,6 +438,22 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
             print(f"model: {GPTConfig.from_dict(cs['model'])} (load it into zerodp.app.model.GPT of this config)")
         except (TypeError, ValueError):
             pass
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from zerodp import checkpoint
+
+    try:
+        src = checkpoint.resolve_checkpoint(args.checkpoint_dir, args.tag)
+        with checkpoint.CheckpointReader(src) as reader:
+            files, tensors, nbytes = reader.verify_all()
+            checked = "checksums match" if reader.has_checksums else \
+                "names and shapes match (format version 1 has no checksums)"
+    except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
+        print(f"zerodp verify: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{src}: intact: {files} files, {tensors} tensors, {accounting.human_bytes(nbytes)} read; {checked}")
     return 0
 
 

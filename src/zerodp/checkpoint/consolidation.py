@@ -1,0 +1,65 @@
+"""Consolidation: a checkpoint's full state dict, keyed like ``model.state_dict()``, read or written to
+one file loadable without zerodp. Pure: no process group, CPU only."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import save_file
+
+from zerodp.checkpoint.durable import fsync
+from zerodp.checkpoint.format import CheckpointError, PathLike, value_dtype
+from zerodp.checkpoint.reader import CheckpointReader, resolve_checkpoint
+
+
+def load_full_state_dict(checkpoint_dir: PathLike, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The full state dict stored in a checkpoint (see :meth:`CheckpointReader.full_state_dict`); needs
+    no process group.
+
+    Raises:
+        CheckpointError: as :func:`resolve_checkpoint`, :func:`read_meta` and
+            :meth:`CheckpointReader.verify_all` (a tensor whose bytes do not match its checksum).
+    """
+    with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
+        reader.verify_all()  # every tensor of every file, optimizer state included: a corrupt checkpoint
+        return reader.full_state_dict()  # is refused even where the weights happen to be intact
+
+
+def consolidate(checkpoint_dir: PathLike, out_path: PathLike, tag: Optional[str] = None) -> Path:
+    """Write a checkpoint's full state dict, keyed like ``model.state_dict()`` (every tied name, as its
+    own tensor; buffers included; floating tensors fp32 (fp64 stays fp64): trained parameters are the
+    fp32 master values of a bf16/fp16 run, its frozen parameters and buffers are cast up), to one file
+    loadable without zerodp.
+
+    Pure function: no process group, CPU only, reads only the checkpoint's files.
+
+    Args:
+        checkpoint_dir: a ``save_dir`` (its ``latest`` or ``tag`` is used) or a checkpoint directory.
+        out_path: ``*.safetensors`` (``safetensors.torch.load_file``) or ``*.pt``/``*.pth``
+            (``torch.load(weights_only=True)``); written atomically, parent directories created.
+        tag: checkpoint within ``checkpoint_dir``; default ``latest``.
+
+    Returns:
+        ``out_path`` as a Path.
+
+    Raises:
+        CheckpointError: an unknown extension, or the checkpoint cannot be read (see
+            :func:`load_full_state_dict`).
+    """
+    out = Path(out_path)
+    if out.suffix not in (".safetensors", ".pt", ".pth"):
+        raise CheckpointError(f"cannot tell the format of {out}: use a .safetensors or .pt file name")
+    sd = {k: (v.to(value_dtype(v.dtype)) if v.is_floating_point() else v).contiguous()
+          for k, v in load_full_state_dict(checkpoint_dir, tag).items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    if out.suffix == ".safetensors":
+        save_file(sd, str(tmp), metadata={"format": "pt"})
+    else:
+        torch.save(sd, tmp)
+    fsync(tmp)
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,249 @@
+"""Loading a checkpoint into an engine of any world size and stage: check it fits, stage every value on
+every rank, and only when all ranks succeeded copy values, optimizer state, hyperparameters, scheduler,
+loss scaler, counters and RNG states in (see :mod:`zerodp.checkpoint`, [Note: precision])."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+
+from zerodp.checkpoint.collective import collectively
+from zerodp.checkpoint.engine_state import (describe_model, engine_precision, group_hyperparameters,
+                                            optimizer_group_names, piece_value)
+from zerodp.checkpoint.format import (IMPLEMENTATION_OPTIONS, SCHEDULED_OPTIONS, CheckpointError, PathLike,
+                                      dtype_name)
+from zerodp.checkpoint.layout import CheckpointLayout, layout_for
+from zerodp.checkpoint.meta import CheckpointMeta
+from zerodp.checkpoint.protocol import CheckpointableEngine as Engine
+from zerodp.checkpoint.reader import CheckpointReader, resolve_checkpoint
+
+
+def check_compatible(meta: CheckpointMeta, engine: Engine) -> None:
+    """Compare the checkpoint's model with ``engine``'s.
+
+    Raises:
+        CheckpointError: listing every difference: names only one side has, tied names that differ,
+            parameter/buffer kind, shape or requires_grad mismatches, or an optimizer param group whose
+            parameters were saved in groups with different hyperparameters.
+    """
+    params, buffers, keys = describe_model(engine)
+    mine = {a: r for r in params + buffers for a in r.aliases}
+    theirs = {a: r for r in meta.params + meta.buffers for a in r.aliases}
+    kind_mine = {a: kind for kind, rs in (("parameter", params), ("buffer", buffers))
+                 for r in rs for a in r.aliases}
+    kind_theirs = {a: kind for kind, rs in (("parameter", meta.params), ("buffer", meta.buffers))
+                   for r in rs for a in r.aliases}
+    problems = []
+    for k in meta.state_dict_keys:
+        if k not in mine:
+            problems.append(f"checkpoint has {kind_theirs[k]} {k!r} that the model lacks")
+    for k in keys:
+        if k not in theirs:
+            problems.append(f"model has {kind_mine[k]} {k!r} missing from checkpoint")
+    for k in keys:
+        if k not in theirs:
+            continue
+        a, b = theirs[k], mine[k]
+        if k != b.name:
+            continue  # report each tensor once, under its first name
+        if sorted(a.aliases) != sorted(b.aliases):
+            problems.append(f"tied names differ: checkpoint ties {sorted(a.aliases)}, model ties "
+                            f"{sorted(b.aliases)}")
+        if kind_theirs[k] != kind_mine[k]:
+            problems.append(f"{k!r} is a {kind_theirs[k]} in the checkpoint but a {kind_mine[k]} in the model")
+        elif a.shape != b.shape:
+            problems.append(f"{kind_mine[k]} {k!r} has shape {a.shape} in the checkpoint but {b.shape} in the "
+                            "model")
+        elif kind_mine[k] == "parameter" and a.requires_grad != b.requires_grad:
+            problems.append(f"parameter {k!r} has requires_grad={a.requires_grad} in the checkpoint but "
+                            f"{b.requires_grad} in the model")
+    if not problems:
+        for i, names in enumerate(optimizer_group_names(engine)):
+            try:
+                group_hyperparameters(meta, names)
+            except CheckpointError as e:
+                problems.append(f"optimizer param group {i}: {e}")
+    if problems:
+        raise CheckpointError("; ".join(problems))
+
+
+@dataclass
+class _StagedLoad:
+    """Everything read from a checkpoint, ready to be copied in (nothing touched yet)."""
+
+    path: Path
+    meta: CheckpointMeta
+    values: list[tuple[torch.Tensor, torch.Tensor]]  # (live tensor, new values)
+    states: list[tuple[torch.Tensor, Optional[dict[str, torch.Tensor]]]]  # (optimizer param, new state)
+    rng: dict[str, torch.Tensor]
+    hyperparameters: list[Optional[dict[str, Any]]]  # per optimizer param group; None: leave as is
+    loss_scaler: Optional[dict[str, Any]] = None  # None: leave the engine's as is
+    lr_scheduler: Optional[dict[str, Any]] = None  # state_dict() entries to load; None: leave as is
+
+
+def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointReader) -> _StagedLoad:
+    named: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, live tensor, new values)
+    for t in layout.value_targets(engine):
+        named.append((t.name, t.tensor, reader.read_values(t.name, t.start, t.end).reshape(t.tensor.shape)))
+    for name, live in layout.extra_targets(engine).items():
+        named.append((name, live, reader.read_values(name, 0, live.numel()).reshape(live.shape)))
+    theirs, mine = reader.meta.effective_precision(), engine_precision(engine)
+    if theirs != mine:
+        _check_representable(reader.path, named, theirs, mine)
+    values = [(live, new) for _, live, new in named]
+    groups_by_piece = {}
+    for pg in engine.optimizer.param_groups:
+        for p in pg["params"]:
+            groups_by_piece[id(p)] = pg
+    states: list[tuple[torch.Tensor, Optional[dict[str, torch.Tensor]]]] = []
+    for g in engine.groups:
+        for piece in g.pieces:
+            rec = reader.record(piece.slot.name)
+            start, end = piece.lo - piece.slot.offset, piece.hi - piece.slot.offset
+            param = piece_value(piece)  # the optimizer's parameter
+            if param is not piece.tensor:  # a master copy: loaded besides the flat buffer (value_targets)
+                values.append((param, reader.read_values(rec.name, start, end).reshape(param.shape)))
+            kinds = reader.state_kinds(rec.name) if rec.trained else {}
+            if not kinds:
+                states.append((param, None))
+                continue
+            pg = groups_by_piece[id(param)]
+            on_device = bool(pg.get("capturable") or pg.get("fused"))
+            st: dict[str, torch.Tensor] = {}
+            for k, shape in kinds.items():
+                if shape == []:
+                    v = reader.read_scalar(k, rec.name, start, end)
+                    st[k] = v.to(param.device) if on_device else v
+                else:
+                    st[k] = reader.read_range(k, rec.name, start, end, param.dtype).to(param.device)
+            states.append((param, st))
+    rng = reader.read_rng(engine.rank) if reader.meta.world_size == engine.world_size else {}
+    hps = [group_hyperparameters(reader.meta, names) for names in optimizer_group_names(engine)]
+    scaler, saved_scaler = getattr(engine, "loss_scaler", None), reader.meta.loss_scaler
+    scaler_state = (saved_scaler.model_dump() if scaler is not None and scaler.dynamic and saved_scaler is not None
+                    and saved_scaler.dynamic else None)
+    scheduler, saved_scheduler = getattr(engine, "lr_scheduler", None), reader.meta.lr_scheduler
+    scheduler_state = (copy.deepcopy(saved_scheduler.state) if scheduler is not None and saved_scheduler
+                       is not None and saved_scheduler.type == type(scheduler).__name__ else None)
+    return _StagedLoad(reader.path, reader.meta, values, states, rng, hps, scaler_state, scheduler_state)
+
+
+def _check_representable(path: Path, named: list[tuple[str, torch.Tensor, torch.Tensor]], theirs: str,
+                         mine: str) -> None:
+    """A checkpoint of another precision loads only if no finite saved value becomes inf in the dtype
+    this engine holds it in (e.g. a weight above 65504 in an fp16 module). Rounding to the engine's
+    dtype is not refused: the fp32 masters get the exact values, and frozen parameters and buffers are
+    held in the module dtype by this engine's precision policy anyway.
+
+    Raises:
+        CheckpointError: naming the tensors (first name) that would overflow.
+    """
+    bad: dict[str, torch.dtype] = {}
+    for name, live, new in named:
+        if not (live.is_floating_point() and new.is_floating_point()) or live.dtype == new.dtype:
+            continue
+        if torch.finfo(live.dtype).max >= torch.finfo(new.dtype).max:
+            continue
+        if (torch.isfinite(new) & ~torch.isfinite(new.to(live.dtype))).any():
+            bad.setdefault(name, live.dtype)
+    if bad:
+        names = sorted(bad)
+        dtype = bad[names[0]]
+        raise CheckpointError(
+            f"checkpoint {path} was saved with {theirs} and this engine uses {mine}: values of {names[:5]}"
+            f"{' and others' if len(names) > 5 else ''} exceed the largest finite {dtype_name(dtype)} "
+            f"({torch.finfo(dtype).max:g}) and would become inf; load it into an engine with {theirs} or fp32")
+
+
+def load_checkpoint(engine: Engine, load_dir: PathLike, tag: Optional[str] = None) -> tuple[Path, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``engine``, any world size or stage.
+
+    Collective: every rank calls it. Every rank reads ``meta.json``, checks it against the engine and
+    every file against ``meta.json``, and reads what it needs into new tensors; only when every rank
+    succeeded are parameters (fp32 masters and the module's, possibly lower-precision, copy), frozen
+    parameters, buffers, optimizer state (pieces whose parameter had
+    none get none), param-group hyperparameters (matched to the saved groups by parameter name, see
+    :func:`group_hyperparameters`), the LR scheduler's state, the fp16 loss scaler's state and
+    ``skipped_steps`` (see [Note: precision]), ``global_steps``, ``micro_steps`` (``global_steps x
+    gradient_accumulation_steps`` if the saved count is not a multiple of this engine's accumulation
+    steps, so the next step is a full accumulation window) and (same world size only) each rank's RNG
+    states replaced. Gradients are zeroed. Resuming at the same world size
+    and stage continues bit-identically.
+
+    Args:
+        load_dir: the ``save_dir`` given to :func:`save_checkpoint` (or a checkpoint directory).
+        tag: checkpoint to load; default the one named by ``load_dir/latest``.
+
+    Returns:
+        (checkpoint directory, the ``client_state`` given to :func:`save_checkpoint`).
+
+    Raises:
+        CheckpointError (on every rank, before anything is changed): no such checkpoint; ``meta.json``
+            missing, corrupt or of another version; a rank file missing, truncated or not matching
+            ``meta.json``; saved pieces not covering a parameter; the model differs (names each
+            missing or extra name, shape or requires_grad mismatch); saved with another precision and
+            holding values this engine's dtype cannot represent (see [Note: precision]).
+    """
+    layout = layout_for(engine)
+
+    def stage() -> _StagedLoad:
+        path = resolve_checkpoint(load_dir, tag)
+        with CheckpointReader(path) as reader:
+            try:
+                check_compatible(reader.meta, engine)
+            except CheckpointError as e:
+                raise CheckpointError(f"checkpoint {path} does not fit this model: {e}") from None
+            reader.validate_files()
+            return _stage_load(engine, layout, reader)
+
+    staged: _StagedLoad = collectively(engine, "load_checkpoint", stage)
+    layout.before_load(engine)
+    with torch.no_grad():
+        for live, new in staged.values:
+            live.copy_(new)
+    opt = engine.optimizer
+    for param, st in staged.states:
+        opt.state.pop(param, None)
+        if st is not None:
+            opt.state[param] = st
+    same_optimizer = staged.meta.optimizer == type(opt).__name__
+    for pg, hp in zip(opt.param_groups, staged.hyperparameters):
+        if hp is not None:
+            _restore_hyperparameters(pg, hp, same_optimizer)
+    if staged.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(staged.lr_scheduler)
+    if staged.loss_scaler is not None:
+        engine.loss_scaler.load_state_dict(staged.loss_scaler)
+    if hasattr(engine, "skipped_steps"):
+        engine.skipped_steps = staged.meta.skipped_steps
+    engine.global_steps = staged.meta.global_steps
+    accum = engine.gradient_accumulation_steps
+    micro = staged.meta.micro_steps
+    engine.micro_steps = micro if micro % accum == 0 else staged.meta.global_steps * accum
+    if "torch_cpu" in staged.rng:
+        torch.set_rng_state(staged.rng["torch_cpu"])
+    if "torch_cuda" in staged.rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(staged.rng["torch_cuda"])
+    engine.reducer.zero_grads()
+    layout.after_load(engine)
+    return staged.path, staged.meta.client_state
+
+
+def _restore_hyperparameters(pg: dict[str, Any], hp: Mapping[str, Any], same_optimizer: bool) -> None:
+    """Set ``pg``'s saved options (lr as a scheduler left it, betas, ...) except implementation switches.
+    Across optimizer classes (Adam <-> AdamW) only the learning rate is carried over: the other options
+    mean different things there and stay as configured."""
+    for k, v in hp.items():
+        if k in IMPLEMENTATION_OPTIONS or (not same_optimizer and k not in SCHEDULED_OPTIONS):
+            continue
+        cur = pg.get(k)
+        if isinstance(cur, torch.Tensor):
+            cur.fill_(v)
+        elif isinstance(cur, tuple) or (cur is None and isinstance(v, list)):
+            pg[k] = tuple(v)
+        else:
+            pg[k] = v

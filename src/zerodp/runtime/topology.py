@@ -1,0 +1,122 @@
+"""The data-parallel group ZeRO partitions over, and the model-parallel group it composes with.
+
+ZeRO partitions model states over the data-parallel (DP) group only (paper Section 7, "ZeRO and
+model parallelism": 16-way model parallel x 64-way data parallel in the seed's example); with tensor
+parallelism each model-parallel (MP) rank holds different parameter shards under the same names, so
+it is a separate ZeRO instance over its own DP group. :func:`resolve_topology` takes what the user
+passes to :func:`zerodp.initialize`:
+
+- ``process_group``: a ``torch.distributed`` group, or a 1-D ``DeviceMesh`` (its group) - the DP group;
+- ``mpu``: DeepSpeed's / Megatron's model-parallel unit protocol: ``get_data_parallel_group()``,
+  ``get_model_parallel_group()``, ``get_model_parallel_rank()``, ``get_model_parallel_world_size()``
+  (``get_tensor_model_parallel_*`` spellings are accepted too).
+
+Tensor-parallel parameters are recognised by Megatron's attribute ``tensor_model_parallel = True`` (or
+DeepSpeed's older ``model_parallel = True``): their squared gradient norms are summed over the MP
+group for gradient clipping; every other parameter is replicated across MP ranks and counted once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+#: parameter attributes that mark a tensor-parallel (MP-partitioned) parameter (Megatron, DeepSpeed).
+MODEL_PARALLEL_ATTRS = ("tensor_model_parallel", "model_parallel")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this rank sits. ``dp_group`` None means the whole world; ``mp_group`` None: no model
+    parallelism (``mp_world_size`` 1)."""
+
+    dp_group: Optional[dist.ProcessGroup]
+    mp_group: Optional[dist.ProcessGroup] = None
+    mp_rank: int = 0
+    mp_world_size: int = 1
+
+    @property
+    def model_parallel(self) -> bool:
+        """More than one model-parallel rank."""
+        return self.mp_world_size > 1
+
+
+def is_model_parallel_parameter(p: torch.Tensor) -> bool:
+    """Whether ``p`` is partitioned across the model-parallel group (see :data:`MODEL_PARALLEL_ATTRS`)."""
+    return any(bool(getattr(p, a, False)) for a in MODEL_PARALLEL_ATTRS)
+
+
+def _call(mpu: Any, *names: str) -> Any:
+    for n in names:
+        fn = getattr(mpu, n, None)
+        if callable(fn):
+            return fn()
+    raise TypeError(f"mpu must implement {names[0]}() (DeepSpeed's model-parallel unit protocol); "
+                    f"{type(mpu).__name__} has none of {list(names)}")
+
+
+def resolve_topology(process_group: Any = None, mpu: Any = None) -> Topology:
+    """The :class:`Topology` for :func:`zerodp.initialize`'s ``process_group`` and ``mpu``.
+
+    Raises:
+        ValueError: both ``process_group`` and ``mpu`` given (the DP group comes from one of them),
+            or the mpu's groups do not contain this rank.
+        TypeError: ``mpu`` lacks a method of the protocol, or ``process_group`` is a DeviceMesh with
+            more than one dimension (pass ``mesh["dp"]``).
+    """
+    if process_group is not None and mpu is not None:
+        raise ValueError("pass either process_group or mpu to zerodp.initialize, not both: with an mpu the "
+                         "data-parallel group is mpu.get_data_parallel_group()")
+    if mpu is None:
+        return Topology(dp_group=_as_group(process_group))
+    dp = _call(mpu, "get_data_parallel_group")
+    mp = _call(mpu, "get_model_parallel_group", "get_tensor_model_parallel_group")
+    mp_rank = int(_call(mpu, "get_model_parallel_rank", "get_tensor_model_parallel_rank"))
+    mp_world = int(_call(mpu, "get_model_parallel_world_size", "get_tensor_model_parallel_world_size"))
+    if mp is not None and (dist.get_rank(mp) != mp_rank or dist.get_world_size(mp) != mp_world):
+        raise ValueError(f"mpu is inconsistent: get_model_parallel_rank()={mp_rank} and world size {mp_world}, "
+                         f"but this rank is {dist.get_rank(mp)} of {dist.get_world_size(mp)} in its group")
+    if dist.get_rank(dp) < 0:
+        raise ValueError("mpu.get_data_parallel_group() does not contain this rank")
+    return Topology(dp_group=dp, mp_group=mp, mp_rank=mp_rank, mp_world_size=mp_world)
+
+
+def _as_group(process_group: Any) -> Optional[dist.ProcessGroup]:
+    get_group = getattr(process_group, "get_group", None)
+    if process_group is None or isinstance(process_group, dist.ProcessGroup) or not callable(get_group):
+        return process_group
+    if getattr(process_group, "ndim", 1) != 1:
+        raise TypeError(f"process_group is a {process_group.ndim}-D DeviceMesh; pass its data-parallel "
+                        "dimension, e.g. mesh['dp']")
+    return get_group()
+
+
+def global_grad_norm(grads_by_kind: tuple[list[torch.Tensor], list[torch.Tensor]], topology: Topology,
+                     reduce_dp: bool, all_reduce: Any) -> float:
+    """L2 norm of the full gradient of the whole (model-parallel) model.
+
+    Args:
+        grads_by_kind: (gradients of MP-partitioned parameters, of replicated parameters) this rank
+            owns (disjoint pieces across DP ranks when ``reduce_dp``, else full).
+        reduce_dp: sum over the DP group (stages 1-3: each rank owns a disjoint part).
+        all_reduce: ``f(tensor, group)`` summing in place (the engine's ledger-recording all-reduce).
+
+    Returns:
+        sqrt(sum over MP ranks of the partitioned parts + the replicated part counted once), in fp64.
+    """
+    parts = [sum((g.detach().double().pow(2).sum().cpu() for g in grads), torch.zeros((), dtype=torch.float64))
+             for grads in grads_by_kind]
+    if not topology.model_parallel:  # one element, as without tensor parallelism
+        sq = (parts[0] + parts[1]).reshape(1)
+        if reduce_dp:
+            all_reduce(sq, topology.dp_group)
+        return float(sq.sqrt())
+    sq = torch.stack(parts)
+    if reduce_dp:
+        all_reduce(sq, topology.dp_group)
+    mp_part = sq[:1].clone()
+    all_reduce(mp_part, topology.mp_group)
+    return float((mp_part[0] + sq[1]).sqrt())
