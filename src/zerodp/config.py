@@ -219,6 +219,27 @@ class SchedulerConfig(_Strict):
         return SCHEDULER_PARAMS[self.type].model_validate(self.params)
 
 
+class ActivationCheckpointingConfig(_Strict):
+    """DeepSpeed's ``activation_checkpointing`` section, used by :func:`zerodp.checkpointing.checkpoint`
+    (ZeRO-R partitioned activation checkpointing; see :mod:`zerodp.checkpointing`)."""
+
+    partition_activations: bool = Field(False, description="split kept inputs across the model-parallel group")
+    cpu_checkpointing: bool = Field(False, description="keep the checkpointed inputs in CPU memory")
+    contiguous_memory_optimization: bool = Field(
+        False, description="not implemented (a CUDA fragmentation remedy); must be false")
+    number_checkpoints: Optional[int] = Field(None, gt=0, description="only used with contiguous memory")
+    synchronize_checkpoint_boundary: bool = Field(False, description="cuda.synchronize() around segments")
+    profile: bool = Field(False, description="time checkpointed forwards and recomputations")
+
+    @field_validator("contiguous_memory_optimization")
+    @classmethod
+    def _contiguous_not_implemented(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("contiguous_memory_optimization is not implemented (a CUDA memory-fragmentation "
+                             "remedy); leave it false")
+        return v
+
+
 class ZeroDPConfig(_Strict):
     """Top-level config, DeepSpeed key names. See the README for an example file."""
 
@@ -239,6 +260,7 @@ class ZeroDPConfig(_Strict):
     scheduler: Optional[SchedulerConfig] = None
     seed: Optional[int] = Field(None, ge=0, description="torch.manual_seed applied by initialize()")
     steps_per_print: int = Field(10, gt=0, description="optimizer steps between log lines")
+    activation_checkpointing: Optional[ActivationCheckpointingConfig] = None
 
     @model_validator(mode="after")
     def _one_precision(self) -> "ZeroDPConfig":

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from zerodp import checkpointing
 from zerodp.runtime import comm
 from zerodp.runtime.accounting import CATEGORIES, FP32_ADAM, BytesPerElement, CommReport, MemoryReport, model_state_bytes
 from zerodp.runtime.comm import CommLedger
@@ -429,6 +430,8 @@ def initialize(
     specs = normalize_param_groups(model, model_parameters)
     engine = Engine(model, cfg, specs, process_group)
     engine.topology = topology
+    if cfg.activation_checkpointing is not None:  # as deepspeed.checkpointing.configure(mpu, config)
+        checkpointing.configure(mpu, deepspeed_config=cfg)
     if lr_scheduler is not None:
         engine.lr_scheduler = lr_scheduler(engine.optimizer)
         if not isinstance(engine.lr_scheduler, LRScheduler):
