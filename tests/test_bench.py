@@ -105,3 +105,17 @@ def test_sweep_commands_and_bad_values() -> None:
     ns = argparse.Namespace(preset="small", n_layer=None, n_head=None, d_model=128, seq_len=None, micro_batch=None)
     cfg, micro = bench.resolve_model(ns)
     assert (cfg.n_layer, cfg.d_model, micro) == (4, 128, 8)
+
+
+def test_offload_rows_are_registered_and_flags_forwarded() -> None:
+    from zerodp.app.bench_systems import Skipped, offload_systems
+
+    real = offload_systems("/tmp/nvme", 4096)
+    assert list(real) == ["zerodp stage 2 + offload cpu", "zerodp stage 2 + offload nvme"]
+    for name in real:  # same names and order as the placeholders, which refuse without --offload
+        assert name in SYSTEMS and SYSTEMS[name] is not real[name]
+        with pytest.raises(Skipped, match="--offload"):
+            SYSTEMS[name](None, 1e-3, False)
+    args = cli.build_parser().parse_args(["bench", "--offload", "--nvme-path", "/tmp/n", "--sub-group-size", "5"])
+    cmd = cli.bench_command(args)
+    assert "--offload" in cmd and "--sub-group-size" in " ".join(cmd) and "/tmp/n" in " ".join(cmd)

@@ -17,6 +17,8 @@ from typing import Any, Literal, Mapping, Optional, Tuple, Union, get_args, get_
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from zerodp.offload.config import AioConfig, OffloadOptimizerConfig, refuse_offload_param
+
 
 class ConfigError(ValueError):
     """A zerodp config (dict or JSON file) has an unknown key or a value outside what is allowed."""
@@ -127,9 +129,17 @@ class ZeroConfig(_Strict):
     stage3_prefetch_bucket_size: int = Field(
         50_000_000, ge=0, description="stage 3: elements prefetched ahead of use along the trace (0: off)"
     )
+    offload_optimizer: OffloadOptimizerConfig = Field(
+        default_factory=OffloadOptimizerConfig, description="ZeRO-Offload (zerodp.offload.config)"
+    )
+    sub_group_size: int = Field(
+        1_000_000_000, gt=0, description="offload nvme: elements of optimizer state swapped in at a time"
+    )
+
+    _refuse_offload_param = model_validator(mode="before")(lambda data: refuse_offload_param(data))
 
     @field_validator("reduce_bucket_size", "allgather_bucket_size", "stage3_param_persistence_threshold",
-                     "stage3_max_live_parameters", "stage3_prefetch_bucket_size", mode="before")
+                     "stage3_max_live_parameters", "stage3_prefetch_bucket_size", "sub_group_size", mode="before")
     @classmethod
     def _int_from_float(cls, v: Any) -> Any:
         # DeepSpeed configs often write 5e8; accept integral floats, refuse 1.5.
@@ -252,6 +262,7 @@ class ZeroDPConfig(_Strict):
         default_factory=lambda: OptimizerConfig(type="AdamW"), description="the torch optimizer"
     )
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    aio: AioConfig = Field(default_factory=AioConfig, description="NVMe offload I/O (zerodp.offload.config)")
     gradient_clipping: float = Field(
         0.0, ge=0.0, description="max global L2 gradient norm; 0 disables (PyTorch's default)"
     )

@@ -29,6 +29,8 @@ from zerodp.runtime.optim import ParamGroupSpec, build_optimizer, normalize_para
 from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
 from zerodp.runtime.precision import LossScaler, PrecisionPolicy
 from zerodp.runtime.schedulers import build_scheduler
+from zerodp.offload.build import OptimizerOffload, build_offload, no_offload
+from zerodp.offload.report import OffloadReport, offload_formula
 from zerodp.runtime.topology import Topology, global_grad_norm, is_model_parallel_parameter, resolve_topology
 from zerodp.stage3.sharding import Stage3
 from zerodp.stage3.ownership import register_master_refresh
@@ -76,6 +78,10 @@ class Engine:
             if self.precision.has_master:
                 for piece in g.pieces:
                     piece.master = piece.tensor.detach().float().clone()
+        self.offload: Optional[OptimizerOffload] = build_offload(
+            zc.offload_optimizer, config.aio, zc.sub_group_size, self.stage, self.rank, process_group)
+        if self.offload is not None:
+            self.offload.attach(self.groups)
         self._register_master_refresh()
 
         reducer_args = (self.groups, self.rank, self.world_size, process_group, self.ledger, zc.overlap_comm)
@@ -119,13 +125,19 @@ class Engine:
         by_param: dict[int, list] = {}
         for g in self.groups:
             for piece in g.pieces:
-                if piece.master is not None:
+                if piece.master is not None or self.offload is not None:
                     by_param.setdefault(id(piece.slot.param), []).append(piece)
         for g in self.groups:
             for s in g.slots:
                 pieces = by_param.get(id(s.param))
                 if pieces:
-                    register_master_refresh(s.param, lambda ps=pieces: [p.master.copy_(p.tensor) for p in ps])
+                    register_master_refresh(s.param, lambda ps=pieces: [self._refresh_master(p) for p in ps])
+
+    def _refresh_master(self, piece: Any) -> None:
+        if self.offload is not None:
+            self.offload.refresh_master(piece)
+        else:
+            piece.master.copy_(piece.tensor)
 
     def _broadcast_from_rank0(self) -> None:
         """Make every rank start from rank 0's parameters and buffers, as DDP does."""
@@ -188,6 +200,8 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
+        if self.offload is not None:
+            self.offload.check_health()  # collective: a lost swap file stops every rank here
         local_overflow = self.loss_scaler is not None and self._has_inf_or_nan()
         present, overflow = self.reducer.presence(local_overflow)
         if overflow:  # every rank skips: parameters and optimizer states stay exactly as they were
@@ -200,7 +214,9 @@ class Engine:
         for g in self.groups:
             for piece in g.pieces:
                 target = piece.opt_tensor
-                if present[piece.slot.index]:
+                if present[piece.slot.index] and self.offload is not None:
+                    self.offload.stage_grad(piece, self.reducer.piece_grad(g, piece.lo, piece.hi))
+                elif present[piece.slot.index]:
                     grad = self.reducer.piece_grad(g, piece.lo, piece.hi)
                     target.grad = grad if grad.dtype == target.dtype else grad.to(target.dtype)
                 else:
@@ -212,11 +228,17 @@ class Engine:
         clip = self.config.gradient_clipping
         if clip > 0:
             self._clip_gradients(clip)
-        self.optimizer.step()
+        if self.offload is not None:
+            self.offload.step(self.optimizer)
+            self.offload.finish_step()  # the module's parameters now hold the update
+        else:
+            self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         for g in self.groups:
             for piece in g.pieces:
+                if self.offload is not None:
+                    break
                 piece.opt_tensor.grad = None
                 if piece.master is not None:
                     piece.tensor.copy_(piece.master)  # cast the update back to the module dtype
@@ -231,6 +253,8 @@ class Engine:
         self.ledger.steps += 1
 
     def _opt_grads(self) -> list[torch.Tensor]:
+        if self.offload is not None:
+            return self.offload.grads()
         return [p.opt_tensor.grad for g in self.groups for p in g.pieces if p.opt_tensor.grad is not None]
 
     def _has_inf_or_nan(self) -> bool:
@@ -256,8 +280,9 @@ class Engine:
         by_kind: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for g in self.groups:
             for p in g.pieces:
-                if p.opt_tensor.grad is not None:
-                    by_kind[0 if is_model_parallel_parameter(p.slot.param) else 1].append(p.opt_tensor.grad)
+                grad = self.offload.grad_of(p) if self.offload is not None else p.opt_tensor.grad
+                if grad is not None:
+                    by_kind[0 if is_model_parallel_parameter(p.slot.param) else 1].append(grad)
         norm = global_grad_norm(by_kind, self.topology, self.stage >= 1 and self.world_size > 1,
                                 lambda t, group: comm.all_reduce(t, group, self.ledger, "grad_norm"))
         self._global_grad_norm = norm
@@ -314,6 +339,10 @@ class Engine:
             "comm_buffers": held["comm_buffers"],
         }
         formula = model_state_bytes(self.stage, self.numel, self.world_size, self._bytes_per_element())
+        if self.offload is not None:  # fp32 masters always; with NVMe, masters and moments not in memory
+            nvme = self.offload.device == "nvme"
+            formula["master_weights"] = 0.0 if nvme else 4 * self.numel / self.world_size
+            formula["optimizer_states"] = 0.0 if nvme else formula["optimizer_states"]
         formula["parameters"] += frozen_bytes
         peak = {"gradients+buffers": self.reducer.peak_grad_bytes}
         if self.sharding is not None:
@@ -328,6 +357,16 @@ class Engine:
             + sum(p.numel() for p in self.frozen),
             measured=measured, formula=formula, peak=peak,
         )
+
+    def offload_report(self) -> Optional[OffloadReport]:
+        """Host and NVMe bytes of this rank's offloaded optimizer partition (None without offload)."""
+        if self.offload is None:
+            return None
+        owned = sum(p.hi - p.lo for g in self.groups for p in g.pieces)
+        host = self.offload.host_bytes(self.optimizer)
+        return OffloadReport(self.offload.device, self.rank, owned, host, self.offload.nvme_bytes(),
+                             offload_formula(self.offload.device, self.numel / self.world_size,
+                                             host["swap_buffers"]))
 
     def comm_report(self) -> CommReport:
         """Every collective since the last :meth:`reset_comm_report` (op, count, elements, bytes)."""
@@ -346,14 +385,16 @@ class Engine:
         point ``save_dir/latest`` at it; returns that directory. See :func:`zerodp.checkpoint.save_checkpoint`."""
         from zerodp import checkpoint
 
-        return checkpoint.save_checkpoint(self, self._checkpoint_dir(save_dir), tag, client_state)
+        with self._states_resident():
+            return checkpoint.save_checkpoint(self, self._checkpoint_dir(save_dir), tag, client_state)
 
     def load_checkpoint(self, load_dir: Any, tag: Optional[str] = None) -> tuple[Any, Any]:
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;
         returns (checkpoint directory, client_state). See :func:`zerodp.checkpoint.load_checkpoint`."""
         from zerodp import checkpoint
 
-        return checkpoint.load_checkpoint(self, self._checkpoint_dir(load_dir), tag)
+        with self._states_resident():
+            return checkpoint.load_checkpoint(self, self._checkpoint_dir(load_dir), tag)
 
     def _checkpoint_dir(self, d: Any) -> Any:
         """``d``, or with model parallelism ``d/mp_rank_XX``: each model-parallel rank's DP group
@@ -368,7 +409,17 @@ class Engine:
         and buffers in the module's dtype."""
         from zerodp import checkpoint
 
-        return checkpoint.module_state_dict(self)
+        with self._states_resident():
+            return checkpoint.module_state_dict(self)
+
+    def _states_resident(self) -> Any:
+        """Offloaded masters and optimizer states as ordinary tensors for the duration of a block."""
+        return self.offload.resident(self.optimizer) if self.offload is not None else no_offload()
+
+    def close(self) -> None:
+        """Release offload resources now (swap files, I/O threads); also done at interpreter exit."""
+        if self.offload is not None:
+            self.offload.close()
 
 
 def _nbytes(t: torch.Tensor) -> int:

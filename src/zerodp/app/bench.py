@@ -11,10 +11,13 @@ Each rank runs every system of :data:`zerodp.app.bench_systems.SYSTEMS` in two p
    ``--warmup`` untimed then ``--steps`` timed steps (barrier before and after each step). A system's
    ratio to DDP is the median over rounds of its median step time over DDP's in the same round.
 
-A system that cannot run here (DeepSpeed not installed, zerodp offload not implemented) is reported as
-skipped with the reason. Rank 0 prints a table and writes ``OUT/bench.json``
+A system that cannot run here (DeepSpeed not installed; the zerodp offload rows without ``--offload``)
+is reported as skipped with the reason. Rank 0 prints a table and writes ``OUT/bench.json``
 (:class:`zerodp.app.bench_report.BenchResult`) and, with matplotlib installed (``[bench]`` extra),
-three PNG charts. ``--sweep-ranks 1,2,3,4`` (launcher side) first runs the probe of DDP and zerodp at
+three PNG charts. With ``--offload`` the rows ``zerodp stage 2 + offload cpu|nvme`` run (swap files in
+``--nvme-path``, default a temporary directory removed afterwards), and rank 0 also prints the NVMe
+swap bandwidth beside raw direct I/O on the same disk and the CPU AdamW kernels
+(:mod:`zerodp.app.bench_offload`); the offload rows carry no paper formula (their state is off it). ``--sweep-ranks 1,2,3,4`` (launcher side) first runs the probe of DDP and zerodp at
 each of those world sizes for the memory-vs-ranks chart.
 """
 
@@ -24,6 +27,8 @@ import argparse
 import datetime
 import json
 import os
+import shutil
+import tempfile
 import statistics
 import subprocess
 import sys
@@ -35,12 +40,13 @@ import torch
 import torch.distributed as dist
 
 import zerodp
+from zerodp.app import bench_offload
 from zerodp.app.bench_measure import (CATEGORIES, RssSampler, TrafficCounter, live_storage_bytes,
                                       live_storages, release_free_memory)
 from zerodp.app.bench_report import (BenchResult, RankMemory, StepTimes, SweepPoint, SystemResult,
                                      Traffic, format_table, plot_all)
-from zerodp.app.bench_systems import SYSTEMS, Skipped, System
-from zerodp.app.model import GPT, GPTConfig, count_parameters
+from zerodp.app.bench_systems import SYSTEMS, Builder, Skipped, System, offload_systems
+from zerodp.app.model import GPTConfig, count_parameters
 from zerodp.runtime.accounting import FP32_ADAM, comm_elements_per_step, model_state_bytes
 
 #: ``--preset`` -> (n_layer, n_head, d_model, seq_len, micro_batch). small is about 3.3M parameters,
@@ -85,10 +91,10 @@ def _agree_skip(reason: Optional[str]) -> Optional[str]:
     return next((r for r in reasons if r), None)
 
 
-def _build(name: str, cfg: GPTConfig, probe: bool) -> tuple[Optional[System], Optional[str]]:
+def _build(build: Builder, cfg: GPTConfig, probe: bool) -> tuple[Optional[System], Optional[str]]:
     system, reason = None, None
     try:
-        system = SYSTEMS[name](cfg, LR, probe)
+        system = build(cfg, LR, probe)
     except Skipped as exc:
         reason = str(exc)
     except Exception as exc:  # a peer that fails to build here is reported, not fatal
@@ -97,11 +103,11 @@ def _build(name: str, cfg: GPTConfig, probe: bool) -> tuple[Optional[System], Op
     return (None if reason else system), reason
 
 
-def _probe(name: str, cfg: GPTConfig, batches: list, baseline: frozenset) -> dict[str, Any]:
+def _probe(build: Builder, cfg: GPTConfig, batches: list, baseline: frozenset) -> dict[str, Any]:
     """Probe phase of one system on this rank (see module docstring)."""
     release_free_memory()
     with RssSampler() as rss:
-        system, reason = _build(name, cfg, probe=True)
+        system, reason = _build(build, cfg, probe=True)
         if system is None:
             return {"reason": reason}
         losses, measured = [], {}
@@ -114,7 +120,7 @@ def _probe(name: str, cfg: GPTConfig, batches: list, baseline: frozenset) -> dic
                 system.step()
                 losses.append(loss.item())
         dist.barrier()
-    out = {"family": system.family, "stage": system.stage, "losses": losses,
+    out = {"family": system.family, "stage": system.stage, "offload": system.offload, "losses": losses,
            "measured": {c: measured[c] for c in CATEGORIES}, "unattributed": measured["unattributed"],
            "peak_rss": rss.peak, "rss_before": rss.start,
            "traffic_elements": traffic.elements, "by_op": {k: list(v) for k, v in traffic.by_op.items()}}
@@ -122,9 +128,9 @@ def _probe(name: str, cfg: GPTConfig, batches: list, baseline: frozenset) -> dic
     return out
 
 
-def _time(name: str, cfg: GPTConfig, batches: list, warmup: int) -> list[float]:
+def _time(build: Builder, cfg: GPTConfig, batches: list, warmup: int) -> list[float]:
     release_free_memory()
-    system, _ = _build(name, cfg, probe=False)
+    system, _ = _build(build, cfg, probe=False)
     assert system is not None  # it built in the probe phase
     times = []
     for i, (x, y) in enumerate(batches):
@@ -157,7 +163,11 @@ def run(args: argparse.Namespace) -> Optional[BenchResult]:
     zerodp.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, micro = resolve_model(args)
-    names = [n for n in SYSTEMS if not args.only or any(o.strip() in n for o in args.only.split(","))]
+    nvme_dir = args.nvme_path or tempfile.mkdtemp(prefix="zerodp_bench_")
+    systems: dict[str, Builder] = dict(SYSTEMS)
+    if args.offload:  # same names, same order: the skipped placeholders become real builders
+        systems.update(offload_systems(nvme_dir, args.sub_group_size))
+    names = [n for n in systems if not args.only or any(o.strip() in n for o in args.only.split(","))]
     if "DDP" not in names:
         names.insert(0, "DDP")  # every ratio and loss difference is taken against DDP
     load_start = list(os.getloadavg())
@@ -166,23 +176,31 @@ def run(args: argparse.Namespace) -> Optional[BenchResult]:
     timed_batches = _batches(cfg, micro, args.warmup + args.steps, rank, world)
     baseline = frozenset(live_storages())
 
-    _probe("DDP", cfg, probe_batches, baseline)  # discarded: one-time costs (lazy init, gloo, allocator)
+    _probe(systems["DDP"], cfg, probe_batches, baseline)  # discarded: one-time costs (lazy init, gloo, allocator)
     release_free_memory()                       # would otherwise land on whichever system runs first
     excluded = [o.strip() for o in (args.exclude or "").split(",") if o.strip()]
     probes = {name: ({"reason": f"excluded by --exclude {args.exclude}"}
                      if name != "DDP" and any(e in name for e in excluded)
-                     else _probe(name, cfg, probe_batches, baseline)) for name in names}
+                     else _probe(systems[name], cfg, probe_batches, baseline)) for name in names}
     ran = [n for n in names if "reason" not in probes[n]]
     times: dict[str, list[list[float]]] = {n: [] for n in ran}
     for _ in range(args.rounds):  # interleaved: drift and load hit every system alike
         for name in ran:
-            times[name].append(_time(name, cfg, timed_batches, args.warmup))
+            times[name].append(_time(systems[name], cfg, timed_batches, args.warmup))
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, {n: p for n, p in probes.items() if "reason" not in p})
     result = None
     if rank == 0:
         result = _assemble(args, cfg, micro, psi, world, names, probes, gathered, times, load_start)
         _write(args, result)
+        if args.offload:
+            print(bench_offload.swap_report(nvme_dir))
+            print(bench_offload.adam_kernels(psi // world))
+    for engine in bench_offload.NVME_ENGINES:
+        engine.close()
+    bench_offload.NVME_ENGINES.clear()
+    if not args.nvme_path and rank == 0:
+        shutil.rmtree(nvme_dir, ignore_errors=True)
     zerodp.shutdown_distributed()
     return result
 
@@ -198,7 +216,7 @@ def _assemble(args: argparse.Namespace, cfg: GPTConfig, micro: int, psi: int, wo
             systems.append(SystemResult(name=name, family=fam, status="skipped", reason=p["reason"]))
             continue
         formula = None
-        if p["stage"] is not None:
+        if p["stage"] is not None and p["offload"] is None:  # offload moves state off the paper's table
             formula = {c: v for c, v in model_state_bytes(p["stage"], psi, world, FP32_ADAM).items()
                        if c in CATEGORIES}
             formula["buffers"] = float(p["measured"]["buffers"])  # not model state in the paper
@@ -319,6 +337,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--sweep-ranks", default="")
     p.add_argument("--sweep-from", default=None)
+    p.add_argument("--offload", action="store_true")
+    p.add_argument("--nvme-path", default=None)
+    p.add_argument("--sub-group-size", type=int, default=1_000_000)
 
 
 if __name__ == "__main__":

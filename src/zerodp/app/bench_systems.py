@@ -9,7 +9,8 @@ from the second step on), and names the tensors it holds by category (:meth:`Sys
 Systems (``SYSTEMS``): torch DDP; torch ``ZeroRedundancyOptimizer`` (+ DDP for gradients); FSDP2
 (``fully_shard`` per block and on the root); DeepSpeed stages 1-3 and 3 with the optimizer offloaded
 to CPU (optional extra, ``DS_ACCELERATOR=cpu`` on a machine without GPUs); zerodp stages 0-3; zerodp
-with offload (refused until :mod:`zerodp.offload` lands).
+stage 2 with ``offload_optimizer`` cpu and nvme (:mod:`zerodp.offload`; reported as skipped unless
+``--offload`` is given, see :func:`offload_systems`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ class System:
     step: Callable[[], None]
     sources: Callable[[], dict[str, Tensors]]
     traffic_targets: list[tuple[Any, str]] = field(default_factory=list)
+    offload: Optional[str] = None  # offload_optimizer.device ("cpu", "nvme") or None
+
+
+Builder = Callable[[GPTConfig, float, bool], System]  # (model config, learning rate, probe?) -> System
 
 
 def _torch_sources(module: nn.Module, opt: Any, opt_params: Callable[[], list[Any]]) -> Callable[[], dict[str, Tensors]]:
@@ -141,18 +146,32 @@ def _engine_system(name: str, family: str, stage: Optional[int], module: nn.Modu
     return System(name, family, stage, module, fb, engine.step, sources, targets)
 
 
-def zerodp_builder(stage: int) -> Callable[[GPTConfig, float, bool], System]:
+def zerodp_builder(stage: int, offload: Optional[dict[str, Any]] = None,
+                   sub_group_size: Optional[int] = None) -> Builder:
     """Builder of zerodp at ``stage`` (fp32 AdamW, DeepSpeed's defaults otherwise, persistence
-    threshold 1000 elements at stage 3 so LayerNorms and biases stay gathered)."""
+    threshold 1000 elements at stage 3 so LayerNorms and biases stay gathered); with ``offload``
+    (the ``zero_optimization.offload_optimizer`` section) and ``sub_group_size``, ZeRO-Offload.
+    An NVMe engine is kept in :data:`zerodp.app.bench_offload.NVME_ENGINES` (the previous one is
+    closed) so that its swap statistics can be reported after the run."""
 
     def build(cfg: GPTConfig, lr: float, probe: bool) -> System:
+        from zerodp.app import bench_offload
         from zerodp.runtime import comm
 
         torch.manual_seed(0)
         module = GPT(cfg)
-        engine = zerodp.initialize(module, {
-            "optimizer": {"type": "AdamW", "params": {"lr": lr}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1000}})
+        zc: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 1000}
+        if offload is not None:
+            zc["offload_optimizer"] = dict(offload)
+        if sub_group_size is not None:
+            zc["sub_group_size"] = sub_group_size
+        engine = zerodp.initialize(module, {"optimizer": {"type": "AdamW", "params": {"lr": lr}},
+                                            "zero_optimization": zc})
+        device = offload["device"] if offload is not None else None
+        if device == "nvme":
+            for old in bench_offload.NVME_ENGINES:
+                old.close()
+            bench_offload.NVME_ENGINES[:] = [engine]
 
         def sources() -> dict[str, Tensors]:
             params = list(module.parameters())
@@ -160,6 +179,8 @@ def zerodp_builder(stage: int) -> Callable[[GPTConfig, float, bool], System]:
             grads = list(_grads(params))
             for attr in ("grad_buffers", "owned", "_staging"):
                 grads += list(getattr(red, attr, {}).values())
+            if engine.offload is not None:  # host fp32 gradient partition
+                grads += list(engine.offload.grad_buffers)
             shards = [g.buffer for g in engine.groups]
             gathered = []
             if engine.sharding is not None:
@@ -170,17 +191,32 @@ def zerodp_builder(stage: int) -> Callable[[GPTConfig, float, bool], System]:
                     "buffers": list(module.buffers())}
 
         targets = [(comm, "_all_gather_single"), (comm, "_reduce_scatter_single")]
-        return _engine_system(f"zerodp stage {stage}", "zerodp", stage, module, engine, sources, targets)
+        name = f"zerodp stage {stage}" + (f" + offload {device}" if device else "")
+        system = _engine_system(name, "zerodp", stage, module, engine, sources, targets)
+        system.offload = device
+        return system
 
     return build
 
 
-def build_zerodp_offload(cfg: GPTConfig, lr: float, probe: bool) -> System:
-    raise Skipped("zerodp offload is not implemented yet (zerodp.offload is reserved; the config "
-                  "refuses offload_optimizer/offload_param)")
+OFFLOAD_DEVICES = ("cpu", "nvme")
 
 
-def deepspeed_builder(stage: int, offload: bool = False) -> Callable[[GPTConfig, float, bool], System]:
+def _offload_not_requested(cfg: GPTConfig, lr: float, probe: bool) -> System:
+    raise Skipped("run with --offload (and --nvme-path DIR for the swap files) to measure ZeRO-Offload")
+
+
+def offload_systems(nvme_path: str, sub_group_size: int) -> dict[str, Builder]:
+    """The real builders of the ``zerodp stage 2 + offload cpu|nvme`` rows of :data:`SYSTEMS`
+    (``--offload``): stage 2 with ``offload_optimizer.device`` cpu, and nvme with its swap files in
+    ``nvme_path`` and ``sub_group_size`` elements per sub-group (DeepSpeed's keys)."""
+    return {f"zerodp stage 2 + offload {d}": zerodp_builder(
+                2, {"device": d, **({"nvme_path": nvme_path} if d == "nvme" else {})},
+                sub_group_size=sub_group_size if d == "nvme" else None)
+            for d in OFFLOAD_DEVICES}
+
+
+def deepspeed_builder(stage: int, offload: bool = False) -> Builder:
     """Builder of DeepSpeed ZeRO ``stage`` (optimizer offloaded to CPU when ``offload``), fp32
     torch AdamW, no gradient clipping; raises :class:`Skipped` when DeepSpeed is not importable."""
 
@@ -232,12 +268,12 @@ def _key(t: torch.Tensor) -> int:
 
 
 #: every system, in the order they run and are reported: name -> builder(cfg, lr, probe).
-SYSTEMS: dict[str, Callable[[GPTConfig, float, bool], System]] = {
+SYSTEMS: dict[str, Builder] = {
     "DDP": build_ddp,
     "torch ZeroRedundancyOptimizer": build_torch_zero,
     "FSDP2": build_fsdp2,
     **{f"zerodp stage {s}": zerodp_builder(s) for s in (0, 1, 2, 3)},
-    "zerodp stage 3 + offload": build_zerodp_offload,
+    **{f"zerodp stage 2 + offload {d}": _offload_not_requested for d in OFFLOAD_DEVICES},
     **{f"DeepSpeed stage {s}": deepspeed_builder(s) for s in (1, 2, 3)},
     "DeepSpeed stage 3 + CPU offload": deepspeed_builder(3, offload=True),
 }

@@ -26,6 +26,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence, get_args
 
 from zerodp.runtime import accounting
+from zerodp.offload.report import offload_estimate_table
 from zerodp.config import ZeroConfig
 from zerodp.app.model import GPTConfig, count_parameters
 from zerodp.app.train import DEFAULTS
@@ -50,7 +51,7 @@ WORKER_FLAGS = {
     "stage": "--stage", "config": "--config", "data": "--data", "steps": "--steps",
     "n_layer": "--n-layer", "n_head": "--n-head", "d_model": "--d-model", "seq_len": "--seq-len",
     "micro_batch": "--micro-batch", "grad_accum": "--grad-accum", "lr": "--lr", "seed": "--seed",
-    "bf16": "--bf16", "fp16": "--fp16",
+    "bf16": "--bf16", "fp16": "--fp16", "offload_optimizer": "--offload-optimizer", "nvme_path": "--nvme-path",
     "eval_batches": "--eval-batches", "sample_tokens": "--sample-tokens", "prompt": "--prompt",
     "temperature": "--temperature", "save_dir": "--save-dir", "save_every": "--save-every",
     "resume": "--resume",
@@ -112,6 +113,10 @@ BENCH_HELP = {
     "no_plots": "write no charts",
     "sweep_ranks": "first probe DDP and zerodp at these world sizes (e.g. 1,2,3,4) for the memory-vs-ranks chart",
     "sweep_from": "bench.json files of such probes to include (set by --sweep-ranks)",
+    "offload": "run the stage-2 rows with offload_optimizer cpu and nvme (skipped without it) and print "
+               "the NVMe swap bandwidth vs raw direct I/O on the same disk, and the CPU Adam kernels",
+    "nvme_path": "directory for the nvme row's swap files (default: a temporary directory)",
+    "sub_group_size": "sub_group_size of the nvme row (elements)",
 }
 
 
@@ -170,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     prec.add_argument("--fp16", action="store_const", const=True,
                       help="float16 parameters and gradients with dynamic loss scaling, fp32 master "
                            "weights (config fp16.enabled)")
+    eng.add_argument("--offload-optimizer", choices=("cpu", "nvme"),
+                     help="ZeRO-Offload: fp32 masters, Adam moments and gradients of each rank's partition in "
+                          "host memory (cpu) or swap files (nvme); stages 1-3 "
+                          "(config zero_optimization.offload_optimizer.device)")
+    eng.add_argument("--nvme-path", metavar="DIR",
+                     help="directory for the swap files of --offload-optimizer nvme (offload_optimizer.nvme_path)")
     eng.add_argument("--micro-batch", metavar="B", type=_int_at_least(1),
                      help=f"sequences per rank per micro-step (default {d.micro_batch})")
     eng.add_argument("--grad-accum", metavar="K", type=_int_at_least(1),
@@ -322,6 +333,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         print(f"{cfg}: {numel:,} parameters")
     b = accounting.FP32_ADAM if args.fp32 else accounting.MIXED_PRECISION_ADAM
     print(accounting.estimate_table(numel, args.dp, b))
+    print(offload_estimate_table(numel, args.dp, b))
     return 0
 
 

@@ -109,7 +109,7 @@ class RunSettings:
 
 
 #: engine flags that ``--config`` excludes (the file sets them).
-ENGINE_FLAGS = ("stage", "lr", "micro_batch", "grad_accum", "bf16", "fp16")
+ENGINE_FLAGS = ("stage", "lr", "micro_batch", "grad_accum", "bf16", "fp16", "offload_optimizer", "nvme_path")
 
 
 def _pick(args: argparse.Namespace, name: str) -> Any:
@@ -141,6 +141,12 @@ def engine_config_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     for precision in ("bf16", "fp16"):
         if getattr(args, precision, None):
             config[precision] = {"enabled": True}
+    device = getattr(args, "offload_optimizer", None)
+    nvme_path = getattr(args, "nvme_path", None)
+    if nvme_path is not None and device != "nvme":
+        raise ValueError("--nvme-path needs --offload-optimizer nvme")
+    if device is not None:
+        zero["offload_optimizer"] = {"device": device, **({"nvme_path": nvme_path} if nvme_path else {})}
     return config
 
 
@@ -423,6 +429,9 @@ def _run(s: RunSettings, t_start: float) -> None:
     comm_table = engine.comm_report().format()  # before evaluation: training collectives only
     loss_after = evaluate(engine, eval_set)
     memory = engine.memory_report().format()
+    offload = engine.offload_report()
+    if offload is not None:
+        memory += "\n" + offload.format()
     gathered: Optional[list] = [None] * world if rank == 0 else None
     dist.gather_object(memory, gathered, dst=0)
 

@@ -1,0 +1,151 @@
+"""Asynchronous direct file I/O: a fixed thread pool issuing ``os.preadv``/``os.pwritev`` on files
+opened with ``O_DIRECT``, into page-aligned host buffers.
+
+DeepSpeed key: ``aio`` (``block_size``, ``queue_depth``, ``thread_count``, ``single_submit``,
+``overlap_events``; see :class:`zerodp.offload.config.AioConfig`). A transfer is cut into requests of
+``block_size`` bytes; one system call carries up to ``queue_depth`` consecutive requests as an I/O
+vector (one with ``single_submit``); ``thread_count`` threads run the calls, which release the GIL, so
+transfers proceed while the caller computes. Errors (a short read, ``ENOSPC``, ``EIO``) are raised by
+:meth:`IOHandle.wait` with the file, offset and byte count.
+
+``O_DIRECT`` needs the buffer address, the file offset and the length to be multiples of the logical
+block size; :data:`ALIGN` (4096) covers every common device. A file system without direct I/O
+(tmpfs) falls back to buffered I/O; :attr:`SwapFile.direct` says which one is in use.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from zerodp.offload.config import AioConfig
+
+ALIGN = 4096
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """A uint8 host tensor of ``nbytes`` (rounded up to :data:`ALIGN`) whose address is aligned."""
+    n = align_up(nbytes)
+    raw = torch.empty(n + ALIGN, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip: skip + n]
+
+
+class SwapFile:
+    """One swap file opened for direct I/O (buffered when the file system refuses ``O_DIRECT``).
+
+    Raises:
+        OSError: the file cannot be created (the message names the path).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        flags = os.O_RDWR | os.O_CREAT
+        self.direct = hasattr(os, "O_DIRECT")
+        try:
+            self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self.direct = False
+            self.fd = os.open(path, flags, 0o600)
+
+    def deleted(self) -> bool:
+        """True when the file was unlinked (or replaced) while open."""
+        try:
+            return os.fstat(self.fd).st_nlink == 0 or os.stat(self.path).st_ino != os.fstat(self.fd).st_ino
+        except FileNotFoundError:
+            return True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclass
+class IOHandle:
+    """The requests of one transfer; :meth:`wait` blocks until all are done and raises on error."""
+
+    futures: list[Future] = field(default_factory=list)
+    nbytes: int = 0
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def wait(self) -> int:
+        for f in self.futures:
+            f.result()
+        self.futures = []
+        return self.nbytes
+
+
+class AsyncIO:
+    """The thread pool. ``read``/``write`` return at once with an :class:`IOHandle`."""
+
+    def __init__(self, cfg: AioConfig) -> None:
+        self.block = cfg.block_size
+        self.per_call = 1 if cfg.single_submit else cfg.queue_depth
+        self.pool = ThreadPoolExecutor(max_workers=cfg.thread_count, thread_name_prefix="zerodp-aio")
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def read(self, f: SwapFile, buf: torch.Tensor, offset: int) -> IOHandle:
+        """Fill ``buf`` (aligned uint8 host tensor) from ``f`` at byte ``offset``."""
+        self.bytes_read += buf.numel()
+        return self._submit(f, buf, offset, write=False)
+
+    def write(self, f: SwapFile, buf: torch.Tensor, offset: int) -> IOHandle:
+        """Write ``buf`` (aligned uint8 host tensor) to ``f`` at byte ``offset``."""
+        self.bytes_written += buf.numel()
+        return self._submit(f, buf, offset, write=True)
+
+    def _submit(self, f: SwapFile, buf: torch.Tensor, offset: int, write: bool) -> IOHandle:
+        if offset % ALIGN or buf.numel() % ALIGN or buf.data_ptr() % ALIGN:
+            raise ValueError(f"direct I/O needs {ALIGN}-byte alignment: offset {offset}, "
+                             f"{buf.numel()} bytes at address {buf.data_ptr():#x}")
+        mv = memoryview(buf.numpy())
+        handle = IOHandle(nbytes=buf.numel())
+        span = self.block * self.per_call
+        for start in range(0, buf.numel(), span):
+            views = [mv[s: min(s + self.block, start + span, buf.numel())]
+                     for s in range(start, min(start + span, buf.numel()), self.block)]
+            handle.futures.append(self.pool.submit(_transfer, f, views, offset + start, write))
+        return handle
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _transfer(f: SwapFile, views: list[memoryview], offset: int, write: bool) -> None:
+    want = sum(len(v) for v in views)
+    while views:
+        try:
+            n = os.pwritev(f.fd, views, offset) if write else os.preadv(f.fd, views, offset)
+        except OSError as exc:
+            raise OSError(exc.errno, f"{'writing' if write else 'reading'} {want} bytes at offset "
+                                     f"{offset} of swap file {f.path}: {os.strerror(exc.errno)}") from None
+        if n == 0:
+            raise OSError(errno.EIO, f"{'writing' if write else 'reading'} swap file {f.path} at offset "
+                                     f"{offset}: end of file ({want} bytes wanted; was it truncated?)")
+        # partial transfer: continue after what was done
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            offset += len(views[0])
+            want -= len(views[0])
+            views = views[1:]
+        if n:
+            views[0] = views[0][n:]
+            offset += n
+            want -= n
+
+
+__all__ = ["ALIGN", "AsyncIO", "IOHandle", "SwapFile", "align_up", "aligned_buffer"]

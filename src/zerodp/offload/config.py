@@ -1,0 +1,85 @@
+"""Config schema of ZeRO-Offload: ``zero_optimization.offload_optimizer`` and the top-level ``aio``
+section, DeepSpeed's key names (DeepSpeed ``runtime/zero/offload_config.py`` and
+``runtime/swap_tensor/aio_config.py``).
+
+The models are strict (pydantic ``strict=True``: no ``"yes"`` for a bool, no string for a number)
+and refuse unknown keys, like the rest of :mod:`zerodp.config`, which embeds them. A value DeepSpeed
+accepts but zerodp does not implement (``ratio`` below 1) is refused with the key named.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class _StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class OffloadOptimizerConfig(_StrictModel):
+    """``zero_optimization.offload_optimizer``: where each rank's fp32 master partition, Adam moments
+    and gradient partition live (ZeRO-Offload, Ren et al. 2021; NVMe: ZeRO-Infinity section 5).
+
+    - ``cpu``: host memory (pinned when CUDA is present); the Adam step runs on the CPU.
+    - ``nvme``: swap files under ``nvme_path/zerodp_<job>/rank<r>/``, read and written with
+      asynchronous direct I/O through ``buffer_count`` aligned buffers, sub-group by sub-group.
+    """
+
+    device: OffloadDevice = Field("none", description="none | cpu | nvme")
+    nvme_path: Optional[str] = Field(None, description="directory for swap files (device nvme)")
+    pin_memory: bool = Field(False, description="page-lock the host buffers (only with CUDA present)")
+    buffer_count: int = Field(4, ge=3, description="nvme: aligned sub-group buffers (>= 3: read, update, write)")
+    fast_init: bool = Field(False, description="nvme: sparse swap files instead of preallocating them")
+    ratio: float = Field(1.0, gt=0.0, le=1.0, description="fraction offloaded; only 1.0 is implemented")
+
+    @field_validator("ratio")
+    @classmethod
+    def _whole_ratio(cls, v: float) -> float:
+        if v != 1.0:
+            raise ValueError("partial offload (ratio below 1.0) is not implemented; use 1.0")
+        return v
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> "OffloadOptimizerConfig":
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("device 'nvme' needs nvme_path (a directory on the NVMe disk)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+class AioConfig(_StrictModel):
+    """``aio``: the asynchronous I/O engine of the NVMe swapper (:mod:`zerodp.offload.aio`).
+
+    ``block_size`` bytes per request; ``queue_depth`` requests in flight per thread;
+    ``thread_count`` worker threads issuing ``os.preadv``/``os.pwritev``; ``single_submit`` true
+    submits one request at a time (queue depth 1); ``overlap_events`` false turns off the swapper's
+    read-ahead / write-behind (each sub-group is read, updated and written in turn).
+    """
+
+    block_size: int = Field(1_048_576, gt=0, description="bytes per I/O request (multiple of 4096)")
+    queue_depth: int = Field(8, gt=0, description="requests in flight per thread")
+    thread_count: int = Field(1, gt=0, description="I/O worker threads")
+    single_submit: bool = Field(False, description="submit requests one at a time")
+    overlap_events: bool = Field(True, description="overlap reads/writes with the sub-group updates")
+
+    @field_validator("block_size")
+    @classmethod
+    def _aligned(cls, v: int) -> int:
+        if v % 4096:
+            raise ValueError(f"block_size must be a multiple of 4096 bytes (direct I/O alignment), got {v}")
+        return v
+
+
+def refuse_offload_param(data: Any) -> Any:
+    """``zero_optimization.offload_param`` (ZeRO-Infinity parameter offload) is not implemented."""
+    if isinstance(data, dict) and "offload_param" in data:
+        raise ValueError("'zero_optimization.offload_param' is refused: parameter offload (ZeRO-Infinity) "
+                         "is not implemented")
+    return data

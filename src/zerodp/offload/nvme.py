@@ -1,0 +1,374 @@
+"""ZeRO-Offload to NVMe (``offload_optimizer.device = "nvme"``): the fp32 master partition and Adam
+moments of this rank live in a swap file and are updated sub-group by sub-group through a fixed pool
+of aligned buffers, while the next sub-group is read and the previous one written (DeepSpeed's
+pipelined optimizer swapper; ZeRO-Infinity, Rajbhandari et al. SC21, section 5.2).
+
+Layout: ``nvme_path/zerodp_<job>/rank<r>/optimizer.swp``. This rank's pieces are grouped in order into
+sub-groups of at most ``zero_optimization.sub_group_size`` elements (a piece larger than that is a
+sub-group of its own, as in DeepSpeed). Sub-group k occupies one contiguous region of the file: its
+masters, then ``exp_avg``, then ``exp_avg_sq``, each segment padded to 4096 bytes, so a sub-group is
+one direct-I/O read and one write. Host memory holds ``buffer_count`` buffers of the largest region
+(the swapper's pool), the fp32 gradient partition, and one ``step`` scalar per piece.
+
+During a step, sub-group k's masters and moments are bound to the torch optimizer's parameters and
+state (``.data`` set to views of the buffer), the optimizer runs on that sub-group only (the other
+parameters have no gradient), the masters are cast into the module's parameters, and the buffer is
+written back. Same optimizer, same kernel, fp32 throughout: the result is bitwise the non-offloaded
+engine's. Between steps the masters are empty placeholders and the optimizer has no state in memory;
+:meth:`NvmeOptimizerOffload.resident` materialises both for a checkpoint.
+
+Errors, raised on every rank (collective) before any training state changes: a missing or
+unwritable ``nvme_path``, too little free space (bytes needed vs free), a swap file deleted or
+replaced under a running job. Swap files are removed by :meth:`close`, at garbage collection and at
+interpreter exit (also after an exception).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from zerodp.offload.aio import AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
+from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
+from zerodp.offload.host import HostOptimizerOffload, host_empty, storage_bytes
+from zerodp.runtime.partition import FlatGroup, Piece
+
+
+class OffloadError(RuntimeError):
+    """The NVMe swap space is unusable (path, permissions, free space, a deleted swap file)."""
+
+
+@dataclass
+class SubGroup:
+    """Consecutive pieces swapped together; ``offset`` in the file; ``seg`` bytes per segment."""
+
+    index: int
+    pieces: list[int]  # positions in NvmeOptimizerOffload.pieces
+    numel: int
+    offset: int
+    seg: int
+
+    @property
+    def nbytes(self) -> int:
+        return 3 * self.seg
+
+
+@dataclass
+class SwapStats:
+    """Bytes moved and seconds spent in the swap phase (the sub-group loop) of the last step."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    update_seconds: float = 0.0  # of which: binding, the optimizer's arithmetic and the cast back
+
+
+class NvmeOptimizerOffload(HostOptimizerOffload):
+    """Masters and Adam moments in a swap file, updated through the buffer pool (module docstring)."""
+
+    device = "nvme"
+
+    def __init__(self, cfg: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: int,
+                 rank: int, process_group: Optional[dist.ProcessGroup]) -> None:
+        super().__init__(cfg.pin_memory)
+        self.cfg = cfg
+        self.aio_cfg = aio
+        self.sub_group_size = sub_group_size
+        self.rank = rank
+        self.pg = process_group
+        self.subgroups: list[SubGroup] = []
+        self.steps: dict[int, torch.Tensor] = {}  # piece position -> Adam's step (pieces with state)
+        self.buffers: list[torch.Tensor] = []
+        self.io: Optional[AsyncIO] = None
+        self.file: Optional[SwapFile] = None
+        self.dir: Optional[str] = None
+        self.stats = SwapStats()
+        self._finalizer: Optional[weakref.finalize] = None
+
+    # ---- construction --------------------------------------------------------------------------
+    def attach(self, groups: list[FlatGroup]) -> None:
+        """Plan the sub-groups, create the swap file (collective: every rank raises if one fails)
+        and write the initial masters."""
+        pieces = [p for g in groups for p in g.pieces]
+        self.subgroups = _plan(pieces, self.sub_group_size)
+        needed = sum(sg.nbytes for sg in self.subgroups)
+        job = _job_id(self.pg)
+        error = None
+        try:
+            self._open(job, needed)
+        except (OSError, OffloadError) as exc:
+            error = f"rank {self.rank}: {exc}"
+        _raise_if_any(error, self.pg)
+        for piece in pieces:  # host gradients and placeholders; the masters go to the file below
+            self._index[id(piece)] = len(self.pieces)
+            self.pieces.append(piece)
+            self.grad_buffers.append(host_empty(piece.hi - piece.lo, self.pin))
+            self._present.append(False)
+        biggest = max((sg.nbytes for sg in self.subgroups), default=0)
+        # more buffers than sub-groups would never be used
+        count = max(1, min(self.cfg.buffer_count, len(self.subgroups)))
+        self.buffers = [aligned_buffer(biggest, self.pin) for _ in range(count)]
+        for sg in self.subgroups:
+            buf = self.buffers[0][: sg.nbytes]
+            masters = buf[: sg.seg].view(torch.float32)
+            for i, view in self._views(sg, masters):
+                p = self.pieces[i]
+                view.copy_(p.master if p.master is not None else p.tensor)
+            self.io.write(self.file, buf, sg.offset).wait()
+        for p in pieces:
+            p.master = torch.empty(0, dtype=torch.float32)
+
+    def _open(self, job: str, needed: int) -> None:
+        base = self.cfg.nvme_path
+        if not os.path.isdir(base):
+            raise OffloadError(f"offload_optimizer.nvme_path {base!r} does not exist or is not a directory")
+        if not os.access(base, os.W_OK | os.X_OK):
+            raise OffloadError(f"offload_optimizer.nvme_path {base!r} is not writable")
+        free = shutil.disk_usage(base).free
+        if needed > free:
+            raise OffloadError(f"offload_optimizer.nvme_path {base!r}: the swap file needs {needed:,} bytes, "
+                               f"{free:,} bytes are free")
+        self.dir = os.path.join(base, f"zerodp_{job}", f"rank{self.rank}")
+        os.makedirs(self.dir, exist_ok=True)
+        path = os.path.join(self.dir, "optimizer.swp")
+        files: list[Optional[SwapFile]] = []
+        self._finalizer = weakref.finalize(self, _cleanup, self.dir, files)
+        self.file = SwapFile(path)
+        files.append(self.file)
+        try:
+            if self.cfg.fast_init:
+                os.ftruncate(self.file.fd, needed)
+            elif needed:
+                os.posix_fallocate(self.file.fd, 0, needed)
+        except OSError as exc:
+            raise OffloadError(f"offload_optimizer.nvme_path {base!r}: cannot allocate the swap file "
+                               f"{path} ({needed:,} bytes, {shutil.disk_usage(base).free:,} free): "
+                               f"{os.strerror(exc.errno or 0)}") from None
+        self.io = AsyncIO(self.aio_cfg)
+
+    def _views(self, sg: SubGroup, seg: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """(piece position, its fp32 view) inside one segment of a sub-group's buffer."""
+        at = 0
+        for i in sg.pieces:
+            n = self.pieces[i].hi - self.pieces[i].lo
+            yield i, seg[at: at + n]
+            at += n
+
+    def refresh_master(self, piece: Piece) -> None:
+        """Write the module's (edited) value of ``piece`` into its master in the swap file."""
+        i = self._index[id(piece)]
+        sg = next(s for s in self.subgroups if i in s.pieces)
+        buf = self.buffers[0][: sg.nbytes]
+        self.io.read(self.file, buf, sg.offset).wait()
+        for j, view in self._views(sg, buf[: sg.seg].view(torch.float32)):
+            if j == i:
+                view.copy_(piece.tensor)
+        self.io.write(self.file, buf, sg.offset).wait()
+
+    # ---- one step ------------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Collective: every rank raises :class:`OffloadError` if any rank's swap file is gone."""
+        error = None
+        if self.file is None or self.file.deleted():
+            error = (f"rank {self.rank}: swap file {self.file.path if self.file else self.dir} was deleted "
+                     "or replaced while training; the optimizer state in it is lost, the step is not taken")
+        _raise_if_any(error, self.pg)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Sub-group k is updated while k+1 is read and k-1 written (``aio.overlap_events``)."""
+        self._sync_copies()
+        t0 = time.perf_counter()
+        r0, w0 = self.io.bytes_read, self.io.bytes_written
+        todo = [sg for sg in self.subgroups if any(self._present[i] for i in sg.pieces)]
+        nbuf = len(self.buffers)
+        reads: dict[int, IOHandle] = {}
+        writes: dict[int, IOHandle] = {}  # buffer slot -> pending write
+
+        def start_read(k: int) -> None:
+            slot = k % nbuf
+            if slot in writes:
+                writes.pop(slot).wait()
+            reads[k] = self.io.read(self.file, self.buffers[slot][: todo[k].nbytes], todo[k].offset)
+
+        overlap = self.aio_cfg.overlap_events
+        busy = 0.0
+        if todo:
+            start_read(0)
+        for k, sg in enumerate(todo):
+            reads.pop(k).wait()
+            if overlap and k + 1 < len(todo):
+                start_read(k + 1)
+            buf = self.buffers[k % nbuf][: sg.nbytes]
+            t1 = time.perf_counter()
+            self._update(sg, buf, optimizer)
+            busy += time.perf_counter() - t1
+            writes[k % nbuf] = self.io.write(self.file, buf, sg.offset)
+            if not overlap:
+                writes.pop(k % nbuf).wait()
+                if k + 1 < len(todo):
+                    start_read(k + 1)
+        for h in writes.values():
+            h.wait()
+        self.stats = SwapStats(self.io.bytes_read - r0, self.io.bytes_written - w0, time.perf_counter() - t0, busy)
+
+    def _update(self, sg: SubGroup, buf: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        f32 = buf.view(torch.float32)
+        per = sg.seg // 4
+        masters = dict(self._views(sg, f32[:per]))
+        m = dict(self._views(sg, f32[per: 2 * per]))
+        v = dict(self._views(sg, f32[2 * per: 3 * per]))
+        for i in sg.pieces:
+            if not self._present[i]:
+                continue
+            p = self.pieces[i]
+            p.master.data = masters[i]
+            p.master.grad = self.grad_buffers[i]
+            if i not in self.steps:  # fresh state, exactly what torch's lazy initialisation makes
+                m[i].zero_()
+                v[i].zero_()
+                self.steps[i] = torch.tensor(0.0, dtype=torch.float32)
+            optimizer.state[p.master] = {"step": self.steps[i], "exp_avg": m[i], "exp_avg_sq": v[i]}
+        optimizer.step()
+        for i in sg.pieces:
+            if not self._present[i]:
+                continue
+            p = self.pieces[i]
+            p.tensor.copy_(masters[i], non_blocking=p.tensor.is_cuda)
+            self.steps[i] = optimizer.state.pop(p.master)["step"]
+            p.master.grad = None
+            p.master.data = torch.empty(0, dtype=torch.float32)
+        self._sync_copies()
+
+    def finish_step(self) -> None:
+        """The module's parameters were updated sub-group by sub-group; forget the gradients."""
+        self._present = [False] * len(self.pieces)
+
+    # ---- checkpoints and reports ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def resident(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """Read every master and moment into ordinary host tensors bound to the optimizer (12 bytes
+        per owned element, for the duration of a checkpoint save or load), then write back what the
+        block left there and return to placeholders."""
+        full: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for sg in self.subgroups:
+            buf = self.buffers[0][: sg.nbytes]
+            self.io.read(self.file, buf, sg.offset).wait()
+            f32 = buf.view(torch.float32)
+            per = sg.seg // 4
+            segs = [dict(self._views(sg, f32[j * per: (j + 1) * per])) for j in range(3)]
+            for i in sg.pieces:
+                full[i] = tuple(s[i].clone() for s in segs)  # type: ignore[assignment]
+                p = self.pieces[i]
+                p.master.data = full[i][0]
+                if i in self.steps:
+                    optimizer.state[p.master] = {"step": self.steps[i], "exp_avg": full[i][1],
+                                                 "exp_avg_sq": full[i][2]}
+        try:
+            yield
+        finally:
+            for sg in self.subgroups:
+                buf = self.buffers[0][: sg.nbytes]
+                f32 = buf.view(torch.float32)
+                per = sg.seg // 4
+                segs = [dict(self._views(sg, f32[j * per: (j + 1) * per])) for j in range(3)]
+                for i in sg.pieces:
+                    p = self.pieces[i]
+                    segs[0][i].copy_(p.master.data)
+                    st = optimizer.state.pop(p.master, None)
+                    if st:
+                        segs[1][i].copy_(st["exp_avg"])
+                        segs[2][i].copy_(st["exp_avg_sq"])
+                        self.steps[i] = st["step"]
+                    else:
+                        self.steps.pop(i, None)
+                    p.master.data = torch.empty(0, dtype=torch.float32)
+                self.io.write(self.file, buf, sg.offset).wait()
+
+    def host_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        out = super().host_bytes(optimizer)
+        out["swap_buffers"] = storage_bytes(self.buffers)
+        return out
+
+    def nvme_bytes(self) -> dict[str, int]:
+        """Bytes of the swap file's segments (padding included), by category."""
+        seg = sum(sg.seg for sg in self.subgroups)
+        return {"master_weights": seg, "optimizer_states": 2 * seg}
+
+    def close(self) -> None:
+        """Stop the I/O threads and remove this rank's swap file and directory."""
+        if self.io is not None:
+            self.io.close()
+            self.io = None
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def _plan(pieces: list[Piece], size: int) -> list[SubGroup]:
+    groups: list[SubGroup] = []
+    current: list[int] = []
+    numel = 0
+    offset = 0
+
+    def close() -> None:
+        nonlocal offset
+        if current:
+            seg = align_up(4 * numel)
+            groups.append(SubGroup(len(groups), list(current), numel, offset, seg))
+            offset += 3 * seg
+
+    for i, p in enumerate(pieces):
+        n = p.hi - p.lo
+        if current and numel + n > size:
+            close()
+            current, numel = [], 0
+        current.append(i)
+        numel += n
+    close()
+    return groups
+
+
+def _cleanup(directory: str, files: list[Optional[SwapFile]]) -> None:
+    for f in files:
+        if f is not None:
+            f.close()
+            with contextlib.suppress(OSError):
+                os.remove(f.path)
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(directory))  # the job directory, once every rank's is gone
+
+
+def _job_id(pg: Optional[dist.ProcessGroup]) -> str:
+    """One id for the whole job: rank 0's random value, broadcast."""
+    t = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size(pg) > 1:
+        src = dist.get_global_rank(pg, 0) if pg is not None else 0
+        dist.broadcast(t, src, group=pg)
+    return f"{int(t.item()):016x}"
+
+
+def _raise_if_any(error: Optional[str], pg: Optional[dist.ProcessGroup]) -> None:
+    """Collective: if any rank has an error, every rank raises :class:`OffloadError` with all of them."""
+    if not dist.is_initialized() or dist.get_world_size(pg) == 1:
+        if error:
+            raise OffloadError(error)
+        return
+    flag = torch.tensor([1 if error else 0], dtype=torch.int64)
+    dist.all_reduce(flag, group=pg)
+    if flag.item():
+        errors: list[Optional[str]] = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(errors, error, group=pg)
+        raise OffloadError("; ".join(e for e in errors if e))
+
+
+__all__ = ["NvmeOptimizerOffload", "OffloadError", "SubGroup", "SwapStats"]

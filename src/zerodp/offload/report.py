@@ -1,0 +1,75 @@
+"""Host and NVMe bytes per rank of an offloaded engine, measured beside the formula.
+
+Measured: host bytes from the live storages of the masters, moments, gradient buffers and swap
+buffers (``untyped_storage().nbytes()``, each storage counted once); NVMe bytes from the swap file's
+segments. Formula (ZeRO-Offload section 4, paper convention, Psi / N_d owned elements per rank): fp32
+master 4, Adam moments 8, fp32 gradient 4 bytes per element; NVMe moves master and moments (12).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerodp.runtime.accounting import STAGE_NAMES, BytesPerElement, human_bytes, model_state_bytes
+
+
+def offload_formula(device: str, numel_per_rank: float, buffer_bytes: int = 0) -> dict[str, dict[str, float]]:
+    """Expected host / NVMe bytes for one rank with ``numel_per_rank`` = Psi / N_d owned elements:
+    fp32 master 4, Adam moments 8 and fp32 gradient 4 bytes per element (ZeRO-Offload section 4);
+    with NVMe, the master and moments (12 bytes) move to the swap file and host memory keeps the
+    gradients and the swapper's buffer pool."""
+    n = numel_per_rank
+    if device == "cpu":
+        return {"host": {"master_weights": 4 * n, "optimizer_states": 8 * n, "gradients": 4 * n,
+                         "swap_buffers": 0},
+                "nvme": {"master_weights": 0, "optimizer_states": 0}}
+    return {"host": {"master_weights": 0, "optimizer_states": 0, "gradients": 4 * n,
+                     "swap_buffers": buffer_bytes},
+            "nvme": {"master_weights": 4 * n, "optimizer_states": 8 * n}}
+
+
+
+@dataclass(frozen=True)
+class OffloadReport:
+    """``host`` and ``nvme``: category -> bytes measured; ``formula``: the same keys, expected."""
+
+    device: str
+    rank: int
+    owned_numel: int
+    host: dict[str, int]
+    nvme: dict[str, int]
+    formula: dict[str, dict[str, float]]
+
+    def format(self) -> str:
+        lines = [f"rank {self.rank}  offload_optimizer.device = {self.device}  owned elements {self.owned_numel:,}",
+                 f"  {'where':<6}{'category':<18}{'measured':>14}{'formula':>14}"]
+        for where, measured in (("host", self.host), ("nvme", self.nvme)):
+            for c, v in measured.items():
+                lines.append(f"  {where:<6}{c:<18}{human_bytes(v):>14}{human_bytes(self.formula[where][c]):>14}")
+        return "\n".join(lines)
+
+
+def offload_estimate_table(numel: int, world_size: int, b: BytesPerElement) -> str:
+    """Per-rank device / host / NVMe bytes for stages 1-3 x offload none / cpu / nvme, as zerodp
+    places them (paper convention; swap buffers and padding not counted). With offload the device
+    keeps the module's parameters and its gradient partition (stage 1: full gradients); host memory
+    takes the fp32 gradient copy and, for cpu, the fp32 masters and Adam moments; NVMe takes the
+    masters and moments."""
+    rows = [f"offload (Psi = {numel:,}, N_d = {world_size}, bytes/element: param {b.param}, grad {b.grad})",
+            f"{'stage':<22}{'offload':<9}{'device':>14}{'host':>14}{'nvme':>14}"]
+    for stage in (1, 2, 3):
+        f = model_state_bytes(stage, numel, world_size, b)
+        owned = numel / world_size
+        for device in ("none", "cpu", "nvme"):
+            if device == "none":
+                dev, host, nvme = sum(f.values()), 0.0, 0.0
+            else:
+                form = offload_formula(device, owned)
+                dev = f["parameters"] + f["gradients"]
+                host, nvme = sum(form["host"].values()), sum(form["nvme"].values())
+            rows.append(f"{STAGE_NAMES[stage]:<22}{device:<9}{human_bytes(dev):>14}{human_bytes(host):>14}"
+                        f"{human_bytes(nvme):>14}")
+    return "\n".join(rows)
+
+
+__all__ = ["OffloadReport", "offload_formula", "offload_estimate_table"]
