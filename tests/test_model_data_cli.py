@@ -243,12 +243,12 @@ def test_bench_command_and_help(capsys) -> None:
     assert cmd[:5] == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     tail = cmd[cmd.index("zerodp.app.bench") + 1:]
     assert cmd[cmd.index("zerodp.app.bench") - 1] == "-m" and "--standalone" in cmd
-    assert "--steps=6" in tail and "--rounds=2" in tail and "--d-model=256" in tail
+    assert "--steps=6" in tail and "--rounds=2" in tail and "--preset=small" in tail
     # every flag forwarded parses with bench's own parser, to the values given
     ap = argparse.ArgumentParser()
     bench.add_arguments(ap)
     parsed = ap.parse_args(tail)
-    assert parsed.steps == 6 and parsed.rounds == 2 and parsed.micro_batch == 8
+    assert parsed.steps == 6 and parsed.rounds == 2 and parsed.preset == "small" and parsed.micro_batch is None
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--help"])
     assert exc.value.code == 0 and "--micro-batch N" in capsys.readouterr().out

@@ -1,29 +1,62 @@
-"""``zerodp bench``: step time of zerodp's stages against torch DDP and FSDP2, in one run.
+"""``zerodp bench``: zerodp's stages side by side with torch DDP, torch ZeroRedundancyOptimizer, FSDP2
+and DeepSpeed, in one run, on the same GPT, batches and seed.
 
-Every system trains the same GPT on the same batches, on the same ranks, one after another, and the
-table gives the median step time (forward + backward + optimizer step, seconds) and its ratio to DDP's.
-DeepSpeed is measured too when it is installed (``pip install zerodp[bench]``); it is never imported
-by the library itself.
+Each rank runs every system of :data:`zerodp.app.bench_systems.SYSTEMS` in two phases:
+
+1. probe (``--probe-steps`` steps, untimed): per-step losses (compared with DDP's), model-state bytes
+   by category measured from live storage after the last backward, peak RSS sampled while the system
+   is built and trained, and collective traffic per step counted at ``torch.distributed``'s calls
+   (:mod:`zerodp.app.bench_measure`);
+2. timing: ``--rounds`` rounds, each rebuilding and running every system in turn (ABAB...), with
+   ``--warmup`` untimed then ``--steps`` timed steps (barrier before and after each step). A system's
+   ratio to DDP is the median over rounds of its median step time over DDP's in the same round.
+
+A system that cannot run here (DeepSpeed not installed; the zerodp offload rows without ``--offload``)
+is reported as skipped with the reason. Rank 0 prints a table and writes ``OUT/bench.json``
+(:class:`zerodp.app.bench_report.BenchResult`) and, with matplotlib installed (``[bench]`` extra),
+three PNG charts. With ``--offload`` the rows ``zerodp stage 2 + offload cpu|nvme`` run (swap files in
+``--nvme-path``, default a temporary directory removed afterwards), and rank 0 also prints the NVMe
+swap bandwidth beside raw direct I/O on the same disk and the CPU AdamW kernels
+(:mod:`zerodp.app.bench_offload`); the offload rows carry no paper formula (their state is off it). ``--sweep-ranks 1,2,3,4`` (launcher side) first runs the probe of DDP and zerodp at
+each of those world sizes for the memory-vs-ranks chart.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
 import shutil
 import tempfile
 import statistics
+import subprocess
+import sys
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import zerodp
 from zerodp.app import bench_offload
-from zerodp.app.model import GPT, GPTConfig
+from zerodp.app.bench_measure import (CATEGORIES, RssSampler, TrafficCounter, live_storage_bytes,
+                                      live_storages, release_free_memory)
+from zerodp.app.bench_report import (BenchResult, RankMemory, StepTimes, SweepPoint, SystemResult,
+                                     Traffic, format_table, plot_all)
+from zerodp.app.bench_systems import SYSTEMS, Builder, Skipped, System, offload_systems
+from zerodp.app.model import GPTConfig, count_parameters
+from zerodp.runtime.accounting import FP32_ADAM, comm_elements_per_step, model_state_bytes
 
-Step = Callable[[torch.Tensor, torch.Tensor], float]
+#: ``--preset`` -> (n_layer, n_head, d_model, seq_len, micro_batch). small is about 3.3M parameters,
+#: medium about 25.4M; tiny is for tests.
+PRESETS: dict[str, tuple[int, int, int, int, int]] = {
+    "tiny": (2, 2, 64, 32, 2),
+    "small": (4, 4, 256, 128, 8),
+    "medium": (8, 8, 512, 128, 8),
+}
+LR = 1e-3
 
 
 def _batches(cfg: GPTConfig, micro: int, n: int, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -31,147 +64,279 @@ def _batches(cfg: GPTConfig, micro: int, n: int, rank: int, world: int) -> list[
     out = []
     for _ in range(n):
         x = torch.randint(0, cfg.vocab_size, (micro * world, cfg.seq_len + 1), generator=g)
-        x = x[rank * micro : (rank + 1) * micro]
+        x = x[rank * micro: (rank + 1) * micro]
         out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
     return out
 
 
-def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+def resolve_model(args: argparse.Namespace) -> tuple[GPTConfig, int]:
+    """The GPT config and micro-batch of ``--preset``, with any explicit size flag overriding it.
+
+    Raises:
+        ValueError: unknown preset (the message lists the allowed ones) or an invalid GPT config.
+    """
+    if args.preset not in PRESETS:
+        raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
+    n_layer, n_head, d_model, seq_len, micro = PRESETS[args.preset]
+    pick = lambda v, d: d if v is None else v  # noqa: E731
+    cfg = GPTConfig(n_layer=pick(args.n_layer, n_layer), n_head=pick(args.n_head, n_head),
+                    d_model=pick(args.d_model, d_model), seq_len=pick(args.seq_len, seq_len))
+    return cfg, pick(args.micro_batch, micro)
 
 
-def _torch_step(model: torch.nn.Module, lr: float) -> Step:
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = _loss(model(x)[0], y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return step
+def _agree_skip(reason: Optional[str]) -> Optional[str]:
+    """Every rank's skip reason; a system skipped on any rank is skipped on all."""
+    reasons: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, reason)
+    return next((r for r in reasons if r), None)
 
 
-def _ddp(cfg: GPTConfig, lr: float) -> Step:
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.manual_seed(0)
-    return _torch_step(DistributedDataParallel(GPT(cfg)), lr)
-
-
-def _fsdp2(cfg: GPTConfig, lr: float) -> Step:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return _torch_step(model, lr)
+def _build(build: Builder, cfg: GPTConfig, probe: bool) -> tuple[Optional[System], Optional[str]]:
+    system, reason = None, None
+    try:
+        system = build(cfg, LR, probe)
+    except Skipped as exc:
+        reason = str(exc)
+    except Exception as exc:  # a peer that fails to build here is reported, not fatal
+        reason = f"{type(exc).__name__}: {exc}"
+    reason = _agree_skip(reason)
+    return (None if reason else system), reason
 
 
-def _engine_step(engine) -> Step:
-    def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = _loss(engine(x)[0], y)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-
-    return step
-
-
-def _zerodp(stage: int) -> Callable[[GPTConfig, float], Step]:
-    def build(cfg: GPTConfig, lr: float) -> Step:
-        torch.manual_seed(0)
-        engine = zerodp.initialize(GPT(cfg), {
-            "optimizer": {"type": "AdamW", "params": {"lr": lr}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1000}})
-        return _engine_step(engine)
-
-    return build
-
-
-def _deepspeed(stage: int) -> Callable[[GPTConfig, float], Step]:
-    def build(cfg: GPTConfig, lr: float) -> Step:
-        import deepspeed  # optional extra
-
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
-            "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True}},
-            "zero_optimization": {"stage": stage}})
-        return _engine_step(engine)
-
-    return build
+def _probe(build: Builder, cfg: GPTConfig, batches: list, baseline: frozenset) -> dict[str, Any]:
+    """Probe phase of one system on this rank (see module docstring)."""
+    release_free_memory()
+    with RssSampler() as rss:
+        system, reason = _build(build, cfg, probe=True)
+        if system is None:
+            return {"reason": reason}
+        losses, measured = [], {}
+        with TrafficCounter(system.traffic_targets) as traffic:
+            for i, (x, y) in enumerate(batches):
+                loss = system.forward_backward(x, y)
+                if i == len(batches) - 1:
+                    rss.sample()
+                    measured = live_storage_bytes(system.sources(), baseline)
+                system.step()
+                losses.append(loss.item())
+        dist.barrier()
+    out = {"family": system.family, "stage": system.stage, "offload": system.offload, "losses": losses,
+           "measured": {c: measured[c] for c in CATEGORIES}, "unattributed": measured["unattributed"],
+           "peak_rss": rss.peak, "rss_before": rss.start,
+           "traffic_elements": traffic.elements, "by_op": {k: list(v) for k, v in traffic.by_op.items()}}
+    del system
+    return out
 
 
-def run(args: argparse.Namespace) -> None:
+def _time(build: Builder, cfg: GPTConfig, batches: list, warmup: int) -> list[float]:
+    release_free_memory()
+    system, _ = _build(build, cfg, probe=False)
+    assert system is not None  # it built in the probe phase
+    times = []
+    for i, (x, y) in enumerate(batches):
+        dist.barrier()
+        t0 = time.perf_counter()
+        system.forward_backward(x, y)
+        system.step()
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    del system
+    return times
+
+
+def _quartiles(ts: list[float]) -> StepTimes:
+    q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
+    return StepTimes(n=len(ts), median=statistics.median(ts), q1=q[0], q3=q[2], min=min(ts), max=max(ts))
+
+
+def _deepspeed_version() -> Optional[str]:
+    try:
+        from importlib.metadata import version
+        return version("deepspeed")
+    except Exception:
+        return None
+
+
+def run(args: argparse.Namespace) -> Optional[BenchResult]:
+    """Run the benchmark on this rank (inside torchrun); returns the result on rank 0, else None."""
     zerodp.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, seq_len=args.seq_len)
-    systems: dict[str, Callable[[GPTConfig, float], Step]] = {"DDP": _ddp, "FSDP2": _fsdp2}
-    for s in (0, 1, 2, 3):
-        systems[f"zerodp stage {s}"] = _zerodp(s)
+    cfg, micro = resolve_model(args)
     nvme_dir = args.nvme_path or tempfile.mkdtemp(prefix="zerodp_bench_")
-    if args.offload:
-        systems.update(bench_offload.offload_builders(nvme_dir, args.sub_group_size, lambda: GPT(cfg), _engine_step))
-    try:
-        import deepspeed  # noqa: F401
+    systems: dict[str, Builder] = dict(SYSTEMS)
+    if args.offload:  # same names, same order: the skipped placeholders become real builders
+        systems.update(offload_systems(nvme_dir, args.sub_group_size))
+    names = [n for n in systems if not args.only or any(o.strip() in n for o in args.only.split(","))]
+    if "DDP" not in names:
+        names.insert(0, "DDP")  # every ratio and loss difference is taken against DDP
+    load_start = list(os.getloadavg())
+    psi = count_parameters(cfg)
+    probe_batches = _batches(cfg, micro, args.probe_steps, rank, world)
+    timed_batches = _batches(cfg, micro, args.warmup + args.steps, rank, world)
+    baseline = frozenset(live_storages())
 
-        for s in (1, 2, 3):
-            systems[f"DeepSpeed stage {s}"] = _deepspeed(s)
-    except ImportError:
-        pass
-    batches = _batches(cfg, args.micro_batch, args.warmup + args.steps, rank, world)
-    results: dict[str, float] = {}
-    for rnd in range(args.rounds):  # interleave systems over rounds so drift hits all alike
-        for name, build in systems.items():
-            try:
-                step = build(cfg, 1e-3)
-            except Exception as exc:  # e.g. FSDP2 unavailable on this backend
-                if rank == 0 and rnd == 0:
-                    print(f"{name}: skipped ({type(exc).__name__}: {exc})")
-                continue
-            times = []
-            for i, (x, y) in enumerate(batches):
-                dist.barrier()
-                t0 = time.perf_counter()
-                step(x, y)
-                dist.barrier()
-                if i >= args.warmup:
-                    times.append(time.perf_counter() - t0)
-            results.setdefault(name, [])
-            results[name].extend(times)  # type: ignore[union-attr]
+    _probe(systems["DDP"], cfg, probe_batches, baseline)  # discarded: one-time costs (lazy init, gloo, allocator)
+    release_free_memory()                       # would otherwise land on whichever system runs first
+    excluded = [o.strip() for o in (args.exclude or "").split(",") if o.strip()]
+    probes = {name: ({"reason": f"excluded by --exclude {args.exclude}"}
+                     if name != "DDP" and any(e in name for e in excluded)
+                     else _probe(systems[name], cfg, probe_batches, baseline)) for name in names}
+    ran = [n for n in names if "reason" not in probes[n]]
+    times: dict[str, list[list[float]]] = {n: [] for n in ran}
+    for _ in range(args.rounds):  # interleaved: drift and load hit every system alike
+        for name in ran:
+            times[name].append(_time(systems[name], cfg, timed_batches, args.warmup))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {n: p for n, p in probes.items() if "reason" not in p})
+    result = None
     if rank == 0:
-        base = statistics.median(results["DDP"])  # type: ignore[arg-type]
-        params = sum(p.numel() for p in GPT(cfg).parameters())
-        print(f"GPT {params:,} parameters, {world} ranks ({dist.get_backend()}), micro-batch "
-              f"{args.micro_batch} x {cfg.seq_len} tokens, median of {args.steps * args.rounds} steps")
-        print(f"{'system':<30}{'step (s)':>12}{'vs DDP':>10}")
-        for name, ts in results.items():
-            med = statistics.median(ts)  # type: ignore[arg-type]
-            print(f"{name:<30}{med:>12.4f}{med / base:>9.2f}x")
+        result = _assemble(args, cfg, micro, psi, world, names, probes, gathered, times, load_start)
+        _write(args, result)
         if args.offload:
             print(bench_offload.swap_report(nvme_dir))
-            print(bench_offload.adam_kernels(params // world))
+            print(bench_offload.adam_kernels(psi // world))
     for engine in bench_offload.NVME_ENGINES:
         engine.close()
+    bench_offload.NVME_ENGINES.clear()
     if not args.nvme_path and rank == 0:
         shutil.rmtree(nvme_dir, ignore_errors=True)
     zerodp.shutdown_distributed()
+    return result
+
+
+def _assemble(args: argparse.Namespace, cfg: GPTConfig, micro: int, psi: int, world: int, names: list[str],
+              probes: dict, gathered: list, times: dict, load_start: list[float]) -> BenchResult:
+    systems = []
+    ddp_losses = probes["DDP"].get("losses", [])
+    for name in names:
+        p = probes[name]
+        if "reason" in p:
+            fam = "deepspeed" if name.startswith("DeepSpeed") else "zerodp" if name.startswith("zerodp") else "torch"
+            systems.append(SystemResult(name=name, family=fam, status="skipped", reason=p["reason"]))
+            continue
+        formula = None
+        if p["stage"] is not None and p["offload"] is None:  # offload moves state off the paper's table
+            formula = {c: v for c, v in model_state_bytes(p["stage"], psi, world, FP32_ADAM).items()
+                       if c in CATEGORIES}
+            formula["buffers"] = float(p["measured"]["buffers"])  # not model state in the paper
+        ratios, all_times = [], [t for rnd in times[name] for t in rnd]
+        for rnd, base in zip(times[name], times.get("DDP", [])):
+            ratios.append(statistics.median(rnd) / statistics.median(base))
+        steps = len(p["losses"])
+        counted = p["traffic_elements"] > 0 or world == 1
+        diffs = [abs(a - b) for a, b in zip(p["losses"], ddp_losses)]
+        systems.append(SystemResult(
+            name=name, family=p["family"], stage=p["stage"], status="ran",
+            step_time=_quartiles(all_times) if all_times else None,
+            ratio_to_ddp=statistics.median(ratios) if ratios else None, ratio_per_round=ratios,
+            losses=p["losses"], max_loss_diff_vs_ddp=max(diffs) if diffs else None, formula=formula,
+            memory=[RankMemory(rank=r, measured=g[name]["measured"], unattributed=g[name]["unattributed"],
+                               peak_rss=g[name]["peak_rss"], rss_before=g[name]["rss_before"])
+                    for r, g in enumerate(gathered)],
+            traffic=None if not counted else Traffic(elements_per_step=p["traffic_elements"] / steps,
+                            psi_per_step=p["traffic_elements"] / steps / psi,
+                            formula_psi=(comm_elements_per_step(p["stage"], psi) // psi
+                                         if p["stage"] is not None and world > 1 else None),
+                            by_op=p["by_op"])))
+    sweep = []
+    for path in filter(None, (args.sweep_from or "").split(",")):
+        other = BenchResult.model_validate_json(Path(path).read_text())
+        sweep += [SweepPoint(system=s.name, world_size=other.world_size,
+                             measured_total=sum(s.memory[0].measured.values()),
+                             formula_total=sum(s.formula.values()) if s.formula else None)
+                  for s in other.systems if s.status == "ran" and s.memory]
+    return BenchResult(
+        command=" ".join(["zerodp bench", *sys.argv[1:]]),
+        date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        preset=args.preset, model={k: v for k, v in vars(cfg).items()}, psi=psi, world_size=world,
+        backend=str(dist.get_backend()), micro_batch=micro, steps=args.steps, warmup=args.warmup,
+        rounds=args.rounds, probe_steps=args.probe_steps, torch_version=torch.__version__,
+        deepspeed_version=_deepspeed_version(), cpu_count=os.cpu_count() or 1,
+        load_average_start=load_start, load_average_end=list(os.getloadavg()), systems=systems, sweep=sweep)
+
+
+def _write(args: argparse.Namespace, result: BenchResult) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(result.model_dump_json(indent=1))
+    print(format_table(result))
+    print(f"wrote {out / 'bench.json'}")
+    if args.no_plots:
+        return
+    try:
+        paths = plot_all(result, out)
+        print("wrote " + ", ".join(str(p) for p in paths))
+    except ImportError:
+        print("charts not written: matplotlib is missing (pip install -e '.[bench]')")
+
+
+def sweep_commands(args: argparse.Namespace, prefix: list[str]) -> tuple[list[list[str]], list[str]]:
+    """Launcher side of ``--sweep-ranks``: one probe-only command per world size (DDP and zerodp, no
+    timing, no charts), given the torchrun ``prefix`` without ``--nproc-per-node``; and the JSON
+    files they write (to pass as ``--sweep-from``).
+
+    Raises:
+        ValueError: a world size that is not an integer >= 1.
+    """
+    cmds, files = [], []
+    for tok in filter(None, args.sweep_ranks.split(",")):
+        if not tok.strip().isdigit() or int(tok) < 1:
+            raise ValueError(f"--sweep-ranks takes integers >= 1 separated by commas, got {tok!r}")
+        n = int(tok)
+        out = Path(args.out) / f"sweep_{n}"
+        flags = [f"--preset={args.preset}", "--only=DDP,zerodp stage 0,zerodp stage 1,zerodp stage 2,zerodp stage 3",
+                 "--rounds=0", f"--probe-steps={args.probe_steps}", f"--out={out}", "--no-plots"]
+        flags += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("n_layer", "n_head", "d_model",
+                                                                          "seq_len", "micro_batch")
+                  if getattr(args, k) is not None]
+        cmds.append(prefix + ["--nproc-per-node", str(n), "-m", "zerodp.app.bench"] + flags)
+        files.append(str(out / "bench.json"))
+    return cmds, files
+
+
+def launch_env() -> dict[str, str]:
+    """Environment for the bench workers: one thread each, glibc returning freed tensor memory to the
+    OS at once (so RSS follows live memory), DeepSpeed's CPU accelerator when there is no GPU."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    if not torch.cuda.is_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
+
+
+def run_sweep(args: argparse.Namespace, prefix: list[str]) -> Optional[str]:
+    """Run the ``--sweep-ranks`` probes; returns the comma-joined JSON files, or None when none ran.
+
+    Raises:
+        RuntimeError: a sweep run failed (its exit code and command line).
+    """
+    cmds, files = sweep_commands(args, prefix)
+    for cmd in cmds:
+        rc = subprocess.run(cmd, env=launch_env(), stdout=subprocess.DEVNULL).returncode
+        if rc != 0:
+            raise RuntimeError(f"sweep run failed with exit code {rc}: {' '.join(cmd)}")
+    return ",".join(files) or None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    p.add_argument("--n-layer", type=int, default=None)
+    p.add_argument("--n-head", type=int, default=None)
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--micro-batch", type=int, default=None)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--probe-steps", type=int, default=3)
+    p.add_argument("--only", default=None)
+    p.add_argument("--exclude", default=None)
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--sweep-ranks", default="")
+    p.add_argument("--sweep-from", default=None)
     p.add_argument("--offload", action="store_true")
     p.add_argument("--nvme-path", default=None)
     p.add_argument("--sub-group-size", type=int, default=1_000_000)

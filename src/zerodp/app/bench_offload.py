@@ -1,6 +1,8 @@
-"""``zerodp bench`` offload rows: engines with ``offload_optimizer`` cpu/nvme, the NVMe swap
-bandwidth beside a raw sequential direct-I/O read and write of the same size on the same disk, and
-the CPU Adam kernels (for-loop, foreach, fused) timed on the same elements.
+"""``zerodp bench --offload`` extras (the engines themselves are built by
+:func:`zerodp.app.bench_systems.offload_systems`): the NVMe swap bandwidth beside a raw sequential
+direct-I/O read and write of the same size on the same disk, and the CPU Adam kernels (for-loop,
+foreach, fused) timed on the same elements; and the swapper-only measurement
+(``python -m zerodp.app.bench_offload``).
 
 The swap bandwidth is bytes read + written by the optimizer swapper in one step divided by the time
 of its swap phase (the sub-group loop: reads, updates, writes), from
@@ -13,7 +15,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -23,28 +25,6 @@ from zerodp.offload.config import AioConfig
 
 #: the NVMe engines built by the bench (the last one's swap statistics are reported)
 NVME_ENGINES: list[Any] = []
-
-
-def offload_builders(nvme_path: str, sub_group_size: int, model: Callable[[], torch.nn.Module],
-                     make_step: Callable[[Any], Any]) -> dict[str, Callable[[Any, float], Any]]:
-    """Stage-2 engines with the optimizer offloaded to CPU memory and to NVMe (``nvme_path``)."""
-
-    def build(device: str) -> Callable[[Any, float], Any]:
-        def make(cfg: Any, lr: float) -> Any:
-            torch.manual_seed(0)
-            offload = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
-            engine = zerodp.initialize(model(), {
-                "optimizer": {"type": "AdamW", "params": {"lr": lr}},
-                "zero_optimization": {"stage": 2, "offload_optimizer": offload,
-                                      "sub_group_size": sub_group_size}})
-            if device == "nvme":
-                for old in NVME_ENGINES:
-                    old.close()
-                NVME_ENGINES[:] = [engine]
-            return make_step(engine)
-        return make
-
-    return {"zerodp stage 2 + offload cpu": build("cpu"), "zerodp stage 2 + offload nvme": build("nvme")}
 
 
 def raw_direct_io(directory: str, nbytes: int, cfg: Optional[AioConfig] = None, repeats: int = 3) -> tuple[float, float]:
@@ -141,7 +121,7 @@ def swapper_only(numel: int, nvme_path: str, sub_group_size: int, steps: int = 3
     return out
 
 
-__all__ = ["swapper_only", "offload_builders", "raw_direct_io", "swap_report", "adam_kernels", "NVME_ENGINES"]
+__all__ = ["swapper_only", "raw_direct_io", "swap_report", "adam_kernels", "NVME_ENGINES"]
 
 
 if __name__ == "__main__":

@@ -107,8 +107,16 @@ BENCH_HELP = {
     "seq_len": "context length in tokens", "micro_batch": "sequences per rank per step",
     "steps": "timed steps per system and round", "warmup": "untimed steps before them",
     "rounds": "rounds; each rebuilds and runs every system in turn",
-    "offload": "add stage-2 rows with offload_optimizer cpu and nvme, the NVMe swap bandwidth vs raw "
-               "direct I/O on the same disk, and the CPU Adam kernels",
+    "preset": "model size: tiny (tests), small (~3.3M parameters) or medium (~25M); size flags override it",
+    "probe_steps": "untimed steps that measure losses, memory and traffic (>= 2)",
+    "only": "comma-separated substrings: run only the systems whose name contains one (DDP always runs)",
+    "exclude": "comma-separated substrings: report the systems whose name contains one as skipped",
+    "out": "directory for bench.json and the PNG charts",
+    "no_plots": "write no charts",
+    "sweep_ranks": "first probe DDP and zerodp at these world sizes (e.g. 1,2,3,4) for the memory-vs-ranks chart",
+    "sweep_from": "bench.json files of such probes to include (set by --sweep-ranks)",
+    "offload": "run the stage-2 rows with offload_optimizer cpu and nvme (skipped without it) and print "
+               "the NVMe swap bandwidth vs raw direct I/O on the same disk, and the CPU Adam kernels",
     "nvme_path": "directory for the nvme row's swap files (default: a temporary directory)",
     "sub_group_size": "sub_group_size of the nvme row (elements)",
 }
@@ -234,10 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from zerodp.app import bench
     be = sub.add_parser(
-        "bench", help="median step time of zerodp stages 0-3 vs torch DDP and FSDP2 (same model and data)",
-        description="Step time of zerodp's stages 0-3 against torch DDP and FSDP2 (and DeepSpeed when "
-                    "installed), same model and batches, median over the timed steps, one run via "
-                    "torch.distributed.run running python -m zerodp.app.bench.")
+        "bench", help="zerodp stages 0-3 vs DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed: time, memory, traffic, losses",
+        description="zerodp's stages 0-3 against torch DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed "
+                    "(when installed) on the same model, batches and seed, in one run via "
+                    "torch.distributed.run running python -m zerodp.app.bench: step-time ratios to DDP, "
+                    "model-state memory by category, peak RSS, traffic per step and loss agreement; "
+                    "a table, OUT/bench.json and PNG charts.")
     _add_launcher_arguments(be)
     be.set_defaults(handler=_cmd_bench, parser=be,
                     bench_flags=_Recorder(be.add_argument_group("benchmark"), bench.add_arguments, BENCH_HELP).flags)
@@ -413,12 +423,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
 # ---- bench -----------------------------------------------------------------------------------------
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    if _inside_torchrun():
-        from zerodp.app import bench
+    from zerodp.app import bench
 
+    if _inside_torchrun():
         bench.run(args)
         return 0
-    return _launch(bench_command(args))
+    if args.probe_steps < 2:
+        args.parser.error(f"--probe-steps must be >= 2 (optimizer states exist from the second step), got {args.probe_steps}")
+    try:
+        if args.sweep_ranks:
+            full = torchrun_prefix(args)  # [python, -m, torch.distributed.run, --nproc-per-node, N, ...]
+            prefix = full[:3] + full[5:]
+            args.sweep_from = bench.run_sweep(args, prefix)
+    except (ValueError, RuntimeError) as exc:
+        print(f"zerodp bench: error: {exc}", file=sys.stderr)
+        return 1
+    return subprocess.run(bench_command(args), env=bench.launch_env()).returncode
 
 
 # ---- consolidate -----------------------------------------------------------------------------------
