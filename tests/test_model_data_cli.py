@@ -535,3 +535,25 @@ def test_make_train_installs_only_the_package() -> None:
 
     assert installs("train") == [".venv/bin/pip install -q -e ."]  # no test dependencies
     assert installs("test") == [".venv/bin/pip install -q -e '.[dev]'"]
+
+
+def test_resume_from_a_tag_other_than_latest(tiny_runs, tmp_path) -> None:
+    """``--resume-tag global_step3`` in a directory without ``latest``: continues from step 3, and its
+    step-6 weights are bit-identical to the first run's step-6 checkpoint."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from zerodp.checkpoint import consolidate
+
+    tagged = tmp_path / "tagged"
+    shutil.copytree(tiny_runs["ckpt"] / "global_step3", tagged / "global_step3")
+    run = _zerodp_train("--steps", "6", "--save-every", "3", "--save-dir", str(tagged), "--resume-tag",
+                        "global_step3")
+    assert f"resumed from {tagged / 'global_step3'} at step 3" in run.stdout
+    mine = load_file(str(consolidate(tagged, tmp_path / "a.safetensors", tag="global_step6")))
+    first = load_file(str(consolidate(tiny_runs["ckpt"], tmp_path / "b.safetensors", tag="global_step6")))
+    assert sorted(mine) == sorted(first) and len(first) > 0
+    assert all(torch.equal(mine[k], first[k]) for k in first)
+    missing = _zerodp_train("--steps", "6", "--save-dir", str(tagged), "--resume-tag", "global_step99", ok=False)
+    assert "global_step99 does not exist" in missing.stderr

@@ -56,7 +56,7 @@ WORKER_FLAGS = {
     "bf16": "--bf16", "fp16": "--fp16", "offload_optimizer": "--offload-optimizer", "nvme_path": "--nvme-path",
     "eval_batches": "--eval-batches", "sample_tokens": "--sample-tokens", "prompt": "--prompt",
     "temperature": "--temperature", "save_dir": "--save-dir", "save_every": "--save-every",
-    "resume": "--resume", "debug": "--debug",
+    "resume": "--resume", "resume_tag": "--resume-tag", "debug": "--debug",
 }
 
 
@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--resume", action="store_const", const=True,
                     help="load the latest checkpoint in --save-dir and train on from its step up to --steps "
                          "(same seed, model and data required; the data continues where it stopped)")
+    ck.add_argument("--resume-tag", metavar="TAG",
+                    help="like --resume, but load checkpoint TAG in --save-dir (e.g. global_step100) "
+                         "instead of 'latest'")
 
     mdl = tr.add_argument_group("model")
     mdl.add_argument("--n-layer", metavar="L", type=_int_at_least(1), help=f"transformer blocks (default {d.n_layer})")

@@ -105,6 +105,7 @@ class RunSettings:
     save_dir: str = DEFAULTS.save_dir
     save_every: int = DEFAULTS.save_every
     resume: bool = False
+    resume_tag: Optional[str] = None  # --resume-tag: this checkpoint instead of 'latest' (implies resume)
 
     @property
     def precision(self) -> str:
@@ -191,7 +192,9 @@ def resolve_settings(args: argparse.Namespace) -> RunSettings:
         steps=_pick(args, "steps"), seed=seed, eval_batches=_pick(args, "eval_batches"),
         sample_tokens=_pick(args, "sample_tokens"), prompt=prompt,
         temperature=_pick(args, "temperature"), save_dir=_pick(args, "save_dir"),
-        save_every=_pick(args, "save_every"), resume=bool(getattr(args, "resume", False)),
+        save_every=_pick(args, "save_every"),
+        resume=bool(getattr(args, "resume", False)) or getattr(args, "resume_tag", None) is not None,
+        resume_tag=getattr(args, "resume_tag", None),
     )
 
 
@@ -234,10 +237,10 @@ def check_resume(s: RunSettings, corpus: Optional[dict[str, int]] = None) -> tup
     from zerodp import checkpoint
 
     d = Path(s.save_dir)
-    if not (d / checkpoint.LATEST_FILE).is_file() and not (d / checkpoint.META_FILE).is_file():
+    if s.resume_tag is None and not (d / checkpoint.LATEST_FILE).is_file() and not (d / checkpoint.META_FILE).is_file():
         raise ValueError(f"--resume: no checkpoint in {d} (no '{checkpoint.LATEST_FILE}' file); save one "
                          "with --save-every N first, or point --save-dir at the directory holding it")
-    path = checkpoint.resolve_checkpoint(d)  # CheckpointError is a ValueError
+    path = checkpoint.resolve_checkpoint(d, s.resume_tag)  # CheckpointError is a ValueError
     meta = checkpoint.read_meta(path)
     cs = meta.client_state
     if not isinstance(cs, dict) or cs.get("zerodp_train") != CLIENT_STATE_VERSION:
@@ -367,7 +370,7 @@ def _run(s: RunSettings, t_start: float) -> None:
 
     start, saved, path = 0, None, None
     if s.resume:
-        path, saved = engine.load_checkpoint(s.save_dir)
+        path, saved = engine.load_checkpoint(s.save_dir, tag=s.resume_tag)
         loss_before = float(saved["loss_before"])  # of the original run, before its first step
         start = engine.global_steps
     else:
