@@ -17,7 +17,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 import zerodp
-from zerodp.checkpoint import consolidate
+from zerodp.checkpoint import consolidate, load_safetensors_weights
 from safetensors.torch import load_file
 
 ROWS, SEQ, VOCAB, STEPS = 2, 12, 64, 2
@@ -33,8 +33,8 @@ def hf_config(kind: str) -> Any:
                        num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=32)
 
 
-def build(kind: str) -> torch.nn.Module:
-    torch.manual_seed(0)
+def build(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(hf_config(kind)).float()
 
 
@@ -42,12 +42,48 @@ def batch(step: int, rows: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(step))
 
 
-def run(stage: int, kind: str, ckpt_dir: Path) -> dict:
+def engine_config(stage: int, persistence_threshold: int | None = None) -> dict:
+    zc: dict[str, Any] = {"stage": stage}
+    if persistence_threshold is not None:  # 0: partition every parameter, however small
+        zc["stage3_param_persistence_threshold"] = persistence_threshold
+    return {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": 0.5,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "eps": 1e-3}},
+            "zero_optimization": zc}
+
+
+def hf_weights(kind: str, ckpt_dir: Path) -> dict:
+    """Stage 3: an unwrapped HF model's ``state_dict()`` and its ``save_pretrained`` safetensors shards
+    (with the index JSON; the tied head saved once) load into engines built from other weights."""
+    other = build(kind, seed=5)
+    want = {k: v.clone() for k, v in other.state_dict().items()}
+    engine = zerodp.initialize(build(kind), engine_config(3))
+    engine.load_module_state_dict(other.state_dict())
+    got = engine.module_state_dict()
+    d = ckpt_dir / f"{kind}-pretrained"
+    if dist.get_rank() == 0:
+        other.save_pretrained(str(d), max_shard_size="40KB", safe_serialization=True)
+    dist.barrier()
+    weights = load_safetensors_weights(d)
+    engine2 = zerodp.initialize(build(kind), engine_config(3))
+    engine2.load_module_state_dict(weights)
+    got2 = engine2.module_state_dict()
+    return {"ok_keys": sorted(got) == sorted(want) == sorted(got2), "compared": len(want),
+            "state_dict_equal": all(torch.equal(got[k], want[k]) for k in want),
+            "shards_equal": all(torch.equal(got2[k], want[k]) for k in want),
+            "shards": len(list(d.glob("*.safetensors"))), "index": (d / "model.safetensors.index.json").is_file(),
+            "saved_names": len(weights)}
+
+
+def run(stage: int, kind: str, ckpt_dir: Path, init: bool = False) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": 0.5,
-              "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "eps": 1e-3}},
-              "zero_optimization": {"stage": stage}}
-    engine = zerodp.initialize(build(kind), config)
+    config = engine_config(stage, 0 if init else None)
+    if init:  # partitioned while built; HF's post_init runs on the partitioned parameters
+        with zerodp.zero.Init(config):
+            model = build(kind)
+    else:
+        model = build(kind)
+    partitioned = sum(zerodp.zero.is_partitioned(p) for p in model.parameters())
+    engine = zerodp.initialize(model, config)
     ref = build(kind)
     opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1, eps=1e-3)
     for step in range(STEPS):
@@ -78,6 +114,7 @@ def run(stage: int, kind: str, ckpt_dir: Path) -> dict:
         gen = engine.module.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
         ref_gen = ref.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
     return {"max_err": max_err, "compared": len(want), "strict_load_equal": strict_load_equal,
+            "partitioned_before_initialize": partitioned,
             "generated": gen.tolist(), "ref_generated": ref_gen.tolist()}
 
 
@@ -90,13 +127,17 @@ def main() -> None:
     args = ap.parse_args()
     zerodp.init_distributed(timeout_s=120)
     results: dict[str, Any] = {}
-    for stage in (int(s) for s in args.stages.split(",")):
-        for kind in args.scenarios.split(","):
-            try:
-                results[f"{kind}@{stage}"] = {"ok": True, **run(stage, kind, Path(args.ckpt_dir))}
-            except Exception:
-                results[f"{kind}@{stage}"] = {"ok": False, "error": traceback.format_exc()}
-            dist.barrier()
+    jobs = [(f"{kind}@{stage}", lambda k=kind, s=stage: run(s, k, Path(args.ckpt_dir)))
+            for stage in (int(s) for s in args.stages.split(",")) for kind in args.scenarios.split(",")]
+    for kind in args.scenarios.split(","):
+        jobs.append((f"{kind}-init@3", lambda k=kind: run(3, k, Path(args.ckpt_dir) / "init", init=True)))
+        jobs.append((f"{kind}-weights@3", lambda k=kind: hf_weights(k, Path(args.ckpt_dir))))
+    for key, job in jobs:
+        try:
+            results[key] = {"ok": True, **job()}
+        except Exception:
+            results[key] = {"ok": False, "error": traceback.format_exc()}
+        dist.barrier()
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(results, f)
     zerodp.shutdown_distributed()

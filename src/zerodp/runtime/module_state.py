@@ -61,7 +61,9 @@ def load_module_state(
     buffers = dict(module.named_buffers(remove_duplicate=False))
     expected = {n for ns in names.values() for n in ns} | {
         n for n in buffers if n.rsplit(".", 1)[-1] not in _non_persistent(module, n)}
-    missing = sorted(expected - set(state_dict))
+    # a tied parameter needs one of its names (HF's save_pretrained writes a tied weight once)
+    aliases = {n: ns for ns in names.values() for n in ns}
+    missing = sorted(n for n in expected - set(state_dict) if not any(a in state_dict for a in aliases.get(n, ())))
     unexpected = sorted(set(state_dict) - expected)
     if strict and (missing or unexpected):
         raise RuntimeError(f"load_module_state_dict(strict=True): missing keys {missing}, unexpected keys "
