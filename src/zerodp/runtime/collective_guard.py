@@ -18,7 +18,7 @@ if a rank's loss leaves a module out (e.g. a loss term that only some ranks add)
   rank writes what it was doing into the default rendezvous store and waits briefly for the others, so
   the message names the ranks that never answered (lost) and what the answering ones were doing.
 
-Everything here is ``torch.distributed``: an extra gloo group, ``all_gather_into_tensor``,
+Everything here is ``torch.distributed``: an extra gloo group, ``all_gather_single``,
 ``all_gather_object`` on the error path only, and the job's existing rendezvous store for the
 post-mortem. The cost is measured by ``benchmarks/collective_guard_overhead.py`` (docs/collective-safety.md).
 """
@@ -39,6 +39,9 @@ import torch.distributed as dist
 from torch import nn
 
 from zerodp.runtime import comm
+
+# torch >= 2.13 name (the old one warns FutureWarning); not recorded in any ledger: not model traffic
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 #: calls the guard knows; the index is the code exchanged between ranks (same on every rank).
 CALLS: tuple[str, ...] = ("forward", "backward", "step", "gather", "save_checkpoint", "load_checkpoint",
@@ -137,7 +140,7 @@ class CollectiveGuard:
         t0 = time.perf_counter()
         self._send.copy_(site.encode())
         try:
-            dist.all_gather_into_tensor(self._recv, self._send, group=self.group)
+            _all_gather_single(self._recv, self._send, group=self.group)
         except Exception as exc:  # gloo timeout or a peer's connection closed
             self._fail(site, exc)
         self.agreements += 1
