@@ -11,9 +11,6 @@ across a 2-rank model-parallel group, each rank a data-parallel group of one).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import traceback
 from typing import Any, Callable
 
 import torch
@@ -21,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerodp
+from distributed import run_scenarios
 from zerodp import checkpointing
 
 D, ROWS, STEPS = 8, 4, 3
@@ -106,21 +104,23 @@ def run(stage: int, scenario: str) -> dict:
             "compared": len(want), "trained_names": sorted(moved)}
 
 
-def kept_inputs(out: torch.Tensor) -> list[dict]:
-    """Walk the live autograd graph from ``out`` to every checkpoint node and describe the storage it
-    keeps for backward (device, bytes, elements of the original input)."""
+def kept_by_graph(out: torch.Tensor) -> list[checkpointing._Kept]:
+    """Walk the live autograd graph from ``out`` and return what every checkpoint node keeps for backward."""
     seen, stack, found = set(), [out.grad_fn], []
     while stack:
         fn = stack.pop()
         if fn is None or id(fn) in seen:
             continue
         seen.add(id(fn))
-        for k in getattr(fn, "kept", None) or []:
-            if isinstance(k, checkpointing._Kept):
-                found.append({"device": str(k.data.device), "nbytes": k.data.untyped_storage().nbytes(),
-                              "numel": k.shape.numel(), "partitioned": k.partitioned})
+        found += [k for k in getattr(fn, "kept", None) or [] if isinstance(k, checkpointing._Kept)]
         stack.extend(f for f, _ in fn.next_functions)
     return found
+
+
+def kept_inputs(out: torch.Tensor) -> list[dict]:
+    """The storage each checkpoint keeps (device, bytes, elements of the original input)."""
+    return [{"device": str(k.data.device), "nbytes": k.data.untyped_storage().nbytes(),
+             "numel": k.shape.numel(), "partitioned": k.partitioned} for k in kept_by_graph(out)]
 
 
 def main() -> None:
@@ -130,17 +130,9 @@ def main() -> None:
     ap.add_argument("--scenarios", default="blocks,frozen,reuse,partition")
     args = ap.parse_args()
     zerodp.init_distributed(timeout_s=120)
-    results: dict[str, Any] = {}
-    for stage in (int(s) for s in args.stages.split(",")):
-        for scenario in args.scenarios.split(","):
-            try:
-                results[f"{scenario}@{stage}"] = {"ok": True, **run(stage, scenario)}
-            except Exception:
-                results[f"{scenario}@{stage}"] = {"ok": False, "error": traceback.format_exc()}
-            dist.barrier()
-    with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(results, f)
-    zerodp.shutdown_distributed()
+    run_scenarios(args.out, [(f"{scenario}@{stage}", lambda st=stage, sc=scenario: run(st, sc))
+                             for stage in (int(s) for s in args.stages.split(","))
+                             for scenario in args.scenarios.split(",")])
 
 
 if __name__ == "__main__":

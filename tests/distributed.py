@@ -63,3 +63,25 @@ def selected_runs(items: Sequence[Any], module: Any, scenario_of: dict[str, str]
         stages.add(params["stage"] if "stage" in params else int(fixed_stage))
         names.add(name)
     return {ws: (",".join(map(str, sorted(st))), ",".join(sorted(nm))) for ws, (st, nm) in sorted(wanted.items())}
+
+
+def run_scenarios(out_dir: str, jobs: Sequence[tuple[str, Any]]) -> None:
+    """Worker side: run each ``(key, fn)`` on this rank, recording ``{"ok": True, **fn()}`` or the
+    traceback, with a barrier after each (no rank runs ahead into the next scenario's collectives); write
+    ``out_dir/rank{r}.json`` and shut the process group down."""
+    import traceback
+
+    import torch.distributed as dist
+
+    import zerodp
+
+    results: dict[str, dict] = {}
+    for key, fn in jobs:
+        try:
+            results[key] = {"ok": True, **fn()}
+        except Exception:  # recorded and asserted on by pytest
+            results[key] = {"ok": False, "error": traceback.format_exc()}
+        dist.barrier()
+    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(results, f)
+    zerodp.shutdown_distributed()

@@ -6,9 +6,6 @@ module (stage 3: every rank calls it) equals the reference's. Run by tests/test_
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +14,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 import zerodp
+from distributed import run_scenarios
 from zerodp.checkpoint import consolidate, load_safetensors_weights
 from safetensors.torch import load_file
 
@@ -126,21 +124,12 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", required=True)
     args = ap.parse_args()
     zerodp.init_distributed(timeout_s=120)
-    results: dict[str, Any] = {}
     jobs = [(f"{kind}@{stage}", lambda k=kind, s=stage: run(s, k, Path(args.ckpt_dir)))
             for stage in (int(s) for s in args.stages.split(",")) for kind in args.scenarios.split(",")]
     for kind in args.scenarios.split(","):
         jobs.append((f"{kind}-init@3", lambda k=kind: run(3, k, Path(args.ckpt_dir) / "init", init=True)))
         jobs.append((f"{kind}-weights@3", lambda k=kind: hf_weights(k, Path(args.ckpt_dir))))
-    for key, job in jobs:
-        try:
-            results[key] = {"ok": True, **job()}
-        except Exception:
-            results[key] = {"ok": False, "error": traceback.format_exc()}
-        dist.barrier()
-    with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(results, f)
-    zerodp.shutdown_distributed()
+    run_scenarios(args.out, jobs)
 
 
 if __name__ == "__main__":

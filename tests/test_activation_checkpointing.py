@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from actckpt_worker import kept_by_graph
 from distributed import run_worker
 from zerodp import checkpointing
 from zerodp.config import ConfigError, load_config
@@ -76,16 +77,8 @@ def saved_bytes(model: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(x)
-    stack, seen = [out.grad_fn], set()
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        for k in getattr(fn, "kept", None) or []:
-            if isinstance(k, checkpointing._Kept):
-                storages[k.data.untyped_storage().data_ptr()] = k.data.untyped_storage().nbytes()
-        stack.extend(f for f, _ in fn.next_functions)
+    for k in kept_by_graph(out):
+        storages[k.data.untyped_storage().data_ptr()] = k.data.untyped_storage().nbytes()
     return sum(storages.values()), out
 
 

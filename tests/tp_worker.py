@@ -11,9 +11,6 @@ replicated bias once). Results go to ``OUT/rank{r}.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerodp
+from distributed import run_scenarios
 
 D_IN, HIDDEN, D_OUT, ROWS, STEPS, CLIP = 6, 8, 5, 4, 3, 0.05
 
@@ -173,16 +171,8 @@ def main() -> None:
     mp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     mpu = MPU(dp_groups[rank % 2], mp_groups[rank // 2])
-    results: dict[str, Any] = {}
-    for stage in (int(s) for s in args.stages.split(",")):
-        try:
-            results[f"stage{stage}"] = {"ok": True, **run_stage(stage, mpu, Path(args.ckpt_dir))}
-        except Exception:
-            results[f"stage{stage}"] = {"ok": False, "error": traceback.format_exc()}
-        dist.barrier()
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    zerodp.shutdown_distributed()
+    run_scenarios(args.out, [(f"stage{stage}", lambda s=stage: run_stage(s, mpu, Path(args.ckpt_dir)))
+                             for stage in (int(s) for s in args.stages.split(","))])
 
 
 if __name__ == "__main__":

@@ -413,17 +413,14 @@ def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     return sorted(current.model_fields)
 
 
-def load_config(config: Union[str, os.PathLike, Mapping[str, Any], ZeroDPConfig, None]) -> ZeroDPConfig:
-    """Parse a config dict, JSON file path or :class:`ZeroDPConfig`.
+def read_config_mapping(config: Union[str, os.PathLike, Mapping[str, Any], None]) -> Mapping[str, Any]:
+    """The raw config: ``config`` itself, the parsed JSON file it names, or ``{}`` for None (unchecked).
 
     Raises:
-        ConfigError: unreadable file, invalid JSON, unknown key or out-of-range value; the message
-            names each key path and what is allowed.
+        ConfigError: unreadable file, invalid JSON, or neither a dict nor a path.
     """
-    if isinstance(config, ZeroDPConfig):
-        return config
     if config is None:
-        config = {}
+        return {}
     if isinstance(config, (str, os.PathLike)):
         try:
             with open(config, encoding="utf-8") as f:
@@ -434,6 +431,19 @@ def load_config(config: Union[str, os.PathLike, Mapping[str, Any], ZeroDPConfig,
             raise ConfigError(f"config file {os.fspath(config)!r} is not valid JSON: {exc}") from None
     if not isinstance(config, Mapping):
         raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
+    return config
+
+
+def load_config(config: Union[str, os.PathLike, Mapping[str, Any], ZeroDPConfig, None]) -> ZeroDPConfig:
+    """Parse a config dict, JSON file path or :class:`ZeroDPConfig`.
+
+    Raises:
+        ConfigError: unreadable file, invalid JSON, unknown key or out-of-range value; the message
+            names each key path and what is allowed.
+    """
+    if isinstance(config, ZeroDPConfig):
+        return config
+    config = read_config_mapping(config)
     config, refused = screen_keys(config)
     if refused:
         raise ConfigError("invalid zerodp config:\n  " + "\n  ".join(refused))

@@ -98,7 +98,8 @@ def _plain(name: str, stage: Optional[int], module: nn.Module, model: nn.Module,
     return System(name, "torch", stage, module, fb, step, _torch_sources(module, opt, params))
 
 
-def build_ddp(cfg: GPTConfig, lr: float, probe: bool) -> System:
+def _ddp_model(cfg: GPTConfig, probe: bool) -> tuple[GPT, torch.nn.Module]:
+    """The seeded GPT and its DDP wrapper (with the traffic-counting comm hook in a probe)."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -106,18 +107,18 @@ def build_ddp(cfg: GPTConfig, lr: float, probe: bool) -> System:
     ddp = DistributedDataParallel(module)
     if probe:
         ddp.register_comm_hook(None, counting_allreduce_hook)
+    return module, ddp
+
+
+def build_ddp(cfg: GPTConfig, lr: float, probe: bool) -> System:
+    module, ddp = _ddp_model(cfg, probe)
     return _plain("DDP", 0, module, ddp, torch.optim.AdamW(ddp.parameters(), lr=lr))
 
 
 def build_torch_zero(cfg: GPTConfig, lr: float, probe: bool) -> System:
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
 
-    torch.manual_seed(0)
-    module = GPT(cfg)
-    ddp = DistributedDataParallel(module)
-    if probe:
-        ddp.register_comm_hook(None, counting_allreduce_hook)
+    module, ddp = _ddp_model(cfg, probe)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
     return _plain("torch ZeroRedundancyOptimizer", 1, module, ddp, opt)
 

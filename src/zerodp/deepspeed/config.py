@@ -36,14 +36,12 @@ Errors: :class:`zerodp.ConfigError` naming the key path.
 from __future__ import annotations
 
 import copy
-import json
-import os
 from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
-from zerodp.config import ConfigError
+from zerodp.config import ConfigError, read_config_mapping
 
 AUTO = "auto"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -63,19 +61,7 @@ def read_config(config: Any) -> dict[str, Any]:
     Raises:
         ConfigError: unreadable file, invalid JSON, or neither a dict nor a path.
     """
-    if config is None:
-        return {}
-    if isinstance(config, (str, os.PathLike)):
-        try:
-            with open(config, encoding="utf-8") as f:
-                config = json.load(f)
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {os.fspath(config)!r}: {exc}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {os.fspath(config)!r} is not valid JSON: {exc}") from None
-    if not isinstance(config, Mapping):
-        raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
-    return copy.deepcopy(dict(config))
+    return copy.deepcopy(dict(read_config_mapping(config)))
 
 
 def hidden_size_of(model: Optional[nn.Module]) -> Optional[int]:
