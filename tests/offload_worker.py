@@ -20,7 +20,12 @@ import torch.distributed as dist
 from torch import nn
 
 import zerodp
+import zerodp.offload.host
 import zerodp.offload.nvme
+
+# several step chunks even on this tiny model, so the chunked CPU step with overlapped parameter
+# copies is what the equality checks compare
+zerodp.offload.host.MIN_CHUNK_NUMEL = 16
 
 STEPS = 4
 ROWS = 12  # global batch rows per micro-step (divisible by 1, 2, 3)
@@ -57,7 +62,7 @@ def config(stage: int, scenario: str, device: str, nvme: str) -> dict:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": device, "nvme_path": nvme, "buffer_count": 3}
         cfg["zero_optimization"]["sub_group_size"] = 60  # several sub-groups per rank
         cfg["aio"] = {"block_size": 4096, "queue_depth": 2, "thread_count": 2}
-    if scenario in ("bf16", "bf16_accum"):
+    if scenario in ("bf16", "bf16_accum", "edit_bf16"):
         cfg["bf16"] = {"enabled": True}
     if scenario in ("accum_clip", "bf16_accum"):
         cfg["gradient_accumulation_steps"] = 2
@@ -72,7 +77,17 @@ def config(stage: int, scenario: str, device: str, nvme: str) -> dict:
     return cfg
 
 
-def train(engine, steps: range, gas: int) -> None:
+def edit(model: nn.Module, stage: int) -> None:
+    """In-place edits between steps: through the parameter (its version counter moves) and through
+    ``.data`` (it does not); at stage 3 only persistent (always gathered) parameters are edited."""
+    with torch.no_grad():
+        model.c.bias.mul_(0.5)
+        model.s.data.add_(0.25)
+        if stage < 3:
+            model.a.weight.mul_(0.5)
+
+
+def train(engine, steps: range, gas: int, edits: bool = False) -> None:
     for step in steps:
         for micro in range(gas):
             x, y = batch(step, micro)
@@ -80,6 +95,8 @@ def train(engine, steps: range, gas: int) -> None:
             loss = nn.functional.mse_loss(engine(local(x).to(dtype)).float(), local(y))
             engine.backward(loss)
             engine.step()
+        if edits and step % 2 == 0:
+            edit(engine.module, engine.stage)
 
 
 def build(stage: int, scenario: str, device: str, nvme: str):
@@ -91,7 +108,7 @@ def params(engine) -> dict[str, torch.Tensor]:
     return engine.module_state_dict()
 
 
-def reference(scenario: str) -> dict[str, torch.Tensor]:
+def reference(scenario: str, stage: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
@@ -100,6 +117,8 @@ def reference(scenario: str) -> dict[str, torch.Tensor]:
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+        if scenario == "edit" and step % 2 == 0:
+            edit(model, stage)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -109,7 +128,7 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
     reports = {}
     for device in ("none", "cpu", "nvme"):
         engine = build(stage, scenario, device, nvme)
-        train(engine, range(STEPS), gas)
+        train(engine, range(STEPS), gas, edits=scenario.startswith("edit"))
         runs[device] = params(engine)
         if device != "none":
             rep = engine.offload_report()
@@ -122,8 +141,8 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
         engine.close()
     out = {"steps": STEPS, "equal": {d: all(torch.equal(runs["none"][k], runs[d][k]) for k in runs["none"])
                      for d in ("cpu", "nvme")}, "reports": reports}
-    if scenario == "fp32":
-        ref = reference(scenario)
+    if scenario in ("fp32", "edit"):
+        ref = reference(scenario, stage)
         out["ref_maxdiff"] = max((runs["none"][k] - ref[k]).abs().max().item() for k in ref)
     if scenario == "bf16":
         out["ckpt"] = checkpoints(stage, scenario, nvme, ckpt)

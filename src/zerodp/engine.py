@@ -146,6 +146,10 @@ class Engine:
                 accumulate_dtype=(torch.float32 if self.precision.has_master
                                   and config.gradient_accumulation_steps > 1 else None))
         self.reducer.attach()
+        self._bucket_pieces: dict[int, list] = {}  # id(bucket) -> this rank's pieces in it
+        for g in self.groups:
+            for piece in g.pieces:
+                self._bucket_pieces.setdefault(id(piece.bucket), []).append(piece)
         self.optimizer = build_optimizer(config.optimizer, param_groups, self.groups)
         refuse_add_param_group(self.optimizer)
         self.guards = TrainingGuards(self)
@@ -256,12 +260,22 @@ class Engine:
             loss = loss * self.loss_scaler.scale
         boundary = self.is_gradient_accumulation_boundary()
         with self.collective_call("backward"):
+            if self.offload is not None:  # the boundary's reduced gradients stream to the host per bucket
+                if boundary:
+                    self.offload.begin_grads()
+                self.reducer.on_reduced = self._stream_bucket if boundary else None
             self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
             loss.backward(retain_graph=retain_graph)
             self.reducer.end_micro_step()
             self.grads_ready = boundary
             if self.sharding is not None:
                 self.sharding.end_backward()
+
+    def _stream_bucket(self, g: FlatGroup, b: Any) -> None:
+        """Bucket ``b`` of ``g`` was reduced on the boundary backward: start copying its owned
+        gradients into the offload's host partition (zerodp.offload.stream)."""
+        for piece in self._bucket_pieces.get(id(b), ()):
+            self.offload.stream_grad(piece, self.reducer.piece_grad(g, piece.lo, piece.hi))
 
     def step(self) -> None:
         """End a micro-step; at a gradient accumulation boundary, update the parameters."""

@@ -7,12 +7,23 @@ CPU update). DeepSpeed key: ``zero_optimization.offload_optimizer``.
 
 Every owned piece (:class:`zerodp.runtime.partition.Piece`) gets an fp32 ``master`` in host memory
 (also in fp32 training, where the non-offloaded engine updates views of the parameters) and a host
-gradient buffer of the same size. At the step, each reduced gradient is copied device -> host into its
-buffer (``non_blocking`` from pinned memory when CUDA is present; on a CPU-only machine the same copy
-runs between the module's tensors and the host partition), torch's Adam/AdamW runs on the masters,
-and the updated masters are copied host -> device into the module's parameters (cast to its dtype).
-The arithmetic is the non-offloaded engine's: same torch optimizer, same kernel, fp32 masters, so the
-result is bitwise equal.
+gradient buffer of the same size. The pipeline (:class:`zerodp.offload.stream.CopyStream`):
+
+1. During the boundary backward, as each bucket's reduce-scatter completes, the engine calls
+   :meth:`HostOptimizerOffload.stream_grad` for the bucket's pieces: the reduced gradient is copied
+   into its host buffer asynchronously (a side CUDA stream and an event; on a CPU-only machine a
+   worker thread between the module's tensors and the host partition) while backward goes on.
+2. At the step, :meth:`HostOptimizerOffload.stage_grad` marks the pieces that have a gradient (and
+   copies any piece that was not streamed); the copies are waited for before the gradients are read.
+3. torch's Adam/AdamW runs on the masters chunk by chunk (:data:`STEP_CHUNKS`); each chunk's updated
+   masters are copied host -> device into the module's parameters (cast to its dtype) asynchronously
+   while the next chunk is updated; :meth:`HostOptimizerOffload.finish_step` waits for the last.
+
+The arithmetic is the non-offloaded engine's: same torch optimizer, same kernel, per-parameter
+updates (a chunk is a subset of whole optimizer tensors), fp32 masters, exact copies, so the result is
+bitwise equal. In-place edits of the module's parameters between steps are folded into the masters
+before the update (:meth:`HostOptimizerOffload.fold_edits`, as :mod:`zerodp.runtime.guards` does for
+non-offloaded masters).
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from zerodp.offload.stream import CopyStream
 from zerodp.runtime.partition import FlatGroup, Piece
 
 
@@ -39,12 +51,21 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+#: the CPU step is cut into at most this many chunks of whole pieces, so the host -> device copy of
+#: one chunk's updated parameters overlaps the update of the next
+STEP_CHUNKS = 4
+#: ... of at least this many elements each (smaller chunks cost more optimizer calls than they hide)
+MIN_CHUNK_NUMEL = 1 << 18
+
+
 class HostOptimizerOffload:
     """Optimizer states, fp32 masters and gradients of this rank's pieces in host memory.
 
     Lifecycle, driven by the engine: :meth:`attach` once after the pieces are assigned; per step
-    :meth:`check_health` (collective; nothing to check for host memory), :meth:`stage_grad` for each
-    piece that has a gradient, :meth:`grads` (unscaling, clipping), :meth:`step`, :meth:`finish_step`.
+    :meth:`begin_grads` before the boundary backward, :meth:`stream_grad` for each piece of a bucket
+    whose reduction completed, then :meth:`check_health` (collective; nothing to check for host
+    memory), :meth:`fold_edits`, :meth:`stage_grad` for each piece that has a gradient,
+    :meth:`grads` (unscaling, clipping), :meth:`step`, :meth:`finish_step`.
     """
 
     device = "cpu"
@@ -55,6 +76,8 @@ class HostOptimizerOffload:
         self.grad_buffers: list[torch.Tensor] = []  # host fp32, one per piece
         self._index: dict[int, int] = {}  # id(piece) -> position in self.pieces
         self._present: list[bool] = []
+        self._streamed: list[bool] = []  # gradient copy submitted during this step's backward
+        self.copies = CopyStream()
 
     # ---- construction --------------------------------------------------------------------------
     def attach(self, groups: list[FlatGroup]) -> None:
@@ -62,11 +85,15 @@ class HostOptimizerOffload:
         gradient buffer."""
         for g in groups:
             for piece in g.pieces:
-                self._index[id(piece)] = len(self.pieces)
-                self.pieces.append(piece)
-                self.grad_buffers.append(host_empty(piece.hi - piece.lo, self.pin))
-                self._present.append(False)
+                self._add_piece(piece)
                 self._make_master(piece)
+
+    def _add_piece(self, piece: Piece) -> None:
+        self._index[id(piece)] = len(self.pieces)
+        self.pieces.append(piece)
+        self.grad_buffers.append(host_empty(piece.hi - piece.lo, self.pin))
+        self._present.append(False)
+        self._streamed.append(False)
 
     def _make_master(self, piece: Piece) -> None:
         source = piece.master if piece.master is not None else piece.tensor
@@ -78,14 +105,36 @@ class HostOptimizerOffload:
         """The module's value of ``piece`` was edited (GatheredParameters): copy it into the master."""
         piece.master.copy_(piece.tensor)
 
+    def fold_edits(self) -> None:
+        """Before the update: every element of a module parameter that no longer equals its master's
+        cast was edited in place since the last step (``w.mul_(0.5)`` under ``no_grad``, also through
+        ``w.data``); copy it into the fp32 master, keeping the fp32 value of the other elements
+        (the rule :meth:`zerodp.runtime.guards.TrainingGuards.before_update` applies without offload)."""
+        for piece in self.pieces:
+            fold_edit(piece.tensor, piece.master)
+
     # ---- one step ------------------------------------------------------------------------------
     def check_health(self) -> None:
         """Collective in subclasses that can fail between steps; host memory cannot."""
 
-    def stage_grad(self, piece: Piece, grad: torch.Tensor) -> None:
-        """Copy ``piece``'s reduced gradient (module dtype, any device) into its host fp32 buffer."""
+    def begin_grads(self) -> None:
+        """Before a boundary backward: finish copies still in flight and forget what was streamed."""
+        self.copies.wait()
+        self._streamed = [False] * len(self.pieces)
+
+    def stream_grad(self, piece: Piece, grad: torch.Tensor) -> None:
+        """Start copying ``piece``'s reduced gradient (module or fp32 dtype, any device) into its host
+        fp32 buffer; called as its bucket's reduction completes. ``grad`` must stay unchanged until
+        the step (a later reduction of the same bucket streams it again, in order)."""
         i = self._index[id(piece)]
-        self.grad_buffers[i].copy_(grad, non_blocking=grad.is_cuda)
+        self.copies.copy(self.grad_buffers[i], grad)
+        self._streamed[i] = True
+
+    def stage_grad(self, piece: Piece, grad: torch.Tensor) -> None:
+        """``piece`` has a gradient this step: use the streamed copy, or copy ``grad`` now."""
+        i = self._index[id(piece)]
+        if not self._streamed[i]:
+            self.copies.copy(self.grad_buffers[i], grad)
         self._present[i] = True
 
     def grads(self) -> list[torch.Tensor]:
@@ -100,23 +149,27 @@ class HostOptimizerOffload:
         return self.grad_buffers[i] if self._present[i] else None
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Run ``optimizer`` (whose parameters are the masters) on the staged host gradients."""
+        """Run ``optimizer`` (whose parameters are the masters) on the staged host gradients, chunk
+        by chunk; each chunk's updated masters start streaming into the module's parameters while the
+        next chunk is updated."""
         self._sync_copies()
-        for piece, buf, present in zip(self.pieces, self.grad_buffers, self._present):
-            piece.master.grad = buf if present else None
-        optimizer.step()
+        for chunk in _chunks(self.pieces, self._present):
+            for i, piece in enumerate(self.pieces):
+                piece.master.grad = self.grad_buffers[i] if i in chunk else None
+            optimizer.step()
+            for i in chunk:
+                self.copies.copy(self.pieces[i].tensor, self.pieces[i].master)
 
     def finish_step(self) -> None:
-        """Copy the updated masters into the module's parameters and forget this step's gradients."""
+        """Wait until the module's parameters hold the updated masters; forget this step's gradients."""
+        self.copies.wait()
         for i, piece in enumerate(self.pieces):
             piece.master.grad = None
-            if self._present[i]:
-                piece.tensor.copy_(piece.master, non_blocking=piece.tensor.is_cuda)
             self._present[i] = False
+            self._streamed[i] = False
 
     def _sync_copies(self) -> None:
-        if torch.cuda.is_available() and any(p.tensor.is_cuda for p in self.pieces):
-            torch.cuda.synchronize()
+        self.copies.wait()
 
     # ---- checkpoints and reports ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -139,7 +192,36 @@ class HostOptimizerOffload:
         return {"master_weights": 0, "optimizer_states": 0}
 
     def close(self) -> None:
-        """Release resources (nothing to release for host memory)."""
+        """Finish the copies in flight and stop the copy thread."""
+        self.copies.close()
 
 
-__all__ = ["HostOptimizerOffload", "host_empty", "storage_bytes"]
+def fold_edit(tensor: torch.Tensor, master: torch.Tensor) -> None:
+    """Copy the elements of ``tensor`` (module dtype) that differ from ``master``'s cast into
+    ``master`` (fp32), in place."""
+    edited = tensor != master.to(tensor.dtype)
+    if bool(edited.any()):
+        master[edited] = tensor[edited].to(master.dtype)
+
+
+def _chunks(pieces: list[Piece], present: list[bool]) -> list[set[int]]:
+    """Positions of the present pieces, in order, cut into at most :data:`STEP_CHUNKS` chunks of at
+    least :data:`MIN_CHUNK_NUMEL` elements (the last may be smaller)."""
+    todo = [i for i, p in enumerate(present) if p]
+    total = sum(pieces[i].hi - pieces[i].lo for i in todo)
+    target = max(MIN_CHUNK_NUMEL, -(-total // STEP_CHUNKS))
+    chunks: list[set[int]] = []
+    current: set[int] = set()
+    numel = 0
+    for i in todo:
+        current.add(i)
+        numel += pieces[i].hi - pieces[i].lo
+        if numel >= target:
+            chunks.append(current)
+            current, numel = set(), 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+__all__ = ["HostOptimizerOffload", "MIN_CHUNK_NUMEL", "fold_edit", "STEP_CHUNKS", "host_empty", "storage_bytes"]

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from zerodp.offload.aio import AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
-from zerodp.offload.host import HostOptimizerOffload, host_empty, storage_bytes
+from zerodp.offload.host import HostOptimizerOffload, fold_edit, storage_bytes
 from zerodp.runtime.partition import FlatGroup, Piece
 
 
@@ -109,10 +109,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             error = f"rank {self.rank}: {exc}"
         _raise_if_any(error, self.pg)
         for piece in pieces:  # host gradients and placeholders; the masters go to the file below
-            self._index[id(piece)] = len(self.pieces)
-            self.pieces.append(piece)
-            self.grad_buffers.append(host_empty(piece.hi - piece.lo, self.pin))
-            self._present.append(False)
+            self._add_piece(piece)
         biggest = max((sg.nbytes for sg in self.subgroups), default=0)
         # more buffers than sub-groups would never be used
         count = max(1, min(self.cfg.buffer_count, len(self.subgroups)))
@@ -126,6 +123,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             self.io.write(self.file, buf, sg.offset).wait()
         for p in pieces:
             p.master = torch.empty(0, dtype=torch.float32)
+        self._record_versions()
 
     def _open(self, job: str, needed: int) -> None:
         base = self.cfg.nvme_path
@@ -173,6 +171,28 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             if j == i:
                 view.copy_(piece.tensor)
         self.io.write(self.file, buf, sg.offset).wait()
+
+    def _record_versions(self) -> None:
+        """Baseline of the module parameters' version counters (bumped by an in-place edit of the
+        parameter, not by the engine's writes into the flat buffer it views)."""
+        self._versions = [p.slot.param._version for p in self.pieces]
+
+    def fold_edits(self) -> None:
+        """Fold in-place edits of module parameters made since the last step into the masters in the
+        swap file. Pieces whose parameter's version counter moved (``w.mul_(0.5)``) are folded here,
+        one read and write of their sub-group each; an edit through ``w.data`` (no version bump) is
+        folded at the step, when the piece's sub-group is in the buffer (:meth:`_update`), if the
+        piece has a gradient that step."""
+        edited = {i for i, p in enumerate(self.pieces) if p.slot.param._version != self._versions[i]}
+        for sg in self.subgroups:
+            if not edited.intersection(sg.pieces):
+                continue
+            buf = self.buffers[0][: sg.nbytes]
+            self.io.read(self.file, buf, sg.offset).wait()
+            for i, view in self._views(sg, buf[: sg.seg].view(torch.float32)):
+                fold_edit(self.pieces[i].tensor, view)
+            self.io.write(self.file, buf, sg.offset).wait()
+        self._record_versions()
 
     # ---- one step ------------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -230,6 +250,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             if not self._present[i]:
                 continue
             p = self.pieces[i]
+            fold_edit(p.tensor, masters[i])  # an edit through w.data since the last step (see fold_edits)
             p.master.data = masters[i]
             p.master.grad = self.grad_buffers[i]
             if i not in self.steps:  # fresh state, exactly what torch's lazy initialisation makes
@@ -250,7 +271,10 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
 
     def finish_step(self) -> None:
         """The module's parameters were updated sub-group by sub-group; forget the gradients."""
+        self.copies.wait()
         self._present = [False] * len(self.pieces)
+        self._streamed = [False] * len(self.pieces)
+        self._record_versions()
 
     # ---- checkpoints and reports ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -305,6 +329,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
 
     def close(self) -> None:
         """Stop the I/O threads and remove this rank's swap file and directory."""
+        self.copies.close()
         if self.io is not None:
             self.io.close()
             self.io = None

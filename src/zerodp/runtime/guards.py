@@ -8,8 +8,9 @@ The engine calls :meth:`TrainingGuards.before_forward`, :meth:`TrainingGuards.be
   parameter added to the module afterwards): refused at the next training forward or ``backward``,
   before any gradient is produced. Such a parameter has no partition, no gradient reduction and no optimizer state.
 - In-place edits of the module's parameters outside the optimizer (EMA, re-tying, re-initialising a
-  head): with fp32 master weights (bf16/fp16), a module-dtype value that no longer equals its master's
-  cast is copied into the master before the update, so the edit is kept (stages 0-3). At stage 3 the
+  head): with fp32 master weights (bf16/fp16, or any precision with ``offload_optimizer``), a
+  module-dtype value that no longer equals its master's cast is copied into the master before the
+  update, so the edit is kept (stages 0-3; offloaded masters through the offload's ``fold_edits``). At stage 3 the
   persistent (always gathered) parameters' edits are written back into this rank's shard; an in-place
   edit of a *partitioned* parameter (its ``.data`` is an empty placeholder) is detected by its version
   counter and refused at the next forward/backward/step: such edits must be made inside
@@ -219,6 +220,7 @@ class TrainingGuards:
         """At a gradient accumulation boundary, before the optimizer: adopt in-place edits."""
         if self._partitioned:
             self._check_partitioned_edits()
+        offload = getattr(self.engine, "offload", None)
         for g in self.engine.groups:
             unit = _persistent_unit_of(g)
             if unit is not None and unit.full is not None:
@@ -226,11 +228,13 @@ class TrainingGuards:
                 if not torch.equal(unit.full[lo : lo + unit.shard.numel()], unit.shard):
                     unit.write_back()  # an edit of an always-gathered stage-3 parameter
             for piece in g.pieces:
-                if piece.master is None or getattr(self.engine, "offload", None) is not None:
-                    continue  # offloaded masters live on the host/NVMe (see README, Known limitations)
+                if piece.master is None or offload is not None:
+                    continue  # offloaded masters live on the host/NVMe: the offload folds them below
                 edited = piece.tensor != piece.master.to(piece.tensor.dtype)
                 if bool(edited.any()):  # keep the fp32 value of every element that was not edited
                     piece.master[edited] = piece.tensor[edited].to(piece.master.dtype)
+        if offload is not None:
+            offload.fold_edits()  # the same rule, on the host masters or in the swap file
 
     def after_update(self) -> None:
         if self._partitioned:

@@ -33,7 +33,7 @@ already-reduced bucket raises instead of being lost.
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.distributed import ProcessGroup, ReduceOp, Work
@@ -89,6 +89,10 @@ class GradientReducer:
         self._in_flight: deque[tuple[Bucket, FlatGroup, Work, object]] = deque()
         self.peak_grad_bytes = 0
         self._handles: list[RemovableHandle] = []
+        #: called as ``on_reduced(group, bucket)`` right after a bucket's collective completed and its
+        #: result was stored (piece_grad of its owned range is then final for this micro-step); the
+        #: engine sets it on the boundary backward to stream gradients to an optimizer offload
+        self.on_reduced: Optional[Callable[[FlatGroup, Bucket], None]] = None
 
     # ---- hook wiring -------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -202,6 +206,8 @@ class GradientReducer:
             b, g, work, payload = self._in_flight.popleft()
             work.wait()
             self._complete(g, b, payload)
+            if self.on_reduced is not None:
+                self.on_reduced(g, b)
 
     def _note_peak(self) -> None:
         self.peak_grad_bytes = max(self.peak_grad_bytes, sum(self.held_bytes().values()))
