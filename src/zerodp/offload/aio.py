@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -89,7 +91,11 @@ class IOHandle:
 
 
 class AsyncIO:
-    """The thread pool. ``read``/``write`` return at once with an :class:`IOHandle`."""
+    """The thread pool. ``read``/``write`` return at once with an :class:`IOHandle`.
+
+    ``busy_seconds``: wall time during which at least one request was in flight (the union of the
+    requests' intervals), so ``bytes / busy_seconds`` is the bandwidth while transferring, apart from
+    the time the caller left the disk idle."""
 
     def __init__(self, cfg: AioConfig) -> None:
         self.block = cfg.block_size
@@ -97,6 +103,10 @@ class AsyncIO:
         self.pool = ThreadPoolExecutor(max_workers=cfg.thread_count, thread_name_prefix="zerodp-aio")
         self.bytes_read = 0
         self.bytes_written = 0
+        self.busy_seconds = 0.0
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._busy_since = 0.0
 
     def read(self, f: SwapFile, buf: torch.Tensor, offset: int) -> IOHandle:
         """Fill ``buf`` (aligned uint8 host tensor) from ``f`` at byte ``offset``."""
@@ -118,8 +128,21 @@ class AsyncIO:
         for start in range(0, buf.numel(), span):
             views = [mv[s: min(s + self.block, start + span, buf.numel())]
                      for s in range(start, min(start + span, buf.numel()), self.block)]
-            handle.futures.append(self.pool.submit(_transfer, f, views, offset + start, write))
+            handle.futures.append(self.pool.submit(self._timed, f, views, offset + start, write))
         return handle
+
+    def _timed(self, f: SwapFile, views: list[memoryview], offset: int, write: bool) -> None:
+        with self._lock:
+            if self._in_flight == 0:
+                self._busy_since = time.perf_counter()
+            self._in_flight += 1
+        try:
+            _transfer(f, views, offset, write)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self.busy_seconds += time.perf_counter() - self._busy_since
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

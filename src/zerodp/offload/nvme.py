@@ -70,6 +70,9 @@ class SwapStats:
     bytes_written: int = 0
     seconds: float = 0.0
     update_seconds: float = 0.0  # of which: binding, the optimizer's arithmetic and the cast back
+    read_wait_seconds: float = 0.0  # of which: blocked until a sub-group's read finished
+    write_wait_seconds: float = 0.0  # of which: blocked on writes (a buffer to reuse, the last ones)
+    io_busy_seconds: float = 0.0  # wall time with any request in flight (AsyncIO.busy_seconds)
 
 
 class NvmeOptimizerOffload(HostOptimizerOffload):
@@ -213,32 +216,42 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         reads: dict[int, IOHandle] = {}
         writes: dict[int, IOHandle] = {}  # buffer slot -> pending write
 
+        b0 = self.io.busy_seconds
+        waits = {"read": 0.0, "write": 0.0}
+
+        def wait(h: IOHandle, kind: str) -> None:
+            t = time.perf_counter()
+            h.wait()
+            waits[kind] += time.perf_counter() - t
+
         def start_read(k: int) -> None:
             slot = k % nbuf
             if slot in writes:
-                writes.pop(slot).wait()
+                wait(writes.pop(slot), "write")
             reads[k] = self.io.read(self.file, self.buffers[slot][: todo[k].nbytes], todo[k].offset)
 
         overlap = self.aio_cfg.overlap_events
+        ahead = max(1, nbuf - 2) if overlap else 0  # reads in flight beyond the sub-group being updated
         busy = 0.0
-        if todo:
-            start_read(0)
+        for k in range(min(ahead or 1, len(todo))):
+            start_read(k)
         for k, sg in enumerate(todo):
-            reads.pop(k).wait()
-            if overlap and k + 1 < len(todo):
-                start_read(k + 1)
+            wait(reads.pop(k), "read")
+            if overlap and k + ahead < len(todo):
+                start_read(k + ahead)
             buf = self.buffers[k % nbuf][: sg.nbytes]
             t1 = time.perf_counter()
             self._update(sg, buf, optimizer)
             busy += time.perf_counter() - t1
             writes[k % nbuf] = self.io.write(self.file, buf, sg.offset)
             if not overlap:
-                writes.pop(k % nbuf).wait()
+                wait(writes.pop(k % nbuf), "write")
                 if k + 1 < len(todo):
                     start_read(k + 1)
         for h in writes.values():
-            h.wait()
-        self.stats = SwapStats(self.io.bytes_read - r0, self.io.bytes_written - w0, time.perf_counter() - t0, busy)
+            wait(h, "write")
+        self.stats = SwapStats(self.io.bytes_read - r0, self.io.bytes_written - w0, time.perf_counter() - t0,
+                               busy, waits["read"], waits["write"], self.io.busy_seconds - b0)
 
     def _update(self, sg: SubGroup, buf: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         f32 = buf.view(torch.float32)
