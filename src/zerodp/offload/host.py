@@ -199,7 +199,10 @@ class HostOptimizerOffload:
 def fold_edit(tensor: torch.Tensor, master: torch.Tensor) -> None:
     """Copy the elements of ``tensor`` (module dtype) that differ from ``master``'s cast into
     ``master`` (fp32), in place."""
-    edited = tensor != master.to(tensor.dtype)
+    cast = master.to(tensor.dtype)
+    if torch.equal(tensor, cast):  # the common case: one pass, no allocation in fp32
+        return
+    edited = tensor != cast
     if bool(edited.any()):
         master[edited] = tensor[edited].to(master.dtype)
 
