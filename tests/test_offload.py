@@ -135,6 +135,7 @@ def test_aio_round_trip(tmp_path):
     dst = aligned_buffer(src.numel())
     io.read(f, dst, 4096).wait()
     assert torch.equal(src, dst) and io.bytes_read == io.bytes_written == src.numel()
+    assert io.busy_seconds > 0  # the disk-busy clock of the swap report ran
     with pytest.raises(ValueError, match="alignment"):
         io.read(f, dst, 100)
     f.close()
@@ -204,3 +205,52 @@ def test_gradients_stream_to_host_during_backward(device, tmp_path, monkeypatch)
     for a, b in zip(plain.module.parameters(), off.module.parameters()):
         assert torch.equal(a, b)
     off.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_edit_of_parameter_without_gradient_reaches_offloaded_master(device, tmp_path):
+    """``w.mul_(0.5)`` on a parameter that gets no gradient at the next step is still folded into its
+    offloaded master (NVMe: found by its version counter, read, folded, written back), so the fp32
+    master (what module_state_dict returns under bf16) is the edited one, as without offload; the
+    swap report is produced."""
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head_a, self.head_b = nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor, head: str) -> torch.Tensor:
+            return getattr(self, head)(self.body(x))
+
+    def build(offload):
+        torch.manual_seed(0)
+        zc = {"stage": 2, "reduce_bucket_size": 30}
+        if offload:
+            zc["offload_optimizer"] = {"device": device, "nvme_path": str(tmp_path)}
+            zc["sub_group_size"] = 20
+        return zerodp.initialize(TwoHeads(), {"optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+                                              "bf16": {"enabled": True}, "zero_optimization": zc})
+
+    x = torch.randn(3, 4)
+    engines = [build(False), build(True)]
+    states = []
+    for e in engines:
+        for head in ("head_a", "head_b", "head_b"):
+            e.backward(e(x.bfloat16(), head).float().square().mean())
+            e.step()
+            if head == "head_a":
+                with torch.no_grad():
+                    e.module.head_a.weight.mul_(0.5)  # head_a gets no gradient at the next steps
+        states.append(e.module_state_dict())
+    compared = 0
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
+        compared += 1
+    assert compared == 6
+    if device == "nvme":
+        from zerodp.app import bench_offload
+
+        bench_offload.NVME_ENGINES[:] = [engines[1]]
+        report = bench_offload.swap_report(str(tmp_path))
+        bench_offload.NVME_ENGINES.clear()
+        assert "swap / raw" in report and "blocked on reads" in report and "1 stream(s)" in report, report
+    engines[1].close()
