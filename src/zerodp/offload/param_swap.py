@@ -109,7 +109,8 @@ class SwapCounters:
     chunk_reads: int = 0
     chunk_writes: int = 0
     reads_ahead: int = 0
-    demand_waits: int = 0  # acquisitions that had to wait for a read (not read ahead in time)
+    demand_reads: int = 0  # acquisitions of a swapped-out shard (not read ahead): read, then waited for
+    waits: int = 0  # acquisitions of a shard read ahead whose read was still in flight
 
 
 class ParamSwapper:
@@ -127,6 +128,7 @@ class ParamSwapper:
         self.io: Optional[AsyncIO] = None
         self.dir: Optional[str] = None
         self.end = 0  # bytes of the file assigned to shards
+        self.largest = 0  # bytes of the largest shard (pool buffers need not be larger)
         self.pool: list[torch.Tensor] = []  # every buffer ever allocated (at most buffer_count)
         self.free: list[torch.Tensor] = []
         self.queue: deque[_Op] = deque()  # reads waiting for a buffer
@@ -175,6 +177,7 @@ class ParamSwapper:
             raise ValueError(f"unit '{name}': a swappable shard must own exactly its storage")
         nbytes = shard.numel() * shard.element_size()
         s = SwappedShard(self, name, shard, self.end, nbytes)
+        self.largest = max(self.largest, nbytes)
         self.end += align_up(nbytes)
         free = shutil.disk_usage(self.dir).free
         if align_up(nbytes) > free:
@@ -194,9 +197,11 @@ class ParamSwapper:
     def acquire(self, s: SwappedShard) -> None:
         """Pin ``s``; read it first if swapped out, wait for its read if one is queued or in flight."""
         if s.state is Residency.SWAPPED:
+            self.counters.demand_reads += 1
             self._start_read(s)
+        elif s.state is Residency.READING:
+            self.counters.waits += 1
         if s.state is Residency.READING:
-            self.counters.demand_waits += 1
             while s.ops:
                 self._pump()
                 if s.ops:
@@ -247,7 +252,7 @@ class ParamSwapper:
         data = _bytes(s.shard)
         for start in range(0, s.nbytes, self.chunk):
             n = min(self.chunk, s.nbytes - start)
-            op = _Op(s, start, n, write=True, buf=self._buffer())
+            op = _Op(s, start, n, write=True, buf=self._buffer(n))
             op.buf[:n].copy_(data[start: start + n])
             op.handle = self.io.write(self.file, op.buf[: align_up(n)], s.offset + start)
             self.counters.bytes_written += align_up(n)
@@ -256,23 +261,30 @@ class ParamSwapper:
             self.inflight.append(op)
 
     # ---- the buffer pool -----------------------------------------------------------------------
-    def _buffer(self) -> torch.Tensor:
-        """A free pool buffer, waiting for the oldest transfer if every buffer is busy."""
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A free pool buffer of at least ``nbytes``, waiting for the oldest transfer if every buffer is
+        busy. Buffers are ``min(buffer_size, largest shard)`` bytes (aligned), allocated on first need;
+        a free buffer too small for a later, larger shard is replaced."""
         self._reap()
-        if not self.free and len(self.pool) < self.cfg.buffer_count:
-            buf = aligned_buffer(self.chunk, self.cfg.pin_memory)
-            self.pool.append(buf)
-            self.free.append(buf)
-        while not self.free:
+        while True:
+            fit = next((i for i, b in enumerate(self.free) if b.numel() >= nbytes), None)
+            if fit is not None:
+                return self.free.pop(fit)
+            if self.free and len(self.pool) >= self.cfg.buffer_count:
+                small = self.free.pop()
+                self.pool = [b for b in self.pool if b is not small]
+            if len(self.pool) < self.cfg.buffer_count:
+                buf = aligned_buffer(max(nbytes, min(self.chunk, align_up(self.largest))), self.cfg.pin_memory)
+                self.pool.append(buf)
+                return buf
             self._complete(self.inflight.popleft())
-        return self.free.pop()
 
     def _pump(self) -> None:
         """Submit queued chunk reads while pool buffers are free (never waits)."""
         self._reap()
         while self.queue and (self.free or len(self.pool) < self.cfg.buffer_count):
             op = self.queue.popleft()
-            op.buf = self._buffer()
+            op.buf = self._buffer(align_up(op.nbytes))
             if op.start == 0 and self.events is not None:
                 self.events.append(("read", op.shard.name))
             op.handle = self.io.read(self.file, op.buf[: align_up(op.nbytes)], op.shard.offset + op.start)
@@ -330,6 +342,14 @@ class ParamSwapper:
         """Host bytes measured from live storages: resident shards and the buffer pool."""
         return {"resident_shards": sum(s.storage_bytes() for s in self.shards),
                 "swap_buffers": sum(b.untyped_storage().nbytes() for b in self.pool)}
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"
 
 
 def _bytes(shard: torch.Tensor) -> torch.Tensor:
@@ -413,6 +433,21 @@ class ParamOffload:
     def check_health(self) -> None:
         if self.swapper is not None:
             self.swapper.check_health()
+
+    def format(self, rank: int, steps: int) -> str:
+        """One line for ``zerodp train``: units offloaded, host bytes of shards resident now and of the
+        pool (live storages), bytes read and written per step since construction (NVMe)."""
+        line = f"rank {rank}  offload_param.device = {self.device}  units {len(self.units)}"
+        if self.swapper is None:
+            return line + f"  shards in host memory {_fmt(sum(u.shard.untyped_storage().nbytes() for u in self.units))}"
+        sw, c = self.swapper, self.swapper.counters
+        host = sw.host_bytes()
+        per = max(steps, 1)
+        return (line + f"  swap file {_fmt(sw.end)}  resident now {_fmt(host['resident_shards'])}  "
+                f"pool {_fmt(host['swap_buffers'])}\n  read {_fmt(c.bytes_read / per)}/step  "
+                f"written {_fmt(c.bytes_written / per)}/step  ({steps} steps, construction included; "
+                f"shard reads: {c.reads_ahead} issued ahead of use, {c.demand_reads} on demand; "
+                f"{c.waits} uses waited for a read in flight)")
 
     def close(self) -> None:
         if self.swapper is not None:
