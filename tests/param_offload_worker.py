@@ -58,14 +58,33 @@ class Spec:
 
     def __init__(self, model_fn: Callable[[], nn.Module], kind: str = "zoo", vocab: int = 11,
                  forward: Callable[[Any, torch.Tensor, int], Any] = lambda m, x, step: m(x),
-                 loss: Callable = mse, prepare: Optional[Callable[[nn.Module], None]] = None) -> None:
+                 loss: Callable = mse, prepare: Optional[Callable[[nn.Module], None]] = None,
+                 between: Optional[Callable[[int, nn.Module], dict]] = None) -> None:
         self.model_fn, self.kind, self.vocab = model_fn, kind, vocab
-        self.forward, self.loss, self.prepare = forward, loss, prepare
+        self.forward, self.loss, self.prepare, self.between = forward, loss, prepare, between
 
 
 def _freeze(m: nn.Module) -> None:
     m.fc1.weight.requires_grad_(False)
     m.fc1.bias.requires_grad_(False)
+
+
+def _edit(step: int, model: nn.Module) -> dict:
+    """Step 1: rank 0 edits weights under GatheredParameters(modifier_rank=0) (other ranks' edits are
+    discarded); step 2: the fp32 accessors read and set full parameters."""
+    if step == 1:
+        with zerodp.zero.GatheredParameters([model.fc1.weight, model.fc2.bias], modifier_rank=0):
+            with torch.no_grad():
+                if dist.get_rank() == 0:
+                    model.fc1.weight[0].fill_(0.5)
+                    model.fc2.bias.mul_(-1.0)
+                else:
+                    model.fc1.weight.fill_(123.0)
+    if step == 2:
+        w = zerodp.zero.safe_get_full_fp32_param(model.fc2.weight)
+        zerodp.zero.safe_set_full_fp32_param(model.fc2.weight, w * 0.5)
+        return {"fc1_fp32": zerodp.zero.safe_get_full_fp32_param(model.fc1.weight), "fc2_fp32": w}
+    return {}
 
 
 SPECS = {
@@ -75,10 +94,12 @@ SPECS = {
     "skipped": Spec(Zoo, forward=lambda m, x, step: m(x, step % 2 == 0)),
     "frozen": Spec(Zoo, prepare=_freeze),
     "wide": Spec(Wide),
+    "edit": Spec(Zoo, between=_edit),
 }
 
 
-def train(engine: Any, spec: Spec, steps: range) -> list[float]:
+def train(engine: Any, spec: Spec, steps: range, seen: Optional[dict] = None) -> list[float]:
+    """Train on ``steps``; values returned by ``spec.between`` go into ``seen`` (by step and name)."""
     r, n = dist.get_rank(), dist.get_world_size()
     losses = []
     for step in steps:
@@ -87,6 +108,9 @@ def train(engine: Any, spec: Spec, steps: range) -> list[float]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        if spec.between is not None:
+            for k, v in spec.between(step, engine.module).items():
+                (seen if seen is not None else {})[f"{k}@{step}"] = v
     return losses
 
 
@@ -124,9 +148,10 @@ def equality(name: str, under_init: bool = False) -> dict:
     facts: dict[str, dict] = {}
     for device in ("none", "cpu", "nvme"):
         engine = build(spec, config(device), under_init)
-        losses = train(engine, spec, range(STEPS))
+        seen: dict = {}
+        losses = train(engine, spec, range(STEPS), seen)
         facts[device] = swap_facts(engine)
-        runs[device] = (losses, engine.module_state_dict())
+        runs[device] = (losses, {**engine.module_state_dict(), **seen})
         engine.close()
     base = runs["none"]
     return {"equal": {d: runs[d][0] == base[0] and same(runs[d][1], base[1]) for d in ("cpu", "nvme")},

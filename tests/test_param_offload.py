@@ -25,13 +25,14 @@ WORKER = Path(__file__).with_name("param_offload_worker.py")
 
 # (world size, scenarios): the stage-3 scenarios (tied weights, a module reused, an external parameter
 # used directly and registered, a module skipped on some steps, frozen parameters), the optimizer
-# offload combinations, checkpoints, read-ahead order and zero.Init, spread over world sizes 1-3.
+# offload combinations, edits under GatheredParameters and the fp32 accessors, checkpoints, read-ahead
+# order and zero.Init, spread over world sizes 1-3.
 PLAN = [
     (1, "reused,prefetch,init"),
-    (2, "tied,external,ckpt"),
+    (2, "tied,external,edit,ckpt"),
     (3, "skipped,frozen,combos,init_equal"),
 ]
-EQUALITY = {"tied", "reused", "external", "skipped", "frozen", "init_equal"}
+EQUALITY = {"tied", "reused", "external", "skipped", "frozen", "edit", "init_equal"}
 
 
 @pytest.mark.parametrize("world,scenarios", PLAN)
