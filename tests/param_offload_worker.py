@@ -26,7 +26,7 @@ import zerodp  # noqa: E402
 from dist_worker import ParentReads, TiedLM, TwiceBlock, Wide, Zoo, make_batch, mse, token_xent  # noqa: E402
 from distributed import run_scenarios  # noqa: E402
 
-STEPS = 4
+STEPS = 3
 MICRO = 2  # rows per rank and micro-step
 NVME = ""  # set from --nvme
 CKPT = ""

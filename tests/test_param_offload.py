@@ -115,6 +115,9 @@ def test_shards_freed_between_uses_and_deleted_swap_file(tmp_path):
     _step(engine)
     assert len(units) == 2
     assert all(u.shard.untyped_storage().nbytes() == 0 for u in units)  # live storage, not bookkeeping
+    persistent = sum(u.shard.untyped_storage().nbytes() for u in engine.sharding.units if u.persistent)
+    gathered = engine.sharding.held_bytes()["gathered"]  # the persistent unit's full buffer
+    assert engine.memory_report().measured["parameters"] == persistent + gathered and persistent > 0
     with engine.shards_resident():
         assert all(u.shard.untyped_storage().nbytes() == u.shard.numel() * 4 for u in units)
     assert all(u.shard.untyped_storage().nbytes() == 0 for u in units)

@@ -429,7 +429,9 @@ class Engine:
         frozen_bytes = sum(p.numel() * p.element_size() for p in self.frozen)
         held = self.reducer.held_bytes()
         measured = {
-            "parameters": sum(_nbytes(g.buffer) for g in self.groups) + frozen_bytes,  # stage 3: shards
+            # stage 3: shards, from their live storage (0 bytes while offload_param has one swapped out)
+            "parameters": sum(g.buffer.untyped_storage().nbytes() if self.stage == 3 else _nbytes(g.buffer)
+                              for g in self.groups) + frozen_bytes,
             "gradients": held["gradients"],
             "optimizer_states": sum(
                 _nbytes(t) for st in self.optimizer.state.values() for t in st.values()
@@ -445,6 +447,8 @@ class Engine:
             nvme = self.offload.device == "nvme"
             formula["master_weights"] = 0.0 if nvme else 4 * self.numel / self.world_size
             formula["optimizer_states"] = 0.0 if nvme else formula["optimizer_states"]
+        if self.param_offload is not None and self.param_offload.device == "nvme":
+            formula["parameters"] = 0.0  # shards on NVMe between uses (persistent ones stay: measured)
         formula["parameters"] += frozen_bytes
         peak = {"gradients+buffers": self.reducer.peak_grad_bytes}
         if self.sharding is not None:
