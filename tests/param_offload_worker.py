@@ -252,7 +252,8 @@ def init_straight_to_nvme() -> dict:
     adopted = engine.param_offload.swapper is zi.swapper
     engine.close()
     return {"init_shards": len(zi.swapper.shards), "init_live_bytes": live, "held_by_children": held,
-            "adopted": adopted}
+            "adopted": adopted, "largest_shard": zi.swapper.largest,
+            "pool_bytes": zi.swapper.cfg.buffer_count * zi.swapper.chunk}
 
 
 def main() -> None:

@@ -65,6 +65,7 @@ def test_param_offload_equals_stage3(world, scenarios):
             elif key == "init":
                 assert out["init_shards"] == 6 and out["init_live_bytes"] == 0, out
                 assert out["held_by_children"] == 0 and out["adopted"], out
+                assert out["largest_shard"] > out["pool_bytes"], out  # a layer larger than the whole pool
             compared += 1
     assert compared == world * len(scenarios.split(","))
     assert leftover == []  # swap files and directories removed by engine.close()
