@@ -1,7 +1,10 @@
 """``zerodp bench``: zerodp's stages side by side with torch DDP, torch ZeroRedundancyOptimizer, FSDP2
 and DeepSpeed, in one run, on the same GPT, batches and seed.
 
-Each rank runs every system of :data:`zerodp.app.bench_systems.SYSTEMS` in two phases:
+First, unless ``--no-fresh-rss``, each rank forks one child process per system, which builds and
+trains it alone and reports its peak RSS (:mod:`zerodp.app.bench_rss`); the comparable per-system
+peak, reported beside DDP's. Then each rank runs every system of
+:data:`zerodp.app.bench_systems.SYSTEMS` in two phases:
 
 1. probe (``--probe-steps`` steps, untimed): per-step losses (compared with DDP's), model-state bytes
    by category measured from live storage after the last backward, peak RSS sampled while the system
