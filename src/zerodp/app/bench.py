@@ -2,7 +2,7 @@
 and DeepSpeed, in one run, on the same GPT, batches and seed.
 
 First, unless ``--no-fresh-rss``, each rank forks one child process per system, which builds and
-trains it alone and reports its peak RSS (:mod:`zerodp.app.bench_rss`); the comparable per-system
+trains it alone for ``max(--probe-steps, 3)`` steps and reports its peak RSS (:mod:`zerodp.app.bench_rss`); the comparable per-system
 peak, reported beside DDP's. Then each rank runs every system of
 :data:`zerodp.app.bench_systems.SYSTEMS` in two phases:
 
@@ -60,6 +60,8 @@ PRESETS: dict[str, tuple[int, int, int, int, int]] = {
     "medium": (8, 8, 512, 128, 8),
 }
 LR = 1e-3
+#: fewest training steps of a fresh-process RSS measurement (see _fresh_rss)
+FRESH_RSS_STEPS = 3
 
 
 def _batches(cfg: GPTConfig, micro: int, n: int, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -223,7 +225,10 @@ def _fresh_rss(args: argparse.Namespace, cfg: GPTConfig, micro: int, systems: di
     if why:
         return {n: {"error": f"fresh-process RSS not measured: {why}"} for n in names}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    batches = lambda: _batches(cfg, micro, args.probe_steps, rank, world)  # noqa: E731
+    # at least FRESH_RSS_STEPS: DDP's peak is not reached in 2 steps (medium preset: 908 MiB after 2
+    # steps, 1027 MiB after 3; docs/bench.md)
+    steps = max(args.probe_steps, FRESH_RSS_STEPS)
+    batches = lambda: _batches(cfg, micro, steps, rank, world)  # noqa: E731
     return {name: bench_rss.measure(k, lambda b=systems[name]: _build(b, cfg, probe=False), batches)
             for k, name in enumerate(names)}
 
