@@ -27,10 +27,11 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def tiny_run(tmp_path_factory) -> tuple[BenchResult, Path, str]:
     pytest.importorskip("matplotlib")
     out = tmp_path_factory.mktemp("bench")
-    # DeepSpeed, where installed, is excluded here only to keep the suite fast; it stays in the table
+    # every system, DeepSpeed's rows too where it is installed (pip install -e '.[bench]'); the
+    # fresh-process RSS is tested on its own below (one forked process per system and rank is slow)
     cmd = [sys.executable, "-m", "zerodp.app.cli", "bench", "--nproc", "2", "--preset", "tiny",
            "--steps", "1", "--warmup", "0", "--rounds", "1", "--probe-steps", "2",
-           "--exclude", "DeepSpeed", "--out", str(out)]
+           "--no-fresh-rss", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return BenchResult.model_validate_json((out / "bench.json").read_text()), out, proc.stdout
@@ -51,6 +52,48 @@ def test_every_system_ran_or_was_skipped_with_a_reason(tiny_run) -> None:
             assert [m.rank for m in s.memory] == [0, 1] and all(m.peak_rss > 0 for m in s.memory)
     assert ran["DDP"].ratio_to_ddp == 1.0
     assert res.psi > 0 and res.world_size == 2 and res.preset == "tiny"
+
+
+def _deepspeed_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def test_deepspeed_rows_run_when_installed_else_say_why(tiny_run) -> None:
+    res, _, _ = tiny_run
+    rows = [s for s in res.systems if s.family == "deepspeed"]
+    assert [s.name for s in rows] == ["DeepSpeed stage 1", "DeepSpeed stage 2", "DeepSpeed stage 3",
+                                      "DeepSpeed stage 3 + CPU offload"]
+    if _deepspeed_importable():
+        assert res.deepspeed_version is not None
+        for s in rows:
+            assert s.status == "ran", (s.name, s.reason)
+            assert s.max_loss_diff_vs_ddp is not None and s.max_loss_diff_vs_ddp < 1e-5, s.name
+            assert s.stage == int(s.name.split()[2]) and s.memory and s.memory[0].measured["optimizer_states"] > 0
+    else:
+        for s in rows:
+            assert s.status == "skipped" and "DeepSpeed not installed" in s.reason and "[bench]" in s.reason
+
+
+def test_peak_rss_in_a_process_of_its_own(tmp_path) -> None:
+    """``zerodp bench`` forks one process per system and rank and reports its VmHWM beside DDP's."""
+    out = tmp_path / "fresh"
+    cmd = [sys.executable, "-m", "zerodp.app.cli", "bench", "--nproc", "2", "--preset", "tiny",
+           "--only", "zerodp stage 2", "--rounds", "0", "--probe-steps", "2", "--no-plots", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = BenchResult.model_validate_json((out / "bench.json").read_text())
+    ran = {s.name: s for s in res.systems if s.status == "ran"}
+    assert set(ran) == {"DDP", "zerodp stage 2"}
+    for s in ran.values():
+        assert [m.rank for m in s.fresh_rss] == [0, 1], s.fresh_rss_note
+        for m in s.fresh_rss:  # the child starts as a copy of a rank that imported torch, then trains
+            assert 50 * 2**20 < m.rss_start < m.peak_rss < 4 * 2**30
+        assert s.fresh_rss_vs_ddp == pytest.approx(max(m.peak_rss for m in s.fresh_rss)
+                                                   / max(m.peak_rss for m in ran["DDP"].fresh_rss))
+    assert ran["DDP"].fresh_rss_vs_ddp == 1.0
+    assert f"{ran['zerodp stage 2'].fresh_rss_vs_ddp:.2f}x" in proc.stdout
 
 
 def test_losses_agree_with_ddp(tiny_run) -> None:

@@ -243,8 +243,13 @@ def test_real_deepspeed_accepts_the_same_tutorial_config() -> None:
     """Interop: the tutorial configs zerodp loads are valid for DeepSpeed's own config parser."""
     from deepspeed.runtime.config import DeepSpeedConfig  # type: ignore
 
+    import inspect
+
+    # the DeepSpeed version this test was written against took world_size=; 0.19.8 has no such
+    # parameter (it reads the world size from torch.distributed, 1 without a process group)
+    kw = {"world_size": 1} if "world_size" in inspect.signature(DeepSpeedConfig.__init__).parameters else {}
     for cfg in (DS_ZERO2, DS_ZERO3):
-        ds = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, **cfg}, world_size=1)
+        ds = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, **cfg}, **kw)
         assert ds.zero_optimization_stage == cfg["zero_optimization"]["stage"]
 
 

@@ -312,6 +312,7 @@ class Engine:
             self.global_steps += 1
             self.ledger.steps += 1
             return
+        present = present.tolist()  # one conversion, not one tensor index per piece
         for g in self.groups:
             for piece in g.pieces:
                 target = piece.opt_tensor

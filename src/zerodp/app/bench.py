@@ -1,7 +1,10 @@
 """``zerodp bench``: zerodp's stages side by side with torch DDP, torch ZeroRedundancyOptimizer, FSDP2
 and DeepSpeed, in one run, on the same GPT, batches and seed.
 
-Each rank runs every system of :data:`zerodp.app.bench_systems.SYSTEMS` in two phases:
+First, unless ``--no-fresh-rss``, each rank forks one child process per system, which builds and
+trains it alone for ``max(--probe-steps, 3)`` steps and reports its peak RSS (:mod:`zerodp.app.bench_rss`); the comparable per-system
+peak, reported beside DDP's. Then each rank runs every system of
+:data:`zerodp.app.bench_systems.SYSTEMS` in two phases:
 
 1. probe (``--probe-steps`` steps, untimed): per-step losses (compared with DDP's), model-state bytes
    by category measured from live storage after the last backward, peak RSS sampled while the system
@@ -40,10 +43,10 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from zerodp.app import bench_offload
+from zerodp.app import bench_offload, bench_rss
 from zerodp.app.bench_measure import (CATEGORIES, RssSampler, TrafficCounter, live_storage_bytes,
                                       live_storages, release_free_memory)
-from zerodp.app.bench_report import (BenchResult, RankMemory, StepTimes, SweepPoint, SystemResult,
+from zerodp.app.bench_report import (BenchResult, FreshRank, RankMemory, StepTimes, SweepPoint, SystemResult,
                                      Traffic, format_table, plot_all)
 from zerodp.app.bench_systems import SYSTEMS, Builder, Skipped, System, offload_systems
 from zerodp.app.model import GPTConfig, count_parameters
@@ -57,6 +60,8 @@ PRESETS: dict[str, tuple[int, int, int, int, int]] = {
     "medium": (8, 8, 512, 128, 8),
 }
 LR = 1e-3
+#: fewest training steps of a fresh-process RSS measurement (see _fresh_rss)
+FRESH_RSS_STEPS = 3
 
 
 def _batches(cfg: GPTConfig, micro: int, n: int, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -160,8 +165,6 @@ def _deepspeed_version() -> Optional[str]:
 
 def run(args: argparse.Namespace) -> Optional[BenchResult]:
     """Run the benchmark on this rank (inside torchrun); returns the result on rank 0, else None."""
-    zerodp.init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
     cfg, micro = resolve_model(args)
     nvme_dir = args.nvme_path or tempfile.mkdtemp(prefix="zerodp_bench_")
     systems: dict[str, Builder] = dict(SYSTEMS)
@@ -170,7 +173,12 @@ def run(args: argparse.Namespace) -> Optional[BenchResult]:
     names = [n for n in systems if not args.only or any(o.strip() in n for o in args.only.split(","))]
     if "DDP" not in names:
         names.insert(0, "DDP")  # every ratio and loss difference is taken against DDP
+    excluded = [o.strip() for o in (args.exclude or "").split(",") if o.strip()]
+    is_excluded = lambda name: name != "DDP" and any(e in name for e in excluded)  # noqa: E731
     load_start = list(os.getloadavg())
+    fresh = _fresh_rss(args, cfg, micro, systems, [n for n in names if not is_excluded(n)])
+    zerodp.init_distributed()  # after the fresh-process children: they fork from a process without one
+    rank, world = dist.get_rank(), dist.get_world_size()
     psi = count_parameters(cfg)
     probe_batches = _batches(cfg, micro, args.probe_steps, rank, world)
     timed_batches = _batches(cfg, micro, args.warmup + args.steps, rank, world)
@@ -178,9 +186,7 @@ def run(args: argparse.Namespace) -> Optional[BenchResult]:
 
     _probe(systems["DDP"], cfg, probe_batches, baseline)  # discarded: one-time costs (lazy init, gloo, allocator)
     release_free_memory()                       # would otherwise land on whichever system runs first
-    excluded = [o.strip() for o in (args.exclude or "").split(",") if o.strip()]
-    probes = {name: ({"reason": f"excluded by --exclude {args.exclude}"}
-                     if name != "DDP" and any(e in name for e in excluded)
+    probes = {name: ({"reason": f"excluded by --exclude {args.exclude}"} if is_excluded(name)
                      else _probe(systems[name], cfg, probe_batches, baseline)) for name in names}
     ran = [n for n in names if "reason" not in probes[n]]
     times: dict[str, list[list[float]]] = {n: [] for n in ran}
@@ -189,9 +195,12 @@ def run(args: argparse.Namespace) -> Optional[BenchResult]:
             times[name].append(_time(systems[name], cfg, timed_batches, args.warmup))
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, {n: p for n, p in probes.items() if "reason" not in p})
+    fresh_all: list[Any] = [None] * world
+    dist.all_gather_object(fresh_all, fresh)
     result = None
     if rank == 0:
         result = _assemble(args, cfg, micro, psi, world, names, probes, gathered, times, load_start)
+        _add_fresh_rss(result, fresh_all, args)
         _write(args, result)
         if args.offload:
             print(bench_offload.swap_report(nvme_dir))
@@ -203,6 +212,48 @@ def run(args: argparse.Namespace) -> Optional[BenchResult]:
         shutil.rmtree(nvme_dir, ignore_errors=True)
     zerodp.shutdown_distributed()
     return result
+
+
+def _fresh_rss(args: argparse.Namespace, cfg: GPTConfig, micro: int, systems: dict[str, Builder],
+               names: list[str]) -> dict[str, dict[str, Any]]:
+    """Peak RSS of each of ``names`` in a process of its own on this rank (:mod:`zerodp.app.bench_rss`),
+    ``{name: {"rank", "rss_start", "peak_rss"} | {"reason"} | {"error"}}``; empty with
+    ``--no-fresh-rss`` or where it cannot run (the reason is reported per system)."""
+    if args.no_fresh_rss:
+        return {}
+    why = bench_rss.unavailable_reason()
+    if why:
+        return {n: {"error": f"fresh-process RSS not measured: {why}"} for n in names}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # at least FRESH_RSS_STEPS: DDP's peak is not reached in 2 steps (medium preset: 908 MiB after 2
+    # steps, 1027 MiB after 3; docs/bench.md)
+    steps = max(args.probe_steps, FRESH_RSS_STEPS)
+    batches = lambda: _batches(cfg, micro, steps, rank, world)  # noqa: E731
+    return {name: bench_rss.measure(k, lambda b=systems[name]: _build(b, cfg, probe=False), batches)
+            for k, name in enumerate(names)}
+
+
+def _add_fresh_rss(result: BenchResult, fresh_all: list[dict[str, dict[str, Any]]],
+                   args: argparse.Namespace) -> None:
+    """Fill each ran system's ``fresh_rss`` (per rank) and its ratio to DDP's (highest ranks)."""
+    for s in result.systems:
+        if s.status != "ran":
+            continue
+        per_rank = [f.get(s.name) for f in fresh_all]
+        if args.no_fresh_rss:
+            s.fresh_rss_note = "not measured (--no-fresh-rss)"
+        elif any(p is None or "peak_rss" not in p for p in per_rank):
+            bad = next((p for p in per_rank if p is not None and "peak_rss" not in p), None)
+            s.fresh_rss_note = (bad or {}).get("error") or (bad or {}).get("reason") or "not measured"
+        else:
+            s.fresh_rss = [FreshRank(rank=p["rank"], rss_start=p["rss_start"], peak_rss=p["peak_rss"])
+                           for p in per_rank]
+    ddp = next((s for s in result.systems if s.name == "DDP" and s.fresh_rss), None)
+    if ddp is not None:
+        base = max(m.peak_rss for m in ddp.fresh_rss)
+        for s in result.systems:
+            if s.fresh_rss:
+                s.fresh_rss_vs_ddp = max(m.peak_rss for m in s.fresh_rss) / base
 
 
 def _assemble(args: argparse.Namespace, cfg: GPTConfig, micro: int, psi: int, world: int, names: list[str],
@@ -286,7 +337,8 @@ def sweep_commands(args: argparse.Namespace, prefix: list[str]) -> tuple[list[li
         n = int(tok)
         out = Path(args.out) / f"sweep_{n}"
         flags = [f"--preset={args.preset}", "--only=DDP,zerodp stage 0,zerodp stage 1,zerodp stage 2,zerodp stage 3",
-                 "--rounds=0", f"--probe-steps={args.probe_steps}", f"--out={out}", "--no-plots"]
+                 "--rounds=0", f"--probe-steps={args.probe_steps}", f"--out={out}", "--no-plots",
+                 "--no-fresh-rss"]
         flags += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("n_layer", "n_head", "d_model",
                                                                           "seq_len", "micro_batch")
                   if getattr(args, k) is not None]
@@ -335,6 +387,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exclude", default=None)
     p.add_argument("--out", default="bench_out")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-fresh-rss", action="store_true")
     p.add_argument("--sweep-ranks", default="")
     p.add_argument("--sweep-from", default=None)
     p.add_argument("--offload", action="store_true")

@@ -48,6 +48,15 @@ class RankMemory(_Strict):
     rss_before: int
 
 
+class FreshRank(_Strict):
+    """One rank's process of its own for one system (:mod:`zerodp.app.bench_rss`): resident set size
+    at the child's start (after fork) and its high-water mark (``VmHWM``), bytes."""
+
+    rank: int
+    rss_start: int
+    peak_rss: int
+
+
 class Traffic(_Strict):
     """Collective traffic per rank per optimizer step, counted at the ``torch.distributed`` calls."""
 
@@ -74,6 +83,9 @@ class SystemResult(_Strict):
     memory: list[RankMemory] = Field(default_factory=list)
     traffic: Optional[Traffic] = None  # None: no collective seen at torch.distributed's Python calls
     #                                   (DeepSpeed stage 3 issues its gathers below them)
+    fresh_rss: list[FreshRank] = Field(default_factory=list)  # per rank, a process of its own
+    fresh_rss_vs_ddp: Optional[float] = None  # highest rank's peak / DDP's highest rank's peak
+    fresh_rss_note: Optional[str] = None  # why fresh_rss is empty (not requested, failed: the error)
 
 
 class SweepPoint(_Strict):
@@ -110,13 +122,15 @@ class BenchResult(_Strict):
 
 
 def format_table(res: BenchResult) -> str:
-    """The stdout table: one row per system (skipped ones with their reason). ``RSS/+MiB`` is the
-    highest peak RSS over ranks and the highest rise over the RSS before the system was built (MiB)."""
+    """The stdout table: one row per system (skipped ones with their reason). ``RSS MiB`` is the
+    highest rank's peak RSS with the system alone in its process (:mod:`zerodp.app.bench_rss`) and its
+    ratio to DDP's; without that measurement, the highest rise over the RSS before the system was
+    built in the shared process, marked ``*``."""
     lines = [f"GPT {res.psi:,} parameters ({res.preset}), {res.world_size} ranks ({res.backend}), micro-batch "
              f"{res.micro_batch}, {res.steps} timed steps x {res.rounds} rounds, load average "
              f"{res.load_average_start[0]:.1f} -> {res.load_average_end[0]:.1f} on {res.cpu_count} CPUs",
              f"{'system':<34}{'median s':>9}{'IQR s':>8}{'vs DDP':>8}{'range':>13}{'model state':>13}"
-             f"{'formula':>11}{'RSS/+MiB':>11}{'traffic':>14}{'dloss':>9}"]
+             f"{'formula':>11}{'RSS MiB':>14}{'traffic':>14}{'dloss':>9}"]
     for s in res.systems:
         if s.status == "skipped":
             lines.append(f"{s.name:<34}skipped: {s.reason}")
@@ -125,13 +139,19 @@ def format_table(res: BenchResult) -> str:
         rng = f"{min(s.ratio_per_round):.2f}-{max(s.ratio_per_round):.2f}" if s.ratio_per_round else "-"
         state = human_bytes(sum(m0.measured.values())) if m0 else "-"
         formula = human_bytes(sum(s.formula.values())) if s.formula else "-"
-        rss = (f"{max(m.peak_rss for m in s.memory) / 2**20:.0f}"
-               f"/+{max(m.peak_rss - m.rss_before for m in s.memory) / 2**20:.0f}") if s.memory else "-"
+        if s.fresh_rss:  # a process of its own per system: comparable across systems
+            rss = f"{max(m.peak_rss for m in s.fresh_rss) / 2**20:.0f}"
+            rss += f" {s.fresh_rss_vs_ddp:.2f}x" if s.fresh_rss_vs_ddp is not None else ""
+        else:  # in the shared process: the rise over the RSS before the system was built
+            rss = (f"+{max(m.peak_rss - m.rss_before for m in s.memory) / 2**20:.0f}*") if s.memory else "-"
         tr = s.traffic
         traffic = (f"{tr.psi_per_step:.2f}" + (f"/{tr.formula_psi} Psi" if tr.formula_psi else " Psi")) if tr else "-"
         dl = f"{s.max_loss_diff_vs_ddp:.1e}" if s.max_loss_diff_vs_ddp is not None else "-"
         lines.append(f"{s.name:<34}{st.median if st else 0:>9.4f}{(st.q3 - st.q1) if st else 0:>8.4f}"
-                     f"{s.ratio_to_ddp or 0:>7.2f}x{rng:>13}{state:>13}{formula:>11}{rss:>11}{traffic:>14}{dl:>9}")
+                     f"{s.ratio_to_ddp or 0:>7.2f}x{rng:>13}{state:>13}{formula:>11}{rss:>14}{traffic:>14}{dl:>9}")
+    lines.append("RSS MiB: peak resident set of the highest rank, each system in a process of its own, and "
+                 "its ratio to DDP's (* = no such process: rise over the RSS before the system was built "
+                 "in the shared process)")
     return "\n".join(lines)
 
 

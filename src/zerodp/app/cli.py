@@ -113,6 +113,7 @@ BENCH_HELP = {
     "exclude": "comma-separated substrings: report the systems whose name contains one as skipped",
     "out": "directory for bench.json and the PNG charts",
     "no_plots": "write no charts",
+    "no_fresh_rss": "skip the peak-RSS measurement of each system in a process of its own (forked per system and rank)",
     "sweep_ranks": "first probe DDP and zerodp at these world sizes (e.g. 1,2,3,4) for the memory-vs-ranks chart",
     "sweep_from": "bench.json files of such probes to include (set by --sweep-ranks)",
     "offload": "run the stage-2 rows with offload_optimizer cpu and nvme (skipped without it) and print "

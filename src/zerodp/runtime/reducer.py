@@ -76,12 +76,16 @@ class GradientReducer:
         self.slots: list[ParamSlot] = [s for g in groups for s in g.slots if _trainable(s)]
         n_slots = max((s.index for g in groups for s in g.slots), default=-1) + 1
         self._present = torch.zeros(n_slots, dtype=torch.int32)
+        # numpy views sharing the flags' memory: the per-gradient hooks index them ~50x cheaper than
+        # the tensors (one torch op per index costs microseconds; see docs/bench.md)
+        self._present_np = self._present.numpy()
         self._slot_bucket: dict[int, tuple[FlatGroup, Bucket]] = {
             s.index: (g, b) for g in groups for b in g.buckets for s in b.slots
         }
         self._pending: dict[int, int] = {}  # id(bucket) -> params still to arrive this micro-step
         self._launched: set[int] = set()  # id(bucket) reduced this micro-step
         self._count = torch.zeros(n_slots, dtype=torch.int32)  # hook calls per parameter this micro-step
+        self._count_np = self._count.numpy()
         self._deferred = True  # launch every bucket when backward returns (see the note)
         self._calibrated = False
         self._reducing = False
@@ -112,8 +116,8 @@ class GradientReducer:
             if param.grad is not None and param.grad.layout != torch.strided:
                 raise RuntimeError(f"parameter '{slot.name}' received a {param.grad.layout} gradient; zerodp "
                                    "reduces dense gradients only (use sparse=False in nn.Embedding)")
-            self._count[slot.index] += 1
-            if self._count[slot.index] > 1:
+            self._count_np[slot.index] += 1
+            if self._count_np[slot.index] > 1:
                 _, b = self._slot_bucket[slot.index]
                 if id(b) in self._launched:
                     raise RuntimeError(
@@ -189,7 +193,7 @@ class GradientReducer:
 
     # ---- shared helpers ----------------------------------------------------------------------------
     def _ready(self, slot: ParamSlot, g: FlatGroup, b: Bucket) -> None:
-        if self._count[slot.index] > 1:
+        if self._count_np[slot.index] > 1:
             return  # a repeated contribution to a bucket not yet launched: already counted
         self._pending[id(b)] -= 1
         if self._pending[id(b)] == 0 and not self._deferred:
@@ -235,7 +239,7 @@ class _FullGradBuffer(GradientReducer):
             if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
                 view.add_(param.grad)
             param.grad = view
-        self._present[slot.index] = 1
+        self._present_np[slot.index] = 1
         if self._reducing:
             g, b = self._slot_bucket[slot.index]
             self._ready(slot, g, b)
@@ -369,13 +373,13 @@ class PartitionedGradReducer(GradientReducer):
         return buf
 
     def _on_grad(self, slot: ParamSlot, param: torch.nn.Parameter) -> None:
-        self._present[slot.index] = 1
+        self._present_np[slot.index] = 1
         g, b = self._slot_bucket[slot.index]
         if self.contiguous:
             buf = self._staging_for(b, g)
             rel = slot.offset - b.start
             target = buf[rel : rel + slot.numel]
-            if self._count[slot.index] > 1:  # repeated accumulation (see the note): add, not overwrite
+            if self._count_np[slot.index] > 1:  # repeated accumulation (see the note): add, not overwrite
                 target.add_(param.grad.reshape(-1))
             else:
                 target.copy_(param.grad.reshape(-1))
