@@ -33,7 +33,7 @@ already-reduced bucket raises instead of being lost.
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 from torch.distributed import ProcessGroup, ReduceOp, Work
@@ -51,6 +51,14 @@ DIRECT_BACKWARD_MESSAGE = (
     "loss.backward() was called on a model wrapped by a zerodp engine; call engine.backward(loss) "
     "instead (it divides the loss by gradient_accumulation_steps, applies the fp16 loss scale and "
     "reduces the gradients across ranks during backward), then engine.step()")
+
+
+class StagingPool(Protocol):
+    """Lends memory for gradient staging buffers (stage 3: :class:`zerodp.stage3.pool.GatherPool`)."""
+
+    def empty_tensor(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+    def take_back(self, t: torch.Tensor) -> bool: ...
 
 
 def _trainable(s: ParamSlot) -> bool:
@@ -337,9 +345,11 @@ class PartitionedGradReducer(GradientReducer):
     """
 
     def __init__(self, *args, contiguous_gradients: bool = True,
-                 accumulate_dtype: Optional[torch.dtype] = None, **kwargs) -> None:
+                 accumulate_dtype: Optional[torch.dtype] = None,
+                 staging_pool: Optional[StagingPool] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.contiguous = contiguous_gradients
+        self.staging_pool = staging_pool  # stage 3: staging memory lent by the gather pool
         # owned gradient partition per group: shard of every bucket back to back, 1-D
         self._owned_offsets: dict[tuple[int, int], int] = {}
         self.owned: dict[int, torch.Tensor] = {}
@@ -357,7 +367,10 @@ class PartitionedGradReducer(GradientReducer):
     def _staging_for(self, b: Bucket, g: FlatGroup) -> torch.Tensor:
         buf = self._staging.get(id(b))
         if buf is None:
-            buf = torch.zeros(b.numel, dtype=g.buffer.dtype, device=g.buffer.device)
+            if self.staging_pool is not None:
+                buf = self.staging_pool.empty_tensor(b.numel, g.buffer.dtype, g.buffer.device).zero_()
+            else:
+                buf = torch.zeros(b.numel, dtype=g.buffer.dtype, device=g.buffer.device)
             self._staging[id(b)] = buf
             self._note_peak()
         return buf
@@ -398,7 +411,9 @@ class PartitionedGradReducer(GradientReducer):
         self._track(g, b, work, (buf, recv))
 
     def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
-        _, recv = payload  # the staging buffer is dropped with the payload here
+        buf, recv = payload  # the staging buffer is dropped with the payload here
+        if self.staging_pool is not None:
+            self.staging_pool.take_back(buf)
         if recv is not None:  # accumulate (later micro-steps, or an fp32 partition of bf16 grads)
             off = self._owned_offsets[(g.index, b.index)]
             self.owned[g.index][off : off + b.shard_numel].add_(recv)

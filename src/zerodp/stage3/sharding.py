@@ -20,6 +20,7 @@ from zerodp.runtime.comm import CommLedger
 from zerodp.config import ZeroConfig
 from zerodp.stage3.coordinator import ParameterCoordinator
 from zerodp.stage3.hooks import ExternalParameterMode, ModuleStack, register_stage3_hooks
+from zerodp.stage3.pool import GatherPool
 from zerodp.runtime.optim import ParamGroupSpec
 from zerodp.runtime.partition import FlatGroup
 from zerodp.stage3.units import ShardedUnit, ShardState, UnitIndex, shard_unit
@@ -66,6 +67,10 @@ class Stage3:
         for m, p in take_pending_external(module):  # register_external_parameter before initialize
             self.index.register_external(m, p)
 
+        self.pool = GatherPool(_pool_limit(self.index.units, zc.stage3_max_live_parameters))
+        for u in self.index.units:
+            if not u.persistent:
+                u.pool = self.pool
         positions = {id(m): i for i, m in enumerate(module.modules())}
         self.coordinator = ParameterCoordinator(
             self.index, positions, pg, ledger, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
@@ -122,6 +127,25 @@ class Stage3:
                 comm.all_gather(u.full, u.shard, self.pg, self.ledger, "parameters")
 
     def held_bytes(self) -> dict[str, int]:
+        """Bytes of the shards, of the gathered buffers (live storages) and of the pool's idle slabs."""
         shards = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
         gathered = sum(u.gathered_bytes() for u in self.units)  # live storage, not bookkeeping
-        return {"shards": shards, "gathered": gathered}
+        return {"shards": shards, "gathered": gathered, "pool_idle": self.pool.free_bytes()}
+
+
+#: gradient staging buffers of whole units that may hold pool memory at once (the reducer's buckets in
+#: flight plus the one being filled) on top of the gathered window
+_STAGING_UNITS = 3
+
+
+def _pool_limit(units: list[ShardedUnit], max_live_parameters: int) -> int:
+    """Bytes the gather pool may hold: the coordinator's live window (``stage3_max_live_parameters``)
+    plus the largest unit for the module running and for each gradient staging buffer, in the widest
+    element size. Slabs returned beyond this are freed (see [Note: gather pool])."""
+    big = [u for u in units if not u.persistent]
+    if not big:
+        return 0
+    largest = max(u.numel for u in big)
+    width = max(u.shard.element_size() for u in big)
+    window = min(max_live_parameters, sum(u.numel for u in big))
+    return (window + (1 + _STAGING_UNITS) * largest) * width
