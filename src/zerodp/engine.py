@@ -145,7 +145,9 @@ class Engine:
                 # 2 Psi / N) and cast to fp32 for the master update at the step
                 accumulate_dtype=(torch.float32 if self.precision.has_master
                                   and config.gradient_accumulation_steps > 1 else None),
-                staging_pool=self.sharding.pool if self.sharding is not None else None)
+                staging_pool=self.sharding.pool if self.sharding is not None else None,
+                # stage 3 has one bucket per unit: reduce-scatter units together up to reduce_bucket_size
+                coalesce_elements=zc.reduce_bucket_size if self.sharding is not None else 0)
         self.reducer.attach()
         self.optimizer = build_optimizer(config.optimizer, param_groups, self.groups)
         refuse_add_param_group(self.optimizer)

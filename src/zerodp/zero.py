@@ -30,6 +30,7 @@ from zerodp.accessors import (safe_get_full_fp32_param, safe_get_full_grad, safe
 from zerodp.config import ConfigError, load_config
 from zerodp.stage3.ownership import (MASTER_REFRESH, OWNERS, Owner, add_pending_external, coordinator_busy,
                                      full_numel, is_partitioned)
+from zerodp.stage3.allocator import pin_mmap_threshold
 from zerodp.stage3.init_writes import InitTouchMode
 from zerodp.stage3.synced import synced_generate
 from zerodp.stage3.units import ShardedUnit, ShardState, shard_unit
@@ -179,6 +180,7 @@ class Init:
         from torch.nn.modules.module import register_module_module_registration_hook
 
         comm.init_distributed()
+        pin_mmap_threshold()  # each submodule's full values are freed once partitioned: return them
         self._handle = register_module_module_registration_hook(self._on_register)
         self._touch = InitTouchMode(self.pg, self.config.zero_optimization.stage3_max_live_parameters)
         self._touch.__enter__()

@@ -20,6 +20,7 @@ from zerodp.runtime.comm import CommLedger
 from zerodp.config import ZeroConfig
 from zerodp.stage3.coordinator import ParameterCoordinator
 from zerodp.stage3.hooks import ExternalParameterMode, ModuleStack, register_stage3_hooks
+from zerodp.stage3.allocator import pin_mmap_threshold
 from zerodp.stage3.pool import GatherPool
 from zerodp.runtime.optim import ParamGroupSpec
 from zerodp.runtime.partition import FlatGroup
@@ -67,7 +68,8 @@ class Stage3:
         for m, p in take_pending_external(module):  # register_external_parameter before initialize
             self.index.register_external(m, p)
 
-        self.pool = GatherPool(_pool_limit(self.index.units, zc.stage3_max_live_parameters))
+        pin_mmap_threshold()  # see [Note: mmap threshold]
+        self.pool = GatherPool(_pool_limit(self.index.units, zc.stage3_max_live_parameters, zc.reduce_bucket_size))
         for u in self.index.units:
             if not u.persistent:
                 u.pool = self.pool
@@ -133,19 +135,21 @@ class Stage3:
         return {"shards": shards, "gathered": gathered, "pool_idle": self.pool.free_bytes()}
 
 
-#: gradient staging buffers of whole units that may hold pool memory at once (the reducer's buckets in
-#: flight plus the one being filled) on top of the gathered window
-_STAGING_UNITS = 3
+#: buckets of the reducer whose reduce-scatter may be in flight while the next ones fill
+_STAGING_IN_FLIGHT = 2
 
 
-def _pool_limit(units: list[ShardedUnit], max_live_parameters: int) -> int:
+def _pool_limit(units: list[ShardedUnit], max_live_parameters: int, reduce_bucket_size: int) -> int:
     """Bytes the gather pool may hold: the coordinator's live window (``stage3_max_live_parameters``)
-    plus the largest unit for the module running and for each gradient staging buffer, in the widest
-    element size. Slabs returned beyond this are freed (see [Note: gather pool])."""
+    plus the largest unit (the module running), and the gradient staging buffers: units held back up
+    to ``reduce_bucket_size`` elements for one coalesced reduce-scatter, plus those in flight, in the
+    widest element size. Slabs returned beyond this are freed (see [Note: gather pool])."""
     big = [u for u in units if not u.persistent]
     if not big:
         return 0
     largest = max(u.numel for u in big)
     width = max(u.shard.element_size() for u in big)
-    window = min(max_live_parameters, sum(u.numel for u in big))
-    return (window + (1 + _STAGING_UNITS) * largest) * width
+    total = sum(u.numel for u in big)
+    window = min(max_live_parameters, total)
+    staging = min(reduce_bucket_size + largest, total) + _STAGING_IN_FLIGHT * largest
+    return (window + largest + staging) * width

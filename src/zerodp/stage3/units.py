@@ -11,7 +11,9 @@ weight in ``matmul``) point at that storage, hold no memory while the unit is re
 valid again when the unit is re-gathered (into the same storage, re-allocated) before the module's
 backward. Casts of a gathered parameter made inside the engine's forward (``weight.float()``,
 ``weight.to(torch.bfloat16)``) are kept in per-unit *cast buffers* that follow the same rule (see
-:meth:`ShardedUnit.cast`).
+:meth:`ShardedUnit.cast`). In an engine, the memory a gather puts into those fixed storage objects is
+a slab lent by the bounded :class:`~zerodp.stage3.pool.GatherPool` and handed back on release, so
+gathers reuse memory instead of allocating (see [Note: gather pool]).
 Parameters with at most ``stage3_param_persistence_threshold`` elements go to one *persistent* unit
 that stays gathered and is re-gathered after each optimizer step.
 
