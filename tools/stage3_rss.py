@@ -2,7 +2,7 @@
 
 Usage (launches its own ranks with torch.distributed.run, gloo, CPU):
 
-    python tools/stage3_rss.py --world 2 --stages ddp,0,3 [--hidden 2048] [--steps 3] [--bf16] [--init]
+    python tools/stage3_rss.py --world 2 --stages ddp,0,3 [--hidden 2048] [--steps 3] [--bf16] [--init] [--append]
 
 (``ddp``: torch DistributedDataParallel with torch's Adam, the reference.)
 
@@ -50,7 +50,13 @@ def worker(args: argparse.Namespace) -> None:
                                  "reduce_bucket_size": int(5e6)}}
 
     def build() -> nn.Module:
-        layers: list[nn.Module] = []
+        if args.append:  # each layer attached to its parent as soon as it is built
+            model = nn.Sequential()
+            for _ in range(8):
+                model.append(nn.Linear(h, h))
+                model.append(nn.ReLU())
+            return model.append(nn.Linear(h, 1))
+        layers: list[nn.Module] = []  # every layer built before the parent exists
         for _ in range(8):
             layers += [nn.Linear(h, h), nn.ReLU()]
         return nn.Sequential(*layers, nn.Linear(h, 1))
@@ -117,6 +123,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--init", action="store_true", help="build under zerodp.zero.Init at stage 3")
+    ap.add_argument("--append", action="store_true",
+                    help="build with Sequential().append(layer) (each layer attached as built) instead of "
+                         "Sequential(*layers)")
     args = ap.parse_args()
     if args.stage is not None:
         worker(args)
@@ -126,7 +135,7 @@ def main() -> None:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={args.world}", __file__, "--stage", str(stage), "--out", tmp,
                    "--hidden", str(args.hidden), "--steps", str(args.steps)]
-            cmd += ["--bf16"] * args.bf16 + ["--init"] * args.init
+            cmd += ["--bf16"] * args.bf16 + ["--init"] * args.init + ["--append"] * args.append
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             rows = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
