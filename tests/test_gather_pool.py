@@ -65,3 +65,16 @@ def test_pool_lends_and_takes_back_memory_in_place() -> None:
     small.take_back(a)
     small.take_back(b)
     assert small.free_bytes() == 1024 and small.allocations == 2
+
+
+def test_mmap_threshold_override_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zerodp.stage3.allocator import pin_mmap_threshold
+
+    monkeypatch.setenv("ZERODP_STAGE3_MMAP_THRESHOLD", "0")
+    assert pin_mmap_threshold() is None  # turned off: glibc left alone
+    monkeypatch.setenv("ZERODP_STAGE3_MMAP_THRESHOLD", "4MiB")
+    with pytest.raises(ValueError, match="ZERODP_STAGE3_MMAP_THRESHOLD must be a byte count"):
+        pin_mmap_threshold()
+    monkeypatch.setenv("ZERODP_STAGE3_MMAP_THRESHOLD", str(64 * 2**20))
+    with pytest.raises(ValueError, match="32 MiB"):
+        pin_mmap_threshold()

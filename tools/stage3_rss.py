@@ -47,7 +47,7 @@ def worker(args: argparse.Namespace) -> None:
            "bf16": {"enabled": args.bf16},
            "zero_optimization": {"stage": args.stage, "stage3_max_live_parameters": int(5e6),
                                  "stage3_prefetch_bucket_size": int(5e6),
-                                 "reduce_bucket_size": int(5e6)}}
+                                 "reduce_bucket_size": args.reduce_bucket_size}}
 
     def build() -> nn.Module:
         if args.append:  # each layer attached to its parent as soon as it is built
@@ -123,6 +123,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--init", action="store_true", help="build under zerodp.zero.Init at stage 3")
+    ap.add_argument("--reduce-bucket-size", type=int, default=int(5e6),
+                    help="zero_optimization.reduce_bucket_size (elements; DeepSpeed's default is 5e8)")
     ap.add_argument("--append", action="store_true",
                     help="build with Sequential().append(layer) (each layer attached as built) instead of "
                          "Sequential(*layers)")
@@ -136,6 +138,7 @@ def main() -> None:
                    f"--nproc-per-node={args.world}", __file__, "--stage", str(stage), "--out", tmp,
                    "--hidden", str(args.hidden), "--steps", str(args.steps)]
             cmd += ["--bf16"] * args.bf16 + ["--init"] * args.init + ["--append"] * args.append
+            cmd += ["--reduce-bucket-size", str(args.reduce_bucket_size)]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             rows = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]

@@ -11,8 +11,9 @@ stage 0's although it holds less (see docs/stage3-memory.md). Pinning the thresh
 its dynamic adjustment off, as setting ``MALLOC_MMAP_THRESHOLD_`` does) keeps such blocks out of the
 heap. Smaller blocks (activations of typical layers) are unaffected.
 
-This is process-wide and cannot be undone by zerodp; it is applied once, when a stage-3 engine is
-built, only on glibc, and never when the user set ``MALLOC_MMAP_THRESHOLD_`` (their value wins).
+This is process-wide and cannot be undone by zerodp; it is applied once, when a stage-3 engine (or
+``zero.Init``) is built, only on glibc, and never when the user set ``MALLOC_MMAP_THRESHOLD_`` (their
+value wins). ``ZERODP_STAGE3_MMAP_THRESHOLD`` (bytes) overrides the value; ``0`` leaves glibc alone.
 """
 
 from __future__ import annotations
@@ -31,12 +32,22 @@ _pinned: Optional[int] = None
 
 def pin_mmap_threshold(nbytes: int = STAGE3_MMAP_THRESHOLD) -> Optional[int]:
     """Set glibc's ``M_MMAP_THRESHOLD`` to ``nbytes`` (once per process). Returns the value in force
-    after the call as far as zerodp knows (None: not glibc, or left to ``MALLOC_MMAP_THRESHOLD_``).
+    after the call as far as zerodp knows (None: not glibc, turned off with
+    ``ZERODP_STAGE3_MMAP_THRESHOLD=0``, or left to ``MALLOC_MMAP_THRESHOLD_``).
 
     Raises:
-        ValueError: ``nbytes`` is not positive or above glibc's maximum (32 MiB on 64-bit).
+        ValueError: ``nbytes`` (or ``ZERODP_STAGE3_MMAP_THRESHOLD``) is not a byte count in (0, 32 MiB]
+            (glibc's maximum on 64-bit).
     """
     global _pinned
+    override = os.environ.get("ZERODP_STAGE3_MMAP_THRESHOLD")
+    if override is not None:
+        try:
+            nbytes = int(override)
+        except ValueError:
+            raise ValueError(f"ZERODP_STAGE3_MMAP_THRESHOLD must be a byte count (0: off), got {override!r}")
+        if nbytes == 0:
+            return None
     if not 0 < nbytes <= 32 * 1024 * 1024:
         raise ValueError(f"mmap threshold must be in (0, 32 MiB], got {nbytes} bytes")
     if _pinned is not None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
