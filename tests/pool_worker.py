@@ -89,10 +89,13 @@ def saved_view_follows_its_unit(prefetch: bool) -> dict:
         engine.backward(loss)
         for t in squatters:
             pool.take_back(t)
+        pool.clear()
         phase[0] = "step"
         engine.step()
         if steady:
             out["steady_new_slabs"] = pool.allocations - before
+            out["steady_uses"] = sum(ph in ("forward", "backward") for ph, _, _ in events) + 3  # + staging
+            out["idle_after_backward"] = pool.free_bytes()
             continue
         for ph, name, ptr in events:
             if ph == "backward" and name in forward_ptr:

@@ -30,9 +30,11 @@ def test_saved_views_follow_their_unit_into_other_memory(results: list[dict], na
         assert row["moved"] >= 3
         # and the saved weight views still read their own unit: parameters equal plain torch
         assert row["compared"] == 6 and row["param_diff_steps"] < 1e-3
-        # undisturbed, an iteration's gathers and gradient staging reuse the pool's slabs; the pool
-        # stays within its limit (plus what is lent out at once)
-        assert row["gathers"] >= 18 and row["steady_new_slabs"] == 0
+        # undisturbed, an iteration's gathers and gradient staging reuse the pool's slabs (fewer slabs
+        # than uses); idle slabs are freed at the end of backward; the pool stays within its limit
+        assert row["gathers"] >= 18
+        assert 0 < row["steady_new_slabs"] < row["steady_uses"]
+        assert row["idle_after_backward"] == 0
         assert row["pool_peak_bytes"] <= row["pool_limit_bytes"] + 3 * row["unit_bytes"]
 
 

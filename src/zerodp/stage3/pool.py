@@ -19,7 +19,10 @@ Bounds: a slab of ``b`` bytes serves requests of ``b / 2`` to ``b`` bytes (best 
 the requested size is allocated). Slabs returned while the pool holds more than ``limit_bytes`` in
 total are freed instead of kept, so the pool never retains more than ``limit_bytes`` plus what is lent
 out at that moment; what is lent at once is bounded by the coordinator (``stage3_max_live_parameters``,
-plus the units of the module running) and the reducer (buckets in flight).
+plus the units of the module running) and the reducer (buckets in flight). The engine frees the
+idle slabs at the end of each backward (:meth:`GatherPool.clear`), so the pool's memory is reused
+within an iteration (forward gathers, backward gathers, gradient staging) and not held between
+iterations.
 """
 
 from __future__ import annotations

@@ -121,6 +121,9 @@ class Stage3:
 
     def end_backward(self) -> None:
         self.coordinator.end_iteration()
+        # every unit is released and the gradient staging returned: free the idle slabs, so that
+        # between iterations (optimizer step included) the pool holds no memory
+        self.pool.clear()
 
     def after_step(self) -> None:
         """Re-gather the persistent unit (the only one kept gathered) from the updated shards."""
