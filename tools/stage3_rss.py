@@ -2,7 +2,9 @@
 
 Usage (launches its own ranks with torch.distributed.run, gloo, CPU):
 
-    python tools/stage3_rss.py --world 2 --stages 0,3 [--hidden 2048] [--steps 3] [--bf16] [--init]
+    python tools/stage3_rss.py --world 2 --stages ddp,0,3 [--hidden 2048] [--steps 3] [--bf16] [--init] [--append]
+
+(``ddp``: torch DistributedDataParallel with torch's Adam, the reference.)
 
 For each stage, a fresh set of processes builds the model (under ``zerodp.zero.Init`` with ``--init``),
 trains ``--steps`` Adam steps on random batches of 8 rows per rank and prints, per rank: peak RSS
@@ -44,15 +46,25 @@ def worker(args: argparse.Namespace) -> None:
            "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
            "bf16": {"enabled": args.bf16},
            "zero_optimization": {"stage": args.stage, "stage3_max_live_parameters": int(5e6),
-                                 "stage3_prefetch_bucket_size": int(5e6)}}
+                                 "stage3_prefetch_bucket_size": int(5e6),
+                                 "reduce_bucket_size": args.reduce_bucket_size}}
 
     def build() -> nn.Module:
-        layers: list[nn.Module] = []
+        if args.append:  # each layer attached to its parent as soon as it is built
+            model = nn.Sequential()
+            for _ in range(8):
+                model.append(nn.Linear(h, h))
+                model.append(nn.ReLU())
+            return model.append(nn.Linear(h, 1))
+        layers: list[nn.Module] = []  # every layer built before the parent exists
         for _ in range(8):
             layers += [nn.Linear(h, h), nn.ReLU()]
         return nn.Sequential(*layers, nn.Linear(h, 1))
 
     torch.manual_seed(0)
+    if args.stage < 0:  # torch DDP + torch Adam, the reference
+        ddp_worker(args, build)
+        return
     if args.init and args.stage == 3:
         with zerodp.zero.Init(config=cfg):
             model = build()
@@ -77,6 +89,30 @@ def worker(args: argparse.Namespace) -> None:
     zerodp.shutdown_distributed()
 
 
+def ddp_worker(args: argparse.Namespace, build) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import zerodp
+
+    model = build()
+    built = peak_mb()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
+    initialized = peak_mb()
+    for _ in range(args.steps):
+        ddp(torch.randn(8, args.hidden)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    row = {"stage": "ddp", "rank": dist.get_rank(), "peak_built_mb": round(built, 1),
+           "peak_initialized_mb": round(initialized, 1), "peak_trained_mb": round(peak_mb(), 1),
+           "rss_end_mb": round(rss_mb(), 1), "gathered_after_forward_mb": 0.0}
+    with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(row, f)
+    zerodp.shutdown_distributed()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
@@ -87,16 +123,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--init", action="store_true", help="build under zerodp.zero.Init at stage 3")
+    ap.add_argument("--reduce-bucket-size", type=int, default=int(5e6),
+                    help="zero_optimization.reduce_bucket_size (elements; DeepSpeed's default is 5e8)")
+    ap.add_argument("--append", action="store_true",
+                    help="build with Sequential().append(layer) (each layer attached as built) instead of "
+                         "Sequential(*layers)")
     args = ap.parse_args()
     if args.stage is not None:
         worker(args)
         return
-    for stage in [int(s) for s in args.stages.split(",")]:
+    for stage in [-1 if s == "ddp" else int(s) for s in args.stages.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={args.world}", __file__, "--stage", str(stage), "--out", tmp,
                    "--hidden", str(args.hidden), "--steps", str(args.steps)]
-            cmd += ["--bf16"] * args.bf16 + ["--init"] * args.init
+            cmd += ["--bf16"] * args.bf16 + ["--init"] * args.init + ["--append"] * args.append
+            cmd += ["--reduce-bucket-size", str(args.reduce_bucket_size)]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             rows = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]

@@ -150,7 +150,10 @@ class Engine:
                 # k = 1 the reduce-scatter result is kept in the module dtype (2 bytes, the paper's
                 # 2 Psi / N) and cast to fp32 for the master update at the step
                 accumulate_dtype=(torch.float32 if self.precision.has_master
-                                  and config.gradient_accumulation_steps > 1 else None))
+                                  and config.gradient_accumulation_steps > 1 else None),
+                staging_pool=self.sharding.pool if self.sharding is not None else None,
+                # stage 3 has one bucket per unit: reduce-scatter units together up to reduce_bucket_size
+                coalesce_elements=zc.reduce_bucket_size if self.sharding is not None else 0)
         self.reducer.attach()
         self._bucket_pieces: dict[int, list] = {}  # id(bucket) -> this rank's pieces in it
         for g in self.groups:
@@ -471,6 +474,8 @@ class Engine:
             measured["parameters"] += held3["gathered"]
             # read from the live storages of the gathered buffers, not from the coordinator's counts
             peak["gathered_parameters"] = self.sharding.coordinator.peak_gathered_bytes
+            # idle + lent slabs of the gather pool (see zerodp.stage3.pool), largest seen
+            peak["gather_pool"] = self.sharding.pool.peak_bytes
         return MemoryReport(
             stage=self.stage, rank=self.rank, world_size=self.world_size, numel=self.numel,
             frozen_numel=sum(s.numel for g in self.groups for s in g.slots

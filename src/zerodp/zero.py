@@ -31,6 +31,7 @@ from zerodp.config import ConfigError, load_config
 from zerodp.offload.param_swap import ParamSwapper
 from zerodp.stage3.ownership import (MASTER_REFRESH, OWNERS, Owner, add_pending_external, coordinator_busy,
                                      full_numel, is_partitioned)
+from zerodp.stage3.allocator import pin_mmap_threshold
 from zerodp.stage3.init_writes import InitTouchMode
 from zerodp.stage3.synced import synced_generate
 from zerodp.stage3.units import ShardedUnit, ShardState, shard_unit
@@ -184,6 +185,7 @@ class Init:
         from torch.nn.modules.module import register_module_module_registration_hook
 
         comm.init_distributed()
+        pin_mmap_threshold()  # each submodule's full values are freed once partitioned: return them
         po = self.config.zero_optimization.offload_param
         if po.device == "nvme" and self.swapper is None:
             self.swapper = ParamSwapper(po, self.config.aio, dist.get_rank(self.pg), self.pg)

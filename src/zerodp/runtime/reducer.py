@@ -33,7 +33,7 @@ already-reduced bucket raises instead of being lost.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 from torch.distributed import ProcessGroup, ReduceOp, Work
@@ -41,6 +41,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
+from zerodp.runtime.coalesce import coalesced, runs_of_same_kind
 from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot
 
 #: stage-2 buckets whose reduce-scatter may be in flight at once (the rest wait): bounds memory.
@@ -51,6 +52,14 @@ DIRECT_BACKWARD_MESSAGE = (
     "loss.backward() was called on a model wrapped by a zerodp engine; call engine.backward(loss) "
     "instead (it divides the loss by gradient_accumulation_steps, applies the fp16 loss scale and "
     "reduces the gradients across ranks during backward), then engine.step()")
+
+
+class StagingPool(Protocol):
+    """Lends memory for gradient staging buffers (stage 3: :class:`zerodp.stage3.pool.GatherPool`)."""
+
+    def empty_tensor(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+    def take_back(self, t: torch.Tensor) -> bool: ...
 
 
 def _trainable(s: ParamSlot) -> bool:
@@ -147,6 +156,7 @@ class GradientReducer:
                         self._pending[id(b)] = 0
                         self._launched.add(id(b))
                         self._launch(g, b)
+        self._flush()
         self._drain(0)
         self._reducing = False
         if not self._calibrated:
@@ -178,6 +188,9 @@ class GradientReducer:
 
     def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
         """Runs after bucket ``b``'s collective finished."""
+
+    def _flush(self) -> None:
+        """Launch collectives held back for coalescing (end of backward)."""
 
     def owned_grad(self, g: FlatGroup) -> torch.Tensor:
         """1-D tensor indexed like ``g.buffer`` restricted to what this rank owns (see piece_grad)."""
@@ -347,9 +360,17 @@ class PartitionedGradReducer(GradientReducer):
     """
 
     def __init__(self, *args, contiguous_gradients: bool = True,
-                 accumulate_dtype: Optional[torch.dtype] = None, **kwargs) -> None:
+                 accumulate_dtype: Optional[torch.dtype] = None,
+                 staging_pool: Optional[StagingPool] = None, coalesce_elements: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.contiguous = contiguous_gradients
+        # stage 3 (one bucket per unit): complete buckets are held until they reach this many elements,
+        # then reduce-scattered in one coalesced collective (0: each at once); see zerodp.runtime.coalesce
+        self.coalesce_elements = coalesce_elements
+        self._held: list[tuple[FlatGroup, Bucket]] = []
+        self._held_numel = 0
+        self.reduce_collectives = 0  # collectives launched (coalesced ones count once)
+        self.staging_pool = staging_pool  # stage 3: staging memory lent by the gather pool
         # owned gradient partition per group: shard of every bucket back to back, 1-D
         self._owned_offsets: dict[tuple[int, int], int] = {}
         self.owned: dict[int, torch.Tensor] = {}
@@ -367,7 +388,10 @@ class PartitionedGradReducer(GradientReducer):
     def _staging_for(self, b: Bucket, g: FlatGroup) -> torch.Tensor:
         buf = self._staging.get(id(b))
         if buf is None:
-            buf = torch.zeros(b.numel, dtype=g.buffer.dtype, device=g.buffer.device)
+            if self.staging_pool is not None:
+                buf = self.staging_pool.empty_tensor(b.numel, g.buffer.dtype, g.buffer.device).zero_()
+            else:
+                buf = torch.zeros(b.numel, dtype=g.buffer.dtype, device=g.buffer.device)
             self._staging[id(b)] = buf
             self._note_peak()
         return buf
@@ -387,6 +411,34 @@ class PartitionedGradReducer(GradientReducer):
         self._ready(slot, g, b)
 
     def _launch(self, g: FlatGroup, b: Bucket) -> None:
+        if self.coalesce_elements <= 0:
+            self._launch_now([(g, b)])
+            return
+        self._held.append((g, b))
+        self._held_numel += b.numel
+        if self._held_numel >= self.coalesce_elements:
+            self._flush()
+
+    def _flush(self) -> None:
+        held, self._held, self._held_numel = self._held, [], 0
+        if held:
+            self._launch_now(held)
+
+    def _launch_now(self, buckets: list[tuple[FlatGroup, Bucket]]) -> None:
+        """Reduce-scatter the staging buffers of ``buckets``; consecutive ones of one dtype and device
+        go in one coalesced collective."""
+        prepared = [(g, b, *self._prepare(g, b)) for g, b in buckets]
+        for run in runs_of_same_kind(prepared, lambda x: (x[2].dtype, x[2].device, x[3].dtype)):
+            work = coalesced(self.pg, [
+                lambda buf=buf, out=out: comm.reduce_scatter(out, buf, self.pg, self.ledger,
+                                                             self.collective_purpose, async_op=True)
+                for _, _, buf, out, _ in run])
+            self.reduce_collectives += 1
+            for g, b, buf, _, recv in run:
+                self._track(g, b, work, (buf, recv))
+
+    def _prepare(self, g: FlatGroup, b: Bucket) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(staging buffer divided by N, reduce-scatter output, separate receive buffer or None)."""
         buf = self._staging_for(b, g)
         if not self.contiguous:
             for s in b.slots:
@@ -400,15 +452,17 @@ class PartitionedGradReducer(GradientReducer):
         owned = self.owned[g.index][off : off + b.shard_numel]
         if id(b) not in self._owned_written and owned.dtype == buf.dtype:
             recv = None  # first reduction since zero_grads(): write straight into the owned partition
-            work = comm.reduce_scatter(owned, buf, self.pg, self.ledger, self.collective_purpose, async_op=True)
+            out = owned
         else:
             recv = torch.empty(b.shard_numel, dtype=buf.dtype, device=buf.device)
-            work = comm.reduce_scatter(recv, buf, self.pg, self.ledger, self.collective_purpose, async_op=True)
+            out = recv
         self._owned_written.add(id(b))
-        self._track(g, b, work, (buf, recv))
+        return buf, out, recv
 
     def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
-        _, recv = payload  # the staging buffer is dropped with the payload here
+        buf, recv = payload  # the staging buffer is dropped with the payload here
+        if self.staging_pool is not None:
+            self.staging_pool.take_back(buf)
         if recv is not None:  # accumulate (later micro-steps, or an fp32 partition of bf16 grads)
             off = self._owned_offsets[(g.index, b.index)]
             self.owned[g.index][off : off + b.shard_numel].add_(recv)

@@ -31,6 +31,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
+from zerodp.runtime.coalesce import coalesced, dtype_device, runs_of_same_kind
 from zerodp.stage3.units import ShardedUnit, ShardState, UnitIndex
 
 
@@ -61,6 +62,7 @@ class ParameterCoordinator:
         self.cursor = 0
         self.active = False  # inside a training iteration (forward with grad, then backward)
         self.prefetches_issued = 0  # all-gathers launched ahead of use
+        self.gather_collectives = 0  # collectives those gathers took (consecutive ones coalesced)
         self.prefetch_hits = 0  # fetches served by a prefetch already in flight or done
         self.trace_recordings = 0  # completed, cross-rank-checked recordings
         self.peak_live_elements = 0  # bookkeeping: elements of units not SHARDED (prefetch budget)
@@ -119,11 +121,8 @@ class ParameterCoordinator:
             self._follow_trace(module)
         self.busy = True
         try:
-            for u in units:
-                if u.state is ShardState.SHARDED:
-                    u.start_gather(self.pg, self.ledger, "parameters")
-                elif u.prefetched:
-                    self.prefetch_hits += 1
+            self._start_gathers([u for u in units if u.state is ShardState.SHARDED])
+            self.prefetch_hits += sum(1 for u in units if u.state is not ShardState.SHARDED and u.prefetched)
             for u in units:
                 if u.state is ShardState.GATHERING:
                     u.finish_gather()
@@ -216,20 +215,38 @@ class ParameterCoordinator:
     def _prefetch(self) -> None:
         budget = self.prefetch_bucket_size
         live = self.live_elements()
+        batch: list[ShardedUnit] = []
         for module in self.trace[self.cursor : self.cursor + 64]:
             if budget <= 0:
                 break
+            full = False
             for u in self.index.by_module.get(id(module), ()):
-                if u.state is not ShardState.SHARDED:
+                if u.state is not ShardState.SHARDED or any(x is u for x in batch):
                     continue
                 if live + u.numel > self.max_live or u.numel > budget:
-                    return
-                u.start_gather(self.pg, self.ledger, "parameters")
-                u.prefetched = True
-                self.prefetches_issued += 1
+                    full = True
+                    break
+                batch.append(u)
                 budget -= u.numel
                 live += u.numel
+            if full:
+                break
+        self._start_gathers(batch)
+        for u in batch:
+            u.prefetched = True
+        self.prefetches_issued += len(batch)
         self._note_live()
+
+    def _start_gathers(self, units: list[ShardedUnit]) -> None:
+        """SHARDED -> GATHERING for ``units``; consecutive units of one dtype share one coalesced
+        all-gather (see :mod:`zerodp.runtime.coalesce`)."""
+        for run in runs_of_same_kind(units, lambda u: dtype_device(u.shard)):
+            work = coalesced(self.pg, [lambda u=u: u.start_gather(self.pg, self.ledger, "parameters") or u.work
+                                       for u in run])
+            if len(run) > 1:
+                for u in run:
+                    u.work = work
+            self.gather_collectives += 1
 
     def _read_ahead(self) -> None:
         if self.read_ahead is not None:

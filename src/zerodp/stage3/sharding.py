@@ -20,6 +20,8 @@ from zerodp.runtime.comm import CommLedger
 from zerodp.config import ZeroConfig
 from zerodp.stage3.coordinator import ParameterCoordinator
 from zerodp.stage3.hooks import ExternalParameterMode, ModuleStack, register_stage3_hooks
+from zerodp.stage3.allocator import pin_mmap_threshold
+from zerodp.stage3.pool import GatherPool
 from zerodp.runtime.optim import ParamGroupSpec
 from zerodp.runtime.partition import FlatGroup
 from zerodp.stage3.units import ShardedUnit, ShardState, UnitIndex, shard_unit
@@ -66,6 +68,11 @@ class Stage3:
         for m, p in take_pending_external(module):  # register_external_parameter before initialize
             self.index.register_external(m, p)
 
+        pin_mmap_threshold()  # see [Note: mmap threshold]
+        self.pool = GatherPool(_pool_limit(self.index.units, zc.stage3_max_live_parameters, zc.reduce_bucket_size))
+        for u in self.index.units:
+            if not u.persistent:
+                u.pool = self.pool
         positions = {id(m): i for i, m in enumerate(module.modules())}
         self.coordinator = ParameterCoordinator(
             self.index, positions, pg, ledger, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
@@ -114,6 +121,9 @@ class Stage3:
 
     def end_backward(self) -> None:
         self.coordinator.end_iteration()
+        # every unit is released and the gradient staging returned: free the idle slabs, so that
+        # between iterations (optimizer step included) the pool holds no memory
+        self.pool.clear()
 
     def after_step(self) -> None:
         """Re-gather the persistent unit (the only one kept gathered) from the updated shards."""
@@ -122,6 +132,27 @@ class Stage3:
                 comm.all_gather(u.full, u.shard, self.pg, self.ledger, "parameters")
 
     def held_bytes(self) -> dict[str, int]:
+        """Bytes of the shards, of the gathered buffers (live storages) and of the pool's idle slabs."""
         shards = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
         gathered = sum(u.gathered_bytes() for u in self.units)  # live storage, not bookkeeping
-        return {"shards": shards, "gathered": gathered}
+        return {"shards": shards, "gathered": gathered, "pool_idle": self.pool.free_bytes()}
+
+
+#: buckets of the reducer whose reduce-scatter may be in flight while the next ones fill
+_STAGING_IN_FLIGHT = 2
+
+
+def _pool_limit(units: list[ShardedUnit], max_live_parameters: int, reduce_bucket_size: int) -> int:
+    """Bytes the gather pool may hold: the coordinator's live window (``stage3_max_live_parameters``)
+    plus the largest unit (the module running), and the gradient staging buffers: units held back up
+    to ``reduce_bucket_size`` elements for one coalesced reduce-scatter, plus those in flight, in the
+    widest element size. Slabs returned beyond this are freed (see [Note: gather pool])."""
+    big = [u for u in units if not u.persistent]
+    if not big:
+        return 0
+    largest = max(u.numel for u in big)
+    width = max(u.shard.element_size() for u in big)
+    total = sum(u.numel for u in big)
+    window = min(max_live_parameters, total)
+    staging = min(reduce_bucket_size + largest, total) + _STAGING_IN_FLIGHT * largest
+    return (window + largest + staging) * width

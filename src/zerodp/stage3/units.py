@@ -11,7 +11,9 @@ weight in ``matmul``) point at that storage, hold no memory while the unit is re
 valid again when the unit is re-gathered (into the same storage, re-allocated) before the module's
 backward. Casts of a gathered parameter made inside the engine's forward (``weight.float()``,
 ``weight.to(torch.bfloat16)``) are kept in per-unit *cast buffers* that follow the same rule (see
-:meth:`ShardedUnit.cast`).
+:meth:`ShardedUnit.cast`). In an engine, the memory a gather puts into those fixed storage objects is
+a slab lent by the bounded :class:`~zerodp.stage3.pool.GatherPool` and handed back on release, so
+gathers reuse memory instead of allocating (see [Note: gather pool]).
 Parameters with at most ``stage3_param_persistence_threshold`` elements go to one *persistent* unit
 that stays gathered and is re-gathered after each optimizer step.
 
@@ -40,6 +42,7 @@ from torch.distributed import ProcessGroup, Work
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot
+from zerodp.stage3.pool import GatherPool
 
 
 class ShardState(enum.Enum):
@@ -76,6 +79,9 @@ class ShardedUnit:
     casts: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     users: int = 0  # modules currently holding it gathered (forward or backward)
     prefetched: bool = False  # gathered ahead of use by the coordinator
+    #: lends the memory of ``full`` and of the cast buffers while gathered (see [Note: gather pool] in
+    #: :mod:`zerodp.stage3.pool`); None: each gather allocates and each release frees
+    pool: Optional[GatherPool] = None
     home: Optional[ShardHome] = None  # offload_param: where the shard lives between uses; None: here
 
     @property
@@ -95,9 +101,9 @@ class ShardedUnit:
         every rank's shard into it."""
         assert self.state is ShardState.SHARDED, f"unit '{self.name}' gathered while {self.state}"
         if self.full is None:
-            self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=self.shard.device)
+            self.full = _empty(self.numel, self.shard.dtype, self.shard.device, self.pool)
         else:
-            _allocate(self.full)
+            _allocate(self.full, self.pool)
         if self.home is not None:
             self.home.acquire()  # released in finish_gather, once the collective has read the shard
         self.work = comm.all_gather(self.full, self.shard, pg, ledger, purpose, async_op=True)
@@ -114,7 +120,7 @@ class ShardedUnit:
         for s in self.slots:
             s.param.data = self._view(s)
         for (i, _dtype), buf in self.casts.items():
-            _allocate(buf)
+            _allocate(buf, self.pool)
             with torch.no_grad():
                 buf.copy_(self._view(self.slots[i]))
         self.state = ShardState.UNSHARDED
@@ -128,9 +134,9 @@ class ShardedUnit:
             return
         for s in self.slots:
             s.param.data = _placeholder(self.shard)
-        _free(self.full)
+        _free(self.full, self.pool)
         for buf in self.casts.values():
-            _free(buf)
+            _free(buf, self.pool)
         self.users = 0
         self.prefetched = False
         self.state = ShardState.SHARDED
@@ -148,7 +154,7 @@ class ShardedUnit:
             raise RuntimeError(f"unit '{self.name}' does not own the parameter being cast")
         buf = self.casts.get((pos, dtype))
         if buf is None:
-            buf = torch.empty(self.slots[pos].shape, dtype=dtype, device=self.shard.device)
+            buf = _empty(self.slots[pos].numel, dtype, self.shard.device, self.pool).view(self.slots[pos].shape)
             self.casts[(pos, dtype)] = buf
         with torch.no_grad():
             buf.copy_(self._view(self.slots[pos]))
@@ -183,15 +189,27 @@ class ShardedUnit:
             self.home.release(dirty=write)
 
 
-def _free(t: Optional[torch.Tensor]) -> None:
-    if t is not None and t.untyped_storage().nbytes() > 0:
+def _free(t: Optional[torch.Tensor], pool: Optional[GatherPool] = None) -> None:
+    """Empty ``t``'s storage (0 bytes): its slab goes back to ``pool``, or its memory is freed."""
+    if t is None or (pool is not None and pool.take_back(t)):
+        return
+    if t.untyped_storage().nbytes() > 0:
         t.untyped_storage().resize_(0)
 
 
-def _allocate(t: torch.Tensor) -> None:
-    nbytes = t.numel() * t.element_size()
-    if t.untyped_storage().nbytes() < nbytes:
+def _allocate(t: torch.Tensor, pool: Optional[GatherPool] = None) -> None:
+    """Give ``t``'s (same) storage object memory again: a slab of ``pool``, or a fresh allocation."""
+    nbytes = (t.storage_offset() + t.numel()) * t.element_size()
+    if pool is not None and t.untyped_storage().nbytes() == 0:
+        pool.lend(t)
+    elif t.untyped_storage().nbytes() < nbytes:
         t.untyped_storage().resize_(nbytes)
+
+
+def _empty(numel: int, dtype: torch.dtype, device: torch.device, pool: Optional[GatherPool]) -> torch.Tensor:
+    if pool is not None:
+        return pool.empty_tensor(numel, dtype, device)
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def _placeholder(like: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""A bounded pool of memory for stage-3 gathered parameters and gradient staging buffers.
+
+[Note: gather pool] Without a pool, every gather allocates its unit's full buffer and every release
+frees it (the storage is resized to 0 bytes, FSDP2's approach). The memory really is freed, but
+glibc's allocator keeps the freed multi-megabyte blocks for reuse (after the first large ``free`` it
+raises its mmap threshold, so later large blocks come from the heap, which fragments and is not
+returned to the system): per-rank RSS then grows above stage 0's although less is alive.
+
+The pool owns a few *slabs* (``torch.UntypedStorage``) that are allocated once and reused. A borrower
+is a tensor whose own storage object is empty (0 bytes); :meth:`GatherPool.lend` swaps a slab's memory
+into that storage object (``UntypedStorage._swap_data_ptr_``, the slab object then holds the 0 bytes)
+and :meth:`GatherPool.take_back` swaps it back. The borrower's *storage object never changes*: views
+of it saved by autograd during forward (``weight.t()`` in ``linear``) read whatever memory the storage
+holds when they are used, i.e. their own unit's data once it is gathered again before backward, even
+if that happens in another slab and the slab used in forward now holds another unit. While the unit
+is released its storage holds 0 bytes, exactly as without a pool.
+
+Bounds: a slab of ``b`` bytes serves requests of ``b / 2`` to ``b`` bytes (best fit, else a new slab of
+the requested size is allocated). Slabs returned while the pool holds more than ``limit_bytes`` in
+total are freed instead of kept, so the pool never retains more than ``limit_bytes`` plus what is lent
+out at that moment; what is lent at once is bounded by the coordinator (``stage3_max_live_parameters``,
+plus the units of the module running) and the reducer (buckets in flight). The engine frees the
+idle slabs at the end of each backward (:meth:`GatherPool.clear`), so the pool's memory is reused
+within an iteration (forward gathers, backward gathers, gradient staging) and not held between
+iterations.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class GatherPool:
+    """Slabs of memory lent to empty storages of stage-3 buffers (see the note above).
+
+    Args:
+        limit_bytes: slabs are freed instead of kept when the pool (lent + free) would exceed this.
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        if limit_bytes < 0:
+            raise ValueError(f"GatherPool limit_bytes must be >= 0, got {limit_bytes}")
+        self.limit_bytes = limit_bytes
+        self._free: list[torch.UntypedStorage] = []  # slabs holding memory, not lent
+        self._lent: dict[int, torch.UntypedStorage] = {}  # borrower storage's _cdata -> slab (now empty)
+        self._lent_sizes: dict[int, int] = {}  # borrower storage's _cdata -> slab bytes
+        self.allocations = 0  # slabs allocated since construction
+        self.peak_bytes = 0  # largest lent + free bytes seen
+
+    # ---- lending -----------------------------------------------------------------------------------
+    def lend(self, t: torch.Tensor) -> None:
+        """Give ``t``'s storage (0 bytes now) the memory of a slab big enough for ``t``.
+
+        Raises:
+            RuntimeError: ``t``'s storage is not empty or already holds a slab.
+        """
+        self._lend_to(t.untyped_storage(), (t.storage_offset() + t.numel()) * t.element_size(), t.device)
+
+    def _lend_to(self, storage: torch.UntypedStorage, need: int, device: torch.device) -> None:
+        key = storage._cdata
+        if key in self._lent or storage.nbytes() != 0:
+            raise RuntimeError("GatherPool.lend: the tensor's storage is not empty "
+                               f"({storage.nbytes()} bytes); release it first")
+        slab = self._take_free(need, device)
+        if slab is None:
+            slab = torch.UntypedStorage(need, device=device)
+            self.allocations += 1
+        size = slab.nbytes()
+        storage._swap_data_ptr_(slab)
+        self._lent[key] = slab
+        self._lent_sizes[key] = size
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes())
+
+    def take_back(self, t: torch.Tensor) -> bool:
+        """Take the slab lent to ``t``'s storage back (the storage holds 0 bytes again). Returns False
+        (and does nothing) if ``t``'s storage holds no slab of this pool."""
+        storage = t.untyped_storage()
+        slab = self._lent.pop(storage._cdata, None)
+        if slab is None:
+            return False
+        self._lent_sizes.pop(storage._cdata)
+        storage._swap_data_ptr_(slab)
+        if self.held_bytes() + slab.nbytes() <= self.limit_bytes:
+            self._free.append(slab)
+        # else: dropping the last reference frees the slab's memory
+        return True
+
+    def empty_tensor(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` elements whose memory is lent from the pool (contents undefined);
+        hand it back with :meth:`take_back`."""
+        storage = torch.UntypedStorage(0, device=device)
+        self._lend_to(storage, numel * torch.empty(0, dtype=dtype).element_size(), device)
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
+
+    def _take_free(self, need: int, device: torch.device) -> Optional[torch.UntypedStorage]:
+        best = None
+        for i, slab in enumerate(self._free):
+            size = slab.nbytes()
+            if slab.device == device and need <= size <= 2 * max(need, 1) and (
+                    best is None or size < self._free[best].nbytes()):
+                best = i
+        return self._free.pop(best) if best is not None else None
+
+    # ---- accounting (read from the slabs' live storages) -------------------------------------------
+    def free_bytes(self) -> int:
+        return sum(s.nbytes() for s in self._free)
+
+    def lent_bytes(self) -> int:
+        return sum(self._lent_sizes.values())
+
+    def held_bytes(self) -> int:
+        return self.free_bytes() + self.lent_bytes()
+
+    def clear(self) -> None:
+        """Free every slab not lent out."""
+        self._free.clear()
