@@ -126,15 +126,22 @@ def edit_between_steps_fp32(stage: int) -> dict:
     ref[2].bias.data = new_bias.clone()
     train_both(engine, model, ref, ref_opt, range(4, 6), 8, 2)
     out = {"param_err": state_err(engine, ref)}
-    if stage == 3:  # an edit of a partitioned parameter outside GatheredParameters must not vanish
-        x, y = batch(9, 8, 2, MICRO * world())
-        model[0].weight.data = torch.zeros(8, 8)
-        rebound = refusal(lambda: engine(local(x)))
-        out["rebound_refused"], out["rebound_message"] = rebound["refused"], rebound["message"]
-        model[0].weight.data = torch.empty(0)  # back to the placeholder
-        with torch.no_grad():
-            model[0].weight.mul_(0.5)
-        out.update(refusal(lambda: engine(local(x))))
+    if stage == 3:  # an edit or use of a partitioned parameter outside GatheredParameters must raise
+        w = model[0].weight
+        before = engine.module_state_dict()
+
+        def in_place() -> None:
+            with torch.no_grad():
+                w.mul_(0.5)
+
+        attempts = {"rebind": lambda: setattr(w, "data", torch.zeros(8, 8)), "in_place": in_place,
+                    "data_in_place": lambda: w.data.mul_(2), "compute": lambda: w @ torch.ones(8),
+                    "init": lambda: nn.init.zeros_(w), "detach_copy": lambda: w.detach().clone()}
+        out["attempts"] = {k: refusal(fn) for k, fn in attempts.items()}
+        after = engine.module_state_dict()
+        out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+        train_both(engine, model, ref, ref_opt, range(6, 8), 8, 2)  # training goes on, right
+        out["param_err_after"] = state_err(engine, ref)
     return out
 
 
@@ -385,6 +392,90 @@ def external_declared_in_init(stage: int) -> dict:
         out["registered"] = any(s.param is model.side.weight for u in needed for s in u.slots)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.02)
     train_both(engine, model, ref, ref_opt, range(3), 8, 2)
+    out["param_err"] = state_err(engine, ref)
+    return out
+
+
+# ---- 10: shape-based optimizer groups (nanoGPT's configure_optimizers) after zero.Init ---------------
+class NanoBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 2 * d)
+        self.proj = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(torch.tanh(self.fc(self.ln(x))))
+
+
+class Nano(nn.Module):
+    """nanoGPT's shape: embeddings, blocks with LayerNorm and Linear, a tied head, _init_weights."""
+
+    def __init__(self, vocab: int = 11, d: int = 8) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(4, d)
+        self.h = nn.ModuleList(NanoBlock(d) for _ in range(2))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.2)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for blk in self.h:
+            x = blk(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def nano_groups(model: nn.Module) -> tuple[list[dict], list[list[str]], int]:
+    """nanoGPT's configure_optimizers: weight decay for every parameter with dim >= 2."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    decay = {n: p for n, p in params.items() if p.dim() >= 2}
+    no_decay = {n: p for n, p in params.items() if p.dim() < 2}
+    groups = [{"params": list(decay.values()), "weight_decay": 0.5},
+              {"params": list(no_decay.values()), "weight_decay": 0.0}]
+    return groups, [list(decay), list(no_decay)], sum(p.numel() for p in params.values())
+
+
+@scenario
+def nanogpt_groups_after_init(stage: int) -> dict:
+    cfg = config(stage)
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.5}}
+    torch.manual_seed(11)
+    ref = Nano()
+    torch.manual_seed(11)
+    with zerodp.zero.Init(config=cfg, enabled=stage == 3):
+        model = Nano()
+    shapes_ok = all(p.shape == rp.shape and p.dim() == rp.dim()
+                    for p, rp in zip(model.parameters(), ref.parameters()))
+    groups, names, numel = nano_groups(model)
+    ref_groups, ref_names, ref_numel = nano_groups(ref)
+    engine = zerodp.initialize(model, cfg, model_parameters=groups)
+    ref_opt = torch.optim.AdamW(ref_groups, lr=0.02)
+    out: dict = {"names": names, "ref_names": ref_names, "numel": numel, "ref_numel": ref_numel}
+    for step in range(2):
+        g = torch.Generator().manual_seed(900 + step)
+        idx = torch.randint(0, 11, (MICRO * world(), 4), generator=g)
+        tgt = torch.randint(0, 11, (MICRO * world(), 4), generator=g)
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(idx).flatten(0, 1), tgt.flatten()).backward()
+        ref_opt.step()
+        engine.backward(nn.functional.cross_entropy(engine(local(idx)).flatten(0, 1), local(tgt).flatten()))
+        engine.step()
+    # after training: full metadata, while the partitioned ones hold no storage (read from the storage)
+    params = list(model.parameters())
+    out["shapes_ok"] = shapes_ok and all(p.shape == rp.shape and p.numel() == rp.numel()
+                                         for p, rp in zip(params, ref.parameters()))
+    out["storage_free"] = sum(p.untyped_storage().nbytes() == 0 for p in params)
+    out["partitioned"] = sum(zerodp.zero.is_partitioned(p) for p in params)
     out["param_err"] = state_err(engine, ref)
     return out
 

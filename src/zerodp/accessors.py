@@ -26,6 +26,7 @@ from torch import nn
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.partition import FlatGroup, ParamSlot, Piece
+from zerodp.stage3.sharded_param import is_sharded
 
 #: optimizer-state keys that hold one value per parameter element (torch Adam/AdamW).
 ELEMENTWISE_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -226,7 +227,7 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
         r = _shard_range(g, s)
         if r is not None:
             g.buffer[r[0] - g.shard_offset : r[1] - g.shard_offset] = flat[r[0] - s.offset : r[1] - s.offset]
-        if param.numel() == s.numel:  # gathered right now (persistent or inside a forward)
+        if not is_sharded(param):  # gathered right now (persistent or inside a forward)
             param.data.copy_(flat.view(s.shape).to(param.dtype))
     else:
         param.data.copy_(flat.view(s.shape).to(param.dtype))

@@ -10,14 +10,14 @@ The engine calls :meth:`TrainingGuards.before_forward`, :meth:`TrainingGuards.be
 - In-place edits of the module's parameters outside the optimizer (EMA, re-tying, re-initialising a
   head): with fp32 master weights (bf16/fp16), a module-dtype value that no longer equals its master's
   cast is copied into the master before the update, so the edit is kept (stages 0-3). At stage 3 the
-  persistent (always gathered) parameters' edits are written back into this rank's shard; an in-place
-  edit of a *partitioned* parameter (its ``.data`` is an empty placeholder) is detected by its version
-  counter and refused at the next forward/backward/step: such edits must be made inside
-  ``zerodp.zero.GatheredParameters(params, modifier_rank=0)``. (An in-place edit through ``p.data``
-  of a placeholder bypasses the version counter and cannot be seen.)
+  persistent (always gathered) parameters' edits are written back into this rank's shard. An in-place
+  edit (also through ``p.data``), re-binding or any compute on a *partitioned* parameter while its unit
+  is released is refused when attempted, by its type
+  (:class:`~zerodp.stage3.sharded_param.ShardedParameter`); such edits must be made inside
+  ``zerodp.zero.GatheredParameters(params, modifier_rank=0)``. A version-counter check at the next
+  forward/backward/step remains as a second line.
 - Re-binding ``p.data = new_tensor`` (same shape and dtype) between steps: adopted (copied into the
-  flat buffer, or the stage-3 persistent buffer, and ``p`` pointed back at it); at stage 3, re-binding a
-  partitioned parameter is refused like an in-place edit.
+  flat buffer, or the stage-3 persistent buffer, and ``p`` pointed back at it).
 - ``engine.optimizer.add_param_group`` after ``initialize``: refused (the new parameters would have no
   partition and no gradient reduction).
 - Sparse gradients (``nn.Embedding(..., sparse=True)``): refused at ``initialize``, naming the
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from zerodp.runtime.partition import FlatGroup
+from zerodp.runtime.refusal import RefusedError
 from zerodp.stage3.ownership import OWNERS, is_partitioned
 from zerodp.stage3.units import ShardState
 
@@ -59,10 +60,6 @@ class GuardedEngine(Protocol):
     stage: int
     groups: list[FlatGroup]
     optimizer: torch.optim.Optimizer
-
-
-class RefusedError(RuntimeError):
-    """A use that zerodp would otherwise train wrongly with; the message says what to do instead."""
 
 
 def _names(module: nn.Module) -> dict[int, str]:
@@ -147,16 +144,11 @@ class TrainingGuards:
     def _check_partitioned_edits(self) -> None:
         for (name, p, unit), v in zip(self._partitioned, self._versions):
             sharded = unit.state is ShardState.SHARDED  # type: ignore[attr-defined]
-            if sharded and p.numel() != 0:
-                raise RefusedError(
-                    f"parameter '{name}' was re-bound (p.data = ...) while partitioned (ZeRO stage 3); the "
-                    "next gather would discard it. Edit it inside `with zerodp.zero.GatheredParameters("
-                    "[param], modifier_rank=0):` (in place, e.g. param.copy_(value))")
             if (p._version != v and sharded
                     and getattr(p, ACK_ATTR, None) != p._version):
                 raise RefusedError(
                     f"parameter '{name}' was modified in place while partitioned (ZeRO stage 3: outside a "
-                    "forward its .data is an empty placeholder, so the edit did nothing). Make the edit "
+                    "forward this rank holds only a shard, so the edit would be lost). Make the edit "
                     f"inside `with zerodp.zero.GatheredParameters([param], modifier_rank=0):`")
         self.record_versions()
 

@@ -2,8 +2,8 @@
 
 An engine does not keep parameters where ``module.load_state_dict`` writes: at stages 0-2 with bf16/fp16
 the optimizer updates fp32 *master* copies and casts them back after each step (a value written only
-into the module's parameters is overwritten by the next step), and at stage 3 each parameter is an
-empty placeholder outside forward. :func:`load_module_state` writes every value where the engine reads
+into the module's parameters is overwritten by the next step), and at stage 3 each parameter holds no
+values outside forward. :func:`load_module_state` writes every value where the engine reads
 it: the flat buffer or this rank's shard (module dtype), the fp32 master pieces (from the given values,
 not from their rounded module-dtype copies), the gathered buffer of units kept gathered, frozen
 parameters and persistent buffers. :func:`guard_module_load_state_dict` makes the plain

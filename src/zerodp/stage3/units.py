@@ -3,9 +3,10 @@
 [Note: units] Each submodule's directly-owned parameters (``recurse=False``; a tied parameter belongs to
 the first module that owns it) form one *unit*: a flat layout padded to a multiple of the world size
 N, of which rank r keeps only shard r (1-D, ``numel / N`` elements). Gathering a unit is one coalesced
-all-gather into the unit's full flat buffer, whose views become the parameters' ``.data``;
-releasing it points ``.data`` back at an empty placeholder (shape ``(0,)``) and frees the buffer's
-memory by resizing its storage to 0 bytes (FSDP2's approach). The buffer *object* and its storage
+all-gather into the unit's full flat buffer, whose views are the parameters' ``.data``; releasing
+it frees the buffer's memory by resizing its storage to 0 bytes (FSDP2's approach): the parameters keep
+their full shape, dtype and numel, hold no storage, and refuse compute until re-gathered (they are
+:class:`~zerodp.stage3.sharded_param.ShardedParameter` while SHARDED, see the note there). The buffer *object* and its storage
 object live on: views that autograd saved during forward (``weight.t()`` in ``linear``, a transposed
 weight in ``matmul``) point at that storage, hold no memory while the unit is released, and become
 valid again when the unit is re-gathered (into the same storage, re-allocated) before the module's
@@ -33,6 +34,7 @@ from torch.distributed import ProcessGroup, Work
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot
+from zerodp.stage3.sharded_param import mark_sharded, mark_unsharded
 
 
 class ShardState(enum.Enum):
@@ -89,6 +91,7 @@ class ShardedUnit:
         self.work.wait()
         self.work = None
         for s in self.slots:
+            mark_unsharded(s.param)
             s.param.data = self._view(s)
         for (i, _dtype), buf in self.casts.items():
             _allocate(buf)
@@ -97,14 +100,16 @@ class ShardedUnit:
         self.state = ShardState.UNSHARDED
 
     def release(self) -> None:
-        """UNSHARDED -> SHARDED: parameters become empty placeholders and the memory of the full
-        buffer and of the cast buffers is freed (their storages are resized to 0 bytes)."""
+        """UNSHARDED -> SHARDED: the memory of the full buffer and of the cast buffers is freed (their
+        storages are resized to 0 bytes); the parameters stay views of the full buffer (full shape, no
+        storage) and become :class:`~zerodp.stage3.sharded_param.ShardedParameter`."""
         if self.state is ShardState.GATHERING:
             self.finish_gather()
         if self.state is ShardState.SHARDED:
             return
-        for s in self.slots:
-            s.param.data = _placeholder(self.shard)
+        for s in self.slots:  # views made while the storage is allocated (a re-binding is dropped)
+            s.param.data = self._view(s)
+            mark_sharded(s.param, self._param_name(s))
         _free(self.full)
         for buf in self.casts.values():
             _free(buf)
@@ -136,6 +141,9 @@ class ShardedUnit:
         total = self.full.untyped_storage().nbytes() if self.full is not None else 0
         return total + sum(b.untyped_storage().nbytes() for b in self.casts.values())
 
+    def _param_name(self, s: ParamSlot) -> str:
+        return s.name if not self.name or s.name.startswith(self.name + ".") else f"{self.name}.{s.name}"
+
     def _view(self, s: ParamSlot) -> torch.Tensor:
         return self.full[s.offset : s.offset + s.numel].view(s.shape)
 
@@ -157,10 +165,6 @@ def _allocate(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(nbytes)
 
 
-def _placeholder(like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=like.dtype, device=like.device)
-
-
 def shard_unit(
     name: str, named: list[tuple[str, nn.Parameter]], first_index: int, group_indices: list[int],
     rank: int, world_size: int, persistent: bool = False,
@@ -168,8 +172,8 @@ def shard_unit(
 ) -> ShardedUnit:
     """Lay out ``named`` (full, identical on every rank) as one unit and keep only shard ``rank``.
 
-    The parameters' ``.data`` become empty placeholders (or, for a persistent unit, views of a full
-    buffer kept gathered). Element i of the unit lives on rank ``i // (numel / world_size)``.
+    The parameters' ``.data`` become views of the unit's full buffer, released (no storage) unless the
+    unit is persistent (kept gathered). Element i of the unit lives on rank ``i // (numel / world_size)``.
     """
     slots: list[ParamSlot] = []
     cursor = 0
