@@ -22,6 +22,7 @@ import dist_worker  # noqa: E402  (shared helpers and the main loop)
 from dist_worker import STAGE3_DEFAULTS, MixedReference, err, rank, world  # noqa: E402
 
 import zerodp  # noqa: E402
+import zerodp.checkpoint  # noqa: E402
 from zerodp.runtime.guards import RefusedError  # noqa: E402
 
 SCENARIOS = dist_worker.SCENARIOS
@@ -340,27 +341,74 @@ def compiled_module(stage: int) -> dict:
 
 
 # ---- 8: memory format --------------------------------------------------------------------------------
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 3, 1)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(-1, 2, 2, 2).contiguous(memory_format=torch.channels_last)
+        return self.head(self.conv2(torch.tanh(self.conv(x))).mean((2, 3)))
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
 @scenario
 def channels_last(stage: int) -> dict:
-    class Conv(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = nn.Conv2d(2, 4, 3, padding=1)
-            self.head = nn.Linear(4, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.conv(x.view(-1, 2, 2, 2)).mean((2, 3)))
+    """Item 8: a channels_last conv weight keeps its memory format (values, strides) through initialize,
+    training, the accessors and a checkpoint round trip; training matches torch."""
+    import tempfile
 
     torch.manual_seed(11)
-    ref = Conv().to(memory_format=torch.channels_last)
+    ref = ConvNet().to(memory_format=torch.channels_last)
     model = copy.deepcopy(ref)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = zerodp.initialize(model, config(stage))
+    out: dict = {"warned": [str(w.message) for w in caught if "contiguous" in str(w.message)]}
+    w, rw = model.conv.weight, ref.conv.weight
+    out["strides_ref"] = list(rw.stride())
+    out["strides_after_init"] = list(w.stride())
+    with zerodp.zero.GatheredParameters([w], enabled=zerodp.zero.is_partitioned(w)):
+        out["values_after_init"] = err(w, rw)
+        out["cl_gathered"] = _channels_last(w)
+    seen: list[bool] = []
+    handle = model.conv.register_forward_pre_hook(lambda m, a: seen.append(_channels_last(m.weight)))
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.02)
-    train_both(engine, model, ref, ref_opt, range(2), 8, 2)
-    msgs = [str(w.message) for w in caught if "memory format" in str(w.message)]
-    return {"warned": msgs, "param_err": state_err(engine, ref)}
+    grad_err = 0.0
+    for step in range(2):
+        x, y = batch(step, 8, 2, MICRO * world())
+        ref_opt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        engine.backward(((engine(local(x)) - local(y)) ** 2).mean())
+        grad_err = max(grad_err, err(zerodp.zero.safe_get_full_grad(w), rw.grad))
+        if stage == 0:  # p.grad is the reduced gradient, in the parameter's memory format
+            grad_err = max(grad_err, err(w.grad, rw.grad))
+            out["grad_strides"] = list(w.grad.stride())
+        ref_opt.step()
+        engine.step()
+    handle.remove()
+    out["cl_in_forward"] = bool(seen) and all(seen)
+    out["grad_err"] = grad_err
+    out["strides_after_step"] = list(w.stride())
+    out["fp32_param_err"] = err(zerodp.zero.safe_get_full_fp32_param(w), rw)
+    out["param_err"] = state_err(engine, ref)
+    # checkpoint round trip into a fresh engine, and the consolidated state dict
+    box = [tempfile.mkdtemp(prefix="zerodp-cl-") if rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    engine.save_checkpoint(box[0], tag="cl")
+    torch.manual_seed(99)
+    fresh = ConvNet().to(memory_format=torch.channels_last)
+    engine2 = zerodp.initialize(fresh, config(stage))
+    engine2.load_checkpoint(box[0], tag="cl")
+    out["ckpt_err"] = state_err(engine2, ref)
+    full = zerodp.checkpoint.load_full_state_dict(f"{box[0]}", tag="cl")
+    out["consolidated_err"] = max(err(full[k], v) for k, v in ref.state_dict().items())
+    return out
 
 
 # ---- 9: register_external_parameter before initialize ------------------------------------------------

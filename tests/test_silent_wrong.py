@@ -118,10 +118,17 @@ def test_torch_compile_refused_at_stage3() -> None:
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_channels_last_warns_and_trains_right(stage: int) -> None:
+def test_channels_last_kept(stage: int) -> None:
+    """Item 8: memory format kept (strides, values), gradients mapped with the same strides."""
     for res in per_rank(stage, "channels_last"):
-        assert any("'conv.weight'" in m for m in res["warned"]), res["warned"]
-        assert res["param_err"] <= 1.0
+        assert res["warned"] == [], res["warned"]
+        assert res["strides_after_init"] == res["strides_ref"] == res["strides_after_step"]
+        assert res["strides_ref"] != [18, 9, 3, 1], "the reference is not channels_last"
+        assert res["values_after_init"] == 0.0 and res["cl_gathered"] and res["cl_in_forward"]
+        if stage == 0:
+            assert res["grad_strides"] == res["strides_ref"]
+        for k in ("grad_err", "fp32_param_err", "param_err", "ckpt_err", "consolidated_err"):
+            assert res[k] <= 1.0, f"{k}: {res[k]}"
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -24,9 +24,9 @@ The engine calls :meth:`TrainingGuards.before_forward`, :meth:`TrainingGuards.be
   parameter; a sparse gradient produced anyway is refused in the gradient hook.
 - ``torch.compile`` at stage 3 (a compiled module or submodule, or ``module.compile()``): refused,
   naming the module; stages 0-2 compose with ``torch.compile``.
-- ``channels_last`` (or any non-contiguous) parameter layout: the flat buffers hold parameters in
-  row-major order, so the layout is not kept; a ``UserWarning`` names each such parameter (values are
-  exact, convolutions may be slower).
+- ``channels_last`` (or any dense non-row-major) parameter layout: kept (see [Note: layout] in
+  :mod:`zerodp.runtime.partition`); a parameter that is not dense (a strided view) becomes contiguous
+  and a ``UserWarning`` names it (values are exact).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import Optional, Protocol
 import torch
 from torch import nn
 
-from zerodp.runtime.partition import FlatGroup
+from zerodp.runtime.partition import FlatGroup, memory_stride
 from zerodp.runtime.refusal import RefusedError
-from zerodp.stage3.ownership import OWNERS, is_partitioned
+from zerodp.stage3.ownership import OWNERS
 from zerodp.stage3.units import ShardState
 
 
@@ -88,12 +88,11 @@ def check_model_at_initialize(model: nn.Module, stage: int) -> None:
                 "compose with torch.compile)")
     names = _names(model)
     for p in model.parameters():
-        if p.dim() > 1 and not p.is_contiguous() and not is_partitioned(p):
+        if p.dim() > 1 and not p.is_contiguous() and memory_stride(p) is None:
             warnings.warn(
-                f"parameter '{names.get(id(p), '?')}' has a non-contiguous memory format (e.g. "
-                "channels_last); zerodp lays parameters out row-major in flat buffers, so after "
-                "initialize it is contiguous: values are unchanged, convolutions may be slower",
-                UserWarning, stacklevel=3)
+                f"parameter '{names.get(id(p), '?')}' is not dense (overlapping or with gaps, e.g. a "
+                "strided view); zerodp lays each parameter out densely in a flat buffer, so after "
+                "initialize it is contiguous: values are unchanged", UserWarning, stacklevel=3)
 
 
 def _is_compiled(m: nn.Module) -> bool:
@@ -199,8 +198,8 @@ class TrainingGuards:
                         f"parameter '{s.name}' was re-bound (p.data = ...) to a {s.param.dtype} tensor of shape "
                         f"{tuple(s.param.shape)}; zerodp keeps {base.dtype} {tuple(s.shape)}. Assign a tensor of "
                         "the same shape and dtype, or copy into it in place")
-                view.copy_(s.param.detach().reshape(-1))
-                s.param.data = view.view(s.shape)
+                view.copy_(s.flat_values(s.param.detach()))
+                s.param.data = s.view(view)
 
     def before_backward(self) -> None:
         self._check_unfrozen()

@@ -33,7 +33,7 @@ from torch.distributed import ProcessGroup, Work
 
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
-from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot
+from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot, memory_stride
 from zerodp.stage3.sharded_param import mark_sharded, mark_unsharded
 
 
@@ -130,7 +130,8 @@ class ShardedUnit:
             raise RuntimeError(f"unit '{self.name}' does not own the parameter being cast")
         buf = self.casts.get((pos, dtype))
         if buf is None:
-            buf = torch.empty(self.slots[pos].shape, dtype=dtype, device=self.shard.device)
+            s = self.slots[pos]
+            buf = torch.empty_strided(s.shape, s.stride or _row_major(s.shape), dtype=dtype, device=self.shard.device)
             self.casts[(pos, dtype)] = buf
         with torch.no_grad():
             buf.copy_(self._view(self.slots[pos]))
@@ -145,13 +146,21 @@ class ShardedUnit:
         return s.name if not self.name or s.name.startswith(self.name + ".") else f"{self.name}.{s.name}"
 
     def _view(self, s: ParamSlot) -> torch.Tensor:
-        return self.full[s.offset : s.offset + s.numel].view(s.shape)
+        return s.view(self.full[s.offset : s.offset + s.numel])
 
     def write_back(self) -> None:
         """Copy this rank's slice of the (possibly edited) full parameters into its shard."""
         assert self.full is not None
         lo = self.rank * self.shard.numel()
         self.shard.copy_(self.full[lo : lo + self.shard.numel()])
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    out, acc = [], 1
+    for size in reversed(shape):
+        out.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(out))
 
 
 def _free(t: Optional[torch.Tensor]) -> None:
@@ -178,13 +187,13 @@ def shard_unit(
     slots: list[ParamSlot] = []
     cursor = 0
     for i, ((pname, p), gi) in enumerate(zip(named, group_indices)):
-        slots.append(ParamSlot(pname, p, first_index + i, cursor, p.numel(), p.shape, gi))
+        slots.append(ParamSlot(pname, p, first_index + i, cursor, p.numel(), p.shape, gi, memory_stride(p)))
         cursor += p.numel()
     padded = max(-(-cursor // world_size) * world_size, world_size)
     bucket = Bucket(0, 0, padded, slots, world_size)
     full = torch.zeros(padded, dtype=named[0][1].dtype, device=named[0][1].device)
     for s in slots:
-        full[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        full[s.offset : s.offset + s.numel].copy_(s.flat_values(s.param.detach()))
     if sync is not None:
         sync(full)  # e.g. broadcast from rank 0 so every rank shards the same values
     shard_numel = padded // world_size
@@ -193,7 +202,7 @@ def shard_unit(
     unit = ShardedUnit(name, group, rank, world_size, persistent=persistent)
     unit.full = full
     for s in slots:
-        s.param.data = full[s.offset : s.offset + s.numel].view(s.shape)
+        s.param.data = s.view(full[s.offset : s.offset + s.numel])
     unit.state = ShardState.UNSHARDED
     if not persistent:
         unit.release()
