@@ -345,7 +345,7 @@ class ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(2, 4, 3, padding=1)
-        self.conv2 = nn.Conv2d(4, 3, 1)
+        self.conv2 = nn.Conv2d(4, 3, 3, padding=1)  # frozen: kept as it is, checkpointed from model_extra
         self.head = nn.Linear(3, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -365,6 +365,7 @@ def channels_last(stage: int) -> dict:
 
     torch.manual_seed(11)
     ref = ConvNet().to(memory_format=torch.channels_last)
+    ref.conv2.requires_grad_(False)
     model = copy.deepcopy(ref)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -373,6 +374,7 @@ def channels_last(stage: int) -> dict:
     w, rw = model.conv.weight, ref.conv.weight
     out["strides_ref"] = list(rw.stride())
     out["strides_after_init"] = list(w.stride())
+    out["frozen_strides"] = [list(model.conv2.weight.stride()), list(ref.conv2.weight.stride())]
     with zerodp.zero.GatheredParameters([w], enabled=zerodp.zero.is_partitioned(w)):
         out["values_after_init"] = err(w, rw)
         out["cl_gathered"] = _channels_last(w)
@@ -403,6 +405,7 @@ def channels_last(stage: int) -> dict:
     engine.save_checkpoint(box[0], tag="cl")
     torch.manual_seed(99)
     fresh = ConvNet().to(memory_format=torch.channels_last)
+    fresh.conv2.requires_grad_(False)
     engine2 = zerodp.initialize(fresh, config(stage))
     engine2.load_checkpoint(box[0], tag="cl")
     out["ckpt_err"] = state_err(engine2, ref)

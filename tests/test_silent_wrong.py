@@ -123,6 +123,7 @@ def test_channels_last_kept(stage: int) -> None:
     for res in per_rank(stage, "channels_last"):
         assert res["warned"] == [], res["warned"]
         assert res["strides_after_init"] == res["strides_ref"] == res["strides_after_step"]
+        assert res["frozen_strides"][0] == res["frozen_strides"][1]
         assert res["strides_ref"] != [18, 9, 3, 1], "the reference is not channels_last"
         assert res["values_after_init"] == 0.0 and res["cl_gathered"] and res["cl_in_forward"]
         if stage == 0:
