@@ -94,7 +94,9 @@ def test_add_param_group_is_refused(stage: int) -> None:
 @pytest.mark.parametrize("stage", STAGES)
 def test_parameter_reused_under_checkpoint(stage: int, reentrant: bool) -> None:
     name = "checkpoint_reuse_reentrant" if reentrant else "checkpoint_reuse_non_reentrant"
-    for res in per_rank(stage, name):
+    results = per_rank(stage, name)
+    assert len({res["digest"] for res in results}) == 1, "ranks ended with different parameters"
+    for res in results:
         assert res["param_err"] <= 1.0, f"differs from torch without checkpointing ({res['param_err']})"
 
 
@@ -109,6 +111,12 @@ def test_sparse_gradients_refused_at_initialize(stage: int) -> None:
     for res in per_rank(stage, "sparse_embedding"):
         assert_refused(res, "'emb.weight'", "sparse=True", "sparse=False")
         assert res["unchanged"]
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2))
+def test_torch_compile_trains_right_at_stages_0_to_2(stage: int) -> None:
+    for res in per_rank(stage, "compiled_module"):
+        assert res["compiled"] and res["param_err"] <= 1.0, res
 
 
 def test_torch_compile_refused_at_stage3() -> None:
