@@ -46,6 +46,17 @@ def err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs() / (ATOL + RTOL * b.abs())).max().item()
 
 
+def held_elements(params) -> int:
+    """Elements of parameter storage alive now, each storage once, read from the storages themselves
+    (a stage-3 parameter keeps its full shape while its storage holds 0 bytes)."""
+    held: dict[int, int] = {}
+    for p in params:
+        st = p.untyped_storage()
+        if st.nbytes() > 0:
+            held[st.data_ptr()] = st.nbytes() // p.element_size()
+    return sum(held.values())
+
+
 def rank() -> int:
     return dist.get_rank()
 
@@ -238,7 +249,7 @@ def compare_training(
         torch.manual_seed(1234)
         with zerodp.zero.Init(config=config):
             model = model_fn()
-        extra["held_after_init"] = sum(p.data.numel() for p in model.parameters())
+        extra["held_after_init"] = held_elements(model.parameters())
         if freeze is not None:
             freeze(model)
     elif rank_seed:

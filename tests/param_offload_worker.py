@@ -247,7 +247,8 @@ def init_straight_to_nvme() -> dict:
     with zerodp.zero.Init(config=cfg) as zi:
         model = Wide()
     live = sum(s.storage_bytes() for s in zi.swapper.shards)
-    held = sum(p.data.numel() for m in model.children() for p in m.parameters(recurse=True))
+    # live storage of the children's parameters (a partitioned parameter keeps its full shape, no storage)
+    held = sum(p.untyped_storage().nbytes() for m in model.children() for p in m.parameters(recurse=True))
     engine = zerodp.initialize(model, cfg)
     adopted = engine.param_offload.swapper is zi.swapper
     engine.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import zlib
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -22,6 +23,7 @@ import dist_worker  # noqa: E402  (shared helpers and the main loop)
 from dist_worker import STAGE3_DEFAULTS, MixedReference, err, rank, world  # noqa: E402
 
 import zerodp  # noqa: E402
+import zerodp.checkpoint  # noqa: E402
 from zerodp.runtime.guards import RefusedError  # noqa: E402
 
 SCENARIOS = dist_worker.SCENARIOS
@@ -126,15 +128,22 @@ def edit_between_steps_fp32(stage: int) -> dict:
     ref[2].bias.data = new_bias.clone()
     train_both(engine, model, ref, ref_opt, range(4, 6), 8, 2)
     out = {"param_err": state_err(engine, ref)}
-    if stage == 3:  # an edit of a partitioned parameter outside GatheredParameters must not vanish
-        x, y = batch(9, 8, 2, MICRO * world())
-        model[0].weight.data = torch.zeros(8, 8)
-        rebound = refusal(lambda: engine(local(x)))
-        out["rebound_refused"], out["rebound_message"] = rebound["refused"], rebound["message"]
-        model[0].weight.data = torch.empty(0)  # back to the placeholder
-        with torch.no_grad():
-            model[0].weight.mul_(0.5)
-        out.update(refusal(lambda: engine(local(x))))
+    if stage == 3:  # an edit or use of a partitioned parameter outside GatheredParameters must raise
+        w = model[0].weight
+        before = engine.module_state_dict()
+
+        def in_place() -> None:
+            with torch.no_grad():
+                w.mul_(0.5)
+
+        attempts = {"rebind": lambda: setattr(w, "data", torch.zeros(8, 8)), "in_place": in_place,
+                    "data_in_place": lambda: w.data.mul_(2), "compute": lambda: w @ torch.ones(8),
+                    "init": lambda: nn.init.zeros_(w), "detach_copy": lambda: w.detach().clone()}
+        out["attempts"] = {k: refusal(fn) for k, fn in attempts.items()}
+        after = engine.module_state_dict()
+        out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+        train_both(engine, model, ref, ref_opt, range(6, 8), 8, 2)  # training goes on, right
+        out["param_err_after"] = state_err(engine, ref)
     return out
 
 
@@ -289,7 +298,11 @@ def _reuse(stage: int, reentrant: bool) -> dict:
     engine = zerodp.initialize(model, config(stage, zero={"reduce_bucket_size": 40}))
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.02)
     train_both(engine, model, ref, ref_opt, range(3), 8, 2)
-    return {"param_err": state_err(engine, ref)}
+    # each rank's own copy (stages 0-2 hold every parameter; stage 3 its assembled state): bit-identical
+    own = ([p.detach() for p in model.parameters()] if stage < 3
+           else list(engine.module_state_dict().values()))
+    digest = zlib.crc32(b"".join(t.contiguous().numpy().tobytes() for t in own))
+    return {"param_err": state_err(engine, ref), "digest": digest}
 
 
 @scenario
@@ -321,8 +334,15 @@ def sparse_embedding(stage: int) -> dict:
 # ---- 7: torch.compile at stage 3 ---------------------------------------------------------------------
 @scenario
 def compiled_module(stage: int) -> dict:
-    if stage != 3:
-        return {"skipped": True}
+    if stage != 3:  # stages 0-2 compose with torch.compile: trained as torch trains the same model
+        torch.manual_seed(11)
+        ref = mlp()
+        model = copy.deepcopy(ref)
+        engine = zerodp.initialize(torch.compile(model, backend="aot_eager"), config(stage))
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=0.02)
+        train_both(engine, model, ref, ref_opt, range(2), 8, 2)
+        full = {k.removeprefix("_orig_mod."): v for k, v in engine.module_state_dict().items()}
+        return {"param_err": max(err(full[k], v) for k, v in ref.state_dict().items()), "compiled": True}
     model = mlp()
     out = refusal(lambda: zerodp.initialize(torch.compile(model, backend="aot_eager"), config(stage)))
     sub = mlp()
@@ -333,27 +353,77 @@ def compiled_module(stage: int) -> dict:
 
 
 # ---- 8: memory format --------------------------------------------------------------------------------
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 3, 3, padding=1)  # frozen: kept as it is, checkpointed from model_extra
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(-1, 2, 2, 2).contiguous(memory_format=torch.channels_last)
+        return self.head(self.conv2(torch.tanh(self.conv(x))).mean((2, 3)))
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
 @scenario
 def channels_last(stage: int) -> dict:
-    class Conv(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = nn.Conv2d(2, 4, 3, padding=1)
-            self.head = nn.Linear(4, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.conv(x.view(-1, 2, 2, 2)).mean((2, 3)))
+    """Item 8: a channels_last conv weight keeps its memory format (values, strides) through initialize,
+    training, the accessors and a checkpoint round trip; training matches torch."""
+    import tempfile
 
     torch.manual_seed(11)
-    ref = Conv().to(memory_format=torch.channels_last)
+    ref = ConvNet().to(memory_format=torch.channels_last)
+    ref.conv2.requires_grad_(False)
     model = copy.deepcopy(ref)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = zerodp.initialize(model, config(stage))
+    out: dict = {"warned": [str(w.message) for w in caught if "contiguous" in str(w.message)]}
+    w, rw = model.conv.weight, ref.conv.weight
+    out["strides_ref"] = list(rw.stride())
+    out["strides_after_init"] = list(w.stride())
+    out["frozen_strides"] = [list(model.conv2.weight.stride()), list(ref.conv2.weight.stride())]
+    with zerodp.zero.GatheredParameters([w], enabled=zerodp.zero.is_partitioned(w)):
+        out["values_after_init"] = err(w, rw)
+        out["cl_gathered"] = _channels_last(w)
+    seen: list[bool] = []
+    handle = model.conv.register_forward_pre_hook(lambda m, a: seen.append(_channels_last(m.weight)))
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.02)
-    train_both(engine, model, ref, ref_opt, range(2), 8, 2)
-    msgs = [str(w.message) for w in caught if "memory format" in str(w.message)]
-    return {"warned": msgs, "param_err": state_err(engine, ref)}
+    grad_err = 0.0
+    for step in range(2):
+        x, y = batch(step, 8, 2, MICRO * world())
+        ref_opt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        engine.backward(((engine(local(x)) - local(y)) ** 2).mean())
+        grad_err = max(grad_err, err(zerodp.zero.safe_get_full_grad(w), rw.grad))
+        if stage == 0:  # p.grad is the reduced gradient, in the parameter's memory format
+            grad_err = max(grad_err, err(w.grad, rw.grad))
+            out["grad_strides"] = list(w.grad.stride())
+        ref_opt.step()
+        engine.step()
+    handle.remove()
+    out["cl_in_forward"] = bool(seen) and all(seen)
+    out["grad_err"] = grad_err
+    out["strides_after_step"] = list(w.stride())
+    out["fp32_param_err"] = err(zerodp.zero.safe_get_full_fp32_param(w), rw)
+    out["param_err"] = state_err(engine, ref)
+    # checkpoint round trip into a fresh engine, and the consolidated state dict
+    box = [tempfile.mkdtemp(prefix="zerodp-cl-") if rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    engine.save_checkpoint(box[0], tag="cl")
+    torch.manual_seed(99)
+    fresh = ConvNet().to(memory_format=torch.channels_last)
+    fresh.conv2.requires_grad_(False)
+    engine2 = zerodp.initialize(fresh, config(stage))
+    engine2.load_checkpoint(box[0], tag="cl")
+    out["ckpt_err"] = state_err(engine2, ref)
+    full = zerodp.checkpoint.load_full_state_dict(f"{box[0]}", tag="cl")
+    out["consolidated_err"] = max(err(full[k], v) for k, v in ref.state_dict().items())
+    return out
 
 
 # ---- 9: register_external_parameter before initialize ------------------------------------------------
@@ -385,6 +455,90 @@ def external_declared_in_init(stage: int) -> dict:
         out["registered"] = any(s.param is model.side.weight for u in needed for s in u.slots)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.02)
     train_both(engine, model, ref, ref_opt, range(3), 8, 2)
+    out["param_err"] = state_err(engine, ref)
+    return out
+
+
+# ---- 10: shape-based optimizer groups (nanoGPT's configure_optimizers) after zero.Init ---------------
+class NanoBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 2 * d)
+        self.proj = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(torch.tanh(self.fc(self.ln(x))))
+
+
+class Nano(nn.Module):
+    """nanoGPT's shape: embeddings, blocks with LayerNorm and Linear, a tied head, _init_weights."""
+
+    def __init__(self, vocab: int = 11, d: int = 8) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(4, d)
+        self.h = nn.ModuleList(NanoBlock(d) for _ in range(2))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.2)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for blk in self.h:
+            x = blk(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def nano_groups(model: nn.Module) -> tuple[list[dict], list[list[str]], int]:
+    """nanoGPT's configure_optimizers: weight decay for every parameter with dim >= 2."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    decay = {n: p for n, p in params.items() if p.dim() >= 2}
+    no_decay = {n: p for n, p in params.items() if p.dim() < 2}
+    groups = [{"params": list(decay.values()), "weight_decay": 0.5},
+              {"params": list(no_decay.values()), "weight_decay": 0.0}]
+    return groups, [list(decay), list(no_decay)], sum(p.numel() for p in params.values())
+
+
+@scenario
+def nanogpt_groups_after_init(stage: int) -> dict:
+    cfg = config(stage)
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.5}}
+    torch.manual_seed(11)
+    ref = Nano()
+    torch.manual_seed(11)
+    with zerodp.zero.Init(config=cfg, enabled=stage == 3):
+        model = Nano()
+    shapes_ok = all(p.shape == rp.shape and p.dim() == rp.dim()
+                    for p, rp in zip(model.parameters(), ref.parameters()))
+    groups, names, numel = nano_groups(model)
+    ref_groups, ref_names, ref_numel = nano_groups(ref)
+    engine = zerodp.initialize(model, cfg, model_parameters=groups)
+    ref_opt = torch.optim.AdamW(ref_groups, lr=0.02)
+    out: dict = {"names": names, "ref_names": ref_names, "numel": numel, "ref_numel": ref_numel}
+    for step in range(2):
+        g = torch.Generator().manual_seed(900 + step)
+        idx = torch.randint(0, 11, (MICRO * world(), 4), generator=g)
+        tgt = torch.randint(0, 11, (MICRO * world(), 4), generator=g)
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(idx).flatten(0, 1), tgt.flatten()).backward()
+        ref_opt.step()
+        engine.backward(nn.functional.cross_entropy(engine(local(idx)).flatten(0, 1), local(tgt).flatten()))
+        engine.step()
+    # after training: full metadata, while the partitioned ones hold no storage (read from the storage)
+    params = list(model.parameters())
+    out["shapes_ok"] = shapes_ok and all(p.shape == rp.shape and p.numel() == rp.numel()
+                                         for p, rp in zip(params, ref.parameters()))
+    out["storage_free"] = sum(p.untyped_storage().nbytes() == 0 for p in params)
+    out["partitioned"] = sum(zerodp.zero.is_partitioned(p) for p in params)
     out["param_err"] = state_err(engine, ref)
     return out
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerodp
-from dist_worker import rank, world
+from dist_worker import held_elements, rank, world
 
 SCENARIOS: dict[str, Callable[[], dict]] = {}
 
@@ -392,7 +392,7 @@ def init_case(model_fn: Callable[[], nn.Module]) -> dict:
     torch.manual_seed(7)
     with zerodp.zero.Init(config=cfg) as init:
         model = model_fn()
-    held = sum(p.data.numel() for p in model.parameters())
+    held = held_elements(model.parameters())
     engine = zerodp.initialize(model, cfg)
     got = engine.module_state_dict()
     std = {k: v.std().item() for k, v in expected.items() if k.endswith("weight") and v.dim() == 2}

@@ -26,6 +26,7 @@ from torch import nn
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.partition import FlatGroup, ParamSlot, Piece
+from zerodp.stage3.sharded_param import is_sharded
 
 #: optimizer-state keys that hold one value per parameter element (torch Adam/AdamW).
 ELEMENTWISE_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -97,7 +98,7 @@ def _assemble(engine: AccessedEngine, s: ParamSlot, fill: Callable[[torch.Tensor
             comm.all_reduce(buf, engine.process_group, engine.ledger, "accessors")
     if buf[-1].item() == 0:
         return None
-    return buf[:-1].view(s.shape).clone()
+    return s.view(buf[:-1]).clone()
 
 
 def _copy_pieces(s: ParamSlot, pieces: list[Piece], full: torch.Tensor,
@@ -164,7 +165,7 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor:
         elif engine.stage >= 1:  # the owned ranges only (pieces), so that the sum counts each element once
             _copy_pieces(s, _pieces(g, s), full, lambda pc: pc.tensor)
         else:
-            full.copy_(param.detach().reshape(-1).float())
+            full.copy_(s.flat_values(param.detach()).float())
         _copy_pieces(s, _pieces(g, s), full, lambda pc: pc.master)
         return True
 
@@ -203,7 +204,7 @@ def _check_value(s: ParamSlot, value: torch.Tensor, what: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(s.shape):
         raise ValueError(f"{what}: value must be a tensor of the parameter's full shape {tuple(s.shape)}, "
                          f"got {getattr(value, 'shape', type(value).__name__)}")
-    return value.detach().reshape(-1).float()
+    return s.flat_values(value.detach().float())
 
 
 def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
@@ -234,10 +235,10 @@ def _set_fp32(engine: AccessedEngine, g: FlatGroup, s: ParamSlot, param: nn.Para
         r = _shard_range(g, s)
         if r is not None:
             g.buffer[r[0] - g.shard_offset : r[1] - g.shard_offset] = flat[r[0] - s.offset : r[1] - s.offset]
-        if param.numel() == s.numel:  # gathered right now (persistent or inside a forward)
-            param.data.copy_(flat.view(s.shape).to(param.dtype))
+        if not is_sharded(param):  # gathered right now (persistent or inside a forward)
+            param.data.copy_(s.view(flat).to(param.dtype))
     else:
-        param.data.copy_(flat.view(s.shape).to(param.dtype))
+        param.data.copy_(s.view(flat).to(param.dtype))
 
 
 def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:

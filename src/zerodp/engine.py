@@ -133,7 +133,7 @@ class Engine:
                 self.offload.attach(self.groups)
         self._register_master_refresh()
         if self.stage == 3 or self.precision.has_master:
-            why = ("stage 3 keeps each parameter as a shard; the module's parameters are empty placeholders"
+            why = ("stage 3 keeps each parameter as a shard; outside forward the module's parameters hold no values"
                    if self.stage == 3 else "the next step would copy the fp32 master weights back over them")
             self._load_guards = guard_module_load_state_dict(module, why)
 

@@ -137,10 +137,12 @@ class Init:
     Under ``with zerodp.zero.Init(config=ds_config):``, each submodule's own parameters (those not
     smaller than ``stage3_param_persistence_threshold``) are broadcast from rank 0 and partitioned as
     soon as the submodule is assigned to its parent (its ``__init__`` has finished by then): every rank
-    keeps only its shard and the parameter's ``.data`` becomes an empty placeholder, while its
-    ``shape`` is kept by the shard's layout. Parameters of the root module itself, and small ones, are
-    partitioned later by :func:`zerodp.initialize`. With ``offload_param.device: nvme`` each new shard is
-    written to a swap file at once and its memory freed (the engine adopts it). The only hook used is torch's own module
+    keeps only its shard, and the parameter keeps its full shape, dtype and numel but holds no storage
+    (see :mod:`zerodp.stage3.sharded_param`): shape-based code such as nanoGPT's ``p.dim() >= 2``
+    weight-decay groups sees the same model as without ``Init``. Parameters of the root module itself,
+    and small ones, are partitioned later by :func:`zerodp.initialize`. With ``offload_param.device:
+    nvme`` each new shard is written to a swap file at once and its memory freed (the engine adopts
+    it). The only hook used is torch's own module
     registration hook, installed on ``__enter__`` and removed on ``__exit__`` (nothing is patched).
 
     Code that changes a submodule's weights after it was assigned (HF's ``post_init()``,

@@ -47,7 +47,7 @@ be on a filesystem that every rank sees (a shared one for multi-node runs).
 (which pieces a rank writes, where loaded values go, how to get full values). Stages 0-2 share
 :class:`ReplicatedParamsLayout`; stage 3 uses :class:`ShardedParamsLayout`. At stage 3 every parameter
 (frozen ones too) lives in a :class:`~zerodp.stage3.units.ShardedUnit` whose flat group's ``buffer`` is this
-rank's shard, and a sharded parameter's ``.data`` is an empty placeholder (its shape is the slot's). The
+rank's shard, and a sharded parameter holds no values (it keeps the slot's shape, not its storage). The
 pieces are the optimizer's, exactly as at stages 1-2; loading fills each slot's intersection with this
 rank's shard (frozen slots from ``model_extra``); frozen parameters are gathered unit by unit to be
 saved, and full values are read unit by unit under ``zero.GatheredParameters``. Loading releases units

@@ -75,7 +75,7 @@ def full_master_values(engine: Engine) -> dict[int, torch.Tensor]:
         if engine.stage > 0 and engine.world_size > 1:
             comm.all_reduce(full, engine.process_group, engine.ledger, "checkpoint")
         for s in slots:
-            out[id(s.param)] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
+            out[id(s.param)] = s.view(full[s.offset : s.offset + s.numel]).clone()
     return out
 
 _NOT_JSON = object()
@@ -135,7 +135,9 @@ def describe_model(engine: Engine) -> tuple[list[TensorRecord], list[TensorRecor
         name, shape = (s.name, s.shape) if s is not None else (names[0], t.shape)
         rec = TensorRecord(name=name, aliases=[name] + [n for n in names if n != name], shape=list(shape),
                            numel=prod(list(shape)), dtype=dtype_name(t.dtype),
-                           requires_grad=bool(t.requires_grad), trained=i in trained_ids)
+                           requires_grad=bool(t.requires_grad), trained=i in trained_ids,
+                           strides=list(s.stride) if s is not None and s.stride is not None and i in trained_ids
+                           else None)  # trained values are stored in slot order; others as tensors
         (params if i in param_ids else buffers).append(rec)
     return params, buffers, list(sd.keys())
 

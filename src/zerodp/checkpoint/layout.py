@@ -7,7 +7,7 @@ Stages 0-2 share :class:`ReplicatedParamsLayout`; stage 3 uses :class:`ShardedPa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 
@@ -16,7 +16,7 @@ from zerodp.checkpoint.engine_state import (full_master_values, keyed_like_state
 from zerodp.checkpoint.format import value_dtype
 from zerodp.checkpoint.protocol import CheckpointableEngine as Engine
 from zerodp.runtime import comm
-from zerodp.runtime.partition import Piece
+from zerodp.runtime.partition import ParamSlot, Piece
 from zerodp.stage3.units import ShardState
 from zerodp.zero import GatheredParameters
 
@@ -30,6 +30,9 @@ class Target:
     start: int
     end: int
     tensor: torch.Tensor
+    #: set when the stored values are row-major but ``tensor`` holds them in this slot's memory order
+    #: (a frozen ``channels_last`` parameter at stage 3): the range is taken after reordering
+    reorder: Optional[ParamSlot] = None
 
 
 class CheckpointLayout(Protocol):
@@ -105,12 +108,14 @@ class ShardedParamsLayout:
 
     def value_targets(self, engine: Engine) -> list[Target]:
         out = []
+        trained = {id(s.param) for s in trained_slots(engine)}
         for g in engine.groups:
             base, end = g.shard_offset, g.shard_offset + g.buffer.numel()  # the shard, in unit coordinates
             for s in g.slots:
                 lo, hi = max(base, s.offset), min(end, s.offset + s.numel)
                 if lo < hi:
-                    out.append(Target(s.name, lo - s.offset, hi - s.offset, g.buffer[lo - base : hi - base]))
+                    reorder = s if s.stride is not None and id(s.param) not in trained else None
+                    out.append(Target(s.name, lo - s.offset, hi - s.offset, g.buffer[lo - base : hi - base], reorder))
         return out
 
     def extra_values(self, engine: Engine) -> dict[str, torch.Tensor]:

@@ -58,6 +58,12 @@ def check_compatible(meta: CheckpointMeta, engine: Engine) -> None:
         elif a.shape != b.shape:
             problems.append(f"{kind_mine[k]} {k!r} has shape {a.shape} in the checkpoint but {b.shape} in the "
                             "model")
+        elif a.strides != b.strides and a.trained and b.trained:
+            problems.append(f"parameter {k!r} was saved in the element order of strides {a.strides} but the "
+                            f"model's has strides {b.strides} (None: row-major); give the parameter the "
+                            "memory format it had when saved (e.g. model.to(memory_format=torch.channels_last)) "
+                            "before zerodp.initialize, or load zerodp.checkpoint.load_full_state_dict(...) "
+                            "with engine.load_module_state_dict")
         elif kind_mine[k] == "parameter" and a.requires_grad != b.requires_grad:
             problems.append(f"parameter {k!r} has requires_grad={a.requires_grad} in the checkpoint but "
                             f"{b.requires_grad} in the model")
@@ -88,7 +94,12 @@ class _StagedLoad:
 def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointReader) -> _StagedLoad:
     named: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, live tensor, new values)
     for t in layout.value_targets(engine):
-        named.append((t.name, t.tensor, reader.read_values(t.name, t.start, t.end).reshape(t.tensor.shape)))
+        if t.reorder is not None:  # stored row-major, held in the slot's memory order
+            full = reader.read_values(t.name, 0, t.reorder.numel).reshape(t.reorder.shape)
+            new = t.reorder.flat_values(full)[t.start : t.end]
+        else:
+            new = reader.read_values(t.name, t.start, t.end)
+        named.append((t.name, t.tensor, new.reshape(t.tensor.shape)))
     for name, live in layout.extra_targets(engine).items():
         named.append((name, live, reader.read_values(name, 0, live.numel()).reshape(live.shape)))
     theirs, mine = reader.meta.effective_precision(), engine_precision(engine)

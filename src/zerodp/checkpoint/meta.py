@@ -80,6 +80,15 @@ class TensorRecord(_Record):
     dtype: str  # the module's dtype, e.g. "float32"
     requires_grad: bool
     trained: bool
+    #: element order of the stored values: the parameter's strides when it is dense but not row-major
+    #: (``channels_last``, see ParamSlot.view); None (and in older checkpoints): row-major
+    strides: Optional[list[int]] = None
+
+    def unflatten(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (1-D, ``numel``, in stored order) as a tensor of ``shape`` (in its memory format)."""
+        if self.strides is None:
+            return values.reshape(self.shape)
+        return values.contiguous().as_strided(self.shape, self.strides)
 
 
 class GroupRecord(_Record):

@@ -214,7 +214,7 @@ class CheckpointReader:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors keyed like the saved module's ``state_dict()`` (tied names as separate copies):
         trained parameters in fp32, frozen parameters and buffers in their dtype."""
-        full = {r.name: self.read_values(r.name, 0, r.numel).reshape(r.shape) for r in self.records.values()}
+        full = {r.name: r.unflatten(self.read_values(r.name, 0, r.numel)) for r in self.records.values()}
         out: dict[str, torch.Tensor] = {}
         for k in self.meta.state_dict_keys:
             name = self.canonical[k]

@@ -10,24 +10,24 @@ The engine calls :meth:`TrainingGuards.before_forward`, :meth:`TrainingGuards.be
 - In-place edits of the module's parameters outside the optimizer (EMA, re-tying, re-initialising a
   head): with fp32 master weights (bf16/fp16, or any precision with ``offload_optimizer``), a
   module-dtype value that no longer equals its master's cast is copied into the master before the
-  update, so the edit is kept (stages 0-3; offloaded masters through the offload's ``fold_edits``). At stage 3 the
-  persistent (always gathered) parameters' edits are written back into this rank's shard; an in-place
-  edit of a *partitioned* parameter (its ``.data`` is an empty placeholder) is detected by its version
-  counter and refused at the next forward/backward/step: such edits must be made inside
-  ``zerodp.zero.GatheredParameters(params, modifier_rank=0)``. (An in-place edit through ``p.data``
-  of a placeholder bypasses the version counter and cannot be seen.)
+  update, so the edit is kept (stages 0-3; offloaded masters through the offload's ``fold_edits``). At
+  stage 3 the persistent (always gathered) parameters' edits are written back into this rank's shard.
+  An in-place edit (also through ``p.data``), re-binding or any compute on a *partitioned* parameter
+  while its unit is released is refused when attempted, by its type
+  (:class:`~zerodp.stage3.sharded_param.ShardedParameter`); such edits must be made inside
+  ``zerodp.zero.GatheredParameters(params, modifier_rank=0)``. A version-counter check at the next
+  forward/backward/step remains as a second line.
 - Re-binding ``p.data = new_tensor`` (same shape and dtype) between steps: adopted (copied into the
-  flat buffer, or the stage-3 persistent buffer, and ``p`` pointed back at it); at stage 3, re-binding a
-  partitioned parameter is refused like an in-place edit.
+  flat buffer, or the stage-3 persistent buffer, and ``p`` pointed back at it).
 - ``engine.optimizer.add_param_group`` after ``initialize``: refused (the new parameters would have no
   partition and no gradient reduction).
 - Sparse gradients (``nn.Embedding(..., sparse=True)``): refused at ``initialize``, naming the
   parameter; a sparse gradient produced anyway is refused in the gradient hook.
 - ``torch.compile`` at stage 3 (a compiled module or submodule, or ``module.compile()``): refused,
   naming the module; stages 0-2 compose with ``torch.compile``.
-- ``channels_last`` (or any non-contiguous) parameter layout: the flat buffers hold parameters in
-  row-major order, so the layout is not kept; a ``UserWarning`` names each such parameter (values are
-  exact, convolutions may be slower).
+- ``channels_last`` (or any dense non-row-major) parameter layout: kept (see [Note: layout] in
+  :mod:`zerodp.runtime.partition`); a parameter that is not dense (a strided view) becomes contiguous
+  and a ``UserWarning`` names it (values are exact).
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from typing import Optional, Protocol
 import torch
 from torch import nn
 
-from zerodp.runtime.partition import FlatGroup
-from zerodp.stage3.ownership import OWNERS, is_partitioned
+from zerodp.runtime.partition import FlatGroup, memory_stride
+from zerodp.runtime.refusal import RefusedError
+from zerodp.stage3.ownership import OWNERS
 from zerodp.stage3.units import ShardState
 
 
@@ -60,10 +61,6 @@ class GuardedEngine(Protocol):
     stage: int
     groups: list[FlatGroup]
     optimizer: torch.optim.Optimizer
-
-
-class RefusedError(RuntimeError):
-    """A use that zerodp would otherwise train wrongly with; the message says what to do instead."""
 
 
 def _names(module: nn.Module) -> dict[int, str]:
@@ -92,12 +89,11 @@ def check_model_at_initialize(model: nn.Module, stage: int) -> None:
                 "compose with torch.compile)")
     names = _names(model)
     for p in model.parameters():
-        if p.dim() > 1 and not p.is_contiguous() and not is_partitioned(p):
+        if p.dim() > 1 and not p.is_contiguous() and memory_stride(p) is None:
             warnings.warn(
-                f"parameter '{names.get(id(p), '?')}' has a non-contiguous memory format (e.g. "
-                "channels_last); zerodp lays parameters out row-major in flat buffers, so after "
-                "initialize it is contiguous: values are unchanged, convolutions may be slower",
-                UserWarning, stacklevel=3)
+                f"parameter '{names.get(id(p), '?')}' is not dense (overlapping or with gaps, e.g. a "
+                "strided view); zerodp lays each parameter out densely in a flat buffer, so after "
+                "initialize it is contiguous: values are unchanged", UserWarning, stacklevel=3)
 
 
 def _is_compiled(m: nn.Module) -> bool:
@@ -148,16 +144,11 @@ class TrainingGuards:
     def _check_partitioned_edits(self) -> None:
         for (name, p, unit), v in zip(self._partitioned, self._versions):
             sharded = unit.state is ShardState.SHARDED  # type: ignore[attr-defined]
-            if sharded and p.numel() != 0:
-                raise RefusedError(
-                    f"parameter '{name}' was re-bound (p.data = ...) while partitioned (ZeRO stage 3); the "
-                    "next gather would discard it. Edit it inside `with zerodp.zero.GatheredParameters("
-                    "[param], modifier_rank=0):` (in place, e.g. param.copy_(value))")
             if (p._version != v and sharded
                     and getattr(p, ACK_ATTR, None) != p._version):
                 raise RefusedError(
                     f"parameter '{name}' was modified in place while partitioned (ZeRO stage 3: outside a "
-                    "forward its .data is an empty placeholder, so the edit did nothing). Make the edit "
+                    "forward this rank holds only a shard, so the edit would be lost). Make the edit "
                     f"inside `with zerodp.zero.GatheredParameters([param], modifier_rank=0):`")
         self.record_versions()
 
@@ -208,8 +199,8 @@ class TrainingGuards:
                         f"parameter '{s.name}' was re-bound (p.data = ...) to a {s.param.dtype} tensor of shape "
                         f"{tuple(s.param.shape)}; zerodp keeps {base.dtype} {tuple(s.shape)}. Assign a tensor of "
                         "the same shape and dtype, or copy into it in place")
-                view.copy_(s.param.detach().reshape(-1))
-                s.param.data = view.view(s.shape)
+                view.copy_(s.flat_values(s.param.detach()))
+                s.param.data = s.view(view)
 
     def before_backward(self) -> None:
         self._check_unfrozen()

@@ -2,8 +2,8 @@
 
 An engine does not keep parameters where ``module.load_state_dict`` writes: at stages 0-2 with bf16/fp16
 the optimizer updates fp32 *master* copies and casts them back after each step (a value written only
-into the module's parameters is overwritten by the next step), and at stage 3 each parameter is an
-empty placeholder outside forward. :func:`load_module_state` writes every value where the engine reads
+into the module's parameters is overwritten by the next step), and at stage 3 each parameter holds no
+values outside forward. :func:`load_module_state` writes every value where the engine reads
 it: the flat buffer or this rank's shard (module dtype), the fp32 master pieces (from the given values,
 not from their rounded module-dtype copies), the gathered buffer of units kept gathered, frozen
 parameters and persistent buffers. :func:`guard_module_load_state_dict` makes the plain
@@ -69,14 +69,14 @@ def load_module_state(
         raise RuntimeError(f"load_module_state_dict(strict=True): missing keys {missing}, unexpected keys "
                            f"{unexpected} (the keys are those of module.state_dict() before initialize)")
 
-    def value_of(param: nn.Parameter, shape: torch.Size) -> Optional[torch.Tensor]:
+    def value_of(param: nn.Parameter, shape: torch.Size, flat=lambda v: v.reshape(-1)) -> Optional[torch.Tensor]:
         for n in names.get(id(param), ()):
             if n in state_dict:
                 v = state_dict[n].detach()
                 if tuple(v.shape) != tuple(shape):
                     raise RuntimeError(f"load_module_state_dict: '{n}' has shape {tuple(v.shape)}, the parameter "
                                        f"has shape {tuple(shape)}")
-                return v.reshape(-1).to(torch.float32)
+                return flat(v).to(torch.float32)
         return None
 
     checksum = torch.zeros(1, dtype=torch.float64)
@@ -86,7 +86,7 @@ def load_module_state(
             base, end = g.shard_offset, g.shard_offset + g.buffer.numel()
             values: dict[int, torch.Tensor] = {}
             for s in g.slots:
-                v = value_of(s.param, s.shape)
+                v = value_of(s.param, s.shape, s.flat_values)
                 if v is None:
                     continue
                 values[id(s)] = v

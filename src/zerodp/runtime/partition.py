@@ -1,7 +1,11 @@
 """Flat-buffer layout and partitioning of trainable parameters (stages 0-2).
 
 [Note: layout] The trainable parameters of one optimizer param group (and one dtype/device) are packed
-into a single 1-D *flat buffer*; each parameter's ``.data`` becomes a view into it. The flat buffer is
+into a single 1-D *flat buffer*; each parameter's ``.data`` becomes a view into it. A parameter with a dense non-row-major memory format
+(``channels_last``) keeps it: its elements are stored in its own memory order and its view has its
+strides (:meth:`ParamSlot.view`); every conversion between a slot's flat range and a full-shape tensor
+goes through :meth:`ParamSlot.view` / :meth:`ParamSlot.flat_values`, so gradients, accessors and
+checkpoints use the same order. The flat buffer is
 cut into *buckets* of at most ``reduce_bucket_size`` elements along parameter boundaries (a parameter
 larger than that gets a bucket of its own), in reverse registration order so that backward fills the
 buckets roughly one after another. Each bucket is padded to a multiple of the data-parallel world size
@@ -36,6 +40,35 @@ class ParamSlot:
     numel: int
     shape: torch.Size
     group_index: int = 0  # which user param group (optimizer options) it belongs to
+    stride: Optional[tuple[int, ...]] = None  # the parameter's strides if dense but not row-major, else None
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (1-D, ``numel`` contiguous elements in this slot's order) as a tensor of the
+        parameter's shape and memory format."""
+        if self.stride is None:
+            return flat.view(self.shape)
+        return flat.as_strided(self.shape, self.stride, flat.storage_offset())
+
+    def flat_values(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (the parameter's shape, any layout) as ``numel`` elements in this slot's order (1-D)."""
+        if self.stride is None:
+            return t.reshape(-1)
+        out = torch.empty(self.numel, dtype=t.dtype, device=t.device)
+        self.view(out).copy_(t)
+        return out
+
+
+def memory_stride(p: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """``p``'s strides if it is dense and non-overlapping but not row-major (e.g. ``channels_last``), so
+    that a view with these strides over ``numel`` contiguous elements holds it; else None."""
+    if p.dim() < 2 or p.is_contiguous():
+        return None
+    expected = 1
+    for st, size in sorted((st, size) for st, size in zip(p.stride(), p.shape) if size != 1):
+        if st != expected:
+            return None
+        expected *= size
+    return tuple(p.stride())
 
 
 @dataclass(eq=False)
@@ -112,7 +145,7 @@ def plan_buckets(
         start = cursor
         bucket_slots = []
         for name, p, idx in current:
-            slot = ParamSlot(name, p, idx, cursor, p.numel(), p.shape, group_index)
+            slot = ParamSlot(name, p, idx, cursor, p.numel(), p.shape, group_index, memory_stride(p))
             bucket_slots.append(slot)
             cursor += p.numel()
         padded = -(-(cursor - start) // world_size) * world_size
@@ -138,8 +171,8 @@ def flatten_into(group_slots: list[ParamSlot], padded_numel: int) -> torch.Tenso
     buffer = torch.zeros(padded_numel, dtype=first.dtype, device=first.device)
     for s in group_slots:
         view = buffer[s.offset : s.offset + s.numel]
-        view.copy_(s.param.detach().reshape(-1))
-        s.param.data = view.view(s.shape)
+        view.copy_(s.flat_values(s.param.detach()))
+        s.param.data = s.view(view)
     return buffer
 
 

@@ -241,7 +241,7 @@ class _FullGradBuffer(GradientReducer):
         self._views: dict[int, torch.Tensor] = {}
         for g in self.groups:
             for s in g.slots:
-                view = self.grad_buffers[g.index][s.offset : s.offset + s.numel].view(s.shape)
+                view = s.view(self.grad_buffers[g.index][s.offset : s.offset + s.numel])
                 self._views[s.index] = view
                 s.param.grad = view
 
@@ -404,9 +404,9 @@ class PartitionedGradReducer(GradientReducer):
             rel = slot.offset - b.start
             target = buf[rel : rel + slot.numel]
             if self._count_np[slot.index] > 1:  # repeated accumulation (see the note): add, not overwrite
-                target.add_(param.grad.reshape(-1))
+                target.add_(slot.flat_values(param.grad))
             else:
-                target.copy_(param.grad.reshape(-1))
+                target.copy_(slot.flat_values(param.grad))
             param.grad = None
         self._ready(slot, g, b)
 
@@ -444,7 +444,7 @@ class PartitionedGradReducer(GradientReducer):
             for s in b.slots:
                 if _trainable(s) and s.param.grad is not None:
                     rel = s.offset - b.start
-                    buf[rel : rel + s.numel].copy_(s.param.grad.reshape(-1))
+                    buf[rel : rel + s.numel].copy_(s.flat_values(s.param.grad))
                     s.param.grad = None
         del self._staging[id(b)]
         buf.div_(self.world_size)

@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from zerodp.stage3.coordinator import ParameterCoordinator
+from zerodp.stage3.sharded_param import METADATA
 from zerodp.stage3.units import ShardState
 
 
@@ -159,7 +160,7 @@ class ExternalParameterMode(TorchFunctionMode):
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         c = self.coordinator
-        if not c.busy and self.stack.stack:
+        if not c.busy and self.stack.stack and func not in METADATA:  # metadata needs no gather
             for a in _flat_args(args, kwargs):
                 if isinstance(a, nn.Parameter):
                     u = c.index.by_param.get(id(a))

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from zerodp.runtime import comm
 from zerodp.stage3.ownership import OWNERS, Owner
+from zerodp.stage3.sharded_param import METADATA
 from zerodp.stage3.units import ShardedUnit, ShardState
 
 
@@ -44,7 +45,7 @@ class InitTouchMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        if not self.busy:
+        if not self.busy and func not in METADATA:  # shape, numel, ... need no values (no gather)
             for a in _tensors(args, kwargs):
                 owner = OWNERS.get(a)
                 if owner is not None and owner.coordinator is None and owner.unit.state is ShardState.SHARDED:

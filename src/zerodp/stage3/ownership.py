@@ -92,7 +92,9 @@ def register_owner(param: nn.Parameter, owner: Owner) -> None:
 
 
 def full_numel(param: nn.Parameter) -> int:
-    """Elements of ``param``'s full value (``param.numel()`` is 0 while it is partitioned)."""
+    """Elements of ``param``'s full value; equal to ``param.numel()`` (a partitioned parameter keeps
+    its full shape, see :mod:`zerodp.stage3.sharded_param`), kept for code written against the earlier
+    empty placeholders."""
     owner = OWNERS.get(param)
     if owner is None:
         return param.numel()
@@ -100,7 +102,8 @@ def full_numel(param: nn.Parameter) -> int:
 
 
 def is_partitioned(param: nn.Parameter) -> bool:
-    """True if ``param`` is managed by a stage-3 engine (its ``.data`` may be an empty placeholder)."""
+    """True if ``param`` is managed by a stage-3 engine or ``zero.Init`` (outside a gather it holds no
+    values, see :mod:`zerodp.stage3.sharded_param`)."""
     return OWNERS.get(param) is not None
 
 

@@ -3,9 +3,10 @@
 [Note: units] Each submodule's directly-owned parameters (``recurse=False``; a tied parameter belongs to
 the first module that owns it) form one *unit*: a flat layout padded to a multiple of the world size
 N, of which rank r keeps only shard r (1-D, ``numel / N`` elements). Gathering a unit is one coalesced
-all-gather into the unit's full flat buffer, whose views become the parameters' ``.data``;
-releasing it points ``.data`` back at an empty placeholder (shape ``(0,)``) and frees the buffer's
-memory by resizing its storage to 0 bytes (FSDP2's approach). The buffer *object* and its storage
+all-gather into the unit's full flat buffer, whose views are the parameters' ``.data``; releasing
+it frees the buffer's memory by resizing its storage to 0 bytes (FSDP2's approach): the parameters keep
+their full shape, dtype and numel, hold no storage, and refuse compute until re-gathered (they are
+:class:`~zerodp.stage3.sharded_param.ShardedParameter` while SHARDED, see the note there). The buffer *object* and its storage
 object live on: views that autograd saved during forward (``weight.t()`` in ``linear``, a transposed
 weight in ``matmul``) point at that storage, hold no memory while the unit is released, and become
 valid again when the unit is re-gathered (into the same storage, re-allocated) before the module's
@@ -41,8 +42,9 @@ from torch.distributed import ProcessGroup, Work
 
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
-from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot
+from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot, memory_stride
 from zerodp.stage3.pool import GatherPool
+from zerodp.stage3.sharded_param import mark_sharded, mark_unsharded
 
 
 class ShardState(enum.Enum):
@@ -118,6 +120,7 @@ class ShardedUnit:
         if self.home is not None:
             self.home.release(dirty=False)
         for s in self.slots:
+            mark_unsharded(s.param)
             s.param.data = self._view(s)
         for (i, _dtype), buf in self.casts.items():
             _allocate(buf, self.pool)
@@ -126,14 +129,16 @@ class ShardedUnit:
         self.state = ShardState.UNSHARDED
 
     def release(self) -> None:
-        """UNSHARDED -> SHARDED: parameters become empty placeholders and the memory of the full
-        buffer and of the cast buffers is freed (their storages are resized to 0 bytes)."""
+        """UNSHARDED -> SHARDED: the memory of the full buffer and of the cast buffers is freed (their
+        storages are resized to 0 bytes); the parameters stay views of the full buffer (full shape, no
+        storage) and become :class:`~zerodp.stage3.sharded_param.ShardedParameter`."""
         if self.state is ShardState.GATHERING:
             self.finish_gather()
         if self.state is ShardState.SHARDED:
             return
-        for s in self.slots:
-            s.param.data = _placeholder(self.shard)
+        for s in self.slots:  # views made while the storage is allocated (a re-binding is dropped)
+            s.param.data = self._view(s)
+            mark_sharded(s.param, self._param_name(s))
         _free(self.full, self.pool)
         for buf in self.casts.values():
             _free(buf, self.pool)
@@ -154,7 +159,9 @@ class ShardedUnit:
             raise RuntimeError(f"unit '{self.name}' does not own the parameter being cast")
         buf = self.casts.get((pos, dtype))
         if buf is None:
-            buf = _empty(self.slots[pos].numel, dtype, self.shard.device, self.pool).view(self.slots[pos].shape)
+            s = self.slots[pos]
+            buf = _empty(s.numel, dtype, self.shard.device, self.pool).as_strided(
+                s.shape, s.stride or _row_major(s.shape))
             self.casts[(pos, dtype)] = buf
         with torch.no_grad():
             buf.copy_(self._view(self.slots[pos]))
@@ -165,8 +172,11 @@ class ShardedUnit:
         total = self.full.untyped_storage().nbytes() if self.full is not None else 0
         return total + sum(b.untyped_storage().nbytes() for b in self.casts.values())
 
+    def _param_name(self, s: ParamSlot) -> str:
+        return s.name if not self.name or s.name.startswith(self.name + ".") else f"{self.name}.{s.name}"
+
     def _view(self, s: ParamSlot) -> torch.Tensor:
-        return self.full[s.offset : s.offset + s.numel].view(s.shape)
+        return s.view(self.full[s.offset : s.offset + s.numel])
 
     def write_back(self) -> None:
         """Copy this rank's slice of the (possibly edited) full parameters into its shard."""
@@ -187,6 +197,14 @@ class ShardedUnit:
             yield self.shard
         finally:
             self.home.release(dirty=write)
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    out, acc = [], 1
+    for size in reversed(shape):
+        out.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(out))
 
 
 def _free(t: Optional[torch.Tensor], pool: Optional[GatherPool] = None) -> None:
@@ -212,10 +230,6 @@ def _empty(numel: int, dtype: torch.dtype, device: torch.device, pool: Optional[
     return torch.empty(numel, dtype=dtype, device=device)
 
 
-def _placeholder(like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=like.dtype, device=like.device)
-
-
 def shard_unit(
     name: str, named: list[tuple[str, nn.Parameter]], first_index: int, group_indices: list[int],
     rank: int, world_size: int, persistent: bool = False,
@@ -223,19 +237,19 @@ def shard_unit(
 ) -> ShardedUnit:
     """Lay out ``named`` (full, identical on every rank) as one unit and keep only shard ``rank``.
 
-    The parameters' ``.data`` become empty placeholders (or, for a persistent unit, views of a full
-    buffer kept gathered). Element i of the unit lives on rank ``i // (numel / world_size)``.
+    The parameters' ``.data`` become views of the unit's full buffer, released (no storage) unless the
+    unit is persistent (kept gathered). Element i of the unit lives on rank ``i // (numel / world_size)``.
     """
     slots: list[ParamSlot] = []
     cursor = 0
     for i, ((pname, p), gi) in enumerate(zip(named, group_indices)):
-        slots.append(ParamSlot(pname, p, first_index + i, cursor, p.numel(), p.shape, gi))
+        slots.append(ParamSlot(pname, p, first_index + i, cursor, p.numel(), p.shape, gi, memory_stride(p)))
         cursor += p.numel()
     padded = max(-(-cursor // world_size) * world_size, world_size)
     bucket = Bucket(0, 0, padded, slots, world_size)
     full = torch.zeros(padded, dtype=named[0][1].dtype, device=named[0][1].device)
     for s in slots:
-        full[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        full[s.offset : s.offset + s.numel].copy_(s.flat_values(s.param.detach()))
     if sync is not None:
         sync(full)  # e.g. broadcast from rank 0 so every rank shards the same values
     shard_numel = padded // world_size
@@ -244,7 +258,7 @@ def shard_unit(
     unit = ShardedUnit(name, group, rank, world_size, persistent=persistent)
     unit.full = full
     for s in slots:
-        s.param.data = full[s.offset : s.offset + s.numel].view(s.shape)
+        s.param.data = s.view(full[s.offset : s.offset + s.numel])
     unit.state = ShardState.UNSHARDED
     if not persistent:
         unit.release()

@@ -1,0 +1,200 @@
+"""The type of a stage-3 parameter while its unit is SHARDED: full metadata, no storage, no compute.
+
+[Note: sharded parameters] While its unit (see :mod:`zerodp.stage3.units`) is SHARDED, a partitioned
+parameter keeps its full ``shape``, ``dtype``, ``device``, ``numel()`` and ``stride()``, as FSDP2's
+DTensor parameters do: its ``.data`` stays a view of the unit's full flat buffer, whose storage then
+holds 0 bytes, and its class is :class:`ShardedParameter` (a subclass of its own class, swapped in by
+:func:`mark_sharded` and out by :func:`mark_unsharded`, i.e. only by the unit's state transitions).
+Shape-based code therefore sees the same model with and without stage 3 / ``zerodp.zero.Init``
+(nanoGPT's ``[p for p in params if p.dim() >= 2]`` weight-decay groups, ``sum(p.numel() ...)``).
+
+A sharded parameter holds no values, so everything but metadata is refused *before* it runs (a torch
+kernel on storage-less data would crash or read garbage): :meth:`ShardedParameter.__torch_function__`
+lets through the metadata in :data:`METADATA` (shape, dtype, device, numel, stride, ``requires_grad``,
+``grad``, hook registration, ...) and raises :class:`PartitionedParameterError`, naming the parameter
+and what to do instead, for any compute, copy, view, in-place edit or ``p.data = ...`` re-binding.
+``p.data`` and ``p.detach()`` return a :class:`ShardedData`: a storage-less tensor with the same
+metadata whose every operation raises the same error, so ``p.data.mul_(2)`` outside
+``GatheredParameters`` raises instead of silently editing nothing. A gathered parameter (in its
+module's forward/backward, inside ``GatheredParameters``, a persistent one) is of its own class again
+and costs nothing extra.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from zerodp.runtime.refusal import RefusedError
+
+#: attribute holding the qualified name of a sharded parameter (for messages)
+NAME_ATTR = "_zerodp_name"
+#: attribute holding the class a parameter had before it was first sharded
+CLASS_ATTR = "_zerodp_unsharded_class"
+
+
+class PartitionedParameterError(RefusedError):
+    """An operation needing the values of a stage-3 parameter while only its shard exists."""
+
+
+def _message(name: str, what: str) -> str:
+    return (f"parameter '{name}' is partitioned (ZeRO stage 3): outside its module's forward/backward "
+            f"each rank holds only a shard of it, so {what} cannot run on it. Read or edit it inside "
+            "`with zerodp.zero.GatheredParameters([param], modifier_rank=0):` (modifier_rank keeps "
+            "in-place edits; None discards them), or use the collective accessors "
+            "zerodp.zero.safe_get_full_fp32_param(param) / safe_set_full_fp32_param(param, value)")
+
+
+def _func_name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or str(func)
+    owner = getattr(getattr(func, "__self__", None), "__name__", None)  # a property's __get__/__set__
+    if name in ("__get__", "__set__", "__delete__") and owner:
+        return {"__get__": "reading", "__set__": "re-binding", "__delete__": "deleting"}[name] + f" '.{owner}'"
+    return f"'{name}'"
+
+
+def _metadata() -> frozenset:
+    """The Tensor functions that read or set metadata only (never the values)."""
+    T = torch.Tensor
+    getters = ("shape", "dtype", "device", "ndim", "layout", "names", "is_leaf", "grad_fn", "_version",
+               "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested",
+               "is_mps", "is_xpu", "itemsize", "nbytes", "output_nr", "_base", "retains_grad", "name",
+               "_is_view")
+    settable = ("requires_grad", "grad", "_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
+    methods = ("size", "dim", "numel", "nelement", "stride", "is_contiguous", "element_size",
+               "is_floating_point", "is_complex", "is_signed", "storage_offset", "get_device",
+               "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
+               "__hash__", "__len__", "__dir__", "_is_view", "untyped_storage", "data_ptr", "is_shared")
+    out: set = set()
+    for n in getters + settable:
+        d = getattr(T, n, None)
+        if d is None:
+            continue
+        for m in ("__get__",) + (("__set__", "__delete__") if n in settable else ()):
+            f = getattr(d, m, None)
+            if f is not None:
+                out.add(f)
+    out.update(getattr(T, n) for n in methods if hasattr(T, n))
+    return frozenset(out)
+
+
+METADATA = _metadata()
+_DATA_GET = torch.Tensor.data.__get__
+_DETACH = torch.Tensor.detach
+
+
+class ShardedParameter(nn.Parameter):
+    """A partitioned parameter while only its shard exists (see the module docstring).
+
+    Never constructed directly: :func:`mark_sharded` sets a parameter's class to this (or to a subclass
+    of this and the parameter's own ``nn.Parameter`` subclass).
+    """
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        if func in METADATA:
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        if (func == _DATA_GET or func == _DETACH) and args and isinstance(args[0], ShardedParameter):
+            return ShardedData.of(args[0])
+        sharded = next((a for a in _flat(args, kwargs) if isinstance(a, ShardedParameter)), None)
+        raise PartitionedParameterError(_message(_name(sharded), _func_name(func)))
+
+    def __repr__(self) -> str:
+        return (f"ShardedParameter('{_name(self)}', shape={tuple(self.shape)}, dtype={self.dtype}, "
+                "partitioned: gather it with zerodp.zero.GatheredParameters to read its values)")
+
+    def __format__(self, spec: str) -> str:
+        return repr(self)
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        raise PartitionedParameterError(_message(_name(self), "pickling/copying"))
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise PartitionedParameterError(_message(_name(self), "copy.deepcopy"))
+
+
+class ShardedData(torch.Tensor):
+    """``p.data`` / ``p.detach()`` of a :class:`ShardedParameter`: the same shape, dtype, device and
+    strides, no storage; every operation but ``detach``/``alias`` raises :class:`PartitionedParameterError`."""
+
+    _zerodp_name: str
+
+    @staticmethod
+    def __new__(cls, name: str, like: torch.Tensor) -> "ShardedData":
+        with torch._C.DisableTorchFunctionSubclass():
+            shape, stride, dtype, device = like.shape, like.stride(), like.dtype, like.device
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, dtype=dtype, device=device,
+                                                requires_grad=False)
+        t._zerodp_name = name
+        return t
+
+    @classmethod
+    def of(cls, param: "ShardedParameter") -> "ShardedData":
+        return cls(_name(param), param)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        src = args[0] if args else None
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) and isinstance(src, ShardedData):
+            return ShardedData(src._zerodp_name, src)
+        name = next((a._zerodp_name for a in _flat(args, kwargs or {}) if isinstance(a, ShardedData)), "?")
+        raise PartitionedParameterError(_message(name, f"'{func}' (on its .data)"))
+
+    def __reduce_ex__(self, proto: Any) -> Any:  # torch.save of model.state_dict() at stage 3
+        raise PartitionedParameterError(_message(self._zerodp_name, "pickling/saving (torch.save)") +
+                                        "; to save the model use engine.module_state_dict() (collective)")
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise PartitionedParameterError(_message(self._zerodp_name, "copy.deepcopy"))
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (f"ShardedData('{self._zerodp_name}', shape={tuple(self.shape)}, dtype={self.dtype}, "
+                "partitioned: no values on this rank)")
+
+
+def _name(p: Optional[torch.Tensor]) -> str:
+    return getattr(p, NAME_ATTR, "?") if p is not None else "?"
+
+
+def _flat(args: tuple, kwargs: dict):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+_SHARDED_CLASSES: dict[type, type] = {nn.Parameter: ShardedParameter}
+
+
+def _sharded_class(cls: type) -> type:
+    """ShardedParameter for ``nn.Parameter``; for a subclass of it, a cached subclass of both."""
+    out = _SHARDED_CLASSES.get(cls)
+    if out is None:
+        out = type(f"Sharded{cls.__name__}", (ShardedParameter, cls), {})
+        _SHARDED_CLASSES[cls] = out
+    return out
+
+
+def mark_sharded(param: nn.Parameter, name: str) -> None:
+    """Make ``param`` (whose ``.data`` holds no storage now) a :class:`ShardedParameter` named ``name``."""
+    if not isinstance(param, ShardedParameter):
+        setattr(param, CLASS_ATTR, type(param))
+        param.__class__ = _sharded_class(type(param))
+    setattr(param, NAME_ATTR, name)
+
+
+def mark_unsharded(param: nn.Parameter) -> None:
+    """Give ``param`` its own class back (call before its ``.data`` is pointed at gathered values)."""
+    if isinstance(param, ShardedParameter):
+        param.__class__ = getattr(param, CLASS_ATTR, nn.Parameter)
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    """True while ``param`` is a partitioned parameter whose unit is not gathered (no values here)."""
+    return isinstance(param, ShardedParameter)
