@@ -22,6 +22,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from zerodp.runtime import comm
+from zerodp.runtime.backward_agreement import BackwardAgreement, build_backward_agreement
+from zerodp.runtime.backward_roots import OutputRoots
 from zerodp.runtime.collective_guard import CollectiveGuard
 from zerodp.runtime.accounting import CATEGORIES, BytesPerElement, CommReport, MemoryReport, model_state_bytes
 from zerodp.runtime.comm import CommLedger
@@ -158,6 +160,15 @@ class Engine:
         if self.sharding is not None:
             self.sharding.coordinator.fetch_check = self.guard.gather_check(module)
         self.guard.install_shutdown_check()
+        self.backward_tags: Optional[BackwardAgreement] = None
+        if self.guard.enabled:
+            self.backward_tags = build_backward_agreement(self.guard, module, self.groups, self.sharding is not None)
+            self.guard.backward_gather = self.backward_tags.note_gather
+            self.reducer.launch_check = self.backward_tags.note_reduce
+        self.output_roots = OutputRoots()  # outputs of the forwards since the last backward
+        self._positions = {id(m): i for i, m in enumerate(module.modules())}
+        self._module_names = {i: n or "<root>" for i, (n, _) in enumerate(module.named_modules())}
+        self._slot_of = {id(s.param): s.index for s in self.reducer.slots}
         self.ledger.reset()  # the report covers training, not the initial broadcast
         for p in _unique_params(module):
             _WRAPPED.add(p, f"ZeRO stage {self.stage}")
@@ -218,8 +229,12 @@ class Engine:
         self.guards.before_forward()
         if self.sharding is not None:
             with self.collective_call("forward"):
-                return self.sharding.forward(self.module, args, kwargs)
-        return self.module(*args, **kwargs)
+                out = self.sharding.forward(self.module, args, kwargs)
+        else:
+            out = self.module(*args, **kwargs)
+        if self.world_size > 1 and torch.is_grad_enabled():
+            self.output_roots.record(out)  # see zerodp.runtime.backward_roots
+        return out
 
     forward = __call__
 
@@ -255,10 +270,24 @@ class Engine:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
         boundary = self.is_gradient_accumulation_boundary()
-        with self.collective_call("backward"):
-            self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
-            loss.backward(retain_graph=retain_graph)
-            self.reducer.end_micro_step()
+        # what this backward will gather and reduce, agreed with the other ranks before it starts
+        plan = self.output_roots.plan(loss, self._positions, self._slot_of)
+        with self.guard.call("backward", self.global_steps, self.micro_steps, plan.fetch_digest(),
+                             plan.slot_digest(), lambda: plan.fetch_names(self._module_names)):
+            tags = self.backward_tags
+            if tags is not None:
+                tags.begin(self.global_steps, self.micro_steps)
+            try:
+                self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
+                # the ranks reach different parameters: reduce every bucket at the end, in one order
+                self.reducer.defer_once = self.guard.aux_differs
+                self.output_roots.backward(plan, retain_graph, self.reducer)
+                self.reducer.end_micro_step()
+                if tags is not None:
+                    tags.finish()  # before any gradient is used: a mis-paired collective raises here
+            finally:
+                if tags is not None:
+                    tags.end()
             self.grads_ready = boundary
             if self.sharding is not None:
                 self.sharding.end_backward()
