@@ -86,6 +86,21 @@ def head_loss(out: tuple[torch.Tensor, torch.Tensor], use_head: bool) -> torch.T
     return head.pow(2).mean() if use_head else (body - 0.5).pow(2).mean()
 
 
+def dropped_output_scenario() -> dict:
+    """Stage 3, rank 1 keeps only the body's output (``engine(x)[0]``): the head's output is gone
+    before backward, so rank 1 cannot serve the head's backward gathers: raise on every rank."""
+    rank = dist.get_rank()
+    pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    torch.manual_seed(0)
+    engine = zerodp.initialize(HeadNet(), config(3), process_group=pg)
+    if rank == 1:
+        loss = (engine(batch(0, rank))[0] - 0.5).pow(2).mean()
+    else:
+        loss = engine(batch(0, rank))[1].pow(2).mean()
+    engine.backward(loss)
+    return {}
+
+
 def head_scenario(stage: int, head_ranks: set[int]) -> Callable[[], dict]:
     """Ranks in ``head_ranks`` train on the head's output, the others on the body's: works, equals
     the reference (a head no rank uses keeps its values: AdamW skips a parameter without gradient)."""
@@ -98,7 +113,8 @@ def head_scenario(stage: int, head_ranks: set[int]) -> Callable[[], dict]:
         engine = zerodp.initialize(copy.deepcopy(ref), config(stage), process_group=pg)
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         for step in range(STEPS):
-            engine.backward(head_loss(engine(batch(step, rank)), rank in head_ranks))
+            out = engine(batch(step, rank))  # held until backward (the engine keeps weak references)
+            engine.backward(head_loss(out, rank in head_ranks))
             engine.step()
             opt.zero_grad(set_to_none=True)
             total = sum(head_loss(ref(batch(step, r)), r in head_ranks) for r in range(world)) / world
@@ -189,7 +205,8 @@ def scenarios(world: int) -> dict[str, Callable[[], dict]]:
                 "head_ranks_0_2/stage3": head_scenario(3, {0, 2})}
     out = {"aux_swap": aux_scenario(3, {0: "aux", 1: "aux2"}),
            "aux_hang": aux_scenario(3, {0: "aux"}, aux_out=16),
-           "swap_order/stage2": extra_param_scenario(2, swap=True)}
+           "swap_order/stage2": extra_param_scenario(2, swap=True),
+           "dropped_output": dropped_output_scenario}
     for stage in (0, 1, 2, 3):
         if stage < 3:  # at stage 3 a module run on one rank only is a forward divergence (test_collective_guard)
             out[f"extra_param/stage{stage}"] = extra_param_scenario(stage)

@@ -85,6 +85,13 @@ def test_same_size_units_used_by_different_ranks_raise_before_pairing(world: int
         assert "at step 0 (micro-step 0)" in msg, msg
 
 
+def test_dropped_output_raises_on_every_rank() -> None:
+    """Stage 3, rank 1 writes ``engine(x)[0]`` and drops the head's output (the engine keeps weak
+    references only): rank 1 cannot serve the head's backward gathers."""
+    for res in raised(2, "dropped_output"):
+        assert "rank 0's backward reaches head; rank 1's backward reaches nothing more" in res["message"], res
+
+
 def test_different_size_unit_on_one_rank_raises_instead_of_aborting() -> None:
     """A mis-paired gloo collective of another size aborts the process (gloo's size check); the
     agreement at the start of backward raises before any collective is issued."""

@@ -271,7 +271,7 @@ class Engine:
             loss = loss * self.loss_scaler.scale
         boundary = self.is_gradient_accumulation_boundary()
         # what this backward will gather and reduce, agreed with the other ranks before it starts
-        plan = self.output_roots.plan(loss, self._positions, self._slot_of)
+        plan = self.output_roots.plan(loss, self._positions, self._slot_of, walk=self.world_size > 1)
         with self.guard.call("backward", self.global_steps, self.micro_steps, plan.fetch_digest(),
                              plan.slot_digest(), lambda: plan.fetch_names(self._module_names)):
             tags = self.backward_tags

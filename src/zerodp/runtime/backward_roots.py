@@ -5,11 +5,13 @@ autograd reaches the module or parameter it belongs to. A loss that uses one of 
 on some ranks only (``loss = ce(logits)`` on rank 0, ``loss = aux.pow(2).mean()`` on rank 1, both
 outputs of the same forward) makes the ranks' graphs differ, and their collectives no longer pair up.
 
-:class:`OutputRoots` keeps the tensors that the engine's training forwards returned since the last
-``engine.backward`` (tensors with a ``grad_fn``, in tuples, lists, dicts and dataclasses). At
-``backward`` it walks the loss's graph once; every recorded output that the loss does not reach (a
-*phantom* output on this rank) becomes an extra root of the same ``torch.autograd.backward`` call with a
-zero gradient (``torch.zeros(()).expand(shape)``: no memory). Every rank then runs the backward of
+:class:`OutputRoots` keeps weak references to the tensors that the engine's forwards (grad enabled)
+returned since the last ``engine.backward`` (tensors with a ``grad_fn``, in tuples, lists, dicts and
+dataclasses): an output the script dropped (``aux = engine(x)[1]``) is gone, and the engine never keeps
+a graph alive. At ``backward`` it walks the loss's graph once (:meth:`OutputRoots.plan`); every recorded
+output still alive that the loss does not reach (a *phantom* output on this rank) becomes an extra
+root of the same ``torch.autograd.backward`` call with a zero gradient (``torch.zeros(()).expand(shape)``:
+no memory). Every rank then runs the backward of
 every module of its forward, in the same order (autograd orders nodes by creation; the forwards are the
 same), so the collectives pair up; the zero gradient adds exactly nothing (``g + 0 == g``), so the
 reduced gradients equal the single-process reference on the same global batch.
@@ -20,15 +22,20 @@ also collects the parameters the loss reaches; after the backward the reducer's 
 flags of this micro-step are kept only for those (:meth:`GradientReducer.restrict_presence`), and the
 flags are OR-ed across ranks at the step as before.
 
-Not done (left to :mod:`zerodp.runtime.backward_agreement`, which then raises): outputs the forward
-does not return (kept in an attribute, captured by a hook), and any phantom output when the loss's
-graph holds a reentrant activation checkpoint (its inner parameters are invisible to the walk, so the
-presence of those parameters could not be restricted safely).
+The same walk gives the :class:`BackwardPlan` that ``engine.backward`` agrees on with the other ranks
+before backward starts (stage-3 fetches reached, compared; parameters reached, exchanged: when they
+differ every rank reduces the buckets at the end, see the engine). Not made to work (the agreement then
+raises at stage 3; stages 0-2 reduce at the end and work): outputs the forward does not return (kept in
+an attribute, captured by a hook) or that the script dropped, and any phantom output when the loss's
+graph holds a reentrant activation checkpoint (its inner parameters are invisible to the walk, so their
+presence flags could not be restricted safely).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+import weakref
 import zlib
 from typing import Any, Protocol
 
@@ -116,16 +123,25 @@ class OutputRoots:
     """The engine's forward outputs since the last backward (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.outputs: list[torch.Tensor] = []
+        self.outputs: list[weakref.ref] = []  # weak: the engine never keeps a graph alive
         self.phantom_backwards = 0  # backwards that added zero-gradient roots (for tests and reports)
+        self.seconds = 0.0  # wall time spent reading graphs in plan() (for the cost report)
 
     def record(self, out: Any) -> None:
-        """Called with what a training forward (grad enabled) returned."""
-        _tensors(out, self.outputs)
+        """Called with what a forward with grad enabled returned."""
+        found: list[torch.Tensor] = []
+        _tensors(out, found)
+        self.outputs.extend(weakref.ref(t) for t in found)
 
-    def plan(self, loss: torch.Tensor, positions: dict[int, int], slot_of: dict[int, int]) -> BackwardPlan:
-        """Read the graph of ``loss`` and of this rank's phantom outputs (forgets the outputs)."""
-        outputs, self.outputs = self.outputs, []
+    def plan(self, loss: torch.Tensor, positions: dict[int, int], slot_of: dict[int, int],
+             walk: bool = True) -> BackwardPlan:
+        """Read the graph of ``loss`` and of this rank's phantom outputs (forgets the outputs).
+        ``walk=False`` (a single rank): nothing to agree on, a plan without a walk."""
+        outputs = [t for t in (r() for r in self.outputs) if t is not None]
+        self.outputs = []
+        if not walk:
+            return BackwardPlan(loss, [], set(), {}, [])
+        t0 = time.perf_counter()
         nodes: dict[int, Any] = {}
         params: set[int] = set()
         fetches: dict[int, int] = {}
@@ -137,6 +153,7 @@ class OutputRoots:
         else:
             phantom = []
         slots = sorted(slot_of[p] for p in params if p in slot_of)
+        self.seconds += time.perf_counter() - t0
         return BackwardPlan(loss, phantom, loss_params, fetches, slots)
 
     def backward(self, plan: BackwardPlan, retain_graph: bool, presence: _Presence) -> None:
