@@ -27,6 +27,7 @@ from distributed import run_scenarios  # noqa: E402
 import zerodp  # noqa: E402
 
 TIMEOUT_S = 20.0  # the guard's timeout here (default 60 s)
+SHORT_TIMEOUT_S = 3.0  # the slow-peer scenario's
 STEPS = 3
 
 
@@ -97,6 +98,23 @@ def dropped_output_scenario() -> dict:
         loss = (engine(batch(0, rank))[0] - 0.5).pow(2).mean()
     else:
         loss = engine(batch(0, rank))[1].pow(2).mean()
+    engine.backward(loss)
+    return {}
+
+
+def slow_peer_scenario() -> dict:
+    """Stage 2, guard timeout 3 s: rank 1 is stuck for 5 s inside its backward (a hook on its loss),
+    before its gradient reduction; rank 0 waits for that reduction at most the timeout."""
+    rank = dist.get_rank()
+    pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    torch.manual_seed(0)
+    cfg = config(2)
+    cfg["collective_guard"]["timeout_s"] = SHORT_TIMEOUT_S
+    engine = zerodp.initialize(HeadNet(), cfg, process_group=pg)
+    out = engine(batch(0, rank))
+    loss = head_loss(out, True)
+    if rank == 1:
+        loss.register_hook(lambda g: time.sleep(SHORT_TIMEOUT_S + 2.0))
     engine.backward(loss)
     return {}
 
@@ -206,7 +224,8 @@ def scenarios(world: int) -> dict[str, Callable[[], dict]]:
     out = {"aux_swap": aux_scenario(3, {0: "aux", 1: "aux2"}),
            "aux_hang": aux_scenario(3, {0: "aux"}, aux_out=16),
            "swap_order/stage2": extra_param_scenario(2, swap=True),
-           "dropped_output": dropped_output_scenario}
+           "dropped_output": dropped_output_scenario,
+           "slow_peer": slow_peer_scenario}
     for stage in (0, 1, 2, 3):
         if stage < 3:  # at stage 3 a module run on one rank only is a forward divergence (test_collective_guard)
             out[f"extra_param/stage{stage}"] = extra_param_scenario(stage)

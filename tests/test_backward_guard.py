@@ -109,3 +109,15 @@ def test_reductions_in_another_order_are_detected() -> None:
     for r, res in enumerate(out):
         msg = res["message"]
         assert "collective mismatch in backward at step 1" in msg and f"rank {r} entered reduce(bucket" in msg, msg
+
+
+def test_peer_stuck_inside_backward_times_out_on_every_rank() -> None:
+    """Rank 1 sleeps 5 s inside backward (guard timeout 3 s): rank 0 gives up waiting for the gradient
+    reduction after the timeout, naming it (and what rank 1 reported, if it did within the 3 s
+    post-mortem wait); rank 1, awake again, finds rank 0 gone from the exchange and raises too."""
+    o0, o1 = per_rank(2, "slow_peer")
+    assert o0["error"] == "CollectiveTimeoutError", o0
+    assert "collective timeout after 3 s: rank 0 was in backward(reduce(bucket 0.0" in o0["message"], o0["message"]
+    assert o0["seconds"] < 30, o0  # 3 s + the 3 s post-mortem wait, not the process group's 20 s
+    assert o1["error"] in ("CollectiveTimeoutError", "RankLostError"), o1
+    assert "rank 1 was in backward(reduce(bucket 0.0" in o1["message"], o1["message"]

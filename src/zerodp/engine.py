@@ -165,10 +165,7 @@ class Engine:
             self.backward_tags = build_backward_agreement(self.guard, module, self.groups, self.sharding is not None)
             self.guard.backward_gather = self.backward_tags.note_gather
             self.reducer.launch_check = self.backward_tags.note_reduce
-        self.output_roots = OutputRoots()  # outputs of the forwards since the last backward
-        self._positions = {id(m): i for i, m in enumerate(module.modules())}
-        self._module_names = {i: n or "<root>" for i, (n, _) in enumerate(module.named_modules())}
-        self._slot_of = {id(s.param): s.index for s in self.reducer.slots}
+        self.output_roots = OutputRoots(module, self.reducer.slots)  # forward outputs since the last backward
         self.ledger.reset()  # the report covers training, not the initial broadcast
         for p in _unique_params(module):
             _WRAPPED.add(p, f"ZeRO stage {self.stage}")
@@ -271,9 +268,9 @@ class Engine:
             loss = loss * self.loss_scaler.scale
         boundary = self.is_gradient_accumulation_boundary()
         # what this backward will gather and reduce, agreed with the other ranks before it starts
-        plan = self.output_roots.plan(loss, self._positions, self._slot_of, walk=self.world_size > 1)
+        plan = self.output_roots.plan(loss, walk=self.world_size > 1)
         with self.guard.call("backward", self.global_steps, self.micro_steps, plan.fetch_digest(),
-                             plan.slot_digest(), lambda: plan.fetch_names(self._module_names)):
+                             plan.slot_digest(), lambda: plan.fetch_names(self.output_roots.names)):
             tags = self.backward_tags
             if tags is not None:
                 tags.begin(self.global_steps, self.micro_steps)

@@ -205,11 +205,11 @@ class BackwardAgreement:
                            for r in range(self.guard.world_size) if r != me)
         self.guard._raise(CollectiveMismatchError(
             f"collective mismatch in backward at step {self.step} (micro-step {self.micro_step}), "
-            f"collective #{i} of this backward: rank {me} entered {mine}; {others}. The ranks' losses "
-            "reach different modules or parameters, so their gradient collectives no longer pair up "
-            "(nothing was updated). Make every rank's loss use the same modules' outputs (an output "
-            "the engine's forward returns may go unused on some ranks: zerodp back-propagates a zero "
-            "gradient through it); see README, 'Collective safety'."))
+            f"collective #{i} of this backward: rank {me} entered {mine}; {others}. The ranks agreed on "
+            "what their backward passes reach, but reach it in another order (forward operations that "
+            "differ between ranks), so their collectives no longer pair up; no parameter or optimizer "
+            "state was updated, the job must restart. Make the order of the forward's operations the "
+            "same on every rank; see README, 'Collective safety'."))
 
     def _fail(self, i: int, exc: BaseException) -> NoReturn:
         kind, ident = (int(self._tags[i].send[0]), int(self._tags[i].send[1])) if i < len(self._tags) else (0, 0)

@@ -37,7 +37,7 @@ import dataclasses
 import time
 import weakref
 import zlib
-from typing import Any, Protocol
+from typing import Any, Iterable, Protocol
 
 import torch
 
@@ -89,6 +89,7 @@ class BackwardPlan:
         return zlib.crc32(repr(self.slots).encode()) & 0x7FFFFFFF
 
     def fetch_names(self, names: dict[int, str]) -> list[str]:
+        """The fetches as module names (``blocks.2 x2`` for two fetches), for error messages."""
         return [names.get(p, f"#{p}") + (f" x{n}" if n > 1 else "") for p, n in sorted(self.fetches.items())]
 
 
@@ -120,9 +121,17 @@ def _walk(roots: list[Any], nodes: dict[int, Any], params: set[int], fetches: di
 
 
 class OutputRoots:
-    """The engine's forward outputs since the last backward (see the module docstring)."""
+    """The engine's forward outputs since the last backward (see the module docstring).
 
-    def __init__(self) -> None:
+    Args:
+        module: the engine's module (fetch hooks are named by its ``named_modules()`` positions).
+        slots: the reducer's parameter slots (objects with ``param`` and ``index``).
+    """
+
+    def __init__(self, module: torch.nn.Module, slots: Iterable[Any]) -> None:
+        self.positions = {id(m): i for i, m in enumerate(module.modules())}
+        self.names = {i: n or "<root>" for i, (n, _) in enumerate(module.named_modules())}
+        self.slot_of = {id(s.param): s.index for s in slots}
         self.outputs: list[weakref.ref] = []  # weak: the engine never keeps a graph alive
         self.phantom_backwards = 0  # backwards that added zero-gradient roots (for tests and reports)
         self.seconds = 0.0  # wall time spent reading graphs in plan() (for the cost report)
@@ -133,8 +142,7 @@ class OutputRoots:
         _tensors(out, found)
         self.outputs.extend(weakref.ref(t) for t in found)
 
-    def plan(self, loss: torch.Tensor, positions: dict[int, int], slot_of: dict[int, int],
-             walk: bool = True) -> BackwardPlan:
+    def plan(self, loss: torch.Tensor, walk: bool = True) -> BackwardPlan:
         """Read the graph of ``loss`` and of this rank's phantom outputs (forgets the outputs).
         ``walk=False`` (a single rank): nothing to agree on, a plan without a walk."""
         outputs = [t for t in (r() for r in self.outputs) if t is not None]
@@ -145,6 +153,7 @@ class OutputRoots:
         nodes: dict[int, Any] = {}
         params: set[int] = set()
         fetches: dict[int, int] = {}
+        positions, slot_of = self.positions, self.slot_of
         opaque = _walk([loss.grad_fn], nodes, params, fetches, positions)
         loss_params = set(params)
         phantom = list({id(t): t for t in outputs if id(t.grad_fn) not in nodes}.values())

@@ -7,8 +7,10 @@ and one *agreement* per engine entry point that issues collectives (``forward`` 
 (``gather(<module name>)``). The collectives inside backward (stage-3 backward fetches, gradient
 bucket reductions) are not agreed synchronously one by one (that would double the cost): each posts an
 asynchronous tag on the same gloo group, checked while waiting and before backward returns
-(:mod:`zerodp.runtime.backward_agreement`). An agreement is one all-gather of four int64 per rank:
-``(call code, hash of the call's detail, optimizer step, micro-step)``.
+(:mod:`zerodp.runtime.backward_agreement`). An agreement is one all-gather of five int64 per rank:
+``(call code, hash of the call's detail, optimizer step, micro-step, aux)``; ``aux`` is exchanged, not
+compared (``backward`` puts the digest of the parameters its graph reaches there, and the digest of its
+stage-3 fetches into the detail; see :mod:`zerodp.runtime.backward_roots`).
 
 - All equal: the call proceeds; the real collectives pair up because every rank is in the same call.
 - Different (e.g. rank 0 in ``save_checkpoint``, rank 1 in ``backward``): every rank received the same
