@@ -182,6 +182,7 @@ class CollectiveGuard:
     def call(self, name: str, step: int, micro_step: int, detail: str = "", aux: int = 0,
              reach: Optional[Callable[[], list[str]]] = None) -> Iterator[None]:
         """Agree on entry; inside, a failure of a real collective is diagnosed the same way."""
+        self.aux_differs = False
         if not self.enabled or self.current is not None:  # nested: the outer call already agreed
             yield
             return
