@@ -6,7 +6,10 @@ stage-3 *backward fetches* (all-gathers of a module's unit when its output gradi
 complete. If the ranks' graphs differ (a loss that uses a module's output on some ranks only, a
 parameter used on some ranks only) those collectives no longer pair up: the job hangs, gloo reports a
 size mismatch, or, worst, two different units of the same size are paired and the gradients are
-silently wrong. A synchronous agreement before each of them (as the forward's per-fetch agreement)
+silently wrong. The ``backward`` agreement already compares what each rank's graph reaches (see
+:mod:`zerodp.runtime.backward_roots`), so what is left here is the *order*: the same modules and
+parameters reached in another order (forward operations that differ between ranks). A synchronous
+agreement before each of them (as the forward's per-fetch agreement)
 would cost a round trip each; here each costs one *asynchronous* all-gather of four int64 per rank on
 the guard's gloo group, posted just before the data collective it describes and not waited for:
 
@@ -30,8 +33,12 @@ When they are checked:
   tag and waits for every tag: a same-size mis-pairing that completed silently raises
   :class:`CollectiveMismatchError` here, on every rank (they all receive the same tables).
 
-A data collective that fails (gloo's size check on a mis-paired op) is explained by the tags when
-they disagree, and by the guard's post-mortem otherwise (a lost peer). After any of these errors the
+A data collective that fails is explained by the tags when they disagree, and by the guard's
+post-mortem otherwise (a lost peer). Not prevented: gloo aborts the *receiving process* when a
+mis-paired collective has another size ("Received data size doesn't match", a C++ abort that no
+Python code sees); the other ranks then raise ``RankLostError``. Tags stop a same-size mis-pairing
+from going unnoticed; they cannot stop that abort, which only a synchronous agreement before each
+collective would. After any of these errors the
 engine is unusable (as for every guard error): the job must restart.
 """
 
