@@ -13,7 +13,6 @@ boundary (every ``gradient_accumulation_steps`` micro-steps). What each stage ho
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections import deque
 from typing import Any, ContextManager, Iterator, Mapping, Optional, Sequence
 
@@ -23,6 +22,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from zerodp.runtime import comm
+from zerodp.runtime.backward_agreement import BackwardAgreement, build_backward_agreement
+from zerodp.runtime.backward_roots import OutputRoots
 from zerodp.runtime.collective_guard import CollectiveGuard
 from zerodp.runtime.accounting import CATEGORIES, BytesPerElement, CommReport, MemoryReport, model_state_bytes
 from zerodp.runtime.comm import CommLedger
@@ -41,39 +42,8 @@ from zerodp import accessors
 from zerodp.runtime.topology import Topology, global_grad_norm, is_model_parallel_parameter
 from zerodp.stage3.sharding import Stage3
 from zerodp.stage3.ownership import register_master_refresh
+from zerodp.runtime.wrapped import WRAPPED
 from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer, PartitionedGradReducer
-
-
-class _WrappedParams:
-    """id(parameter) -> (weak reference, description of the engine that wraps it); an entry dies with
-    its parameter. (Tensors cannot key a WeakKeyDictionary: their ``__eq__`` is elementwise.)"""
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, str]] = {}
-
-    def add(self, param: torch.Tensor, engine: str) -> None:
-        key = id(param)
-        self._entries[key] = (weakref.ref(param, lambda _r: self._entries.pop(key, None)), engine)
-
-    def get(self, param: torch.Tensor) -> Optional[str]:
-        entry = self._entries.get(id(param))
-        return entry[1] if entry is not None and entry[0]() is param else None
-
-
-#: every parameter of every module an engine was built on (checked by :func:`initialize`).
-_WRAPPED = _WrappedParams()
-
-
-def refuse_wrapped(model: nn.Module) -> None:
-    """Raise if any parameter of ``model`` already belongs to an engine: its data was re-laid out into
-    that engine's flat buffers (or shards) and its gradient hooks feed that engine's reducer."""
-    for name, p in model.named_parameters(remove_duplicate=True):
-        engine = _WRAPPED.get(p)
-        if engine is not None:
-            raise ValueError(
-                f"zerodp.initialize: the model is already wrapped by an engine ({engine}; parameter "
-                f"'{name}'); keep using that engine, or build a new model (a model, or any module sharing "
-                "its parameters, can be wrapped once)")
 
 
 class Engine:
@@ -171,9 +141,15 @@ class Engine:
         if self.sharding is not None:
             self.sharding.coordinator.fetch_check = self.guard.gather_check(module)
         self.guard.install_shutdown_check()
+        self.backward_tags: Optional[BackwardAgreement] = None
+        if self.guard.enabled:
+            self.backward_tags = build_backward_agreement(self.guard, module, self.groups, self.sharding is not None)
+            self.guard.backward_gather = self.backward_tags.note_gather
+            self.reducer.launch_check = self.backward_tags.note_reduce
+        self.output_roots = OutputRoots(module, self.reducer.slots)  # forward outputs since the last backward
         self.ledger.reset()  # the report covers training, not the initial broadcast
         for p in _unique_params(module):
-            _WRAPPED.add(p, f"ZeRO stage {self.stage}")
+            WRAPPED.add(p, f"ZeRO stage {self.stage}")
 
     # ---- construction ------------------------------------------------------------------------------
     def _flatten(self, specs: list[ParamGroupSpec], bucket_size: int) -> list[FlatGroup]:
@@ -235,8 +211,12 @@ class Engine:
         self.guards.before_forward()
         if self.sharding is not None:
             with self.collective_call("forward"):
-                return self.sharding.forward(self.module, args, kwargs)
-        return self.module(*args, **kwargs)
+                out = self.sharding.forward(self.module, args, kwargs)
+        else:
+            out = self.module(*args, **kwargs)
+        if self.world_size > 1 and torch.is_grad_enabled():
+            self.output_roots.record(out)  # see zerodp.runtime.backward_roots
+        return out
 
     forward = __call__
 
@@ -272,14 +252,28 @@ class Engine:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
         boundary = self.is_gradient_accumulation_boundary()
-        with self.collective_call("backward"):
-            if self.offload is not None:  # the boundary's reduced gradients stream to the host per bucket
-                if boundary:
-                    self.offload.begin_grads()
-                self.reducer.on_reduced = self._stream_bucket if boundary else None
-            self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
-            loss.backward(retain_graph=retain_graph)
-            self.reducer.end_micro_step()
+        # what this backward will gather and reduce, agreed with the other ranks before it starts
+        plan = self.output_roots.plan(loss, walk=self.world_size > 1)
+        with self.guard.call("backward", self.global_steps, self.micro_steps, plan.fetch_digest(),
+                             plan.slot_digest(), lambda: plan.fetch_names(self.output_roots.names)):
+            tags = self.backward_tags
+            if tags is not None:
+                tags.begin(self.global_steps, self.micro_steps)
+            try:
+                if self.offload is not None:  # the boundary's reduced gradients stream to the host per bucket
+                    if boundary:
+                        self.offload.begin_grads()
+                    self.reducer.on_reduced = self._stream_bucket if boundary else None
+                self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
+                # the ranks reach different parameters: reduce every bucket at the end, in one order
+                self.reducer.defer_once = self.guard.aux_differs
+                self.output_roots.backward(plan, retain_graph, self.reducer)
+                self.reducer.end_micro_step()
+                if tags is not None:
+                    tags.finish()  # before any gradient is used: a mis-paired collective raises here
+            finally:
+                if tags is not None:
+                    tags.end()
             self.grads_ready = boundary
             if self.sharding is not None:
                 self.sharding.end_backward()

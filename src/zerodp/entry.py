@@ -13,7 +13,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zerodp import checkpointing
 from zerodp.config import ZeroDPConfig, load_config
-from zerodp.engine import Engine, refuse_wrapped
+from zerodp.engine import Engine
+from zerodp.runtime.wrapped import refuse_wrapped
 from zerodp.runtime import comm
 from zerodp.runtime.guards import check_model_at_initialize
 from zerodp.runtime.optim import normalize_param_groups

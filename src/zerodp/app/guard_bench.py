@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from zerodp.app.bench import _batches, _engine_step, add_arguments
-from zerodp.app.model import GPT, GPTConfig
+from zerodp.app.bench import _batches, add_arguments, resolve_model
+from zerodp.app.bench_systems import loss_of
+from zerodp.app.model import GPT
 
 VARIANTS: dict[str, dict] = {
     "off": {"enabled": False},
@@ -37,11 +38,13 @@ VARIANTS: dict[str, dict] = {
 def run(args: argparse.Namespace) -> None:
     zerodp.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, seq_len=args.seq_len)
-    batches = _batches(cfg, args.micro_batch, args.warmup + args.steps, rank, world)
+    cfg, micro = resolve_model(args)
+    batches = _batches(cfg, micro, args.warmup + args.steps, rank, world)
     times: dict[tuple[int, str], list[float]] = {}
     agreements: dict[tuple[int, str], float] = {}
     in_guard: dict[tuple[int, str], list[float]] = {}
+    walks: dict[tuple[int, str], list[float]] = {}  # backward-graph reading (plan), every variant
+    tags: dict[tuple[int, str], float] = {}  # asynchronous backward tags per step
     for _ in range(args.rounds):
         for stage in args.stages:
             for name, guard in VARIANTS.items():
@@ -50,11 +53,16 @@ def run(args: argparse.Namespace) -> None:
                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                     "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1000},
                     "collective_guard": guard})
-                step = _engine_step(engine)
+
+                def step(x: torch.Tensor, y: torch.Tensor, engine: zerodp.Engine = engine) -> None:
+                    engine.backward(loss_of(engine(x)[0], y))
+                    engine.step()
                 for i, (x, y) in enumerate(batches):
                     if i == args.warmup:
                         before = engine.guard.agreements
+                        tags_before = engine.backward_tags.tags_total if engine.backward_tags else 0
                     g0 = engine.guard.seconds
+                    w0 = engine.output_roots.seconds
                     dist.barrier()
                     t0 = time.perf_counter()
                     step(x, y)
@@ -62,28 +70,60 @@ def run(args: argparse.Namespace) -> None:
                     if i >= args.warmup:
                         times.setdefault((stage, name), []).append(time.perf_counter() - t0)
                         in_guard.setdefault((stage, name), []).append(engine.guard.seconds - g0)
+                        walks.setdefault((stage, name), []).append(engine.output_roots.seconds - w0)
                 agreements[(stage, name)] = (engine.guard.agreements - before) / args.steps
+                tags_total = engine.backward_tags.tags_total if engine.backward_tags else 0
+                tags[(stage, name)] = (tags_total - tags_before) / args.steps
     latency = _agreement_latency(args.latency_reps)
+    post = _tag_post_cost(args.latency_reps)
     if rank == 0:
         params = sum(p.numel() for p in GPT(cfg).parameters())
         print(f"GPT {params:,} parameters, {world} ranks ({dist.get_backend()}), micro-batch "
-              f"{args.micro_batch} x {cfg.seq_len} tokens, median of {args.steps * args.rounds} steps")
-        print(f"{'stage':<7}{'guard':<10}{'step (s)':>10}{'vs off':>9}{'agreements/step':>17}"
-              f"{'in guard (ms/step)':>20}{'share of step':>15}")
+              f"{micro} x {cfg.seq_len} tokens, median of {args.steps * args.rounds} steps")
+        print(f"{'stage':<7}{'guard':<10}{'step (s)':>10}{'spread':>16}{'vs off':>9}{'agreements/step':>17}"
+              f"{'tags/step':>11}{'in guard (ms/step)':>20}{'share of step':>15}{'graph walk (ms)':>17}")
         for stage in args.stages:
             base = statistics.median(times[(stage, "off")])
             for name in VARIANTS:
-                med = statistics.median(times[(stage, name)])
+                ts = times[(stage, name)]
+                med = statistics.median(ts)
                 g = statistics.median(in_guard[(stage, name)])
-                print(f"{stage:<7}{name:<10}{med:>10.4f}{med / base:>8.3f}x{agreements[(stage, name)]:>17.1f}"
-                      f"{g * 1e3:>20.3f}{g / base:>14.2%}")
+                w = statistics.median(walks[(stage, name)])
+                print(f"{stage:<7}{name:<10}{med:>10.4f}{f'{min(ts):.3f}-{max(ts):.3f}':>16}{med / base:>8.3f}x"
+                      f"{agreements[(stage, name)]:>17.1f}{tags[(stage, name)]:>11.1f}"
+                      f"{g * 1e3:>20.3f}{g / base:>14.2%}{w * 1e3:>17.3f}")
         print(f"agreement latency: {latency * 1e6:.1f} us (median of 5 x {args.latency_reps}, ranks in step)")
+        print(f"asynchronous tag: {post * 1e6:.1f} us to post (median of 5 x {args.latency_reps})")
         for stage in args.stages:
             base = statistics.median(times[(stage, "off")])
             n = agreements[(stage, "default")]
-            print(f"stage {stage}: {n:.0f} agreements/step x {latency * 1e6:.1f} us = "
-                  f"{n * latency * 1e3:.3f} ms = {n * latency / base:.2%} of the {base:.4f} s step")
+            t = tags[(stage, "default")]
+            w = statistics.median(walks[(stage, "default")])
+            own = n * latency + t * post + w
+            print(f"stage {stage}: {n:.0f} agreements x {latency * 1e6:.1f} us + {t:.0f} tags x {post * 1e6:.1f} us"
+                  f" + graph walk {w * 1e3:.3f} ms = {own * 1e3:.3f} ms = {own / base:.2%} of the {base:.4f} s step")
     zerodp.shutdown_distributed()
+
+
+def _tag_post_cost(reps: int) -> float:
+    """Seconds to post one asynchronous backward tag (the main thread's share; the exchange itself
+    runs on gloo's thread and is waited for once per backward)."""
+    from zerodp.runtime.backward_agreement import BackwardAgreement
+    from zerodp.runtime.collective_guard import CollectiveGuard
+
+    guard = CollectiveGuard(None, timeout_s=60.0)
+    tags = BackwardAgreement(guard, {}, {})
+    samples = []
+    for _ in range(5):
+        dist.barrier()
+        tags.begin(0, 0)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            tags.note_gather(0)
+        samples.append((time.perf_counter() - t0) / reps)
+        tags.finish()
+        tags.end()
+    return statistics.median(samples)
 
 
 def _agreement_latency(reps: int) -> float:

@@ -4,10 +4,13 @@ The guard owns one extra gloo process group (``dist.new_group``, with the guard'
 and one *agreement* per engine entry point that issues collectives (``forward`` at stage 3,
 ``backward``, ``step`` at a gradient accumulation boundary, ``save_checkpoint``, ``load_checkpoint``,
 ``module_state_dict``, ``shutdown_distributed``) and, at stage 3, per module fetch in a forward
-(``gather(<module name>)``). Backward fetches are not agreed one by one (that would double the cost):
-the backward entry is agreed and autograd replays the graph of the agreed forward, so they differ only
-if a rank's loss leaves a module out (e.g. a loss term that only some ranks add), which is not detected. An agreement is one all-gather of four int64 per rank:
-``(call code, hash of the call's detail, optimizer step, micro-step)``.
+(``gather(<module name>)``). The collectives inside backward (stage-3 backward fetches, gradient
+bucket reductions) are not agreed synchronously one by one (that would double the cost): each posts an
+asynchronous tag on the same gloo group, checked while waiting and before backward returns
+(:mod:`zerodp.runtime.backward_agreement`). An agreement is one all-gather of five int64 per rank:
+``(call code, hash of the call's detail, optimizer step, micro-step, aux)``; ``aux`` is exchanged, not
+compared (``backward`` puts the digest of the parameters its graph reaches there, and the digest of its
+stage-3 fetches into the detail; see :mod:`zerodp.runtime.backward_roots`).
 
 - All equal: the call proceeds; the real collectives pair up because every rank is in the same call.
 - Different (e.g. rank 0 in ``save_checkpoint``, rank 1 in ``backward``): every rank received the same
@@ -28,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Iterator, Optional
 
@@ -46,6 +49,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 #: calls the guard knows; the index is the code exchanged between ranks (same on every rank).
 CALLS: tuple[str, ...] = ("forward", "backward", "step", "gather", "save_checkpoint", "load_checkpoint",
                           "module_state_dict", "shutdown_distributed", "synced_generate")
+_WIDTH = 5  # int64 per rank in an agreement: call, crc32(detail), step, micro-step, aux
 _STORE_WAIT_S = 3.0  # how long a failing rank waits for the others' post-mortem reports
 
 
@@ -68,12 +72,16 @@ class RankLostError(CollectiveError):
 @dataclass(frozen=True)
 class CallSite:
     """What one rank is doing: ``call`` (one of :data:`CALLS`), its ``detail`` (a module name, a
-    directory), the optimizer ``step`` and the ``micro_step``."""
+    directory), the optimizer ``step`` and the ``micro_step``. ``aux`` is exchanged but not compared
+    (the table is kept in :attr:`CollectiveGuard.aux_differs`); ``reach`` names what this rank's call
+    touches, compared only on the error path to say what differs (see ``engine.backward``)."""
 
     call: str
     detail: str
     step: int
     micro_step: int
+    aux: int = 0
+    reach: Optional[Callable[[], list[str]]] = field(default=None, compare=False)
 
     def describe(self) -> str:
         what = f"{self.call}({self.detail})" if self.detail else self.call
@@ -81,7 +89,7 @@ class CallSite:
 
     def encode(self) -> torch.Tensor:
         return torch.tensor([CALLS.index(self.call), zlib.crc32(self.detail.encode()) & 0x7FFFFFFF,
-                             self.step, self.micro_step], dtype=torch.int64)
+                             self.step, self.micro_step, self.aux], dtype=torch.int64)
 
 
 class CollectiveGuard:
@@ -110,6 +118,9 @@ class CollectiveGuard:
         self.seconds = 0.0  # wall time spent in agreements on this rank (includes waiting for peers)
         self.current: Optional[CallSite] = None
         self.broken: Optional[CollectiveError] = None
+        #: called with the module's position for each stage-3 fetch inside backward (the asynchronous
+        #: tag of :mod:`zerodp.runtime.backward_agreement`); None: backward fetches are not checked
+        self.backward_gather: Optional[Callable[[int], None]] = None
         CollectiveGuard._instances += 1
         ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                  else list(range(dist.get_world_size())))
@@ -120,8 +131,9 @@ class CollectiveGuard:
             # only this group's ranks build it (a data-parallel subgroup of a larger world)
             self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
                                         use_local_synchronization=process_group is not None)
-        self._send = torch.zeros(4, dtype=torch.int64)
-        self._recv = torch.zeros(self.world_size * 4, dtype=torch.int64)  # gloo: a 1-D output
+        self._send = torch.zeros(_WIDTH, dtype=torch.int64)
+        self._recv = torch.zeros(self.world_size * _WIDTH, dtype=torch.int64)  # gloo: a 1-D output
+        self.aux_differs = False  # the last agreement's ``aux`` values were not all equal
 
     # ---- agreement ---------------------------------------------------------------------------------
     def agree(self, site: CallSite) -> None:
@@ -145,14 +157,20 @@ class CollectiveGuard:
             self._fail(site, exc)
         self.agreements += 1
         self.seconds += time.perf_counter() - t0
-        table = self._recv.view(self.world_size, 4)
-        if bool((table == table[0]).all()):
+        table = self._recv.view(self.world_size, _WIDTH)
+        if bool((table[:, :4] == table[0, :4]).all()):
+            self.aux_differs = bool((table[:, 4] != table[0, 4]).any())
             return
-        sites: list[Optional[str]] = [None] * self.world_size
+        told: list = [None] * self.world_size
         try:  # every rank is here (the table arrived), so this pairs up
-            dist.all_gather_object(sites, site.describe(), group=self.group)
+            dist.all_gather_object(told, (site.describe(), site.reach() if site.reach else None),
+                                   group=self.group)
         except Exception as exc:
             self._fail(site, exc)
+        sites = [t[0] for t in told]
+        reaches = [t[1] for t in told]
+        if all(r is not None for r in reaches) and bool((table[:, [0, 2, 3]] == table[0, [0, 2, 3]]).all()):
+            self._raise(CollectiveMismatchError(_reach_message(site, self.rank, reaches)))
         others = "; ".join(f"rank {r} is in {s}" for r, s in enumerate(sites) if r != self.rank)
         self._raise(CollectiveMismatchError(
             f"collective mismatch: rank {self.rank} entered {site.describe()}; {others}. Every rank must "
@@ -161,12 +179,14 @@ class CollectiveGuard:
             "zerodp.zero.synced_generate for generation loops of different lengths."))
 
     @contextlib.contextmanager
-    def call(self, name: str, step: int, micro_step: int, detail: str = "") -> Iterator[None]:
+    def call(self, name: str, step: int, micro_step: int, detail: str = "", aux: int = 0,
+             reach: Optional[Callable[[], list[str]]] = None) -> Iterator[None]:
         """Agree on entry; inside, a failure of a real collective is diagnosed the same way."""
+        self.aux_differs = False
         if not self.enabled or self.current is not None:  # nested: the outer call already agreed
             yield
             return
-        site = CallSite(name, detail, step, micro_step)
+        site = CallSite(name, detail, step, micro_step, aux, reach)
         self.agree(site)
         self.current = site
         try:
@@ -186,11 +206,14 @@ class CollectiveGuard:
         if not self.check_gathers:
             return None
         names = {id(m): name or "<root>" for name, m in root.named_modules()}
+        positions = {id(m): i for i, m in enumerate(root.modules())}
 
         def check(module: nn.Module) -> None:
             outer = self.current
             if outer is not None and outer.call == "backward":
-                return  # backward replays the agreed forward's graph (see the module docstring)
+                if self.backward_gather is not None:  # an asynchronous tag instead (see the docstring)
+                    self.backward_gather(positions.get(id(module), -1))
+                return
             self.agree(CallSite("gather", names.get(id(module), type(module).__name__),
                                 outer.step if outer else -1, outer.micro_step if outer else -1))
         return check
@@ -284,6 +307,21 @@ def _is_connection_loss(text: str) -> bool:
 def _is_comm_failure(exc: RuntimeError) -> bool:
     return (isinstance(exc, getattr(dist, "DistBackendError", ())) or "gloo" in str(exc).lower()
             or _is_connection_loss(str(exc)) or "collective mismatch" in str(exc).lower())
+
+
+def _reach_message(site: CallSite, rank: int, reaches: list[list[str]]) -> str:
+    """Ranks in the same call whose ``reach`` differs: name what each rank alone touches."""
+    common = set(reaches[0]).intersection(*map(set, reaches[1:]))
+    parts = []
+    for r, reach in enumerate(reaches):
+        only = sorted(set(reach) - common)
+        parts.append(f"rank {r}'s {site.call} reaches {', '.join(only) if only else 'nothing more'}")
+    return (f"collective mismatch in {site.call} at step {site.step} (micro-step {site.micro_step}) on "
+            f"rank {rank}: the ranks' losses reach different modules, so the collectives of their "
+            f"backward passes would not pair up (nothing was issued or updated): {'; '.join(parts)} "
+            "(beyond what every rank's reaches). Make every rank's loss use the same modules' outputs "
+            "(an output the engine's forward returns may go unused on some ranks: zerodp then "
+            "back-propagates a zero gradient through it); see README, 'Collective safety'.")
 
 
 def _fmt(ranks: list[int]) -> str:

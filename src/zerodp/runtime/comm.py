@@ -15,7 +15,7 @@ import os
 from datetime import timedelta
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,37 @@ def shutdown_distributed() -> None:
 #: of waiting for the process-group timeout.
 SHUTDOWN_CHECK: list = []
 
+#: set by :mod:`zerodp.runtime.backward_agreement` while an engine's backward runs: a callable that
+#: waits for one ``Work`` within a bounded time (checking the ranks' agreement while it waits). Every
+#: collective below then runs asynchronously and its ``wait()`` goes through that callable, so no
+#: rank waits for a collective that a diverged peer never issues until the process-group timeout.
+WORK_WATCH: list = []
+
+
+class WatchedWork:
+    """A ``Work`` whose ``wait()`` is the watch's bounded wait; everything else passes through."""
+
+    def __init__(self, work: Work, wait: "Callable[[Work], None]") -> None:
+        self.work, self._wait = work, wait
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        self._wait(self.work)
+        return True
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
+
+
+def _watched(work: Optional[Work], async_op: bool) -> Optional[Work]:
+    """Route ``work`` through the active watch (see :data:`WORK_WATCH`); a synchronous call waits."""
+    if not WORK_WATCH or work is None:
+        return work
+    watched = WatchedWork(work, WORK_WATCH[-1])
+    if async_op:
+        return watched
+    watched.wait()
+    return None
+
 
 def _free_port() -> int:
     import socket
@@ -136,7 +167,8 @@ def all_reduce(
 ) -> Optional[Work]:
     """In-place all-reduce of ``tensor`` (any shape) across ``group``."""
     ledger.record("all_reduce", tensor.numel(), tensor.element_size(), purpose)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _watched(dist.all_reduce(tensor, op=op, group=group, async_op=async_op or bool(WORK_WATCH)),
+                    async_op)
 
 
 def reduce_scatter(
@@ -145,7 +177,8 @@ def reduce_scatter(
 ) -> Optional[Work]:
     """Sum ``input`` (1-D, N x ``output.numel()`` elements) across ranks; rank r gets chunk r in ``output``."""
     ledger.record("reduce_scatter", input.numel(), input.element_size(), purpose)
-    return _reduce_scatter_single(output, input, op=ReduceOp.SUM, group=group, async_op=async_op)
+    return _watched(_reduce_scatter_single(output, input, op=ReduceOp.SUM, group=group,
+                                           async_op=async_op or bool(WORK_WATCH)), async_op)
 
 
 def all_gather(
@@ -154,7 +187,8 @@ def all_gather(
 ) -> Optional[Work]:
     """Concatenate every rank's 1-D ``input`` into ``output`` (N x ``input.numel()``); may be in place."""
     ledger.record("all_gather", output.numel(), output.element_size(), purpose)
-    return _all_gather_single(output, input, group=group, async_op=async_op)
+    return _watched(_all_gather_single(output, input, group=group, async_op=async_op or bool(WORK_WATCH)),
+                    async_op)
 
 
 def broadcast(

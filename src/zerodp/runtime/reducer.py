@@ -106,6 +106,12 @@ class GradientReducer:
         #: result was stored (piece_grad of its owned range is then final for this micro-step); the
         #: engine sets it on the boundary backward to stream gradients to an optimizer offload
         self.on_reduced: Optional[Callable[[FlatGroup, Bucket], None]] = None
+        #: called with (group index, bucket index) just before a bucket's collective is launched (the
+        #: backward agreement's tag, :mod:`zerodp.runtime.backward_agreement`); None: no check
+        self.launch_check: Optional[Callable[[int, int], None]] = None
+        #: this micro-step only: launch every bucket when backward returns (set after begin_micro_step
+        #: when the ranks' backward graphs reach different parameters, see engine.backward)
+        self.defer_once = False
 
     # ---- hook wiring -------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -155,10 +161,13 @@ class GradientReducer:
                     if id(b) not in self._launched:  # deferred, or some parameters got no gradient (0)
                         self._pending[id(b)] = 0
                         self._launched.add(id(b))
+                        if self.launch_check is not None:
+                            self.launch_check(g.index, b.index)
                         self._launch(g, b)
         self._flush()
         self._drain(0)
         self._reducing = False
+        self.defer_once = False
         if not self._calibrated:
             repeated = torch.tensor([int(bool((self._count > 1).any()))], dtype=torch.int32)
             if self.world_size > 1:
@@ -174,6 +183,17 @@ class GradientReducer:
         if self.world_size > 1:
             comm.all_reduce(flags, self.pg, self.ledger, "grad_presence", op=ReduceOp.MAX)
         return flags[:-1], bool(flags[-1])
+
+    def presence_flags(self) -> torch.Tensor:
+        """This rank's int32 "received a gradient since the last boundary" flag per parameter slot."""
+        return self._present
+
+    def restrict_presence(self, before: torch.Tensor, reached: set[int]) -> None:
+        """Keep the flags set since ``before`` (a copy of :meth:`presence_flags`) only for parameters
+        whose ``id`` is in ``reached`` (see :mod:`zerodp.runtime.backward_roots`)."""
+        for s in self.slots:
+            if not before[s.index] and id(s.param) not in reached:
+                self._present[s.index] = 0
 
     def zero_grads(self) -> None:
         """After the optimizer step: forget gradients and presence flags."""
@@ -209,8 +229,10 @@ class GradientReducer:
         if self._count_np[slot.index] > 1:
             return  # a repeated contribution to a bucket not yet launched: already counted
         self._pending[id(b)] -= 1
-        if self._pending[id(b)] == 0 and not self._deferred:
+        if self._pending[id(b)] == 0 and not (self._deferred or self.defer_once):
             self._launched.add(id(b))
+            if self.launch_check is not None:
+                self.launch_check(g.index, b.index)
             self._launch(g, b)
 
     def _track(self, g: FlatGroup, b: Bucket, work: Work, payload: object) -> None:

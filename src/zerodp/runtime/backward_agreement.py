@@ -1,0 +1,241 @@
+"""Agreement on the collectives issued inside ``engine.backward``: asynchronous tags, checked lazily.
+
+Inside backward every rank issues its data collectives in the order its autograd graph asks for them:
+stage-3 *backward fetches* (all-gathers of a module's unit when its output gradient arrives) and the
+*gradient bucket reductions* (reduce-scatter at stages 1-3, all-reduce at stage 0) when a bucket is
+complete. If the ranks' graphs differ (a loss that uses a module's output on some ranks only, a
+parameter used on some ranks only) those collectives no longer pair up: the job hangs, gloo reports a
+size mismatch, or, worst, two different units of the same size are paired and the gradients are
+silently wrong. The ``backward`` agreement already compares what each rank's graph reaches (see
+:mod:`zerodp.runtime.backward_roots`), so what is left here is the *order*: the same modules and
+parameters reached in another order (forward operations that differ between ranks). A synchronous
+agreement before each of them (as the forward's per-fetch agreement)
+would cost a round trip each; here each costs one *asynchronous* all-gather of four int64 per rank on
+the guard's gloo group, posted just before the data collective it describes and not waited for:
+
+    (kind, identity, index in this backward, optimizer step)
+
+``kind`` is ``gather`` (identity: the module's position in ``named_modules()``), ``reduce``
+(identity: the bucket) or ``end``. Tags pair up in posting order exactly as the data collectives do,
+so the first differing tag names the first mis-paired data collective, on every rank, from the table
+alone (names are looked up by identity, identical on every rank).
+
+When they are checked:
+
+- While a rank waits for any data collective inside backward (every ``zerodp.runtime.comm`` wait goes
+  through :meth:`BackwardAgreement.wait_data` then, see ``comm.WORK_WATCH``), it waits in slices of
+  ``POLL_S`` and checks the tags that have completed in between; a rank waiting for a collective that a
+  diverged peer never issues therefore raises as soon as that peer's next tag (or its ``end`` tag)
+  arrives, and at the latest after the guard's ``timeout_s`` (:class:`CollectiveTimeoutError` naming
+  what each rank was doing, through the guard's post-mortem).
+- At the end of backward (after the last gradient reduction, before ``engine.backward`` returns and so
+  before any gradient is used or any state changes), :meth:`BackwardAgreement.finish` posts the ``end``
+  tag and waits for every tag: a same-size mis-pairing that completed silently raises
+  :class:`CollectiveMismatchError` here, on every rank (they all receive the same tables).
+
+A data collective that fails is explained by the tags when they disagree, and by the guard's
+post-mortem otherwise (a lost peer). Not prevented: gloo aborts the *receiving process* when a
+mis-paired collective has another size ("Received data size doesn't match", a C++ abort that no
+Python code sees); the other ranks then raise ``RankLostError``. Tags stop a same-size mis-pairing
+from going unnoticed; they cannot stop that abort, which only a synchronous agreement before each
+collective would. After any of these errors the
+engine is unusable (as for every guard error): the job must restart.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import NoReturn, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed import Work
+
+from zerodp.runtime import comm
+from zerodp.runtime.collective_guard import CallSite, CollectiveError, CollectiveMismatchError
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+KINDS: tuple[str, ...] = ("end", "gather", "reduce")
+POLL_S = 0.05  # slice of a data wait between two looks at the completed tags
+
+
+class _Guard(Protocol):
+    """What the agreement needs of a :class:`~zerodp.runtime.collective_guard.CollectiveGuard`."""
+
+    group: Optional[dist.ProcessGroup]
+    rank: int
+    world_size: int
+    timeout_s: float
+    broken: Optional[CollectiveError]
+
+    def _fail(self, site: CallSite, exc: BaseException) -> None: ...
+
+    def _raise(self, err: CollectiveError, cause: Optional[BaseException] = None) -> None: ...
+
+
+@dataclass
+class _Tag:
+    send: torch.Tensor  # int64[4]
+    recv: torch.Tensor  # int64[world * 4]
+    work: Work
+
+
+class BackwardAgreement:
+    """The tags of one engine's backward collectives (see the module docstring).
+
+    Args:
+        guard: the engine's collective guard (its gloo group carries the tags; its post-mortem and
+            error state are shared).
+        gather_names: module position (``named_modules()`` order) -> qualified name.
+        reduce_names: bucket identity (see :meth:`reduce_identity`) -> what the bucket holds.
+    """
+
+    def __init__(self, guard: _Guard, gather_names: dict[int, str], reduce_names: dict[int, str]) -> None:
+        self.guard = guard
+        self.names = {1: gather_names, 2: reduce_names}
+        self.active = False
+        self.step = 0
+        self.micro_step = 0
+        self.posted = 0  # tags posted in this backward
+        self.tags_total = 0  # tags posted over the engine's life (for the cost report)
+        self._tags: list[_Tag] = []
+        self._checked = 0  # tags already compared
+
+    @staticmethod
+    def reduce_identity(group_index: int, bucket_index: int) -> int:
+        return group_index * (1 << 20) + bucket_index
+
+    # ---- backward boundaries -------------------------------------------------------------------------
+    def begin(self, step: int, micro_step: int) -> None:
+        """Start of ``engine.backward``: route every comm wait through :meth:`wait_data`."""
+        self.active, self.step, self.micro_step = True, step, micro_step
+        self.posted, self._tags, self._checked = 0, [], 0
+        comm.WORK_WATCH[:] = [self.wait_data]
+
+    def finish(self) -> None:
+        """End of backward (every gradient reduction done): post ``end``, wait for and compare every
+        tag. Raises CollectiveMismatchError / CollectiveTimeoutError / RankLostError."""
+        self._post(0, self.posted)
+        deadline = time.monotonic() + self.guard.timeout_s
+        while self._checked < len(self._tags):
+            tag = self._tags[self._checked]
+            try:
+                tag.work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except Exception as exc:  # the peer never posted this tag in time, or is gone
+                self._fail(self._checked, exc)
+            self._compare(self._checked)
+            self._checked += 1
+
+    def end(self) -> None:
+        """Leave backward (normally or by an exception): comm waits are plain again."""
+        self.active = False
+        comm.WORK_WATCH.clear()
+
+    # ---- tags ----------------------------------------------------------------------------------------
+    def note_gather(self, position: int) -> None:
+        """A backward fetch of the module at ``position`` is about to issue its all-gathers."""
+        if self.active:
+            self._post(1, position)
+
+    def note_reduce(self, group_index: int, bucket_index: int) -> None:
+        """The gradient bucket's reduction is about to be launched."""
+        if self.active:
+            self._post(2, self.reduce_identity(group_index, bucket_index))
+
+    def _post(self, kind: int, ident: int) -> None:
+        g = self.guard
+        if g.broken is not None:
+            raise type(g.broken)(f"{g.broken} (an earlier collective error left this engine unusable)")
+        send = torch.tensor([kind, ident, self.posted, self.step], dtype=torch.int64)
+        recv = torch.empty(g.world_size * 4, dtype=torch.int64)
+        try:
+            work = _all_gather_single(recv, send, group=g.group, async_op=True)
+        except Exception as exc:
+            self._fail(self.posted, exc)
+        self._tags.append(_Tag(send, recv, work))
+        self.posted += 1
+        self.tags_total += 1
+
+    # ---- waiting for data collectives ----------------------------------------------------------------
+    def wait_data(self, work: Work) -> None:
+        """Wait for one data collective issued inside backward, at most the guard's ``timeout_s``,
+        comparing the tags that complete meanwhile (a diverged peer is seen as soon as its tag is)."""
+        deadline = time.monotonic() + self.guard.timeout_s
+        while True:
+            try:
+                work.wait(timedelta(seconds=POLL_S))
+                return
+            except Exception as exc:
+                if "timed out" not in str(exc).lower():  # gloo's size check on a mis-paired op, a lost peer
+                    self._explain_failure(exc)
+                if time.monotonic() > deadline:
+                    self._explain_failure(TimeoutError(f"backward collective timed out after "
+                                                       f"{self.guard.timeout_s:g} s"))
+            self._check_completed()
+
+    def _check_completed(self) -> None:
+        while self._checked < len(self._tags) and self._tags[self._checked].work.is_completed():
+            try:
+                self._tags[self._checked].work.wait()
+            except Exception as exc:
+                self._fail(self._checked, exc)
+            self._compare(self._checked)
+            self._checked += 1
+
+    def _explain_failure(self, exc: BaseException) -> NoReturn:
+        """A data collective failed or timed out: the tags explain it if they disagree (waiting for
+        them a little), otherwise the guard's post-mortem does."""
+        deadline = time.monotonic() + min(3.0, self.guard.timeout_s)
+        while time.monotonic() < deadline and self._checked < len(self._tags):
+            self._check_completed()
+            time.sleep(0.02)
+        self._fail(max(self._checked, len(self._tags) - 1), exc)
+
+    # ---- verdicts ------------------------------------------------------------------------------------
+    def _describe(self, kind: int, ident: int) -> str:
+        if kind == 0:
+            return f"the end of backward (after {ident} collectives)"
+        name = self.names[kind].get(ident, f"#{ident}")
+        return f"{KINDS[kind]}({name})"
+
+    def _compare(self, i: int) -> None:
+        tag = self._tags[i]
+        table = tag.recv.view(self.guard.world_size, 4)
+        if bool((table[:, :2] == table[0, :2]).all()):
+            return
+        me = self.guard.rank
+        mine = self._describe(int(table[me, 0]), int(table[me, 1]))
+        others = "; ".join(f"rank {r} is in {self._describe(int(table[r, 0]), int(table[r, 1]))}"
+                           for r in range(self.guard.world_size) if r != me)
+        self.guard._raise(CollectiveMismatchError(
+            f"collective mismatch in backward at step {self.step} (micro-step {self.micro_step}), "
+            f"collective #{i} of this backward: rank {me} entered {mine}; {others}. The ranks agreed on "
+            "what their backward passes reach, but reach it in another order (forward operations that "
+            "differ between ranks), so their collectives no longer pair up; no parameter or optimizer "
+            "state was updated, the job must restart. Make the order of the forward's operations the "
+            "same on every rank; see README, 'Collective safety'."))
+
+    def _fail(self, i: int, exc: BaseException) -> NoReturn:
+        kind, ident = (int(self._tags[i].send[0]), int(self._tags[i].send[1])) if i < len(self._tags) else (0, 0)
+        site = CallSite("backward", f"{self._describe(kind, ident)}, collective #{i}", self.step, self.micro_step)
+        self.guard._fail(site, exc)
+        raise AssertionError("unreachable")  # _fail always raises
+
+
+def build_backward_agreement(guard: _Guard, module: torch.nn.Module, groups: list, stage3: bool) -> BackwardAgreement:
+    """The agreement of one engine: names by module position and by gradient bucket (``groups``: the
+    engine's :class:`~zerodp.runtime.partition.FlatGroup` list; at stage 3 one per unit, named by
+    its first parameter's module)."""
+    gather_names = {i: name or "<root>" for i, (name, _) in enumerate(module.named_modules())}
+    reduce_names: dict[int, str] = {}
+    for g in groups:
+        for b in g.buckets:
+            first = b.slots[0].name if b.slots else "?"
+            what = first.rsplit(".", 1)[0] if stage3 and "." in first else f"bucket {g.index}.{b.index}: {first}"
+            if len(b.slots) > 1 and not stage3:
+                what += f" +{len(b.slots) - 1} more"
+            reduce_names[BackwardAgreement.reduce_identity(g.index, b.index)] = what
+    return BackwardAgreement(guard, gather_names, reduce_names)
