@@ -222,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--debug", action="store_const", const=True,
                     help="on a failure, print every rank's full traceback (also: environment variable "
                          "ZERODP_DEBUG=1) instead of one line per distinct error")
+    from zerodp.app import infinity
+    infinity.add_arguments(tr.add_argument_group("scale demo (docs/infinity.md)"))
     tr.set_defaults(handler=_cmd_train, parser=tr)
 
     co = sub.add_parser(
@@ -407,7 +409,12 @@ def _launch(cmd: list[str]) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from zerodp.app import train
+    from zerodp.app import infinity, train
+
+    if args.preset == "infinity":
+        return infinity.command(args)
+    if args.dry_run or args.states_ratio is not None or args.assume_ram is not None or args.assume_disk_free is not None:
+        args.parser.error("--dry-run, --states-ratio, --assume-ram and --assume-disk-free go with --preset infinity")
 
     # Fail fast, before any process starts, on settings that every worker would reject.
     try:
