@@ -168,7 +168,7 @@ def run_worker(plan: dict, nvme_path: str) -> None:
     rss_init = rss_bytes()
     engine = zerodp.initialize(model, cfg)
     build_s = time.perf_counter() - t0
-    rss_engine = rss_bytes()
+    rss_engine, peak_build = rss_bytes(), peak_rss_bytes()
 
     text = data.load_text(None, min_bytes=data.min_corpus_bytes(mcfg.seq_len))
     train_tokens, _ = data.split(data.encode(text))
@@ -192,7 +192,8 @@ def run_worker(plan: dict, nvme_path: str) -> None:
             if rank == 0:
                 print(f"step {step + 1}: loss {records[-1].loss:.4f}, {seconds:.1f} s", flush=True)
     engine.close()
-    mine = {"rank": rank, "peak_rss": peak_rss_bytes(), "rss_after_init": rss_init, "rss_after_initialize": rss_engine,
+    mine = {"rank": rank, "peak_rss": peak_rss_bytes(), "peak_rss_build": peak_build, "rss_after_init": rss_init,
+            "rss_after_initialize": rss_engine,
             "records": [r.__dict__ for r in records]}
     every: list = [None] * world
     dist.all_gather_object(every, mine)
@@ -208,10 +209,11 @@ def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, bui
              f"raw sequential direct I/O on this disk ({human_bytes(plan['probe_bytes'])}): write "
              f"{raw_write / 1e6:,.0f} MB/s, read {raw_read / 1e6:,.0f} MB/s",
              f"built under zero.Init + initialize in {build_s:.1f} s (GPT {m['n_layer']} x d_model {m['d_model']})",
-             "per rank: peak RSS (getrusage), RSS after zero.Init, RSS after initialize"]
+             "per rank: peak RSS of the run (getrusage) | peak RSS up to the end of initialize | RSS after "
+             "zero.Init | RSS after initialize"]
     for r in every:
-        lines.append(f"  rank {r['rank']}: {human_bytes(r['peak_rss'])}, {human_bytes(r['rss_after_init'])}, "
-                     f"{human_bytes(r['rss_after_initialize'])}")
+        lines.append(f"  rank {r['rank']}: {human_bytes(r['peak_rss'])} | {human_bytes(r['peak_rss_build'])} | "
+                     f"{human_bytes(r['rss_after_init'])} | {human_bytes(r['rss_after_initialize'])}")
     lines.append(f"per step (rank 0; I/O of all ranks summed; disk busy = io_ticks of {device or 'n/a'}):")
     lines.append(f"  {'step':>4} {'loss':>8} {'time s':>8} {'read':>10} {'written':>10} {'busy s':>8} "
                  f"{'wait s':>8} {'I/O/raw':>8} {'hidden':>7} {'step/max(c,io)':>15}")
