@@ -246,7 +246,7 @@ def command(args: argparse.Namespace) -> int:
         print(f"zerodp train: error: {exc}", file=sys.stderr)
         return 2
     plan = plan_run(machine, nproc=args.nproc, states_ratio=ratio, seq_len=args.seq_len or 128,
-                    micro_batch=args.micro_batch or 1, steps=3 if args.steps is None else args.steps)
+                    micro_batch=args.micro_batch or 4, steps=3 if args.steps is None else args.steps)
     print(format_plan(plan, machine), flush=True)
     issues = problems(plan, machine)
     for msg in issues:
