@@ -14,9 +14,16 @@ the plan is refused with the bytes needed and available. Where the bytes go (all
 
 - disk: fp32 master + Adam moments (12 bytes/param, ``offload_optimizer`` swap files), the bf16
   parameter shards (2 bytes/param, ``offload_param`` swap file), the raw-I/O probe file, 3% slack;
-- RAM: the fp32 gradient partition that ``offload_optimizer`` keeps in host memory (4 bytes/param),
-  plus per rank the runtime, the optimizer's sub-group buffers, the parameter swap pool and read-ahead
-  budget, the largest gathered layer, the raw-I/O probe buffer.
+- RAM: the gradients, which this engine keeps in host memory at 6 bytes/param (the reduced bf16
+  gradient partition, 2, held until the step, plus the fp32 copy ``offload_optimizer`` stages it into,
+  4), plus per rank the runtime, the optimizer's sub-group buffers, the parameter swap pool and
+  read-ahead budget, the largest gathered layer; 10% slack (measured peak RSS of small runs exceeds
+  the sum by about that). The raw-I/O probe runs before the model exists and is not counted.
+
+Consequence: states of ``R`` x RAM mean ``P = R x RAM / 16`` parameters, whose gradients alone take
+``6 P = 0.375 R x RAM``: at ``R = 2`` that is 75% of the RAM before any buffer, so on a machine whose
+available memory is below ~90% of its total the default plan is refused; a lower ``--states-ratio``
+still trains a model whose states exceed the RAM.
 
 The worker half (:func:`run_worker`, in :mod:`zerodp.app.infinity_run`) runs under ``torch.distributed.run``.
 """
@@ -159,11 +166,12 @@ def plan_run(machine: Machine, nproc: int = 1, states_ratio: float = 2.0, seq_le
     disk["slack (3%)"] = math.ceil(0.03 * sum(disk.values()))
     per_rank_buffers = (k.optimizer_buffers * 12 * k.sub_group_size + k.param_buffer_count * k.param_buffer_size
                         + k.max_in_cpu)
-    ram = {"fp32 gradient partitions (host)": 4 * p,
+    ram = {"reduced bf16 gradient partitions": 2 * p,
+           "fp32 gradient copies (offload_optimizer host)": 4 * p,
            "runtime per rank": nproc * k.runtime_bytes,
            "swap buffers + read-ahead per rank": nproc * per_rank_buffers,
-           "largest gathered layer (bf16 value + fp32 grad) per rank": nproc * 6 * largest_layer,
-           "raw-I/O probe buffer": k.probe_bytes}
+           "largest gathered layer (bf16 value + fp32 grad) per rank": nproc * 6 * largest_layer}
+    ram["slack (10%)"] = math.ceil(0.1 * sum(ram.values()))
     return Plan(model, p, nproc, micro_batch, steps, states_ratio, STATE_BYTES * p, disk, ram, k)
 
 
