@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
                     help="a --save-dir (its 'latest' or --tag is used) or one checkpoint directory")
     co.add_argument("out", metavar="OUT",
-                    help="output file, *.safetensors or *.pt/*.pth; or a directory (any other name): HF-style "
+                    help="output file, *.safetensors or *.pt/*.pth; or a directory (an existing one, or a name "
+                         "without an extension): HF-style "
                          "shards model-0000k-of-0000n.safetensors + model.safetensors.index.json, written "
                          "tensor by tensor (the whole model is never in memory)")
     co.add_argument("--tag", metavar="T", help="checkpoint within CHECKPOINT_DIR (default: 'latest')")
@@ -466,7 +467,9 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 
     from zerodp.checkpoint import sharded_export
 
-    single = os.path.splitext(args.out)[1] in (".safetensors", ".pt", ".pth")
+    # a directory: an existing one, a name ending in a separator, or a name without an extension; any
+    # other name is a file (an unknown extension such as .bin is refused by consolidate)
+    single = not (os.path.isdir(args.out) or args.out.endswith(os.sep) or not os.path.splitext(args.out)[1])
     if single and args.max_shard_size is not None:
         print(f"zerodp consolidate: error: --max-shard-size applies to a directory OUT (sharded output); "
               f"{args.out} names one file", file=sys.stderr)
