@@ -65,13 +65,13 @@ def knobs_for(params: int, largest_layer: int, nproc: int) -> Knobs:
     """Sub-groups of at most 25M elements (at least 4 per rank down to 1M, so reads, updates and writes
     pipeline); parameter swap buffers that hold the largest layer in bf16
     (at most DeepSpeed's default 1e8 bytes); read-ahead of at most 1 GB or a quarter of the bf16
-    shards; a raw-I/O probe of at most 1 GiB (a quarter of the bf16 shards for small models)."""
+    shards; a raw-I/O probe of a quarter of the bf16 shards, between 256 MiB and 1 GiB."""
     align = 4096
     shard_bytes = 2 * params
     return Knobs(sub_group_size=min(25_000_000, max(1_000_000, math.ceil(params / nproc / 4))),
                  param_buffer_size=min(100_000_000, -(-2 * largest_layer // align) * align),
                  max_in_cpu=min(1_000_000_000, max(align, shard_bytes // 4)),
-                 probe_bytes=min(GIB, max(align, shard_bytes // 4 // align * align)))
+                 probe_bytes=min(GIB, max(256 * 2**20, shard_bytes // 4 // align * align)))
 
 
 @dataclass(frozen=True)
