@@ -2,8 +2,9 @@
 
 A stage-3 bf16 checkpoint (fp32 masters, a tied pair, an int buffer) is exported with a small shard
 limit; the shards + index load with zerodp's own loader and equal ``consolidate()``'s single file;
-the peak live heap of the export (glibc, tests/heap_probe.py) stays near the largest tensor while the
-non-streaming ``consolidate()`` under the same probe holds more than the whole model. With transformers
+the peak live heap of the export and of a single-file ``.safetensors`` consolidate (glibc,
+tests/heap_probe.py) stays near the largest tensor while a ``.pt`` consolidate (built in memory) under
+the same probe holds more than the whole model. With transformers
 installed, a tiny GPT-2 trained at stage 3 is exported and loads with ``from_pretrained``.
 """
 
@@ -105,17 +106,22 @@ def test_shards_index_and_values(saved: Path, tmp_path: Path) -> None:
 
 def test_export_streams_peak_heap_near_largest_tensor(saved: Path, tmp_path: Path) -> None:
     with HeapPeak() as whole:
-        consolidate(saved, tmp_path / "one.safetensors")
+        consolidate(saved, tmp_path / "one.pt")  # .pt: the state dict is built in memory, then saved
     with HeapPeak() as streamed:
         export_sharded_safetensors(saved, tmp_path / "hf", max_shard_size="1MB")
+    with HeapPeak() as single_file:  # one .safetensors file is streamed the same way
+        consolidate(saved, tmp_path / "one.safetensors")
     single = load_file(str(tmp_path / "one.safetensors"))
+    pt = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert sorted(pt) == sorted(single) and all(torch.equal(pt[k], single[k]) for k in pt)
     total = sum(v.numel() * v.element_size() for v in single.values())
     largest = max(v.numel() * v.element_size() for v in single.values())
     assert total > 8 * largest  # a model of many tensors, so the bound below is far from the whole
     assert whole.peak >= total  # the probe sees a whole model when one is held
     assert streamed.samples > 1000
     # the largest tensor assembled in fp32 plus the piece being read; never a shard, never the model
-    assert streamed.peak <= 2 * largest + 256 * 1024 < 1_000_000 + largest < total
+    for probe in (streamed, single_file):
+        assert probe.peak <= 2 * largest + 256 * 1024 < 1_000_000 + largest < total
 
 
 def test_parse_size_and_refusals(saved: Path, tmp_path: Path) -> None:

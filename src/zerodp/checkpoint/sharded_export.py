@@ -145,6 +145,16 @@ def _write_shard(reader: CheckpointReader, shard: Shard, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def write_safetensors_streaming(reader: CheckpointReader, out_path: Path) -> None:
+    """The whole state dict as one safetensors file, written tensor by tensor (header first) as the
+    shards are: memory stays at about two copies of the largest tensor. ``out_path`` is written as
+    ``out_path.tmp``, fsynced and renamed."""
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors files are little-endian; exporting on a big-endian host is not supported")
+    whole = plan_shards(reader, max_shard_bytes=2**63)[0]
+    _write_shard(reader, whole, out_path)
+
+
 def export_sharded_safetensors(checkpoint_dir: PathLike, out_dir: PathLike, tag: Optional[str] = None,
                                max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
                                verify: bool = True) -> Path:
