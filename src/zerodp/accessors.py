@@ -17,7 +17,7 @@ by ``gradient_accumulation_steps`` as ``engine.backward`` does, unscaled (fp16),
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,8 @@ class AccessedEngine(Protocol):
 
     @property
     def loss_scale(self) -> float: ...
+
+    def shards_resident(self, groups: Optional[list[FlatGroup]] = None, write: bool = False) -> Any: ...
 
 
 _ENGINES: dict[int, tuple[weakref.ref, weakref.ref, Optional[FlatGroup], Optional[ParamSlot]]] = {}
@@ -166,7 +168,8 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor:
         _copy_pieces(s, _pieces(g, s), full, lambda pc: pc.master)
         return True
 
-    out = _assemble(engine, s, fill)
+    with engine.shards_resident([g]):  # offload_param: this rank's shard, read back for the call
+        out = _assemble(engine, s, fill)
     assert out is not None
     return out
 
@@ -217,6 +220,11 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
         param.data.copy_(value.detach().to(param.dtype))
         return
     flat = _check_value(s, value, "safe_set_full_fp32_param")
+    with engine.shards_resident([g], write=True):
+        _set_fp32(engine, g, s, param, flat)
+
+
+def _set_fp32(engine: AccessedEngine, g: FlatGroup, s: ParamSlot, param: nn.Parameter, flat: torch.Tensor) -> None:
     for pc in _pieces(g, s):
         part = flat[pc.lo - s.offset : pc.hi - s.offset]
         if pc.master is not None:

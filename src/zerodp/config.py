@@ -20,7 +20,7 @@ from typing import Any, Literal, Mapping, Optional, Tuple, Union, get_args, get_
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from zerodp.config_keys import OPTIMIZERS, REFUSED_OPTIMIZERS, canonical_optimizer, screen_keys
-from zerodp.offload.config import AioConfig, OffloadOptimizerConfig, refuse_offload_param
+from zerodp.offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 
 
 class ConfigError(ValueError):
@@ -185,7 +185,17 @@ class ZeroConfig(_Strict):
         1_000_000_000, gt=0, description="offload nvme: elements of optimizer state swapped in at a time"
     )
 
-    _refuse_offload_param = model_validator(mode="before")(lambda data: refuse_offload_param(data))
+    offload_param: OffloadParamConfig = Field(
+        default_factory=OffloadParamConfig, description="ZeRO-Infinity parameter offload, stage 3 (zerodp.offload.config)"
+    )
+
+    @model_validator(mode="after")
+    def _offload_param_needs_stage3(self) -> "ZeroConfig":
+        if self.offload_param.enabled and self.stage != 3:
+            raise ValueError(f"'zero_optimization.offload_param' (device {self.offload_param.device!r}) needs "
+                             f"zero_optimization.stage 3 (it offloads each rank's shard of the partitioned "
+                             f"parameters); got stage {self.stage}. Use device 'none' or stage 3")
+        return self
 
     @field_validator("reduce_bucket_size", "allgather_bucket_size", "stage3_param_persistence_threshold",
                      "stage3_max_live_parameters", "stage3_prefetch_bucket_size", "stage3_max_reuse_distance",

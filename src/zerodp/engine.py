@@ -12,9 +12,10 @@ boundary (every ``gradient_accumulation_steps`` micro-steps). What each stage ho
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import deque
-from typing import Any, ContextManager, Mapping, Optional
+from typing import Any, ContextManager, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from zerodp.runtime.precision import LossScaler, PrecisionPolicy
 from zerodp.runtime.schedulers import build_scheduler
 from zerodp.offload.build import OptimizerOffload, build_offload, no_offload
 from zerodp.offload.report import OffloadReport, offload_formula
+from zerodp.offload.param_swap import ParamOffload, build_param_offload
 from zerodp.runtime.guards import TrainingGuards, refuse_add_param_group
 from zerodp import accessors
 from zerodp.runtime.topology import Topology, global_grad_norm, is_model_parallel_parameter
@@ -113,18 +115,22 @@ class Engine:
             self.groups = self.sharding.groups
         else:
             self.groups = self._flatten(param_groups, zc.reduce_bucket_size)
+        # offload_param (stage 3): from here on every shard lives in its home between uses
+        self.param_offload: Optional[ParamOffload] = build_param_offload(
+            zc.offload_param, config.aio, self.sharding, self.rank, process_group)
         in_groups = {id(s.param) for g in self.groups for s in g.slots}
         self.frozen = [p for p in _unique_params(module) if id(p) not in in_groups]
         self._broadcast_from_rank0()
-        for g in self.groups:
-            assign_pieces(g, self.rank, owns_everything=self.stage == 0)
-            if self.precision.has_master:
-                for piece in g.pieces:
-                    piece.master = piece.tensor.detach().float().clone()
-        self.offload: Optional[OptimizerOffload] = build_offload(
-            zc.offload_optimizer, config.aio, zc.sub_group_size, self.stage, self.rank, process_group)
-        if self.offload is not None:
-            self.offload.attach(self.groups)
+        with self.shards_resident():  # pieces are views of the shards; masters are copies of them
+            for g in self.groups:
+                assign_pieces(g, self.rank, owns_everything=self.stage == 0)
+                if self.precision.has_master:
+                    for piece in g.pieces:
+                        piece.master = piece.tensor.detach().float().clone()
+            self.offload: Optional[OptimizerOffload] = build_offload(
+                zc.offload_optimizer, config.aio, zc.sub_group_size, self.stage, self.rank, process_group)
+            if self.offload is not None:
+                self.offload.attach(self.groups)
         self._register_master_refresh()
         if self.stage == 3 or self.precision.has_master:
             why = ("stage 3 keeps each parameter as a shard; the module's parameters are empty placeholders"
@@ -188,9 +194,13 @@ class Engine:
             for s in g.slots:
                 pieces = by_param.get(id(s.param))
                 if pieces:
-                    register_master_refresh(s.param, lambda ps=pieces: [self._refresh_master(p) for p in ps])
+                    register_master_refresh(s.param, lambda ps=pieces, g=g: [self._refresh_master(p, g) for p in ps])
 
-    def _refresh_master(self, piece: Any) -> None:
+    def _refresh_master(self, piece: Any, group: FlatGroup) -> None:
+        with self.shards_resident([group]):
+            self._copy_to_master(piece)
+
+    def _copy_to_master(self, piece: Any) -> None:
         if self.offload is not None:
             self.offload.refresh_master(piece)
         else:
@@ -270,7 +280,10 @@ class Engine:
         self.grads_ready = False
         if boundary:
             with self.collective_call("step"):
-                self._optimizer_step()
+                if self.param_offload is not None:
+                    self.param_offload.check_health()  # collective: a lost swap file stops every rank
+                with self.shards_resident(write=True):
+                    self._optimizer_step()
 
     def _optimizer_step(self) -> None:
         if self.offload is not None:
@@ -372,7 +385,8 @@ class Engine:
         when every trained parameter holds only finite values on every rank (each rank checks the
         pieces it updates: the fp32 masters under bf16/fp16, else the parameters). One all-reduce of
         one int32 (recorded as ``checkpoint``: it guards saving)."""
-        bad = any(not bool(torch.isfinite(p.opt_tensor).all()) for g in self.groups for p in g.pieces)
+        with self.shards_resident():
+            bad = any(not bool(torch.isfinite(p.opt_tensor).all()) for g in self.groups for p in g.pieces)
         flag = torch.tensor([int(bad)], dtype=torch.int32)
         if dist.get_world_size() > 1:
             comm.all_reduce(flag, None, self.ledger, "checkpoint", op=dist.ReduceOp.MAX)
@@ -415,7 +429,9 @@ class Engine:
         frozen_bytes = sum(p.numel() * p.element_size() for p in self.frozen)
         held = self.reducer.held_bytes()
         measured = {
-            "parameters": sum(_nbytes(g.buffer) for g in self.groups) + frozen_bytes,  # stage 3: shards
+            # stage 3: shards, from their live storage (0 bytes while offload_param has one swapped out)
+            "parameters": sum(g.buffer.untyped_storage().nbytes() if self.stage == 3 else _nbytes(g.buffer)
+                              for g in self.groups) + frozen_bytes,
             "gradients": held["gradients"],
             "optimizer_states": sum(
                 _nbytes(t) for st in self.optimizer.state.values() for t in st.values()
@@ -431,6 +447,8 @@ class Engine:
             nvme = self.offload.device == "nvme"
             formula["master_weights"] = 0.0 if nvme else 4 * self.numel / self.world_size
             formula["optimizer_states"] = 0.0 if nvme else formula["optimizer_states"]
+        if self.param_offload is not None and self.param_offload.device == "nvme":
+            formula["parameters"] = 0.0  # shards on NVMe between uses (persistent ones stay: measured)
         formula["parameters"] += frozen_bytes
         peak = {"gradients+buffers": self.reducer.peak_grad_bytes}
         if self.sharding is not None:
@@ -481,7 +499,7 @@ class Engine:
         returns (checkpoint directory, client_state). See :func:`zerodp.checkpoint.load_checkpoint`."""
         from zerodp import checkpoint
 
-        with self.collective_call("load_checkpoint"), self._states_resident():
+        with self.collective_call("load_checkpoint"), self._states_resident(write=True):
             return checkpoint.load_checkpoint(self, self._checkpoint_dir(load_dir), tag)
 
     def _checkpoint_dir(self, d: Any) -> Any:
@@ -505,8 +523,9 @@ class Engine:
         if self.sharding is not None:
             gathered = [GatheredCopy(u.group, u.full) for u in self.sharding.units
                         if u.full is not None and u.full.untyped_storage().nbytes() > 0]
-        return load_module_state(self.module, self.groups, self.frozen, gathered, state_dict, strict,
-                                 self.process_group, self.ledger)
+        with self.shards_resident(write=True):
+            return load_module_state(self.module, self.groups, self.frozen, gathered, state_dict, strict,
+                                     self.process_group, self.ledger)
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """Full state dict keyed like ``module.state_dict()``, fresh copies, on every rank (a
@@ -517,14 +536,28 @@ class Engine:
         with self.collective_call("module_state_dict"), self._states_resident():
             return checkpoint.module_state_dict(self)
 
-    def _states_resident(self) -> Any:
-        """Offloaded masters and optimizer states as ordinary tensors for the duration of a block."""
-        return self.offload.resident(self.optimizer) if self.offload is not None else no_offload()
+    @contextlib.contextmanager
+    def _states_resident(self, write: bool = False) -> Iterator[None]:
+        """Offloaded masters, optimizer states and parameter shards as ordinary tensors for the duration
+        of a block (``write``: the block may change the shards)."""
+        with (self.offload.resident(self.optimizer) if self.offload is not None else no_offload()), \
+                self.shards_resident(write=write):
+            yield
+
+    def shards_resident(self, groups: Optional[Sequence[FlatGroup]] = None, write: bool = False) -> ContextManager:
+        """Stage 3 with ``offload_param``: this rank's shards (all, or those of ``groups``) hold their
+        values for the block, written home afterwards with ``write`` (see
+        :mod:`zerodp.offload.param_swap`); otherwise a no-op."""
+        if self.param_offload is None:
+            return contextlib.nullcontext()
+        return self.param_offload.resident(groups, write)
 
     def close(self) -> None:
         """Release offload resources now (swap files, I/O threads); also done at interpreter exit."""
         if self.offload is not None:
             self.offload.close()
+        if self.param_offload is not None:
+            self.param_offload.close()
 
 
 def _nbytes(t: torch.Tensor) -> int:

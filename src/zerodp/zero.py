@@ -29,6 +29,7 @@ from zerodp.runtime.comm import CommLedger
 from zerodp.accessors import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                               safe_set_full_fp32_param, safe_set_full_optimizer_state)
 from zerodp.config import ConfigError, load_config
+from zerodp.offload.param_swap import ParamSwapper
 from zerodp.stage3.ownership import OWNERS, Owner, add_pending_external, full_numel, is_partitioned
 from zerodp.stage3.gathered import GatheredParameters
 from zerodp.stage3.init_writes import InitTouchMode
@@ -66,7 +67,8 @@ class Init:
     soon as the submodule is assigned to its parent (its ``__init__`` has finished by then): every rank
     keeps only its shard and the parameter's ``.data`` becomes an empty placeholder, while its
     ``shape`` is kept by the shard's layout. Parameters of the root module itself, and small ones, are
-    partitioned later by :func:`zerodp.initialize`. The only hook used is torch's own module
+    partitioned later by :func:`zerodp.initialize`. With ``offload_param.device: nvme`` each new shard is
+    written to a swap file at once and its memory freed (the engine adopts it). The only hook used is torch's own module
     registration hook, installed on ``__enter__`` and removed on ``__exit__`` (nothing is patched).
 
     Code that changes a submodule's weights after it was assigned (HF's ``post_init()``,
@@ -101,6 +103,9 @@ class Init:
         self._handle = None
         self._touch: Optional[InitTouchMode] = None
         self._touch_gathers = 0
+        #: offload_param nvme: the swap file each new unit's shard is written to at once (the engine
+        #: moves the shards into its own swap file when it adopts the units)
+        self.swapper: Optional[ParamSwapper] = None
 
     def __enter__(self) -> "Init":
         if not self.enabled:
@@ -108,6 +113,10 @@ class Init:
         from torch.nn.modules.module import register_module_module_registration_hook
 
         comm.init_distributed()
+        po = self.config.zero_optimization.offload_param
+        if po.device == "nvme" and self.swapper is None:
+            self.swapper = ParamSwapper(po, self.config.aio, dist.get_rank(self.pg), self.pg)
+            self.swapper.open()
         self._handle = register_module_module_registration_hook(self._on_register)
         self._touch = InitTouchMode(self.pg, self.config.zero_optimization.stage3_max_live_parameters)
         self._touch.__enter__()
@@ -159,6 +168,8 @@ class Init:
                 if p.is_floating_point():
                     p.data = p.data.to(dtype)
         unit = shard_unit(name, named, 0, [-1] * len(named), rank, world, sync=sync)
+        if self.swapper is not None:  # offload_param nvme: straight to the swap file
+            unit.home = self.swapper.add(name, unit.shard)
         self.units.append(unit)
         for s in unit.slots:
             OWNERS.set(s.param, Owner(unit, self.pg, self.ledger, None))

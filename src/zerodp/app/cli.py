@@ -54,7 +54,7 @@ WORKER_FLAGS = {
     "stage": "--stage", "config": "--config", "data": "--data", "steps": "--steps",
     "n_layer": "--n-layer", "n_head": "--n-head", "d_model": "--d-model", "seq_len": "--seq-len",
     "micro_batch": "--micro-batch", "grad_accum": "--grad-accum", "lr": "--lr", "seed": "--seed",
-    "bf16": "--bf16", "fp16": "--fp16", "offload_optimizer": "--offload-optimizer", "nvme_path": "--nvme-path",
+    "bf16": "--bf16", "fp16": "--fp16", "offload_optimizer": "--offload-optimizer", "offload_param": "--offload-param", "nvme_path": "--nvme-path",
     "eval_batches": "--eval-batches", "sample_tokens": "--sample-tokens", "prompt": "--prompt",
     "temperature": "--temperature", "save_dir": "--save-dir", "save_every": "--save-every",
     "resume": "--resume", "resume_tag": "--resume-tag", "debug": "--debug",
@@ -182,8 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ZeRO-Offload: fp32 masters, Adam moments and gradients of each rank's partition in "
                           "host memory (cpu) or swap files (nvme); stages 1-3 "
                           "(config zero_optimization.offload_optimizer.device)")
+    eng.add_argument("--offload-param", choices=("cpu", "nvme"),
+                     help="ZeRO-Infinity: each rank's shard of the stage-3 parameters in host memory (cpu) or a "
+                          "swap file (nvme), read back when its module runs; stage 3 "
+                          "(config zero_optimization.offload_param.device)")
     eng.add_argument("--nvme-path", metavar="DIR",
-                     help="directory for the swap files of --offload-optimizer nvme (offload_optimizer.nvme_path)")
+                     help="directory for the swap files of --offload-optimizer/--offload-param nvme "
+                          "(offload_optimizer.nvme_path, offload_param.nvme_path)")
     eng.add_argument("--micro-batch", metavar="B", type=_int_at_least(1),
                      help=f"sequences per rank per micro-step (default {d.micro_batch})")
     eng.add_argument("--grad-accum", metavar="K", type=_int_at_least(1),

@@ -115,7 +115,8 @@ class RunSettings:
 
 
 #: engine flags that ``--config`` excludes (the file sets them).
-ENGINE_FLAGS = ("stage", "lr", "micro_batch", "grad_accum", "bf16", "fp16", "offload_optimizer", "nvme_path")
+ENGINE_FLAGS = ("stage", "lr", "micro_batch", "grad_accum", "bf16", "fp16", "offload_optimizer", "offload_param",
+                "nvme_path")
 
 
 def _pick(args: argparse.Namespace, name: str) -> Any:
@@ -149,10 +150,13 @@ def engine_config_from_flags(args: argparse.Namespace) -> dict[str, Any]:
             config[precision] = {"enabled": True}
     device = getattr(args, "offload_optimizer", None)
     nvme_path = getattr(args, "nvme_path", None)
-    if nvme_path is not None and device != "nvme":
-        raise ValueError("--nvme-path needs --offload-optimizer nvme")
+    param_device = getattr(args, "offload_param", None)
+    if nvme_path is not None and "nvme" not in (device, param_device):
+        raise ValueError("--nvme-path needs --offload-optimizer nvme or --offload-param nvme")
     if device is not None:
         zero["offload_optimizer"] = {"device": device, **({"nvme_path": nvme_path} if nvme_path else {})}
+    if param_device is not None:
+        zero["offload_param"] = {"device": param_device, **({"nvme_path": nvme_path} if nvme_path else {})}
     return config
 
 
@@ -444,6 +448,8 @@ def _run(s: RunSettings, t_start: float) -> None:
     offload = engine.offload_report()
     if offload is not None:
         memory += "\n" + offload.format()
+    if engine.param_offload is not None:
+        memory += "\n" + engine.param_offload.format(engine.rank, n_steps)
     gathered: Optional[list] = [None] * world if rank == 0 else None
     dist.gather_object(memory, gathered, dst=0)
 

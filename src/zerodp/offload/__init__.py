@@ -1,4 +1,4 @@
-"""ZeRO-Offload and ZeRO-Infinity (reserved): optimizer states, gradients and parameters kept in CPU
-memory or on NVMe, with an asynchronous swapper. Not implemented yet; configs that ask for offload
-are refused by :mod:`zerodp.config`.
+"""ZeRO-Offload and ZeRO-Infinity: optimizer states and gradients (:mod:`.host`, :mod:`.nvme`) and
+stage-3 parameter shards (:mod:`.param_swap`) kept in host memory or NVMe swap files, moved by an
+asynchronous direct-I/O swapper (:mod:`.aio`).
 """

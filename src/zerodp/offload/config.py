@@ -86,9 +86,40 @@ class AioConfig(_StrictModel):
         return v
 
 
-def refuse_offload_param(data: Any) -> Any:
-    """``zero_optimization.offload_param`` (ZeRO-Infinity parameter offload) is not implemented."""
-    if isinstance(data, dict) and "offload_param" in data:
-        raise ValueError("'zero_optimization.offload_param' is refused: parameter offload (ZeRO-Infinity) "
-                         "is not implemented")
-    return data
+class OffloadParamConfig(_StrictModel):
+    """``zero_optimization.offload_param``: where each rank's shard of every stage-3 parameter unit lives
+    between uses (ZeRO-Infinity, Rajbhandari et al. SC21, sections 5.1-5.2 and 6; stage 3 only).
+
+    - ``cpu``: host memory (page-locked with ``pin_memory`` when CUDA is present).
+    - ``nvme``: one swap file per rank under ``nvme_path/zerodp_<job>/rank<r>/params.swp``; a shard is
+      read (asynchronous direct I/O, through ``buffer_count`` buffers of ``buffer_size`` bytes) when its
+      module is about to run, then the ranks all-gather; read-ahead along the stage-3 trace keeps at
+      most ``max_in_cpu`` bytes of shards read ahead of use, ``prefetch_depth`` modules ahead.
+    """
+
+    device: OffloadDevice = Field("none", description="none | cpu | nvme")
+    nvme_path: Optional[str] = Field(None, description="directory for swap files (device nvme)")
+    pin_memory: bool = Field(False, description="page-lock the host shards and buffers (only with CUDA present)")
+    buffer_count: int = Field(5, ge=1, description="nvme: aligned I/O buffers in the pool")
+    buffer_size: int = Field(100_000_000, ge=4096, description="nvme: bytes per I/O buffer (rounded down to 4096)")
+    max_in_cpu: int = Field(1_000_000_000, ge=0, description="nvme: bytes of shards read ahead of use, at most")
+    prefetch_depth: int = Field(3, ge=0, description="nvme (zerodp's own key): modules ahead whose shards "
+                                                     "are read while earlier ones run (0: off)")
+
+    @field_validator("buffer_size", "max_in_cpu", mode="before")
+    @classmethod
+    def _int_from_float(cls, v: Any) -> Any:
+        """DeepSpeed configs write ``1e8``: accept integral floats, refuse ``1.5``."""
+        if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+            return int(v)
+        return v
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> "OffloadParamConfig":
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("device 'nvme' needs nvme_path (a directory on the NVMe disk)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"

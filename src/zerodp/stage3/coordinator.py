@@ -12,6 +12,10 @@ prefetch this iteration, and the next iteration records afresh. Collective order
 ranks as long as every rank runs the same modules in the same order, which stage 3 requires (as in
 DeepSpeed and FSDP).
 
+With parameter offload, :attr:`ParameterCoordinator.read_ahead` (set by the engine, see
+:mod:`zerodp.offload.param_swap`) is called after each fetch with the units of the rest of the trace, so
+reads of offloaded shards start modules ahead of their all-gathers.
+
 Trace modes (DeepSpeed's ZeRoTraceMode): RECORD -> COMPLETE -> (mismatch) INVALID -> RECORD.
 """
 
@@ -65,6 +69,9 @@ class ParameterCoordinator:
         #: called with the module before each fetch of a module that has units (the collective guard's
         #: agreement, see :mod:`zerodp.runtime.collective_guard`); None: no check
         self.fetch_check: Optional[Callable[[nn.Module], None]] = None
+        #: offload_param: called after each fetch (recorded trace only) with the units of the modules
+        #: still to come, in trace order, to read their shards ahead; None: no read-ahead
+        self.read_ahead: Optional[Callable[[list[list[ShardedUnit]]], None]] = None
 
     # ---- iteration boundaries -----------------------------------------------------------------------
     def begin_iteration(self) -> None:
@@ -124,6 +131,7 @@ class ParameterCoordinator:
                 u.prefetched = False
             self._note_live()
             if self.active and self.mode is TraceMode.COMPLETE:
+                self._read_ahead()  # first: reads of later shards proceed while the next ones gather
                 self._prefetch()
         finally:
             self.busy = False
@@ -222,6 +230,11 @@ class ParameterCoordinator:
                 budget -= u.numel
                 live += u.numel
         self._note_live()
+
+    def _read_ahead(self) -> None:
+        if self.read_ahead is not None:
+            upcoming = self.trace[self.cursor : self.cursor + 64]
+            self.read_ahead([self.index.by_module.get(id(m), []) for m in upcoming])
 
     def live_elements(self) -> int:
         return sum(u.numel for u in self.index.units if u.state is not ShardState.SHARDED)

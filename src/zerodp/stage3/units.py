@@ -15,6 +15,12 @@ backward. Casts of a gathered parameter made inside the engine's forward (``weig
 Parameters with at most ``stage3_param_persistence_threshold`` elements go to one *persistent* unit
 that stays gathered and is re-gathered after each optimizer step.
 
+With parameter offload (``zero_optimization.offload_param``) the shard itself lives elsewhere between
+uses: :attr:`ShardedUnit.home` (a :class:`ShardHome`, see :mod:`zerodp.offload.param_swap`) is asked
+for it around every use: an all-gather (from :meth:`ShardedUnit.start_gather` until
+:meth:`ShardedUnit.finish_gather`), :meth:`ShardedUnit.write_back`, and any block under
+:meth:`ShardedUnit.resident`.
+
 State machine (FSDP2's ShardedState / DeepSpeed's ZeroParamStatus): SHARDED -> GATHERING (collective in
 flight) -> UNSHARDED -> SHARDED, transitions only in :meth:`ShardedUnit.start_gather`,
 :meth:`ShardedUnit.finish_gather` and :meth:`ShardedUnit.release`.
@@ -22,9 +28,10 @@ flight) -> UNSHARDED -> SHARDED, transitions only in :meth:`ShardedUnit.start_ga
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 from torch import nn
@@ -39,6 +46,17 @@ class ShardState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
     UNSHARDED = "unsharded"
+
+
+class ShardHome(Protocol):
+    """Where a unit's shard lives between uses (``offload_param``); the shard tensor keeps its identity
+    (optimizer pieces are views of it), only its storage comes and goes."""
+
+    def acquire(self) -> None:
+        """Make the shard's storage hold its values until the matching :meth:`release`."""
+
+    def release(self, dirty: bool) -> None:
+        """End one use; ``dirty``: the values were changed and must reach the home."""
 
 
 @dataclass(eq=False)
@@ -58,6 +76,7 @@ class ShardedUnit:
     casts: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     users: int = 0  # modules currently holding it gathered (forward or backward)
     prefetched: bool = False  # gathered ahead of use by the coordinator
+    home: Optional[ShardHome] = None  # offload_param: where the shard lives between uses; None: here
 
     @property
     def numel(self) -> int:
@@ -79,6 +98,8 @@ class ShardedUnit:
             self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=self.shard.device)
         else:
             _allocate(self.full)
+        if self.home is not None:
+            self.home.acquire()  # released in finish_gather, once the collective has read the shard
         self.work = comm.all_gather(self.full, self.shard, pg, ledger, purpose, async_op=True)
         self.state = ShardState.GATHERING
 
@@ -88,6 +109,8 @@ class ShardedUnit:
         assert self.state is ShardState.GATHERING, f"unit '{self.name}' finished while {self.state}"
         self.work.wait()
         self.work = None
+        if self.home is not None:
+            self.home.release(dirty=False)
         for s in self.slots:
             s.param.data = self._view(s)
         for (i, _dtype), buf in self.casts.items():
@@ -143,7 +166,21 @@ class ShardedUnit:
         """Copy this rank's slice of the (possibly edited) full parameters into its shard."""
         assert self.full is not None
         lo = self.rank * self.shard.numel()
-        self.shard.copy_(self.full[lo : lo + self.shard.numel()])
+        with self.resident(write=True):
+            self.shard.copy_(self.full[lo : lo + self.shard.numel()])
+
+    @contextlib.contextmanager
+    def resident(self, write: bool = False) -> Iterator[torch.Tensor]:
+        """The shard, holding its values for the duration of the block (read back from its
+        :attr:`home` if offloaded; with ``write``, written home afterwards). A no-op without a home."""
+        if self.home is None:
+            yield self.shard
+            return
+        self.home.acquire()
+        try:
+            yield self.shard
+        finally:
+            self.home.release(dirty=write)
 
 
 def _free(t: Optional[torch.Tensor]) -> None:

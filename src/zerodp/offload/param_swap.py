@@ -1,0 +1,476 @@
+"""ZeRO-Infinity parameter offload (``zero_optimization.offload_param``, stage 3): where each rank's shard
+of every non-persistent stage-3 unit lives between uses, and the residency protocol around every use.
+
+Source: Rajbhandari et al., "ZeRO-Infinity" (SC21), section 5.1 (bandwidth-centric partitioning: each
+rank reads only its own shard, then the ranks all-gather) and section 6.2 (overlap-centric design: the
+trace drives reads several modules ahead). DeepSpeed key: ``zero_optimization.offload_param``.
+
+[Note: residency] A unit's shard (``ShardedUnit.shard``, the flat group's ``buffer``) keeps its tensor
+identity for the life of the engine: optimizer pieces and the reducer hold views of it. Only its
+*storage* comes and goes. Per shard (:class:`SwappedShard`, the unit's ``home``):
+
+- ``SWAPPED``: storage resized to 0 bytes; the values are in the swap file only (the file is current).
+- ``READING``: storage re-allocated; chunk reads from the file are queued or in flight.
+- ``RESIDENT``: storage holds the values. ``pins`` counts the uses in progress (an all-gather, a
+  write-back, an engine call under :meth:`ParamOffload.resident`).
+
+:meth:`SwappedShard.acquire` pins it (reading it first if needed, waiting for a read in flight);
+:meth:`SwappedShard.release` unpins it, and the last release writes it home if a user changed it
+(``dirty``), then frees the storage. Any code touching a shard goes through
+:meth:`zerodp.stage3.units.ShardedUnit.resident` (or the all-gather, which acquires by itself); a
+swapped-out shard that is touched anyway raises (its storage has no data), it never reads stale values.
+
+I/O goes through :mod:`zerodp.offload.aio` (direct I/O thread pool) and a pool of ``buffer_count``
+aligned buffers of ``buffer_size`` bytes (rounded down to 4096): a shard is read chunk by chunk into
+pool buffers and each chunk copied into the shard's storage; a dirty shard is copied chunk by chunk into
+pool buffers and written. A write of a shard always completes before a later read of it is issued.
+
+Read-ahead (:meth:`ParamOffload.read_ahead`, called by the stage-3 coordinator after each fetch once
+the trace is recorded): reads for the next ``prefetch_depth`` modules of the trace are queued while
+the current module runs and the next one is all-gathered; shards read ahead of use and not yet used
+hold at most ``max_in_cpu`` bytes, and the reads in flight at most the pool
+(``buffer_count * buffer_size`` bytes).
+
+``device: cpu`` keeps shards in host memory; on a CPU-only machine that is where they already are, so
+it changes nothing. Parameters on CUDA with ``offload_param`` are refused (not implemented).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import shutil
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from zerodp.offload.aio import ALIGN, AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
+from zerodp.offload.config import AioConfig, OffloadParamConfig
+from zerodp.offload.nvme import OffloadError, _cleanup, _job_id, _raise_if_any
+from zerodp.runtime.partition import FlatGroup
+from zerodp.stage3.sharding import Stage3
+from zerodp.stage3.units import ShardedUnit
+
+
+class Residency(enum.Enum):
+    SWAPPED = "swapped"
+    READING = "reading"
+    RESIDENT = "resident"
+
+
+@dataclass(eq=False)
+class _Op:
+    """One chunk transfer between a pool buffer and a shard's region of the swap file."""
+
+    shard: "SwappedShard"
+    start: int  # byte offset inside the shard
+    nbytes: int  # valid bytes (the transfer is rounded up to ALIGN)
+    write: bool
+    buf: Optional[torch.Tensor] = None
+    handle: Optional[IOHandle] = None
+
+
+@dataclass(eq=False)
+class SwappedShard:
+    """One unit's shard in the swap file (implements :class:`zerodp.stage3.units.ShardHome`)."""
+
+    swapper: "ParamSwapper"
+    name: str
+    shard: torch.Tensor  # 1-D, contiguous, storage offset 0, storage exactly its bytes
+    offset: int  # byte offset of its region in the swap file (a multiple of ALIGN)
+    nbytes: int
+    state: Residency = Residency.RESIDENT
+    pins: int = 0
+    dirty: bool = False  # changed by a user since it was last written home
+    ops: list[_Op] = field(default_factory=list)  # reads or writes queued or in flight
+
+    def acquire(self) -> None:
+        self.swapper.acquire(self)
+
+    def release(self, dirty: bool) -> None:
+        self.swapper.release(self, dirty)
+
+    def storage_bytes(self) -> int:
+        """Bytes of the shard's live storage (0 while swapped out)."""
+        return self.shard.untyped_storage().nbytes()
+
+
+@dataclass
+class SwapCounters:
+    """Bytes and chunk transfers since the swapper was opened (``reads_ahead``: shards read ahead)."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    chunk_reads: int = 0
+    chunk_writes: int = 0
+    reads_ahead: int = 0
+    demand_reads: int = 0  # acquisitions of a swapped-out shard (not read ahead): read, then waited for
+    waits: int = 0  # acquisitions of a shard read ahead whose read was still in flight
+
+
+class ParamSwapper:
+    """This rank's parameter swap file, its buffer pool and the residency of its shards."""
+
+    def __init__(self, cfg: OffloadParamConfig, aio: AioConfig, rank: int,
+                 process_group: Optional[dist.ProcessGroup]) -> None:
+        self.cfg = cfg
+        self.aio_cfg = aio
+        self.rank = rank
+        self.pg = process_group
+        self.chunk = max(ALIGN, cfg.buffer_size // ALIGN * ALIGN)
+        self.shards: list[SwappedShard] = []
+        self.file: Optional[SwapFile] = None
+        self.io: Optional[AsyncIO] = None
+        self.dir: Optional[str] = None
+        self.end = 0  # bytes of the file assigned to shards
+        self.largest = 0  # bytes of the largest shard (pool buffers need not be larger)
+        self.pool: list[torch.Tensor] = []  # every buffer ever allocated (at most buffer_count)
+        self.free: list[torch.Tensor] = []
+        self.queue: deque[_Op] = deque()  # reads waiting for a buffer
+        self.inflight: deque[_Op] = deque()
+        self.counters = SwapCounters()
+        #: when a list: ("read", shard name) as each shard's first chunk read is submitted,
+        #: ("evict", shard name) as its storage is freed (tests record the order of events here)
+        self.events: Optional[list[tuple[str, str]]] = None
+        self._finalizer: Optional[weakref.finalize] = None
+
+    # ---- the swap file -------------------------------------------------------------------------
+    def open(self) -> None:
+        """Collective: create ``nvme_path/zerodp_<job>/rank<r>/params.swp``; every rank raises
+        :class:`~zerodp.offload.nvme.OffloadError` (naming the path) if any rank cannot."""
+        job = _job_id(self.pg)
+        error = None
+        try:
+            self._open(job)
+        except (OSError, OffloadError) as exc:
+            error = f"rank {self.rank}: {exc}"
+        _raise_if_any(error, self.pg)
+
+    def _open(self, job: str) -> None:
+        base = self.cfg.nvme_path
+        assert base is not None
+        if not os.path.isdir(base):
+            raise OffloadError(f"offload_param.nvme_path {base!r} does not exist or is not a directory")
+        if not os.access(base, os.W_OK | os.X_OK):
+            raise OffloadError(f"offload_param.nvme_path {base!r} is not writable")
+        self.dir = os.path.join(base, f"zerodp_{job}", f"rank{self.rank}")
+        os.makedirs(self.dir, exist_ok=True)
+        files: list[Optional[SwapFile]] = []
+        self._finalizer = weakref.finalize(self, _cleanup, self.dir, files)
+        self.file = SwapFile(os.path.join(self.dir, "params.swp"))
+        files.append(self.file)
+        self.io = AsyncIO(self.aio_cfg)
+
+    def add(self, name: str, shard: torch.Tensor) -> SwappedShard:
+        """Give ``shard`` a region of the swap file, write its values there and free its storage.
+
+        Raises:
+            OffloadError: the disk is full (the message names the path, bytes needed and free).
+        """
+        if shard.storage_offset() != 0 or not shard.is_contiguous() or \
+                shard.untyped_storage().nbytes() != shard.numel() * shard.element_size():
+            raise ValueError(f"unit '{name}': a swappable shard must own exactly its storage")
+        nbytes = shard.numel() * shard.element_size()
+        s = SwappedShard(self, name, shard, self.end, nbytes)
+        self.largest = max(self.largest, nbytes)
+        self.end += align_up(nbytes)
+        free = shutil.disk_usage(self.dir).free
+        if align_up(nbytes) > free:
+            raise OffloadError(f"offload_param.nvme_path {self.cfg.nvme_path!r}: unit '{name}' needs "
+                               f"{align_up(nbytes):,} bytes in {self.file.path}, {free:,} bytes are free")
+        self.shards.append(s)
+        s.pins = 1
+        self.release(s, dirty=True)
+        return s
+
+    def forget(self, s: SwappedShard) -> None:
+        """Bring ``s`` into memory for good and stop managing it (its region is abandoned)."""
+        self.acquire(s)
+        self.shards.remove(s)
+
+    # ---- residency -----------------------------------------------------------------------------
+    def acquire(self, s: SwappedShard) -> None:
+        """Pin ``s``; read it first if swapped out, wait for its read if one is queued or in flight."""
+        if s.state is Residency.SWAPPED:
+            self.counters.demand_reads += 1
+            self._start_read(s)
+        elif s.state is Residency.READING:
+            self.counters.waits += 1
+        if s.state is Residency.READING:
+            while s.ops:
+                self._pump()
+                if s.ops:
+                    self._complete(self.inflight.popleft())
+        s.pins += 1
+
+    def release(self, s: SwappedShard, dirty: bool) -> None:
+        """Unpin ``s``; at the last unpin write it home if ``dirty``, then free its storage."""
+        assert s.pins > 0, f"unit '{s.name}': shard released more often than acquired"
+        s.pins -= 1
+        s.dirty = s.dirty or dirty
+        if s.pins > 0:
+            return
+        if s.dirty:
+            self._write(s)
+            s.dirty = False
+        s.shard.untyped_storage().resize_(0)
+        s.state = Residency.SWAPPED
+        if self.events is not None:
+            self.events.append(("evict", s.name))
+
+    def read_ahead(self, s: SwappedShard) -> bool:
+        """Queue a read of ``s`` if it is swapped out and the read-ahead budget (``max_in_cpu`` bytes of
+        shards read but not in use) allows. True if ``s`` is now resident or on its way."""
+        if s.state is not Residency.SWAPPED:
+            return True
+        ahead = sum(x.nbytes for x in self.shards if x.pins == 0 and x.state is not Residency.SWAPPED)
+        if ahead + s.nbytes > self.cfg.max_in_cpu:
+            return False
+        self.counters.reads_ahead += 1
+        self._start_read(s)
+        return True
+
+    def _start_read(self, s: SwappedShard) -> None:
+        while s.ops:  # a write of this shard still in flight: it must land before the read
+            self._complete(s.ops[0], remove_inflight=True)
+        s.shard.untyped_storage().resize_(s.nbytes)
+        s.state = Residency.READING
+        for start in range(0, s.nbytes, self.chunk):
+            op = _Op(s, start, min(self.chunk, s.nbytes - start), write=False)
+            s.ops.append(op)
+            self.queue.append(op)
+        if not s.ops:
+            s.state = Residency.RESIDENT
+        self._pump()
+
+    def _write(self, s: SwappedShard) -> None:
+        data = _bytes(s.shard)
+        for start in range(0, s.nbytes, self.chunk):
+            n = min(self.chunk, s.nbytes - start)
+            op = _Op(s, start, n, write=True, buf=self._buffer(n))
+            op.buf[:n].copy_(data[start: start + n])
+            op.handle = self.io.write(self.file, op.buf[: align_up(n)], s.offset + start)
+            self.counters.bytes_written += align_up(n)
+            self.counters.chunk_writes += 1
+            s.ops.append(op)
+            self.inflight.append(op)
+
+    # ---- the buffer pool -----------------------------------------------------------------------
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A free pool buffer of at least ``nbytes``, waiting for the oldest transfer if every buffer is
+        busy. Buffers are ``min(buffer_size, largest shard)`` bytes (aligned), allocated on first need;
+        a free buffer too small for a later, larger shard is replaced."""
+        self._reap()
+        while True:
+            fit = next((i for i, b in enumerate(self.free) if b.numel() >= nbytes), None)
+            if fit is not None:
+                return self.free.pop(fit)
+            if self.free and len(self.pool) >= self.cfg.buffer_count:
+                small = self.free.pop()
+                self.pool = [b for b in self.pool if b is not small]
+            if len(self.pool) < self.cfg.buffer_count:
+                buf = aligned_buffer(max(nbytes, min(self.chunk, align_up(self.largest))), self.cfg.pin_memory)
+                self.pool.append(buf)
+                return buf
+            self._complete(self.inflight.popleft())
+
+    def _pump(self) -> None:
+        """Submit queued chunk reads while pool buffers are free (never waits)."""
+        self._reap()
+        while self.queue and (self.free or len(self.pool) < self.cfg.buffer_count):
+            op = self.queue.popleft()
+            op.buf = self._buffer(align_up(op.nbytes))
+            if op.start == 0 and self.events is not None:
+                self.events.append(("read", op.shard.name))
+            op.handle = self.io.read(self.file, op.buf[: align_up(op.nbytes)], op.shard.offset + op.start)
+            self.counters.bytes_read += align_up(op.nbytes)
+            self.counters.chunk_reads += 1
+            self.inflight.append(op)
+
+    def _reap(self) -> None:
+        """Complete every transfer that has finished."""
+        for op in [op for op in self.inflight if op.handle.done()]:
+            self._complete(op, remove_inflight=True)
+
+    def _complete(self, op: _Op, remove_inflight: bool = False) -> None:
+        """Wait for ``op`` (raising its I/O error, which names the file), copy a read chunk into its
+        shard, and return the buffer to the pool."""
+        if op.handle is None:  # still queued: submit it first
+            self._pump()
+            while op.handle is None:
+                self._complete(self.inflight.popleft())
+        if remove_inflight and op in self.inflight:
+            self.inflight.remove(op)
+        if op.buf is None:  # completed through another path already
+            return
+        op.handle.wait()
+        s = op.shard
+        if not op.write:
+            _bytes(s.shard)[op.start: op.start + op.nbytes].copy_(op.buf[: op.nbytes])
+        self.free.append(op.buf)
+        op.buf = None
+        s.ops.remove(op)
+        if not op.write and not any(not o.write for o in s.ops):
+            s.state = Residency.RESIDENT
+
+    # ---- health and cleanup --------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Collective: every rank raises :class:`OffloadError` if any rank's swap file is gone."""
+        error = None
+        if self.file is None or self.file.deleted():
+            error = (f"rank {self.rank}: parameter swap file {self.file.path if self.file else self.dir} was "
+                     "deleted or replaced while training; the parameters in it are lost")
+        _raise_if_any(error, self.pg)
+
+    def close(self) -> None:
+        """Finish the transfers in flight, stop the I/O threads, remove the swap file and directory."""
+        with contextlib.suppress(OSError):
+            while self.inflight:
+                self._complete(self.inflight.popleft())
+        if self.io is not None:
+            self.io.close()
+            self.io = None
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host bytes measured from live storages: resident shards and the buffer pool."""
+        return {"resident_shards": sum(s.storage_bytes() for s in self.shards),
+                "swap_buffers": sum(b.untyped_storage().nbytes() for b in self.pool)}
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"
+
+
+def _bytes(shard: torch.Tensor) -> torch.Tensor:
+    return shard.view(torch.uint8)
+
+
+class ParamOffload:
+    """One stage-3 engine's parameter offload: the homes of its units' shards, read-ahead along the
+    trace, and residency for the engine calls that touch shards (step, checkpoints, accessors)."""
+
+    def __init__(self, cfg: OffloadParamConfig, aio: AioConfig, rank: int,
+                 process_group: Optional[dist.ProcessGroup]) -> None:
+        self.cfg = cfg
+        self.aio = aio
+        self.rank = rank
+        self.pg = process_group
+        self.device = cfg.device
+        self.swapper: Optional[ParamSwapper] = None
+        self.units: list[ShardedUnit] = []
+        self._by_group: dict[int, ShardedUnit] = {}
+
+    def attach(self, units: Sequence[ShardedUnit]) -> None:
+        """Collective: send the shard of every non-persistent unit to its home. Units built by
+        ``zero.Init`` whose shards are already in Init's swap file stay there (that swapper becomes
+        this engine's); with ``device: cpu`` such shards are read back into memory for good.
+
+        Raises:
+            NotImplementedError: a shard is on a CUDA device.
+            OffloadError: the NVMe path is unusable or the disk is full.
+        """
+        mine = [u for u in units if not u.persistent]
+        for u in mine:
+            if u.shard.device.type != "cpu":
+                raise NotImplementedError(
+                    f"zero_optimization.offload_param: unit '{u.name}' is on {u.shard.device}; parameter "
+                    "offload is implemented for CPU training only (shards already in host memory)")
+        if self.device == "nvme":
+            built = [u.home.swapper for u in mine if isinstance(u.home, SwappedShard)]
+            self.swapper = built[0] if built else ParamSwapper(self.cfg, self.aio, self.rank, self.pg)
+            if not built:
+                self.swapper.open()
+        for u in mine:
+            self.units.append(u)
+            self._by_group[id(u.group)] = u
+            if isinstance(u.home, SwappedShard) and u.home.swapper is not self.swapper:
+                old, u.home = u.home, None
+                old.swapper.forget(old)  # resident for good, unless moved into this engine's file below
+            if self.swapper is not None and u.home is None:
+                u.home = self.swapper.add(u.name, u.shard)
+
+    @contextlib.contextmanager
+    def resident(self, groups: Optional[Sequence[FlatGroup]] = None, write: bool = False) -> Iterator[None]:
+        """Every offloaded shard (or those of ``groups``) holds its values for the block; with
+        ``write``, changed values are written home afterwards. All reads are queued first, so they
+        pipeline through the buffer pool."""
+        units = self.units if groups is None else [self._by_group[id(g)] for g in groups
+                                                    if id(g) in self._by_group]
+        homes = [u.home for u in units if u.home is not None]
+        if self.swapper is not None:
+            for h in homes:
+                if isinstance(h, SwappedShard) and h.state is Residency.SWAPPED:
+                    h.swapper._start_read(h)
+        taken = []
+        try:
+            for h in homes:
+                h.acquire()
+                taken.append(h)
+            yield
+        finally:
+            for h in taken:
+                h.release(dirty=write)
+
+    def read_ahead(self, upcoming: Sequence[Sequence[ShardedUnit]]) -> None:
+        """The coordinator's hook: ``upcoming`` are the units of the next modules of the trace, in
+        order; queue reads for the first ``prefetch_depth`` of them, within ``max_in_cpu``."""
+        for units in upcoming[: self.cfg.prefetch_depth]:
+            for u in units:
+                if isinstance(u.home, SwappedShard) and not u.home.swapper.read_ahead(u.home):
+                    return
+
+    def check_health(self) -> None:
+        if self.swapper is not None:
+            self.swapper.check_health()
+
+    def format(self, rank: int, steps: int) -> str:
+        """One line for ``zerodp train``: units offloaded, host bytes of shards resident now and of the
+        pool (live storages), bytes read and written per step since construction (NVMe)."""
+        line = f"rank {rank}  offload_param.device = {self.device}  units {len(self.units)}"
+        if self.swapper is None:
+            return line + f"  shards in host memory {_fmt(sum(u.shard.untyped_storage().nbytes() for u in self.units))}"
+        sw, c = self.swapper, self.swapper.counters
+        host = sw.host_bytes()
+        per = max(steps, 1)
+        return (line + f"  swap file {_fmt(sw.end)}  resident now {_fmt(host['resident_shards'])}  "
+                f"pool {_fmt(host['swap_buffers'])}\n  read {_fmt(c.bytes_read / per)}/step  "
+                f"written {_fmt(c.bytes_written / per)}/step  ({steps} steps, construction included; "
+                f"shard reads: {c.reads_ahead} issued ahead of use, {c.demand_reads} on demand; "
+                f"{c.waits} uses waited for a read in flight)")
+
+    def close(self) -> None:
+        if self.swapper is not None:
+            self.swapper.close()
+
+
+def build_param_offload(cfg: OffloadParamConfig, aio: AioConfig, sharding: Optional[Stage3], rank: int,
+                        process_group: Optional[dist.ProcessGroup]) -> Optional[ParamOffload]:
+    """None for ``offload_param.device: none``; else the engine's parameter offload, attached to the
+    stage-3 units (their shards sent home) and wired to the coordinator's read-ahead hook.
+
+    Raises:
+        ValueError: offload asked for without stage 3 (the config schema refuses that first).
+        OffloadError: the NVMe path is unusable (on every rank).
+    """
+    if not cfg.enabled:
+        return None
+    if sharding is None:
+        raise ValueError("zero_optimization.offload_param needs zero_optimization.stage 3")
+    offload = ParamOffload(cfg, aio, rank, process_group)
+    offload.attach(sharding.units)
+    sharding.coordinator.read_ahead = offload.read_ahead
+    return offload
+
+
+__all__ = ["ParamOffload", "build_param_offload", "ParamSwapper", "Residency", "SwappedShard", "SwapCounters"]

@@ -1,0 +1,283 @@
+"""Per-rank worker for tests/test_param_offload.py, launched by torchrun (see tests/distributed.py).
+
+Each scenario trains one model at stage 3 several times on the same batches: without parameter offload,
+with ``offload_param.device = "cpu"`` and with ``"nvme"`` (two 4096-byte pool buffers, so every step
+reuses them many times), and records whether losses and final parameters are bitwise equal (fp32), the
+live storage of the swapped-out shards, the swapper's counters, and (prefetch scenario) the order of
+read and forward-done events. Results: ``OUT/rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import tempfile
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import zerodp  # noqa: E402
+from dist_worker import ParentReads, TiedLM, TwiceBlock, Wide, Zoo, make_batch, mse, token_xent  # noqa: E402
+from distributed import run_scenarios  # noqa: E402
+
+STEPS = 3
+MICRO = 2  # rows per rank and micro-step
+NVME = ""  # set from --nvme
+CKPT = ""
+
+
+def place(device: str) -> Optional[dict]:
+    if device == "none":
+        return None
+    if device == "cpu":
+        return {"device": "cpu"}
+    return {"device": "nvme", "nvme_path": NVME, "buffer_count": 2, "buffer_size": 4096,
+            "max_in_cpu": 6 * 4096, "prefetch_depth": 3}
+
+
+def config(device: str, optimizer_device: str = "none", **zero: Any) -> dict:
+    zc: dict = {"stage": 3, "stage3_param_persistence_threshold": 4, "reduce_bucket_size": 50, **zero}
+    if place(device) is not None:
+        zc["offload_param"] = place(device)
+    if optimizer_device != "none":
+        zc["offload_optimizer"] = {"device": optimizer_device, "nvme_path": NVME, "buffer_count": 3}
+        zc["sub_group_size"] = 60
+    return {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zc,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.1}},
+            "aio": {"block_size": 4096, "queue_depth": 2, "thread_count": 2}}
+
+
+class Spec:
+    """A stage-3 scenario: model, batches, forward and what to do before training."""
+
+    def __init__(self, model_fn: Callable[[], nn.Module], kind: str = "zoo", vocab: int = 11,
+                 forward: Callable[[Any, torch.Tensor, int], Any] = lambda m, x, step: m(x),
+                 loss: Callable = mse, prepare: Optional[Callable[[nn.Module], None]] = None,
+                 between: Optional[Callable[[int, nn.Module], dict]] = None) -> None:
+        self.model_fn, self.kind, self.vocab = model_fn, kind, vocab
+        self.forward, self.loss, self.prepare, self.between = forward, loss, prepare, between
+
+
+def _freeze(m: nn.Module) -> None:
+    m.fc1.weight.requires_grad_(False)
+    m.fc1.bias.requires_grad_(False)
+
+
+def _edit(step: int, model: nn.Module) -> dict:
+    """Step 1: rank 0 edits weights under GatheredParameters(modifier_rank=0) (other ranks' edits are
+    discarded); step 2: the fp32 accessors read and set full parameters."""
+    if step == 1:
+        with zerodp.zero.GatheredParameters([model.fc1.weight, model.fc2.bias], modifier_rank=0):
+            with torch.no_grad():
+                if dist.get_rank() == 0:
+                    model.fc1.weight[0].fill_(0.5)
+                    model.fc2.bias.mul_(-1.0)
+                else:
+                    model.fc1.weight.fill_(123.0)
+    if step == 2:
+        w = zerodp.zero.safe_get_full_fp32_param(model.fc2.weight)
+        zerodp.zero.safe_set_full_fp32_param(model.fc2.weight, w * 0.5)
+        return {"fc1_fp32": zerodp.zero.safe_get_full_fp32_param(model.fc1.weight), "fc2_fp32": w}
+    return {}
+
+
+SPECS = {
+    "tied": Spec(TiedLM, kind="tokens", loss=token_xent),
+    "reused": Spec(TwiceBlock),
+    "external": Spec(ParentReads, prepare=lambda m: zerodp.zero.register_external_parameter(m, m.side.weight)),
+    "skipped": Spec(Zoo, forward=lambda m, x, step: m(x, step % 2 == 0)),
+    "frozen": Spec(Zoo, prepare=_freeze),
+    "wide": Spec(Wide),
+    "edit": Spec(Zoo, between=_edit),
+}
+
+
+def train(engine: Any, spec: Spec, steps: range, seen: Optional[dict] = None) -> list[float]:
+    """Train on ``steps``; values returned by ``spec.between`` go into ``seen`` (by step and name)."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in steps:
+        x, y = make_batch(step, MICRO * n, spec.kind, spec.vocab)
+        loss = spec.loss(spec.forward(engine, x[r * MICRO:(r + 1) * MICRO], step), y[r * MICRO:(r + 1) * MICRO])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if spec.between is not None:
+            for k, v in spec.between(step, engine.module).items():
+                (seen if seen is not None else {})[f"{k}@{step}"] = v
+    return losses
+
+
+def build(spec: Spec, cfg: dict, under_init: bool = False, seed: int = 1234) -> Any:
+    torch.manual_seed(seed)
+    if under_init:
+        with zerodp.zero.Init(config=cfg):
+            model = spec.model_fn()
+    else:
+        model = spec.model_fn()
+    if spec.prepare is not None:
+        spec.prepare(model)
+    return zerodp.initialize(model, cfg)
+
+
+def swap_facts(engine: Any) -> dict:
+    po = engine.param_offload
+    if po is None or po.swapper is None:
+        return {}
+    sw = po.swapper
+    return {"shards": len(sw.shards), "live_shard_bytes": sum(s.storage_bytes() for s in sw.shards),
+            "chunk_reads": sw.counters.chunk_reads, "chunk_writes": sw.counters.chunk_writes,
+            "reads_ahead": sw.counters.reads_ahead, "pool": len(sw.pool),
+            "multi_chunk": any(s.nbytes > sw.chunk for s in sw.shards)}
+
+
+def same(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def equality(name: str, under_init: bool = False) -> dict:
+    """Losses and final parameters of none / cpu / nvme, bitwise."""
+    spec = SPECS[name]
+    runs: dict[str, tuple[list[float], dict]] = {}
+    facts: dict[str, dict] = {}
+    for device in ("none", "cpu", "nvme"):
+        engine = build(spec, config(device), under_init)
+        seen: dict = {}
+        losses = train(engine, spec, range(STEPS), seen)
+        facts[device] = swap_facts(engine)
+        runs[device] = (losses, {**engine.module_state_dict(), **seen})
+        engine.close()
+    base = runs["none"]
+    return {"equal": {d: runs[d][0] == base[0] and same(runs[d][1], base[1]) for d in ("cpu", "nvme")},
+            "compared": len(base[1]), "nvme": facts["nvme"], "steps": STEPS}
+
+
+def optimizer_combos() -> dict:
+    """offload_param nvme with offload_optimizer cpu and nvme equals no offload at all."""
+    spec = SPECS["frozen"]
+    base = build(spec, config("none"))
+    want = (train(base, spec, range(STEPS)), base.module_state_dict())
+    out = {}
+    for opt in ("cpu", "nvme"):
+        engine = build(spec, config("nvme", opt))
+        got = (train(engine, spec, range(STEPS)), engine.module_state_dict())
+        out[opt] = got[0] == want[0] and same(got[1], want[1])
+        engine.close()
+    return {"equal": out}
+
+
+def checkpoints() -> dict:
+    """An nvme-offloaded run's checkpoint loads into a non-offloaded engine (and back): training
+    continues bitwise the same."""
+    spec = SPECS["wide"]
+    d = tempfile.mkdtemp(dir=CKPT) if dist.get_rank() == 0 else ""
+    box = [d]
+    dist.broadcast_object_list(box)
+    d = box[0]
+    a = build(spec, config("nvme"))
+    train(a, spec, range(2))
+    a.save_checkpoint(d, tag="a")
+    b = build(spec, config("none"), seed=99)
+    b.load_checkpoint(d, tag="a")
+    to_plain = same(a.module_state_dict(), b.module_state_dict())
+    la, lb = train(a, spec, range(2, 4)), train(b, spec, range(2, 4))
+    b.save_checkpoint(d, tag="b")
+    c = build(spec, config("nvme"), seed=7)
+    c.load_checkpoint(d, tag="b")
+    back = same(b.module_state_dict(), c.module_state_dict())
+    lb2, lc = train(b, spec, range(4, 6)), train(c, spec, range(4, 6))
+    out = {"nvme->none": to_plain and la == lb, "none->nvme": back and lb2 == lc,
+           "continued": same(b.module_state_dict(), c.module_state_dict()),
+           "live_shard_bytes": swap_facts(c)["live_shard_bytes"]}
+    for e in (a, b, c):
+        e.close()
+    return out
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(32, 32) for _ in range(6)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def prefetch_order() -> dict:
+    """Events of the third iteration's forward: ("read", unit) as a shard's read is submitted and
+    ("done", module) as a module's forward returns. Counts reads of module k + j (j >= 2) submitted
+    before module k was done."""
+    cfg = config("nvme", stage3_prefetch_bucket_size=1056)  # all-gathers prefetch one layer ahead
+    torch.manual_seed(0)
+    model = Chain()
+    engine = zerodp.initialize(model, cfg)
+    events: list[tuple[str, str]] = []
+    engine.param_offload.swapper.events = events
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_hook(lambda m, a, o, i=i: events.append(("done", f"layers.{i}")))
+    for step in range(3):
+        events.clear()
+        x = torch.randn(MICRO, 32)
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    forward = events[: events.index(("done", "layers.5")) + 1]
+    ahead = []
+    for k in range(6):
+        done = forward.index(("done", f"layers.{k}"))
+        for j in range(2, 6 - k):
+            if ("read", f"layers.{k + j}") in forward[:done]:
+                ahead.append([k, k + j])
+    engine.close()
+    return {"ahead": ahead, "events": [list(e) for e in forward]}
+
+
+def init_straight_to_nvme() -> dict:
+    """Under zero.Init with offload_param nvme every new shard is in the swap file at once: live
+    storage of the shards after construction is 0 bytes."""
+    cfg = config("nvme")
+    torch.manual_seed(1234)
+    with zerodp.zero.Init(config=cfg) as zi:
+        model = Wide()
+    live = sum(s.storage_bytes() for s in zi.swapper.shards)
+    held = sum(p.data.numel() for m in model.children() for p in m.parameters(recurse=True))
+    engine = zerodp.initialize(model, cfg)
+    adopted = engine.param_offload.swapper is zi.swapper
+    engine.close()
+    return {"init_shards": len(zi.swapper.shards), "init_live_bytes": live, "held_by_children": held,
+            "adopted": adopted, "largest_shard": zi.swapper.largest,
+            "pool_bytes": zi.swapper.cfg.buffer_count * zi.swapper.chunk}
+
+
+def main() -> None:
+    global NVME, CKPT
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--stages", default="3")
+    ap.add_argument("--scenarios", required=True)
+    ap.add_argument("--nvme", required=True)
+    ap.add_argument("--ckpt", required=True)
+    args = ap.parse_args()
+    NVME, CKPT = args.nvme, args.ckpt
+    zerodp.init_distributed(timeout_s=120)
+    jobs: list[tuple[str, Callable[[], dict]]] = []
+    for name in args.scenarios.split(","):
+        if name in SPECS:
+            jobs.append((name, lambda name=name: equality(name)))
+        elif name == "init_equal":
+            jobs.append((name, lambda: equality("wide", under_init=True)))
+        else:
+            jobs.append((name, {"combos": optimizer_combos, "ckpt": checkpoints, "prefetch": prefetch_order,
+                                "init": init_straight_to_nvme}[name]))
+    run_scenarios(args.out, jobs)
+
+
+if __name__ == "__main__":
+    main()

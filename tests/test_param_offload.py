@@ -1,0 +1,159 @@
+"""ZeRO-Infinity parameter offload (``zero_optimization.offload_param``, zerodp.offload.param_swap):
+stage 3 with shards in host memory or NVMe swap files equals stage 3 without offload bitwise (fp32) on
+the stage-3 scenarios at world sizes 1-3, checkpoints cross between placements, reads run ahead of
+the modules along the trace, ``zero.Init`` sends shards straight to the swap file, swapped-out shards
+hold no memory, and the error paths name the path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zerodp
+from zerodp.offload.nvme import OffloadError
+
+from distributed import run_worker
+
+WORKER = Path(__file__).with_name("param_offload_worker.py")
+
+# (world size, scenarios): the stage-3 scenarios (tied weights, a module reused, an external parameter
+# used directly and registered, a module skipped on some steps, frozen parameters), the optimizer
+# offload combinations, edits under GatheredParameters and the fp32 accessors, checkpoints, read-ahead
+# order and zero.Init, spread over world sizes 1-3.
+PLAN = [
+    (1, "reused,prefetch,init"),
+    (2, "tied,external,edit,ckpt"),
+    (3, "skipped,frozen,combos,init_equal"),
+]
+EQUALITY = {"tied", "reused", "external", "skipped", "frozen", "edit", "init_equal"}
+
+
+@pytest.mark.parametrize("world,scenarios", PLAN)
+def test_param_offload_equals_stage3(world, scenarios):
+    with tempfile.TemporaryDirectory() as nvme, tempfile.TemporaryDirectory() as ckpt:
+        results = run_worker(world, "3", scenarios, worker=WORKER, extra_args=["--nvme", nvme, "--ckpt", ckpt])
+        leftover = os.listdir(nvme)
+    compared = 0
+    for r, res in enumerate(results):
+        for key, out in res.items():
+            assert out.pop("ok"), f"rank {r} {key}:\n{out['error']}"
+            if key in EQUALITY:
+                assert out["equal"] == {"cpu": True, "nvme": True}, f"rank {r} {key}: {out}"
+                assert out["compared"] >= 4
+                nv = out["nvme"]
+                assert nv["shards"] >= 2 and nv["live_shard_bytes"] == 0, nv  # really freed between uses
+                # two 4096-byte buffers carry every shard read: each is reused many times per step
+                assert nv["pool"] == 2 and nv["chunk_reads"] >= 4 * nv["pool"] * out["steps"], nv
+                assert nv["reads_ahead"] > 0, nv
+                if key == "init_equal":
+                    assert nv["multi_chunk"], nv  # shards larger than one buffer are read in chunks
+            elif key == "combos":
+                assert out["equal"] == {"cpu": True, "nvme": True}, out
+            elif key == "ckpt":
+                assert out == {"nvme->none": True, "none->nvme": True, "continued": True,
+                               "live_shard_bytes": 0}, out
+            elif key == "prefetch":
+                # the read of module k+2 or later was submitted before module k's forward returned
+                assert any(later - k >= 2 for k, later in out["ahead"]), out["events"]
+            elif key == "init":
+                assert out["init_shards"] == 6 and out["init_live_bytes"] == 0, out
+                assert out["held_by_children"] == 0 and out["adopted"], out
+                assert out["largest_shard"] > out["pool_bytes"], out  # a layer larger than the whole pool
+            compared += 1
+    assert compared == world * len(scenarios.split(","))
+    assert leftover == []  # swap files and directories removed by engine.close()
+
+
+def _engine(nvme: str, **offload) -> zerodp.Engine:
+    torch.manual_seed(0)
+    cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 4,
+                                 "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 1,
+                                                   "buffer_size": 4096, **offload}}}
+    return zerodp.initialize(nn.Sequential(nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 3)), cfg)
+
+
+def _step(engine: zerodp.Engine) -> None:
+    engine.backward(engine(torch.ones(2, 40)).square().mean())
+    engine.step()
+
+
+def test_missing_and_unwritable_path(tmp_path):
+    with pytest.raises(OffloadError, match=f"offload_param.nvme_path '{tmp_path}/nope' does not exist"):
+        _engine(str(tmp_path / "nope"))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if os.access(ro, os.W_OK):  # root ignores permission bits: use a regular file as a non-directory
+        (tmp_path / "file").write_text("x")
+        with pytest.raises(OffloadError, match=f"offload_param.nvme_path '{tmp_path}/file' .*not a directory"):
+            _engine(str(tmp_path / "file"))
+    else:
+        with pytest.raises(OffloadError, match="is not writable"):
+            _engine(str(ro))
+
+
+def test_full_disk_names_bytes(tmp_path, monkeypatch):
+    import shutil as sh
+
+    real = sh.disk_usage
+    monkeypatch.setattr("zerodp.offload.param_swap.shutil.disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(OffloadError) as err:
+        _engine(str(tmp_path))
+    msg = str(err.value)
+    assert str(tmp_path) in msg and "params.swp" in msg and "1,000 bytes are free" in msg
+
+
+def test_shards_freed_between_uses_and_deleted_swap_file(tmp_path):
+    engine = _engine(str(tmp_path))
+    units = [u for u in engine.sharding.units if not u.persistent]
+    _step(engine)
+    assert len(units) == 2
+    assert all(u.shard.untyped_storage().nbytes() == 0 for u in units)  # live storage, not bookkeeping
+    persistent = sum(u.shard.untyped_storage().nbytes() for u in engine.sharding.units if u.persistent)
+    gathered = engine.sharding.held_bytes()["gathered"]  # the persistent unit's full buffer
+    assert engine.memory_report().measured["parameters"] == persistent + gathered and persistent > 0
+    with engine.shards_resident():
+        assert all(u.shard.untyped_storage().nbytes() == u.shard.numel() * 4 for u in units)
+    assert all(u.shard.untyped_storage().nbytes() == 0 for u in units)
+    path = engine.param_offload.swapper.file.path
+    os.remove(path)
+    engine.backward(engine(torch.ones(2, 40)).square().mean())
+    with pytest.raises(OffloadError, match=f"parameter swap file {path} was deleted"):
+        engine.step()
+    engine.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_swap_files_removed_on_exception(tmp_path):
+    script = (f"import torch, zerodp\nfrom torch import nn\n"
+              f"e = zerodp.initialize(nn.Linear(8, 8), {{'zero_optimization': {{'stage': 3, "
+              f"'stage3_param_persistence_threshold': 4, "
+              f"'offload_param': {{'device': 'nvme', 'nvme_path': {str(tmp_path)!r}}}}}}})\n"
+              f"e.backward(e(torch.ones(2, 8)).sum()); e.step()\n"
+              f"assert len(list(__import__('pathlib').Path({str(tmp_path)!r}).rglob('params.swp'))) == 1\n"
+              f"raise RuntimeError('boom')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "boom" in proc.stderr and proc.returncode != 0, proc.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_offload_param_config():
+    with pytest.raises(zerodp.ConfigError, match="'zero_optimization.offload_param' .*needs zero_optimization.stage 3"):
+        zerodp.load_config({"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/x"}}})
+    with pytest.raises(zerodp.ConfigError, match="device 'nvme' needs nvme_path"):
+        zerodp.load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    with pytest.raises(zerodp.ConfigError, match="'zero_optimization.offload_param.buffer_size'"):
+        zerodp.load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_size": 1.5}}})
+    cfg = zerodp.load_config({"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": "/x", "pin_memory": True, "buffer_count": 5, "buffer_size": 1e8,
+        "max_in_cpu": 1e9}}})
+    po = cfg.zero_optimization.offload_param
+    assert (po.buffer_size, po.max_in_cpu, po.buffer_count, po.prefetch_depth) == (10 ** 8, 10 ** 9, 5, 3)
