@@ -3,7 +3,7 @@
 Single process: outputs and gradients equal nn.Linear's with the same weights (fp64, several split
 shapes including sizes the splits do not divide), DeepSpeed's arguments, clear errors. Stage 3 on two
 gloo ranks (tests/tiling_worker.py, one launch): training equals plain PyTorch (also with
-offload_optimizer), only one tile is gathered at a time (live storage), ``copy_params_from`` is a
+offload_optimizer cpu and offload_param nvme), only one tile is gathered at a time (live storage), ``copy_params_from`` is a
 collective that leaves rank 0's weights everywhere (also from a partitioned nn.Linear under Init), and
 a TiledLinear larger than the gather budget is built under Init without the whole weight ever being
 allocated (peak live heap measured by glibc, tests/heap_probe.py).
@@ -139,7 +139,7 @@ def _rows(results: list[dict], name: str) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("name", ["train", "train_offload"])
+@pytest.mark.parametrize("name", ["train", "train_offload", "train_offload_param"])
 def test_stage3_training_equals_plain_torch_one_tile_gathered(results: list[dict], name: str) -> None:
     for row in _rows(results, name):
         assert row["compared"] == 28 and row["units"] >= 23  # every tile is its own unit

@@ -39,11 +39,13 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def config(max_live: int, offload: bool = False) -> dict:
+def config(max_live: int, offload: bool = False, nvme: str = "") -> dict:
     zero: dict = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": max_live,
                   "stage3_prefetch_bucket_size": 0}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    if nvme:  # every tile's shard in an NVMe swap file between uses
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 2, "buffer_size": 4096}
     return {"train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(),
             "optimizer": {"type": "Adam", "params": {"lr": LR}}, "zero_optimization": zero}
 
@@ -52,13 +54,17 @@ def _tile_bytes(m: TiledLinear) -> int:
     return max(sum(p.numel() for p in t.parameters()) for row in m.linears for t in row) * 4
 
 
-def train(offload: bool = False) -> dict:
+def train(offload: bool = False, offload_param: bool = False) -> dict:
     torch.manual_seed(0)
     ref = Net()
     model = Net()
     model.load_state_dict(ref.state_dict())
     tile = max(_tile_bytes(ref.a), _tile_bytes(ref.b)) // 4
-    engine = zerodp.initialize(model, config(max_live=tile, offload=offload))
+    nvme = ""
+    if offload_param:
+        import tempfile
+        nvme = tempfile.mkdtemp(prefix=f"tiled-r{dist.get_rank()}-")
+    engine = zerodp.initialize(model, config(max_live=tile, offload=offload, nvme=nvme))
     opt = torch.optim.Adam(ref.parameters(), lr=LR)
     r, n = dist.get_rank(), dist.get_world_size()
     per = ROWS // n
@@ -76,12 +82,17 @@ def train(offload: bool = False) -> dict:
         engine.step()
     sd = engine.module_state_dict()
     diffs = {k: (sd[k] - v).abs().max().item() for k, v in ref.state_dict().items()}
-    return {"compared": len(diffs), "max_diff_steps": max(diffs.values()) / LR,
+    out = {"compared": len(diffs), "max_diff_steps": max(diffs.values()) / LR,
             "moved_steps": max((v - Net().state_dict()[k]).abs().max().item() for k, v in sd.items()) / LR,
             "peak_gathered_bytes": engine.memory_report().peak["gathered_parameters"],
             "largest_tile_bytes": max(_tile_bytes(ref.a), _tile_bytes(ref.b)),
             "layer_a_bytes": sum(p.numel() for p in ref.a.parameters()) * 4,
             "units": len(engine.sharding.units)}
+    if nvme:
+        import shutil
+        engine.close()
+        shutil.rmtree(nvme)
+    return out
 
 
 def copy_under_engine() -> dict:
@@ -156,7 +167,8 @@ def init_copy() -> dict:
             "bias_equal": torch.equal(bias, sd["lin.bias"]), "compared": weight.numel()}
 
 
-SCENARIOS = {"train": train, "train_offload": lambda: train(offload=True), "copy_under_engine": copy_under_engine,
+SCENARIOS = {"train": train, "train_offload": lambda: train(offload=True),
+             "train_offload_param": lambda: train(offload=True, offload_param=True), "copy_under_engine": copy_under_engine,
              "init_build": init_build, "init_copy": init_copy}
 
 
