@@ -6,6 +6,8 @@
   another module, so it is gathered with ``module``. (Uses inside an engine forward are also detected
   automatically, see :class:`zerodp.stage3.hooks.ExternalParameterMode`.)
 - :class:`Init`: partition parameters as each submodule is constructed.
+- :class:`TiledLinear`: a linear layer computed tile by tile, so at stage 3 only one tile is gathered
+  at a time (memory-centric tiling, see :mod:`zerodp.tiling`).
 - :func:`full_numel`, :func:`is_partitioned`: the real size and the state of a partitioned parameter.
 - ``safe_get_full_grad`` / ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` /
   ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``: DeepSpeed's accessors, at every
@@ -16,7 +18,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -24,90 +26,17 @@ from torch import nn
 
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
-from zerodp.runtime.guards import acknowledge_edit
 from zerodp.accessors import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                               safe_set_full_fp32_param, safe_set_full_optimizer_state)
 from zerodp.config import ConfigError, load_config
 from zerodp.offload.param_swap import ParamSwapper
-from zerodp.stage3.ownership import (MASTER_REFRESH, OWNERS, Owner, add_pending_external, coordinator_busy,
-                                     full_numel, is_partitioned)
+from zerodp.stage3.ownership import OWNERS, Owner, add_pending_external, full_numel, is_partitioned
 from zerodp.stage3.allocator import pin_mmap_threshold
+from zerodp.stage3.gathered import GatheredParameters
 from zerodp.stage3.init_writes import InitTouchMode
 from zerodp.stage3.synced import synced_generate
-from zerodp.stage3.units import ShardedUnit, ShardState, shard_unit
-
-
-class GatheredParameters:
-    """Context manager: inside it, ``params`` hold their full values on every rank.
-
-    Args:
-        params: a parameter or an iterable of parameters (of any stage; non-partitioned ones are
-            already full and are only broadcast on exit when ``modifier_rank`` is set).
-        modifier_rank: data-parallel rank whose in-place edits are kept: on exit its values are
-            broadcast to every rank and re-partitioned. None: edits are discarded (read-only use).
-        enabled: False makes this a no-op.
-
-    Raises:
-        ValueError: ``modifier_rank`` is outside ``[0, world_size)``.
-    """
-
-    def __init__(self, params: Union[nn.Parameter, Iterable[nn.Parameter]], modifier_rank: Optional[int] = None,
-                 enabled: bool = True) -> None:
-        self.params = [params] if isinstance(params, torch.Tensor) else list(params)
-        self.modifier_rank = modifier_rank
-        self.enabled = enabled
-        self._units: list[tuple[ShardedUnit, Owner]] = []
-
-    def __enter__(self) -> "GatheredParameters":
-        if not self.enabled:
-            return self
-        if self.modifier_rank is not None and dist.is_initialized():
-            n = dist.get_world_size()
-            if not 0 <= self.modifier_rank < n:
-                raise ValueError(f"modifier_rank must be in [0, {n}), got {self.modifier_rank}")
-        seen: set[int] = set()
-        for p in self.params:
-            owner = OWNERS.get(p)
-            if owner is None or id(owner.unit) in seen:
-                continue
-            seen.add(id(owner.unit))
-            u = owner.unit
-            with coordinator_busy(owner):
-                if u.state is ShardState.SHARDED:
-                    u.start_gather(owner.pg, owner.ledger, "gathered_parameters")
-                if u.state is ShardState.GATHERING:
-                    u.finish_gather()
-            u.users += 1
-            self._units.append((u, owner))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.enabled:
-            return
-        modify = self.modifier_rank is not None and exc[0] is None
-        if modify and dist.is_initialized() and dist.get_world_size() > 1:
-            partitioned = {id(s.param) for u, _ in self._units for s in u.slots}
-            for u, owner in self._units:
-                src = dist.get_global_rank(owner.pg, self.modifier_rank) if owner.pg else self.modifier_rank
-                comm.broadcast(u.full, src, owner.pg, owner.ledger, "gathered_parameters")
-            for p in self.params:
-                if id(p) not in partitioned:
-                    dist.broadcast(p.data, src=self.modifier_rank)
-        if modify:
-            for u, _ in self._units:
-                u.write_back()
-            for p in self.params:
-                refresh = MASTER_REFRESH.get(p)
-                if refresh is not None:
-                    refresh()
-        for p in self.params:
-            acknowledge_edit(p)
-        for u, owner in self._units:
-            u.users -= 1
-            if u.users <= 0 and not u.persistent:
-                with coordinator_busy(owner):
-                    u.release()
-        self._units = []
+from zerodp.stage3.units import ShardedUnit, shard_unit
+from zerodp.tiling import TiledLinear
 
 
 def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
@@ -252,6 +181,6 @@ class Init:
 
 
 
-__all__ = ["GatheredParameters", "Init", "register_external_parameter", "full_numel", "is_partitioned",
+__all__ = ["GatheredParameters", "Init", "TiledLinear", "register_external_parameter", "full_numel", "is_partitioned",
            "safe_get_full_grad", "safe_get_full_fp32_param", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "synced_generate"]

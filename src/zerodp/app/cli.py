@@ -7,7 +7,8 @@ one line each); inside one (``RANK`` or ``LOCAL_RANK`` set) it runs :func:`zerod
 ``zerodp bench`` is launched as ``python -m torch.distributed.run ... -m zerodp.app.bench``.
 
 ``zerodp consolidate CHECKPOINT_DIR OUT`` writes a checkpoint's full state dict to one file
-(:func:`zerodp.checkpoint.consolidate`). ``zerodp verify CHECKPOINT_DIR`` checks a checkpoint's files
+(:func:`zerodp.checkpoint.consolidate`) or, when OUT is a directory, streams it into HF-style shards
+(:func:`zerodp.checkpoint.sharded_export.export_sharded_safetensors`). ``zerodp verify CHECKPOINT_DIR`` checks a checkpoint's files
 and per-tensor checksums without loading it into a job (:mod:`zerodp.checkpoint.integrity`).
 
 ``zerodp estimate --params P --dp N`` prints the ZeRO paper's per-rank model-state memory and per-step
@@ -227,17 +228,27 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--debug", action="store_const", const=True,
                     help="on a failure, print every rank's full traceback (also: environment variable "
                          "ZERODP_DEBUG=1) instead of one line per distinct error")
+    from zerodp.app import infinity
+    infinity.add_arguments(tr.add_argument_group("scale demo (docs/infinity.md)"))
     tr.set_defaults(handler=_cmd_train, parser=tr)
 
     co = sub.add_parser(
-        "consolidate", help="write a checkpoint's full model weights to one .safetensors/.pt file",
+        "consolidate", help="write a checkpoint's full model weights to one .safetensors/.pt file or HF-style shards",
         description="Assemble the full state dict (fp32, keyed like model.state_dict()) of a zerodp "
                     "checkpoint saved at any stage and world size into one file that loads without "
-                    "zerodp (safetensors.torch.load_file or torch.load).")
+                    "zerodp (safetensors.torch.load_file or torch.load), or stream it tensor by tensor "
+                    "into a directory of HF-style safetensors shards (from_pretrained layout).")
     co.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
                     help="a --save-dir (its 'latest' or --tag is used) or one checkpoint directory")
-    co.add_argument("out", metavar="OUT", help="output file, *.safetensors or *.pt/*.pth")
+    co.add_argument("out", metavar="OUT",
+                    help="output file, *.safetensors or *.pt/*.pth; or a directory (an existing one, or a name "
+                         "without an extension): HF-style "
+                         "shards model-0000k-of-0000n.safetensors + model.safetensors.index.json, written "
+                         "tensor by tensor (the whole model is never in memory)")
     co.add_argument("--tag", metavar="T", help="checkpoint within CHECKPOINT_DIR (default: 'latest')")
+    co.add_argument("--max-shard-size", metavar="SIZE",
+                    help="directory output only: bytes per shard at most, e.g. 5GB (default, as HF "
+                         "save_pretrained), 500MB, 2GiB")
     co.set_defaults(handler=_cmd_consolidate, parser=co)
 
     ve = sub.add_parser(
@@ -405,7 +416,12 @@ def _launch(cmd: list[str]) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from zerodp.app import train
+    from zerodp.app import infinity, train
+
+    if args.preset == "infinity":
+        return infinity.command(args)
+    if args.dry_run or args.states_ratio is not None or args.assume_ram is not None or args.assume_disk_free is not None:
+        args.parser.error("--dry-run, --states-ratio, --assume-ram and --assume-disk-free go with --preset infinity")
 
     # Fail fast, before any process starts, on settings that every worker would reject.
     try:
@@ -455,15 +471,31 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_consolidate(args: argparse.Namespace) -> int:
     from zerodp import checkpoint
 
+    from zerodp.checkpoint import sharded_export
+
+    # a directory: an existing one, a name ending in a separator, or a name without an extension; any
+    # other name is a file (an unknown extension such as .bin is refused by consolidate)
+    single = not (os.path.isdir(args.out) or args.out.endswith(os.sep) or not os.path.splitext(args.out)[1])
+    if single and args.max_shard_size is not None:
+        print(f"zerodp consolidate: error: --max-shard-size applies to a directory OUT (sharded output); "
+              f"{args.out} names one file", file=sys.stderr)
+        return 1
     try:
         src = checkpoint.resolve_checkpoint(args.checkpoint_dir, args.tag)
-        out = checkpoint.consolidate(args.checkpoint_dir, args.out, args.tag)
+        if single:
+            out = checkpoint.consolidate(args.checkpoint_dir, args.out, args.tag)
+            size, what = out.stat().st_size, ""
+        else:
+            limit = args.max_shard_size or sharded_export.DEFAULT_MAX_SHARD_SIZE
+            out = sharded_export.export_sharded_safetensors(args.checkpoint_dir, args.out, args.tag, limit)
+            index = json.loads(out.read_text(encoding="utf-8"))
+            size = index["metadata"]["total_size"]
+            what = f", {len(set(index['weight_map'].values()))} shards of at most {limit}"
         meta = checkpoint.read_meta(src)
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
         print(f"zerodp consolidate: error: {exc}", file=sys.stderr)
         return 1
-    size = out.stat().st_size
-    print(f"wrote {out} ({len(meta.state_dict_keys)} tensors, {accounting.human_bytes(size)}) from {src} "
+    print(f"wrote {out} ({len(meta.state_dict_keys)} tensors, {accounting.human_bytes(size)}{what}) from {src} "
           f"(step {meta.global_steps}, saved by {meta.world_size} ranks at ZeRO stage {meta.stage})")
     cs = meta.client_state
     if isinstance(cs, dict) and isinstance(cs.get("model"), dict):

@@ -78,10 +78,11 @@ from zerodp.checkpoint.meta import CheckpointMeta, read_meta
 from zerodp.checkpoint.reader import CheckpointReader, resolve_checkpoint
 from zerodp.checkpoint.safetensors_dir import load_safetensors_weights
 from zerodp.checkpoint.save import save_checkpoint
+from zerodp.checkpoint.sharded_export import export_sharded_safetensors
 
 __all__ = [
     "CheckpointError", "CheckpointMeta", "CheckpointLayout", "CheckpointReader", "ReplicatedParamsLayout",
     "ShardedParamsLayout", "LAYOUTS", "EXTRA_FILE", "LATEST_FILE", "META_FILE",
     "save_checkpoint", "load_checkpoint", "module_state_dict", "consolidate", "load_full_state_dict",
-    "resolve_checkpoint", "read_meta", "check_tag", "load_safetensors_weights",
+    "resolve_checkpoint", "read_meta", "check_tag", "load_safetensors_weights", "export_sharded_safetensors",
 ]

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import save_file
 
 from zerodp.checkpoint.durable import fsync
 from zerodp.checkpoint.format import CheckpointError, PathLike, value_dtype
 from zerodp.checkpoint.reader import CheckpointReader, resolve_checkpoint
+from zerodp.checkpoint.sharded_export import write_safetensors_streaming
 
 
 def load_full_state_dict(checkpoint_dir: PathLike, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
@@ -38,8 +38,10 @@ def consolidate(checkpoint_dir: PathLike, out_path: PathLike, tag: Optional[str]
 
     Args:
         checkpoint_dir: a ``save_dir`` (its ``latest`` or ``tag`` is used) or a checkpoint directory.
-        out_path: ``*.safetensors`` (``safetensors.torch.load_file``) or ``*.pt``/``*.pth``
-            (``torch.load(weights_only=True)``); written atomically, parent directories created.
+        out_path: ``*.safetensors`` (``safetensors.torch.load_file``; written tensor by tensor, so the
+            whole model is never in memory, see :mod:`zerodp.checkpoint.sharded_export`) or
+            ``*.pt``/``*.pth`` (``torch.load(weights_only=True)``; built in memory first); written
+            atomically, parent directories created.
         tag: checkpoint within ``checkpoint_dir``; default ``latest``.
 
     Returns:
@@ -52,14 +54,17 @@ def consolidate(checkpoint_dir: PathLike, out_path: PathLike, tag: Optional[str]
     out = Path(out_path)
     if out.suffix not in (".safetensors", ".pt", ".pth"):
         raise CheckpointError(f"cannot tell the format of {out}: use a .safetensors or .pt file name")
+    if out.suffix == ".safetensors":  # streamed: never more than about two copies of the largest tensor
+        with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
+            reader.verify_all()
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write_safetensors_streaming(reader, out)
+        return out
     sd = {k: (v.to(value_dtype(v.dtype)) if v.is_floating_point() else v).contiguous()
           for k, v in load_full_state_dict(checkpoint_dir, tag).items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    if out.suffix == ".safetensors":
-        save_file(sd, str(tmp), metadata={"format": "pt"})
-    else:
-        torch.save(sd, tmp)
+    torch.save(sd, tmp)
     fsync(tmp)
     os.replace(tmp, out)
     return out

@@ -18,7 +18,7 @@ from torch import nn
 from zerodp import zero as _zero
 from zerodp.config import ConfigError
 from zerodp.deepspeed.config import read_config, resolve_deepspeed_config
-from zerodp.zero import GatheredParameters, full_numel, is_partitioned, register_external_parameter
+from zerodp.zero import GatheredParameters, TiledLinear, full_numel, is_partitioned, register_external_parameter
 
 
 class Init(_zero.Init):
@@ -91,4 +91,4 @@ def set_ds_attributes(p: nn.Parameter, shape: Optional[tuple[int, ...]]) -> None
     p.ds_numel = full_numel(p)
 
 
-__all__ = ["Init", "GatheredParameters", "register_external_parameter", "full_numel", "is_partitioned"]
+__all__ = ["Init", "GatheredParameters", "TiledLinear", "register_external_parameter", "full_numel", "is_partitioned"]

@@ -1,0 +1,276 @@
+"""``zerodp train --preset infinity --nvme-path DIR``: the ZeRO-Infinity scale demo (issue 14).
+
+Sizes a GPT from this machine's RAM and free disk so that its model states (16 bytes per parameter
+in mixed precision: bf16 parameter and gradient, fp32 master, Adam moments) are at least
+``--states-ratio`` (default 2) times the RAM, builds it under :class:`zerodp.zero.Init` (no rank ever
+holds the whole model) at stage 3 with ``offload_optimizer`` and ``offload_param`` on NVMe, trains a
+few steps and reports, per step: loss, step time, bytes the process read and wrote (``/proc/self/io``),
+the disk's busy time (``/proc/diskstats``), the time the training thread waited for I/O, and the
+achieved bandwidth against a raw sequential direct-I/O write and read of the same disk measured at the
+start of the same run; per rank: peak RSS (``getrusage``).
+
+The plan (:func:`plan_run`) is printed first; ``--dry-run`` stops there. A disk or RAM too small for
+the plan is refused with the bytes needed and available. Where the bytes go (all ranks together):
+
+- disk: fp32 master + Adam moments (12 bytes/param, ``offload_optimizer`` swap files), the bf16
+  parameter shards (2 bytes/param, ``offload_param`` swap file), the raw-I/O probe file, 3% slack;
+- RAM: the gradients, which this engine keeps in host memory at 6 bytes/param (the reduced bf16
+  gradient partition, 2, held until the step, plus the fp32 copy ``offload_optimizer`` stages it into,
+  4), plus per rank the runtime, the optimizer's sub-group buffers, the parameter swap pool and
+  read-ahead budget, the largest gathered layer; 10% slack (measured peak RSS of small runs exceeds
+  the sum by about that). The raw-I/O probe runs before the model exists and is not counted.
+
+Consequence: states of ``R`` x RAM mean ``P = R x RAM / 16`` parameters, whose gradients alone take
+``6 P = 0.375 R x RAM``: at ``R = 2`` that is 75% of the RAM before any buffer, so on a machine whose
+available memory is below ~90% of its total the default plan is refused; a lower ``--states-ratio``
+still trains a model whose states exceed the RAM.
+
+The worker half (:func:`run_worker`, in :mod:`zerodp.app.infinity_run`) runs under ``torch.distributed.run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from zerodp.app.model import GPTConfig, count_parameters
+from zerodp.runtime.accounting import human_bytes
+
+#: bytes per parameter of the model states in mixed-precision Adam (ZeRO paper section 3.1: 2 + 2 + 12)
+STATE_BYTES = 16
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Engine sizes used by the preset (DeepSpeed keys in brackets); see :func:`knobs_for`."""
+
+    sub_group_size: int  # elements per optimizer swap sub-group [zero_optimization.sub_group_size]
+    param_buffer_size: int  # bytes [offload_param.buffer_size]
+    max_in_cpu: int  # bytes of shards read ahead [offload_param.max_in_cpu]
+    probe_bytes: int  # raw direct-I/O probe (file on disk, buffer in RAM)
+    optimizer_buffers: int = 4  # [offload_optimizer.buffer_count]
+    param_buffer_count: int = 5  # [offload_param.buffer_count]
+    runtime_bytes: int = 768 * 2**20  # interpreter, torch, allocator slack per rank
+
+
+def knobs_for(params: int, largest_layer: int, nproc: int) -> Knobs:
+    """Sub-groups of at most 25M elements (at least 4 per rank down to 1M, so reads, updates and writes
+    pipeline); parameter swap buffers that hold the largest layer in bf16
+    (at most DeepSpeed's default 1e8 bytes); read-ahead of at most 1 GB or a quarter of the bf16
+    shards; a raw-I/O probe of a quarter of the bf16 shards, between 256 MiB and 1 GiB."""
+    align = 4096
+    shard_bytes = 2 * params
+    return Knobs(sub_group_size=min(25_000_000, max(1_000_000, math.ceil(params / nproc / 4))),
+                 param_buffer_size=min(100_000_000, -(-2 * largest_layer // align) * align),
+                 max_in_cpu=min(1_000_000_000, max(align, shard_bytes // 4)),
+                 probe_bytes=min(GIB, max(256 * 2**20, shard_bytes // 4 // align * align)))
+
+
+@dataclass(frozen=True)
+class Machine:
+    ram_total: int  # bytes the model is sized from (MemTotal, or --assume-ram)
+    ram_available: int  # bytes (MemAvailable): the RAM check
+    disk_free: int  # bytes free at the NVMe path (or --assume-disk-free)
+    nvme_path: str
+    assumed: tuple[str, ...] = ()  # which of the above were given instead of measured
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: GPTConfig
+    params: int
+    nproc: int
+    micro_batch: int
+    steps: int
+    states_ratio: float
+    state_bytes: int
+    disk_needed: dict[str, int]
+    ram_needed: dict[str, int]
+    knobs: Knobs
+
+    @property
+    def disk_total(self) -> int:
+        return sum(self.disk_needed.values())
+
+    @property
+    def ram_total(self) -> int:
+        return sum(self.ram_needed.values())
+
+
+def read_machine(nvme_path: str, assume_ram: Optional[int] = None, assume_disk_free: Optional[int] = None) -> Machine:
+    """RAM from ``/proc/meminfo`` and free bytes at ``nvme_path`` (``shutil.disk_usage``).
+
+    Raises:
+        ValueError: ``nvme_path`` is not an existing directory, or the RAM cannot be read.
+    """
+    if not os.path.isdir(nvme_path):
+        raise ValueError(f"--nvme-path {nvme_path!r} is not an existing directory")
+    assumed = []
+    info = _meminfo()
+    available = info.get("MemAvailable", info["MemTotal"])
+    if assume_ram is not None:  # sizes the model only; the RAM check still uses what is available
+        total = assume_ram
+        assumed.append("ram")
+    else:
+        total = info["MemTotal"]
+    if assume_disk_free is not None:
+        free = assume_disk_free
+        assumed.append("disk")
+    else:
+        free = shutil.disk_usage(nvme_path).free
+    return Machine(total, available, free, os.path.abspath(nvme_path), tuple(assumed))
+
+
+def _meminfo() -> dict[str, int]:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            rows = [line.split() for line in f]
+    except OSError as exc:
+        raise ValueError(f"cannot read /proc/meminfo ({exc}); give --assume-ram BYTES") from None
+    return {r[0].rstrip(":"): int(r[1]) * 1024 for r in rows if len(r) >= 2 and r[1].isdigit()}
+
+
+def size_gpt(min_params: int, seq_len: int) -> GPTConfig:
+    """The smallest GPT of this family with at least ``min_params`` parameters: ``d_model`` a multiple
+    of 128 (heads of 128), ``n_layer = d_model / 64`` for the width found, then as few layers as reach
+    the count (at least 2)."""
+    d = 128
+    while count_parameters(GPTConfig(n_layer=max(2, d // 64), n_head=d // 128, d_model=d, seq_len=seq_len)) < min_params:
+        d += 128
+    layers = 2
+    while count_parameters(GPTConfig(n_layer=layers, n_head=d // 128, d_model=d, seq_len=seq_len)) < min_params:
+        layers += 1
+    return GPTConfig(n_layer=layers, n_head=d // 128, d_model=d, seq_len=seq_len)
+
+
+def plan_run(machine: Machine, nproc: int = 1, states_ratio: float = 2.0, seq_len: int = 128,
+             micro_batch: int = 1, steps: int = 3) -> Plan:
+    """Size the model (states >= ``states_ratio`` x RAM) and the disk and RAM it needs (module docstring)."""
+    target = math.ceil(states_ratio * machine.ram_total / STATE_BYTES)
+    model = size_gpt(target, seq_len)
+    p = count_parameters(model)
+    d = model.d_model
+    largest_layer = 4 * d * d + 4 * d  # the MLP's up projection
+    k = knobs_for(p, largest_layer, nproc)
+    disk = {"optimizer states (fp32 master + Adam m, v)": 12 * p,
+            "parameter shards (bf16)": 2 * p,
+            "raw-I/O probe file": k.probe_bytes}
+    disk["slack (3%)"] = math.ceil(0.03 * sum(disk.values()))
+    per_rank_buffers = (k.optimizer_buffers * 12 * k.sub_group_size + k.param_buffer_count * k.param_buffer_size
+                        + k.max_in_cpu)
+    ram = {"reduced bf16 gradient partitions": 2 * p,
+           "fp32 gradient copies (offload_optimizer host)": 4 * p,
+           "runtime per rank": nproc * k.runtime_bytes,
+           "swap buffers + read-ahead per rank": nproc * per_rank_buffers,
+           "largest gathered layer (bf16 value + fp32 grad) per rank": nproc * 6 * largest_layer}
+    ram["slack (10%)"] = math.ceil(0.1 * sum(ram.values()))
+    return Plan(model, p, nproc, micro_batch, steps, states_ratio, STATE_BYTES * p, disk, ram, k)
+
+
+def problems(plan: Plan, machine: Machine) -> list[str]:
+    """Why the plan cannot run here (empty: it fits)."""
+    out = []
+    if plan.disk_total > machine.disk_free:
+        out.append(f"not enough free disk at {machine.nvme_path}: the plan needs {human_bytes(plan.disk_total)} "
+                   f"({plan.disk_total:,} bytes), {human_bytes(machine.disk_free)} ({machine.disk_free:,} bytes) "
+                   "are free; free space there or point --nvme-path at a larger disk")
+    if plan.ram_total > machine.ram_available:
+        out.append(f"not enough RAM: the plan needs {human_bytes(plan.ram_total)} ({plan.ram_total:,} bytes) "
+                   f"in host memory, {human_bytes(machine.ram_available)} ({machine.ram_available:,} bytes) "
+                   "are available; lower --states-ratio or use fewer ranks (--nproc)")
+    return out
+
+
+def format_plan(plan: Plan, machine: Machine) -> str:
+    m = plan.model
+    src = (" (assumed: " + ", ".join(machine.assumed) + ")") if machine.assumed else ""
+    lines = [
+        f"zerodp train --preset infinity: RAM {human_bytes(machine.ram_total)} (available "
+        f"{human_bytes(machine.ram_available)}), free disk at {machine.nvme_path} {human_bytes(machine.disk_free)}{src}",
+        f"model: GPT n_layer={m.n_layer} d_model={m.d_model} n_head={m.n_head} seq_len={m.seq_len}: "
+        f"{plan.params:,} parameters",
+        f"model states: {STATE_BYTES} bytes/param x {plan.params:,} = {human_bytes(plan.state_bytes)} = "
+        f"{plan.state_bytes / machine.ram_total:.2f} x RAM (target >= {plan.states_ratio:g} x)",
+        f"engine: {plan.nproc} rank(s), ZeRO stage 3 built under zerodp.zero.Init, bf16, offload_optimizer nvme "
+        f"(sub_group_size {plan.knobs.sub_group_size:,}), offload_param nvme (buffer_count "
+        f"{plan.knobs.param_buffer_count} x {human_bytes(plan.knobs.param_buffer_size)}, max_in_cpu "
+        f"{human_bytes(plan.knobs.max_in_cpu)}); {plan.steps} steps of {plan.micro_batch} x {m.seq_len} tokens per rank",
+        f"disk needed {human_bytes(plan.disk_total)}:",
+        *[f"  {k:<58}{human_bytes(v):>12}" for k, v in plan.disk_needed.items()],
+        f"RAM needed {human_bytes(plan.ram_total)}:",
+        *[f"  {k:<58}{human_bytes(v):>12}" for k, v in plan.ram_needed.items()],
+    ]
+    return "\n".join(lines)
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    """The preset's flags on ``zerodp train`` (``--nvme-path``, ``--nproc``, ``--steps``, ``--seq-len``
+    and ``--micro-batch`` are the train command's own)."""
+    group.add_argument("--preset", choices=("infinity",),
+                       help="infinity: the ZeRO-Infinity scale demo, a GPT whose model states are >= 2x this "
+                            "machine's RAM, stage 3 with optimizer and parameters on NVMe (needs --nvme-path; "
+                            "see docs/infinity.md)")
+    group.add_argument("--dry-run", action="store_const", const=True,
+                       help="with --preset: print the sizing plan (model, disk and RAM needed) and exit")
+    group.add_argument("--states-ratio", metavar="R", type=float,
+                       help="with --preset infinity: model states at least R x RAM (default 2)")
+    group.add_argument("--assume-ram", metavar="BYTES", type=_size,
+                       help="with --preset infinity: size the model for this much RAM instead of /proc/meminfo's "
+                            "MemTotal (the RAM check still uses MemAvailable)")
+    group.add_argument("--assume-disk-free", metavar="BYTES", type=_size,
+                       help="with --preset infinity: size for this much free disk instead of the path's")
+
+
+def _size(s: str) -> int:
+    from zerodp.checkpoint.sharded_export import parse_size
+
+    try:
+        return parse_size(s)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("max shard size", "size")) from None
+
+
+def command(args: argparse.Namespace) -> int:
+    """``zerodp train --preset infinity``: print the plan; refuse, stop (``--dry-run``) or launch."""
+    if args.nvme_path is None:
+        print("zerodp train: error: --preset infinity needs --nvme-path DIR (a directory on the disk to use)",
+              file=sys.stderr)
+        return 2
+    ratio = 2.0 if args.states_ratio is None else args.states_ratio
+    if not (math.isfinite(ratio) and ratio > 0):
+        print(f"zerodp train: error: --states-ratio must be a positive number, got {ratio}", file=sys.stderr)
+        return 2
+    try:
+        machine = read_machine(args.nvme_path, args.assume_ram, args.assume_disk_free)
+    except ValueError as exc:
+        print(f"zerodp train: error: {exc}", file=sys.stderr)
+        return 2
+    plan = plan_run(machine, nproc=args.nproc, states_ratio=ratio, seq_len=args.seq_len or 128,
+                    micro_batch=args.micro_batch or 4, steps=3 if args.steps is None else args.steps)
+    print(format_plan(plan, machine), flush=True)
+    issues = problems(plan, machine)
+    for msg in issues:
+        print(f"zerodp train: refused: {msg}", file=sys.stderr)
+    if issues:
+        return 1
+    if args.dry_run:
+        print("dry run: nothing was built")
+        return 0
+    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(plan.nproc),
+              "-m", "zerodp.app.infinity_run", "--plan", json.dumps(_plan_json(plan)), "--nvme-path", machine.nvme_path]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc)))
+    return subprocess.run(worker, env=env).returncode
+
+
+def _plan_json(plan: Plan) -> dict:
+    return {"model": asdict(plan.model), "micro_batch": plan.micro_batch, "steps": plan.steps,
+            "knobs": asdict(plan.knobs), "probe_bytes": plan.knobs.probe_bytes}

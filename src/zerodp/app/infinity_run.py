@@ -1,0 +1,248 @@
+"""The per-rank worker of ``zerodp train --preset infinity`` (see :mod:`zerodp.app.infinity` for the
+plan); run as ``python -m torch.distributed.run ... -m zerodp.app.infinity_run --plan JSON --nvme-path DIR``.
+
+Measured, never taken from the engine's own bookkeeping:
+
+- raw disk bandwidth: rank 0 writes then reads ``probe_bytes`` sequentially with direct I/O in the NVMe
+  directory (:func:`zerodp.app.bench_offload.raw_direct_io`) before the model exists;
+- bytes this process read and wrote per step: ``read_bytes``/``write_bytes`` of ``/proc/self/io``;
+- disk busy time per step: ``io_ticks`` of the device holding the NVMe directory (``/proc/diskstats``;
+  the whole disk, other processes included);
+- I/O wait: wall time this rank's training thread spends in :meth:`zerodp.offload.aio.IOHandle.wait`
+  (the only place the swappers block on a transfer), so compute = step time - wait and the share of I/O
+  hidden behind compute = 1 - wait / busy;
+- peak RSS per rank: ``getrusage(RUSAGE_SELF).ru_maxrss``; RSS after ``zero.Init`` and after
+  ``initialize`` from ``/proc/self/statm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+import zerodp
+from zerodp.app import data
+from zerodp.app.model import GPT, GPTConfig
+from zerodp.offload import aio
+from zerodp.runtime.accounting import human_bytes
+
+
+def engine_config(plan: dict, nvme_path: str, world: int) -> dict:
+    k = plan["knobs"]
+    return {
+        "train_micro_batch_size_per_gpu": plan["micro_batch"],
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.0}},
+        "bf16": {"enabled": True},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": k["sub_group_size"],
+            "stage3_param_persistence_threshold": 100_000,
+            "stage3_prefetch_bucket_size": 50_000_000,
+            "stage3_max_live_parameters": 200_000_000,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": k["optimizer_buffers"]},
+            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": k["param_buffer_count"],
+                              "buffer_size": k["param_buffer_size"], "max_in_cpu": k["max_in_cpu"]},
+        },
+        "aio": {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1},
+    }
+
+
+# ---- measurements ---------------------------------------------------------------------------------
+
+def proc_io() -> tuple[int, int]:
+    """(read_bytes, write_bytes) of this process from /proc/self/io (storage I/O, all threads)."""
+    with open("/proc/self/io", encoding="ascii") as f:
+        rows = dict(line.split(": ") for line in f.read().splitlines())
+    return int(rows["read_bytes"]), int(rows["write_bytes"])
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm", encoding="ascii") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def disk_device(path: str) -> Optional[str]:
+    """The /proc/diskstats name of the block device holding ``path``, or None (not a block device)."""
+    st = os.stat(path)
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    try:
+        with open("/proc/diskstats", encoding="ascii") as f:
+            for line in f:
+                parts = line.split()
+                if int(parts[0]) == major and int(parts[1]) == minor:
+                    return parts[2]
+    except OSError:
+        return None
+    return None
+
+
+def disk_busy_ms(device: Optional[str]) -> Optional[int]:
+    if device is None:
+        return None
+    with open("/proc/diskstats", encoding="ascii") as f:
+        for line in f:
+            parts = line.split()
+            if parts[2] == device:
+                return int(parts[12])  # io_ticks: milliseconds the device had I/O in flight
+    return None
+
+
+class IOWaitClock:
+    """Wall seconds the training thread spends in ``IOHandle.wait`` (wrapped while active)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.thread = threading.get_ident()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["IOWaitClock"]:
+        original = aio.IOHandle.wait
+        clock = self
+
+        def timed_wait(handle: aio.IOHandle) -> int:
+            if threading.get_ident() != clock.thread:
+                return original(handle)
+            t0 = time.perf_counter()
+            try:
+                return original(handle)
+            finally:
+                clock.seconds += time.perf_counter() - t0
+
+        aio.IOHandle.wait = timed_wait  # type: ignore[method-assign]
+        try:
+            yield self
+        finally:
+            aio.IOHandle.wait = original  # type: ignore[method-assign]
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    seconds: float
+    read: int
+    written: int
+    busy_s: Optional[float]
+    wait_s: float
+
+
+def _raw_bandwidth(nvme_path: str, nbytes: int) -> tuple[float, float]:
+    from zerodp.app.bench_offload import raw_direct_io
+    from zerodp.offload.config import AioConfig
+
+    w, r = raw_direct_io(nvme_path, nbytes, AioConfig(block_size=1_048_576, queue_depth=8, thread_count=1), repeats=1)
+    return nbytes / w, nbytes / r
+
+
+def run_worker(plan: dict, nvme_path: str) -> None:
+    zerodp.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    raw = torch.zeros(2, dtype=torch.float64)
+    if rank == 0:  # before anything else touches the disk
+        raw[:] = torch.tensor(_raw_bandwidth(nvme_path, plan["probe_bytes"]), dtype=torch.float64)
+    dist.broadcast(raw, 0)
+    raw_write, raw_read = float(raw[0]), float(raw[1])
+
+    mcfg = GPTConfig.from_dict(plan["model"])
+    cfg = engine_config(plan, nvme_path, world)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with zerodp.zero.Init(config=cfg):
+        model = GPT(mcfg)
+    rss_init = rss_bytes()
+    engine = zerodp.initialize(model, cfg)
+    build_s = time.perf_counter() - t0
+    rss_engine, peak_build = rss_bytes(), peak_rss_bytes()
+
+    text = data.load_text(None, min_bytes=data.min_corpus_bytes(mcfg.seq_len))
+    train_tokens, _ = data.split(data.encode(text))
+    batches = data.GlobalBatches(train_tokens, mcfg.seq_len, plan["micro_batch"], world, seed=0)
+    device = disk_device(nvme_path)
+    clock = IOWaitClock()
+    records: list[StepRecord] = []
+    engine.train()
+    with clock.active():
+        for step in range(plan["steps"]):
+            x, y = data.rank_slice(batches.batch(step), rank, world)
+            io0, busy0, wait0, t = proc_io(), disk_busy_ms(device), clock.seconds, time.perf_counter()
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            seconds = time.perf_counter() - t
+            io1, busy1 = proc_io(), disk_busy_ms(device)
+            busy = None if busy0 is None or busy1 is None else (busy1 - busy0) / 1e3
+            records.append(StepRecord(step + 1, float(loss.item()), seconds, io1[0] - io0[0], io1[1] - io0[1],
+                                      busy, clock.seconds - wait0))
+            if rank == 0:
+                print(f"step {step + 1}: loss {records[-1].loss:.4f}, {seconds:.1f} s", flush=True)
+    engine.close()
+    mine = {"rank": rank, "peak_rss": peak_rss_bytes(), "peak_rss_build": peak_build, "rss_after_init": rss_init,
+            "rss_after_initialize": rss_engine,
+            "records": [r.__dict__ for r in records]}
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        print(report(every, plan, raw_write, raw_read, build_s, device), flush=True)
+    zerodp.shutdown_distributed()
+
+
+def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, build_s: float,
+           device: Optional[str]) -> str:
+    m = plan["model"]
+    lines = ["-" * 100,
+             f"raw sequential direct I/O on this disk ({human_bytes(plan['probe_bytes'])}): write "
+             f"{raw_write / 1e6:,.0f} MB/s, read {raw_read / 1e6:,.0f} MB/s",
+             f"built under zero.Init + initialize in {build_s:.1f} s (GPT {m['n_layer']} x d_model {m['d_model']})",
+             "per rank: peak RSS of the run (getrusage) | peak RSS up to the end of initialize | RSS after "
+             "zero.Init | RSS after initialize"]
+    for r in every:
+        lines.append(f"  rank {r['rank']}: {human_bytes(r['peak_rss'])} | {human_bytes(r['peak_rss_build'])} | "
+                     f"{human_bytes(r['rss_after_init'])} | {human_bytes(r['rss_after_initialize'])}")
+    lines.append(f"per step (rank 0; I/O of all ranks summed; disk busy = io_ticks of {device or 'n/a'}):")
+    lines.append(f"  {'step':>4} {'loss':>8} {'time s':>8} {'read':>10} {'written':>10} {'busy s':>8} "
+                 f"{'wait s':>8} {'I/O/raw':>8} {'hidden':>7} {'step/max(c,io)':>15}")
+    for i, rec in enumerate(every[0]["records"]):
+        read = sum(r["records"][i]["read"] for r in every)
+        written = sum(r["records"][i]["written"] for r in every)
+        wait = max(r["records"][i]["wait_s"] for r in every)
+        t, busy = rec["seconds"], rec["busy_s"]
+        ideal = read / raw_read + written / raw_write  # seconds the raw disk needs for this traffic
+        if busy:
+            eff, hidden = f"{ideal / busy:.2f}", f"{max(0.0, 1 - wait / busy):.0%}"
+            ratio = f"{t / max(t - wait, busy):.2f}"
+        else:
+            eff = hidden = ratio = "n/a"
+        lines.append(f"  {rec['step']:>4} {rec['loss']:>8.4f} {t:>8.1f} {human_bytes(read):>10} "
+                     f"{human_bytes(written):>10} {busy if busy is not None else float('nan'):>8.1f} {wait:>8.1f} "
+                     f"{eff:>8} {hidden:>7} {ratio:>15}")
+    lines.append("  I/O/raw: (read / raw read + written / raw write) / busy; hidden: 1 - wait / busy; "
+                 "compute c = time - wait")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plan", required=True, help="JSON written by zerodp.app.infinity")
+    ap.add_argument("--nvme-path", required=True)
+    args = ap.parse_args()
+    run_worker(json.loads(args.plan), args.nvme_path)
+
+
+if __name__ == "__main__":
+    main()
