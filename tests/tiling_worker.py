@@ -132,7 +132,9 @@ def init_build() -> dict:
     with zerodp.zero.Init(config=cfg):
         with HeapPeak() as init_probe:
             tiled = TiledLinear(IN, OUT, in_splits=SPLIT_IN, out_splits=SPLIT_OUT)
-    held = sum(p.data.numel() for p in tiled.parameters())
+    # bytes of parameter storage alive now, each storage once (a partitioned parameter keeps its full
+    # shape while its storage holds 0 bytes)
+    held = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in tiled.parameters()}.values())
     engine = zerodp.initialize(tiled, cfg)
     got = engine.module_state_dict()
     shards = {u.shard.untyped_storage().data_ptr(): u.shard.untyped_storage().nbytes() for u in engine.sharding.units}
