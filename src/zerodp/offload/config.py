@@ -29,7 +29,24 @@ class _StrictModel(BaseModel):
         return v
 
 
-class OffloadOptimizerConfig(_StrictModel):
+class _OffloadTarget(_StrictModel):
+    """What both offload sections share: the device and, for ``nvme``, the swap directory."""
+
+    device: OffloadDevice = Field("none", description="none | cpu | nvme")
+    nvme_path: Optional[str] = Field(None, description="directory for swap files (device nvme)")
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> "_OffloadTarget":
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("device 'nvme' needs nvme_path (a directory on the NVMe disk)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+class OffloadOptimizerConfig(_OffloadTarget):
     """``zero_optimization.offload_optimizer``: where each rank's fp32 master partition, Adam moments
     and gradient partition live (ZeRO-Offload, Ren et al. 2021; NVMe: ZeRO-Infinity section 5).
 
@@ -38,8 +55,6 @@ class OffloadOptimizerConfig(_StrictModel):
       asynchronous direct I/O through ``buffer_count`` aligned buffers, sub-group by sub-group.
     """
 
-    device: OffloadDevice = Field("none", description="none | cpu | nvme")
-    nvme_path: Optional[str] = Field(None, description="directory for swap files (device nvme)")
     pin_memory: bool = Field(False, description="page-lock the host buffers (only with CUDA present)")
     buffer_count: int = Field(4, ge=3, description="nvme: aligned sub-group buffers (>= 3: read, update, write)")
     fast_init: bool = Field(False, description="nvme: sparse swap files instead of preallocating them")
@@ -51,16 +66,6 @@ class OffloadOptimizerConfig(_StrictModel):
         if v != 1.0:
             raise ValueError("partial offload (ratio below 1.0) is not implemented; use 1.0")
         return v
-
-    @model_validator(mode="after")
-    def _nvme_needs_path(self) -> "OffloadOptimizerConfig":
-        if self.device == "nvme" and not self.nvme_path:
-            raise ValueError("device 'nvme' needs nvme_path (a directory on the NVMe disk)")
-        return self
-
-    @property
-    def enabled(self) -> bool:
-        return self.device != "none"
 
 
 class AioConfig(_StrictModel):
@@ -86,7 +91,7 @@ class AioConfig(_StrictModel):
         return v
 
 
-class OffloadParamConfig(_StrictModel):
+class OffloadParamConfig(_OffloadTarget):
     """``zero_optimization.offload_param``: where each rank's shard of every stage-3 parameter unit lives
     between uses (ZeRO-Infinity, Rajbhandari et al. SC21, sections 5.1-5.2 and 6; stage 3 only).
 
@@ -97,8 +102,6 @@ class OffloadParamConfig(_StrictModel):
       most ``max_in_cpu`` bytes of shards read ahead of use, ``prefetch_depth`` modules ahead.
     """
 
-    device: OffloadDevice = Field("none", description="none | cpu | nvme")
-    nvme_path: Optional[str] = Field(None, description="directory for swap files (device nvme)")
     pin_memory: bool = Field(False, description="page-lock the host shards and buffers (only with CUDA present)")
     buffer_count: int = Field(5, ge=1, description="nvme: aligned I/O buffers in the pool")
     buffer_size: int = Field(100_000_000, ge=4096, description="nvme: bytes per I/O buffer (rounded down to 4096)")
@@ -113,13 +116,3 @@ class OffloadParamConfig(_StrictModel):
         if isinstance(v, float) and math.isfinite(v) and v.is_integer():
             return int(v)
         return v
-
-    @model_validator(mode="after")
-    def _nvme_needs_path(self) -> "OffloadParamConfig":
-        if self.device == "nvme" and not self.nvme_path:
-            raise ValueError("device 'nvme' needs nvme_path (a directory on the NVMe disk)")
-        return self
-
-    @property
-    def enabled(self) -> bool:
-        return self.device != "none"
