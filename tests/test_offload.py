@@ -27,8 +27,8 @@ WORKER = Path(__file__).with_name("offload_worker.py")
 # (world size, stages, scenarios): every scenario at every stage somewhere, each world size once.
 PLAN = [
     (1, "1,2,3", "bf16,fp16_overflow,edit_bf16"),
-    (2, "1,2", "fp32,adam_no_overlap,edit"),
-    (3, "3", "fp32,accum_clip,bf16_accum"),
+    (2, "1,2", "fp32,adam_no_overlap,edit,edit_frozen"),
+    (3, "3", "fp32,accum_clip,bf16_accum,edit_frozen"),
 ]
 
 
@@ -65,6 +65,12 @@ def test_offload_equals_non_offloaded(world, stages, scenarios):
                 assert out["ref_maxdiff"] < 1e-5, (key, out["ref_maxdiff"])
             if key.endswith("/edit"):  # in-place edits between steps reach the offloaded masters too
                 assert "ref_maxdiff" in out
+            if key.endswith("/edit_frozen"):  # ... also of parameters without a gradient at that step:
+                # the state dict, safe_get_full_fp32_param and a checkpoint right after it are the
+                # non-offloaded engine's, bitwise
+                assert "ref_maxdiff" in out
+                assert out["frozen"] == {w: {"cpu": True, "nvme": True} for w in ("after", "accessor", "loaded")}, \
+                    (key, out["frozen"])
             if "ckpt" in out:
                 assert out["ckpt"] == {"nvme->none": True, "none->nvme": True, "cpu->nvme": True}, out["ckpt"]
             compared += 1
@@ -207,12 +213,17 @@ def test_gradients_stream_to_host_during_backward(device, tmp_path, monkeypatch)
     off.close()
 
 
+@pytest.mark.parametrize("through", ["param", "data"])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_edit_of_parameter_without_gradient_reaches_offloaded_master(device, tmp_path):
-    """``w.mul_(0.5)`` on a parameter that gets no gradient at the next step is still folded into its
-    offloaded master (NVMe: found by its version counter, read, folded, written back), so the fp32
-    master (what module_state_dict returns under bf16) is the edited one, as without offload; the
-    swap report is produced."""
+def test_edit_of_parameter_without_gradient_reaches_offloaded_master(device, through, tmp_path):
+    """``w.mul_(0.5)`` (or ``w.data.mul_(0.5)``, which moves no version counter) on a parameter that
+    gets no gradient at the next steps is still folded into its offloaded master at the next step
+    (NVMe: the masters of the sub-groups the step does not update are read, compared, written back),
+    so the fp32 master (what module_state_dict and safe_get_full_fp32_param return under bf16) is the
+    edited one, as without offload; the optimizer state accessor reads the swap file too; the swap
+    report is produced."""
+    from zerodp.accessors import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
     class TwoHeads(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -238,14 +249,17 @@ def test_edit_of_parameter_without_gradient_reaches_offloaded_master(device, tmp
             e.backward(e(x.bfloat16(), head).float().square().mean())
             e.step()
             if head == "head_a":
-                with torch.no_grad():
-                    e.module.head_a.weight.mul_(0.5)  # head_a gets no gradient at the next steps
+                with torch.no_grad():  # head_a gets no gradient at the next steps
+                    (e.module.head_a.weight if through == "param" else e.module.head_a.weight.data).mul_(0.5)
         states.append(e.module_state_dict())
     compared = 0
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
         compared += 1
     assert compared == 6
+    for a, b in zip(engines[0].module.parameters(), engines[1].module.parameters()):
+        assert torch.equal(safe_get_full_fp32_param(a), safe_get_full_fp32_param(b))
+        assert torch.equal(safe_get_full_optimizer_state(a, "exp_avg"), safe_get_full_optimizer_state(b, "exp_avg"))
     if device == "nvme":
         from zerodp.app import bench_offload
 
