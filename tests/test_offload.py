@@ -6,9 +6,6 @@ and the error paths name what is wrong."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,9 +15,9 @@ from torch import nn
 import zerodp
 from zerodp.offload.aio import AsyncIO, SwapFile, aligned_buffer
 from zerodp.offload.config import AioConfig
-from zerodp.offload.nvme import OffloadError
 
-from distributed import run_worker
+from distributed import run_offload_worker
+from swap_checks import assert_nvme_path_errors, assert_swap_removed_after_exception, full_disk_error
 
 WORKER = Path(__file__).with_name("offload_worker.py")
 
@@ -34,9 +31,7 @@ PLAN = [
 
 @pytest.mark.parametrize("world,stages,scenarios", PLAN)
 def test_offload_equals_non_offloaded(world, stages, scenarios):
-    with tempfile.TemporaryDirectory() as nvme, tempfile.TemporaryDirectory() as ckpt:
-        results = run_worker(world, stages, scenarios, worker=WORKER, extra_args=["--nvme", nvme, "--ckpt", ckpt])
-        leftover = os.listdir(nvme)
+    results, leftover = run_offload_worker(world, stages, scenarios, WORKER)
     compared = 0
     for r, res in enumerate(results):
         errors = res.pop("errors")
@@ -86,30 +81,12 @@ def _engine(nvme: str, **offload) -> zerodp.Engine:
 
 
 def test_missing_and_unwritable_path(tmp_path):
-    with pytest.raises(OffloadError, match=f"nvme_path '{tmp_path}/nope' does not exist"):
-        _engine(str(tmp_path / "nope"))
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
-    if os.access(ro, os.W_OK):  # root ignores permission bits: use a regular file as a non-directory
-        (tmp_path / "file").write_text("x")
-        with pytest.raises(OffloadError, match="is not a directory"):
-            _engine(str(tmp_path / "file"))
-    else:
-        with pytest.raises(OffloadError, match="is not writable"):
-            _engine(str(ro))
+    assert_nvme_path_errors(_engine, tmp_path, "offload_optimizer.nvme_path")
 
 
 def test_full_disk_names_bytes(tmp_path, monkeypatch):
-    import shutil as sh
-
-    real = sh.disk_usage
-    monkeypatch.setattr("zerodp.offload.nvme.shutil.disk_usage",
-                        lambda p: real(p)._replace(free=1000))
-    with pytest.raises(OffloadError) as err:
-        _engine(str(tmp_path))
-    msg = str(err.value)
-    assert str(tmp_path) in msg and "needs" in msg and "1,000 bytes are free" in msg
+    msg = full_disk_error(_engine, tmp_path, monkeypatch, "zerodp.offload.nvme")
+    assert "needs" in msg
     assert list(tmp_path.iterdir()) == []
 
 
@@ -119,16 +96,8 @@ def test_swap_files_removed_on_close_and_on_exception(tmp_path):
     assert os.path.getsize(swap) > 0
     engine.close()
     assert list(tmp_path.iterdir()) == []
-    script = (f"import torch, zerodp\nfrom torch import nn\n"
-              f"e = zerodp.initialize(nn.Linear(8, 8), {{'zero_optimization': {{'stage': 1, "
-              f"'offload_optimizer': {{'device': 'nvme', 'nvme_path': {str(tmp_path)!r}}}}}}})\n"
-              f"e.backward(e(torch.ones(2, 8)).sum()); e.step()\n"
-              f"assert len(list(__import__('pathlib').Path({str(tmp_path)!r}).rglob('*.swp'))) == 1\n"
-              f"raise RuntimeError('boom')\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert "boom" in proc.stderr and proc.returncode != 0, proc.stderr[-2000:]
-    assert list(tmp_path.iterdir()) == []
+    assert_swap_removed_after_exception(
+        {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}, tmp_path, "*.swp")
 
 
 def test_aio_round_trip(tmp_path):
