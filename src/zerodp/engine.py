@@ -91,18 +91,18 @@ class Engine:
         in_groups = {id(s.param) for g in self.groups for s in g.slots}
         self.frozen = [p for p in _unique_params(module) if id(p) not in in_groups]
         self._broadcast_from_rank0()
-        with self.shards_resident():  # pieces are views of the shards; masters are copies of them
-            for g in self.groups:
+        self.offload: Optional[OptimizerOffload] = build_offload(
+            zc.offload_optimizer, config.aio, zc.sub_group_size, self.stage, self.rank, process_group)
+        for g in self.groups:  # pieces are views of the shards; masters are copies (an offload makes its own)
+            with self.shards_resident([g]):
                 assign_pieces(g, self.rank, owns_everything=self.stage == 0)
-                if self.precision.has_master:
-                    for piece in g.pieces:
-                        piece.master = piece.tensor.detach().float().clone()
-            self.offload: Optional[OptimizerOffload] = build_offload(
-                zc.offload_optimizer, config.aio, zc.sub_group_size, self.stage, self.rank, process_group)
-            if self.offload is not None:
+                for piece in g.pieces if self.precision.has_master and self.offload is None else ():
+                    piece.master = piece.tensor.detach().float().clone()
+        if self.offload is not None:
+            if self.param_offload is not None:  # NVMe: attach and step make shards resident per sub-group
+                self.offload.set_shard_access(self.param_offload)
+            with self.shards_resident() if self.offload.shard_access is None else contextlib.nullcontext():
                 self.offload.attach(self.groups)
-                if self.param_offload is not None:  # NVMe: the step makes shards resident per sub-group
-                    self.offload.set_shard_access(self.param_offload)
         self._register_master_refresh()
         if self.stage == 3 or self.precision.has_master:
             why = ("stage 3 keeps each parameter as a shard; outside forward the module's parameters hold no values"

@@ -154,12 +154,13 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         # more buffers than sub-groups would never be used
         count = max(1, min(self.cfg.buffer_count, len(self.subgroups)))
         self.buffers = [aligned_buffer(biggest, self.pin) for _ in range(count)]
-        for sg in self.subgroups:
+        for sg in self.subgroups:  # with shard_access: only this sub-group's shards resident
             buf = self.buffers[0][: sg.nbytes]
             masters = buf[: sg.seg].view(torch.float32)
-            for i, view in self._views(sg, masters):
-                p = self.pieces[i]
-                view.copy_(p.master if p.master is not None else p.tensor)
+            with self._pinned(sg.pieces, dirty=False):
+                for i, view in self._views(sg, masters):
+                    p = self.pieces[i]
+                    view.copy_(p.master if p.master is not None else p.tensor)
             self.io.write(self.file, buf, sg.offset).wait()
         for p in pieces:
             p.master = torch.empty(0, dtype=torch.float32)
