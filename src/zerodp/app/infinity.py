@@ -22,7 +22,7 @@ the plan is refused with the bytes needed and available. Where the bytes go (all
   unit, gradient staging; and the saved activations, measured at about 36 bytes per token, layer and
   ``d_model`` in bf16) and the optimizer step (the fp32 gradient scratch of one sub-group and the
   parameter shards resident while a sub-group is updated: those of two sub-groups plus two boundary
-  layers); 10% slack. The raw-I/O probe runs before the model exists and is not counted.
+  layers, the fp64 norm of one layer's gradient, Adam's temporaries); 10% slack. The raw-I/O probe runs before the model exists and is not counted.
 
 Consequence: states of ``R`` x RAM mean ``P = R x RAM / 16`` parameters, whose gradient partition
 takes ``2 P = R x RAM / 8``: a quarter of the RAM at ``R = 2``; the rest is buffers of fixed size.
@@ -195,7 +195,9 @@ def ram_accounting(p: int, model: GPTConfig, micro_batch: int, largest_layer: in
                      "saved activations (bf16)": nproc * ACTIVATION_BYTES * tokens * model.d_model * model.n_layer
                      + nproc * 8 * tokens * model.vocab_size},
         "step": {"fp32 gradient scratch (one sub-group)": nproc * 4 * s_,
-                 "resident shards (2 sub-groups + 2 layers, bf16)": nproc * 2 * (2 * s_ + 2 * u)},
+                 "resident shards (2 sub-groups + 2 layers, bf16)": nproc * 2 * (2 * s_ + 2 * u),
+                 "grad norm of one layer in fp64 (value + square)": nproc * 16 * u,
+                 "Adam temporaries (2 x fp32 sub-group)": nproc * 8 * s_},
     }
     larger = max(phases, key=lambda ph: sum(phases[ph].values()))
     ram = {"reduced bf16 gradient partition (held once)": 2 * p,
