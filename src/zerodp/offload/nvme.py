@@ -48,7 +48,7 @@ import shutil
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Protocol, Sequence
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,15 +57,8 @@ from zerodp.offload.aio import AsyncIO, IOHandle, SwapFile, align_up, aligned_bu
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
 from zerodp.offload.host import HostOptimizerOffload, fold_edit, storage_bytes
 from zerodp.offload.report import offload_formula
+from zerodp.offload.shard_window import ShardAccess, ShardWindow, unique_groups
 from zerodp.runtime.partition import FlatGroup, Piece
-
-
-class ShardAccess(Protocol):
-    """The parameter offload's per-group residency (:class:`zerodp.offload.param_swap.ParamOffload`)."""
-
-    def prefetch(self, groups: Sequence[FlatGroup]) -> None: ...
-    def pin(self, groups: Sequence[FlatGroup]) -> None: ...
-    def unpin(self, groups: Sequence[FlatGroup], dirty: bool) -> None: ...
 
 
 class OffloadError(RuntimeError):
@@ -164,7 +157,6 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             self.io.write(self.file, buf, sg.offset).wait()
         for p in pieces:
             p.master = torch.empty(0, dtype=torch.float32)
-        self._record_versions()
 
     def _open(self, job: str, needed: int) -> None:
         base = self.cfg.nvme_path
@@ -211,7 +203,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
     @contextlib.contextmanager
     def _pinned(self, positions: Iterable[int], dirty: bool) -> Iterator[None]:
         """The shards of the pieces at ``positions`` resident for the block (no-op without access)."""
-        groups = _unique(self._group_of[i] for i in positions)
+        groups = unique_groups(self._group_of[i] for i in positions)
         if self.shard_access is None:
             yield
             return
@@ -240,28 +232,45 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                 view.copy_(piece.tensor)
         self.io.write(self.file, buf, sg.offset).wait()
 
-    def _record_versions(self) -> None:
-        """Baseline of the module parameters' version counters (bumped by an in-place edit of the
-        parameter, not by the engine's writes into the flat buffer it views)."""
-        self._versions = [p.slot.param._version for p in self.pieces]
-
     def fold_edits(self) -> None:
-        """Fold in-place edits of module parameters made since the last step into the masters in the
-        swap file. Pieces whose parameter's version counter moved (``w.mul_(0.5)``) are folded here,
-        one read and write of their sub-group each; an edit through ``w.data`` (no version bump) is
-        folded at the step, when the piece's sub-group is in the buffer (:meth:`_update`), if the
-        piece has a gradient that step."""
-        edited = {i for i, p in enumerate(self.pieces) if p.slot.param._version != self._versions[i]}
-        for sg in self.subgroups:
-            if not edited.intersection(sg.pieces):
-                continue
-            buf = self.buffers[0][: sg.nbytes]
-            self.io.read(self.file, buf, sg.offset).wait()
-            with self._pinned(sg.pieces, dirty=False):
-                for i, view in self._views(sg, buf[: sg.seg].view(torch.float32)):
-                    fold_edit(self.pieces[i].tensor, view)
-            self.io.write(self.file, buf, sg.offset).wait()
-        self._record_versions()
+        """Nothing before the update: the masters are in the swap file, so in-place edits of module
+        parameters (``w.mul_(0.5)`` under ``no_grad``, also through ``w.data``, which moves no version
+        counter) are folded during :meth:`step`, with the rule of
+        :meth:`zerodp.runtime.guards.TrainingGuards.before_update`: each sub-group the step updates is
+        compared in its buffer (all its pieces, with or without a gradient, :meth:`_update`); the
+        masters of the other sub-groups are read and compared by :meth:`_fold_masters`; a skipped step
+        folds every sub-group (:meth:`skipped_step`)."""
+
+    def skipped_step(self) -> None:
+        """The update was skipped (fp16 overflow): fold the edits :meth:`step` would have folded."""
+        self._fold_masters(self.subgroups)
+
+    def _fold_masters(self, subgroups: list[SubGroup]) -> None:
+        """Compare the module's values of ``subgroups``' pieces with their masters and fold edits in.
+        Only the masters segment of a sub-group is read (4 bytes per element; ``buffer_count`` reads in
+        flight) and it is written back only if an element changed."""
+        nbuf = len(self.buffers)
+        reads: dict[int, IOHandle] = {}
+        writes: dict[int, IOHandle] = {}  # buffer slot -> pending write
+
+        def start_read(k: int) -> None:
+            if k % nbuf in writes:
+                writes.pop(k % nbuf).wait()
+            reads[k] = self.io.read(self.file, self.buffers[k % nbuf][: subgroups[k].seg], subgroups[k].offset)
+
+        for k in range(min(nbuf, len(subgroups))):
+            start_read(k)
+        for k, sg in enumerate(subgroups):
+            reads.pop(k).wait()
+            seg = self.buffers[k % nbuf][: sg.seg]
+            with self._pinned(sg.pieces, dirty=False):  # with shard_access: this sub-group's shards only
+                changed = [fold_edit(self.pieces[i].tensor, view) for i, view in self._views(sg, seg.view(torch.float32))]
+            if any(changed):
+                writes[k % nbuf] = self.io.write(self.file, seg, sg.offset)
+            if k + nbuf < len(subgroups):
+                start_read(k + nbuf)
+        for h in writes.values():
+            h.wait()
 
     # ---- one step ------------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -325,6 +334,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         t0 = time.perf_counter()
         r0, w0 = self.io.bytes_read, self.io.bytes_written
         todo = [sg for sg in self.subgroups if any(self._present[i] for i in sg.pieces)]
+        self._fold_masters([sg for sg in self.subgroups if not any(self._present[i] for i in sg.pieces)])
         nbuf = len(self.buffers)
         reads: dict[int, IOHandle] = {}
         writes: dict[int, IOHandle] = {}  # buffer slot -> pending write
@@ -346,8 +356,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         overlap = self.aio_cfg.overlap_events
         ahead = max(1, nbuf - 2) if overlap else 0  # reads in flight beyond the sub-group being updated
         busy = 0.0
-        shards = _ShardWindow(self.shard_access, [_unique(self._group_of[i] for i in sg.pieces if self._present[i])
-                                                  for sg in todo])
+        # every piece of an updated sub-group is compared with its master (edits), so all its shards
+        shards = ShardWindow(self.shard_access, [unique_groups(self._group_of[i] for i in sg.pieces) for sg in todo])
         for k in range(min(ahead or 1, len(todo))):
             start_read(k)
         try:
@@ -381,10 +391,11 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         v = dict(self._views(sg, f32[2 * per: 3 * per]))
         scratch = dict(self._views(sg, self.grad_scratch)) if self.deferred else {}
         for i in sg.pieces:
+            fold_edit(self.pieces[i].tensor, masters[i])  # an in-place edit since the last step (fold_edits)
+        for i in sg.pieces:
             if not self._present[i]:
                 continue
             p = self.pieces[i]
-            fold_edit(p.tensor, masters[i])  # an edit through w.data since the last step (see fold_edits)
             p.master.data = masters[i]
             p.master.grad = self._materialise(i, scratch[i]) if self.deferred else self.grad_buffers[i]
             if i not in self.steps:  # fresh state, exactly what torch's lazy initialisation makes
@@ -410,7 +421,6 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self._streamed = [False] * len(self.pieces)
         self._grad_refs = [None] * len(self.pieces)
         self._factors = []
-        self._record_versions()
 
     # ---- checkpoints and reports ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -478,50 +488,6 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             self.io = None
         if self._finalizer is not None:
             self._finalizer()
-
-
-class _ShardWindow:
-    """Parameter shards resident during the sub-group loop: ``need[k]`` are the flat groups whose
-    shards sub-group k writes. :meth:`enter` pins k's (reads queued at k-1) and queues k+1's reads;
-    :meth:`leave` unpins, dirty, those k+1 does not need. No-op without an access."""
-
-    def __init__(self, access: Optional[ShardAccess], need: list[list[FlatGroup]]) -> None:
-        self.access = access
-        self.need = need
-        self.held: list[FlatGroup] = []
-        if access is not None and need:
-            access.prefetch(need[0])
-
-    def enter(self, k: int) -> None:
-        if self.access is None:
-            return
-        new = [g for g in self.need[k] if not any(g is h for h in self.held)]
-        self.access.pin(new)
-        self.held += new
-        if k + 1 < len(self.need):
-            self.access.prefetch(self.need[k + 1])
-
-    def leave(self, k: int) -> None:
-        if self.access is None:
-            return
-        keep = self.need[k + 1] if k + 1 < len(self.need) else []
-        drop = [g for g in self.held if not any(g is x for x in keep)]
-        self.held = [g for g in self.held if any(g is x for x in keep)]
-        self.access.unpin(drop, dirty=True)
-
-    def close(self) -> None:
-        """Unpin what is still held (dirty: it may have been updated)."""
-        if self.access is not None and self.held:
-            held, self.held = self.held, []
-            self.access.unpin(held, dirty=True)
-
-
-def _unique(groups: Iterable[FlatGroup]) -> list[FlatGroup]:
-    out: list[FlatGroup] = []
-    for g in groups:
-        if not any(g is h for h in out):
-            out.append(g)
-    return out
 
 
 def _plan(pieces: list[Piece], size: int) -> list[SubGroup]:
