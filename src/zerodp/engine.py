@@ -32,7 +32,7 @@ from zerodp.runtime.optim import ParamGroupSpec, build_optimizer
 from zerodp.runtime.module_state import (GatheredCopy, LoadResult, guard_module_load_state_dict,
                                          load_module_state)
 from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
-from zerodp.runtime.precision import LossScaler, PrecisionPolicy
+from zerodp.runtime.precision import LossScaler, PrecisionPolicy, cast_module
 from zerodp.runtime.schedulers import build_scheduler
 from zerodp.offload.build import OptimizerOffload, build_offload, no_offload
 from zerodp.offload.report import OffloadReport, offload_formula
@@ -75,7 +75,7 @@ class Engine:
         self.grads_ready = False  # reduced gradients of a complete accumulation exist (until step())
         self.skipped_steps = 0  # optimizer steps skipped because some rank's gradients overflowed
         if self.precision.has_master:
-            module.to(self.precision.param_dtype)  # floating parameters and buffers
+            cast_module(module, self.precision.param_dtype)  # floating parameters and buffers
 
         zc = config.zero_optimization
         self.sharding: Optional[Stage3] = None
