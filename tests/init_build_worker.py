@@ -6,7 +6,8 @@ Scenarios (one launch per world size, every rank runs each):
   exactly the weights of the same constructor built without ``Init`` then ``zerodp.initialize``d
   (``engine.module_state_dict()``, bit for bit), for an HF-style model with ``post_init()``, a
   nanoGPT-style ``self.apply(_init_weights)`` model, ``nn.Sequential(*layers)`` with torch's default
-  Linear init (every layer built before the parent exists) and a free-standing ``nn.Linear``; fp32 and
+  Linear init (every layer built before the parent exists), a free-standing ``nn.Linear`` and a module
+  registering parameters before and after building a child; fp32 and
   bf16 (Init casts once, after the values were drawn in fp32, as ``initialize`` does).
 - ``build_peak``: the live heap (glibc ``mallinfo2``, tests/heap_probe.py, sampled on every Python and C
   call) while ``nn.Sequential(*[nn.Linear(H, H) ...])`` is built under ``Init`` and without it, with the
@@ -97,8 +98,30 @@ def free_linear() -> nn.Module:
     return nn.Linear(40, 24)
 
 
+class LateParam(nn.Module):
+    """Registers a parameter, builds a child, registers another parameter and edits the first (its
+    ``__init__`` is still running when the child registers: it stays pending)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(30, 8))
+        self.sub = nn.Linear(8, 8)
+        self.b = nn.Parameter(torch.empty(20, 8))
+        nn.init.normal_(self.b, std=0.5)
+        self.a.data.mul_(0.1)
+
+
+def late_param() -> nn.Module:
+    """A LateParam, then a layer and a parameter added from outside: the LateParam was partitioned when
+    the layer registered, so its new parameter makes Init lay all three out as one unit again."""
+    m = LateParam()
+    m.head = nn.Linear(8, 8)
+    m.c = nn.Parameter(torch.randn(16, 8))
+    return m
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {"hf": HFStyle, "nano": NanoStyle, "sequential": sequential,
-                                              "free_linear": free_linear}
+                                              "free_linear": free_linear, "late_param": late_param}
 
 
 def config(bf16: bool, max_live: int = 1000) -> dict:
@@ -119,13 +142,15 @@ def weights_case(model: str, bf16: bool) -> dict:
     big = [p for p in built.parameters() if p.numel() > 16]
     partitioned = sum(zerodp.zero.is_partitioned(p) for p in big)
     held = held_elements(built.parameters())
+    units = len(init.units)
     engine = zerodp.initialize(built, cfg)
+    adopted = sum(any(u is v for v in init.units) for u in engine.sharding.units)  # not re-laid out
     got = engine.module_state_dict()
     std = {k: v.float().std().item() for k, v in expected.items() if k.endswith("weight") and v.dim() == 2}
     return {"keys": sorted(expected), "identical": sorted(k for k in expected if torch.equal(got[k], expected[k])),
             "dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
             "weight_std_max": max(std.values()), "touch_gathers": init._touch_gathers,
-            "big": len(big), "partitioned": partitioned, "held_after_init": held,
+            "big": len(big), "partitioned": partitioned, "init_units": units, "adopted": adopted, "held_after_init": held,
             "full_elements": sum(v.numel() for v in expected.values())}
 
 

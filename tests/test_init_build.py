@@ -4,8 +4,9 @@ gloo ranks (one launch each).
 - Weights: built under ``Init`` then ``initialize``d, every parameter equals (bit for bit) the same
   constructor built without ``Init`` then ``initialize``d, in fp32 and bf16, for an HF-style model with
   ``post_init()``, a nanoGPT-style ``self.apply(_init_weights)`` model (with a root parameter and an
-  ``orthogonal_`` init, which has no bf16 kernel on CPU), ``nn.Sequential(*layers)`` and a free-standing
-  ``nn.Linear``; every parameter above the persistence threshold was partitioned by ``Init`` itself.
+  ``orthogonal_`` init, which has no bf16 kernel on CPU), ``nn.Sequential(*layers)``, a free-standing
+  ``nn.Linear`` and a module registering parameters before and after a child; every parameter above
+  the persistence threshold was partitioned by ``Init`` itself and the engine adopted Init's units.
 - Build peak (2 ranks): the live heap (glibc) while ``nn.Sequential(*[nn.Linear(512, 512)] * 8)`` is built
   under ``Init`` stays within Init's shards plus two and a half layers (the module being partitioned,
   the next module's first parameter, which exists when its registration ends the previous module's
@@ -22,7 +23,7 @@ import pytest
 from distributed import run_worker
 
 WORKER = Path(__file__).with_name("init_build_worker.py")
-MODELS = ["hf", "nano", "sequential", "free_linear"]
+MODELS = ["hf", "nano", "sequential", "free_linear", "late_param"]
 
 
 @pytest.fixture(scope="module", params=[1, 2])
@@ -47,11 +48,13 @@ def test_init_gives_the_same_weights_as_without_it(results: tuple[int, list[dict
         assert row["dtypes"] == [f"torch.{'float32' if precision == 'fp32' else 'bfloat16'}"]
         assert row["partitioned"] == row["big"] > 0  # Init itself partitioned every large parameter
         assert row["held_after_init"] < row["full_elements"] / 10
+        assert row["adopted"] == row["init_units"]  # the engine took Init's units as they are
         if model in ("hf", "nano"):
-            assert row["weight_std_max"] < 0.03  # the post-construction init ran (default: ~0.1-0.25)
             assert row["touch_gathers"] > 0  # it edited partitioned parameters
         else:
             assert row["touch_gathers"] == 0  # each layer's own init ran before its partition
+        if model in ("hf", "nano"):
+            assert row["weight_std_max"] < 0.03  # the post-construction init ran (default: ~0.1-0.25)
 
 
 def test_init_build_peak_is_one_layer_above_the_shards(results: tuple[int, list[dict]]) -> None:

@@ -18,12 +18,14 @@
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
@@ -69,7 +71,8 @@ class Init:
     ``stage3_param_persistence_threshold``) are broadcast from rank 0 and partitioned as soon as that
     module's construction is over, which ``Init`` reads from torch's global parameter and module
     registration hooks (installed on ``__enter__``, removed on ``__exit__``; nothing is patched): a
-    module that registered parameters is *pending* until another module registers a parameter, it is
+    module that registered parameters is *pending* until another module registers a parameter while
+    no ``__init__`` of the pending module is running any more (read from the call stack), it is
     assigned to a parent, or ``Init`` exits, whichever comes first. Its own initialisation in
     ``__init__`` (``reset_parameters``) has then run on the full tensors in their own dtype, and
     ``nn.Sequential(*layers)`` (every layer built before its parent exists), a free-standing
@@ -172,8 +175,13 @@ class Init:
         self._seal(child, name)
 
     def _seal_pending(self, keep: Optional[nn.Module] = None) -> None:
+        """Partition the pending modules but ``keep`` and those whose ``__init__`` is still running (a
+        parent that registered a parameter and now builds a child); on exit (``keep`` None), all."""
         for key in [k for k in self._pending if keep is None or k != id(keep)]:
-            module = self._pending.pop(key)()
+            module = self._pending[key]()
+            if module is not None and keep is not None and _constructing(module):
+                continue
+            del self._pending[key]
             if module is not None:
                 self._seal(module, type(module).__name__)
 
@@ -187,7 +195,7 @@ class Init:
 
     def _partition(self, module: nn.Module, name: str) -> None:
         threshold = self.config.zero_optimization.stage3_param_persistence_threshold
-        params = [p for _, p in module.named_parameters(recurse=False)]
+        params = [p for _, p in module.named_parameters(recurse=False) if not is_lazy(p)]
         if not any(p.numel() > threshold and OWNERS.get(p) is None for p in params):
             return
         before = self._units_of.get(module, [])
@@ -206,7 +214,7 @@ class Init:
                     p.data = p.data.to(built_as)
             self.units[:] = [u for u in self.units if all(u is not b for b in before)]
         named = [(n, p) for n, p in module.named_parameters(recurse=False)
-                 if p.numel() > threshold and OWNERS.get(p) is None]
+                 if not is_lazy(p) and p.numel() > threshold and OWNERS.get(p) is None]
         rank = dist.get_rank(self.pg)
         world = dist.get_world_size(self.pg)
         src = dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
@@ -235,6 +243,16 @@ class Init:
 
     def _partitioned(self, unit: ShardedUnit) -> None:
         """Called once per unit Init builds (subclasses add attributes to its parameters)."""
+
+
+def _constructing(module: nn.Module) -> bool:
+    """Whether an ``__init__`` of ``module`` is on the call stack (its construction is not over)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
 
 
 __all__ = ["GatheredParameters", "Init", "TiledLinear", "register_external_parameter", "full_numel", "is_partitioned",
