@@ -1,7 +1,11 @@
-"""Launch tests/dist_worker.py under torch's own launcher and collect every rank's results."""
+"""Launch test workers and collect their results: tests/dist_worker.py (or another worker) under
+torch's own launcher (:func:`run_worker`, :func:`run_offload_worker`), and a script in a fresh
+interpreter (:func:`run_python`); worker side: the common command line and scenario loop
+(:func:`worker_args`, :func:`run_selected`, :func:`run_scenarios`)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -9,7 +13,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 TIMEOUT_S = 600
@@ -42,6 +46,20 @@ def run_worker(world_size: int, stages: str = "0,1,2,3", scenarios: str = "all",
         return [json.loads(f.read_text()) for f in files]
 
 
+def run_offload_worker(world_size: int, stages: str, scenarios: str, worker: Path) -> tuple[list[dict], list[str]]:
+    """:func:`run_worker` with ``--nvme DIR --ckpt DIR`` (fresh temporary directories); returns the
+    per-rank results and what the workers left in the NVMe directory (should be nothing)."""
+    with tempfile.TemporaryDirectory() as nvme, tempfile.TemporaryDirectory() as ckpt:
+        results = run_worker(world_size, stages, scenarios, worker=worker, extra_args=["--nvme", nvme, "--ckpt", ckpt])
+        return results, os.listdir(nvme)
+
+
+def run_python(script: str, timeout_s: int = 120) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter (one thread), capturing its output."""
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def selected_runs(items: Sequence[Any], module: Any, scenario_of: dict[str, str]) -> dict[int, tuple[str, str]]:
     """What the selected tests of ``module`` need launched: {world size: (stages, scenarios)}, each a
     comma-separated list for :func:`run_worker`.
@@ -63,6 +81,30 @@ def selected_runs(items: Sequence[Any], module: Any, scenario_of: dict[str, str]
         stages.add(params["stage"] if "stage" in params else int(fixed_stage))
         names.add(name)
     return {ws: (",".join(map(str, sorted(st))), ",".join(sorted(nm))) for ws, (st, nm) in sorted(wanted.items())}
+
+
+def worker_args(*required: str) -> argparse.Namespace:
+    """Worker side: parse :func:`run_worker`'s command line (``--out``, ``--stages``, ``--scenarios``,
+    default ``all``; plus the ``required`` options, e.g. ``"--nvme"``) and join the default process
+    group (gloo, a 120 s collective timeout)."""
+    import zerodp
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--stages", default="3")
+    ap.add_argument("--scenarios", default="all")
+    for option in required:
+        ap.add_argument(option, required=True)
+    args = ap.parse_args()
+    zerodp.init_distributed(timeout_s=120)
+    return args
+
+
+def run_selected(args: argparse.Namespace, scenarios: Mapping[str, Callable[[], dict]]) -> None:
+    """Worker side: :func:`run_scenarios` on the scenarios ``args.scenarios`` names (``all``: every one,
+    in ``scenarios``' order)."""
+    names = list(scenarios) if args.scenarios == "all" else args.scenarios.split(",")
+    run_scenarios(args.out, [(n, scenarios[n]) for n in names])
 
 
 def run_scenarios(out_dir: str, jobs: Sequence[tuple[str, Any]]) -> None:

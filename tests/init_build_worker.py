@@ -16,7 +16,6 @@ Scenarios (one launch per world size, every rank runs each):
 
 from __future__ import annotations
 
-import argparse
 from typing import Callable
 
 import torch
@@ -24,7 +23,7 @@ from torch import nn
 
 import zerodp
 from dist_worker import held_elements
-from distributed import run_scenarios
+from distributed import run_selected, worker_args
 from heap_probe import HeapPeak
 
 SCENARIOS: dict[str, Callable[[], dict]] = {}
@@ -184,14 +183,7 @@ SCENARIOS["build_peak"] = build_peak
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--stages", default="3")  # accepted for the launcher; everything here is stage 3
-    ap.add_argument("--scenarios", default="all")
-    args = ap.parse_args()
-    zerodp.init_distributed(timeout_s=120)
-    names = list(SCENARIOS) if args.scenarios == "all" else args.scenarios.split(",")
-    run_scenarios(args.out, [(n, SCENARIOS[n]) for n in names])
+    run_selected(worker_args(), SCENARIOS)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,43 @@ def edit(model: nn.Module, stage: int) -> None:
             model.a.weight.mul_(0.5)
 
 
+def edit_and_freeze(model: nn.Module, stage: int) -> list[nn.Parameter]:
+    """In-place edits of parameters that then get no gradient for one step (frozen for it): through
+    ``.data`` (no version counter moves) and, at stages 1-2, through the parameter; at stage 3 only
+    persistent parameters are edited. Returns the frozen parameters."""
+    frozen = [model.c.bias, model.s] + ([model.a.weight, model.a.bias] if stage < 3 else [])
+    with torch.no_grad():
+        model.c.bias.data.mul_(0.5)
+        model.s.data.add_(0.25)
+        if stage < 3:
+            model.a.weight.data.mul_(0.5)
+            model.a.bias.mul_(0.5)
+    for p in frozen:
+        p.requires_grad_(False)
+    return frozen
+
+
+def train_edit_frozen(engine, stage: int, ckpt: str) -> dict:
+    """Step 0; edit and freeze; step 1 (the edited parameters have no gradient); right after it: the
+    module state dict and ``safe_get_full_fp32_param`` of the edited parameters; unfreeze; a checkpoint
+    (returned: the state dict a non-offloaded engine loads from it); steps 2-3."""
+    from zerodp.accessors import safe_get_full_fp32_param
+
+    train(engine, range(1), 1)
+    frozen = edit_and_freeze(engine.module, stage)
+    train(engine, range(1, 2), 1)
+    out = {"after": params(engine), "accessor": [safe_get_full_fp32_param(p) for p in frozen]}
+    for p in frozen:  # before the save: a checkpoint records a frozen parameter as not trained
+        p.requires_grad_(True)
+    engine.save_checkpoint(ckpt)
+    train(engine, range(2, STEPS), 1)
+    loaded = build(stage, "edit_frozen", "none", "")
+    loaded.load_checkpoint(ckpt)
+    out["loaded"] = params(loaded)
+    loaded.close()
+    return out
+
+
 def train(engine, steps: range, gas: int, edits: bool = False) -> None:
     for step in steps:
         for micro in range(gas):
@@ -112,6 +149,7 @@ def reference(scenario: str, stage: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    frozen: list[nn.Parameter] = []
     for step in range(STEPS):
         x, y = batch(step, 0)
         nn.functional.mse_loss(model(x), y).backward()
@@ -119,6 +157,9 @@ def reference(scenario: str, stage: int) -> dict[str, torch.Tensor]:
         opt.zero_grad()
         if scenario == "edit" and step % 2 == 0:
             edit(model, stage)
+        for p in frozen:
+            p.requires_grad_(True)
+        frozen = edit_and_freeze(model, stage) if scenario == "edit_frozen" and step == 0 else []
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -126,9 +167,13 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
     gas = 2 if "accum" in scenario else 1
     runs = {}
     reports = {}
+    frozen = {}
     for device in ("none", "cpu", "nvme"):
         engine = build(stage, scenario, device, nvme)
-        train(engine, range(STEPS), gas, edits=scenario.startswith("edit"))
+        if scenario == "edit_frozen":
+            frozen[device] = train_edit_frozen(engine, stage, os.path.join(ckpt, f"s{stage}frozen{device}"))
+        else:
+            train(engine, range(STEPS), gas, edits=scenario.startswith("edit"))
         runs[device] = params(engine)
         if device != "none":
             rep = engine.offload_report()
@@ -139,14 +184,23 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
                 reports[device]["swap"] = [engine.offload.stats.bytes_read, engine.offload.stats.bytes_written]
                 reports[device]["subgroups"] = len(engine.offload.subgroups)
         engine.close()
-    out = {"steps": STEPS, "equal": {d: all(torch.equal(runs["none"][k], runs[d][k]) for k in runs["none"])
-                     for d in ("cpu", "nvme")}, "reports": reports}
-    if scenario in ("fp32", "edit"):
+    out = {"steps": STEPS, "equal": {d: _equal(runs["none"], runs[d]) for d in ("cpu", "nvme")},
+           "reports": reports}
+    if frozen:  # right after the step without gradient: the edited masters, as without offload
+        out["frozen"] = {what: {d: _equal(frozen["none"][what], frozen[d][what]) for d in ("cpu", "nvme")}
+                         for what in ("after", "accessor", "loaded")}
+    if scenario in ("fp32", "edit", "edit_frozen"):
         ref = reference(scenario, stage)
         out["ref_maxdiff"] = max((runs["none"][k] - ref[k]).abs().max().item() for k in ref)
     if scenario == "bf16":
         out["ckpt"] = checkpoints(stage, scenario, nvme, ckpt)
     return out
+
+
+def _equal(a, b) -> bool:
+    """Bitwise equality of two state dicts or two lists of tensors."""
+    pairs = [(a[k], b[k]) for k in a] if isinstance(a, dict) else list(zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in pairs)
 
 
 def deleted_swap_file(nvme: str) -> dict:

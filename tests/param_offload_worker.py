@@ -9,7 +9,6 @@ read and forward-done events. Results: ``OUT/rank{r}.json``.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import sys
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import zerodp  # noqa: E402
 from dist_worker import ParentReads, TiedLM, TwiceBlock, Wide, Zoo, make_batch, mse, token_xent  # noqa: E402
-from distributed import run_scenarios  # noqa: E402
+from distributed import run_selected, worker_args  # noqa: E402
 
 STEPS = 3
 MICRO = 2  # rows per rank and micro-step
@@ -259,25 +258,12 @@ def init_straight_to_nvme() -> dict:
 
 def main() -> None:
     global NVME, CKPT
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--stages", default="3")
-    ap.add_argument("--scenarios", required=True)
-    ap.add_argument("--nvme", required=True)
-    ap.add_argument("--ckpt", required=True)
-    args = ap.parse_args()
+    args = worker_args("--nvme", "--ckpt")
     NVME, CKPT = args.nvme, args.ckpt
-    zerodp.init_distributed(timeout_s=120)
-    jobs: list[tuple[str, Callable[[], dict]]] = []
-    for name in args.scenarios.split(","):
-        if name in SPECS:
-            jobs.append((name, lambda name=name: equality(name)))
-        elif name == "init_equal":
-            jobs.append((name, lambda: equality("wide", under_init=True)))
-        else:
-            jobs.append((name, {"combos": optimizer_combos, "ckpt": checkpoints, "prefetch": prefetch_order,
-                                "init": init_straight_to_nvme}[name]))
-    run_scenarios(args.out, jobs)
+    scenarios: dict[str, Callable[[], dict]] = {name: (lambda name=name: equality(name)) for name in SPECS}
+    scenarios.update(init_equal=lambda: equality("wide", under_init=True), combos=optimizer_combos,
+                     ckpt=checkpoints, prefetch=prefetch_order, init=init_straight_to_nvme)
+    run_selected(args, scenarios)
 
 
 if __name__ == "__main__":

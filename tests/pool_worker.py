@@ -11,17 +11,12 @@ PyTorch on the same global batch and records, per gather, the unit and the addre
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import traceback
-
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zerodp
 from dist_worker import rank, world
+from distributed import run_selected, worker_args
 from zerodp.stage3.units import ShardedUnit
 
 D = 32
@@ -114,24 +109,5 @@ SCENARIOS = {"prefetch": lambda: saved_view_follows_its_unit(True),
              "no_prefetch": lambda: saved_view_follows_its_unit(False)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--stages", default="3")
-    ap.add_argument("--scenarios", default="all")
-    args = ap.parse_args()
-    zerodp.init_distributed(timeout_s=120)
-    results: dict[str, dict] = {}
-    for name in (list(SCENARIOS) if args.scenarios == "all" else args.scenarios.split(",")):
-        try:
-            results[name] = {"ok": True, **SCENARIOS[name]()}
-        except Exception:  # recorded and asserted on by pytest
-            results[name] = {"ok": False, "error": traceback.format_exc()}
-        dist.barrier()
-    with open(os.path.join(args.out, f"rank{rank()}.json"), "w") as f:
-        json.dump(results, f)
-    zerodp.shutdown_distributed()
-
-
 if __name__ == "__main__":
-    main()
+    run_selected(worker_args(), SCENARIOS)

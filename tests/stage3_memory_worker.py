@@ -11,19 +11,15 @@ the same global batch (so saved views re-filled by the re-gather are checked to 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import traceback
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import zerodp
 from dist_worker import rank, world
+from distributed import run_selected, worker_args
 
 SCENARIOS: dict[str, Callable[[], dict]] = {}
 
@@ -335,25 +331,5 @@ def _copy(m: nn.Module) -> nn.Module:
     return copy.deepcopy(m)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--stages", default="3")  # accepted for the launcher; everything here is stage 3
-    ap.add_argument("--scenarios", default="all")
-    args = ap.parse_args()
-    zerodp.init_distributed(timeout_s=120)
-    names = list(SCENARIOS) if args.scenarios == "all" else args.scenarios.split(",")
-    results: dict[str, dict] = {}
-    for name in names:
-        try:
-            results[name] = {"ok": True, **SCENARIOS[name]()}
-        except Exception:  # recorded and asserted on by pytest
-            results[name] = {"ok": False, "error": traceback.format_exc()}
-        dist.barrier()
-    with open(os.path.join(args.out, f"rank{rank()}.json"), "w") as f:
-        json.dump(results, f)
-    zerodp.shutdown_distributed()
-
-
 if __name__ == "__main__":
-    main()
+    run_selected(worker_args(), SCENARIOS)

@@ -121,3 +121,40 @@ def test_peer_stuck_inside_backward_times_out_on_every_rank() -> None:
     assert o0["seconds"] < 30, o0  # 3 s + the 3 s post-mortem wait, not the process group's 20 s
     assert o1["error"] in ("CollectiveTimeoutError", "RankLostError"), o1
     assert "rank 1 was in backward(reduce(bucket 0.0" in o1["message"], o1["message"]
+
+
+def test_tensor_walk_finds_tensors_in_every_container():
+    """zerodp.runtime.tensor_walk (shared by the stage-3 hooks and the backward roots): tensors in
+    tuples, lists, namedtuples, dicts, dataclasses and Hugging Face ModelOutput, nested, in order;
+    other leaves ignored; the predicate filters (requires_grad, grad_fn)."""
+    import collections
+    import dataclasses
+
+    import torch
+
+    from zerodp.runtime.tensor_walk import tensors_in
+
+    ModelOutput = pytest.importorskip("transformers.utils").ModelOutput
+
+    @dataclasses.dataclass
+    class Out(ModelOutput):
+        logits: torch.Tensor = None
+        aux: torch.Tensor = None
+        hidden: tuple = None
+
+    @dataclasses.dataclass
+    class Plain:
+        a: torch.Tensor
+        rest: dict
+        unset: object = dataclasses.field(init=False)  # never assigned: skipped
+
+    Pair = collections.namedtuple("Pair", "x y")
+    w = torch.ones(2, requires_grad=True)
+    t = [w * i for i in range(7)]  # each has a grad_fn
+    leaf, plain = torch.zeros(2, requires_grad=True), torch.zeros(2)
+    obj = (t[0], [t[1], Pair(t[2], "s")], {"k": Plain(t[3], {"m": [t[4], 3, None]})},
+           Out(logits=t[5], hidden=(t[6], plain)), leaf, plain, w, 1.5, "x", None)
+    assert [id(x) for x in tensors_in(obj, lambda x: x.grad_fn is not None)] == [id(x) for x in t]
+    assert [id(x) for x in tensors_in(obj, lambda x: x.requires_grad)] == [id(x) for x in (*t, leaf, w)]
+    assert len(tensors_in(obj, lambda x: True)) == 11
+    assert tensors_in(Out(), lambda x: True) == [] and tensors_in(torch, lambda x: True) == []

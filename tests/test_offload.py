@@ -6,9 +6,6 @@ and the error paths name what is wrong."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,25 +15,23 @@ from torch import nn
 import zerodp
 from zerodp.offload.aio import AsyncIO, SwapFile, aligned_buffer
 from zerodp.offload.config import AioConfig
-from zerodp.offload.nvme import OffloadError
 
-from distributed import run_worker
+from distributed import run_offload_worker
+from swap_checks import assert_nvme_path_errors, assert_swap_removed_after_exception, full_disk_error
 
 WORKER = Path(__file__).with_name("offload_worker.py")
 
 # (world size, stages, scenarios): every scenario at every stage somewhere, each world size once.
 PLAN = [
     (1, "1,2,3", "bf16,fp16_overflow,edit_bf16"),
-    (2, "1,2", "fp32,adam_no_overlap,edit"),
-    (3, "3", "fp32,accum_clip,bf16_accum"),
+    (2, "1,2", "fp32,adam_no_overlap,edit,edit_frozen"),
+    (3, "3", "fp32,accum_clip,bf16_accum,edit_frozen"),
 ]
 
 
 @pytest.mark.parametrize("world,stages,scenarios", PLAN)
 def test_offload_equals_non_offloaded(world, stages, scenarios):
-    with tempfile.TemporaryDirectory() as nvme, tempfile.TemporaryDirectory() as ckpt:
-        results = run_worker(world, stages, scenarios, worker=WORKER, extra_args=["--nvme", nvme, "--ckpt", ckpt])
-        leftover = os.listdir(nvme)
+    results, leftover = run_offload_worker(world, stages, scenarios, WORKER)
     compared = 0
     for r, res in enumerate(results):
         errors = res.pop("errors")
@@ -65,6 +60,12 @@ def test_offload_equals_non_offloaded(world, stages, scenarios):
                 assert out["ref_maxdiff"] < 1e-5, (key, out["ref_maxdiff"])
             if key.endswith("/edit"):  # in-place edits between steps reach the offloaded masters too
                 assert "ref_maxdiff" in out
+            if key.endswith("/edit_frozen"):  # ... also of parameters without a gradient at that step:
+                # the state dict, safe_get_full_fp32_param and a checkpoint right after it are the
+                # non-offloaded engine's, bitwise
+                assert "ref_maxdiff" in out
+                assert out["frozen"] == {w: {"cpu": True, "nvme": True} for w in ("after", "accessor", "loaded")}, \
+                    (key, out["frozen"])
             if "ckpt" in out:
                 assert out["ckpt"] == {"nvme->none": True, "none->nvme": True, "cpu->nvme": True}, out["ckpt"]
             compared += 1
@@ -80,30 +81,12 @@ def _engine(nvme: str, **offload) -> zerodp.Engine:
 
 
 def test_missing_and_unwritable_path(tmp_path):
-    with pytest.raises(OffloadError, match=f"nvme_path '{tmp_path}/nope' does not exist"):
-        _engine(str(tmp_path / "nope"))
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
-    if os.access(ro, os.W_OK):  # root ignores permission bits: use a regular file as a non-directory
-        (tmp_path / "file").write_text("x")
-        with pytest.raises(OffloadError, match="is not a directory"):
-            _engine(str(tmp_path / "file"))
-    else:
-        with pytest.raises(OffloadError, match="is not writable"):
-            _engine(str(ro))
+    assert_nvme_path_errors(_engine, tmp_path, "offload_optimizer.nvme_path")
 
 
 def test_full_disk_names_bytes(tmp_path, monkeypatch):
-    import shutil as sh
-
-    real = sh.disk_usage
-    monkeypatch.setattr("zerodp.offload.nvme.shutil.disk_usage",
-                        lambda p: real(p)._replace(free=1000))
-    with pytest.raises(OffloadError) as err:
-        _engine(str(tmp_path))
-    msg = str(err.value)
-    assert str(tmp_path) in msg and "needs" in msg and "1,000 bytes are free" in msg
+    msg = full_disk_error(_engine, tmp_path, monkeypatch, "zerodp.offload.nvme")
+    assert "needs" in msg
     assert list(tmp_path.iterdir()) == []
 
 
@@ -113,16 +96,8 @@ def test_swap_files_removed_on_close_and_on_exception(tmp_path):
     assert os.path.getsize(swap) > 0
     engine.close()
     assert list(tmp_path.iterdir()) == []
-    script = (f"import torch, zerodp\nfrom torch import nn\n"
-              f"e = zerodp.initialize(nn.Linear(8, 8), {{'zero_optimization': {{'stage': 1, "
-              f"'offload_optimizer': {{'device': 'nvme', 'nvme_path': {str(tmp_path)!r}}}}}}})\n"
-              f"e.backward(e(torch.ones(2, 8)).sum()); e.step()\n"
-              f"assert len(list(__import__('pathlib').Path({str(tmp_path)!r}).rglob('*.swp'))) == 1\n"
-              f"raise RuntimeError('boom')\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert "boom" in proc.stderr and proc.returncode != 0, proc.stderr[-2000:]
-    assert list(tmp_path.iterdir()) == []
+    assert_swap_removed_after_exception(
+        {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}, tmp_path, "*.swp")
 
 
 def test_aio_round_trip(tmp_path):
@@ -207,12 +182,17 @@ def test_gradients_stream_to_host_during_backward(device, tmp_path, monkeypatch)
     off.close()
 
 
+@pytest.mark.parametrize("through", ["param", "data"])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_edit_of_parameter_without_gradient_reaches_offloaded_master(device, tmp_path):
-    """``w.mul_(0.5)`` on a parameter that gets no gradient at the next step is still folded into its
-    offloaded master (NVMe: found by its version counter, read, folded, written back), so the fp32
-    master (what module_state_dict returns under bf16) is the edited one, as without offload; the
-    swap report is produced."""
+def test_edit_of_parameter_without_gradient_reaches_offloaded_master(device, through, tmp_path):
+    """``w.mul_(0.5)`` (or ``w.data.mul_(0.5)``, which moves no version counter) on a parameter that
+    gets no gradient at the next steps is still folded into its offloaded master at the next step
+    (NVMe: the masters of the sub-groups the step does not update are read, compared, written back),
+    so the fp32 master (what module_state_dict and safe_get_full_fp32_param return under bf16) is the
+    edited one, as without offload; the optimizer state accessor reads the swap file too; the swap
+    report is produced."""
+    from zerodp.accessors import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
     class TwoHeads(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -238,14 +218,17 @@ def test_edit_of_parameter_without_gradient_reaches_offloaded_master(device, tmp
             e.backward(e(x.bfloat16(), head).float().square().mean())
             e.step()
             if head == "head_a":
-                with torch.no_grad():
-                    e.module.head_a.weight.mul_(0.5)  # head_a gets no gradient at the next steps
+                with torch.no_grad():  # head_a gets no gradient at the next steps
+                    (e.module.head_a.weight if through == "param" else e.module.head_a.weight.data).mul_(0.5)
         states.append(e.module_state_dict())
     compared = 0
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
         compared += 1
     assert compared == 6
+    for a, b in zip(engines[0].module.parameters(), engines[1].module.parameters()):
+        assert torch.equal(safe_get_full_fp32_param(a), safe_get_full_fp32_param(b))
+        assert torch.equal(safe_get_full_optimizer_state(a, "exp_avg"), safe_get_full_optimizer_state(b, "exp_avg"))
     if device == "nvme":
         from zerodp.app import bench_offload
 

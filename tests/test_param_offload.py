@@ -7,9 +7,6 @@ hold no memory, and the error paths name the path."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,8 @@ from torch import nn
 import zerodp
 from zerodp.offload.nvme import OffloadError
 
-from distributed import run_worker
+from distributed import run_offload_worker
+from swap_checks import assert_nvme_path_errors, assert_swap_removed_after_exception, full_disk_error
 
 WORKER = Path(__file__).with_name("param_offload_worker.py")
 
@@ -37,9 +35,7 @@ EQUALITY = {"tied", "reused", "external", "skipped", "frozen", "edit", "init_equ
 
 @pytest.mark.parametrize("world,scenarios", PLAN)
 def test_param_offload_equals_stage3(world, scenarios):
-    with tempfile.TemporaryDirectory() as nvme, tempfile.TemporaryDirectory() as ckpt:
-        results = run_worker(world, "3", scenarios, worker=WORKER, extra_args=["--nvme", nvme, "--ckpt", ckpt])
-        leftover = os.listdir(nvme)
+    results, leftover = run_offload_worker(world, "3", scenarios, WORKER)
     compared = 0
     for r, res in enumerate(results):
         for key, out in res.items():
@@ -85,29 +81,11 @@ def _step(engine: zerodp.Engine) -> None:
 
 
 def test_missing_and_unwritable_path(tmp_path):
-    with pytest.raises(OffloadError, match=f"offload_param.nvme_path '{tmp_path}/nope' does not exist"):
-        _engine(str(tmp_path / "nope"))
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
-    if os.access(ro, os.W_OK):  # root ignores permission bits: use a regular file as a non-directory
-        (tmp_path / "file").write_text("x")
-        with pytest.raises(OffloadError, match=f"offload_param.nvme_path '{tmp_path}/file' .*not a directory"):
-            _engine(str(tmp_path / "file"))
-    else:
-        with pytest.raises(OffloadError, match="is not writable"):
-            _engine(str(ro))
+    assert_nvme_path_errors(_engine, tmp_path, "offload_param.nvme_path")
 
 
 def test_full_disk_names_bytes(tmp_path, monkeypatch):
-    import shutil as sh
-
-    real = sh.disk_usage
-    monkeypatch.setattr("zerodp.offload.param_swap.shutil.disk_usage", lambda p: real(p)._replace(free=1000))
-    with pytest.raises(OffloadError) as err:
-        _engine(str(tmp_path))
-    msg = str(err.value)
-    assert str(tmp_path) in msg and "params.swp" in msg and "1,000 bytes are free" in msg
+    assert "params.swp" in full_disk_error(_engine, tmp_path, monkeypatch, "zerodp.offload.param_swap")
 
 
 def test_shards_freed_between_uses_and_deleted_swap_file(tmp_path):
@@ -132,17 +110,9 @@ def test_shards_freed_between_uses_and_deleted_swap_file(tmp_path):
 
 
 def test_swap_files_removed_on_exception(tmp_path):
-    script = (f"import torch, zerodp\nfrom torch import nn\n"
-              f"e = zerodp.initialize(nn.Linear(8, 8), {{'zero_optimization': {{'stage': 3, "
-              f"'stage3_param_persistence_threshold': 4, "
-              f"'offload_param': {{'device': 'nvme', 'nvme_path': {str(tmp_path)!r}}}}}}})\n"
-              f"e.backward(e(torch.ones(2, 8)).sum()); e.step()\n"
-              f"assert len(list(__import__('pathlib').Path({str(tmp_path)!r}).rglob('params.swp'))) == 1\n"
-              f"raise RuntimeError('boom')\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert "boom" in proc.stderr and proc.returncode != 0, proc.stderr[-2000:]
-    assert list(tmp_path.iterdir()) == []
+    assert_swap_removed_after_exception(
+        {"stage": 3, "stage3_param_persistence_threshold": 4,
+         "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}, tmp_path, "params.swp")
 
 
 def test_offload_param_config():

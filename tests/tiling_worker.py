@@ -14,14 +14,12 @@ Scenarios (stage 3 only):
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import zerodp
-from distributed import run_scenarios
+from distributed import run_selected, worker_args
 from heap_probe import HeapPeak
 from zerodp.zero import TiledLinear
 
@@ -174,16 +172,5 @@ SCENARIOS = {"train": train, "train_offload": lambda: train(offload=True),
              "init_build": init_build, "init_copy": init_copy}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--stages", default="3")
-    ap.add_argument("--scenarios", default="all")
-    args = ap.parse_args()
-    zerodp.init_distributed(timeout_s=120)
-    names = list(SCENARIOS) if args.scenarios == "all" else args.scenarios.split(",")
-    run_scenarios(args.out, [(n, SCENARIOS[n]) for n in names])
-
-
 if __name__ == "__main__":
-    main()
+    run_selected(worker_args(), SCENARIOS)

@@ -16,8 +16,9 @@ by ``gradient_accumulation_steps`` as ``engine.backward`` does, unscaled (fp16),
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,7 @@ class AccessedEngine(Protocol):
     grads_ready: bool
     reducer: object
     loss_scaler: object
+    offload: Optional[Any]  # zerodp.offload.build.OptimizerOffload
 
     @property
     def loss_scale(self) -> float: ...
@@ -78,6 +80,17 @@ def _locate(param: nn.Parameter) -> tuple[AccessedEngine, Optional[FlatGroup], O
         raise ValueError(f"this parameter (shape {tuple(param.shape)}) does not belong to a module passed "
                          "to zerodp.initialize")
     return engine, entry[2], entry[3]
+
+
+@contextlib.contextmanager
+def _resident(engine: AccessedEngine, g: FlatGroup, write: bool = False) -> Iterator[None]:
+    """For one call: this rank's shard of ``g`` (``offload_param``) and the offloaded masters and
+    optimizer states (``offload_optimizer`` nvme: the whole swap file is read into host memory and
+    written back, 12 bytes per owned element; a no-op for cpu) as ordinary tensors."""
+    offload = getattr(engine, "offload", None)
+    with (offload.resident(engine.optimizer) if offload is not None else contextlib.nullcontext()), \
+            engine.shards_resident([g], write=write):
+        yield
 
 
 def _pieces(g: FlatGroup, s: ParamSlot) -> list[Piece]:
@@ -169,7 +182,7 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor:
         _copy_pieces(s, _pieces(g, s), full, lambda pc: pc.master)
         return True
 
-    with engine.shards_resident([g]):  # offload_param: this rank's shard, read back for the call
+    with _resident(engine, g):  # offload_param: this rank's shard, read back for the call; NVMe masters
         out = _assemble(engine, s, fill)
     assert out is not None
     return out
@@ -197,7 +210,8 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
         return _copy_pieces(s, _pieces(g, s), full,
                             lambda pc: state.get(pc.opt_tensor, {}).get(optim_state_key))
 
-    return _assemble(engine, s, fill)
+    with _resident(engine, g):
+        return _assemble(engine, s, fill)
 
 
 def _check_value(s: ParamSlot, value: torch.Tensor, what: str) -> torch.Tensor:
@@ -221,7 +235,7 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
         param.data.copy_(value.detach().to(param.dtype))
         return
     flat = _check_value(s, value, "safe_set_full_fp32_param")
-    with engine.shards_resident([g], write=True):
+    with _resident(engine, g, write=True):
         _set_fp32(engine, g, s, param, flat)
 
 
@@ -255,7 +269,8 @@ def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, opti
         raise ValueError("safe_set_full_optimizer_state: the parameter has no optimizer state yet (it is "
                          "created by the first optimizer step; untrained parameters have none)")
     flat = _check_value(s, value, "safe_set_full_optimizer_state")
-    for pc in _pieces(g, s):
-        st = engine.optimizer.state.get(pc.opt_tensor, {})
-        if optim_state_key in st:
-            st[optim_state_key].copy_(flat[pc.lo - s.offset : pc.hi - s.offset])
+    with _resident(engine, g):
+        for pc in _pieces(g, s):
+            st = engine.optimizer.state.get(pc.opt_tensor, {})
+            if optim_state_key in st:
+                st[optim_state_key].copy_(flat[pc.lo - s.offset : pc.hi - s.offset])

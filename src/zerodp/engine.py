@@ -303,6 +303,8 @@ class Engine:
         local_overflow = self.loss_scaler is not None and self._has_inf_or_nan()
         present, overflow = self.reducer.presence(local_overflow)
         if overflow:  # every rank skips: parameters and optimizer states stay exactly as they were
+            if self.offload is not None:
+                self.offload.skipped_step()  # edits still reach the masters (NVMe folds them at the step)
             self.reducer.zero_grads()
             self.loss_scaler.update(overflow=True)
             self.skipped_steps += 1

@@ -64,8 +64,9 @@ class HostOptimizerOffload:
     Lifecycle, driven by the engine: :meth:`attach` once after the pieces are assigned; per step
     :meth:`begin_grads` before the boundary backward, :meth:`stream_grad` for each piece of a bucket
     whose reduction completed, then :meth:`check_health` (collective; nothing to check for host
-    memory), :meth:`fold_edits`, :meth:`stage_grad` for each piece that has a gradient,
-    :meth:`grads` (unscaling, clipping), :meth:`step`, :meth:`finish_step`.
+    memory), :meth:`fold_edits`, then either :meth:`skipped_step` (fp16 overflow) or
+    :meth:`stage_grad` for each piece that has a gradient, :meth:`grads` (unscaling, clipping),
+    :meth:`step`, :meth:`finish_step`.
     """
 
     device = "cpu"
@@ -112,6 +113,9 @@ class HostOptimizerOffload:
         (the rule :meth:`zerodp.runtime.guards.TrainingGuards.before_update` applies without offload)."""
         for piece in self.pieces:
             fold_edit(piece.tensor, piece.master)
+
+    def skipped_step(self) -> None:
+        """The update was skipped (fp16 overflow); :meth:`fold_edits` already folded every edit."""
 
     # ---- one step ------------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -196,15 +200,17 @@ class HostOptimizerOffload:
         self.copies.close()
 
 
-def fold_edit(tensor: torch.Tensor, master: torch.Tensor) -> None:
+def fold_edit(tensor: torch.Tensor, master: torch.Tensor) -> bool:
     """Copy the elements of ``tensor`` (module dtype) that differ from ``master``'s cast into
-    ``master`` (fp32), in place."""
+    ``master`` (fp32), in place; True if any did."""
     cast = master.to(tensor.dtype)
     if torch.equal(tensor, cast):  # the common case: one pass, no allocation in fp32
-        return
+        return False
     edited = tensor != cast
-    if bool(edited.any()):
-        master[edited] = tensor[edited].to(master.dtype)
+    if not bool(edited.any()):
+        return False
+    master[edited] = tensor[edited].to(master.dtype)
+    return True
 
 
 def _chunks(pieces: list[Piece], present: list[bool]) -> list[set[int]]:

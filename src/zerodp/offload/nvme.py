@@ -126,7 +126,6 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             self.io.write(self.file, buf, sg.offset).wait()
         for p in pieces:
             p.master = torch.empty(0, dtype=torch.float32)
-        self._record_versions()
 
     def _open(self, job: str, needed: int) -> None:
         base = self.cfg.nvme_path
@@ -175,27 +174,44 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                 view.copy_(piece.tensor)
         self.io.write(self.file, buf, sg.offset).wait()
 
-    def _record_versions(self) -> None:
-        """Baseline of the module parameters' version counters (bumped by an in-place edit of the
-        parameter, not by the engine's writes into the flat buffer it views)."""
-        self._versions = [p.slot.param._version for p in self.pieces]
-
     def fold_edits(self) -> None:
-        """Fold in-place edits of module parameters made since the last step into the masters in the
-        swap file. Pieces whose parameter's version counter moved (``w.mul_(0.5)``) are folded here,
-        one read and write of their sub-group each; an edit through ``w.data`` (no version bump) is
-        folded at the step, when the piece's sub-group is in the buffer (:meth:`_update`), if the
-        piece has a gradient that step."""
-        edited = {i for i, p in enumerate(self.pieces) if p.slot.param._version != self._versions[i]}
-        for sg in self.subgroups:
-            if not edited.intersection(sg.pieces):
-                continue
-            buf = self.buffers[0][: sg.nbytes]
-            self.io.read(self.file, buf, sg.offset).wait()
-            for i, view in self._views(sg, buf[: sg.seg].view(torch.float32)):
-                fold_edit(self.pieces[i].tensor, view)
-            self.io.write(self.file, buf, sg.offset).wait()
-        self._record_versions()
+        """Nothing before the update: the masters are in the swap file, so in-place edits of module
+        parameters (``w.mul_(0.5)`` under ``no_grad``, also through ``w.data``, which moves no version
+        counter) are folded during :meth:`step`, with the rule of
+        :meth:`zerodp.runtime.guards.TrainingGuards.before_update`: each sub-group the step updates is
+        compared in its buffer (all its pieces, with or without a gradient, :meth:`_update`); the
+        masters of the other sub-groups are read and compared by :meth:`_fold_masters`; a skipped step
+        folds every sub-group (:meth:`skipped_step`)."""
+
+    def skipped_step(self) -> None:
+        """The update was skipped (fp16 overflow): fold the edits :meth:`step` would have folded."""
+        self._fold_masters(self.subgroups)
+
+    def _fold_masters(self, subgroups: list[SubGroup]) -> None:
+        """Compare the module's values of ``subgroups``' pieces with their masters and fold edits in.
+        Only the masters segment of a sub-group is read (4 bytes per element; ``buffer_count`` reads in
+        flight) and it is written back only if an element changed."""
+        nbuf = len(self.buffers)
+        reads: dict[int, IOHandle] = {}
+        writes: dict[int, IOHandle] = {}  # buffer slot -> pending write
+
+        def start_read(k: int) -> None:
+            if k % nbuf in writes:
+                writes.pop(k % nbuf).wait()
+            reads[k] = self.io.read(self.file, self.buffers[k % nbuf][: subgroups[k].seg], subgroups[k].offset)
+
+        for k in range(min(nbuf, len(subgroups))):
+            start_read(k)
+        for k, sg in enumerate(subgroups):
+            reads.pop(k).wait()
+            seg = self.buffers[k % nbuf][: sg.seg]
+            changed = [fold_edit(self.pieces[i].tensor, view) for i, view in self._views(sg, seg.view(torch.float32))]
+            if any(changed):
+                writes[k % nbuf] = self.io.write(self.file, seg, sg.offset)
+            if k + nbuf < len(subgroups):
+                start_read(k + nbuf)
+        for h in writes.values():
+            h.wait()
 
     # ---- one step ------------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -212,6 +228,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         t0 = time.perf_counter()
         r0, w0 = self.io.bytes_read, self.io.bytes_written
         todo = [sg for sg in self.subgroups if any(self._present[i] for i in sg.pieces)]
+        self._fold_masters([sg for sg in self.subgroups if not any(self._present[i] for i in sg.pieces)])
         nbuf = len(self.buffers)
         reads: dict[int, IOHandle] = {}
         writes: dict[int, IOHandle] = {}  # buffer slot -> pending write
@@ -260,10 +277,11 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         m = dict(self._views(sg, f32[per: 2 * per]))
         v = dict(self._views(sg, f32[2 * per: 3 * per]))
         for i in sg.pieces:
+            fold_edit(self.pieces[i].tensor, masters[i])  # an in-place edit since the last step (fold_edits)
+        for i in sg.pieces:
             if not self._present[i]:
                 continue
             p = self.pieces[i]
-            fold_edit(p.tensor, masters[i])  # an edit through w.data since the last step (see fold_edits)
             p.master.data = masters[i]
             p.master.grad = self.grad_buffers[i]
             if i not in self.steps:  # fresh state, exactly what torch's lazy initialisation makes
@@ -287,7 +305,6 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self.copies.wait()
         self._present = [False] * len(self.pieces)
         self._streamed = [False] * len(self.pieces)
-        self._record_versions()
 
     # ---- checkpoints and reports ---------------------------------------------------------------
     @contextlib.contextmanager

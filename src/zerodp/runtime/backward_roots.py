@@ -6,9 +6,9 @@ on some ranks only (``loss = ce(logits)`` on rank 0, ``loss = aux.pow(2).mean()`
 outputs of the same forward) makes the ranks' graphs differ, and their collectives no longer pair up.
 
 :class:`OutputRoots` keeps weak references to the tensors that the engine's forwards (grad enabled)
-returned since the last ``engine.backward`` (tensors with a ``grad_fn``, in tuples, lists, dicts and
-dataclasses): an output the script dropped (``aux = engine(x)[1]``) is gone, and the engine never keeps
-a graph alive. At ``backward`` it walks the loss's graph once (:meth:`OutputRoots.plan`); every recorded
+returned since the last ``engine.backward`` (tensors with a ``grad_fn``, found by
+:func:`zerodp.runtime.tensor_walk.tensors_in`): an output the script dropped (``aux = engine(x)[1]``)
+is gone, and the engine never keeps a graph alive. At ``backward`` it walks the loss's graph once (:meth:`OutputRoots.plan`); every recorded
 output still alive that the loss does not reach (a *phantom* output on this rank) becomes an extra
 root of the same ``torch.autograd.backward`` call with a zero gradient (``torch.zeros(()).expand(shape)``:
 no memory). Every rank then runs the backward of
@@ -41,26 +41,13 @@ from typing import Any, Iterable, Protocol
 
 import torch
 
+from zerodp.runtime.tensor_walk import tensors_in
+
 
 class _Presence(Protocol):
     def presence_flags(self) -> torch.Tensor: ...
 
     def restrict_presence(self, before: torch.Tensor, reached: set[int]) -> None: ...
-
-
-def _tensors(obj: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        if obj.grad_fn is not None:
-            out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            _tensors(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _tensors(x, out)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            _tensors(getattr(obj, f.name, None), out)
 
 
 @dataclasses.dataclass
@@ -138,8 +125,7 @@ class OutputRoots:
 
     def record(self, out: Any) -> None:
         """Called with what a forward with grad enabled returned."""
-        found: list[torch.Tensor] = []
-        _tensors(out, found)
+        found = tensors_in(out, lambda t: t.grad_fn is not None)
         self.outputs.extend(weakref.ref(t) for t in found)
 
     def plan(self, loss: torch.Tensor, walk: bool = True) -> BackwardPlan:

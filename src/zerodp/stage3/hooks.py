@@ -12,7 +12,8 @@
   are released by the coordinator at the end of backward.
 
 Inputs and outputs may be tensors, or tuples, lists, dicts and dataclasses of them, or anything else
-(left untouched). Parameters of other modules used directly inside a forward are detected by
+(left untouched; the tensors are found by :func:`zerodp.runtime.tensor_walk.tensors_in`).
+Parameters of other modules used directly inside a forward are detected by
 :class:`ExternalParameterMode` (a ``TorchFunctionMode`` active only inside the engine's forward) and
 gathered from then on with the module that used them. The same mode routes dtype casts of a gathered
 parameter (``weight.float()``, ``weight.to(torch.bfloat16)``) through :class:`_ParamCast`, whose output
@@ -30,6 +31,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from zerodp.runtime.tensor_walk import tensors_in
 from zerodp.stage3.coordinator import ParameterCoordinator
 from zerodp.stage3.sharded_param import METADATA
 from zerodp.stage3.units import ShardState
@@ -49,21 +51,6 @@ class _BackwardHook(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _collect(obj: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad:
-            out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            _collect(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _collect(x, out)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            _collect(getattr(obj, f.name), out)
-
-
 def _replace(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         return mapping.get(id(obj), obj)
@@ -81,8 +68,7 @@ def _replace(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
 
 def _wrap(action: Callable[[nn.Module], None], module: nn.Module, obj: Any) -> Any:
     """Route every tensor in ``obj`` that requires grad through one :class:`_BackwardHook`."""
-    tensors: list[torch.Tensor] = []
-    _collect(obj, tensors)
+    tensors = tensors_in(obj, lambda t: t.requires_grad)
     if not tensors:
         return obj
     unique = list({id(t): t for t in tensors}.values())
