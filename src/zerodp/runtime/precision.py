@@ -119,26 +119,3 @@ class LossScaler:
             return None
         f = cfg.fp16
         return LossScaler(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.min_loss_scale)
-
-
-def cast_module(module: "torch.nn.Module", dtype: torch.dtype) -> None:
-    """``module.to(dtype)`` for floating parameters and buffers, leaving alone stage-3 parameters that
-    are sharded and already of ``dtype`` (built under ``zerodp.zero.Init`` with bf16/fp16: they hold no
-    values, and ``module.to`` would re-bind them, which they refuse). A sharded parameter of another
-    dtype still raises :class:`zerodp.stage3.sharded_param.PartitionedParameterError`."""
-    from zerodp.stage3.sharded_param import is_sharded
-
-    def convert(t: torch.Tensor) -> torch.Tensor:
-        if is_sharded(t) and t.dtype == dtype:
-            return t
-        return t.to(dtype) if t.is_floating_point() else t
-
-    for m in module.modules():
-        for name, p in m._parameters.items():
-            if p is not None and not (is_sharded(p) and p.dtype == dtype):
-                new = convert(p)
-                if new is not p:
-                    p.data = new.data if isinstance(new, torch.nn.Parameter) else new
-        for name, b in m._buffers.items():
-            if b is not None:
-                m._buffers[name] = convert(b)
