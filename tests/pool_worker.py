@@ -105,8 +105,75 @@ def saved_view_follows_its_unit(prefetch: bool) -> dict:
     return out
 
 
+class Deep(nn.Module):
+    """Eight D x D linear layers: eight stage-3 units of equal size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def coalesced_overlap() -> dict:
+    """Default buckets (reduce_bucket_size 5e8, stage3_prefetch_bucket_size 5e7, both above the model):
+    collectives per step after the recording step, how many reduce-scatters started before backward
+    returned, and the parameters against plain torch after 4 steps."""
+    from zerodp.runtime.reducer import GradientReducer
+    torch.manual_seed(0)
+    ref = Deep()
+    model = Deep()
+    model.load_state_dict(ref.state_dict())
+    engine = zerodp.initialize(model, {
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    red, coord = engine.reducer, engine.sharding.coordinator
+    at_return = []
+    original_end = GradientReducer.end_micro_step
+
+    def end_micro_step(self: GradientReducer) -> None:
+        at_return.append(self.reduce_collectives)  # collectives launched while autograd ran
+        original_end(self)
+
+    GradientReducer.end_micro_step = end_micro_step  # type: ignore[method-assign]
+    r, n = rank(), world()
+    out: dict = {}
+    try:
+        for it in range(4):
+            torch.manual_seed(100 + it)
+            x = torch.randn(2 * n, D)
+            ref_opt.zero_grad()
+            for rr in range(n):
+                (ref(x[2 * rr : 2 * rr + 2]).pow(2).mean() / n).backward()
+            ref_opt.step()
+            if it == 1:
+                reduces, gathers, units = red.reduce_collectives, coord.gather_collectives, engine.ledger.records()
+            before = red.reduce_collectives
+            engine.backward(engine(x[2 * r : 2 * r + 2]).pow(2).mean())
+            engine.step()
+            out["launched_during_backward"] = at_return[-1] - before
+    finally:
+        GradientReducer.end_micro_step = original_end  # type: ignore[method-assign]
+    gathered = {(rec.op, rec.purpose): rec.count for rec in engine.ledger.records()}
+    gathered_before = {(rec.op, rec.purpose): rec.count for rec in units}
+    steps = 3  # iterations 1-3, after the recording one
+    out["reduce_collectives_per_step"] = (red.reduce_collectives - reduces) / steps
+    out["gather_collectives_per_step"] = (coord.gather_collectives - gathers) / steps
+    out["units_gathered_per_step"] = (gathered[("all_gather", "parameters")]
+                                      - gathered_before.get(("all_gather", "parameters"), 0)) / steps
+    out["units"] = len([u for u in engine.sharding.units if not u.persistent])
+    sd = engine.module_state_dict()
+    out["max_abs_diff"] = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return out
+
+
 SCENARIOS = {"prefetch": lambda: saved_view_follows_its_unit(True),
-             "no_prefetch": lambda: saved_view_follows_its_unit(False)}
+             "no_prefetch": lambda: saved_view_follows_its_unit(False),
+             "coalesced_overlap": coalesced_overlap}
 
 
 if __name__ == "__main__":

@@ -80,3 +80,22 @@ def test_mmap_threshold_override_is_checked(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("ZERODP_STAGE3_MMAP_THRESHOLD", str(64 * 2**20))
     with pytest.raises(ValueError, match="32 MiB"):
         pin_mmap_threshold()
+
+
+def test_stage3_collectives_are_coalesced_and_reduce_scatters_overlap_backward(results: list[dict]) -> None:
+    """Default buckets (larger than the model): gradients go in a few coalesced reduce-scatters that
+    start while autograd still runs, and the prefetch gathers several units per all-gather, with
+    parameters bitwise equal to plain torch (zerodp.stage3.sharding.reduce_flush_elements,
+    [Note: coalesced prefetch] in zerodp.stage3.coordinator)."""
+    for res in results:
+        row = res["coalesced_overlap"]
+        assert row["ok"], row.get("error")
+        assert row["max_abs_diff"] == 0.0
+        units = row["units"]
+        # not one reduce-scatter at the end (reduce_bucket_size 5e8), nor one per unit
+        assert 1 < row["reduce_collectives_per_step"] <= units // 2, row
+        # launched before backward returned: every group (the last one fills with the last gradient)
+        assert row["launched_during_backward"] == row["reduce_collectives_per_step"], row
+        # each unit gathered for forward and for backward, in collectives of several units
+        assert row["units_gathered_per_step"] == 2 * units, row
+        assert row["gather_collectives_per_step"] <= row["units_gathered_per_step"] / 2, row

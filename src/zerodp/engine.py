@@ -124,8 +124,8 @@ class Engine:
                 accumulate_dtype=(torch.float32 if self.precision.has_master
                                   and config.gradient_accumulation_steps > 1 else None),
                 staging_pool=self.sharding.pool if self.sharding is not None else None,
-                # stage 3 has one bucket per unit: reduce-scatter units together up to reduce_bucket_size
-                coalesce_elements=zc.reduce_bucket_size if self.sharding is not None else 0)
+                # stage 3 has one bucket per unit: reduce-scatter units in a few coalesced groups
+                coalesce_elements=self.sharding.reduce_flush_elements if self.sharding is not None else 0)
         self.reducer.attach()
         self._bucket_pieces: dict[int, list] = {}  # id(bucket) -> this rank's pieces in it
         for g in self.groups:

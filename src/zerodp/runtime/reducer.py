@@ -32,6 +32,7 @@ already-reduced bucket raises instead of being lost.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Callable, Optional, Protocol
 
@@ -44,7 +45,8 @@ from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.coalesce import coalesced, runs_of_same_kind
 from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot
 
-#: stage-2 buckets whose reduce-scatter may be in flight at once (the rest wait): bounds memory.
+#: collectives (one bucket, or one coalesced group of stage-3 buckets) that may be in flight at once
+#: while backward goes on (launching another first waits for the oldest): bounds staging memory.
 MAX_BUCKETS_IN_FLIGHT = 2
 
 #: raised (RuntimeError) when a gradient arrives outside ``engine.backward(loss)``.
@@ -99,7 +101,9 @@ class GradientReducer:
         self._calibrated = False
         self._reducing = False
         self._in_backward = False  # between begin_micro_step and end_micro_step
-        self._in_flight: deque[tuple[Bucket, FlatGroup, Work, object]] = deque()
+        # one entry per collective: its Work and the (bucket, group, payload) of every bucket it reduces
+        self._in_flight: deque[tuple[Work, list[tuple[Bucket, FlatGroup, object]]]] = deque()
+        self.wait_seconds = 0.0  # time the training thread blocked in this reducer's waits (perf_counter)
         self.peak_grad_bytes = 0
         self._handles: list[RemovableHandle] = []
         #: called as ``on_reduced(group, bucket)`` right after a bucket's collective completed and its
@@ -235,18 +239,22 @@ class GradientReducer:
                 self.launch_check(g.index, b.index)
             self._launch(g, b)
 
-    def _track(self, g: FlatGroup, b: Bucket, work: Work, payload: object) -> None:
-        self._in_flight.append((b, g, work, payload))
+    def _track(self, work: Work, entries: list[tuple[Bucket, FlatGroup, object]]) -> None:
+        """Hold ``work`` (one collective reducing the buckets of ``entries``) until it is drained."""
+        self._in_flight.append((work, entries))
         self._note_peak()
         self._drain(MAX_BUCKETS_IN_FLIGHT if self.overlap else 0)
 
     def _drain(self, keep: int) -> None:
         while len(self._in_flight) > keep:
-            b, g, work, payload = self._in_flight.popleft()
+            work, entries = self._in_flight.popleft()
+            t0 = time.perf_counter()
             work.wait()
-            self._complete(g, b, payload)
-            if self.on_reduced is not None:
-                self.on_reduced(g, b)
+            self.wait_seconds += time.perf_counter() - t0
+            for b, g, payload in entries:
+                self._complete(g, b, payload)
+                if self.on_reduced is not None:
+                    self.on_reduced(g, b)
 
     def _note_peak(self) -> None:
         self.peak_grad_bytes = max(self.peak_grad_bytes, sum(self.held_bytes().values()))
@@ -317,7 +325,7 @@ class AllReduceReducer(_FullGradBuffer):
         grad = self._bucket_grad(g, b)
         grad.div_(self.world_size)
         work = comm.all_reduce(grad, self.pg, self.ledger, self.collective_purpose, async_op=True)
-        self._track(g, b, work, None)
+        self._track(work, [(b, g, None)])
 
     def held_bytes(self) -> dict[str, int]:
         return {"gradients": sum(t.numel() * t.element_size() for t in self.grad_buffers.values()),
@@ -351,7 +359,7 @@ class FullGradReduceScatter(_FullGradBuffer):
         grad.div_(self.world_size)
         recv = torch.empty(b.shard_numel, dtype=grad.dtype, device=grad.device)
         work = comm.reduce_scatter(recv, grad, self.pg, self.ledger, self.collective_purpose, async_op=True)
-        self._track(g, b, work, recv)
+        self._track(work, [(b, g, recv)])
 
     def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
         lo, hi = b.shard_range(self.rank)
@@ -368,7 +376,7 @@ class FullGradReduceScatter(_FullGradBuffer):
         self._carry.clear()
 
     def held_bytes(self) -> dict[str, int]:
-        recv = sum(p.numel() * p.element_size() for _, _, _, p in self._in_flight)
+        recv = sum(p.numel() * p.element_size() for _, entries in self._in_flight for _, _, p in entries)
         return {"gradients": sum(t.numel() * t.element_size() for t in self.grad_buffers.values()),
                 "comm_buffers": recv}
 
@@ -456,8 +464,7 @@ class PartitionedGradReducer(GradientReducer):
                                                              self.collective_purpose, async_op=True)
                 for _, _, buf, out, _ in run])
             self.reduce_collectives += 1
-            for g, b, buf, _, recv in run:
-                self._track(g, b, work, (buf, recv))
+            self._track(work, [(b, g, (buf, recv)) for g, b, buf, _, recv in run])
 
     def _prepare(self, g: FlatGroup, b: Bucket) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(staging buffer divided by N, reduce-scatter output, separate receive buffer or None)."""
@@ -507,5 +514,5 @@ class PartitionedGradReducer(GradientReducer):
         owned = sum(t.numel() * t.element_size() for t in self.owned.values())
         staging = sum(t.numel() * t.element_size() for t in self._staging.values())
         flight = sum(buf.numel() * buf.element_size() + (recv.numel() * recv.element_size() if recv is not None else 0)
-                     for _, _, _, (buf, recv) in self._in_flight)
+                     for _, entries in self._in_flight for _, _, (buf, recv) in entries)
         return {"gradients": owned + staging, "comm_buffers": flight}

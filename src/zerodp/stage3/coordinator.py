@@ -35,6 +35,14 @@ from zerodp.runtime.coalesce import coalesced, dtype_device, runs_of_same_kind
 from zerodp.stage3.units import ShardedUnit, ShardState, UnitIndex
 
 
+#: the prefetch of one pass (forward or backward) over the sharded units goes in about this many
+#: coalesced all-gathers (see [Note: coalesced prefetch])
+PREFETCH_GROUPS_PER_PASS = 4
+#: a pending prefetch group is launched at the latest this many modules before its first use, so at
+#: least one module's compute (not a trivial one such as an embedding's backward) hides it
+PREFETCH_LEAD_MODULES = 2
+
+
 class TraceMode(enum.Enum):
     RECORD = "record"
     COMPLETE = "complete"
@@ -56,6 +64,9 @@ class ParameterCoordinator:
         self.prefetch_bucket_size = prefetch_bucket_size
         self.max_live = max_live_parameters
         self.max_reuse_distance = max_reuse_distance
+        units = [u.numel for u in index.units if not u.persistent]
+        #: a prefetch group is launched once it holds this many elements (see [Note: coalesced prefetch])
+        self.min_prefetch_group = max(units + [-(-sum(units) // PREFETCH_GROUPS_PER_PASS)], default=0)
         self.reuse_hits = 0  # releases skipped because the trace uses the unit again soon
         self.mode = TraceMode.RECORD
         self.trace: list[nn.Module] = []
@@ -213,13 +224,30 @@ class ParameterCoordinator:
                 self.mode = TraceMode.INVALID
 
     def _prefetch(self) -> None:
+        """Gather released units of the modules ahead in the trace as one coalesced group.
+
+        [Note: coalesced prefetch] The candidates are the SHARDED units of the next modules in trace
+        order, up to ``stage3_prefetch_bucket_size`` elements and within ``stage3_max_live_parameters``.
+        The group is launched only when it reaches ``min_prefetch_group`` elements (about
+        1 / PREFETCH_GROUPS_PER_PASS of the sharded model), when it cannot grow any more (a bound
+        stopped it), or when one of the next ``PREFETCH_LEAD_MODULES`` modules needs one of its units
+        (the next module's own are then gathered in a collective of their own, so that module waits
+        for them only); otherwise it waits for later fetches, where the units released
+        in between join it. Launching whatever is SHARDED at every fetch would re-gather each unit
+        right after its forward release, one all-gather per unit (22 per step on the bench's small
+        GPT), for a use in backward; one group for all of them, launched just before the first
+        backward use, would leave too little compute to hide it behind (the training thread then
+        waits for it), so groups of about a quarter of the model are launched as they fill."""
         budget = self.prefetch_bucket_size
         live = self.live_elements()
         batch: list[ShardedUnit] = []
-        for module in self.trace[self.cursor : self.cursor + 64]:
+        full = False
+        needed_next = 0  # how many of ``batch`` (its first ones) the next module in the trace uses
+        needed_soon = False  # one of the next PREFETCH_LEAD_MODULES modules uses a unit of ``batch``
+        for i, module in enumerate(self.trace[self.cursor : self.cursor + 64]):
             if budget <= 0:
+                full = True
                 break
-            full = False
             for u in self.index.by_module.get(id(module), ()):
                 if u.state is not ShardState.SHARDED or any(x is u for x in batch):
                     continue
@@ -229,9 +257,17 @@ class ParameterCoordinator:
                 batch.append(u)
                 budget -= u.numel
                 live += u.numel
+                if i == 0:
+                    needed_next += 1
+                needed_soon = needed_soon or i < PREFETCH_LEAD_MODULES
             if full:
                 break
-        self._start_gathers(batch)
+        if not (full or needed_soon or sum(u.numel for u in batch) >= self.min_prefetch_group):
+            return
+        # the next module's units first, in their own collective: its fetch then waits for them only,
+        # while the rest of the group is gathered during that module's compute
+        self._start_gathers(batch[:needed_next])
+        self._start_gathers(batch[needed_next:])
         for u in batch:
             u.prefetched = True
         self.prefetches_issued += len(batch)

@@ -69,7 +69,10 @@ class Stage3:
             self.index.register_external(m, p)
 
         pin_mmap_threshold()  # see [Note: mmap threshold]
-        self.pool = GatherPool(_pool_limit(self.index.units, zc.stage3_max_live_parameters, zc.reduce_bucket_size))
+        #: elements of complete units' gradients held for one coalesced reduce-scatter (the reducer's
+        #: ``coalesce_elements``), see :func:`reduce_flush_elements`
+        self.reduce_flush_elements = reduce_flush_elements(self.index.units, zc.reduce_bucket_size)
+        self.pool = GatherPool(_pool_limit(self.index.units, zc.stage3_max_live_parameters, self.reduce_flush_elements))
         for u in self.index.units:
             if not u.persistent:
                 u.pool = self.pool
@@ -138,15 +141,36 @@ class Stage3:
         return {"shards": shards, "gathered": gathered, "pool_idle": self.pool.free_bytes()}
 
 
-#: buckets of the reducer whose reduce-scatter may be in flight while the next ones fill
+#: collectives of the reducer (coalesced groups) that may be in flight while the next ones fill
 _STAGING_IN_FLIGHT = 2
 
+#: stage 3 splits one backward's gradient reduce-scatters into about this many coalesced groups
+REDUCE_GROUPS_PER_BACKWARD = 4
 
-def _pool_limit(units: list[ShardedUnit], max_live_parameters: int, reduce_bucket_size: int) -> int:
+
+def reduce_flush_elements(units: list[ShardedUnit], reduce_bucket_size: int) -> int:
+    """Elements of complete units' gradients the stage-3 reducer holds before it launches them as one
+    coalesced, asynchronous reduce-scatter: ``min(reduce_bucket_size, max(largest unit, sharded
+    elements / REDUCE_GROUPS_PER_BACKWARD))``.
+
+    ``reduce_bucket_size`` alone (DeepSpeed's default 5e8, larger than most models) would hold every
+    gradient until backward returns, so no reduce-scatter would overlap backward and the training
+    thread would block on all of them at the end. A quarter of the model per group starts the first
+    collective after about a quarter of backward and leaves only the last group (about a quarter of the
+    gradients) to wait for, for four fixed collective costs per step instead of one per unit;
+    ``reduce_bucket_size`` still caps a group's staging memory. Elements, per rank (full units)."""
+    big = [u.numel for u in units if not u.persistent]
+    if not big:
+        return reduce_bucket_size
+    share = -(-sum(big) // REDUCE_GROUPS_PER_BACKWARD)
+    return max(1, min(reduce_bucket_size, max(max(big), share)))
+
+
+def _pool_limit(units: list[ShardedUnit], max_live_parameters: int, reduce_flush: int) -> int:
     """Bytes the gather pool may hold: the coordinator's live window (``stage3_max_live_parameters``)
     plus the largest unit (the module running), and the gradient staging buffers: units held back up
-    to ``reduce_bucket_size`` elements for one coalesced reduce-scatter, plus those in flight, in the
-    widest element size. Slabs returned beyond this are freed (see [Note: gather pool])."""
+    to ``reduce_flush`` elements (:func:`reduce_flush_elements`) for one coalesced reduce-scatter, plus
+    those in flight, in the widest element size. Slabs returned beyond this are freed (see [Note: gather pool])."""
     big = [u for u in units if not u.persistent]
     if not big:
         return 0
@@ -154,5 +178,5 @@ def _pool_limit(units: list[ShardedUnit], max_live_parameters: int, reduce_bucke
     width = max(u.shard.element_size() for u in big)
     total = sum(u.numel for u in big)
     window = min(max_live_parameters, total)
-    staging = min(reduce_bucket_size + largest, total) + _STAGING_IN_FLIGHT * largest
+    staging = min((1 + _STAGING_IN_FLIGHT) * (reduce_flush + largest), total)  # each unit staged once
     return (window + largest + staging) * width
