@@ -17,6 +17,7 @@ Tolerance metric ("err"): max over elements of |a - b| / (ATOL + RTOL |b|); <= 1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -583,18 +584,28 @@ def freeze_midrun(stage: int, ctx: Context) -> dict:
     A fresh engine (all parameters training, as at initialize) loads the checkpoint, freezes them the
     same way and repeats steps 3-5: losses, parameters, fp32 pieces and optimizer state must equal the
     run without the save/load bit for bit, and the run must match plain PyTorch doing the same.
-    Argument ``offload``: ``offload_optimizer.device = "cpu"``."""
+    Argument ``offload``: ``offload_optimizer.device = "cpu"``; ``nvme``: ``"nvme"`` (swap files under
+    the checkpoint directory, sub-groups of 40 elements)."""
     n = world()
-    micro, offload = GLOBAL_ROWS // n, ctx.arg == "offload"
-    d = ctx.ckpt_dir / (f"freeze-w{n}-s{stage}" + ("-offload" if offload else ""))
+    micro = GLOBAL_ROWS // n
+    d = ctx.ckpt_dir / (f"freeze-w{n}-s{stage}" + (f"-{ctx.arg}" if ctx.arg else ""))
 
     def make(seed: int) -> tuple[Zoo, zerodp.Engine]:
         torch.manual_seed(seed)
         model = Zoo()
         cfg = config(stage, micro)
-        if offload:
+        if ctx.arg == "offload":
             cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        elif ctx.arg == "nvme":
+            swap = ctx.ckpt_dir / "swap"
+            swap.mkdir(exist_ok=True)
+            cfg["zero_optimization"].update(sub_group_size=40, offload_optimizer={"device": "nvme",
+                                                                                  "nvme_path": str(swap)})
         return model, zerodp.initialize(model, cfg, model_parameters=zoo_groups(model))
+
+    def resident(e: zerodp.Engine) -> contextlib.AbstractContextManager:
+        """NVMe: masters and optimizer states read into memory for the block (piece_states reads them)."""
+        return e.offload.resident(e.optimizer) if ctx.arg == "nvme" else contextlib.nullcontext()
 
     def set_frozen(m: Zoo, frozen: bool) -> None:
         for p in midrun_frozen(m):
@@ -626,7 +637,9 @@ def freeze_midrun(stage: int, ctx: Context) -> dict:
         return out
 
     losses += rest(model, engine, ref)
-    final, states, values = engine.module_state_dict(), piece_states(engine), piece_values(engine)
+    final = engine.module_state_dict()
+    with resident(engine):
+        states, values = piece_states(engine), piece_values(engine)
     ref_err = max([err(a, b) for a, b in zip(losses, ref_losses)]
                   + [err(a, b) for a, b in zip(full_params(model), ref.parameters())])
 
@@ -635,12 +648,15 @@ def freeze_midrun(stage: int, ctx: Context) -> dict:
     loaded_equal = same_state_dict(load_full_state_dict(d), engine2.module_state_dict())
     set_frozen(model2, True)  # the loop's freeze schedule, re-applied after the load
     losses2 = rest(model2, engine2)
-    states2 = piece_states(engine2)
+    with resident(engine2):
+        states2, values2 = piece_states(engine2), piece_values(engine2)
+    params_equal = same_state_dict(final, engine2.module_state_dict())
+    engine.close()
+    engine2.close()
     return {
         "records": records, "ref_err": ref_err, "loaded_equal": loaded_equal,
         "losses_equal": all(torch.equal(a, b) for a, b in zip(losses[3:], losses2)),
-        "params_equal": same_state_dict(final, engine2.module_state_dict()),
-        "pieces_equal": same_piece_values(values, piece_values(engine2)),
+        "params_equal": params_equal, "pieces_equal": same_piece_values(values, values2),
         "states_equal": [s[:3] for s in states] == [s[:3] for s in states2] and all(
             a[3].keys() == b[3].keys() and all(torch.equal(a[3][k], b[3][k]) for k in a[3])
             for a, b in zip(states, states2)),

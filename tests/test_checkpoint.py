@@ -196,8 +196,9 @@ def test_crash_between_rank_writes(launches: dict) -> None:
         assert res["listing_final"] == ["global_step2", "global_step4", "latest"]
 
 
-#: stages of the mid-run freeze round trip, and the offloaded ones (offload_optimizer needs stage >= 1)
-FREEZE_CASES = [(s, "") for s in (0, 1, 2, 3)] + [(s, "offload") for s in (1, 2, 3)]
+#: stages of the mid-run freeze round trip, and the offloaded ones (offload_optimizer needs stage >= 1;
+#: "offload": device cpu, "nvme": device nvme)
+FREEZE_CASES = [(s, "") for s in (0, 1, 2, 3)] + [(s, "offload") for s in (1, 2, 3)] + [(s, "nvme") for s in (2, 3)]
 
 
 @pytest.fixture(scope="module")
