@@ -64,11 +64,13 @@ def config(stage: int, scenario: str, device: str, nvme: str) -> dict:
         cfg["aio"] = {"block_size": 4096, "queue_depth": 2, "thread_count": 2}
     if scenario in ("bf16", "bf16_accum", "edit_bf16"):
         cfg["bf16"] = {"enabled": True}
-    if scenario in ("accum_clip", "bf16_accum"):
+    if scenario in ("accum_clip", "bf16_accum", "fp16_accum_clip"):
         cfg["gradient_accumulation_steps"] = 2
         cfg["gradient_clipping"] = 0.05
     if scenario == "fp16_overflow":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 18, "hysteresis": 1}
+    if scenario == "fp16_accum_clip":  # loss scaling (no overflow at 2**8) and clipping, deferred together
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if scenario == "adam_no_overlap":
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.01}}
         if device != "none":
@@ -179,7 +181,9 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
             rep = engine.offload_report()
             reports[device] = {"host": rep.host, "nvme": rep.nvme, "formula": rep.formula,
                                "memory": engine.memory_report().measured,
-                               "skipped": engine.skipped_steps}
+                               "skipped": engine.skipped_steps, "norm": engine.get_global_grad_norm(),
+                               "max_grad_buffer": max(t.numel() for t in engine.offload.grad_buffers),
+                               "owned": sum(p.hi - p.lo for g in engine.groups for p in g.pieces)}
             if device == "nvme":
                 reports[device]["swap"] = [engine.offload.stats.bytes_read, engine.offload.stats.bytes_written]
                 reports[device]["subgroups"] = len(engine.offload.subgroups)

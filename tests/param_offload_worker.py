@@ -171,6 +171,65 @@ def optimizer_combos() -> dict:
     return {"equal": out}
 
 
+def mixed_nvme_step() -> dict:
+    """offload_param nvme + offload_optimizer nvme, bf16 and fp16 (loss scaling), 2 micro-steps per step,
+    clipping active: losses and final fp32 masters equal plain stage 3 bitwise. Also, from live storage:
+    the NVMe optimizer offload holds no fp32 gradient copy per piece (CPU gradients are held once), and
+    the parameter shards resident during each sub-group's update (summed storage sizes, read in
+    ``_update``) stay within the shards of two consecutive sub-groups plus the read-ahead budget."""
+    out: dict = {}
+    n, r = dist.get_world_size(), dist.get_rank()
+    for prec in ("bf16", "fp16"):
+        runs, facts = {}, {}
+        for dev in ("none", "nvme"):
+            torch.manual_seed(7)
+            layers: list[nn.Module] = []
+            for _ in range(5):
+                layers += [nn.Linear(48, 48), nn.Tanh()]
+            model = nn.Sequential(*layers)
+            cfg = config(dev, dev)
+            cfg.update({prec: {"enabled": True, **({"initial_scale_power": 8} if prec == "fp16" else {})},
+                        "gradient_accumulation_steps": 2, "gradient_clipping": 0.05})
+            if dev == "nvme":
+                cfg["zero_optimization"]["sub_group_size"] = 1000  # rank 1: a unit spans two sub-groups
+                cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 4096
+            engine = zerodp.initialize(model, cfg)
+            peaks: list[int] = []
+            if dev == "nvme":
+                off, sw = engine.offload, engine.param_offload.swapper
+                real = off._update
+                off._update = lambda sg, buf, opt: (peaks.append(sum(s.storage_bytes() for s in sw.shards)),
+                                                   real(sg, buf, opt))[1]
+            losses, norms = [], []
+            for step in range(3):
+                for micro in range(2):
+                    g = torch.Generator().manual_seed(100 * step + micro)
+                    x, y = torch.randn(MICRO * n, 48, generator=g), torch.randn(MICRO * n, 48, generator=g)
+                    sl = slice(r * MICRO, (r + 1) * MICRO)
+                    loss = nn.functional.mse_loss(engine(x[sl].to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[prec]))).float(), y[sl])
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(loss.item())
+                norms.append(engine.get_global_grad_norm())
+            runs[dev] = (losses, engine.module_state_dict())
+            if dev == "nvme":
+                home = {id(u.group): u.home.nbytes for u in engine.param_offload.units}
+                need = [{id(off._group_of[i]) for i in sg.pieces} for sg in off.subgroups]
+                pairs = [need[k] | (need[k + 1] if k + 1 < len(need) else set()) for k in range(len(need))]
+                facts = {"peaks": peaks, "total": sum(home.values()), "subgroups": len(need),
+                         "bound": max(sum(home.get(gid, 0) for gid in p) for p in pairs) + 4096,
+                         "spans": any(len(a & b) for a, b in zip(need, need[1:])),
+                         "grad_buffer_max": max(t.numel() for t in off.grad_buffers),
+                         "grad_host": off.host_bytes(engine.optimizer)["gradients"],
+                         "owned": sum(p.hi - p.lo for gr in engine.groups for p in gr.pieces),
+                         "live_after": sum(s.storage_bytes() for s in sw.shards), "norms": norms,
+                         "skipped": engine.skipped_steps}
+            engine.close()
+        out[prec] = {"equal": runs["nvme"][0] == runs["none"][0] and same(runs["nvme"][1], runs["none"][1]),
+                     **facts}
+    return out
+
+
 def checkpoints() -> dict:
     """An nvme-offloaded run's checkpoint loads into a non-offloaded engine (and back): training
     continues bitwise the same."""
@@ -262,7 +321,8 @@ def main() -> None:
     NVME, CKPT = args.nvme, args.ckpt
     scenarios: dict[str, Callable[[], dict]] = {name: (lambda name=name: equality(name)) for name in SPECS}
     scenarios.update(init_equal=lambda: equality("wide", under_init=True), combos=optimizer_combos,
-                     ckpt=checkpoints, prefetch=prefetch_order, init=init_straight_to_nvme)
+                     ckpt=checkpoints, prefetch=prefetch_order, init=init_straight_to_nvme,
+                     mixed=mixed_nvme_step)
     run_selected(args, scenarios)
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerodp
-from dist_worker import held_elements, rank, world
+from dist_worker import rank, world
 from distributed import run_selected, worker_args
 
 SCENARIOS: dict[str, Callable[[], dict]] = {}
@@ -323,88 +323,6 @@ def load_after_initialize() -> dict:
                 row["strict_missing"] = "raised" if "fc2.bias" in str(e) else str(e)
             out[key] = row
     return {"cases": out}
-
-
-# ---- zero.Init with models that initialise after building their submodules -----------------------------
-class HFBlock(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.proj = nn.Linear(4 * d, d)
-
-
-class HFStyle(nn.Module):
-    """HF-style: ``post_init()`` runs ``self.apply(self._init_weights)`` after every child exists."""
-
-    def __init__(self, vocab: int = 40, d: int = 16, layers: int = 2) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d, padding_idx=0)
-        self.h = nn.ModuleList(HFBlock(d) for _ in range(layers))
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.post_init()
-
-    def post_init(self) -> None:
-        self.apply(self._init_weights)
-
-    def _init_weights(self, m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            m.weight.data.normal_(mean=0.0, std=0.02)
-            if m.bias is not None:
-                m.bias.data.zero_()
-        elif isinstance(m, nn.Embedding):
-            m.weight.data.normal_(mean=0.0, std=0.02)
-            m.weight.data[m.padding_idx].zero_()
-        elif isinstance(m, nn.LayerNorm):
-            m.bias.data.zero_()
-            m.weight.data.fill_(1.0)
-
-
-class NanoStyle(nn.Module):
-    """nanoGPT-style: ``self.apply(_init_weights)`` with ``nn.init.*``, then a scaled init by name."""
-
-    def __init__(self, d: int = 16, layers: int = 2) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(HFBlock(d) for _ in range(layers))
-        self.lm = nn.Linear(d, 30)
-        self.apply(self._init_weights)
-        for pn, p in self.named_parameters():
-            if pn.endswith("proj.weight"):
-                torch.nn.init.normal_(p, mean=0.0, std=0.02 / (2 * layers) ** 0.5)
-
-    def _init_weights(self, m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            torch.nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                torch.nn.init.zeros_(m.bias)
-
-
-def init_case(model_fn: Callable[[], nn.Module]) -> dict:
-    cfg = config({"stage": 3, "stage3_param_persistence_threshold": 16,
-                  "stage3_max_live_parameters": 1000})  # small: Init flushes as it goes
-    torch.manual_seed(7)
-    plain = model_fn()
-    expected = {k: v.clone() for k, v in plain.state_dict().items()}
-    torch.manual_seed(7)
-    with zerodp.zero.Init(config=cfg) as init:
-        model = model_fn()
-    held = held_elements(model.parameters())
-    engine = zerodp.initialize(model, cfg)
-    got = engine.module_state_dict()
-    std = {k: v.std().item() for k, v in expected.items() if k.endswith("weight") and v.dim() == 2}
-    return {"compared": len(expected), "identical": sorted(k for k in expected if torch.equal(got[k], expected[k])),
-            "keys": sorted(expected), "weight_std_max": max(std.values()), "touch_gathers": init._touch_gathers,
-            "held_after_init": held, "full_elements": sum(v.numel() for v in expected.values())}
-
-
-@scenario
-def init_hf_post_init() -> dict:
-    return init_case(HFStyle)
-
-
-@scenario
-def init_nanogpt_apply() -> dict:
-    return init_case(NanoStyle)
 
 
 def _copy(m: nn.Module) -> nn.Module:

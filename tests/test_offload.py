@@ -24,7 +24,7 @@ WORKER = Path(__file__).with_name("offload_worker.py")
 
 # (world size, stages, scenarios): every scenario at every stage somewhere, each world size once.
 PLAN = [
-    (1, "1,2,3", "bf16,fp16_overflow,edit_bf16"),
+    (1, "1,2,3", "bf16,fp16_overflow,edit_bf16,fp16_accum_clip"),
     (2, "1,2", "fp32,adam_no_overlap,edit,edit_frozen"),
     (3, "3", "fp32,accum_clip,bf16_accum,edit_frozen"),
 ]
@@ -46,15 +46,22 @@ def test_offload_equals_non_offloaded(world, stages, scenarios):
             assert nv["subgroups"] >= 2 and nv["swap"][0] > 0 and nv["swap"][1] > 0, nv
             for device in ("cpu", "nvme"):
                 rep = out["reports"][device]
-                owned = rep["host"]["gradients"] / 4  # fp32 gradient buffer per owned element
+                owned = rep["owned"]
                 assert rep["formula"]["host"]["gradients"] * 0.5 <= rep["host"]["gradients"] \
                     <= rep["formula"]["host"]["gradients"] * 1.5 + 64
                 if device == "cpu":
+                    assert rep["host"]["gradients"] == 4 * owned  # ZeRO-Offload's fp32 host gradient
                     assert rep["host"]["master_weights"] == 4 * owned
                     assert rep["host"]["optimizer_states"] == 8 * owned
                 else:  # nothing of the optimizer partition resident between steps
                     assert rep["memory"]["optimizer_states"] == 0 and rep["memory"]["master_weights"] == 0
                     assert rep["nvme"]["optimizer_states"] == 2 * rep["nvme"]["master_weights"] >= 4 * owned
+                    # CPU gradients are held once (the reducer's partition): no fp32 copy per piece,
+                    # only a scratch of the largest sub-group (live storage; several sub-groups per rank)
+                    assert rep["max_grad_buffer"] == 0, rep
+                    assert 0 < rep["host"]["gradients"] == rep["formula"]["host"]["gradients"] < 4 * owned, rep
+            if "clip" in key:  # clipping active: the deferred scale factors include coef < 1
+                assert out["reports"]["nvme"]["norm"] > 0.05 and out["reports"]["cpu"]["skipped"] == 0, out
             if key.endswith("fp16_overflow"):
                 assert 0 < out["reports"]["cpu"]["skipped"] < out["steps"], out["reports"]["cpu"]
             if "ref_maxdiff" in out:

@@ -27,7 +27,7 @@ WORKER = Path(__file__).with_name("param_offload_worker.py")
 # order and zero.Init, spread over world sizes 1-3.
 PLAN = [
     (1, "reused,prefetch,init"),
-    (2, "tied,external,edit,ckpt"),
+    (2, "tied,external,edit,ckpt,mixed"),
     (3, "skipped,frozen,combos,init_equal"),
 ]
 EQUALITY = {"tied", "reused", "external", "skipped", "frozen", "edit", "init_equal"}
@@ -52,6 +52,17 @@ def test_param_offload_equals_stage3(world, scenarios):
                     assert nv["multi_chunk"], nv  # shards larger than one buffer are read in chunks
             elif key == "combos":
                 assert out["equal"] == {"cpu": True, "nvme": True}, out
+            elif key == "mixed":
+                for prec, m in out.items():
+                    assert m["equal"], (prec, m)
+                    assert m["skipped"] == 0 and min(m["norms"]) > 0.05, m  # clipping active every step
+                    # gradients held once: no fp32 copy per piece, a scratch of one sub-group
+                    assert m["grad_buffer_max"] == 0 and 0 < m["grad_host"] < 4 * m["owned"], m
+                    # shards resident during the step: about two sub-groups', not all of them
+                    # rank 1 holds each unit's weight tail and its bias: the bias is a sub-group of its own
+                    assert m["subgroups"] >= 4 and m["spans"] == (r == 1), m
+                    assert len(m["peaks"]) == 3 * m["subgroups"] and 0 < max(m["peaks"]) <= m["bound"] < m["total"], m
+                    assert m["live_after"] == 0, m
             elif key == "ckpt":
                 assert out == {"nvme->none": True, "none->nvme": True, "continued": True,
                                "live_shard_bytes": 0}, out

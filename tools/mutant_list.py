@@ -20,6 +20,8 @@ CHECKPOINT_SAVE = "src/zerodp/checkpoint/save.py"
 
 FAULTS = "tests/test_faults.py"
 STAGES = "tests/test_stages.py"
+INIT = "src/zerodp/zero.py"
+INIT_BUILD = "tests/test_init_build.py"
 
 
 @dataclass(frozen=True)
@@ -123,4 +125,13 @@ MUTANTS: list[Mutant] = [
            '                comm.all_gather(u.full, u.shard, self.pg, self.ledger, "parameters")\n',
            "                pass\n",
            [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-3]"]),
+    Mutant("init_touch_in_partition_dtype", INIT,
+           "            self._touch.built_dtype[id(unit)] = built  # touched later: gathered in this dtype\n",
+           "            pass\n",
+           [f"{INIT_BUILD}::test_init_gives_the_same_weights_as_without_it[1-hf-bf16]"]),
+    Mutant("init_partitions_only_on_attachment", INIT,
+           "        self._handles = [register_module_parameter_registration_hook(self._on_parameter),\n"
+           "                         register_module_module_registration_hook(self._on_register)]\n",
+           "        self._handles = [register_module_module_registration_hook(self._on_register)]\n",
+           [f"{INIT_BUILD}::test_init_build_peak_is_one_layer_above_the_shards[2]"]),
 ]

@@ -10,7 +10,8 @@ For each stage, a fresh set of processes builds the model (under ``zerodp.zero.I
 trains ``--steps`` Adam steps on random batches of 8 rows per rank and prints, per rank: peak RSS
 (``getrusage(RUSAGE_SELF).ru_maxrss``) after building, after ``initialize`` and after training, the
 RSS at the end (``/proc/self/statm``), and the gathered parameter bytes alive after the last forward
-(``memory_report()``, read from live storage). Figures are in MB (1e6 bytes).
+(``memory_report()``, read from live storage). Figures are in MB (1e6 bytes); ``build_s`` is the
+wall time of building the model (under ``Init`` with ``--init``), in seconds.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -65,11 +67,13 @@ def worker(args: argparse.Namespace) -> None:
     if args.stage < 0:  # torch DDP + torch Adam, the reference
         ddp_worker(args, build)
         return
+    t0 = time.perf_counter()
     if args.init and args.stage == 3:
         with zerodp.zero.Init(config=cfg):
             model = build()
     else:
         model = build()
+    build_s = time.perf_counter() - t0
     built = peak_mb()
     engine = zerodp.initialize(model, cfg)
     initialized = peak_mb()
@@ -81,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
             gathered_after_forward = engine.sharding.held_bytes()["gathered"]
         engine.backward(loss)
         engine.step()
-    row = {"stage": args.stage, "rank": engine.rank, "peak_built_mb": round(built, 1),
+    row = {"stage": args.stage, "rank": engine.rank, "build_s": round(build_s, 3), "peak_built_mb": round(built, 1),
            "peak_initialized_mb": round(initialized, 1), "peak_trained_mb": round(peak_mb(), 1),
            "rss_end_mb": round(rss_mb(), 1), "gathered_after_forward_mb": round(gathered_after_forward / 1e6, 2)}
     with open(os.path.join(args.out, f"rank{engine.rank}.json"), "w") as f:

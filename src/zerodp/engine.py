@@ -32,10 +32,10 @@ from zerodp.runtime.optim import ParamGroupSpec, build_optimizer
 from zerodp.runtime.module_state import (GatheredCopy, LoadResult, guard_module_load_state_dict,
                                          load_module_state)
 from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
-from zerodp.runtime.precision import LossScaler, PrecisionPolicy
+from zerodp.runtime.precision import LossScaler, PrecisionPolicy, cast_module
 from zerodp.runtime.schedulers import build_scheduler
 from zerodp.offload.build import OptimizerOffload, build_offload, no_offload
-from zerodp.offload.report import OffloadReport, offload_formula
+from zerodp.offload.report import OffloadReport
 from zerodp.offload.param_swap import ParamOffload, build_param_offload
 from zerodp.runtime.guards import TrainingGuards, refuse_add_param_group
 from zerodp import accessors
@@ -75,7 +75,7 @@ class Engine:
         self.grads_ready = False  # reduced gradients of a complete accumulation exist (until step())
         self.skipped_steps = 0  # optimizer steps skipped because some rank's gradients overflowed
         if self.precision.has_master:
-            module.to(self.precision.param_dtype)  # floating parameters and buffers
+            cast_module(module, self.precision.param_dtype)  # floating parameters and buffers
 
         zc = config.zero_optimization
         self.sharding: Optional[Stage3] = None
@@ -91,15 +91,17 @@ class Engine:
         in_groups = {id(s.param) for g in self.groups for s in g.slots}
         self.frozen = [p for p in _unique_params(module) if id(p) not in in_groups]
         self._broadcast_from_rank0()
-        with self.shards_resident():  # pieces are views of the shards; masters are copies of them
-            for g in self.groups:
+        self.offload: Optional[OptimizerOffload] = build_offload(
+            zc.offload_optimizer, config.aio, zc.sub_group_size, self.stage, self.rank, process_group)
+        for g in self.groups:  # pieces are views of the shards; masters are copies (an offload makes its own)
+            with self.shards_resident([g]):
                 assign_pieces(g, self.rank, owns_everything=self.stage == 0)
-                if self.precision.has_master:
-                    for piece in g.pieces:
-                        piece.master = piece.tensor.detach().float().clone()
-            self.offload: Optional[OptimizerOffload] = build_offload(
-                zc.offload_optimizer, config.aio, zc.sub_group_size, self.stage, self.rank, process_group)
-            if self.offload is not None:
+                for piece in g.pieces if self.precision.has_master and self.offload is None else ():
+                    piece.master = piece.tensor.detach().float().clone()
+        if self.offload is not None:
+            if self.param_offload is not None:  # NVMe: attach and step make shards resident per sub-group
+                self.offload.set_shard_access(self.param_offload)
+            with self.shards_resident() if self.offload.shard_access is None else contextlib.nullcontext():
                 self.offload.attach(self.groups)
         self._register_master_refresh()
         if self.stage == 3 or self.precision.has_master:
@@ -293,7 +295,8 @@ class Engine:
             with self.collective_call("step"):
                 if self.param_offload is not None:
                     self.param_offload.check_health()  # collective: a lost swap file stops every rank
-                with self.shards_resident(write=True):
+                whole = self.offload is None or self.offload.shard_access is None
+                with self.shards_resident(write=True) if whole else contextlib.nullcontext():
                     self._optimizer_step()
 
     def _optimizer_step(self) -> None:
@@ -323,9 +326,7 @@ class Engine:
                 else:
                     target.grad = None
         if self.loss_scaler is not None:
-            inv = 1.0 / self.loss_scaler.scale
-            for t in self._opt_grads():
-                t.mul_(inv)
+            self._scale_grads(1.0 / self.loss_scaler.scale)
         self._clip_gradients(self.config.gradient_clipping)  # also records the norm when clipping is off
         if self.offload is not None:
             self.offload.step(self.optimizer)
@@ -352,10 +353,14 @@ class Engine:
         self.global_steps += 1
         self.ledger.steps += 1
 
-    def _opt_grads(self) -> list[torch.Tensor]:
+    def _scale_grads(self, factor: float) -> None:
+        """Multiply the owned gradients by ``factor`` in place (an offload may defer it, bitwise alike)."""
         if self.offload is not None:
-            return self.offload.grads()
-        return [p.opt_tensor.grad for g in self.groups for p in g.pieces if p.opt_tensor.grad is not None]
+            return self.offload.scale_grads(factor)
+        for g in self.groups:
+            for p in g.pieces:
+                if p.opt_tensor.grad is not None:
+                    p.opt_tensor.grad.mul_(factor)
 
     def _has_inf_or_nan(self) -> bool:
         """Any inf/nan in the reduced gradients this rank owns (before the cross-rank check)."""
@@ -377,22 +382,20 @@ class Engine:
     def _clip_gradients(self, max_norm: float) -> None:
         """Record the global L2 gradient norm; if ``max_norm > 0``, scale owned gradients so that it is
         at most ``max_norm`` (clip_grad_norm_)."""
-        grads = self._opt_grads()
-        by_kind: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        by_kind: tuple[list[Any], list[Any]] = ([], [])
         for g in self.groups:
             for p in g.pieces:
-                grad = self.offload.grad_of(p) if self.offload is not None else p.opt_tensor.grad
-                if grad is not None:
-                    by_kind[0 if is_model_parallel_parameter(p.slot.param) else 1].append(grad)
-        norm = global_grad_norm(by_kind, self.topology, self.stage >= 1 and self.world_size > 1,
+                by_kind[0 if is_model_parallel_parameter(p.slot.param) else 1].append(p)
+        grads = tuple(self.offload.norm_grads(ps) if self.offload is not None else
+                      [p.opt_tensor.grad for p in ps if p.opt_tensor.grad is not None] for ps in by_kind)
+        norm = global_grad_norm(grads, self.topology, self.stage >= 1 and self.world_size > 1,
                                 lambda t, group: comm.all_reduce(t, group, self.ledger, "grad_norm"))
         self._global_grad_norm = norm
         if max_norm <= 0:
             return
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
-            for gr in grads:
-                gr.mul_(coef)
+            self._scale_grads(coef)
 
     def parameters_finite(self) -> bool:
         """Collective over the whole world (every data- and model-parallel rank, as a save is): True
@@ -487,8 +490,7 @@ class Engine:
         owned = sum(p.hi - p.lo for g in self.groups for p in g.pieces)
         host = self.offload.host_bytes(self.optimizer)
         return OffloadReport(self.offload.device, self.rank, owned, host, self.offload.nvme_bytes(),
-                             offload_formula(self.offload.device, self.numel / self.world_size,
-                                             host["swap_buffers"]))
+                             self.offload.formula(self.numel / self.world_size, host))
 
     def comm_report(self) -> CommReport:
         """Every collective since the last :meth:`reset_comm_report` (op, count, elements, bytes)."""

@@ -5,7 +5,7 @@
 - :func:`register_external_parameter`: declare that ``module``'s forward uses a parameter owned by
   another module, so it is gathered with ``module``. (Uses inside an engine forward are also detected
   automatically, see :class:`zerodp.stage3.hooks.ExternalParameterMode`.)
-- :class:`Init`: partition parameters as each submodule is constructed.
+- :class:`Init`: partition each module's parameters as soon as its construction is over.
 - :class:`TiledLinear`: a linear layer computed tile by tile, so at stage 3 only one tile is gathered
   at a time (memory-centric tiling, see :mod:`zerodp.tiling`).
 - :func:`full_numel`, :func:`is_partitioned`: the real size and the state of a partitioned parameter.
@@ -18,11 +18,14 @@
 
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
@@ -30,7 +33,8 @@ from zerodp.accessors import (safe_get_full_fp32_param, safe_get_full_grad, safe
                               safe_set_full_fp32_param, safe_set_full_optimizer_state)
 from zerodp.config import ConfigError, load_config
 from zerodp.offload.param_swap import ParamSwapper
-from zerodp.stage3.ownership import OWNERS, Owner, add_pending_external, full_numel, is_partitioned
+from zerodp.stage3.ownership import (OWNERS, Owner, add_pending_external, full_numel, is_partitioned,
+                                     materialize)
 from zerodp.stage3.allocator import pin_mmap_threshold
 from zerodp.stage3.gathered import GatheredParameters
 from zerodp.stage3.init_writes import InitTouchMode
@@ -63,24 +67,30 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
 class Init:
     """Partition parameters while the model is being built, so it never exists in full on one rank.
 
-    Under ``with zerodp.zero.Init(config=ds_config):``, each submodule's own parameters (those not
-    smaller than ``stage3_param_persistence_threshold``) are broadcast from rank 0 and partitioned as
-    soon as the submodule is assigned to its parent (its ``__init__`` has finished by then): every rank
-    keeps only its shard, and the parameter keeps its full shape, dtype and numel but holds no storage
-    (see :mod:`zerodp.stage3.sharded_param`): shape-based code such as nanoGPT's ``p.dim() >= 2``
-    weight-decay groups sees the same model as without ``Init``. Parameters of the root module itself,
-    and small ones, are partitioned later by :func:`zerodp.initialize`. With ``offload_param.device:
-    nvme`` each new shard is written to a swap file at once and its memory freed (the engine adopts
-    it). The only hook used is torch's own module
-    registration hook, installed on ``__enter__`` and removed on ``__exit__`` (nothing is patched).
+    Under ``with zerodp.zero.Init(config=ds_config):``, each module's own parameters (those larger than
+    ``stage3_param_persistence_threshold``) are broadcast from rank 0 and partitioned as soon as that
+    module's construction is over, which ``Init`` reads from torch's global parameter and module
+    registration hooks (installed on ``__enter__``, removed on ``__exit__``; nothing is patched): a
+    module that registered parameters is *pending* until another module registers a parameter while
+    no ``__init__`` of the pending module is running any more (read from the call stack), it is
+    assigned to a parent, or ``Init`` exits, whichever comes first. Its own initialisation in
+    ``__init__`` (``reset_parameters``) has then run on the full tensors in their own dtype, and
+    ``nn.Sequential(*layers)`` (every layer built before its parent exists), a free-standing
+    ``nn.Linear`` and the root module's own parameters are partitioned too. Every rank keeps only its
+    shard, and the parameter keeps its full shape, dtype and numel but holds no storage (see
+    :mod:`zerodp.stage3.sharded_param`): shape-based code such as nanoGPT's ``p.dim() >= 2``
+    weight-decay groups sees the same model as without ``Init``. With bf16/fp16 the partition is where
+    the parameter is cast, once, as :func:`zerodp.initialize` casts a model built without ``Init``.
+    With ``offload_param.device: nvme`` each new shard is written to a swap file at once and its memory
+    freed (the engine adopts it).
 
-    Code that changes a submodule's weights after it was assigned (HF's ``post_init()``,
+    Code that changes a module's weights after it was partitioned (HF's ``post_init()``,
     ``self.apply(init_fn)`` at the end of the root ``__init__``, ``nn.init.*`` on a child's weight)
     needs no change: while ``Init`` is active, the first torch call on a partitioned parameter gathers
-    it, the call edits the full tensor as it would without ``Init`` (same random draws), and the edit is
-    re-partitioned from rank 0's values later (see :mod:`zerodp.stage3.init_writes`). The weights are
-    then bit-identical to those the constructor gives without ``Init`` (with fp32 parameters; with
-    bf16/fp16 the edit runs on the already-cast parameter).
+    it (in the dtype it was built in), the call edits the full tensor as it would without ``Init``
+    (same random draws), and the edit is cast and re-partitioned from rank 0's values later (see
+    :mod:`zerodp.stage3.init_writes`). The weights are then bit-identical to those the constructor
+    gives without ``Init`` followed by :func:`zerodp.initialize`.
 
     Args:
         config: the engine config (dict, JSON path or parsed); must be stage 3 when ``enabled``.
@@ -103,9 +113,14 @@ class Init:
         self.pg = process_group
         self.ledger = CommLedger()
         self.units: list[ShardedUnit] = []
-        self._handle = None
+        self._handles: list = []
         self._touch: Optional[InitTouchMode] = None
         self._touch_gathers = 0
+        #: modules that registered parameters and are not partitioned yet (id -> weak reference)
+        self._pending: dict[int, weakref.ref] = {}
+        #: the units Init built for each module (a module registering parameters after its partition
+        #: gets one unit holding all of them, as the engine lays it out)
+        self._units_of: "weakref.WeakKeyDictionary[nn.Module, list[ShardedUnit]]" = weakref.WeakKeyDictionary()
         #: offload_param nvme: the swap file each new unit's shard is written to at once (the engine
         #: moves the shards into its own swap file when it adopts the units)
         self.swapper: Optional[ParamSwapper] = None
@@ -113,50 +128,93 @@ class Init:
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
-        from torch.nn.modules.module import register_module_module_registration_hook
+        from torch.nn.modules.module import (register_module_module_registration_hook,
+                                             register_module_parameter_registration_hook)
 
         comm.init_distributed()
-        pin_mmap_threshold()  # each submodule's full values are freed once partitioned: return them
+        pin_mmap_threshold()  # each module's full values are freed once partitioned: return them
         po = self.config.zero_optimization.offload_param
         if po.device == "nvme" and self.swapper is None:
             self.swapper = ParamSwapper(po, self.config.aio, dist.get_rank(self.pg), self.pg)
             self.swapper.open()
-        self._handle = register_module_module_registration_hook(self._on_register)
         self._touch = InitTouchMode(self.pg, self.config.zero_optimization.stage3_max_live_parameters)
+        self._handles = [register_module_parameter_registration_hook(self._on_parameter),
+                         register_module_module_registration_hook(self._on_register)]
         self._touch.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for h in self._handles:
+            h.remove()
+        self._handles = []
         if self._touch is not None:
-            touch, self._touch = self._touch, None
-            self._touch_gathers = touch.gathers  # units gathered because the constructor touched them
+            touch = self._touch
             try:
                 if exc[0] is None:
+                    self._seal_pending()  # free-standing modules and the root's own parameters
                     touch.flush_all()
             finally:
+                self._touch = None
+                self._touch_gathers = touch.gathers  # units gathered because the constructor touched them
                 touch.__exit__(None, None, None)
+        self._pending.clear()
+
+    def _on_parameter(self, module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        """A parameter is registered on ``module``: the construction of every other pending module is
+        over (partition them); ``module`` is pending until its own construction is."""
+        if param is None or self._touch is None or self._touch.busy:
+            return None
+        self._seal_pending(keep=module)
+        self._pending[id(module)] = weakref.ref(module)
+        return None
 
     def _on_register(self, parent: nn.Module, name: str, child: Optional[nn.Module]) -> None:
-        if child is None:
+        if child is None or self._touch is None or self._touch.busy:
             return
-        if self._touch is None:
-            self._partition(child, name)
-            return
+        self._pending.pop(id(child), None)
+        self._seal(child, name)
+
+    def _seal_pending(self, keep: Optional[nn.Module] = None) -> None:
+        """Partition the pending modules but ``keep`` and those whose ``__init__`` is still running (a
+        parent that registered a parameter and now builds a child); on exit (``keep`` None), all."""
+        for key in [k for k in self._pending if keep is None or k != id(keep)]:
+            module = self._pending[key]()
+            if module is not None and keep is not None and _constructing(module):
+                continue
+            del self._pending[key]
+            if module is not None:
+                self._seal(module, type(module).__name__)
+
+    def _seal(self, module: nn.Module, name: str) -> None:
+        assert self._touch is not None
         self._touch.busy = True
         try:
-            self._partition(child, name)
+            self._partition(module, name)
         finally:
             self._touch.busy = False
 
-    def _partition(self, child: nn.Module, name: str) -> None:
+    def _partition(self, module: nn.Module, name: str) -> None:
         threshold = self.config.zero_optimization.stage3_param_persistence_threshold
-        named = [(n, p) for n, p in child.named_parameters(recurse=False)
-                 if p.numel() > threshold and OWNERS.get(p) is None]
-        if not named:
+        params = [p for _, p in module.named_parameters(recurse=False) if not is_lazy(p)]
+        if not any(p.numel() > threshold and OWNERS.get(p) is None for p in params):
             return
+        before = self._units_of.get(module, [])
+        if before:  # parameters registered after the module was partitioned: one unit for all of them
+            mine = {id(s.param) for u in before for s in u.slots}
+            again = [p for p in params if id(p) in mine]
+            widen = [self._touch.forget(u) for u in before]
+            for u in before:
+                if u.home is not None:
+                    u.home.swapper.forget(u.home)
+                    u.home = None
+            materialize(again)
+            built_as = next((d for d in widen if d is not None), None)
+            for p in again:  # back to the dtype they were built in (exact), cast once below
+                if built_as is not None and p.is_floating_point():
+                    p.data = p.data.to(built_as)
+            self.units[:] = [u for u in self.units if all(u is not b for b in before)]
+        named = [(n, p) for n, p in module.named_parameters(recurse=False)
+                 if not is_lazy(p) and p.numel() > threshold and OWNERS.get(p) is None]
         rank = dist.get_rank(self.pg)
         world = dist.get_world_size(self.pg)
         src = dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
@@ -167,18 +225,34 @@ class Init:
 
         dtype = (torch.bfloat16 if self.config.bf16.enabled
                  else torch.float16 if self.config.fp16.enabled else None)
-        if dtype is not None:
+        built = named[0][1].dtype
+        if dtype is not None:  # the one cast, after the module's own init (as initialize casts)
             for _, p in named:
                 if p.is_floating_point():
                     p.data = p.data.to(dtype)
         unit = shard_unit(name, named, 0, [-1] * len(named), rank, world, sync=sync)
+        if built.is_floating_point and built != unit.shard.dtype:
+            self._touch.built_dtype[id(unit)] = built  # touched later: gathered in this dtype
         if self.swapper is not None:  # offload_param nvme: straight to the swap file
             unit.home = self.swapper.add(name, unit.shard)
         self.units.append(unit)
+        self._units_of[module] = [unit]
         for s in unit.slots:
             OWNERS.set(s.param, Owner(unit, self.pg, self.ledger, None))
+        self._partitioned(unit)
+
+    def _partitioned(self, unit: ShardedUnit) -> None:
+        """Called once per unit Init builds (subclasses add attributes to its parameters)."""
 
 
+def _constructing(module: nn.Module) -> bool:
+    """Whether an ``__init__`` of ``module`` is on the call stack (its construction is not over)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
 
 
 __all__ = ["GatheredParameters", "Init", "TiledLinear", "register_external_parameter", "full_numel", "is_partitioned",

@@ -14,16 +14,18 @@ the plan is refused with the bytes needed and available. Where the bytes go (all
 
 - disk: fp32 master + Adam moments (12 bytes/param, ``offload_optimizer`` swap files), the bf16
   parameter shards (2 bytes/param, ``offload_param`` swap file), the raw-I/O probe file, 3% slack;
-- RAM: the gradients, which this engine keeps in host memory at 6 bytes/param (the reduced bf16
-  gradient partition, 2, held until the step, plus the fp32 copy ``offload_optimizer`` stages it into,
-  4), plus per rank the runtime, the optimizer's sub-group buffers, the parameter swap pool and
-  read-ahead budget, the largest gathered layer; 10% slack (measured peak RSS of small runs exceeds
-  the sum by about that). The raw-I/O probe runs before the model exists and is not counted.
+- RAM (:func:`ram_accounting`): held for the whole run, the reduced bf16 gradient partition (2
+  bytes/param, held once: the NVMe optimizer offload reads it in place and makes fp32 gradients one
+  sub-group at a time, see :mod:`zerodp.offload.nvme`), plus per rank the runtime, the optimizer's
+  sub-group buffers and the parameter swap pool with its read-ahead budget; then the larger of two
+  phases that do not overlap: backward (the stage-3 gather pool at its limit: live window, running
+  unit, gradient staging; and the saved activations, measured at about 36 bytes per token, layer and
+  ``d_model`` in bf16) and the optimizer step (the fp32 gradient scratch of one sub-group and the
+  parameter shards resident while a sub-group is updated: those of two sub-groups plus two boundary
+  layers, the fp64 norm of one layer's gradient, Adam's temporaries); 10% slack. The raw-I/O probe runs before the model exists and is not counted.
 
-Consequence: states of ``R`` x RAM mean ``P = R x RAM / 16`` parameters, whose gradients alone take
-``6 P = 0.375 R x RAM``: at ``R = 2`` that is 75% of the RAM before any buffer, so on a machine whose
-available memory is below ~90% of its total the default plan is refused; a lower ``--states-ratio``
-still trains a model whose states exceed the RAM.
+Consequence: states of ``R`` x RAM mean ``P = R x RAM / 16`` parameters, whose gradient partition
+takes ``2 P = R x RAM / 8``: a quarter of the RAM at ``R = 2``; the rest is buffers of fixed size.
 
 The worker half (:func:`run_worker`, in :mod:`zerodp.app.infinity_run`) runs under ``torch.distributed.run``.
 """
@@ -59,6 +61,8 @@ class Knobs:
     optimizer_buffers: int = 4  # [offload_optimizer.buffer_count]
     param_buffer_count: int = 5  # [offload_param.buffer_count]
     runtime_bytes: int = 768 * 2**20  # interpreter, torch, allocator slack per rank
+    reduce_bucket_size: int = 50_000_000  # elements of unit gradients staged per reduce-scatter [same]
+    max_live_parameters: int = 200_000_000  # elements gathered ahead [stage3_max_live_parameters]
 
 
 def knobs_for(params: int, largest_layer: int, nproc: int) -> Knobs:
@@ -95,6 +99,7 @@ class Plan:
     disk_needed: dict[str, int]
     ram_needed: dict[str, int]
     knobs: Knobs
+    ram_phases: dict[str, dict[str, int]]  # backward / step: what the transient line is the larger of
 
     @property
     def disk_total(self) -> int:
@@ -164,15 +169,45 @@ def plan_run(machine: Machine, nproc: int = 1, states_ratio: float = 2.0, seq_le
             "parameter shards (bf16)": 2 * p,
             "raw-I/O probe file": k.probe_bytes}
     disk["slack (3%)"] = math.ceil(0.03 * sum(disk.values()))
-    per_rank_buffers = (k.optimizer_buffers * 12 * k.sub_group_size + k.param_buffer_count * k.param_buffer_size
-                        + k.max_in_cpu)
-    ram = {"reduced bf16 gradient partitions": 2 * p,
-           "fp32 gradient copies (offload_optimizer host)": 4 * p,
+    ram, phases = ram_accounting(p, model, micro_batch, largest_layer, nproc, k)
+    return Plan(model, p, nproc, micro_batch, steps, states_ratio, STATE_BYTES * p, disk, ram, k, phases)
+
+
+#: bytes of saved activations per token, layer and d_model element (bf16, no activation checkpointing):
+#: measured with saved_tensors_hooks on this GPT (33-35 at d_model 256-512), rounded up
+ACTIVATION_BYTES = 36
+
+
+def ram_accounting(p: int, model: GPTConfig, micro_batch: int, largest_layer: int, nproc: int,
+                   k: Knobs) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """Host bytes the run holds at its peak, all ranks together (module docstring), and the two
+    transient phases (backward, optimizer step) of which the larger is counted.
+
+    Per rank: ``S`` = sub_group_size, ``U`` = elements of the largest layer (the MLP's up projection,
+    one stage-3 unit). Step: resident shards are those of the units whose pieces are in sub-groups k and
+    k+1 (:mod:`zerodp.offload.nvme`): at most ``2 S`` elements plus two units cut by the boundaries."""
+    align = 4096
+    s_, u = k.sub_group_size, largest_layer
+    tokens = micro_batch * model.seq_len
+    pool = 2 * (min(k.max_live_parameters, p) + u + min(k.reduce_bucket_size + u, p) + 2 * u)
+    phases = {
+        "backward": {"gather pool limit (window, unit, grad staging)": nproc * pool,
+                     "saved activations (bf16)": nproc * ACTIVATION_BYTES * tokens * model.d_model * model.n_layer
+                     + nproc * 8 * tokens * model.vocab_size},
+        "step": {"fp32 gradient scratch (one sub-group)": nproc * 4 * s_,
+                 "resident shards (2 sub-groups + 2 layers, bf16)": nproc * 2 * (2 * s_ + 2 * u),
+                 "grad norm of one layer in fp64 (value + square)": nproc * 16 * u,
+                 "Adam temporaries (2 x fp32 sub-group)": nproc * 8 * s_},
+    }
+    larger = max(phases, key=lambda ph: sum(phases[ph].values()))
+    ram = {"reduced bf16 gradient partition (held once)": 2 * p,
            "runtime per rank": nproc * k.runtime_bytes,
-           "swap buffers + read-ahead per rank": nproc * per_rank_buffers,
-           "largest gathered layer (bf16 value + fp32 grad) per rank": nproc * 6 * largest_layer}
+           "optimizer sub-group buffers per rank": nproc * k.optimizer_buffers * -(-12 * s_ // align) * align,
+           "parameter swap pool + read-ahead per rank": nproc * (k.param_buffer_count * k.param_buffer_size
+                                                                + k.max_in_cpu),
+           f"transients per rank, larger phase ({larger})": sum(phases[larger].values())}
     ram["slack (10%)"] = math.ceil(0.1 * sum(ram.values()))
-    return Plan(model, p, nproc, micro_batch, steps, states_ratio, STATE_BYTES * p, disk, ram, k)
+    return ram, phases
 
 
 def problems(plan: Plan, machine: Machine) -> list[str]:
@@ -207,6 +242,7 @@ def format_plan(plan: Plan, machine: Machine) -> str:
         *[f"  {k:<58}{human_bytes(v):>12}" for k, v in plan.disk_needed.items()],
         f"RAM needed {human_bytes(plan.ram_total)}:",
         *[f"  {k:<58}{human_bytes(v):>12}" for k, v in plan.ram_needed.items()],
+        *[f"    {ph + ': ' + k:<56}{human_bytes(v):>12}" for ph, rows in plan.ram_phases.items() for k, v in rows.items()],
     ]
     return "\n".join(lines)
 

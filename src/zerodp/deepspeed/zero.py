@@ -18,6 +18,7 @@ from torch import nn
 from zerodp import zero as _zero
 from zerodp.config import ConfigError
 from zerodp.deepspeed.config import read_config, resolve_deepspeed_config
+from zerodp.stage3.units import ShardedUnit
 from zerodp.zero import GatheredParameters, TiledLinear, full_numel, is_partitioned, register_external_parameter
 
 
@@ -75,13 +76,9 @@ class Init(_zero.Init):
                               f"({implied or 'fp32'}); zerodp partitions in the config's dtype")
         super().__init__(config=cfg, enabled=enabled, process_group=data_parallel_group)
 
-    def _on_register(self, parent: nn.Module, name: str, child: Optional[nn.Module]) -> None:
-        before = len(self.units)
-        shapes = {} if child is None else {id(p): tuple(p.shape) for p in child.parameters(recurse=False)}
-        super()._on_register(parent, name, child)
-        for unit in self.units[before:]:
-            for s in unit.slots:
-                set_ds_attributes(s.param, shapes.get(id(s.param)))
+    def _partitioned(self, unit: ShardedUnit) -> None:
+        for s in unit.slots:
+            set_ds_attributes(s.param, tuple(s.shape))
 
 
 def set_ds_attributes(p: nn.Parameter, shape: Optional[tuple[int, ...]]) -> None:

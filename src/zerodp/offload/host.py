@@ -29,10 +29,11 @@ non-offloaded masters).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
+from zerodp.offload.report import offload_formula
 from zerodp.offload.stream import CopyStream
 from zerodp.runtime.partition import FlatGroup, Piece
 
@@ -65,11 +66,15 @@ class HostOptimizerOffload:
     :meth:`begin_grads` before the boundary backward, :meth:`stream_grad` for each piece of a bucket
     whose reduction completed, then :meth:`check_health` (collective; nothing to check for host
     memory), :meth:`fold_edits`, then either :meth:`skipped_step` (fp16 overflow) or
-    :meth:`stage_grad` for each piece that has a gradient, :meth:`grads` (unscaling, clipping),
-    :meth:`step`, :meth:`finish_step`.
+    :meth:`stage_grad` for each piece that has a gradient, :meth:`scale_grads` (loss unscaling),
+    :meth:`norm_grads` (the global norm), :meth:`scale_grads` (clipping), :meth:`step`,
+    :meth:`finish_step`.
     """
 
     device = "cpu"
+    #: the engine's parameter offload when the step makes shards resident itself (NVMe subclass only);
+    #: None: the engine keeps every shard resident for the whole step
+    shard_access: Optional[object] = None
 
     def __init__(self, pin_memory: bool) -> None:
         self.pin = pin_memory
@@ -146,6 +151,22 @@ class HostOptimizerOffload:
         self._sync_copies()
         return [b for b, present in zip(self.grad_buffers, self._present) if present]
 
+    def scale_grads(self, factor: float) -> None:
+        """Multiply this step's staged gradients by ``factor`` in place (fp32, ``Tensor.mul_``): loss
+        unscaling with ``1 / scale``, then clipping with ``max_norm / (norm + 1e-6)``."""
+        for t in self.grads():
+            t.mul_(factor)
+
+    def norm_grads(self, pieces: list[Piece]) -> Iterable[torch.Tensor]:
+        """The fp32 gradients of those of ``pieces`` that have one this step, in order, as the global
+        norm reads them (:func:`zerodp.runtime.topology.global_grad_norm` reads each one before the next
+        is produced)."""
+        return [g for g in (self.grad_of(p) for p in pieces) if g is not None]
+
+    def set_shard_access(self, access: object) -> None:
+        """The engine's parameter offload (stage 3, ``offload_param``). Host memory updates every piece
+        at once, so the engine keeps the shards resident for the step: nothing to do here."""
+
     def grad_of(self, piece: Piece) -> Optional[torch.Tensor]:
         """``piece``'s host gradient staged this step, or None if it has none."""
         i = self._index[id(piece)]
@@ -194,6 +215,11 @@ class HostOptimizerOffload:
 
     def nvme_bytes(self) -> dict[str, int]:
         return {"master_weights": 0, "optimizer_states": 0}
+
+    def formula(self, numel_per_rank: float, host: dict[str, int]) -> dict[str, dict[str, float]]:
+        """The expected host / NVMe bytes (:func:`zerodp.offload.report.offload_formula`) for this
+        offload, ``host`` being :meth:`host_bytes`."""
+        return offload_formula(self.device, numel_per_rank, host["swap_buffers"])
 
     def close(self) -> None:
         """Finish the copies in flight and stop the copy thread."""

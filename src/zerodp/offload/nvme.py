@@ -8,7 +8,23 @@ sub-groups of at most ``zero_optimization.sub_group_size`` elements (a piece lar
 sub-group of its own, as in DeepSpeed). Sub-group k occupies one contiguous region of the file: its
 masters, then ``exp_avg``, then ``exp_avg_sq``, each segment padded to 4096 bytes, so a sub-group is
 one direct-I/O read and one write. Host memory holds ``buffer_count`` buffers of the largest region
-(the swapper's pool), the fp32 gradient partition, and one ``step`` scalar per piece.
+(the swapper's pool), one ``step`` scalar per piece, and the gradients:
+
+- CPU training (the reduced gradient partition is already in host memory): no second copy. The
+  offload keeps a reference to the reducer's partition (module dtype, or fp32 when accumulating; it
+  stays unchanged until the step) and records the scale factors the engine applies (loss unscaling,
+  clipping) in order. A piece's fp32 gradient is made just in time, in one scratch buffer of the
+  largest sub-group (4 bytes x ``sub_group_size``): ``copy_`` to fp32, then ``mul_`` by each factor,
+  the very fp32 operations the eager path applies to its copy, so the values are bitwise the same.
+  The global norm reads them one piece at a time (:meth:`NvmeOptimizerOffload.norm_grads`).
+- Gradients on a CUDA device: streamed into an fp32 host buffer per piece during backward (ZeRO-Offload's
+  host gradient, :class:`zerodp.offload.host.HostOptimizerOffload`), scaled there in place.
+
+With ``offload_param`` on NVMe (stage 3) the engine does not make every parameter shard resident for
+the step: the sub-group loop pins the shards of the units whose pieces are in sub-group k just
+before updating it (their reads queued while k-1 updated), and unpins them dirty (written home) once
+no later sub-group needs them (:class:`ShardAccess`), so resident shards are those of about two
+sub-groups.
 
 During a step, sub-group k's masters and moments are bound to the torch optimizer's parameters and
 state (``.data`` set to views of the buffer), the optimizer runs on that sub-group only (the other
@@ -32,7 +48,7 @@ import shutil
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,6 +56,8 @@ import torch.distributed as dist
 from zerodp.offload.aio import AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
 from zerodp.offload.host import HostOptimizerOffload, fold_edit, storage_bytes
+from zerodp.offload.report import offload_formula
+from zerodp.offload.shard_window import ShardAccess, ShardWindow, unique_groups
 from zerodp.runtime.partition import FlatGroup, Piece
 
 
@@ -96,6 +114,12 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self.dir: Optional[str] = None
         self.stats = SwapStats()
         self._finalizer: Optional[weakref.finalize] = None
+        self.deferred = False  # gradients read from the reducer's host partition (module docstring)
+        self.grad_scratch = torch.empty(0, dtype=torch.float32)  # fp32, largest sub-group (deferred)
+        self._grad_refs: list[Optional[torch.Tensor]] = []  # per piece: the reducer's partition view
+        self._factors: list[float] = []  # scale factors applied this step, in order (deferred)
+        self._group_of: list[FlatGroup] = []  # per piece: its flat group (= stage-3 unit)
+        self.shard_access: Optional[ShardAccess] = None
 
     # ---- construction --------------------------------------------------------------------------
     def attach(self, groups: list[FlatGroup]) -> None:
@@ -111,18 +135,25 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         except (OSError, OffloadError) as exc:
             error = f"rank {self.rank}: {exc}"
         _raise_if_any(error, self.pg)
-        for piece in pieces:  # host gradients and placeholders; the masters go to the file below
-            self._add_piece(piece)
+        self.deferred = all(p.tensor.device.type == "cpu" for p in pieces)
+        for g in groups:
+            for piece in g.pieces:  # host gradients and placeholders; the masters go to the file below
+                self._add_piece(piece)
+                self._group_of.append(g)
+        self._grad_refs = [None] * len(pieces)
+        if self.deferred:
+            self.grad_scratch = torch.empty(max((sg.numel for sg in self.subgroups), default=0), dtype=torch.float32)
         biggest = max((sg.nbytes for sg in self.subgroups), default=0)
         # more buffers than sub-groups would never be used
         count = max(1, min(self.cfg.buffer_count, len(self.subgroups)))
         self.buffers = [aligned_buffer(biggest, self.pin) for _ in range(count)]
-        for sg in self.subgroups:
+        for sg in self.subgroups:  # with shard_access: only this sub-group's shards resident
             buf = self.buffers[0][: sg.nbytes]
             masters = buf[: sg.seg].view(torch.float32)
-            for i, view in self._views(sg, masters):
-                p = self.pieces[i]
-                view.copy_(p.master if p.master is not None else p.tensor)
+            with self._pinned(sg.pieces, dirty=False):
+                for i, view in self._views(sg, masters):
+                    p = self.pieces[i]
+                    view.copy_(p.master if p.master is not None else p.tensor)
             self.io.write(self.file, buf, sg.offset).wait()
         for p in pieces:
             p.master = torch.empty(0, dtype=torch.float32)
@@ -154,6 +185,33 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                                f"{path} ({needed:,} bytes, {shutil.disk_usage(base).free:,} free): "
                                f"{os.strerror(exc.errno or 0)}") from None
         self.io = AsyncIO(self.aio_cfg)
+
+    def _add_piece(self, piece: Piece) -> None:
+        if not self.deferred:
+            return super()._add_piece(piece)
+        self._index[id(piece)] = len(self.pieces)
+        self.pieces.append(piece)
+        self.grad_buffers.append(torch.empty(0, dtype=torch.float32))  # no host copy: see grad_scratch
+        self._present.append(False)
+        self._streamed.append(False)
+
+    def set_shard_access(self, access: object) -> None:
+        """Pin parameter shards per sub-group during the step, if the parameters are on NVMe."""
+        if getattr(access, "swapper", None) is not None:
+            self.shard_access = access  # type: ignore[assignment]
+
+    @contextlib.contextmanager
+    def _pinned(self, positions: Iterable[int], dirty: bool) -> Iterator[None]:
+        """The shards of the pieces at ``positions`` resident for the block (no-op without access)."""
+        groups = unique_groups(self._group_of[i] for i in positions)
+        if self.shard_access is None:
+            yield
+            return
+        self.shard_access.pin(groups)
+        try:
+            yield
+        finally:
+            self.shard_access.unpin(groups, dirty)
 
     def _views(self, sg: SubGroup, seg: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """(piece position, its fp32 view) inside one segment of a sub-group's buffer."""
@@ -205,7 +263,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         for k, sg in enumerate(subgroups):
             reads.pop(k).wait()
             seg = self.buffers[k % nbuf][: sg.seg]
-            changed = [fold_edit(self.pieces[i].tensor, view) for i, view in self._views(sg, seg.view(torch.float32))]
+            with self._pinned(sg.pieces, dirty=False):  # with shard_access: this sub-group's shards only
+                changed = [fold_edit(self.pieces[i].tensor, view) for i, view in self._views(sg, seg.view(torch.float32))]
             if any(changed):
                 writes[k % nbuf] = self.io.write(self.file, seg, sg.offset)
             if k + nbuf < len(subgroups):
@@ -222,8 +281,55 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                      "or replaced while training; the optimizer state in it is lost, the step is not taken")
         _raise_if_any(error, self.pg)
 
+    # ---- gradients (deferred when they are in host memory already) ------------------------------
+    def stream_grad(self, piece: Piece, grad: torch.Tensor) -> None:
+        if not self.deferred:
+            return super().stream_grad(piece, grad)
+        i = self._index[id(piece)]
+        self._grad_refs[i] = grad
+        self._streamed[i] = True
+
+    def stage_grad(self, piece: Piece, grad: torch.Tensor) -> None:
+        if not self.deferred:
+            return super().stage_grad(piece, grad)
+        i = self._index[id(piece)]
+        self._grad_refs[i] = grad  # the reducer's final partition view: unchanged until the step
+        self._present[i] = True
+
+    def scale_grads(self, factor: float) -> None:
+        """Deferred: record ``factor``, applied at materialisation (:meth:`_materialise`)."""
+        if not self.deferred:
+            return super().scale_grads(factor)
+        self._factors.append(factor)
+
+    def grads(self) -> list[torch.Tensor]:
+        if self.deferred:
+            raise RuntimeError("NvmeOptimizerOffload: gradients are made one piece at a time (norm_grads)")
+        return super().grads()
+
+    def grad_of(self, piece: Piece) -> Optional[torch.Tensor]:
+        """Deferred: ``piece``'s fp32 gradient in the scratch buffer, valid until the next call."""
+        if not self.deferred:
+            return super().grad_of(piece)
+        i = self._index[id(piece)]
+        return self._materialise(i, self.grad_scratch[: piece.hi - piece.lo]) if self._present[i] else None
+
+    def norm_grads(self, pieces: list[Piece]) -> Iterable[torch.Tensor]:
+        """Deferred: a generator; each piece's fp32 gradient overwrites the previous one's."""
+        if not self.deferred:
+            return super().norm_grads(pieces)
+        return (g for g in (self.grad_of(p) for p in pieces) if g is not None)
+
+    def _materialise(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        """Piece ``i``'s fp32 gradient in ``out``: the eager path's copy, then its in-place scalings."""
+        out.copy_(self._grad_refs[i])
+        for f in self._factors:
+            out.mul_(f)
+        return out
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Sub-group k is updated while k+1 is read and k-1 written (``aio.overlap_events``)."""
+        """Sub-group k is updated while k+1 is read and k-1 written (``aio.overlap_events``); with
+        :attr:`shard_access`, the parameter shards of k+1 are read while k is updated."""
         self._sync_copies()
         t0 = time.perf_counter()
         r0, w0 = self.io.bytes_read, self.io.bytes_written
@@ -250,23 +356,30 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         overlap = self.aio_cfg.overlap_events
         ahead = max(1, nbuf - 2) if overlap else 0  # reads in flight beyond the sub-group being updated
         busy = 0.0
+        # every piece of an updated sub-group is compared with its master (edits), so all its shards
+        shards = ShardWindow(self.shard_access, [unique_groups(self._group_of[i] for i in sg.pieces) for sg in todo])
         for k in range(min(ahead or 1, len(todo))):
             start_read(k)
-        for k, sg in enumerate(todo):
-            wait(reads.pop(k), "read")
-            if overlap and k + ahead < len(todo):
-                start_read(k + ahead)
-            buf = self.buffers[k % nbuf][: sg.nbytes]
-            t1 = time.perf_counter()
-            self._update(sg, buf, optimizer)
-            busy += time.perf_counter() - t1
-            writes[k % nbuf] = self.io.write(self.file, buf, sg.offset)
-            if not overlap:
-                wait(writes.pop(k % nbuf), "write")
-                if k + 1 < len(todo):
-                    start_read(k + 1)
-        for h in writes.values():
-            wait(h, "write")
+        try:
+            for k, sg in enumerate(todo):
+                wait(reads.pop(k), "read")
+                if overlap and k + ahead < len(todo):
+                    start_read(k + ahead)
+                shards.enter(k)
+                buf = self.buffers[k % nbuf][: sg.nbytes]
+                t1 = time.perf_counter()
+                self._update(sg, buf, optimizer)
+                busy += time.perf_counter() - t1
+                shards.leave(k)
+                writes[k % nbuf] = self.io.write(self.file, buf, sg.offset)
+                if not overlap:
+                    wait(writes.pop(k % nbuf), "write")
+                    if k + 1 < len(todo):
+                        start_read(k + 1)
+        finally:
+            shards.close()
+            for h in writes.values():
+                wait(h, "write")
         self.stats = SwapStats(self.io.bytes_read - r0, self.io.bytes_written - w0, time.perf_counter() - t0,
                                busy, waits["read"], waits["write"], self.io.busy_seconds - b0)
 
@@ -276,6 +389,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         masters = dict(self._views(sg, f32[:per]))
         m = dict(self._views(sg, f32[per: 2 * per]))
         v = dict(self._views(sg, f32[2 * per: 3 * per]))
+        scratch = dict(self._views(sg, self.grad_scratch)) if self.deferred else {}
         for i in sg.pieces:
             fold_edit(self.pieces[i].tensor, masters[i])  # an in-place edit since the last step (fold_edits)
         for i in sg.pieces:
@@ -283,7 +397,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                 continue
             p = self.pieces[i]
             p.master.data = masters[i]
-            p.master.grad = self.grad_buffers[i]
+            p.master.grad = self._materialise(i, scratch[i]) if self.deferred else self.grad_buffers[i]
             if i not in self.steps:  # fresh state, exactly what torch's lazy initialisation makes
                 m[i].zero_()
                 v[i].zero_()
@@ -307,6 +421,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self.copies.wait()
         self._present = [False] * len(self.pieces)
         self._streamed = [False] * len(self.pieces)
+        self._grad_refs = [None] * len(self.pieces)
+        self._factors = []
 
     # ---- checkpoints and reports ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -350,9 +466,16 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                 self.io.write(self.file, buf, sg.offset).wait()
 
     def host_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Host bytes measured from live storages; ``gradients``: the fp32 host gradient buffers, or
+        (deferred) the one-sub-group scratch (the reducer's partition is counted by the engine)."""
         out = super().host_bytes(optimizer)
+        out["gradients"] = storage_bytes(self.grad_buffers + [self.grad_scratch])
         out["swap_buffers"] = storage_bytes(self.buffers)
         return out
+
+    def formula(self, numel_per_rank: float, host: dict[str, int]) -> dict[str, dict[str, float]]:
+        scratch = float(max((sg.numel for sg in self.subgroups), default=0)) if self.deferred else None
+        return offload_formula(self.device, numel_per_rank, host["swap_buffers"], scratch)
 
     def nvme_bytes(self) -> dict[str, int]:
         """Bytes of the swap file's segments (padding included), by category."""

@@ -422,6 +422,27 @@ class ParamOffload:
             for h in taken:
                 h.release(dirty=write)
 
+    # ---- per-group residency (the NVMe optimizer step, zerodp.offload.nvme.ShardAccess) ----------
+    def _homes(self, groups: Sequence[FlatGroup]) -> list[SwappedShard]:
+        units = [self._by_group.get(id(g)) for g in groups]
+        return [u.home for u in units if u is not None and isinstance(u.home, SwappedShard)]
+
+    def prefetch(self, groups: Sequence[FlatGroup]) -> None:
+        """Queue reads of the swapped-out shards of ``groups`` (no pin; :meth:`pin` waits for them)."""
+        for h in self._homes(groups):
+            if h.state is Residency.SWAPPED:
+                h.swapper._start_read(h)
+
+    def pin(self, groups: Sequence[FlatGroup]) -> None:
+        """Acquire the shards of ``groups`` (reading them if needed); pair with :meth:`unpin`."""
+        for h in self._homes(groups):
+            h.acquire()
+
+    def unpin(self, groups: Sequence[FlatGroup], dirty: bool) -> None:
+        """Release the shards of ``groups``; the last release writes a ``dirty`` shard home."""
+        for h in self._homes(groups):
+            h.release(dirty=dirty)
+
     def read_ahead(self, upcoming: Sequence[Sequence[ShardedUnit]]) -> None:
         """The coordinator's hook: ``upcoming`` are the units of the next modules of the trace, in
         order; queue reads for the first ``prefetch_depth`` of them, within ``max_in_cpu``."""

@@ -9,21 +9,26 @@ master 4, Adam moments 8, fp32 gradient 4 bytes per element; NVMe moves master a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from zerodp.runtime.accounting import STAGE_NAMES, BytesPerElement, human_bytes, model_state_bytes
 
 
-def offload_formula(device: str, numel_per_rank: float, buffer_bytes: int = 0) -> dict[str, dict[str, float]]:
+def offload_formula(device: str, numel_per_rank: float, buffer_bytes: int = 0,
+                    grad_numel: Optional[float] = None) -> dict[str, dict[str, float]]:
     """Expected host / NVMe bytes for one rank with ``numel_per_rank`` = Psi / N_d owned elements:
     fp32 master 4, Adam moments 8 and fp32 gradient 4 bytes per element (ZeRO-Offload section 4);
     with NVMe, the master and moments (12 bytes) move to the swap file and host memory keeps the
-    gradients and the swapper's buffer pool."""
+    gradients and the swapper's buffer pool. ``grad_numel``: elements of the fp32 host gradient when
+    it is not a full copy of the partition (NVMe with the gradients in host memory already: a scratch
+    of the largest sub-group, see :mod:`zerodp.offload.nvme`); default ``numel_per_rank``."""
     n = numel_per_rank
+    g = n if grad_numel is None else grad_numel
     if device == "cpu":
         return {"host": {"master_weights": 4 * n, "optimizer_states": 8 * n, "gradients": 4 * n,
                          "swap_buffers": 0},
                 "nvme": {"master_weights": 0, "optimizer_states": 0}}
-    return {"host": {"master_weights": 0, "optimizer_states": 0, "gradients": 4 * n,
+    return {"host": {"master_weights": 0, "optimizer_states": 0, "gradients": 4 * g,
                      "swap_buffers": buffer_bytes},
             "nvme": {"master_weights": 4 * n, "optimizer_states": 8 * n}}
 

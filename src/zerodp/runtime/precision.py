@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch import nn
 
 from zerodp.runtime.accounting import FP32_ADAM, MIXED_PRECISION_ADAM, BytesPerElement
-from zerodp.config import ZeroDPConfig
+from zerodp.config import ConfigError, ZeroDPConfig
+from zerodp.stage3.sharded_param import is_sharded
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,32 @@ class PrecisionPolicy:
         if cfg.fp16.enabled:
             return PrecisionPolicy(torch.float16, loss_scaling=True)
         return PrecisionPolicy(torch.float32, loss_scaling=False)
+
+
+def cast_module(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``module``'s floating parameters (in place: ``p.data``, same objects) and buffers to ``dtype``,
+    as ``module.to(dtype)`` does, except that parameters partitioned by :class:`zerodp.zero.Init` (no
+    values here; Init already partitioned them in the config's dtype) are left as they are.
+
+    Raises:
+        ConfigError: a partitioned parameter is in another floating dtype than ``dtype`` (``Init`` was
+            given a config with another precision than the engine's).
+    """
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if is_sharded(p):
+                raise ConfigError(f"parameter '{name}' of {type(m).__name__} was partitioned by zero.Init in "
+                                  f"{p.dtype}, but the engine trains in {dtype}: give Init and initialize the same "
+                                  "bf16/fp16 settings")
+            with torch.no_grad():
+                p.data = p.data.to(dtype)
+            if p.grad is not None:
+                p.grad = p.grad.to(dtype)
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                m._buffers[name] = b.to(dtype)
 
 
 class LossScaler:

@@ -19,7 +19,7 @@ group for gradient clipping; every other parameter is replicated across MP ranks
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -94,13 +94,14 @@ def _as_group(process_group: Any) -> Optional[dist.ProcessGroup]:
     return get_group()
 
 
-def global_grad_norm(grads_by_kind: tuple[list[torch.Tensor], list[torch.Tensor]], topology: Topology,
+def global_grad_norm(grads_by_kind: tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]], topology: Topology,
                      reduce_dp: bool, all_reduce: Any) -> float:
     """L2 norm of the full gradient of the whole (model-parallel) model.
 
     Args:
         grads_by_kind: (gradients of MP-partitioned parameters, of replicated parameters) this rank
-            owns (disjoint pieces across DP ranks when ``reduce_dp``, else full).
+            owns (disjoint pieces across DP ranks when ``reduce_dp``, else full); each is read once, in
+            order, before the next is taken (an offload may materialise them one at a time).
         reduce_dp: sum over the DP group (stages 1-3: each rank owns a disjoint part).
         all_reduce: ``f(tensor, group)`` summing in place (the engine's ledger-recording all-reduce).
 

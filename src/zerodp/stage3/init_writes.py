@@ -33,7 +33,13 @@ from zerodp.stage3.units import ShardedUnit, ShardState
 
 
 class InitTouchMode(TorchFunctionMode):
-    """Gathers Init-partitioned parameters on first use; flushes them by budget and on :meth:`flush_all`."""
+    """Gathers Init-partitioned parameters on first use; flushes them by budget and on :meth:`flush_all`.
+
+    A unit listed in :attr:`built_dtype` (its parameters were built in fp32 and partitioned in
+    bf16/fp16) is opened in its built dtype: the gathered values are cast up (exactly) into a buffer of
+    that dtype, which the parameters point at while the unit is open, so that edits (random draws
+    included) run as they would without ``Init``; the flush casts the result down once.
+    """
 
     def __init__(self, pg: Optional[ProcessGroup], budget_elements: int) -> None:
         super().__init__()
@@ -42,6 +48,10 @@ class InitTouchMode(TorchFunctionMode):
         self.open: OrderedDict[int, tuple[ShardedUnit, Owner]] = OrderedDict()
         self.busy = False  # set while Init itself partitions or flushes
         self.gathers = 0  # units gathered because user code touched them
+        #: id(unit) -> dtype its parameters were built in, where the unit is partitioned in another one
+        self.built_dtype: dict[int, torch.dtype] = {}
+        #: id(open unit) -> its own (partition-dtype) full buffer while ``unit.full`` is the built-dtype one
+        self._narrow: dict[int, torch.Tensor] = {}
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
@@ -59,16 +69,45 @@ class InitTouchMode(TorchFunctionMode):
             u.start_gather(owner.pg, owner.ledger, "init")
             u.finish_gather()
             self.gathers += 1
+            built = self.built_dtype.get(id(u))
+            if built is not None:  # edit in the dtype the parameters were built in
+                self._narrow[id(u)] = u.full
+                u.full = u.full.to(built)
+                for s in u.slots:
+                    s.param.data = u._view(s)
+            u.users += 1  # held open: a GatheredParameters block inside Init does not release it
             self.open[id(u)] = (u, owner)
-            while len(self.open) > 1 and sum(x.numel for x, _ in self.open.values()) > self.budget:
-                self._flush(next(iter(self.open)))
+            for key in list(self.open):
+                if len(self.open) <= 1 or sum(x.numel for x, _ in self.open.values()) <= self.budget:
+                    break
+                self._flush(key)
         finally:
             self.busy = False
 
+    def forget(self, u: ShardedUnit) -> Optional[torch.dtype]:
+        """Stop tracking ``u`` (Init replaces it); its parameters keep whatever values they hold now.
+        Returns the dtype its parameters were built in, if it differs from the unit's."""
+        if self.open.pop(id(u), None) is not None:
+            u.users -= 1
+            narrow = self._narrow.pop(id(u), None)
+            del narrow  # ``u.full`` (built dtype) stays: the parameters point at it
+        return self.built_dtype.pop(id(u), None)
+
     def _flush(self, key: int) -> None:
-        u, owner = self.open.pop(key)
-        if u.state is not ShardState.UNSHARDED or u.users > 0:  # released or held by GatheredParameters
+        u, owner = self.open[key]
+        if u.state is ShardState.UNSHARDED and u.users > 1:  # held by GatheredParameters: later
             return
+        del self.open[key]
+        narrow = self._narrow.pop(id(u), None)
+        if u.state is not ShardState.UNSHARDED:  # released by someone else
+            if narrow is not None:
+                u.full = narrow
+            return
+        u.users -= 1
+        if narrow is not None:  # the one cast down, as without Init
+            with torch.no_grad():
+                narrow.copy_(u.full)
+            u.full = narrow
         if dist.get_world_size(owner.pg) > 1:
             src = dist.get_global_rank(owner.pg, 0) if owner.pg is not None else 0
             comm.broadcast(u.full, src, owner.pg, owner.ledger, "init")
@@ -78,8 +117,8 @@ class InitTouchMode(TorchFunctionMode):
     def flush_all(self) -> None:
         self.busy = True
         try:
-            while self.open:
-                self._flush(next(iter(self.open)))
+            for key in list(self.open):
+                self._flush(key)
         finally:
             self.busy = False
 

@@ -247,9 +247,11 @@ def shard_unit(
         cursor += p.numel()
     padded = max(-(-cursor // world_size) * world_size, world_size)
     bucket = Bucket(0, 0, padded, slots, world_size)
-    full = torch.zeros(padded, dtype=named[0][1].dtype, device=named[0][1].device)
-    for s in slots:
+    full = torch.empty(padded, dtype=named[0][1].dtype, device=named[0][1].device)
+    full[cursor:].zero_()
+    for s in slots:  # each parameter's own storage is dropped as soon as its values are copied
         full[s.offset : s.offset + s.numel].copy_(s.flat_values(s.param.detach()))
+        s.param.data = s.view(full[s.offset : s.offset + s.numel])
     if sync is not None:
         sync(full)  # e.g. broadcast from rank 0 so every rank shards the same values
     shard_numel = padded // world_size
@@ -257,8 +259,6 @@ def shard_unit(
     group = FlatGroup(0, shard, [bucket], slots, shard_offset=rank * shard_numel)
     unit = ShardedUnit(name, group, rank, world_size, persistent=persistent)
     unit.full = full
-    for s in slots:
-        s.param.data = s.view(full[s.offset : s.offset + s.numel])
     unit.state = ShardState.UNSHARDED
     if not persistent:
         unit.release()

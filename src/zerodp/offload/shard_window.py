@@ -1,0 +1,78 @@
+"""Parameter shards resident during the NVMe optimizer step (stage 3, ``offload_param`` and
+``offload_optimizer`` both on NVMe).
+
+The step updates this rank's pieces sub-group by sub-group (:mod:`zerodp.offload.nvme`); a piece is a
+view of its stage-3 unit's shard, which lives in the parameter swap file between uses
+(:mod:`zerodp.offload.param_swap`). Instead of making every shard resident for the whole step,
+:class:`ShardWindow` pins the shards of the units whose pieces are in sub-group k just before k is
+updated (their reads were queued while k-1 was updated), queues the reads of k+1's, and unpins,
+dirty (written home), those k+1 does not need. A unit may span sub-groups (it stays pinned across
+them). Resident shard bytes during the step are therefore those of two consecutive sub-groups (at
+most ``2 x sub_group_size`` elements plus the units cut by the boundaries), plus read-ahead.
+ZeRO-Infinity (Rajbhandari et al., SC21) section 5: parameters and optimizer states stream through
+bounded buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Protocol, Sequence
+
+from zerodp.runtime.partition import FlatGroup
+
+
+class ShardAccess(Protocol):
+    """The parameter offload's per-group residency (:class:`zerodp.offload.param_swap.ParamOffload`)."""
+
+    def prefetch(self, groups: Sequence[FlatGroup]) -> None: ...
+    def pin(self, groups: Sequence[FlatGroup]) -> None: ...
+    def unpin(self, groups: Sequence[FlatGroup], dirty: bool) -> None: ...
+
+
+class ShardWindow:
+    """Parameter shards resident during the sub-group loop: ``need[k]`` are the flat groups whose
+    shards sub-group k writes. :meth:`enter` pins k's (reads queued at k-1) and queues k+1's reads;
+    :meth:`leave` unpins, dirty, those k+1 does not need. No-op without an access."""
+
+    def __init__(self, access: Optional[ShardAccess], need: list[list[FlatGroup]]) -> None:
+        self.access = access
+        self.need = need
+        self.held: list[FlatGroup] = []
+        if access is not None and need:
+            access.prefetch(need[0])
+
+    def enter(self, k: int) -> None:
+        """Before updating sub-group k: its shards pinned (resident), k+1's reads queued."""
+        if self.access is None:
+            return
+        new = [g for g in self.need[k] if not any(g is h for h in self.held)]
+        self.access.pin(new)
+        self.held += new
+        if k + 1 < len(self.need):
+            self.access.prefetch(self.need[k + 1])
+
+    def leave(self, k: int) -> None:
+        """After updating sub-group k: unpin (dirty) the shards sub-group k+1 does not need."""
+        if self.access is None:
+            return
+        keep = self.need[k + 1] if k + 1 < len(self.need) else []
+        drop = [g for g in self.held if not any(g is x for x in keep)]
+        self.held = [g for g in self.held if any(g is x for x in keep)]
+        self.access.unpin(drop, dirty=True)
+
+    def close(self) -> None:
+        """Unpin what is still held (dirty: it may have been updated)."""
+        if self.access is not None and self.held:
+            held, self.held = self.held, []
+            self.access.unpin(held, dirty=True)
+
+
+def unique_groups(groups: Iterable[FlatGroup]) -> list[FlatGroup]:
+    """``groups`` without repeats (by identity), in first-seen order."""
+    out: list[FlatGroup] = []
+    for g in groups:
+        if not any(g is h for h in out):
+            out.append(g)
+    return out
+
+
+__all__ = ["ShardAccess", "ShardWindow", "unique_groups"]
