@@ -17,6 +17,7 @@ Tolerance metric ("err"): max over elements of |a - b| / (ATOL + RTOL |b|); <= 1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -568,6 +569,99 @@ def crash_safety(stage: int, ctx: Context) -> dict:
             "listing_after_crash": listing_after_crash, "loaded": path.name, "previous_loads": previous_loads,
             "latest_after_retry": latest_after_retry, "latest_final": (d / "latest").read_text(),
             "overwrite_loads": overwrite_loads, "listing_final": sorted(os.listdir(d))}
+
+
+#: the parameters :func:`freeze_midrun` freezes after initialize: partitioned at stage 3 (``fc1.bias``,
+#: ``fc2.weight``) and persistent (``scale``)
+def midrun_frozen(m: Zoo) -> list[nn.Parameter]:
+    return [m.fc1.bias, m.fc2.weight, m.scale]
+
+
+@scenario
+def freeze_midrun(stage: int, ctx: Context) -> dict:
+    """Every parameter trains at initialize; after step 1 some are frozen (``requires_grad_(False)``),
+    step 2 runs, a checkpoint is saved while they are frozen; step 3 frozen, then unfrozen for steps 4-5.
+    A fresh engine (all parameters training, as at initialize) loads the checkpoint, freezes them the
+    same way and repeats steps 3-5: losses, parameters, fp32 pieces and optimizer state must equal the
+    run without the save/load bit for bit, and the run must match plain PyTorch doing the same.
+    Argument ``offload``: ``offload_optimizer.device = "cpu"``; ``nvme``: ``"nvme"`` (swap files under
+    the checkpoint directory, sub-groups of 40 elements)."""
+    n = world()
+    micro = GLOBAL_ROWS // n
+    d = ctx.ckpt_dir / (f"freeze-w{n}-s{stage}" + (f"-{ctx.arg}" if ctx.arg else ""))
+
+    def make(seed: int) -> tuple[Zoo, zerodp.Engine]:
+        torch.manual_seed(seed)
+        model = Zoo()
+        cfg = config(stage, micro)
+        if ctx.arg == "offload":
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        elif ctx.arg == "nvme":
+            swap = ctx.ckpt_dir / "swap"
+            swap.mkdir(exist_ok=True)
+            cfg["zero_optimization"].update(sub_group_size=40, offload_optimizer={"device": "nvme",
+                                                                                  "nvme_path": str(swap)})
+        return model, zerodp.initialize(model, cfg, model_parameters=zoo_groups(model))
+
+    def resident(e: zerodp.Engine) -> contextlib.AbstractContextManager:
+        """NVMe: masters and optimizer states read into memory for the block (piece_states reads them)."""
+        return e.offload.resident(e.optimizer) if ctx.arg == "nvme" else contextlib.nullcontext()
+
+    def set_frozen(m: Zoo, frozen: bool) -> None:
+        for p in midrun_frozen(m):
+            p.requires_grad_(not frozen)
+
+    ref, ref_opt = reference()
+    model, engine = make(1234)
+    ref_losses, losses = [], []
+    for step in range(3):
+        if step == 2:
+            set_frozen(model, True)
+            set_frozen(ref, True)
+        losses.append(global_loss(engine_step(engine, step, micro, 1, noise=False)))
+        ref_losses.append(ref_step(ref, ref_opt, step))
+    engine.save_checkpoint(d)
+    meta = json.loads((d / "global_step3" / "meta.json").read_text())
+    records = {r["name"]: [r["trained"], r["requires_grad"]] for r in meta["params"]}
+
+    def rest(m: Zoo, e: zerodp.Engine, r: Optional[Zoo] = None) -> list[torch.Tensor]:
+        out = []
+        for step in range(3, 6):
+            if step == 4:
+                set_frozen(m, False)
+                if r is not None:
+                    set_frozen(r, False)
+            out.append(global_loss(engine_step(e, step, micro, 1, noise=False)))
+            if r is not None:
+                ref_losses.append(ref_step(r, ref_opt, step))
+        return out
+
+    losses += rest(model, engine, ref)
+    final = engine.module_state_dict()
+    with resident(engine):
+        states, values = piece_states(engine), piece_values(engine)
+    ref_err = max([err(a, b) for a, b in zip(losses, ref_losses)]
+                  + [err(a, b) for a, b in zip(full_params(model), ref.parameters())])
+
+    model2, engine2 = make(999)  # every parameter trains, as in the saving engine at initialize
+    engine2.load_checkpoint(d)
+    loaded_equal = same_state_dict(load_full_state_dict(d), engine2.module_state_dict())
+    set_frozen(model2, True)  # the loop's freeze schedule, re-applied after the load
+    losses2 = rest(model2, engine2)
+    with resident(engine2):
+        states2, values2 = piece_states(engine2), piece_values(engine2)
+    params_equal = same_state_dict(final, engine2.module_state_dict())
+    engine.close()
+    engine2.close()
+    return {
+        "records": records, "ref_err": ref_err, "loaded_equal": loaded_equal,
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(losses[3:], losses2)),
+        "params_equal": params_equal, "pieces_equal": same_piece_values(values, values2),
+        "states_equal": [s[:3] for s in states] == [s[:3] for s in states2] and all(
+            a[3].keys() == b[3].keys() and all(torch.equal(a[3][k], b[3][k]) for k in a[3])
+            for a, b in zip(states, states2)),
+        "pieces_with_state": sum(1 for s in states2 if s[3]),
+    }
 
 
 def parse_spec(spec: str, stages: list[int]) -> list[tuple[str, str, int, Optional[str]]]:

@@ -196,6 +196,38 @@ def test_crash_between_rank_writes(launches: dict) -> None:
         assert res["listing_final"] == ["global_step2", "global_step4", "latest"]
 
 
+#: stages of the mid-run freeze round trip, and the offloaded ones (offload_optimizer needs stage >= 1;
+#: "offload": device cpu, "nvme": device nvme)
+FREEZE_CASES = [(s, "") for s in (0, 1, 2, 3)] + [(s, "offload") for s in (1, 2, 3)] + [(s, "nvme") for s in (2, 3)]
+
+
+@pytest.fixture(scope="module")
+def freeze_launch(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """One world-2 launch of every :data:`FREEZE_CASES` scenario (its own checkpoint directory)."""
+    scenarios = ",".join(f"freeze_midrun@{s}" + (f":{a}" if a else "") for s, a in FREEZE_CASES)
+    return run_worker(2, "0", scenarios, worker=WORKER,
+                      extra_args=["--ckpt-dir", str(tmp_path_factory.mktemp("ckpt-freeze"))])
+
+
+@pytest.mark.parametrize("stage,arg", FREEZE_CASES)
+def test_checkpoint_saved_while_frozen_midrun(freeze_launch: list[dict], stage: int, arg: str) -> None:
+    """A parameter trained at initialize and frozen (requires_grad_(False)) when the checkpoint is
+    saved is recorded as trained with its optimizer state, loads into an engine where it trains, and
+    the run continues bit for bit as without the save/load (and as plain PyTorch does)."""
+    key = f"freeze_midrun/stage{stage}" + (f":{arg}" if arg else "")
+    results = per_rank({2: freeze_launch}, 2, key)
+    for r, res in enumerate(results):
+        frozen = {"fc1.bias", "fc2.weight", "scale"}
+        assert res["records"] == {n: [True, n not in frozen] for n in res["records"]}, res["records"]
+        assert res["loaded_equal"], f"rank {r}: loaded values differ from the checkpoint's"
+        assert res["losses_equal"], f"rank {r}: losses after the load are not bit-identical"
+        assert res["params_equal"], f"rank {r}: parameters after the load are not bit-identical"
+        assert res["pieces_equal"], f"rank {r}: fp32 pieces after the load are not bit-identical"
+        assert res["states_equal"], f"rank {r}: optimizer state after the load is not bit-identical"
+        assert res["ref_err"] <= 1, f"rank {r}: mid-run freezing differs from plain PyTorch ({res['ref_err']})"
+    assert sum(res["pieces_with_state"] for res in results) > 0
+
+
 # ---- single rank, in this process ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def process_group() -> Iterator[None]:
@@ -298,11 +330,27 @@ def test_refuses_shape_mismatch(process_group: None, ckpt: Path) -> None:
     assert "parameter 'fc1.weight' has shape [7, 13] in the checkpoint but [8, 13] in the model" in msg
 
 
-def test_refuses_requires_grad_mismatch(process_group: None, ckpt: Path) -> None:
-    model = Zoo()
-    model.fc1.bias.requires_grad_(False)
-    engine = zoo_engine(model=model)
-    refused(engine, ckpt, "parameter 'fc1.bias' has requires_grad=True in the checkpoint but False")
+def test_refuses_requires_grad_mismatch(process_group: None, ckpt: Path, tmp_path: Path) -> None:
+    """Frozen at initialize on one side only: refused both ways, naming the parameter and the way out.
+    A checkpoint saved while the parameter was frozen mid-run counts as trained."""
+    def bias_frozen() -> zerodp.Engine:
+        model = Zoo()
+        model.fc1.bias.requires_grad_(False)
+        return zoo_engine(model=model)
+
+    engine = bias_frozen()
+    msg = refused(engine, ckpt, "parameter 'fc1.bias' is trained in the checkpoint but was frozen "
+                  r"\(requires_grad=False\) at zerodp.initialize of this engine")
+    assert "load_full_state_dict" in msg
+    engine.save_checkpoint(tmp_path)  # fc1.bias frozen at initialize
+    refused(zoo_engine(), tmp_path, "parameter 'fc1.bias' was frozen \\(requires_grad=False\\) at "
+            "zerodp.initialize of the engine that saved the checkpoint .* but trains in this engine")
+    midrun = zoo_engine()
+    train(midrun)
+    midrun.module.fc1.bias.requires_grad_(False)
+    midrun.save_checkpoint(tmp_path / "midrun")
+    refused(bias_frozen(), tmp_path / "midrun",
+            r"'fc1.bias' is trained in the checkpoint \(frozen mid-run when saved\) but was frozen")
 
 
 def test_refuses_different_tying(process_group: None, ckpt: Path, tmp_path: Path) -> None:
@@ -328,6 +376,9 @@ def corrupt_meta(d: Path, edit: Callable[[dict], None]) -> None:
     ("version", r"format version 99 is not supported"),
     ("wrong_type", r"'global_steps' should be int, got str"),
     ("gap", r"the saved pieces of parameter 'fc1.weight' do not cover its elements"),
+    ("old_midrun_freeze", r"meta.json: rank0.safetensors holds optimizer pieces of parameter 'fc1.bias', which "
+                          r"meta.json records as not trained with requires_grad=False: this checkpoint was saved "
+                          r"by an older zerodp while 'fc1.bias' was frozen mid-run"),
     ("deleted", r"global_step2 does not exist or has no meta.json"),
 ])
 def test_refuses_corrupt_meta(process_group: None, ckpt: Path, case: str, match: str) -> None:
@@ -344,6 +395,9 @@ def test_refuses_corrupt_meta(process_group: None, ckpt: Path, case: str, match:
         def drop(m: dict) -> None:
             m["ranks"][0]["pieces"] = [p for p in m["ranks"][0]["pieces"] if p["name"] != "fc1.weight"]
         corrupt_meta(ckpt, drop)
+    elif case == "old_midrun_freeze":  # what zerodp wrote before it recorded mid-run freezing as trained
+        corrupt_meta(ckpt, lambda m: [r.update(trained=False, requires_grad=False) for r in m["params"]
+                                      if r["name"] == "fc1.bias"])
     else:
         meta_file.unlink()
     engine = zoo_engine()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 import zerodp
 from zerodp.offload.aio import AsyncIO, SwapFile, aligned_buffer
@@ -244,3 +245,60 @@ def test_edit_of_parameter_without_gradient_reaches_offloaded_master(device, thr
         bench_offload.NVME_ENGINES.clear()
         assert "swap / raw" in report and "blocked on reads" in report and "1 stream(s)" in report, report
     engines[1].close()
+
+
+class ElsewhereTensor(torch.Tensor):
+    """Stands for a tensor on an accelerator on a CPU-only machine: its data is in host memory, but
+    ``device`` reports ``meta``, and a torch op that takes it together with a plain host tensor of one
+    or more dimensions raises, as PyTorch does for tensors on two devices; ``copy_`` is allowed (it
+    copies across devices). Wrap with ``torch.Tensor._make_subclass(ElsewhereTensor, t)`` (same storage)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func == torch.Tensor.device.__get__:
+            return torch.device("meta")
+        if func is not torch.Tensor.copy_:
+            leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if any(type(t) is cls for t in leaves) and any(type(t) is not cls and t.dim() > 0 for t in leaves):
+                raise RuntimeError(f"{getattr(func, '__name__', func)}: expected all tensors on the same device, "
+                                   "got a device tensor and a host tensor")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_edit_folding_with_parameters_on_another_device(device, tmp_path, monkeypatch):
+    """Parameters on an accelerator, masters in host memory: folding in-place edits into the masters
+    (cpu: ``fold_edits``; nvme: every sub-group, as after a skipped step) uses no op that needs both on
+    one device, and folds exactly what it folds when both are in host memory (several host chunks per
+    piece). The parameter pieces are :class:`ElsewhereTensor` views of the engine's buffers."""
+    from zerodp.accessors import safe_get_full_fp32_param
+
+    monkeypatch.setattr("zerodp.offload.host.FOLD_CHUNK_NUMEL", 4)
+
+    def build(elsewhere: bool) -> zerodp.Engine:
+        torch.manual_seed(0)
+        zc = {"stage": 2, "sub_group_size": 20,
+              "offload_optimizer": {"device": device, "nvme_path": str(tmp_path)}}
+        e = zerodp.initialize(nn.Linear(6, 5), {"optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+                                                "bf16": {"enabled": True}, "zero_optimization": zc})
+        e.backward(e(torch.ones(3, 6).bfloat16()).float().square().mean())
+        e.step()
+        with torch.no_grad():
+            e.module.weight[1:3].mul_(0.5)
+            e.module.bias[0] = 3.0
+        originals = [p.tensor for p in e.offload.pieces]
+        if elsewhere:
+            for p in e.offload.pieces:
+                p.tensor = torch.Tensor._make_subclass(ElsewhereTensor, p.tensor)
+        e.offload.fold_edits() if device == "cpu" else e.offload.skipped_step()
+        for p, t in zip(e.offload.pieces, originals):
+            p.tensor = t
+        return e
+
+    plain, moved = build(False), build(True)
+    for a, b in zip(plain.module.parameters(), moved.module.parameters()):
+        assert torch.equal(safe_get_full_fp32_param(a), safe_get_full_fp32_param(b))
+    assert safe_get_full_fp32_param(moved.module.bias)[0] == 3.0  # the edit reached the master
+    plain.close()
+    moved.close()

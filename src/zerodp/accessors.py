@@ -6,7 +6,8 @@ at stages 1-3 and world size > 1 (every rank of the engine's process group must 
 order): a rank holds only the pieces of the parameter it owns, so the full value is summed from every
 rank's pieces (each element is owned by exactly one rank; one all-reduce of ``numel + 1`` fp32
 elements, recorded in the comm report as purpose ``accessors``). Values are fp32 tensors of the
-parameter's full shape, fresh copies (changing them changes nothing); the setters write into the
+parameter's full shape on the device of the engine's flat buffers (as DeepSpeed's; offloaded host
+masters and states are copied there), fresh copies (changing them changes nothing); the setters write into the
 engine's own state (fp32 masters, module-dtype values, optimizer state).
 
 Gradients are available between the ``engine.backward`` of the last micro-step of an accumulation
@@ -97,10 +98,13 @@ def _pieces(g: FlatGroup, s: ParamSlot) -> list[Piece]:
     return [pc for pc in g.pieces if pc.slot is s]
 
 
-def _assemble(engine: AccessedEngine, s: ParamSlot, fill: Callable[[torch.Tensor], bool]) -> Optional[torch.Tensor]:
+def _assemble(engine: AccessedEngine, s: ParamSlot, fill: Callable[[torch.Tensor], bool],
+              device: torch.device) -> Optional[torch.Tensor]:
     """Sum every rank's contribution (``fill(full)`` writes this rank's elements, returns whether it
-    had any) into a full fp32 tensor; None if no rank had any."""
-    buf = torch.zeros(s.numel + 1, dtype=torch.float32)
+    had any) into a full fp32 tensor on ``device`` (the flat group's: NCCL reduces only device
+    tensors); None if no rank had any. ``fill`` writes with ``copy_``, which takes host (offloaded)
+    values too."""
+    buf = torch.zeros(s.numel + 1, dtype=torch.float32, device=device)
     buf[-1] = float(fill(buf[:-1]))
     if engine.world_size > 1:
         if engine.stage == 0:  # every rank holds everything: agree on presence only
@@ -120,7 +124,7 @@ def _copy_pieces(s: ParamSlot, pieces: list[Piece], full: torch.Tensor,
     for pc in pieces:
         v = value(pc)
         if v is not None:
-            full[pc.lo - s.offset : pc.hi - s.offset] = v.detach().float()
+            full[pc.lo - s.offset : pc.hi - s.offset].copy_(v.detach())  # any device; cast to fp32
             any_ = True
     return any_
 
@@ -148,7 +152,7 @@ def safe_get_full_grad(param: nn.Parameter) -> Optional[torch.Tensor]:
         _copy_pieces(s, _pieces(g, s), full, lambda pc: reducer.piece_grad(g, pc.lo, pc.hi))  # type: ignore[attr-defined]
         return present
 
-    out = _assemble(engine, s, fill)
+    out = _assemble(engine, s, fill, g.buffer.device)
     if out is not None and engine.loss_scaler is not None:
         out.div_(engine.loss_scale)
     return out
@@ -174,7 +178,7 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor:
         if engine.stage == 3:
             r = _shard_range(g, s)
             if r is not None:
-                full[r[0] - s.offset : r[1] - s.offset] = g.buffer[r[0] - g.shard_offset : r[1] - g.shard_offset].float()
+                full[r[0] - s.offset : r[1] - s.offset].copy_(g.buffer[r[0] - g.shard_offset : r[1] - g.shard_offset])
         elif engine.stage >= 1:  # the owned ranges only (pieces), so that the sum counts each element once
             _copy_pieces(s, _pieces(g, s), full, lambda pc: pc.tensor)
         else:
@@ -183,7 +187,7 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor:
         return True
 
     with _resident(engine, g):  # offload_param: this rank's shard, read back for the call; NVMe masters
-        out = _assemble(engine, s, fill)
+        out = _assemble(engine, s, fill, g.buffer.device)
     assert out is not None
     return out
 
@@ -211,7 +215,7 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
                             lambda pc: state.get(pc.opt_tensor, {}).get(optim_state_key))
 
     with _resident(engine, g):
-        return _assemble(engine, s, fill)
+        return _assemble(engine, s, fill, g.buffer.device)
 
 
 def _check_value(s: ParamSlot, value: torch.Tensor, what: str) -> torch.Tensor:
@@ -248,7 +252,7 @@ def _set_fp32(engine: AccessedEngine, g: FlatGroup, s: ParamSlot, param: nn.Para
     if engine.stage == 3:
         r = _shard_range(g, s)
         if r is not None:
-            g.buffer[r[0] - g.shard_offset : r[1] - g.shard_offset] = flat[r[0] - s.offset : r[1] - s.offset]
+            g.buffer[r[0] - g.shard_offset : r[1] - g.shard_offset].copy_(flat[r[0] - s.offset : r[1] - s.offset])
         if not is_sharded(param):  # gathered right now (persistent or inside a forward)
             param.data.copy_(s.view(flat).to(param.dtype))
     else:

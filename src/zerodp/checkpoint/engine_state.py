@@ -153,9 +153,13 @@ def optimizer_group_names(engine: Engine) -> list[list[str]]:
 
 
 def trained_slots(engine: Engine) -> list[ParamSlot]:
-    """Slots of the parameters the optimizer updates. A stage-3 unit also holds frozen parameters and
-    ones left out of ``model_parameters`` (``group_index`` -1): those are saved like frozen ones."""
-    return [s for g in engine.groups for s in g.slots if s.group_index >= 0 and s.param.requires_grad]
+    """Slots of the parameters the optimizer's partitions cover: fixed at ``zerodp.initialize`` (a
+    parameter with ``requires_grad=True`` there, in ``model_parameters``), whatever its
+    ``requires_grad`` now. A parameter frozen mid-run (``requires_grad_(False)`` after initialize) keeps
+    its pieces, master and optimizer state, so it is saved and loaded as trained; its current flag only
+    says whether it gets a gradient. A stage-3 unit also holds parameters frozen at initialize and ones
+    left out of ``model_parameters`` (``group_index`` -1): those are saved like frozen ones."""
+    return [s for g in engine.groups for s in g.slots if s.group_index >= 0]
 
 
 def group_hyperparameters(meta: CheckpointMeta, names: list[str]) -> Optional[dict[str, Any]]:

@@ -17,7 +17,7 @@ from zerodp.checkpoint.engine_state import (describe_model, engine_precision, gr
 from zerodp.checkpoint.format import (IMPLEMENTATION_OPTIONS, SCHEDULED_OPTIONS, CheckpointError, PathLike,
                                       dtype_name)
 from zerodp.checkpoint.layout import CheckpointLayout, layout_for
-from zerodp.checkpoint.meta import CheckpointMeta
+from zerodp.checkpoint.meta import CheckpointMeta, TensorRecord
 from zerodp.checkpoint.protocol import CheckpointableEngine as Engine
 from zerodp.checkpoint.reader import CheckpointReader, resolve_checkpoint
 
@@ -27,7 +27,9 @@ def check_compatible(meta: CheckpointMeta, engine: Engine) -> None:
 
     Raises:
         CheckpointError: listing every difference: names only one side has, tied names that differ,
-            parameter/buffer kind, shape or requires_grad mismatches, or an optimizer param group whose
+            parameter/buffer kind or shape mismatches, a parameter trained on one side and frozen at
+            initialize on the other (a trained parameter frozen mid-run, ``requires_grad_(False)`` after
+            initialize, is trained on both sides), or an optimizer param group whose
             parameters were saved in groups with different hyperparameters.
     """
     params, buffers, keys = describe_model(engine)
@@ -64,9 +66,8 @@ def check_compatible(meta: CheckpointMeta, engine: Engine) -> None:
                             "memory format it had when saved (e.g. model.to(memory_format=torch.channels_last)) "
                             "before zerodp.initialize, or load zerodp.checkpoint.load_full_state_dict(...) "
                             "with engine.load_module_state_dict")
-        elif kind_mine[k] == "parameter" and a.requires_grad != b.requires_grad:
-            problems.append(f"parameter {k!r} has requires_grad={a.requires_grad} in the checkpoint but "
-                            f"{b.requires_grad} in the model")
+        elif kind_mine[k] == "parameter" and _trains(a) != _trains(b):
+            problems.append(_training_mismatch(k, a, b))
     if not problems:
         for i, names in enumerate(optimizer_group_names(engine)):
             try:
@@ -75,6 +76,28 @@ def check_compatible(meta: CheckpointMeta, engine: Engine) -> None:
                 problems.append(f"optimizer param group {i}: {e}")
     if problems:
         raise CheckpointError("; ".join(problems))
+
+
+def _trains(rec: TensorRecord) -> bool:
+    """Whether the engine trains the parameter: covered by its optimizer partitions (``trained``, fixed
+    at ``zerodp.initialize``; its ``requires_grad`` may be False now, frozen mid-run), or left out of
+    ``model_parameters`` with ``requires_grad=True``. Only parameters frozen at initialize are False."""
+    return rec.trained or rec.requires_grad
+
+
+def _training_mismatch(name: str, saved: TensorRecord, mine: TensorRecord) -> str:
+    """The problem line for a parameter trained on one side and frozen at initialize on the other."""
+    if _trains(saved):
+        when = " (frozen mid-run when saved)" if saved.trained and not saved.requires_grad else ""
+        return (f"parameter {name!r} is trained in the checkpoint{when} but was frozen (requires_grad=False) "
+                "at zerodp.initialize of this engine, so its saved optimizer state would be dropped: set "
+                "requires_grad=True before zerodp.initialize (freeze it after initialize if it should not "
+                "train yet), or load only the values with zerodp.checkpoint.load_full_state_dict(...) and "
+                "engine.load_module_state_dict")
+    return (f"parameter {name!r} was frozen (requires_grad=False) at zerodp.initialize of the engine that saved "
+            "the checkpoint (no optimizer state saved) but trains in this engine: freeze it before "
+            "zerodp.initialize as when saving, or load only the values with "
+            "zerodp.checkpoint.load_full_state_dict(...) and engine.load_module_state_dict")
 
 
 @dataclass
@@ -196,8 +219,9 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: Optional[str] = Non
         CheckpointError (on every rank, before anything is changed): no such checkpoint; ``meta.json``
             missing, corrupt or of another version; a rank file missing, truncated or not matching
             ``meta.json``; saved pieces not covering a parameter; the model differs (names each
-            missing or extra name, shape or requires_grad mismatch); saved with another precision and
-            holding values this engine's dtype cannot represent (see [Note: precision]).
+            missing or extra name, shape mismatch, a parameter frozen at initialize on one side only);
+            saved with another precision and holding values this engine's dtype cannot represent (see
+            [Note: precision]).
     """
     layout = layout_for(engine)
 

@@ -66,11 +66,20 @@ class RankRecord(_Record):
         return names
 
 
+class MisrecordedFreezeError(CheckpointError):
+    """``meta.json`` written by an older zerodp while a trained parameter was frozen mid-run: it records
+    the parameter as not trained although the rank files hold its pieces (not corrupt, not loadable)."""
+
+
 class TensorRecord(_Record):
     """A parameter or persistent buffer of the module, under its first ``state_dict`` name.
 
-    ``trained``: optimized by the engine, so its values are in the rank files' pieces (fp32);
-    otherwise (frozen parameters, buffers) they are in ``model_extra.safetensors`` in ``dtype``.
+    ``trained``: optimized by the engine (covered by its optimizer partitions, fixed at
+    ``zerodp.initialize``), so its values are in the rank files' pieces (fp32); otherwise (parameters
+    frozen at initialize, buffers) they are in ``model_extra.safetensors`` in ``dtype``.
+    ``requires_grad``: the flag when saved; a trained parameter frozen mid-run has ``False`` (loading
+    does not change a model's flags). Older zerodp versions recorded such a parameter as not trained
+    while writing its pieces; :meth:`CheckpointMeta.validate` refuses those checkpoints by name.
     """
 
     name: str
@@ -205,6 +214,14 @@ class CheckpointMeta(_Record):
         for rr in self.ranks:
             for p in rr.pieces:
                 rec = by_name.get(p.name)
+                if rec is not None and not rec.trained and not rec.requires_grad:
+                    raise MisrecordedFreezeError(
+                        f"{rr.file} holds optimizer pieces of parameter {p.name!r}, which meta.json records "
+                        "as not trained with requires_grad=False: this checkpoint was saved by an older "
+                        f"zerodp while {p.name!r} was frozen mid-run (requires_grad_(False) after "
+                        "zerodp.initialize), which recorded it wrongly; its values are not in model_extra "
+                        "and it cannot be loaded. Save again with this version (freezing mid-run is "
+                        "recorded correctly now)")
                 if rec is None or not rec.trained:
                     raise CheckpointError(f"{rr.file} holds a piece of {p.name!r}, which is not a trained "
                                           "parameter")
@@ -252,6 +269,8 @@ def read_meta(path: Path) -> CheckpointMeta:
         raise CheckpointError(f"{file} is corrupt (not readable JSON): {e}") from None
     try:
         return CheckpointMeta.from_json(obj)
+    except MisrecordedFreezeError as e:
+        raise CheckpointError(f"{file}: {e}") from None
     except CheckpointError as e:
         raise CheckpointError(f"{file} is corrupt: {e}") from None
 

@@ -226,9 +226,35 @@ class HostOptimizerOffload:
         self.copies.close()
 
 
+#: elements of a device parameter copied into host memory at a time by :func:`fold_edit` (bounds its
+#: host scratch: 8 MiB in bf16)
+FOLD_CHUNK_NUMEL = 1 << 22
+
+
 def fold_edit(tensor: torch.Tensor, master: torch.Tensor) -> bool:
     """Copy the elements of ``tensor`` (module dtype) that differ from ``master``'s cast into
-    ``master`` (fp32), in place; True if any did."""
+    ``master`` (fp32), in place; True if any did.
+
+    Shapes: both 1-D with the same number of elements. ``tensor`` may live on another device than
+    ``master`` (a CUDA parameter piece, a host master): it is then copied into a host scratch of at most
+    :data:`FOLD_CHUNK_NUMEL` elements at a time (``copy_``, exact) and compared there, since comparisons
+    and indexing need both operands on one device. Same device (CPU-only machine): compared in place.
+    """
+    if tensor.device == master.device:
+        return _fold_edit_here(tensor, master)
+    n = tensor.numel()
+    scratch = torch.empty(min(n, FOLD_CHUNK_NUMEL), dtype=tensor.dtype, device=master.device)
+    changed = False
+    for lo in range(0, n, FOLD_CHUNK_NUMEL):
+        hi = min(n, lo + FOLD_CHUNK_NUMEL)
+        local = scratch[: hi - lo]
+        local.copy_(tensor[lo:hi])  # waits for the device (a blocking device -> host copy)
+        changed |= _fold_edit_here(local, master[lo:hi])
+    return changed
+
+
+def _fold_edit_here(tensor: torch.Tensor, master: torch.Tensor) -> bool:
+    """:func:`fold_edit` for ``tensor`` and ``master`` on the same device."""
     cast = master.to(tensor.dtype)
     if torch.equal(tensor, cast):  # the common case: one pass, no allocation in fp32
         return False
@@ -259,4 +285,4 @@ def _chunks(pieces: list[Piece], present: list[bool]) -> list[set[int]]:
     return chunks
 
 
-__all__ = ["HostOptimizerOffload", "MIN_CHUNK_NUMEL", "fold_edit", "STEP_CHUNKS", "host_empty", "storage_bytes"]
+__all__ = ["FOLD_CHUNK_NUMEL", "HostOptimizerOffload", "MIN_CHUNK_NUMEL", "fold_edit", "STEP_CHUNKS", "host_empty", "storage_bytes"]

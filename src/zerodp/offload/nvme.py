@@ -408,7 +408,9 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             if not self._present[i]:
                 continue
             p = self.pieces[i]
-            p.tensor.copy_(masters[i], non_blocking=p.tensor.is_cuda)
+            # blocking: a non_blocking copy out of this (pinned) buffer could still be running on the
+            # device when the step reads the next sub-group into the same buffer
+            p.tensor.copy_(masters[i])
             self.steps[i] = optimizer.state.pop(p.master)["step"]
             p.master.grad = None
             p.master.data = torch.empty(0, dtype=torch.float32)
