@@ -91,6 +91,22 @@ def test_flag_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert "go with --preset infinity" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--preset", "infinity", "--assume-ram", "lots"])
+    # flags the preset would ignore are refused, naming them and what it takes
+    assert main(["train", "--preset", "infinity", "--nvme-path", str(tmp_path), "--dry-run", "--stage", "2",
+                 "--bf16", "--n-layer", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "does not take --bf16, --n-layer, --stage" in err and "--lr" in err and "--nvme-path" in err
+
+
+def test_learning_rate_follows_the_width_unless_given(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert infinity.default_lr(64) == infinity.MAX_LR  # narrow models: the cap
+    assert infinity.default_lr(2688) == pytest.approx(infinity.LR_WIDTH / 2688)
+    machine = infinity.read_machine(str(tmp_path), assume_ram=64 * MB)
+    assert infinity.plan_run(machine, nproc=1).lr == infinity.default_lr(infinity.plan_run(machine, nproc=1).model.d_model)
+    assert infinity.plan_run(machine, nproc=1, lr=3e-4).lr == 3e-4
+    assert main(["train", "--preset", "infinity", "--nvme-path", str(tmp_path), "--dry-run", "--assume-ram", "64MB",
+                 "--nproc", "1", "--lr", "0.0003"]) == 0
+    assert "AdamW lr 0.0003" in capsys.readouterr().out
 
 
 def test_measurement_helpers_read_the_kernel(tmp_path: Path) -> None:

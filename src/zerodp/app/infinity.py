@@ -94,6 +94,7 @@ class Plan:
     nproc: int
     micro_batch: int
     steps: int
+    lr: float  # AdamW learning rate (default_lr of the width unless --lr)
     states_ratio: float
     state_bytes: int
     disk_needed: dict[str, int]
@@ -157,7 +158,7 @@ def size_gpt(min_params: int, seq_len: int) -> GPTConfig:
 
 
 def plan_run(machine: Machine, nproc: int = 1, states_ratio: float = 2.0, seq_len: int = 128,
-             micro_batch: int = 1, steps: int = 3) -> Plan:
+             micro_batch: int = 1, steps: int = 3, lr: Optional[float] = None) -> Plan:
     """Size the model (states >= ``states_ratio`` x RAM) and the disk and RAM it needs (module docstring)."""
     target = math.ceil(states_ratio * machine.ram_total / STATE_BYTES)
     model = size_gpt(target, seq_len)
@@ -170,7 +171,21 @@ def plan_run(machine: Machine, nproc: int = 1, states_ratio: float = 2.0, seq_le
             "raw-I/O probe file": k.probe_bytes}
     disk["slack (3%)"] = math.ceil(0.03 * sum(disk.values()))
     ram, phases = ram_accounting(p, model, micro_batch, largest_layer, nproc, k)
-    return Plan(model, p, nproc, micro_batch, steps, states_ratio, STATE_BYTES * p, disk, ram, k, phases)
+    lr = default_lr(model.d_model) if lr is None else lr
+    return Plan(model, p, nproc, micro_batch, steps, lr, states_ratio, STATE_BYTES * p, disk, ram, k, phases)
+
+
+#: the preset's default learning rate is ``min(MAX_LR, LR_WIDTH / d_model)``
+MAX_LR = 1e-4
+LR_WIDTH = 0.01
+
+
+def default_lr(d_model: int) -> float:
+    """AdamW learning rate for the preset's GPT of width ``d_model``: Adam's first updates move every
+    weight by about ``lr``, so a layer's output moves by about ``lr x d_model`` (fan-in) per step; scaling
+    ``lr`` as ``1 / d_model`` keeps the first steps of a wide model from overshooting (at 3.2B parameters,
+    ``d_model`` 2688, a fixed 1e-4 is about 4x too large). ``--lr`` overrides it."""
+    return min(MAX_LR, LR_WIDTH / d_model)
 
 
 #: bytes of saved activations per token, layer and d_model element (bf16, no activation checkpointing):
@@ -237,7 +252,7 @@ def format_plan(plan: Plan, machine: Machine) -> str:
         f"engine: {plan.nproc} rank(s), ZeRO stage 3 built under zerodp.zero.Init, bf16, offload_optimizer nvme "
         f"(sub_group_size {plan.knobs.sub_group_size:,}), offload_param nvme (buffer_count "
         f"{plan.knobs.param_buffer_count} x {human_bytes(plan.knobs.param_buffer_size)}, max_in_cpu "
-        f"{human_bytes(plan.knobs.max_in_cpu)}); {plan.steps} steps of {plan.micro_batch} x {m.seq_len} tokens per rank",
+        f"{human_bytes(plan.knobs.max_in_cpu)}); {plan.steps} steps of {plan.micro_batch} x {m.seq_len} tokens per rank, AdamW lr {plan.lr:.3g}",
         f"disk needed {human_bytes(plan.disk_total)}:",
         *[f"  {k:<58}{human_bytes(v):>12}" for k, v in plan.disk_needed.items()],
         f"RAM needed {human_bytes(plan.ram_total)}:",
@@ -274,10 +289,28 @@ def _size(s: str) -> int:
         raise argparse.ArgumentTypeError(str(exc).replace("max shard size", "size")) from None
 
 
+#: ``zerodp train`` flags the preset uses; any other flag given with it is refused (it would be ignored)
+PRESET_FLAGS = ("nvme_path", "nproc", "steps", "seq_len", "micro_batch", "lr", "dry_run", "states_ratio",
+                "assume_ram", "assume_disk_free")
+_NOT_FLAGS = ("command", "handler", "parser", "preset")
+
+
+def ignored_flags(args: argparse.Namespace) -> list[str]:
+    """The flags given on the command line (not None) that the preset does not use, as ``--name``."""
+    return sorted("--" + k.replace("_", "-") for k, v in vars(args).items()
+                  if v is not None and k not in PRESET_FLAGS and k not in _NOT_FLAGS)
+
+
 def command(args: argparse.Namespace) -> int:
     """``zerodp train --preset infinity``: print the plan; refuse, stop (``--dry-run``) or launch."""
     if args.nvme_path is None:
         print("zerodp train: error: --preset infinity needs --nvme-path DIR (a directory on the disk to use)",
+              file=sys.stderr)
+        return 2
+    ignored = ignored_flags(args)
+    if ignored:
+        print(f"zerodp train: error: --preset infinity sizes its own model and engine; it does not take "
+              f"{', '.join(ignored)} (it takes {', '.join(sorted('--' + f.replace('_', '-') for f in PRESET_FLAGS))})",
               file=sys.stderr)
         return 2
     ratio = 2.0 if args.states_ratio is None else args.states_ratio
@@ -290,7 +323,7 @@ def command(args: argparse.Namespace) -> int:
         print(f"zerodp train: error: {exc}", file=sys.stderr)
         return 2
     plan = plan_run(machine, nproc=args.nproc, states_ratio=ratio, seq_len=args.seq_len or 128,
-                    micro_batch=args.micro_batch or 4, steps=3 if args.steps is None else args.steps)
+                    micro_batch=args.micro_batch or 4, steps=3 if args.steps is None else args.steps, lr=args.lr)
     print(format_plan(plan, machine), flush=True)
     issues = problems(plan, machine)
     for msg in issues:
@@ -308,5 +341,5 @@ def command(args: argparse.Namespace) -> int:
 
 
 def _plan_json(plan: Plan) -> dict:
-    return {"model": asdict(plan.model), "micro_batch": plan.micro_batch, "steps": plan.steps,
+    return {"model": asdict(plan.model), "micro_batch": plan.micro_batch, "steps": plan.steps, "lr": plan.lr,
             "knobs": asdict(plan.knobs), "probe_bytes": plan.knobs.probe_bytes}

@@ -42,7 +42,7 @@ def engine_config(plan: dict, nvme_path: str, world: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": plan["micro_batch"],
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.0}},
+        "optimizer": {"type": "AdamW", "params": {"lr": plan["lr"], "betas": [0.9, 0.95], "weight_decay": 0.0}},
         "bf16": {"enabled": True},
         "gradient_clipping": 1.0,
         "zero_optimization": {

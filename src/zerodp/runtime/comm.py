@@ -32,8 +32,9 @@ TRAFFIC_FACTOR: dict[str, int] = {"all_reduce": 2, "reduce_scatter": 1, "all_gat
 def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
     """Initialise the default process group from torchrun's environment variables.
 
-    Uses NCCL when CUDA is available and gloo otherwise (``backend`` overrides). Does nothing when the
-    default group is already initialised. ``timeout_s`` bounds how long a collective waits for the
+    Uses NCCL for CUDA tensors and gloo for host tensors when CUDA is available (``"cpu:gloo,cuda:nccl"``:
+    the engine's flags, norms and guards, and offloaded partitions, are host tensors), gloo otherwise
+    (``backend`` overrides). Does nothing when the default group is already initialised. ``timeout_s`` bounds how long a collective waits for the
     other ranks (torch's default when None). Without ``RANK``/``WORLD_SIZE`` in the environment (a plain
     ``python script.py``), initialises a world of one rank on a free local port.
 
@@ -45,13 +46,14 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
     if dist.is_initialized():
         return
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # CUDA tensors on NCCL, host tensors (flags, norms, guards, offloaded partitions) on gloo
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     kwargs: dict = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     if "RANK" not in os.environ:
         # a plain script: a world of one, without touching os.environ (a later torchrun-style check
         # of RANK in this process must not be fooled)
         kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, **kwargs)
 
