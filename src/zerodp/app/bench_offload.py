@@ -159,7 +159,31 @@ def swapper_only(numel: int, nvme_path: str, sub_group_size: int, steps: int = 3
     return out
 
 
-__all__ = ["swapper_only", "raw_direct_io", "swap_report", "adam_kernels", "DEEP_AIO", "NVME_ENGINES"]
+def host_step(numel: int, steps: int = 4) -> str:
+    """Median seconds of ``engine.step()`` with ``offload_optimizer.device = "cpu"`` (one rank, stage 1,
+    the :func:`swapper_only` model: the chunked CPU AdamW on the host masters and the copies back into
+    the module), with ``cpu_adam`` ``same`` (the non-offloaded engine's for-loop kernel) and ``fused``."""
+    side = 1000
+    layers = max(1, numel // (side * side))
+    rows = []
+    for cpu_adam in ("same", "fused"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(layers)])
+        engine = zerodp.initialize(model, {"optimizer": {"type": "AdamW"}, "zero_optimization": {
+            "stage": 1, "offload_optimizer": {"device": "cpu", "cpu_adam": cpu_adam}}})
+        x = torch.randn(4, side)
+        times = []
+        for _ in range(steps + 1):
+            engine.backward(engine(x).square().mean() * 1e-3)
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        engine.close()
+        rows.append(f"{cpu_adam} {statistics.median(times[1:]) * 1e3:.1f} ms")
+    return f"offload cpu engine.step(), {layers * side * side:,} fp32 elements, cpu_adam: " + ", ".join(rows)
+
+
+__all__ = ["swapper_only", "host_step", "raw_direct_io", "swap_report", "adam_kernels", "DEEP_AIO", "NVME_ENGINES"]
 
 
 if __name__ == "__main__":
@@ -182,3 +206,4 @@ if __name__ == "__main__":
                        {"queue_depth": a.queue_depth, "block_size": a.block_size}, a.buffer_count, a.cpu_adam))
     if not a.no_adam:
         print(adam_kernels(a.numel))
+        print(host_step(a.numel))
