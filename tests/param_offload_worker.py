@@ -45,7 +45,9 @@ def config(device: str, optimizer_device: str = "none", **zero: Any) -> dict:
     if place(device) is not None:
         zc["offload_param"] = place(device)
     if optimizer_device != "none":
-        zc["offload_optimizer"] = {"device": optimizer_device, "nvme_path": NVME, "buffer_count": 3}
+        # cpu_adam "same": the non-offloaded engine's Adam kernel, so the comparisons stay bitwise
+        zc["offload_optimizer"] = {"device": optimizer_device, "nvme_path": NVME, "buffer_count": 3,
+                                   "cpu_adam": "same"}
         zc["sub_group_size"] = 60
     return {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zc,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.1}},

@@ -133,9 +133,11 @@ def _split(numel: int, parts: int = 16) -> list[int]:
 
 
 def swapper_only(numel: int, nvme_path: str, sub_group_size: int, steps: int = 3,
-                 thread_count: int = 1, aio: Optional[dict[str, Any]] = None, buffer_count: int = 4) -> str:
+                 thread_count: int = 1, aio: Optional[dict[str, Any]] = None, buffer_count: int = 4,
+                 cpu_adam: str = "fused") -> str:
     """One rank, stage 1, a ``numel``-element stack of 1000 x 1000 linear layers with the optimizer on NVMe: the swap
-    report after ``steps`` steps (``python -m zerodp.app.bench_offload``). ``aio``: more ``aio`` keys."""
+    report after ``steps`` steps (``python -m zerodp.app.bench_offload``). ``aio``: more ``aio`` keys;
+    ``cpu_adam``: ``offload_optimizer.cpu_adam`` (``fused`` or ``same``)."""
     side = 1000  # layers of 1e6 elements, so sub-groups of sub_group_size form
     layers = max(1, numel // (side * side))
     torch.manual_seed(0)
@@ -144,20 +146,44 @@ def swapper_only(numel: int, nvme_path: str, sub_group_size: int, steps: int = 3
         "optimizer": {"type": "AdamW"}, "aio": {"thread_count": thread_count, **(aio or {})},
         "zero_optimization": {"stage": 1, "sub_group_size": sub_group_size,
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path,
-                                                    "buffer_count": buffer_count}}})
+                                                    "buffer_count": buffer_count, "cpu_adam": cpu_adam}}})
     NVME_ENGINES[:] = [engine]
     x = torch.randn(4, side)
     for _ in range(steps):
         engine.backward(engine(x).square().mean() * 1e-3)
         engine.step()
     out = (f"{layers * side * side:,} parameters, sub_group_size {sub_group_size:,}, buffer_count {buffer_count}, "
-           f"aio {engine.config.aio.model_dump()}\n")
+           f"cpu_adam {cpu_adam}, aio {engine.config.aio.model_dump()}\n")
     out += swap_report(nvme_path)
     engine.close()
     return out
 
 
-__all__ = ["swapper_only", "raw_direct_io", "swap_report", "adam_kernels", "DEEP_AIO", "NVME_ENGINES"]
+def host_step(numel: int, steps: int = 4) -> str:
+    """Median seconds of ``engine.step()`` with ``offload_optimizer.device = "cpu"`` (one rank, stage 1,
+    the :func:`swapper_only` model: the chunked CPU AdamW on the host masters and the copies back into
+    the module), with ``cpu_adam`` ``same`` (the non-offloaded engine's for-loop kernel) and ``fused``."""
+    side = 1000
+    layers = max(1, numel // (side * side))
+    rows = []
+    for cpu_adam in ("same", "fused"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(layers)])
+        engine = zerodp.initialize(model, {"optimizer": {"type": "AdamW"}, "zero_optimization": {
+            "stage": 1, "offload_optimizer": {"device": "cpu", "cpu_adam": cpu_adam}}})
+        x = torch.randn(4, side)
+        times = []
+        for _ in range(steps + 1):
+            engine.backward(engine(x).square().mean() * 1e-3)
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        engine.close()
+        rows.append(f"{cpu_adam} {statistics.median(times[1:]) * 1e3:.1f} ms")
+    return f"offload cpu engine.step(), {layers * side * side:,} fp32 elements, cpu_adam: " + ", ".join(rows)
+
+
+__all__ = ["swapper_only", "host_step", "raw_direct_io", "swap_report", "adam_kernels", "DEEP_AIO", "NVME_ENGINES"]
 
 
 if __name__ == "__main__":
@@ -172,9 +198,12 @@ if __name__ == "__main__":
     ap.add_argument("--block-size", type=int, default=1 << 20)
     ap.add_argument("--buffer-count", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--cpu-adam", choices=("fused", "same"), default="fused",
+                    help="offload_optimizer.cpu_adam: the kernel of the swapper's step")
     ap.add_argument("--no-adam", action="store_true", help="skip the CPU Adam kernel timings")
     a = ap.parse_args()
     print(swapper_only(a.numel, a.nvme_path, a.sub_group_size, a.steps, a.thread_count,
-                       {"queue_depth": a.queue_depth, "block_size": a.block_size}, a.buffer_count))
+                       {"queue_depth": a.queue_depth, "block_size": a.block_size}, a.buffer_count, a.cpu_adam))
     if not a.no_adam:
         print(adam_kernels(a.numel))
+        print(host_step(a.numel))

@@ -58,7 +58,7 @@ def build_offload(cfg: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: i
         raise ConfigError("zero_optimization.offload_optimizer needs zero_optimization.stage 1, 2 or 3 "
                          "(it offloads this rank's partition of the optimizer states); got stage 0")
     if cfg.device == "cpu":
-        return HostOptimizerOffload(cfg.pin_memory)
+        return HostOptimizerOffload(cfg.pin_memory, cfg.cpu_adam)
     return NvmeOptimizerOffload(cfg, aio, sub_group_size, rank, process_group)
 
 

@@ -14,6 +14,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from zerodp.offload.cpu_adam import CpuAdam
+
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
@@ -53,12 +55,19 @@ class OffloadOptimizerConfig(_OffloadTarget):
     - ``cpu``: host memory (pinned when CUDA is present); the Adam step runs on the CPU.
     - ``nvme``: swap files under ``nvme_path/zerodp_<job>/rank<r>/``, read and written with
       asynchronous direct I/O through ``buffer_count`` aligned buffers, sub-group by sub-group.
+
+    ``cpu_adam`` (zerodp's own key) chooses the Adam/AdamW kernel of the CPU step
+    (:mod:`zerodp.offload.cpu_adam`): ``"fused"`` (default) or ``"same"``.
     """
 
     pin_memory: bool = Field(False, description="page-lock the host buffers (only with CUDA present)")
     buffer_count: int = Field(4, ge=3, description="nvme: aligned sub-group buffers (>= 3: read, update, write)")
     fast_init: bool = Field(False, description="nvme: sparse swap files instead of preallocating them")
     ratio: float = Field(1.0, gt=0.0, le=1.0, description="fraction offloaded; only 1.0 is implemented")
+    cpu_adam: CpuAdam = Field("fused", description="zerodp's own key: the CPU Adam/AdamW kernel of the "
+                                                   "offloaded step, 'fused' (torch's fused CPU kernel) or "
+                                                   "'same' (the non-offloaded engine's, bitwise equal); "
+                                                   "see zerodp.offload.cpu_adam")
 
     @field_validator("ratio")
     @classmethod

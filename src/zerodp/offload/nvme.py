@@ -29,8 +29,10 @@ sub-groups.
 During a step, sub-group k's masters and moments are bound to the torch optimizer's parameters and
 state (``.data`` set to views of the buffer), the optimizer runs on that sub-group only (the other
 parameters have no gradient), the masters are cast into the module's parameters, and the buffer is
-written back. Same optimizer, same kernel, fp32 throughout: the result is bitwise the non-offloaded
-engine's. Between steps the masters are empty placeholders and the optimizer has no state in memory;
+written back. The kernel is torch's fused CPU Adam/AdamW by default (``offload_optimizer.cpu_adam``,
+:mod:`zerodp.offload.cpu_adam`; equal to the non-offloaded engine within about 1e-6 relative); with
+``cpu_adam = "same"``: same optimizer, same kernel, fp32 throughout, the result is bitwise the
+non-offloaded engine's. Between steps the masters are empty placeholders and the optimizer has no state in memory;
 :meth:`NvmeOptimizerOffload.resident` materialises both for a checkpoint.
 
 Errors, raised on every rank (collective) before any training state changes: a missing or
@@ -55,6 +57,7 @@ import torch.distributed as dist
 
 from zerodp.offload.aio import AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
+from zerodp.offload.cpu_adam import cpu_adam_kernel
 from zerodp.offload.host import HostOptimizerOffload, fold_edit, storage_bytes
 from zerodp.offload.report import offload_formula
 from zerodp.offload.shard_window import ShardAccess, ShardWindow, unique_groups
@@ -100,7 +103,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
 
     def __init__(self, cfg: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: int,
                  rank: int, process_group: Optional[dist.ProcessGroup]) -> None:
-        super().__init__(cfg.pin_memory)
+        super().__init__(cfg.pin_memory, cfg.cpu_adam)
         self.cfg = cfg
         self.aio_cfg = aio
         self.sub_group_size = sub_group_size
@@ -403,7 +406,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                 v[i].zero_()
                 self.steps[i] = torch.tensor(0.0, dtype=torch.float32)
             optimizer.state[p.master] = {"step": self.steps[i], "exp_avg": m[i], "exp_avg_sq": v[i]}
-        optimizer.step()
+        with cpu_adam_kernel(optimizer, self.cpu_adam):
+            optimizer.step()
         for i in sg.pieces:
             if not self._present[i]:
                 continue
