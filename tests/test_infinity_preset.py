@@ -99,10 +99,12 @@ def test_flag_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
 
 
 def test_learning_rate_follows_the_width_unless_given(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert infinity.default_lr(64) == infinity.MAX_LR  # narrow models: the cap
-    assert infinity.default_lr(2688) == pytest.approx(infinity.LR_WIDTH / 2688)
+    assert infinity.default_lr(64, 2) == infinity.MAX_LR  # small models: the cap
+    assert infinity.default_lr(2688, 37) == pytest.approx(infinity.LR_SCALE / (2688 * 37))
+    assert infinity.default_lr(2688, 37) < infinity.default_lr(1152, 16)  # wider and deeper: smaller
     machine = infinity.read_machine(str(tmp_path), assume_ram=64 * MB)
-    assert infinity.plan_run(machine, nproc=1).lr == infinity.default_lr(infinity.plan_run(machine, nproc=1).model.d_model)
+    m = infinity.plan_run(machine, nproc=1).model
+    assert infinity.plan_run(machine, nproc=1).lr == infinity.default_lr(m.d_model, m.n_layer)
     assert infinity.plan_run(machine, nproc=1, lr=3e-4).lr == 3e-4
     assert main(["train", "--preset", "infinity", "--nvme-path", str(tmp_path), "--dry-run", "--assume-ram", "64MB",
                  "--nproc", "1", "--lr", "0.0003"]) == 0
