@@ -22,7 +22,9 @@ the plan is refused with the bytes needed and available. Where the bytes go (all
   unit, gradient staging; and the saved activations, measured at about 36 bytes per token, layer and
   ``d_model`` in bf16) and the optimizer step (the fp32 gradient scratch of one sub-group and the
   parameter shards resident while a sub-group is updated: those of two sub-groups plus two boundary
-  layers, the fp64 norm of one layer's gradient, Adam's temporaries); 20% slack (the 3.2B run peaked 10% above the attributed rows). The raw-I/O probe runs before the model exists and is not counted.
+  layers, the fp64 norm of one layer's gradient, Adam's temporaries); 30% slack (the 3.2B runs peaked
+  20-21% above the attributed rows, cause not found). The raw-I/O probe runs before the model exists
+  and is not counted.
 
 Consequence: states of ``R`` x RAM mean ``P = R x RAM / 16`` parameters, whose gradient partition
 takes ``2 P = R x RAM / 8``: a quarter of the RAM at ``R = 2``; the rest is buffers of fixed size.
@@ -226,8 +228,9 @@ def ram_accounting(p: int, model: GPTConfig, micro_batch: int, largest_layer: in
            "parameter swap pool + read-ahead per rank": nproc * (k.param_buffer_count * k.param_buffer_size
                                                                 + k.max_in_cpu),
            f"transients per rank, larger phase ({larger})": sum(phases[larger].values())}
-    # 20%: the 3.2B run (docs/infinity.md) peaked 1.3 GB (10%) above the attributed rows, cause not found
-    ram["slack (20%)"] = math.ceil(0.2 * sum(ram.values()))
+    # 30%: the 3.2B runs (docs/infinity.md) peaked 2.5-2.6 GB (20-21%) above the attributed rows; the
+    # cause is not found, so the margin is a measured one
+    ram["slack (30%)"] = math.ceil(0.3 * sum(ram.values()))
     return ram, phases
 
 
