@@ -22,6 +22,8 @@ FAULTS = "tests/test_faults.py"
 STAGES = "tests/test_stages.py"
 INIT = "src/zerodp/zero.py"
 INIT_BUILD = "tests/test_init_build.py"
+NVME = "src/zerodp/offload/nvme.py"
+CPU_ADAM = "src/zerodp/offload/cpu_adam.py"
 
 
 @dataclass(frozen=True)
@@ -134,4 +136,12 @@ MUTANTS: list[Mutant] = [
            "                         register_module_module_registration_hook(self._on_register)]\n",
            "        self._handles = [register_module_module_registration_hook(self._on_register)]\n",
            [f"{INIT_BUILD}::test_init_build_peak_is_one_layer_above_the_shards[2]"]),
+    Mutant("nvme_deferred_gradient_keeps_only_the_first_scale_factor", NVME,
+           "        for f in self._factors:\n            out.mul_(f)\n",
+           "        for f in self._factors[:1]:\n            out.mul_(f)\n",
+           ["tests/test_offload.py::test_offload_equals_non_offloaded[1-1,2,3-bf16,fp16_overflow,edit_bf16,fp16_accum_clip]"]),
+    Mutant("offloaded_step_not_switched_to_fused_adam", CPU_ADAM,
+           "    for g in groups:\n        g[\"fused\"] = True\n",
+           "    for g in groups:\n        pass\n",
+           ["tests/test_cpu_adam.py::test_fused_offload_equals_non_offloaded[1-bf16-nvme]"]),
 ]
