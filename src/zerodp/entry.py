@@ -58,6 +58,7 @@ def initialize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     refuse_wrapped(model)
+    _refuse_init_built_below_stage3(model, cfg.zero_optimization.stage)
     comm.init_distributed()
     topology = resolve_topology(process_group, mpu)
     process_group = topology.dp_group
@@ -86,3 +87,22 @@ def initialize(
 
 
 __all__ = ["initialize"]
+
+
+def _refuse_init_built_below_stage3(model: nn.Module, stage: int) -> None:
+    """A model built under ``zerodp.zero.Init`` holds only shards of its large parameters; stages 0-2
+    need every parameter whole on every rank.
+
+    Raises:
+        ConfigError: ``stage`` < 3 and some parameter is partitioned (names it).
+    """
+    from zerodp.config import ConfigError
+    from zerodp.stage3.sharded_param import is_sharded
+
+    if stage >= 3:
+        return
+    for name, p in model.named_parameters():
+        if is_sharded(p):
+            raise ConfigError(f"zero_optimization.stage is {stage}, but the model was built under zerodp.zero.Init "
+                              f"(parameter '{name}' is partitioned): a model built under Init trains at stage 3; "
+                              "build it without Init for stages 0-2")

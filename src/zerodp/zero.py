@@ -43,6 +43,26 @@ from zerodp.stage3.units import ShardedUnit, shard_unit
 from zerodp.tiling import TiledLinear
 
 
+def _refuse_rebound_shards(units: list[ShardedUnit]) -> None:
+    """A partitioned parameter that holds memory once ``Init`` is done was re-bound while only its
+    shard existed (``p.set_(t)`` bypasses torch's function hooks, so ``Init`` cannot see it): its values
+    would be silently replaced by the shard's. Raises :class:`PartitionedParameterError` naming it."""
+    from zerodp.stage3.sharded_param import PartitionedParameterError
+    from zerodp.stage3.units import ShardState
+
+    for u in units:
+        if u.state is not ShardState.SHARDED:
+            continue
+        for s in u.slots:
+            with torch._C.DisableTorchFunctionSubclass():
+                held = s.param.untyped_storage().nbytes()
+            if held:
+                raise PartitionedParameterError(
+                    f"parameter '{u._param_name(s)}' was re-bound with set_() after zerodp.zero.Init partitioned "
+                    "it (its values would be lost): inside Init write values with `with torch.no_grad(): "
+                    "p.copy_(t)` or `p.data = t`, which are kept")
+
+
 def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
     """Gather ``param`` (owned by another module) whenever ``module`` runs forward or backward.
 
@@ -153,6 +173,7 @@ class Init:
                 if exc[0] is None:
                     self._seal_pending()  # free-standing modules and the root's own parameters
                     touch.flush_all()
+                    _refuse_rebound_shards(self.units)
             finally:
                 self._touch = None
                 self._touch_gathers = touch.gathers  # units gathered because the constructor touched them

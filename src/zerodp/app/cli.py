@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "every parameter of the default model whole)")
     eng.add_argument("--config", metavar="FILE",
                      help="DeepSpeed-style ds_config.json (excludes --stage/--lr/--micro-batch/--grad-accum/"
-                          "--bf16/--fp16)")
+                          "--bf16/--fp16/--offload-optimizer/--offload-param/--nvme-path)")
     prec = eng.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_const", const=True,
                       help="bfloat16 parameters and gradients, fp32 master weights (config bf16.enabled)")
@@ -358,6 +358,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         print(f"{cfg}: {numel:,} parameters")
     b = accounting.FP32_ADAM if args.fp32 else accounting.MIXED_PRECISION_ADAM
     print(accounting.estimate_table(numel, args.dp, b))
+    print()
     print(offload_estimate_table(numel, args.dp, b))
     return 0
 

@@ -244,7 +244,8 @@ def problems(plan: Plan, machine: Machine) -> list[str]:
     if plan.ram_total > machine.ram_available:
         out.append(f"not enough RAM: the plan needs {human_bytes(plan.ram_total)} ({plan.ram_total:,} bytes) "
                    f"in host memory, {human_bytes(machine.ram_available)} ({machine.ram_available:,} bytes) "
-                   "are available; lower --states-ratio or use fewer ranks (--nproc)")
+                   "are available; lower --states-ratio (model size), --micro-batch or --seq-len (activations), or use "
+                   "fewer ranks (--nproc)")
     return out
 
 

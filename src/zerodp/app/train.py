@@ -164,7 +164,8 @@ def resolve_settings(args: argparse.Namespace) -> RunSettings:
     """Merge flags (``None`` = not given), the ``--config`` file and :data:`DEFAULTS`.
 
     With ``--config``, the engine settings (stage, optimizer, batch sizes, precision) come from the
-    file and ``--stage/--lr/--micro-batch/--grad-accum/--bf16/--fp16`` must not be given; ``--seed``
+    file and ``--stage/--lr/--micro-batch/--grad-accum/--bf16/--fp16/--offload-optimizer/--offload-param/
+    --nvme-path`` must not be given; ``--seed``
     defaults to the file's ``seed`` if it has one.
 
     Raises:

@@ -68,6 +68,9 @@ class GatheredParameters:
         if not self.enabled:
             return
         modify = self.modifier_rank is not None and exc[0] is None
+        if modify:  # p.data = t inside the block: kept like an in-place edit
+            for u, _ in self._units:
+                u.collect_rebound()
         if modify and dist.is_initialized() and dist.get_world_size() > 1:
             partitioned = {id(s.param) for u, _ in self._units for s in u.slots}
             for u, owner in self._units:

@@ -56,13 +56,16 @@ class InitTouchMode(TorchFunctionMode):
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         if not self.busy and func not in METADATA:  # shape, numel, ... need no values (no gather)
+            needed = {id(o.unit) for o in (OWNERS.get(a) for a in _tensors(args, kwargs)) if o is not None}
             for a in _tensors(args, kwargs):
                 owner = OWNERS.get(a)
                 if owner is not None and owner.coordinator is None and owner.unit.state is ShardState.SHARDED:
-                    self._open(owner)
+                    self._open(owner, keep=needed)  # a copy between two units keeps both open
+            if (func == _DATA_SET or func == _SET) and args and _init_owned(args[0]):
+                return _assign_values(func, args, kwargs)
         return func(*args, **kwargs)
 
-    def _open(self, owner: Owner) -> None:
+    def _open(self, owner: Owner, keep: frozenset | set = frozenset()) -> None:
         u = owner.unit
         self.busy = True
         try:
@@ -77,10 +80,11 @@ class InitTouchMode(TorchFunctionMode):
                     s.param.data = u._view(s)
             u.users += 1  # held open: a GatheredParameters block inside Init does not release it
             self.open[id(u)] = (u, owner)
-            for key in list(self.open):
+            for key in list(self.open):  # oldest first, never a unit the running call uses
                 if len(self.open) <= 1 or sum(x.numel for x, _ in self.open.values()) <= self.budget:
                     break
-                self._flush(key)
+                if key not in keep:
+                    self._flush(key)
         finally:
             self.busy = False
 
@@ -104,6 +108,7 @@ class InitTouchMode(TorchFunctionMode):
                 u.full = narrow
             return
         u.users -= 1
+        u.collect_rebound()  # p.set_(t), a parametrization's original.set_: kept, not dropped
         if narrow is not None:  # the one cast down, as without Init
             with torch.no_grad():
                 narrow.copy_(u.full)
@@ -121,6 +126,44 @@ class InitTouchMode(TorchFunctionMode):
                 self._flush(key)
         finally:
             self.busy = False
+
+
+_DATA_SET = torch.Tensor.data.__set__
+_SET = torch.Tensor.set_
+
+
+def _init_owned(t: Any) -> bool:
+    owner = OWNERS.get(t) if isinstance(t, torch.Tensor) else None
+    return owner is not None and owner.coordinator is None
+
+
+def _assign_values(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``param.data = t`` or ``param.set_(t)`` on a parameter ``Init`` partitioned (its unit is open):
+    re-binding it would detach it from its unit, whose flush would then write the old values back
+    (HF VisualBERT's ``special_visual_initialize`` does ``weight.data = nn.Parameter(...)``). The values
+    of ``t`` are copied into the parameter instead (same shape required; cast to its dtype), so the
+    unit keeps them: the weights equal those built without ``Init``. Later edits of ``t`` itself do not
+    reach the parameter (without ``Init`` they would share storage).
+
+    Raises:
+        PartitionedParameterError: any other form of ``set_``, or ``t`` of another shape.
+    """
+    from zerodp.stage3.sharded_param import PartitionedParameterError
+
+    param = args[0]
+    source = args[1] if len(args) == 2 and not kwargs else kwargs.get("source") if len(args) == 1 else None
+    what = "param.data = t" if func == _DATA_SET else "param.set_(t)"
+    if not isinstance(source, torch.Tensor) or (func == _SET and len(args) + len(kwargs) != 2):
+        raise PartitionedParameterError(f"{what} on a parameter partitioned by zerodp.zero.Init: only the form "
+                                        "with one tensor of the parameter's shape is supported while Init is active")
+    if tuple(source.shape) != tuple(param.shape):
+        raise PartitionedParameterError(
+            f"{what} on a parameter partitioned by zerodp.zero.Init with a tensor of shape {tuple(source.shape)}; "
+            f"the parameter's shape is {tuple(param.shape)}: give a tensor of that shape, or assign a new "
+            "nn.Parameter to the module attribute")
+    with torch.no_grad():
+        param.data.copy_(source.detach())
+    return param if func == _SET else None
 
 
 def _tensors(args: tuple, kwargs: dict):

@@ -82,7 +82,30 @@ def _metadata() -> frozenset:
 
 METADATA = _metadata()
 _DATA_GET = torch.Tensor.data.__get__
+_DATA_SET = torch.Tensor.data.__set__
 _DETACH = torch.Tensor.detach
+#: conversions that return the tensor itself when they change nothing (``module.to(device)`` on a
+#: module already there, ``module.float()`` on an fp32 one): a partitioned parameter allows those
+_DTYPE_OF = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64,
+             torch.Tensor.half: torch.float16, torch.Tensor.bfloat16: torch.bfloat16}
+
+
+def _noop_conversion(p: torch.Tensor, func: Any, args: tuple, kwargs: dict) -> bool:
+    """``func(p, *args, **kwargs)`` is one of the conversions above and would return ``p`` itself."""
+    if func in _DTYPE_OF:
+        return not args and not kwargs.get("memory_format") and p.dtype == _DTYPE_OF[func]
+    if func == torch.Tensor.cpu:
+        return not args and not kwargs.get("memory_format") and p.device.type == "cpu"
+    if func == torch.Tensor.to:
+        if kwargs.get("copy") or (len(args) > 2 and args[-1] is True):
+            return False
+        try:
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        except (TypeError, RuntimeError):
+            return False
+        return ((device is None or torch.device(device) == p.device) and (dtype is None or dtype == p.dtype)
+                and memory_format in (None, torch.preserve_format))
+    return False
 
 
 class ShardedParameter(nn.Parameter):
@@ -99,6 +122,12 @@ class ShardedParameter(nn.Parameter):
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
         if (func == _DATA_GET or func == _DETACH) and args and isinstance(args[0], ShardedParameter):
             return ShardedData.of(args[0])
+        if args and isinstance(args[0], ShardedParameter) and _noop_conversion(args[0], func, args[1:], kwargs):
+            return args[0]  # module.to(device)/.float()/.cpu() that changes nothing
+        if func == _DATA_SET and len(args) == 2 and args[0] is args[1]:
+            return None  # module._apply's ``param.data = param`` after such a conversion
+        if func is torch._has_compatible_shallow_copy_type:  # module._apply's check: tensor types only
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
         sharded = next((a for a in _flat(args, kwargs) if isinstance(a, ShardedParameter)), None)
         raise PartitionedParameterError(_message(_name(sharded), _func_name(func)))
 

@@ -44,7 +44,7 @@ from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot, memory_stride
 from zerodp.stage3.pool import GatherPool
-from zerodp.stage3.sharded_param import mark_sharded, mark_unsharded
+from zerodp.stage3.sharded_param import PartitionedParameterError, mark_sharded, mark_unsharded
 
 
 class ShardState(enum.Enum):
@@ -177,6 +177,30 @@ class ShardedUnit:
 
     def _view(self, s: ParamSlot) -> torch.Tensor:
         return s.view(self.full[s.offset : s.offset + s.numel])
+
+    def collect_rebound(self) -> None:
+        """UNSHARDED, before the full values are kept (``GatheredParameters(modifier_rank=...)`` exit,
+        ``zero.Init`` flush): a parameter re-bound to other memory while gathered (``p.data = t``,
+        ``p.set_(t)``, a torch parametrization's ``original.set_``) has its values copied into the full
+        buffer and is pointed back at it, so the edit is kept like an in-place one instead of being
+        dropped when the unit is released.
+
+        Raises:
+            PartitionedParameterError: a re-bound parameter whose shape is not the parameter's.
+        """
+        for s in self.slots:
+            view = self._view(s)
+            p = s.param
+            if p.data_ptr() == view.data_ptr() and p.shape == view.shape and p.stride() == view.stride():
+                continue
+            if tuple(p.shape) != tuple(view.shape):
+                raise PartitionedParameterError(
+                    f"parameter '{self._param_name(s)}' (ZeRO stage 3) was re-bound to a tensor of shape "
+                    f"{tuple(p.shape)} while gathered; its shape is {tuple(view.shape)}: a partitioned "
+                    "parameter keeps its shape (assign a new nn.Parameter to the module attribute instead)")
+            with torch.no_grad():
+                view.copy_(p.detach())
+            p.data = view
 
     def write_back(self) -> None:
         """Copy this rank's slice of the (possibly edited) full parameters into its shard."""
