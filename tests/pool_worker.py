@@ -44,20 +44,25 @@ def record_gathers(events: list[tuple[str, str, int]], phase: list[str]) -> None
     ShardedUnit.finish_gather = finish_gather  # type: ignore[method-assign]
 
 
+def _engine_and_reference(cls: type, zero: dict) -> tuple:
+    """(stage-3 engine, plain-torch reference model, its Adam) over two copies of ``cls()`` with the
+    same weights; ``zero`` adds zero_optimization keys."""
+    torch.manual_seed(0)
+    ref = cls()
+    model = cls()
+    model.load_state_dict(ref.state_dict())
+    engine = zerodp.initialize(model, {
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}})
+    return engine, ref, torch.optim.Adam(ref.parameters(), lr=0.01)
+
+
 def saved_view_follows_its_unit(prefetch: bool) -> dict:
     events: list[tuple[str, str, int]] = []
     phase = ["build"]
     record_gathers(events, phase)
-    torch.manual_seed(0)
-    ref = Two()
-    model = Two()
-    model.load_state_dict(ref.state_dict())
-    engine = zerodp.initialize(model, {
-        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                              "stage3_max_live_parameters": 3 * (D * D + D),
-                              "stage3_prefetch_bucket_size": (D * D + D) if prefetch else 0}})
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    engine, ref, ref_opt = _engine_and_reference(Two, {"stage3_max_live_parameters": 3 * (D * D + D),
+                                                       "stage3_prefetch_bucket_size": (D * D + D) if prefetch else 0})
     pool = engine.sharding.pool
     r, n = rank(), world()
     out: dict = {"moved": 0, "held_forward_memory": 0}
@@ -123,14 +128,7 @@ def coalesced_overlap() -> dict:
     collectives per step after the recording step, how many reduce-scatters started before backward
     returned, and the parameters against plain torch after 4 steps."""
     from zerodp.runtime.reducer import GradientReducer
-    torch.manual_seed(0)
-    ref = Deep()
-    model = Deep()
-    model.load_state_dict(ref.state_dict())
-    engine = zerodp.initialize(model, {
-        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    engine, ref, ref_opt = _engine_and_reference(Deep, {})
     red, coord = engine.reducer, engine.sharding.coordinator
     at_return = []
     original_end = GradientReducer.end_micro_step
