@@ -61,8 +61,6 @@ class InitTouchMode(TorchFunctionMode):
                 owner = OWNERS.get(a)
                 if owner is not None and owner.coordinator is None and owner.unit.state is ShardState.SHARDED:
                     self._open(owner, keep=needed)  # a copy between two units keeps both open
-            if (func == _DATA_SET or func == _SET) and args and _init_owned(args[0]):
-                return _assign_values(func, args, kwargs)
         return func(*args, **kwargs)
 
     def _open(self, owner: Owner, keep: frozenset | set = frozenset()) -> None:
@@ -126,44 +124,6 @@ class InitTouchMode(TorchFunctionMode):
                 self._flush(key)
         finally:
             self.busy = False
-
-
-_DATA_SET = torch.Tensor.data.__set__
-_SET = torch.Tensor.set_
-
-
-def _init_owned(t: Any) -> bool:
-    owner = OWNERS.get(t) if isinstance(t, torch.Tensor) else None
-    return owner is not None and owner.coordinator is None
-
-
-def _assign_values(func: Callable, args: tuple, kwargs: dict) -> Any:
-    """``param.data = t`` or ``param.set_(t)`` on a parameter ``Init`` partitioned (its unit is open):
-    re-binding it would detach it from its unit, whose flush would then write the old values back
-    (HF VisualBERT's ``special_visual_initialize`` does ``weight.data = nn.Parameter(...)``). The values
-    of ``t`` are copied into the parameter instead (same shape required; cast to its dtype), so the
-    unit keeps them: the weights equal those built without ``Init``. Later edits of ``t`` itself do not
-    reach the parameter (without ``Init`` they would share storage).
-
-    Raises:
-        PartitionedParameterError: any other form of ``set_``, or ``t`` of another shape.
-    """
-    from zerodp.stage3.sharded_param import PartitionedParameterError
-
-    param = args[0]
-    source = args[1] if len(args) == 2 and not kwargs else kwargs.get("source") if len(args) == 1 else None
-    what = "param.data = t" if func == _DATA_SET else "param.set_(t)"
-    if not isinstance(source, torch.Tensor) or (func == _SET and len(args) + len(kwargs) != 2):
-        raise PartitionedParameterError(f"{what} on a parameter partitioned by zerodp.zero.Init: only the form "
-                                        "with one tensor of the parameter's shape is supported while Init is active")
-    if tuple(source.shape) != tuple(param.shape):
-        raise PartitionedParameterError(
-            f"{what} on a parameter partitioned by zerodp.zero.Init with a tensor of shape {tuple(source.shape)}; "
-            f"the parameter's shape is {tuple(param.shape)}: give a tensor of that shape, or assign a new "
-            "nn.Parameter to the module attribute")
-    with torch.no_grad():
-        param.data.copy_(source.detach())
-    return param if func == _SET else None
 
 
 def _tensors(args: tuple, kwargs: dict):
