@@ -101,9 +101,13 @@ class HostOptimizerOffload:
     def _add_piece(self, piece: Piece) -> None:
         self._index[id(piece)] = len(self.pieces)
         self.pieces.append(piece)
-        self.grad_buffers.append(host_empty(piece.hi - piece.lo, self.pin))
+        self.grad_buffers.append(self._grad_buffer(piece))
         self._present.append(False)
         self._streamed.append(False)
+
+    def _grad_buffer(self, piece: Piece) -> torch.Tensor:
+        """``piece``'s host fp32 gradient buffer (ZeRO-Offload's host gradient)."""
+        return host_empty(piece.hi - piece.lo, self.pin)
 
     def _make_master(self, piece: Piece) -> None:
         source = piece.master if piece.master is not None else piece.tensor

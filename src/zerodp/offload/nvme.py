@@ -189,14 +189,10 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                                f"{os.strerror(exc.errno or 0)}") from None
         self.io = AsyncIO(self.aio_cfg)
 
-    def _add_piece(self, piece: Piece) -> None:
+    def _grad_buffer(self, piece: Piece) -> torch.Tensor:
         if not self.deferred:
-            return super()._add_piece(piece)
-        self._index[id(piece)] = len(self.pieces)
-        self.pieces.append(piece)
-        self.grad_buffers.append(torch.empty(0, dtype=torch.float32))  # no host copy: see grad_scratch
-        self._present.append(False)
-        self._streamed.append(False)
+            return super()._grad_buffer(piece)
+        return torch.empty(0, dtype=torch.float32)  # no host copy: see grad_scratch
 
     def set_shard_access(self, access: object) -> None:
         """Pin parameter shards per sub-group during the step, if the parameters are on NVMe."""
