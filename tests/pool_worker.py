@@ -57,6 +57,14 @@ def _engine_and_reference(cls: type, zero: dict) -> tuple:
     return engine, ref, torch.optim.Adam(ref.parameters(), lr=0.01)
 
 
+def _reference_step(ref: nn.Module, ref_opt: torch.optim.Optimizer, x: torch.Tensor, n: int) -> None:
+    """One plain-torch step on the global batch ``x`` (``n`` ranks' micro-batches of 2, loss averaged)."""
+    ref_opt.zero_grad()
+    for rr in range(n):
+        (ref(x[2 * rr : 2 * rr + 2]).pow(2).mean() / n).backward()
+    ref_opt.step()
+
+
 def saved_view_follows_its_unit(prefetch: bool) -> dict:
     events: list[tuple[str, str, int]] = []
     phase = ["build"]
@@ -71,10 +79,7 @@ def saved_view_follows_its_unit(prefetch: bool) -> dict:
         before = pool.allocations
         torch.manual_seed(100 + it)
         x = torch.randn(2 * n, D)
-        ref_opt.zero_grad()
-        for rr in range(n):
-            (ref(x[2 * rr : 2 * rr + 2]).pow(2).mean() / n).backward()
-        ref_opt.step()
+        _reference_step(ref, ref_opt, x, n)
         events.clear()
         phase[0] = "forward"
         loss = engine(x[2 * r : 2 * r + 2].requires_grad_()).pow(2).mean()
@@ -144,10 +149,7 @@ def coalesced_overlap() -> dict:
         for it in range(4):
             torch.manual_seed(100 + it)
             x = torch.randn(2 * n, D)
-            ref_opt.zero_grad()
-            for rr in range(n):
-                (ref(x[2 * rr : 2 * rr + 2]).pow(2).mean() / n).backward()
-            ref_opt.step()
+            _reference_step(ref, ref_opt, x, n)
             if it == 1:
                 reduces, gathers, units = red.reduce_collectives, coord.gather_collectives, engine.ledger.records()
             before = red.reduce_collectives
