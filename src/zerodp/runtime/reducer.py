@@ -416,12 +416,15 @@ class PartitionedGradReducer(GradientReducer):
         self._owned_written: set[int] = set()  # id(bucket) whose owned slice holds data since zeroing
 
     def _staging_for(self, b: Bucket, g: FlatGroup) -> torch.Tensor:
+        """The bucket's staging buffer, created uninitialised: every gradient is copied over its
+        slot's range, and :meth:`_prepare` zeroes what no gradient wrote (padding, parameters without
+        a gradient) before the collective, so the bucket is not zeroed first in full."""
         buf = self._staging.get(id(b))
         if buf is None:
             if self.staging_pool is not None:
-                buf = self.staging_pool.empty_tensor(b.numel, g.buffer.dtype, g.buffer.device).zero_()
+                buf = self.staging_pool.empty_tensor(b.numel, g.buffer.dtype, g.buffer.device)
             else:
-                buf = torch.zeros(b.numel, dtype=g.buffer.dtype, device=g.buffer.device)
+                buf = torch.empty(b.numel, dtype=g.buffer.dtype, device=g.buffer.device)
             self._staging[id(b)] = buf
             self._note_peak()
         return buf
@@ -469,12 +472,17 @@ class PartitionedGradReducer(GradientReducer):
     def _prepare(self, g: FlatGroup, b: Bucket) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(staging buffer divided by N, reduce-scatter output, separate receive buffer or None)."""
         buf = self._staging_for(b, g)
-        if not self.contiguous:
+        if self.contiguous:  # _on_grad copied each gradient that arrived this micro-step
+            written = [self._count_np[s.index] > 0 for s in b.slots]
+        else:
+            written = []
             for s in b.slots:
-                if _trainable(s) and s.param.grad is not None:
+                written.append(_trainable(s) and s.param.grad is not None)
+                if written[-1]:
                     rel = s.offset - b.start
                     buf[rel : rel + s.numel].copy_(s.flat_values(s.param.grad))
                     s.param.grad = None
+        _zero_unwritten(buf, b, written)
         del self._staging[id(b)]
         buf.div_(self.world_size)
         off = self._owned_offsets[(g.index, b.index)]
@@ -516,3 +524,30 @@ class PartitionedGradReducer(GradientReducer):
         flight = sum(buf.numel() * buf.element_size() + (recv.numel() * recv.element_size() if recv is not None else 0)
                      for _, entries in self._in_flight for _, _, (buf, recv) in entries)
         return {"gradients": owned + staging, "comm_buffers": flight}
+
+
+def _zero_unwritten(buf: torch.Tensor, b: Bucket, written: list[bool]) -> None:
+    """Zero the elements of ``buf`` (bucket ``b``'s staging buffer, 1-D, ``b.numel``) outside the
+    ranges of the slots marked in ``written`` (one flag per ``b.slots`` entry): padding, gaps and
+    parameters that got no gradient, which the collective must see as zeros. Adjacent ranges are
+    zeroed together (one ``zero_`` for the padding of a bucket whose parameters all got a gradient)."""
+    ranges: list[list[int]] = []
+
+    def add(lo: int, hi: int) -> None:
+        if lo >= hi:
+            return
+        if ranges and ranges[-1][1] == lo:
+            ranges[-1][1] = hi
+        else:
+            ranges.append([lo, hi])
+
+    pos = 0
+    for s, w in sorted(zip(b.slots, written), key=lambda x: x[0].offset):
+        rel = s.offset - b.start
+        add(pos, rel)
+        if not w:
+            add(rel, rel + s.numel)
+        pos = max(pos, rel + s.numel)
+    add(pos, b.numel)
+    for lo, hi in ranges:
+        buf[lo:hi].zero_()
