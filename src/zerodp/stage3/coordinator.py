@@ -132,14 +132,18 @@ class ParameterCoordinator:
             self._follow_trace(module)
         self.busy = True
         try:
-            self._start_gathers([u for u in units if u.state is ShardState.SHARDED])
+            started = [u for u in units if u.state is ShardState.SHARDED]
+            self._start_gathers(started)
             self.prefetch_hits += sum(1 for u in units if u.state is not ShardState.SHARDED and u.prefetched)
+            grew = bool(started)  # gathered memory grows when a gather starts, or casts are re-filled
             for u in units:
                 if u.state is ShardState.GATHERING:
                     u.finish_gather()
+                    grew = grew or bool(u.casts)
                 u.users += 1
                 u.prefetched = False
-            self._note_live()
+            if grew:  # a prefetched unit's memory was noted when its gather started
+                self._note_live()
             if self.active and self.mode is TraceMode.COMPLETE:
                 self._read_ahead()  # first: reads of later shards proceed while the next ones gather
                 self._prefetch()
