@@ -68,6 +68,11 @@ class OffloadOptimizerConfig(_OffloadTarget):
                                                    "offloaded step, 'fused' (torch's fused CPU kernel) or "
                                                    "'same' (the non-offloaded engine's, bitwise equal); "
                                                    "see zerodp.offload.cpu_adam")
+    overlap_step: bool = Field(False, description="nvme, stage 3 with offload_param nvme (zerodp's own key): "
+                                                  "step() returns once the persistent parameters are "
+                                                  "updated; the other sub-groups are updated during the "
+                                                  "next forward, each before its parameters' first use "
+                                                  "(same values; see zerodp.offload.step_pipeline)")
 
     @field_validator("ratio")
     @classmethod
