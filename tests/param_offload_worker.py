@@ -183,13 +183,16 @@ def mixed_nvme_step() -> dict:
     n, r = dist.get_world_size(), dist.get_rank()
     for prec in ("bf16", "fp16"):
         runs, facts = {}, {}
-        for dev in ("none", "nvme"):
+        for mode in ("none", "nvme", "overlap"):  # overlap: nvme with offload_optimizer.overlap_step
+            dev = "none" if mode == "none" else "nvme"
             torch.manual_seed(7)
             layers: list[nn.Module] = []
             for _ in range(5):
                 layers += [nn.Linear(48, 48), nn.Tanh()]
             model = nn.Sequential(*layers)
             cfg = config(dev, dev)
+            if mode == "overlap":
+                cfg["zero_optimization"]["offload_optimizer"]["overlap_step"] = True
             cfg.update({prec: {"enabled": True, **({"initial_scale_power": 8} if prec == "fp16" else {})},
                         "gradient_accumulation_steps": 2, "gradient_clipping": 0.05})
             if dev == "nvme":
@@ -213,8 +216,8 @@ def mixed_nvme_step() -> dict:
                     engine.step()
                     losses.append(loss.item())
                 norms.append(engine.get_global_grad_norm())
-            runs[dev] = (losses, engine.module_state_dict())
-            if dev == "nvme":
+            runs[mode] = (losses, engine.module_state_dict())
+            if mode == "nvme":
                 home = {id(u.group): u.home.nbytes for u in engine.param_offload.units}
                 need = [{id(off._group_of[i]) for i in sg.pieces} for sg in off.subgroups]
                 pairs = [need[k] | (need[k + 1] if k + 1 < len(need) else set()) for k in range(len(need))]
@@ -227,8 +230,8 @@ def mixed_nvme_step() -> dict:
                          "live_after": sum(s.storage_bytes() for s in sw.shards), "norms": norms,
                          "skipped": engine.skipped_steps}
             engine.close()
-        out[prec] = {"equal": runs["nvme"][0] == runs["none"][0] and same(runs["nvme"][1], runs["none"][1]),
-                     **facts}
+        out[prec] = {"equal": all(runs[m][0] == runs["none"][0] and same(runs[m][1], runs["none"][1])
+                                  for m in ("nvme", "overlap")), **facts}
     return out
 
 
@@ -261,14 +264,33 @@ def checkpoints() -> dict:
 
 
 class Chain(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, n: int = 6) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(32, 32) for _ in range(6)])
+        self.layers = nn.ModuleList([nn.Linear(32, 32) for _ in range(n)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x
+
+
+def reads_beyond_gathers() -> dict:
+    """All-gathers prefetched 4 layers ahead, shard reads 2 modules ahead (``prefetch_depth``): the reads
+    must go beyond the layers already being gathered, or every gather's shard is read on demand.
+    Demand reads during the third forward (the trace is recorded by then)."""
+    cfg = config("nvme", stage3_prefetch_bucket_size=4 * 1056)
+    cfg["zero_optimization"]["offload_param"].update(prefetch_depth=2, buffer_count=4)
+    torch.manual_seed(0)
+    engine = zerodp.initialize(Chain(12), cfg)
+    sw = engine.param_offload.swapper
+    for step in range(3):
+        d0, a0 = sw.counters.demand_reads, sw.counters.reads_ahead
+        out = engine(torch.randn(MICRO, 32))
+        demand, ahead = sw.counters.demand_reads - d0, sw.counters.reads_ahead - a0
+        engine.backward(out.square().mean())
+        engine.step()
+    engine.close()
+    return {"demand": demand, "ahead": ahead}
 
 
 def prefetch_order() -> dict:
@@ -299,6 +321,54 @@ def prefetch_order() -> dict:
     return {"ahead": ahead, "events": [list(e) for e in forward]}
 
 
+def overlap_step() -> dict:
+    """``offload_optimizer.overlap_step``: with a warmup scheduler (the lr changes every step), clipping
+    active, a GatheredParameters read and an eval forward right after a step, losses, gathered values,
+    eval outputs and final parameters equal plain stage 3 and the loop run inside step(), bitwise. Also
+    whether each step returned with sub-groups left to update and whether the next forward finished them."""
+    runs: dict[str, tuple] = {}
+    deferred: list[list] = []
+    n, r = dist.get_world_size(), dist.get_rank()
+    for mode in ("none", "nvme", "overlap"):
+        torch.manual_seed(3)
+        model = Chain()
+        dev = "none" if mode == "none" else "nvme"
+        cfg = config(dev, dev, stage3_param_persistence_threshold=64)  # the biases stay gathered
+        cfg["gradient_clipping"] = 0.05
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
+                                                           "warmup_num_steps": 5, "warmup_type": "linear"}}
+        if dev == "nvme":
+            cfg["zero_optimization"]["offload_optimizer"]["overlap_step"] = mode == "overlap"
+        engine = zerodp.initialize(model, cfg)
+        losses, seen = [], []
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(MICRO * n, 32, generator=g)[r * MICRO:(r + 1) * MICRO]
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            off = engine.offload
+            left = (off.pending is not None, off.stats.updated_in_step, off.stats.subgroups) if off else None
+            if step == 1:
+                with zerodp.zero.GatheredParameters([model.layers[3].weight]):
+                    seen.append(model.layers[3].weight.detach().clone())
+            elif step == 2:
+                with torch.no_grad():
+                    seen.append(engine(x + 1.0))
+            if mode == "overlap":
+                deferred.append([*left, off.pending is None])
+        runs[mode] = (losses, seen, engine.module_state_dict(), engine.get_lr())
+        engine.close()
+
+    def eq(a: tuple, b: tuple) -> bool:
+        return (a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1])) and len(a[1]) == len(b[1])
+                and same(a[2], b[2]) and a[3] == b[3])
+
+    return {"equal": {"nvme": eq(runs["nvme"], runs["none"]), "overlap": eq(runs["overlap"], runs["none"])},
+            "deferred": deferred, "lrs": runs["none"][3]}
+
+
 def init_straight_to_nvme() -> dict:
     """Under zero.Init with offload_param nvme every new shard is in the swap file at once: live
     storage of the shards after construction is 0 bytes."""
@@ -324,7 +394,7 @@ def main() -> None:
     scenarios: dict[str, Callable[[], dict]] = {name: (lambda name=name: equality(name)) for name in SPECS}
     scenarios.update(init_equal=lambda: equality("wide", under_init=True), combos=optimizer_combos,
                      ckpt=checkpoints, prefetch=prefetch_order, init=init_straight_to_nvme,
-                     mixed=mixed_nvme_step)
+                     mixed=mixed_nvme_step, overlap=overlap_step, beyond=reads_beyond_gathers)
     run_selected(args, scenarios)
 
 

@@ -37,8 +37,13 @@ def test_dry_run_sizes_states_to_twice_the_assumed_ram(tmp_path: Path, capsys: p
     assert not any("fp32 gradient cop" in k for k in plan.ram_needed)
     step = plan.ram_phases["step"]
     assert step["fp32 gradient scratch (one sub-group)"] == 4 * plan.knobs.sub_group_size
-    larger = max(sum(v.values()) for v in plan.ram_phases.values())
-    assert sum(v for k, v in plan.ram_needed.items() if k.startswith("transients")) == larger
+    # overlap_step (the default): the step's loop runs during the next forward, so both phases count
+    both = sum(sum(v.values()) for v in plan.ram_phases.values())
+    assert sum(v for k, v in plan.ram_needed.items() if k.startswith("transients")) == both
+    inside = infinity.plan_run(machine, nproc=1, overlap_step=False)  # the loop inside step(): the larger
+    larger = max(sum(v.values()) for v in inside.ram_phases.values())
+    assert sum(v for k, v in inside.ram_needed.items() if k.startswith("transients")) == larger < both
+    assert (plan.knobs.optimizer_buffers, inside.knobs.optimizer_buffers) == (8, 4)
     assert "backward: saved activations (bf16)" in out and "step: resident shards" in out
     assert f"disk needed {infinity.human_bytes(plan.disk_total)}" in out
 
@@ -59,7 +64,8 @@ def test_twice_the_ram_of_a_24_gib_machine_fits_in_what_is_available(tmp_path: P
     plan = infinity.plan_run(machine, nproc=1, micro_batch=4)
     assert plan.state_bytes >= 2 * machine.ram_total and plan.params > 3_000_000_000
     assert infinity.problems(plan, machine) == [], infinity.problems(plan, machine)
-    assert plan.ram_total < 0.7 * machine.ram_total  # measured peak of this run: 14.9 GB (docs/infinity.md)
+    # measured peaks of this model: 14.9 GB with the loop inside step() (plan 16.0 GB), see docs/infinity.md
+    assert plan.ram_total < 0.8 * machine.ram_total
     assert max(plan.ram_needed.values()) == 2 * plan.params
 
 

@@ -26,7 +26,7 @@ WORKER = Path(__file__).with_name("param_offload_worker.py")
 # offload combinations, edits under GatheredParameters and the fp32 accessors, checkpoints, read-ahead
 # order and zero.Init, spread over world sizes 1-3.
 PLAN = [
-    (1, "reused,prefetch,init"),
+    (1, "reused,prefetch,init,overlap,beyond"),
     (2, "tied,external,edit,ckpt,mixed"),
     (3, "skipped,frozen,combos,init_equal"),
 ]
@@ -63,12 +63,26 @@ def test_param_offload_equals_stage3(world, scenarios):
                     assert m["subgroups"] >= 4 and m["spans"] == (r == 1), m
                     assert len(m["peaks"]) == 3 * m["subgroups"] and 0 < max(m["peaks"]) <= m["bound"] < m["total"], m
                     assert m["live_after"] == 0, m
+            elif key == "overlap":
+                assert out["equal"] == {"nvme": True, "overlap": True}, out
+                # every step returned with sub-groups still to update (not all updated in step());
+                # those its next use (a GatheredParameters read, an eval forward, the next forward,
+                # the checkpoint read) needed were updated first, the losses show it
+                # (the sub-groups of the always-gathered biases were updated inside step())
+                for pending, in_step, total, _ in out["deferred"]:
+                    assert pending and 0 < in_step < total and total >= 4, out["deferred"]
+                # the eval forward after step 2 used every unit: the loop had ended by its end
+                assert out["deferred"][2][3] is True, out["deferred"]
             elif key == "ckpt":
                 assert out == {"nvme->none": True, "none->nvme": True, "continued": True,
                                "live_shard_bytes": 0}, out
             elif key == "prefetch":
                 # the read of module k+2 or later was submitted before module k's forward returned
                 assert any(later - k >= 2 for k, later in out["ahead"]), out["events"]
+            elif key == "beyond":
+                # most shards of the forward were read ahead; only those the first fetch gathers at
+                # once are read on demand (reads counted inside the gather window: 20 on demand, 4 ahead)
+                assert out["demand"] < out["ahead"], out
             elif key == "init":
                 assert out["init_shards"] == 6 and out["init_live_bytes"] == 0, out
                 assert out["held_by_children"] == 0 and out["adopted"], out

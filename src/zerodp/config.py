@@ -195,6 +195,12 @@ class ZeroConfig(_Strict):
             raise ValueError(f"'zero_optimization.offload_param' (device {self.offload_param.device!r}) needs "
                              f"zero_optimization.stage 3 (it offloads each rank's shard of the partitioned "
                              f"parameters); got stage {self.stage}. Use device 'none' or stage 3")
+        oo = self.offload_optimizer
+        if oo.overlap_step and not (oo.device == "nvme" and self.offload_param.device == "nvme"):
+            raise ValueError("'zero_optimization.offload_optimizer.overlap_step' needs offload_optimizer.device "
+                             "'nvme' and offload_param.device 'nvme' at stage 3 (the next forward waits for a "
+                             "parameter's update when it reads its shard from NVMe); got offload_optimizer "
+                             f"{oo.device!r}, offload_param {self.offload_param.device!r}. Set overlap_step false")
         return self
 
     @field_validator("reduce_bucket_size", "allgather_bucket_size", "stage3_param_persistence_threshold",

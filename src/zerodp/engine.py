@@ -206,7 +206,10 @@ class Engine:
     # ---- training loop -----------------------------------------------------------------------------
     def collective_call(self, name: str) -> ContextManager[None]:
         """Context of one collective engine call: every rank agrees on it first (see
-        :mod:`zerodp.runtime.collective_guard`); raises CollectiveError subclasses otherwise."""
+        :mod:`zerodp.runtime.collective_guard`); raises CollectiveError subclasses otherwise. Any
+        call but forward first finishes an optimizer step still updating (``overlap_step``)."""
+        if name != "forward" and self.offload is not None:
+            self.offload.settle()
         return self.guard.call(name, self.global_steps, self.micro_steps)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -248,6 +251,8 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss) needs a scalar tensor that requires grad, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+        if self.offload is not None:
+            self.offload.settle()  # the reduced gradients of the last step are in use until then
         self.guards.before_backward()
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
@@ -348,7 +353,10 @@ class Engine:
             self.sharding.after_step()
         elif self.stage >= 1:
             self._all_gather_params()
-        self.reducer.zero_grads()
+        if self.offload is not None:  # its loop may still read them (overlap_step)
+            self.offload.when_updated(self.reducer.zero_grads)
+        else:
+            self.reducer.zero_grads()
         self.guards.after_update()
         self.global_steps += 1
         self.ledger.steps += 1
@@ -568,6 +576,8 @@ class Engine:
         :mod:`zerodp.offload.param_swap`); otherwise a no-op."""
         if self.param_offload is None:
             return contextlib.nullcontext()
+        if self.offload is not None:
+            self.offload.settle()  # an optimizer step still updating shards (overlap_step) ends first
         return self.param_offload.resident(groups, write)
 
     def close(self) -> None:

@@ -65,19 +65,22 @@ class Knobs:
     runtime_bytes: int = 768 * 2**20  # interpreter, torch, allocator slack per rank
     reduce_bucket_size: int = 50_000_000  # elements of unit gradients staged per reduce-scatter [same]
     max_live_parameters: int = 200_000_000  # elements gathered ahead [stage3_max_live_parameters]
+    overlap_step: bool = True  # the step's sub-group loop goes on during the next forward [offload_optimizer.overlap_step]
 
 
-def knobs_for(params: int, largest_layer: int, nproc: int) -> Knobs:
+def knobs_for(params: int, largest_layer: int, nproc: int, overlap_step: bool = True) -> Knobs:
     """Sub-groups of at most 25M elements (at least 4 per rank down to 1M, so reads, updates and writes
     pipeline); parameter swap buffers that hold the largest layer in bf16
     (at most DeepSpeed's default 1e8 bytes); read-ahead of at most 1 GB or a quarter of the bf16
-    shards; a raw-I/O probe of a quarter of the bf16 shards, between 256 MiB and 1 GiB."""
+    shards; a raw-I/O probe of a quarter of the bf16 shards, between 256 MiB and 1 GiB. With
+    ``overlap_step``, 8 optimizer buffers (6 sub-groups read ahead while the forward computes), else 4."""
     align = 4096
     shard_bytes = 2 * params
     return Knobs(sub_group_size=min(25_000_000, max(1_000_000, math.ceil(params / nproc / 4))),
                  param_buffer_size=min(100_000_000, -(-2 * largest_layer // align) * align),
                  max_in_cpu=min(1_000_000_000, max(align, shard_bytes // 4)),
-                 probe_bytes=min(GIB, max(256 * 2**20, shard_bytes // 4 // align * align)))
+                 probe_bytes=min(GIB, max(256 * 2**20, shard_bytes // 4 // align * align)),
+                 optimizer_buffers=8 if overlap_step else 4, overlap_step=overlap_step)
 
 
 @dataclass(frozen=True)
@@ -160,14 +163,14 @@ def size_gpt(min_params: int, seq_len: int) -> GPTConfig:
 
 
 def plan_run(machine: Machine, nproc: int = 1, states_ratio: float = 2.0, seq_len: int = 128,
-             micro_batch: int = 1, steps: int = 3, lr: Optional[float] = None) -> Plan:
+             micro_batch: int = 1, steps: int = 3, lr: Optional[float] = None, overlap_step: bool = True) -> Plan:
     """Size the model (states >= ``states_ratio`` x RAM) and the disk and RAM it needs (module docstring)."""
     target = math.ceil(states_ratio * machine.ram_total / STATE_BYTES)
     model = size_gpt(target, seq_len)
     p = count_parameters(model)
     d = model.d_model
     largest_layer = 4 * d * d + 4 * d  # the MLP's up projection
-    k = knobs_for(p, largest_layer, nproc)
+    k = knobs_for(p, largest_layer, nproc, overlap_step)
     disk = {"optimizer states (fp32 master + Adam m, v)": 12 * p,
             "parameter shards (bf16)": 2 * p,
             "raw-I/O probe file": k.probe_bytes}
@@ -221,13 +224,17 @@ def ram_accounting(p: int, model: GPTConfig, micro_batch: int, largest_layer: in
                  "grad norm of one layer in fp64 (value + square)": nproc * 16 * u,
                  "Adam temporaries (2 x fp32 sub-group)": nproc * 8 * s_},
     }
-    larger = max(phases, key=lambda ph: sum(phases[ph].values()))
+    if k.overlap_step:  # the step's loop runs during the next forward: both phases at once
+        larger, transient = "backward + step (overlap_step)", sum(v for ph in phases.values() for v in ph.values())
+    else:
+        larger = max(phases, key=lambda ph: sum(phases[ph].values()))
+        transient = sum(phases[larger].values())
     ram = {"reduced bf16 gradient partition (held once)": 2 * p,
            "runtime per rank": nproc * k.runtime_bytes,
            "optimizer sub-group buffers per rank": nproc * k.optimizer_buffers * -(-12 * s_ // align) * align,
            "parameter swap pool + read-ahead per rank": nproc * (k.param_buffer_count * k.param_buffer_size
                                                                 + k.max_in_cpu),
-           f"transients per rank, larger phase ({larger})": sum(phases[larger].values())}
+           f"transients per rank, {'larger phase (' + larger + ')' if not k.overlap_step else larger}": transient}
     # 30%: the 3.2B runs (docs/infinity.md) peaked 2.5-2.6 GB (20-21%) above the attributed rows; the
     # cause is not found, so the margin is a measured one
     ram["slack (30%)"] = math.ceil(0.3 * sum(ram.values()))
@@ -260,7 +267,8 @@ def format_plan(plan: Plan, machine: Machine) -> str:
         f"model states: {STATE_BYTES} bytes/param x {plan.params:,} = {human_bytes(plan.state_bytes)} = "
         f"{plan.state_bytes / machine.ram_total:.2f} x RAM (target >= {plan.states_ratio:g} x)",
         f"engine: {plan.nproc} rank(s), ZeRO stage 3 built under zerodp.zero.Init, bf16, offload_optimizer nvme "
-        f"(sub_group_size {plan.knobs.sub_group_size:,}), offload_param nvme (buffer_count "
+        f"(sub_group_size {plan.knobs.sub_group_size:,}, buffer_count {plan.knobs.optimizer_buffers}, overlap_step "
+        f"{str(plan.knobs.overlap_step).lower()}), offload_param nvme (buffer_count "
         f"{plan.knobs.param_buffer_count} x {human_bytes(plan.knobs.param_buffer_size)}, max_in_cpu "
         f"{human_bytes(plan.knobs.max_in_cpu)}); {plan.steps} steps of {plan.micro_batch} x {m.seq_len} tokens per rank, AdamW lr {plan.lr:.3g}",
         f"disk needed {human_bytes(plan.disk_total)}:",
@@ -288,6 +296,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                             "MemTotal (the RAM check still uses MemAvailable)")
     group.add_argument("--assume-disk-free", metavar="BYTES", type=_size,
                        help="with --preset infinity: size for this much free disk instead of the path's")
+    group.add_argument("--no-overlap-step", action="store_const", const=True,
+                       help="with --preset infinity: run the optimizer step's sub-group loop inside step() "
+                            "(offload_optimizer.overlap_step false) instead of during the next forward")
 
 
 def _size(s: str) -> int:
@@ -301,7 +312,7 @@ def _size(s: str) -> int:
 
 #: ``zerodp train`` flags the preset uses; any other flag given with it is refused (it would be ignored)
 PRESET_FLAGS = ("nvme_path", "nproc", "steps", "seq_len", "micro_batch", "lr", "dry_run", "states_ratio",
-                "assume_ram", "assume_disk_free")
+                "assume_ram", "assume_disk_free", "no_overlap_step")
 _NOT_FLAGS = ("command", "handler", "parser", "preset")
 
 
@@ -333,7 +344,8 @@ def command(args: argparse.Namespace) -> int:
         print(f"zerodp train: error: {exc}", file=sys.stderr)
         return 2
     plan = plan_run(machine, nproc=args.nproc, states_ratio=ratio, seq_len=args.seq_len or 128,
-                    micro_batch=args.micro_batch or 4, steps=3 if args.steps is None else args.steps, lr=args.lr)
+                    micro_batch=args.micro_batch or 4, steps=3 if args.steps is None else args.steps, lr=args.lr,
+                    overlap_step=not args.no_overlap_step)
     print(format_plan(plan, machine), flush=True)
     issues = problems(plan, machine)
     for msg in issues:

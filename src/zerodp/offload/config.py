@@ -68,6 +68,11 @@ class OffloadOptimizerConfig(_OffloadTarget):
                                                    "offloaded step, 'fused' (torch's fused CPU kernel) or "
                                                    "'same' (the non-offloaded engine's, bitwise equal); "
                                                    "see zerodp.offload.cpu_adam")
+    overlap_step: bool = Field(False, description="nvme, stage 3 with offload_param nvme (zerodp's own key): "
+                                                  "step() returns once the persistent parameters are "
+                                                  "updated; the other sub-groups are updated during the "
+                                                  "next forward, each before its parameters' first use "
+                                                  "(same values; see zerodp.offload.step_pipeline)")
 
     @field_validator("ratio")
     @classmethod
@@ -108,15 +113,17 @@ class OffloadParamConfig(_OffloadTarget):
     - ``nvme``: one swap file per rank under ``nvme_path/zerodp_<job>/rank<r>/params.swp``; a shard is
       read (asynchronous direct I/O, through ``buffer_count`` buffers of ``buffer_size`` bytes) when its
       module is about to run, then the ranks all-gather; read-ahead along the stage-3 trace keeps at
-      most ``max_in_cpu`` bytes of shards read ahead of use, ``prefetch_depth`` modules ahead.
+      most ``max_in_cpu`` bytes of shards read ahead of use, ``prefetch_depth`` modules ahead of those
+      already being all-gathered.
     """
 
     pin_memory: bool = Field(False, description="page-lock the host shards and buffers (only with CUDA present)")
     buffer_count: int = Field(5, ge=1, description="nvme: aligned I/O buffers in the pool")
     buffer_size: int = Field(100_000_000, ge=4096, description="nvme: bytes per I/O buffer (rounded down to 4096)")
     max_in_cpu: int = Field(1_000_000_000, ge=0, description="nvme: bytes of shards read ahead of use, at most")
-    prefetch_depth: int = Field(3, ge=0, description="nvme (zerodp's own key): modules ahead whose shards "
-                                                     "are read while earlier ones run (0: off)")
+    prefetch_depth: int = Field(3, ge=0, description="nvme (zerodp's own key): modules ahead (beyond those "
+                                                     "being all-gathered) whose shards are read while "
+                                                     "earlier ones run (0: off)")
 
     @field_validator("buffer_size", "max_in_cpu", mode="before")
     @classmethod

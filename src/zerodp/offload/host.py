@@ -31,7 +31,7 @@ non-offloaded masters).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -193,6 +193,13 @@ class HostOptimizerOffload:
                 optimizer.step()
             for i in chunk:
                 self.copies.copy(self.pieces[i].tensor, self.pieces[i].master)
+
+    def settle(self) -> None:
+        """Nothing to finish: :meth:`step` updates everything before it returns."""
+
+    def when_updated(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` now (the step's updates are done when :meth:`step` returns)."""
+        fn()
 
     def finish_step(self) -> None:
         """Wait until the module's parameters hold the updated masters; forget this step's gradients."""

@@ -47,10 +47,9 @@ import contextlib
 import os
 import secrets
 import shutil
-import time
 import weakref
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,7 +59,8 @@ from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
 from zerodp.offload.cpu_adam import cpu_adam_kernel
 from zerodp.offload.host import HostOptimizerOffload, fold_edit, storage_bytes
 from zerodp.offload.report import offload_formula
-from zerodp.offload.shard_window import ShardAccess, ShardWindow, unique_groups
+from zerodp.offload.shard_window import ShardAccess, unique_groups
+from zerodp.offload.step_pipeline import SubGroupPipeline, SwapStats
 from zerodp.runtime.partition import FlatGroup, Piece
 
 
@@ -81,19 +81,6 @@ class SubGroup:
     @property
     def nbytes(self) -> int:
         return 3 * self.seg
-
-
-@dataclass
-class SwapStats:
-    """Bytes moved and seconds spent in the swap phase (the sub-group loop) of the last step."""
-
-    bytes_read: int = 0
-    bytes_written: int = 0
-    seconds: float = 0.0
-    update_seconds: float = 0.0  # of which: binding, the optimizer's arithmetic and the cast back
-    read_wait_seconds: float = 0.0  # of which: blocked until a sub-group's read finished
-    write_wait_seconds: float = 0.0  # of which: blocked on writes (a buffer to reuse, the last ones)
-    io_busy_seconds: float = 0.0  # wall time with any request in flight (AsyncIO.busy_seconds)
 
 
 class NvmeOptimizerOffload(HostOptimizerOffload):
@@ -123,13 +110,19 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self._factors: list[float] = []  # scale factors applied this step, in order (deferred)
         self._group_of: list[FlatGroup] = []  # per piece: its flat group (= stage-3 unit)
         self.shard_access: Optional[ShardAccess] = None
+        self.pending: Optional[SubGroupPipeline] = None  # a step's loop still running (overlap_step)
+        self._after: list[Callable[[], None]] = []  # to run once the pending loop has finished
 
     # ---- construction --------------------------------------------------------------------------
     def attach(self, groups: list[FlatGroup]) -> None:
         """Plan the sub-groups, create the swap file (collective: every rank raises if one fails)
         and write the initial masters."""
         pieces = [p for g in groups for p in g.pieces]
-        self.subgroups = _plan(pieces, self.sub_group_size)
+        # pieces of groups not swapped (the persistent unit) first: their sub-groups are updated
+        # inside step() even with overlap_step, because forward reads them without asking
+        swapped = [self.shard_access is not None and self.shard_access.swapped(g) for g in groups for _ in g.pieces]
+        order = [i for i, s in enumerate(swapped) if not s] + [i for i, s in enumerate(swapped) if s]
+        self.subgroups = _plan(pieces, order, self.sub_group_size)
         needed = sum(sg.nbytes for sg in self.subgroups)
         job = _job_id(self.pg)
         error = None
@@ -195,9 +188,34 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         return torch.empty(0, dtype=torch.float32)  # no host copy: see grad_scratch
 
     def set_shard_access(self, access: object) -> None:
-        """Pin parameter shards per sub-group during the step, if the parameters are on NVMe."""
+        """Pin parameter shards per sub-group during the step, if the parameters are on NVMe; with
+        ``overlap_step``, a shard's first use after a step waits for its sub-groups' update."""
         if getattr(access, "swapper", None) is not None:
             self.shard_access = access  # type: ignore[assignment]
+            self.shard_access.set_use_hook(self._before_use, self._pending_group)
+
+    def group_of(self, i: int) -> FlatGroup:
+        """The flat group (stage-3 unit) of the piece at position ``i``."""
+        return self._group_of[i]
+
+    def _before_use(self, group: FlatGroup) -> None:
+        if self.pending is not None:
+            self.pending.ready_for(group)
+
+    def _pending_group(self, group: FlatGroup) -> bool:
+        return self.pending is not None and self.pending.pending(group)
+
+    def settle(self) -> None:
+        """Finish a step's sub-group loop still running (``overlap_step``); a no-op otherwise."""
+        if self.pending is not None:
+            self.pending.finish()
+
+    def when_updated(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once every sub-group of the last step is updated: now, or when the loop ends."""
+        if self.pending is None:
+            fn()
+        else:
+            self._after.append(fn)
 
     @contextlib.contextmanager
     def _pinned(self, positions: Iterable[int], dirty: bool) -> Iterator[None]:
@@ -222,6 +240,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
 
     def refresh_master(self, piece: Piece) -> None:
         """Write the module's (edited) value of ``piece`` into its master in the swap file."""
+        self.settle()
         i = self._index[id(piece)]
         sg = next(s for s in self.subgroups if i in s.pieces)
         buf = self.buffers[0][: sg.nbytes]
@@ -242,6 +261,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
 
     def skipped_step(self) -> None:
         """The update was skipped (fp16 overflow): fold the edits :meth:`step` would have folded."""
+        self.settle()
         self._fold_masters(self.subgroups)
 
     def _fold_masters(self, subgroups: list[SubGroup]) -> None:
@@ -327,60 +347,35 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         return out
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Sub-group k is updated while k+1 is read and k-1 written (``aio.overlap_events``); with
-        :attr:`shard_access`, the parameter shards of k+1 are read while k is updated."""
+        """Run the sub-group loop (:class:`zerodp.offload.step_pipeline.SubGroupPipeline`): sub-group k
+        is updated while the next are read and k-1 written (``aio.overlap_events``); with
+        :attr:`shard_access`, the parameter shards of k+1 are read while k is updated. With
+        ``offload_optimizer.overlap_step`` the loop returns once the sub-groups of the parameters
+        that are not swapped are updated and goes on during the next forward (:attr:`pending`)."""
+        self.settle()
         self._sync_copies()
-        t0 = time.perf_counter()
-        r0, w0 = self.io.bytes_read, self.io.bytes_written
         todo = [sg for sg in self.subgroups if any(self._present[i] for i in sg.pieces)]
         self._fold_masters([sg for sg in self.subgroups if not any(self._present[i] for i in sg.pieces)])
-        nbuf = len(self.buffers)
-        reads: dict[int, IOHandle] = {}
-        writes: dict[int, IOHandle] = {}  # buffer slot -> pending write
+        loop = SubGroupPipeline(self, optimizer, todo, lambda sg, buf: self._update(sg, buf, optimizer),
+                                self._loop_done)
+        self.stats = loop.stats
+        self.pending = loop
+        if not self.cfg.overlap_step or self.shard_access is None:
+            loop.finish()
+            return
+        eager = [k for k, sg in enumerate(todo)
+                 if any(not self.shard_access.swapped(self._group_of[i]) for i in sg.pieces)]
+        loop.advance(max(eager, default=-1))
+        loop.shards.keep = True  # from here on the next forward uses each shard right after its update
+        loop.stats.updated_in_step = loop.next  # the rest: at each use in the next forward (pump there)
 
-        b0 = self.io.busy_seconds
-        waits = {"read": 0.0, "write": 0.0}
-
-        def wait(h: IOHandle, kind: str) -> None:
-            t = time.perf_counter()
-            h.wait()
-            waits[kind] += time.perf_counter() - t
-
-        def start_read(k: int) -> None:
-            slot = k % nbuf
-            if slot in writes:
-                wait(writes.pop(slot), "write")
-            reads[k] = self.io.read(self.file, self.buffers[slot][: todo[k].nbytes], todo[k].offset)
-
-        overlap = self.aio_cfg.overlap_events
-        ahead = max(1, nbuf - 2) if overlap else 0  # reads in flight beyond the sub-group being updated
-        busy = 0.0
-        # every piece of an updated sub-group is compared with its master (edits), so all its shards
-        shards = ShardWindow(self.shard_access, [unique_groups(self._group_of[i] for i in sg.pieces) for sg in todo])
-        for k in range(min(ahead or 1, len(todo))):
-            start_read(k)
-        try:
-            for k, sg in enumerate(todo):
-                wait(reads.pop(k), "read")
-                if overlap and k + ahead < len(todo):
-                    start_read(k + ahead)
-                shards.enter(k)
-                buf = self.buffers[k % nbuf][: sg.nbytes]
-                t1 = time.perf_counter()
-                self._update(sg, buf, optimizer)
-                busy += time.perf_counter() - t1
-                shards.leave(k)
-                writes[k % nbuf] = self.io.write(self.file, buf, sg.offset)
-                if not overlap:
-                    wait(writes.pop(k % nbuf), "write")
-                    if k + 1 < len(todo):
-                        start_read(k + 1)
-        finally:
-            shards.close()
-            for h in writes.values():
-                wait(h, "write")
-        self.stats = SwapStats(self.io.bytes_read - r0, self.io.bytes_written - w0, time.perf_counter() - t0,
-                               busy, waits["read"], waits["write"], self.io.busy_seconds - b0)
+    def _loop_done(self) -> None:
+        """The step's last sub-group is updated and written: forget its gradients, run what waited."""
+        self.pending = None
+        self._forget_grads()
+        after, self._after = self._after, []
+        for fn in after:
+            fn()
 
     def _update(self, sg: SubGroup, buf: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         f32 = buf.view(torch.float32)
@@ -417,7 +412,10 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self._sync_copies()
 
     def finish_step(self) -> None:
-        """The module's parameters were updated sub-group by sub-group; forget the gradients."""
+        """Nothing left: the loop forgets the gradients when its last sub-group is updated
+        (:meth:`_loop_done`), which with ``overlap_step`` may be after this returns."""
+
+    def _forget_grads(self) -> None:
         self.copies.wait()
         self._present = [False] * len(self.pieces)
         self._streamed = [False] * len(self.pieces)
@@ -430,6 +428,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         """Read every master and moment into ordinary host tensors bound to the optimizer (12 bytes
         per owned element, for the duration of a checkpoint save or load), then write back what the
         block left there and return to placeholders."""
+        self.settle()
         full: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for sg in self.subgroups:
             buf = self.buffers[0][: sg.nbytes]
@@ -483,7 +482,11 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         return {"master_weights": seg, "optimizer_states": 2 * seg}
 
     def close(self) -> None:
-        """Stop the I/O threads and remove this rank's swap file and directory."""
+        """Stop the I/O threads and remove this rank's swap file and directory (a step's loop still
+        running is abandoned: the job is ending)."""
+        if self.pending is not None:
+            self.pending.abandon()
+            self.pending = None
         self.copies.close()
         if self.io is not None:
             self.io.close()
@@ -492,7 +495,9 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             self._finalizer()
 
 
-def _plan(pieces: list[Piece], size: int) -> list[SubGroup]:
+def _plan(pieces: list[Piece], order: list[int], size: int) -> list[SubGroup]:
+    """Sub-groups of consecutive pieces of ``order`` (positions in ``pieces``), each at most ``size``
+    elements unless one piece is larger; each one contiguous in the swap file."""
     groups: list[SubGroup] = []
     current: list[int] = []
     numel = 0
@@ -505,8 +510,8 @@ def _plan(pieces: list[Piece], size: int) -> list[SubGroup]:
             groups.append(SubGroup(len(groups), list(current), numel, offset, seg))
             offset += 3 * seg
 
-    for i, p in enumerate(pieces):
-        n = p.hi - p.lo
+    for i in order:
+        n = pieces[i].hi - pieces[i].lo
         if current and numel + n > size:
             close()
             current, numel = [], 0

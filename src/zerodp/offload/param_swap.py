@@ -44,7 +44,7 @@ import shutil
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -90,6 +90,10 @@ class SwappedShard:
     ops: list[_Op] = field(default_factory=list)  # reads or writes queued or in flight
 
     def acquire(self) -> None:
+        """Pin for a use: first the use hook (:meth:`ParamOffload.set_use_hook`), then
+        :meth:`ParamSwapper.acquire`."""
+        if self.swapper.before_use is not None:
+            self.swapper.before_use(self)
         self.swapper.acquire(self)
 
     def release(self, dirty: bool) -> None:
@@ -138,6 +142,9 @@ class ParamSwapper:
         #: ("evict", shard name) as its storage is freed (tests record the order of events here)
         self.events: Optional[list[tuple[str, str]]] = None
         self._finalizer: Optional[weakref.finalize] = None
+        #: called with a shard before each use (:meth:`SwappedShard.acquire`), not before the optimizer
+        #: step's own pins (:meth:`ParamOffload.pin`)
+        self.before_use: Optional[Callable[[SwappedShard], None]] = None
 
     # ---- the swap file -------------------------------------------------------------------------
     def open(self) -> None:
@@ -208,8 +215,10 @@ class ParamSwapper:
                     self._complete(self.inflight.popleft())
         s.pins += 1
 
-    def release(self, s: SwappedShard, dirty: bool) -> None:
-        """Unpin ``s``; at the last unpin write it home if ``dirty``, then free its storage."""
+    def release(self, s: SwappedShard, dirty: bool, keep: bool = False) -> None:
+        """Unpin ``s``; at the last unpin write it home if ``dirty``, then free its storage, unless
+        ``keep`` and the read-ahead budget (``max_in_cpu`` bytes of resident shards not in use) has
+        room: then it stays resident as if read ahead (its next use needs no read)."""
         assert s.pins > 0, f"unit '{s.name}': shard released more often than acquired"
         s.pins -= 1
         s.dirty = s.dirty or dirty
@@ -218,6 +227,8 @@ class ParamSwapper:
         if s.dirty:
             self._write(s)
             s.dirty = False
+        if keep and self._unused_bytes() <= self.cfg.max_in_cpu:
+            return
         s.shard.untyped_storage().resize_(0)
         s.state = Residency.SWAPPED
         if self.events is not None:
@@ -228,12 +239,15 @@ class ParamSwapper:
         shards read but not in use) allows. True if ``s`` is now resident or on its way."""
         if s.state is not Residency.SWAPPED:
             return True
-        ahead = sum(x.nbytes for x in self.shards if x.pins == 0 and x.state is not Residency.SWAPPED)
-        if ahead + s.nbytes > self.cfg.max_in_cpu:
+        if self._unused_bytes() + s.nbytes > self.cfg.max_in_cpu:
             return False
         self.counters.reads_ahead += 1
         self._start_read(s)
         return True
+
+    def _unused_bytes(self) -> int:
+        """Bytes of shards resident (or being read) and not in use: read ahead, or kept."""
+        return sum(x.nbytes for x in self.shards if x.pins == 0 and x.state is not Residency.SWAPPED)
 
     def _start_read(self, s: SwappedShard) -> None:
         while s.ops:  # a write of this shard still in flight: it must land before the read
@@ -370,6 +384,7 @@ class ParamOffload:
         self.swapper: Optional[ParamSwapper] = None
         self.units: list[ShardedUnit] = []
         self._by_group: dict[int, ShardedUnit] = {}
+        self._pending: Callable[[FlatGroup], bool] = lambda group: False
 
     def attach(self, units: Sequence[ShardedUnit]) -> None:
         """Collective: send the shard of every non-persistent unit to its home. Units built by
@@ -434,22 +449,50 @@ class ParamOffload:
                 h.swapper._start_read(h)
 
     def pin(self, groups: Sequence[FlatGroup]) -> None:
-        """Acquire the shards of ``groups`` (reading them if needed); pair with :meth:`unpin`."""
+        """Acquire the shards of ``groups`` (reading them if needed; the use hook is not called: the
+        optimizer step pins them to update them); pair with :meth:`unpin`."""
         for h in self._homes(groups):
-            h.acquire()
+            h.swapper.acquire(h)
 
-    def unpin(self, groups: Sequence[FlatGroup], dirty: bool) -> None:
-        """Release the shards of ``groups``; the last release writes a ``dirty`` shard home."""
+    def unpin(self, groups: Sequence[FlatGroup], dirty: bool, keep: bool = False) -> None:
+        """Release the shards of ``groups``; the last release writes a ``dirty`` shard home and, with
+        ``keep``, leaves it resident within the read-ahead budget (:meth:`ParamSwapper.release`)."""
         for h in self._homes(groups):
-            h.release(dirty=dirty)
+            h.swapper.release(h, dirty, keep)
+
+    def swapped(self, group: FlatGroup) -> bool:
+        """True if ``group``'s shard lives in the swap file between uses."""
+        u = self._by_group.get(id(group))
+        return u is not None and isinstance(u.home, SwappedShard)
+
+    def set_use_hook(self, before_use: Callable[[FlatGroup], None], pending: Callable[[FlatGroup], bool]) -> None:
+        """``before_use(group)`` runs before each use of a swapped shard (all-gather, residency for an
+        engine call); shards of groups for which ``pending(group)`` is true are not read ahead (their
+        values are about to change: the optimizer step's loop still has to update them,
+        :mod:`zerodp.offload.step_pipeline`)."""
+        if self.swapper is None:
+            return
+        group_of = {id(u.home): u.group for u in self.units if isinstance(u.home, SwappedShard)}
+        self.swapper.before_use = lambda s: before_use(group_of[id(s)]) if id(s) in group_of else None
+        self._pending = pending
 
     def read_ahead(self, upcoming: Sequence[Sequence[ShardedUnit]]) -> None:
         """The coordinator's hook: ``upcoming`` are the units of the next modules of the trace, in
-        order; queue reads for the first ``prefetch_depth`` of them, within ``max_in_cpu``."""
-        for units in upcoming[: self.cfg.prefetch_depth]:
-            for u in units:
-                if isinstance(u.home, SwappedShard) and not u.home.swapper.read_ahead(u.home):
+        order; queue reads for the first ``prefetch_depth`` of them, within ``max_in_cpu`` (a unit
+        whose update is still pending is passed over). Modules whose shards are all resident or on
+        their way already (being all-gathered, read ahead at an earlier fetch) are not counted, so the
+        reads run ahead of the all-gather prefetch window rather than inside it."""
+        depth = 0
+        for units in upcoming:
+            if depth >= self.cfg.prefetch_depth:
+                return
+            homes = [u.home for u in units if isinstance(u.home, SwappedShard) and not self._pending(u.group)]
+            if not any(h.state is Residency.SWAPPED for h in homes):
+                continue
+            for h in homes:
+                if not h.swapper.read_ahead(h):
                     return
+            depth += 1
 
     def check_health(self) -> None:
         if self.swapper is not None:

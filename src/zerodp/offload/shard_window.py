@@ -15,7 +15,7 @@ bounded buffers.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 from zerodp.runtime.partition import FlatGroup
 
@@ -25,7 +25,10 @@ class ShardAccess(Protocol):
 
     def prefetch(self, groups: Sequence[FlatGroup]) -> None: ...
     def pin(self, groups: Sequence[FlatGroup]) -> None: ...
-    def unpin(self, groups: Sequence[FlatGroup], dirty: bool) -> None: ...
+    def unpin(self, groups: Sequence[FlatGroup], dirty: bool, keep: bool = False) -> None: ...
+    def swapped(self, group: FlatGroup) -> bool: ...
+    def set_use_hook(self, before_use: Callable[[FlatGroup], None],
+                     pending: Callable[[FlatGroup], bool]) -> None: ...
 
 
 class ShardWindow:
@@ -37,6 +40,9 @@ class ShardWindow:
         self.access = access
         self.need = need
         self.held: list[FlatGroup] = []
+        #: leave updated shards resident within the read-ahead budget (their use is imminent: the
+        #: loop runs during the forward that reads them, ``overlap_step``)
+        self.keep = False
         if access is not None and need:
             access.prefetch(need[0])
 
@@ -57,13 +63,13 @@ class ShardWindow:
         keep = self.need[k + 1] if k + 1 < len(self.need) else []
         drop = [g for g in self.held if not any(g is x for x in keep)]
         self.held = [g for g in self.held if any(g is x for x in keep)]
-        self.access.unpin(drop, dirty=True)
+        self.access.unpin(drop, dirty=True, keep=self.keep)
 
     def close(self) -> None:
         """Unpin what is still held (dirty: it may have been updated)."""
         if self.access is not None and self.held:
             held, self.held = self.held, []
-            self.access.unpin(held, dirty=True)
+            self.access.unpin(held, dirty=True, keep=self.keep)
 
 
 def unique_groups(groups: Iterable[FlatGroup]) -> list[FlatGroup]:
