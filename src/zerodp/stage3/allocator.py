@@ -4,7 +4,8 @@
 with ``mmap`` and returns them on ``free``; but the first time such a block is freed, it raises the
 threshold to that block's size (up to 32 MiB), after which blocks of that size come from the heap and
 stay cached there when freed. Stage 3 on gloo frees many unit-sized blocks each step that no pool can
-hold: gloo's all-gather and reduce-scatter allocate a flat copy of their output or input per call,
+hold: gloo's all-gather allocates a flat copy of its output per call (its reduce-scatter clones its
+input, which the reducer avoids on gloo, see [Note: gloo reduce-scatter] in zerodp.runtime.reducer),
 autograd allocates each weight's gradient before the reducer copies it into a (pooled) staging buffer.
 With the dynamic threshold these end up as a fragmented heap, and a rank's resident set grows above
 stage 0's although it holds less (see docs/stage3-memory.md). Pinning the threshold (which also turns
