@@ -4,7 +4,9 @@ The guard owns one extra gloo process group (``dist.new_group``, with the guard'
 and one *agreement* per engine entry point that issues collectives (``forward`` at stage 3,
 ``backward``, ``step`` at a gradient accumulation boundary, ``save_checkpoint``, ``load_checkpoint``,
 ``module_state_dict``, ``shutdown_distributed``) and, at stage 3, per module fetch in a forward
-(``gather(<module name>)``). The collectives inside backward (stage-3 backward fetches, gradient
+(``gather(<module name>)``); once the stage-3 module trace is recorded and agreed, a training forward's
+fetches are agreed by asynchronous tags instead, compared in batches and at the latest before the
+forward returns (:mod:`zerodp.runtime.forward_agreement`). The collectives inside backward (stage-3 backward fetches, gradient
 bucket reductions) are not agreed synchronously one by one (that would double the cost): each posts an
 asynchronous tag on the same gloo group, checked while waiting and before backward returns
 (:mod:`zerodp.runtime.backward_agreement`). An agreement is one all-gather of five int64 per rank:
@@ -33,7 +35,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, NoReturn, Optional
 
 import weakref
 
@@ -42,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerodp.runtime import comm
+from zerodp.runtime.forward_agreement import ForwardAgreement, build_names, crc, is_tag, mismatch_message
 
 # torch >= 2.13 name (the old one warns FutureWarning); not recorded in any ledger: not model traffic
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -121,6 +124,10 @@ class CollectiveGuard:
         #: called with the module's position for each stage-3 fetch inside backward (the asynchronous
         #: tag of :mod:`zerodp.runtime.backward_agreement`); None: backward fetches are not checked
         self.backward_gather: Optional[Callable[[int], None]] = None
+        #: the asynchronous fetch tags of a training forward (built by :meth:`gather_check`)
+        self.forward_tags: Optional[ForwardAgreement] = None
+        self._names: dict[int, str] = {}  # module position -> name (messages from a table alone)
+        self._details: dict[int, str] = {}  # crc32(module name) -> module name
         CollectiveGuard._instances += 1
         ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                  else list(range(dist.get_world_size())))
@@ -146,9 +153,7 @@ class CollectiveGuard:
         """
         if not self.enabled:
             return
-        if self.broken is not None:
-            raise type(self.broken)(f"{self.broken} (an earlier collective error left this engine "
-                                    "unusable; restart the job)")
+        self.check_usable()
         t0 = time.perf_counter()
         self._send.copy_(site.encode())
         try:
@@ -161,6 +166,9 @@ class CollectiveGuard:
         if bool((table[:, :4] == table[0, :4]).all()):
             self.aux_differs = bool((table[:, 4] != table[0, 4]).any())
             return
+        if any(is_tag(row) for row in table):  # a peer posted a forward fetch tag: it is not exchanging
+            self._raise(CollectiveMismatchError(mismatch_message(  # descriptions, the table says enough
+                table, self.rank, CALLS, self._names, self._details, mine=site.describe())))
         told: list = [None] * self.world_size
         try:  # every rank is here (the table arrived), so this pairs up
             dist.all_gather_object(told, (site.describe(), site.reach() if site.reach else None),
@@ -189,8 +197,13 @@ class CollectiveGuard:
         site = CallSite(name, detail, step, micro_step, aux, reach)
         self.agree(site)
         self.current = site
+        tags = self.forward_tags if name == "forward" else None
+        if tags is not None:
+            tags.begin(step, micro_step)
         try:
             yield
+            if tags is not None:
+                tags.finish()  # before the forward's output is returned (see forward_agreement)
         except CollectiveError:
             raise
         except RuntimeError as exc:
@@ -199,23 +212,33 @@ class CollectiveGuard:
             raise
         finally:
             self.current = None
+            if tags is not None:
+                tags.end()
 
-    def gather_check(self, root: nn.Module) -> Optional[Callable[[nn.Module], None]]:
+    def gather_check(self, root: nn.Module) -> Optional[Callable[[nn.Module, bool], None]]:
         """The hook the stage-3 coordinator calls before fetching a submodule of ``root`` (None when
-        ``check_gathers`` is off): agree on ``gather(<module name>)`` within the current call."""
+        ``check_gathers`` is off): agree on ``gather(<module name>)`` within the current call, by an
+        asynchronous tag when the coordinator says the fetch is the next one of its agreed trace
+        (``on_trace``) inside a top-level forward, synchronously otherwise."""
         if not self.check_gathers:
             return None
         names = {id(m): name or "<root>" for name, m in root.named_modules()}
         positions = {id(m): i for i, m in enumerate(root.modules())}
+        self._names = build_names(root)
+        self._details = {crc(n): n for n in self._names.values()}
+        self.forward_tags = tags = ForwardAgreement(self, CALLS, self._names)
 
-        def check(module: nn.Module) -> None:
+        def check(module: nn.Module, on_trace: bool = False) -> None:
             outer = self.current
             if outer is not None and outer.call == "backward":
                 if self.backward_gather is not None:  # an asynchronous tag instead (see the docstring)
                     self.backward_gather(positions.get(id(module), -1))
                 return
-            self.agree(CallSite("gather", names.get(id(module), type(module).__name__),
-                                outer.step if outer else -1, outer.micro_step if outer else -1))
+            name = names.get(id(module), type(module).__name__)
+            if on_trace and tags.active:
+                tags.note_gather(positions.get(id(module), -1), name)
+                return
+            self.agree(CallSite("gather", name, outer.step if outer else -1, outer.micro_step if outer else -1))
         return check
 
     def install_shutdown_check(self) -> None:
@@ -231,6 +254,22 @@ class CollectiveGuard:
         comm.SHUTDOWN_CHECK[:] = [check]
 
     # ---- failure path ------------------------------------------------------------------------------
+    def check_usable(self) -> None:
+        """Raise the earlier error again if one left this engine unusable."""
+        if self.broken is not None:
+            raise type(self.broken)(f"{self.broken} (an earlier collective error left this engine "
+                                    "unusable; restart the job)")
+
+    def fail_at(self, detail: str, step: int, micro_step: int, exc: BaseException) -> NoReturn:
+        """:meth:`_fail` for a forward fetch tag (``detail``: which tag)."""
+        self._fail(CallSite("forward", detail, step, micro_step), exc)
+        raise AssertionError("unreachable")  # _fail always raises
+
+    def mismatch(self, message: str) -> NoReturn:
+        """Raise :class:`CollectiveMismatchError` with ``message`` (the engine becomes unusable)."""
+        self._raise(CollectiveMismatchError(message))
+        raise AssertionError("unreachable")
+
     def _fail(self, site: CallSite, exc: BaseException) -> None:
         text = str(exc)
         answered = self._post_mortem(site)

@@ -81,7 +81,7 @@ class ParameterCoordinator:
         self.busy = False  # set while the coordinator itself touches parameters
         #: called with the module before each fetch of a module that has units (the collective guard's
         #: agreement, see :mod:`zerodp.runtime.collective_guard`); None: no check
-        self.fetch_check: Optional[Callable[[nn.Module], None]] = None
+        self.fetch_check: Optional[Callable[[nn.Module, bool], None]] = None
         #: offload_param: called after each fetch (recorded trace only) with the units of the modules
         #: still to come, in trace order, to read their shards ahead; None: no read-ahead
         self.read_ahead: Optional[Callable[[list[list[ShardedUnit]]], None]] = None
@@ -126,8 +126,9 @@ class ParameterCoordinator:
         units = self.index.by_module.get(id(module))
         if not units:
             return
-        if self.fetch_check is not None:
-            self.fetch_check(module)
+        if self.fetch_check is not None:  # on the agreed trace: the ranks' gathers follow it (see the guard)
+            self.fetch_check(module, self.active and self.mode is TraceMode.COMPLETE
+                             and self.cursor < len(self.trace) and self.trace[self.cursor] is module)
         if self.active:
             self._follow_trace(module)
         self.busy = True
