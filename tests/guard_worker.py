@@ -96,6 +96,39 @@ def diverge(skip: set[int], repeat: set[int]) -> Callable[[], Any]:
     return run
 
 
+def diverge_traced(skip: set[int], repeat: set[int]) -> Callable[[], Any]:
+    """As :func:`diverge`, at the third step: the module trace is recorded and agreed by then, so the
+    forward's fetches are agreed by asynchronous tags (zerodp.runtime.forward_agreement). The engine
+    gets a process group of its own: a rank that detects the divergence only at its next tag check may
+    have launched prefetch all-gathers that its peers never launch, which leaves the engine's group
+    unusable (the job must restart after any guard error); the next scenarios use the default group."""
+    def run() -> None:
+        torch.manual_seed(0)
+        model = Blocks()
+        engine = zerodp.initialize(model, config(3), process_group=dist.new_group(backend="gloo"))
+        train_step(engine)
+        train_step(engine)
+        if dist.get_rank() == 1:
+            model.skip, model.repeat = skip, repeat
+        train_step(engine)
+    return run
+
+
+def forward_tag_counts() -> dict:
+    """Per training step of a healthy stage-3 run: synchronous agreements, forward fetch tags posted and
+    blocking waits for them (the first step records the module trace: one agreement per fetch)."""
+    torch.manual_seed(0)
+    engine = zerodp.initialize(Blocks(), config(3))
+    guard, tags = engine.guard, engine.guard.forward_tags
+    per_step = []
+    for _ in range(3):
+        a, t, w = guard.agreements, tags.tags_total, tags.sync_waits
+        train_step(engine)
+        per_step.append({"agreements": guard.agreements - a, "tags": tags.tags_total - t,
+                         "tag_waits": tags.sync_waits - w})
+    return {"per_step": per_step}
+
+
 def tiny_gpt() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=16, vocab_size=32))
@@ -153,6 +186,10 @@ def mismatch_group(ckpt: Path) -> dict:
         results[f"save_rank0_stage{stage}"] = outcome(save_on_rank0_only(stage, ckpt))
     results["skip_module"] = outcome(diverge(skip={1}, repeat=set()))
     results["call_twice"] = outcome(diverge(skip=set(), repeat={2}))
+    results["skip_module_traced"] = outcome(diverge_traced(skip={1}, repeat=set()))
+    results["call_twice_traced"] = outcome(diverge_traced(skip=set(), repeat={2}))
+    results["skip_last_traced"] = outcome(diverge_traced(skip={3}, repeat=set()))
+    results["forward_tag_counts"] = outcome(forward_tag_counts)
     results["unequal_generation_unsynced"] = outcome(generation([3, 2], synced=False))
     results["unequal_generation_synced"] = outcome(generation([3, 5], synced=True))
     results["rank0_only_generation"] = outcome(generation([4, 0], synced=True))

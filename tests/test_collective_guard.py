@@ -119,6 +119,39 @@ def test_stage3_divergent_forward_names_the_modules(mismatch: list[dict], name: 
     assert f"rank 1 entered {theirs}" in o1["message"], o1["message"]
 
 
+@pytest.mark.parametrize("name, mine, theirs", [
+    ("skip_module_traced", "gather(blocks.1)", "gather(blocks.2)"),
+    ("call_twice_traced", "gather(blocks.3)", "gather(blocks.2)"),
+    ("skip_last_traced", "gather(blocks.3)", "the end of forward (after 3 module fetches)"),
+])
+def test_stage3_divergence_after_trace_is_caught_by_forward_tags(mismatch: list[dict], name: str, mine: str,
+                                                                  theirs: str) -> None:
+    """At the third step the fetches are agreed by asynchronous tags: the same error, on every rank,
+    raised inside that forward (before any backward collective or update)."""
+    o0, o1 = _errors(mismatch, name)
+    for o in (o0, o1):
+        assert o["error"] == "CollectiveMismatchError", o
+        assert o["seconds"] < 60, o
+        assert "engine.backward" not in o["traceback"] and "in step" not in o["traceback"], o["traceback"]
+    assert f"rank 0 entered {mine} at step 2" in o0["message"], o0["message"]
+    assert f"rank 1 is in {theirs} at step 2" in o0["message"], o0["message"]
+    assert f"rank 1 entered {theirs} at step 2" in o1["message"], o1["message"]
+    assert f"rank 0 is in {mine} at step 2" in o1["message"], o1["message"]
+
+
+def test_forward_fetch_agreements_do_not_block_once_traced(mismatch: list[dict]) -> None:
+    """Blocks has 4 modules with parameters: the recording step agrees on each fetch synchronously
+    (forward, 4 gathers, backward, step); afterwards a forward posts 4 fetch tags and one end tag and
+    blocks once, for all of them, before it returns."""
+    for r in range(2):
+        o = mismatch[r]["forward_tag_counts"]
+        assert o["error"] is None, o
+        first, *rest = o["value"]["per_step"]
+        assert first == {"agreements": 7, "tags": 1, "tag_waits": 1}, first
+        for s in rest:
+            assert s == {"agreements": 3, "tags": 5, "tag_waits": 1}, s
+
+
 def test_unequal_generation_without_sync_raises(mismatch: list[dict]) -> None:
     o0, o1 = _errors(mismatch, "unequal_generation_unsynced")
     assert "rank 0 entered forward" in o0["message"] and "rank 1 is in module_state_dict" in o0["message"], o0
