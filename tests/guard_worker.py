@@ -114,6 +114,25 @@ def diverge_traced(skip: set[int], repeat: set[int]) -> Callable[[], Any]:
     return run
 
 
+def swap_blocks_traced() -> None:
+    """Rank 1 runs the tiny GPT's two (same-size) blocks in the other order at the third step: the
+    all-gathers would pair up without error and silently exchange the blocks' parameters."""
+    model = tiny_gpt()
+    engine = zerodp.initialize(model, config(3), process_group=dist.new_group(backend="gloo"))
+    idx = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        _, loss = engine(idx[:, :-1], idx[:, 1:])
+        engine.backward(loss)
+        engine.step()
+    step()
+    step()
+    if dist.get_rank() == 1:
+        blocks = model.blocks._modules
+        blocks["0"], blocks["1"] = blocks["1"], blocks["0"]  # iteration order only: names stay
+    step()
+
+
 def forward_tag_counts() -> dict:
     """Per training step of a healthy stage-3 run: synchronous agreements, forward fetch tags posted and
     blocking waits for them (the first step records the module trace: one agreement per fetch)."""
@@ -189,6 +208,7 @@ def mismatch_group(ckpt: Path) -> dict:
     results["skip_module_traced"] = outcome(diverge_traced(skip={1}, repeat=set()))
     results["call_twice_traced"] = outcome(diverge_traced(skip=set(), repeat={2}))
     results["skip_last_traced"] = outcome(diverge_traced(skip={3}, repeat=set()))
+    results["swap_blocks_traced"] = outcome(swap_blocks_traced)
     results["forward_tag_counts"] = outcome(forward_tag_counts)
     results["unequal_generation_unsynced"] = outcome(generation([3, 2], synced=False))
     results["unequal_generation_synced"] = outcome(generation([3, 5], synced=True))

@@ -139,6 +139,18 @@ def test_stage3_divergence_after_trace_is_caught_by_forward_tags(mismatch: list[
     assert f"rank 0 is in {mine} at step 2" in o1["message"], o1["message"]
 
 
+def test_stage3_same_size_blocks_swapped_after_trace_raises(mismatch: list[dict]) -> None:
+    """Two blocks of the same size in another order on rank 1: their all-gathers would pair up and
+    exchange parameters silently; the forward tags raise on both ranks, naming the blocks."""
+    o0, o1 = _errors(mismatch, "swap_blocks_traced")
+    for o in (o0, o1):
+        assert o["error"] == "CollectiveMismatchError", o
+        assert "engine.backward" not in o["traceback"], o["traceback"]
+    assert re.search(r"rank 0 entered gather\(blocks\.0\.[^)]*\) at step 2", o0["message"]), o0["message"]
+    assert re.search(r"rank 1 is in gather\(blocks\.1\.[^)]*\) at step 2", o0["message"]), o0["message"]
+    assert re.search(r"rank 1 entered gather\(blocks\.1\.", o1["message"]), o1["message"]
+
+
 def test_forward_fetch_agreements_do_not_block_once_traced(mismatch: list[dict]) -> None:
     """Blocks has 4 modules with parameters: the recording step agrees on each fetch synchronously
     (forward, 4 gathers, backward, step); afterwards a forward posts 4 fetch tags and one end tag and

@@ -112,6 +112,11 @@ def _watched(work: Optional[Work], async_op: bool) -> Optional[Work]:
     return None
 
 
+def watch(work: Optional[Work]) -> Optional[Work]:
+    """``work`` (issued outside this module, e.g. a coalesced group's) routed through the active watch."""
+    return _watched(work, True)
+
+
 def _free_port() -> int:
     import socket
 
