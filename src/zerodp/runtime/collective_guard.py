@@ -215,11 +215,13 @@ class CollectiveGuard:
             if tags is not None:
                 tags.end()
 
-    def gather_check(self, root: nn.Module) -> Optional[Callable[[nn.Module, bool], None]]:
-        """The hook the stage-3 coordinator calls before fetching a submodule of ``root`` (None when
-        ``check_gathers`` is off): agree on ``gather(<module name>)`` within the current call, by an
-        asynchronous tag when the coordinator says the fetch is the next one of its agreed trace
-        (``on_trace``) inside a top-level forward, synchronously otherwise."""
+    def gather_check(self, root: nn.Module) -> Optional["_FetchCheck"]:
+        """The hooks the stage-3 coordinator calls before fetching a submodule of ``root`` and before
+        launching any all-gather (None when ``check_gathers`` is off): agree on ``gather(<module
+        name>)`` within the current call; inside a top-level forward, when the coordinator says the
+        fetch is the next one of its agreed trace (``on_trace``), by an asynchronous tag posted only
+        before the fetch launches an all-gather (:mod:`zerodp.runtime.forward_agreement`),
+        synchronously otherwise."""
         if not self.check_gathers:
             return None
         names = {id(m): name or "<root>" for name, m in root.named_modules()}
@@ -236,10 +238,10 @@ class CollectiveGuard:
                 return
             name = names.get(id(module), type(module).__name__)
             if on_trace and tags.active:
-                tags.note_gather(positions.get(id(module), -1), name)
+                tags.note_fetch(positions.get(id(module), -1), name)
                 return
             self.agree(CallSite("gather", name, outer.step if outer else -1, outer.micro_step if outer else -1))
-        return check
+        return _FetchCheck(check, tags.before_launch)
 
     def install_shutdown_check(self) -> None:
         """Make :func:`zerodp.shutdown_distributed` agree first (the latest engine's guard wins)."""
@@ -323,6 +325,18 @@ class CollectiveGuard:
             if len(found) == self.world_size or time.monotonic() > deadline:
                 return found
             time.sleep(0.05)
+
+
+@dataclass(frozen=True)
+class _FetchCheck:
+    """:class:`zerodp.stage3.coordinator.FetchCheck` of one guard: ``check(module, on_trace)`` before
+    each fetch, ``before_launch()`` before each all-gather launch."""
+
+    check: Callable[[nn.Module, bool], None]
+    before_launch: Callable[[], None]
+
+    def __call__(self, module: nn.Module, on_trace: bool = False) -> None:
+        self.check(module, on_trace)
 
 
 def _default_store() -> Optional[dist.Store]:

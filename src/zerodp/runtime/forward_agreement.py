@@ -139,6 +139,9 @@ class ForwardAgreement:
         self.step = 0
         self.micro_step = 0
         self.posted = 0  # tags posted in this forward
+        self.fetches = 0  # on-trace fetches noted in this forward
+        self.digest = 0  # crc32 of their module positions, in order
+        self.pending: Optional[tuple[int, str]] = None  # the last noted fetch, not yet tagged
         self.tags_total = 0  # tags posted over the engine's life (for the cost report)
         self.sync_waits = 0  # blocking waits for tags (forward ends and MAX_IN_FLIGHT), engine's life
         self._tags: list[_Tag] = []
@@ -149,12 +152,13 @@ class ForwardAgreement:
         """Start of an agreed top-level ``forward``: route every comm wait through :meth:`wait_data`."""
         self.active, self.step, self.micro_step = True, step, micro_step
         self.posted, self._tags, self._checked = 0, [], 0
+        self.fetches, self.digest, self.pending = 0, 0, None
         comm.WORK_WATCH[:] = [self.wait_data]
 
     def finish(self) -> None:
         """The forward's modules have run: post ``end``, wait for and compare every tag (at most the
         guard's ``timeout_s``). Raises CollectiveMismatchError / CollectiveTimeoutError / RankLostError."""
-        self._post(self.calls.index("forward"), END_DETAIL, -1 - self.posted)
+        self._post(self.calls.index("forward"), f"{END_DETAIL} {self.fetches} {self.digest}", -1 - self.fetches)
         self.sync_waits += 1
         self._wait_until(len(self._tags))
 
@@ -165,8 +169,20 @@ class ForwardAgreement:
             comm.WORK_WATCH.clear()
 
     # ---- tags ----------------------------------------------------------------------------------------
-    def note_gather(self, position: int, name: str) -> None:
-        """The fetch of the module at ``position`` (on the agreed trace) is about to issue its gathers."""
+    def note_fetch(self, position: int, name: str) -> None:
+        """A fetch of the module at ``position``, the next one of the agreed trace: folded into the
+        forward's digest; tagged by :meth:`before_launch` if it launches an all-gather."""
+        self.fetches += 1
+        self.digest = zlib.crc32(position.to_bytes(8, "little", signed=True), self.digest)
+        self.pending = (position, name)
+
+    def before_launch(self) -> None:
+        """An all-gather is about to be launched: tag the fetch that launches it (see the module
+        docstring: a fetch that launches nothing only waits for gathers every on-trace rank launched)."""
+        if not self.active or self.pending is None:
+            return
+        position, name = self.pending
+        self.pending = None
         if len(self._tags) - self._checked >= MAX_IN_FLIGHT:
             self.sync_waits += 1
             self._wait_until(self._checked + 1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import zlib
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 from torch import nn
@@ -42,6 +42,17 @@ PREFETCH_GROUPS_PER_PASS = 4
 #: least one module's compute (not a trivial one such as an embedding's backward) hides it
 PREFETCH_LEAD_MODULES = 2
 
+
+
+class FetchCheck(Protocol):
+    """The collective guard's checks of stage-3 fetches (see
+    :meth:`zerodp.runtime.collective_guard.CollectiveGuard.gather_check`)."""
+
+    def __call__(self, module: nn.Module, on_trace: bool) -> None:
+        """Before a fetch of ``module``; ``on_trace``: it is the next module of the agreed trace."""
+
+    def before_launch(self) -> None:
+        """Before any all-gather is launched (a fetch's own, a prefetch group, an external one)."""
 
 class TraceMode(enum.Enum):
     RECORD = "record"
@@ -81,7 +92,7 @@ class ParameterCoordinator:
         self.busy = False  # set while the coordinator itself touches parameters
         #: called with the module before each fetch of a module that has units (the collective guard's
         #: agreement, see :mod:`zerodp.runtime.collective_guard`); None: no check
-        self.fetch_check: Optional[Callable[[nn.Module, bool], None]] = None
+        self.fetch_check: Optional[FetchCheck] = None
         #: offload_param: called after each fetch (recorded trace only) with the units of the modules
         #: still to come, in trace order, to read their shards ahead; None: no read-ahead
         self.read_ahead: Optional[Callable[[list[list[ShardedUnit]]], None]] = None
@@ -192,6 +203,8 @@ class ParameterCoordinator:
             self.busy = True
             try:
                 if u.state is ShardState.SHARDED:
+                    if self.fetch_check is not None:
+                        self.fetch_check.before_launch()
                     u.start_gather(self.pg, self.ledger, "parameters")
                 if u.state is ShardState.GATHERING:
                     u.finish_gather()
@@ -281,6 +294,8 @@ class ParameterCoordinator:
     def _start_gathers(self, units: list[ShardedUnit]) -> None:
         """SHARDED -> GATHERING for ``units``; consecutive units of one dtype share one coalesced
         all-gather (see :mod:`zerodp.runtime.coalesce`)."""
+        if units and self.fetch_check is not None:
+            self.fetch_check.before_launch()
         for run in runs_of_same_kind(units, lambda u: dtype_device(u.shard)):
             work = coalesced(self.pg, [lambda u=u: u.start_gather(self.pg, self.ledger, "parameters") or u.work
                                        for u in run])
