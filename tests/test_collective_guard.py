@@ -153,8 +153,10 @@ def test_stage3_same_size_blocks_swapped_after_trace_raises(mismatch: list[dict]
 
 def test_forward_fetch_agreements_do_not_block_once_traced(mismatch: list[dict]) -> None:
     """Blocks has 4 modules with parameters: the recording step agrees on each fetch synchronously
-    (forward, 4 gathers, backward, step); afterwards a forward posts 4 fetch tags and one end tag and
-    blocks once, for all of them, before it returns."""
+    (forward, 4 gathers, backward, step; the forward's end tag is its one blocking wait); afterwards
+    each fetch launches an all-gather and posts a tag before it, and the forward blocks once, for
+    those 4 tags and its end tag, before it returns: 3 synchronous agreements per step (forward,
+    backward, step) instead of 7."""
     for r in range(2):
         o = mismatch[r]["forward_tag_counts"]
         assert o["error"] is None, o

@@ -4,46 +4,56 @@ The collective guard (:mod:`zerodp.runtime.collective_guard`) agrees on ``gather
 before each stage-3 module fetch, so that ranks fetching different modules raise instead of issuing
 all-gathers that pair up wrongly (a hang, a gloo size-mismatch abort, or, for two units of the same
 size, silently wrong parameters). A synchronous agreement costs a round trip per fetch on the forward
-path (22 per step on the bench's small GPT). This module replaces it, for the fetches where that is
-safe, by one *asynchronous* all-gather per fetch on the guard's gloo group, posted before the fetch
-issues anything and not waited for; the tags are waited for and compared in batches.
+path (19 per step on the bench's small GPT). This module replaces it, for the fetches where that is
+safe, by a running digest of the fetched modules and by *asynchronous* all-gathers (tags) on the
+guard's gloo group, posted before the all-gathers they protect and not waited for; the tags are
+waited for and compared in batches.
 
-When a tag replaces the synchronous agreement: the fetch belongs to a training iteration whose module
+When the synchronous agreement is replaced: the fetch belongs to a training iteration whose module
 trace is *complete* (recorded in an earlier iteration and compared across ranks by the stage-3
-coordinator) and the module is the one the trace expects next on this rank. The coordinator then
-issues its all-gathers (the module's own, if not prefetched, and the prefetches of the modules ahead)
-from the trace and the cursor, identical on every rank that is also on the trace. A rank that leaves
-the trace (another module, a module too many) agrees *synchronously* before issuing anything; that
-agreement pairs with its peers' tag for the same fetch (every fetch makes exactly one guard
-all-gather, tag or agreement, of the same five int64), so the divergence is seen before any data
-collective could pair up wrongly. Every other fetch (recording the trace, an invalid trace, a forward
-outside training) keeps the synchronous agreement.
+coordinator) and the module is the one the trace expects next on this rank (``on_trace``). The
+coordinator then launches its all-gathers (the module's own, if not prefetched, and the prefetch
+groups of the modules ahead) from the trace, the cursor and the units' states, identical on every
+rank that is also on the trace (the prefetch pairing already relies on this). Such a fetch is folded
+into the forward's digest (:meth:`ForwardAgreement.note_fetch`) and posts a ``gather`` tag only when
+it launches an all-gather, just before the launch (:meth:`ForwardAgreement.before_launch`); a fetch
+that launches nothing only waits for all-gathers that every on-trace rank launched at an earlier
+fetch. A rank that leaves the trace (another module, one module too many) agrees *synchronously*
+before launching anything; that agreement pairs with its peers' next tag (every guard all-gather,
+tag or agreement, is the same five int64), so the divergence is seen before any data collective could
+pair up wrongly: the diverged rank launches nothing more, and its peers' later all-gathers are never
+paired (they raise when their tag, which met that agreement, is compared). Every other fetch
+(recording the trace, an invalid trace, a forward outside training, a forward nested in another
+engine call) keeps the synchronous agreement.
 
 A tag is the agreement's own row ``(call code, crc32(detail), step, micro-step, aux)`` with ``aux`` < 0
 marking it as a tag: ``gather`` with ``aux = -1 - position`` (the module's position in
-``named_modules()``), and one ``forward`` tag with ``detail = "end"`` and ``aux = -1 - fetches`` when
-the forward ends. Any row is therefore comparable with any other: a synchronous agreement that meets a
-tag compares the same columns, and names the tag's module from the table alone
-(:func:`describe_row`) instead of exchanging descriptions (the tagging peer is not in a synchronous
-exchange).
+``named_modules()``), and one ``forward`` tag when the forward ends, whose detail holds the number of
+on-trace fetches and the digest of their positions (compared) and ``aux = -1 - fetches``. Any row is
+comparable with any other: a synchronous agreement that meets a tag compares the same columns, and
+names the tag's module from the table alone (:func:`describe_row`) instead of exchanging descriptions
+(the tagging peer is not in a synchronous exchange). The module a message names for a tagging rank is
+the fetch where it launched next (or the end of its forward), not necessarily the fetch at which the
+other rank diverged.
 
 When they are checked (every rank receives the same tables, so every rank reaches the same verdict):
 
 - When the forward ends (:meth:`ForwardAgreement.finish`, before the engine returns the forward's
   output, so before any loss, gradient or optimizer step uses it): the ``end`` tag is posted and every
   tag is waited for, within the guard's ``timeout_s``. A rank that ran fewer modules posts ``end``
-  where its peers post a ``gather`` tag: mismatch.
+  where its peers post a ``gather`` tag, or an ``end`` with another count: mismatch.
 - When more than :data:`MAX_IN_FLIGHT` are outstanding (a long forward): the oldest is waited for.
-- While a rank waits for a data collective inside the forward (every ``zerodp.runtime.comm`` wait
-  then goes through :meth:`ForwardAgreement.wait_data`, see ``comm.WORK_WATCH``): in slices of
-  ``POLL_S``, comparing the tags that completed meanwhile, at most ``timeout_s`` in all. A rank
-  waiting for a prefetch that a diverged peer (which raised at its synchronous agreement) never
-  issues therefore raises as soon as the tag that met that agreement completes.
+- While a rank waits for a data collective inside the forward (every ``zerodp.runtime.comm`` wait,
+  coalesced prefetch groups included, then goes through :meth:`ForwardAgreement.wait_data`, see
+  ``comm.WORK_WATCH``): in slices of ``POLL_S``, comparing the tags that completed meanwhile, at most
+  ``timeout_s`` in all. A rank waiting for an all-gather that a diverged peer never launches therefore
+  raises as soon as its tag that met the peer's agreement completes.
 
 Errors: :class:`~zerodp.runtime.collective_guard.CollectiveMismatchError` naming each rank's module (or
 call), or, through the guard's post-mortem, ``CollectiveTimeoutError`` / ``RankLostError`` when a
-tag does not complete in time or a peer is gone; the engine is unusable afterwards, as after any
-guard error.
+tag does not complete in time or a peer is gone. After a divergence found by a tag, a rank may have
+launched all-gathers its peers never launch: the engine's process group is then unusable too (the
+synchronous agreement left it clean); the job must restart, as after any guard error.
 """
 
 from __future__ import annotations
