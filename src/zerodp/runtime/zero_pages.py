@@ -14,8 +14,9 @@ extra peak RSS came from").
 zeroes it with ``madvise(MADV_DONTNEED)``: the kernel drops the pages, and the next access to each
 page reads zeros, so the values are exactly those of ``zero_()`` (bitwise) while the buffer holds
 memory only where backward has written a gradient. With 4 KiB pages the page faults that follow cost
-several times a ``zero_()`` (13 MB: 14 ms against 1.5 ms per step, measured), so the mapping is
-2 MiB-aligned and marked ``MADV_HUGEPAGE``; where transparent huge pages are off (or not Linux, or the
+several times a ``zero_()`` (13 MB: 14 ms against 1.5 ms per step, measured), so the buffer starts on
+a 2 MiB boundary and its whole 2 MiB pages are marked ``MADV_HUGEPAGE`` (the partial last one is not,
+so that it holds no more than base pages would); where transparent huge pages are off (or not Linux, or the
 buffer is not on the CPU) the buffer is a plain ``torch.zeros`` tensor zeroed with ``zero_()``.
 """
 
@@ -69,9 +70,12 @@ class ZeroPageBuffer:
         nbytes = numel * t.element_size()
         # one huge page of slack, so that the tensor can start on a 2 MiB boundary
         mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        mapping.madvise(mmap.MADV_HUGEPAGE)
         start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
-        pad = (-start) % HUGE_PAGE
+        pad = (-start) % HUGE_PAGE  # a multiple of the base page: the mapping starts on one
+        whole = nbytes // HUGE_PAGE * HUGE_PAGE
+        if whole:  # huge pages where the buffer fills them; the partial last one stays in base pages
+            mapping.madvise(mmap.MADV_HUGEPAGE, pad, whole)
+        mapping.madvise(mmap.MADV_NOHUGEPAGE, pad + whole, len(mapping) - pad - whole)
         return cls(torch.frombuffer(mapping, dtype=dtype, count=numel, offset=pad), mapping)
 
     def zero_(self) -> None:
