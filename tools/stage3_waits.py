@@ -2,12 +2,14 @@
 waiting for gradient reduce-scatters (``GradientReducer._drain``) and for parameter all-gathers
 (``ShardedUnit.finish_gather``), the collectives issued (``all_gather`` / ``reduce_scatter``: single
 ones; ``coalesced groups``: groups; ``... collectives``: zerodp's own counts, a group once), process CPU
-time (all threads) and wall time per step; rank 0 prints the mean over 6 steps after 2 warm-up steps.
+time (all threads), the training thread's own CPU time, minor page faults (memory first touched, e.g. freshly mmapped
+blocks) and wall time per step; rank 0 prints the mean over 6 steps after 2 warm-up steps.
 Blocked time and CPU time depend far less on the machine's load than step time (docs/bench.md).
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 tools/stage3_waits.py [stage]
 """
 import collections
+import resource
 import sys
 import time
 
@@ -45,16 +47,19 @@ counts.clear()
 sharding = getattr(eng, "sharding", None)
 red0 = getattr(eng.reducer, "reduce_collectives", 0)
 gat0 = sharding.coordinator.gather_collectives if sharding is not None else 0
-c0, t0 = time.process_time(), time.perf_counter()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+c0, m0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
 for _ in range(N):
     step()
-cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+cpu, main, wall = time.process_time() - c0, time.thread_time() - m0, time.perf_counter() - t0
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 if r == 0:
     out = {k: round(v / N, 4) for k, v in sorted(blocked.items())}
     out.update({k: v / N for k, v in sorted(counts.items())})
     out["reduce-scatter collectives"] = (getattr(eng.reducer, "reduce_collectives", 0) - red0) / N
     if sharding is not None:
         out["all-gather collectives"] = (sharding.coordinator.gather_collectives - gat0) / N
-    out.update({"cpu s/step": round(cpu / N, 4), "wall s/step": round(wall / N, 4)})
+    out.update({"cpu s/step": round(cpu / N, 4), "main-thread cpu s/step": round(main / N, 4),
+                "minor faults/step": round(faults / N), "wall s/step": round(wall / N, 4)})
     print(f"stage {stage}:", out)
 zerodp.shutdown_distributed()

@@ -30,16 +30,37 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from zerodp.offload.aio import IOHandle
-from zerodp.offload.shard_window import ShardWindow, unique_groups
+from zerodp.offload.aio import AsyncIO, IOHandle, SwapFile
+from zerodp.offload.config import AioConfig
+from zerodp.offload.shard_window import ShardAccess, ShardWindow, unique_groups
 from zerodp.runtime.partition import FlatGroup
 
-if TYPE_CHECKING:
-    from zerodp.offload.nvme import NvmeOptimizerOffload, SubGroup
+
+class SubGroup(Protocol):
+    """A sub-group of :mod:`zerodp.offload.nvme`: ``pieces`` (positions), ``offset`` and ``nbytes``
+    of its region of the swap file."""
+
+    pieces: list[int]
+    offset: int
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class SwapOwner(Protocol):
+    """What the loop uses of :class:`zerodp.offload.nvme.NvmeOptimizerOffload`."""
+
+    buffers: list[torch.Tensor]
+    aio_cfg: AioConfig
+    io: Optional[AsyncIO]
+    file: Optional[SwapFile]
+    shard_access: Optional[ShardAccess]
+
+    def group_of(self, i: int) -> FlatGroup: ...
 
 
 @dataclass
@@ -81,8 +102,8 @@ class SubGroupPipeline:
     """The sub-group loop of one step (module docstring). ``todo``: the sub-groups with a gradient,
     in update order; ``update(sg, buf)`` updates one in its buffer (``buf``: uint8, ``sg.nbytes``)."""
 
-    def __init__(self, offload: "NvmeOptimizerOffload", optimizer: torch.optim.Optimizer,
-                 todo: list["SubGroup"], update: Callable[["SubGroup", torch.Tensor], None],
+    def __init__(self, offload: SwapOwner, optimizer: torch.optim.Optimizer,
+                 todo: list[SubGroup], update: Callable[[SubGroup, torch.Tensor], None],
                  on_done: Callable[[], None]) -> None:
         self.off = offload
         self.optimizer = optimizer

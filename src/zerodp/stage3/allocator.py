@@ -4,12 +4,21 @@
 with ``mmap`` and returns them on ``free``; but the first time such a block is freed, it raises the
 threshold to that block's size (up to 32 MiB), after which blocks of that size come from the heap and
 stay cached there when freed. Stage 3 on gloo frees many unit-sized blocks each step that no pool can
-hold: gloo's all-gather and reduce-scatter allocate a flat copy of their output or input per call,
+hold: gloo's all-gather allocates a flat copy of its output per call (its reduce-scatter clones its
+input, which the reducer avoids on gloo, see [Note: gloo reduce-scatter] in zerodp.runtime.reducer),
 autograd allocates each weight's gradient before the reducer copies it into a (pooled) staging buffer.
 With the dynamic threshold these end up as a fragmented heap, and a rank's resident set grows above
 stage 0's although it holds less (see docs/stage3-memory.md). Pinning the threshold (which also turns
 its dynamic adjustment off, as setting ``MALLOC_MMAP_THRESHOLD_`` does) keeps such blocks out of the
 heap. Smaller blocks (activations of typical layers) are unaffected.
+
+glibc's own adjustment also keeps its trim threshold at twice the mmap threshold; a threshold set
+with ``mallopt`` turns that off and leaves the trim threshold at its 128 KiB default, so each free
+that leaves more than 128 KiB unused at the top of the heap shrinks it and the next allocation faults
+those pages in again (the gather pool's slabs freed after each backward, gloo's per-call copies below
+the mmap threshold). Pinning therefore also sets ``M_TRIM_THRESHOLD`` to twice the pinned value, as the
+dynamic rule would (unless the user set ``MALLOC_TRIM_THRESHOLD_``): on the bench's small GPT this cut
+the page faults per step by about a third (docs/bench.md, "Stage-3 copies").
 
 This is process-wide and cannot be undone by zerodp; it is applied once, when a stage-3 engine (or
 ``zero.Init``) is built, only on glibc, and never when the user set ``MALLOC_MMAP_THRESHOLD_`` (their
@@ -26,7 +35,8 @@ from typing import Optional
 #: the value pinned at stage 3 (bytes): blocks of 4 MiB or more are mmapped and returned on free
 STAGE3_MMAP_THRESHOLD = 4 * 1024 * 1024
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers
+_M_TRIM_THRESHOLD = -1
 _pinned: Optional[int] = None
 
 
@@ -60,4 +70,6 @@ def pin_mmap_threshold(nbytes: int = STAGE3_MMAP_THRESHOLD) -> Optional[int]:
         return None
     if mallopt(_M_MMAP_THRESHOLD, int(nbytes)) == 1:
         _pinned = int(nbytes)
+        if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+            mallopt(_M_TRIM_THRESHOLD, 2 * int(nbytes))  # what glibc's dynamic rule would keep
     return _pinned

@@ -147,11 +147,13 @@ class ExternalParameterMode(TorchFunctionMode):
         kwargs = kwargs or {}
         c = self.coordinator
         if not c.busy and self.stack.stack and func not in METADATA:  # metadata needs no gather
+            # by_param holds the ids of live partitioned parameters only, so the lookup alone tells
+            # (no isinstance(a, nn.Parameter): its metaclass check runs Python code per argument)
+            by_param = c.index.by_param
             for a in _flat_args(args, kwargs):
-                if isinstance(a, nn.Parameter):
-                    u = c.index.by_param.get(id(a))
-                    if u is not None and u.state is not ShardState.UNSHARDED:
-                        c.fetch_external(self.stack.stack[-1], a)
+                u = by_param.get(id(a))
+                if u is not None and u.state is not ShardState.UNSHARDED:
+                    c.fetch_external(self.stack.stack[-1], a)
         out = func(*args, **kwargs)
         if func in _CASTS and not c.busy and args and isinstance(args[0], nn.Parameter):
             return _cast_buffer_output(c, args[0], out)
