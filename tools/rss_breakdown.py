@@ -104,8 +104,10 @@ def main() -> None:
         os.makedirs(out, exist_ok=True)
     tables = {}
     for k, name in enumerate(names):
-        result = bench_rss.measure(k, instrumented(name, cfg, [], out), lambda: _batches(cfg, micro, STEPS, rank, world))
-        print(f"{name} rank {rank}: peak {result.get('peak_rss', 0) / 2**20:.1f} MiB {result.get('error', '')}", flush=True)
+        result = bench_rss.measure(k, instrumented(name, cfg, [], out),
+                                   lambda: _batches(cfg, micro, STEPS, rank, world))
+        peak = result.get("peak_rss", 0) / 2**20
+        print(f"{name} rank {rank}: peak {peak:.1f} MiB {result.get('error', '')}", flush=True)
         path = f"/tmp/rss_breakdown_{os.getpid()}_{name.replace(' ', '_')}.json"
         if rank == 0 and os.path.exists(path):
             with open(path) as f:
