@@ -24,6 +24,10 @@ INIT = "src/zerodp/zero.py"
 INIT_BUILD = "tests/test_init_build.py"
 NVME = "src/zerodp/offload/nvme.py"
 CPU_ADAM = "src/zerodp/offload/cpu_adam.py"
+PARAM_SWAP = "src/zerodp/offload/param_swap.py"
+STEP_PIPELINE = "src/zerodp/offload/step_pipeline.py"
+ZERO_PAGES = "src/zerodp/runtime/zero_pages.py"
+PARAM_OFFLOAD = "tests/test_param_offload.py"
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,8 @@ MUTANTS: list[Mutant] = [
            "                    pass",
            [f"{FAULTS}::test_mixed_precision_scale_sensitive[2-0-bf16_accum]"]),
     Mutant("stage2_overwrite_instead_of_accumulate", REDUCER,
-           "            self.owned[g.index][off : off + b.shard_numel].add_(recv)",
-           "            self.owned[g.index][off : off + b.shard_numel].copy_(recv)",
+           "            if recv.accumulate:\n                owned.add_(chunk)\n",
+           "            if recv.accumulate:\n                owned.copy_(chunk)\n",
            [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-2]"]),
     Mutant("stage2_keep_grad_after_bucketing", REDUCER,
            "                target.copy_(slot.flat_values(param.grad))\n            param.grad = None\n",
@@ -116,8 +120,8 @@ MUTANTS: list[Mutant] = [
            "assign_pieces(g, self.rank, owns_everything=self.stage <= 1)",
            [f"{FAULTS}::test_storage_held_stages_0_to_2[2-1]"]),
     Mutant("gradients_not_zeroed_after_step", REDUCER,
-           "        for buf in self.grad_buffers.values():\n            buf.zero_()\n",
-           "        for buf in self.grad_buffers.values():\n            pass\n",
+           "        for buf in self._zero_pages.values():\n            buf.zero_()\n",
+           "        for buf in self._zero_pages.values():\n            pass\n",
            [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-0]"]),
     Mutant("unused_parameter_gets_zero_gradient", ENGINE,
            "                elif present[piece.slot.index]:\n",
@@ -144,4 +148,20 @@ MUTANTS: list[Mutant] = [
            "    for g in groups:\n        g[\"fused\"] = True\n",
            "    for g in groups:\n        pass\n",
            ["tests/test_cpu_adam.py::test_fused_offload_equals_non_offloaded[1-bf16-nvme]"]),
+    Mutant("overlap_step_forward_uses_shards_before_their_update", PARAM_SWAP,
+           "            self.swapper.before_use(self)\n",
+           "            pass\n",
+           [f"{PARAM_OFFLOAD}::test_param_offload_equals_stage3[1-reused,prefetch,init,overlap,beyond]"]),
+    Mutant("overlap_step_uses_the_scheduler_s_next_lr", STEP_PIPELINE,
+           "            g.update(v)\n",
+           "            pass\n",
+           [f"{PARAM_OFFLOAD}::test_param_offload_equals_stage3[1-reused,prefetch,init,overlap,beyond]"]),
+    Mutant("shard_reads_counted_inside_the_all_gather_window", PARAM_SWAP,
+           "            if not any(h.state is Residency.SWAPPED for h in homes):\n                continue\n",
+           "",
+           [f"{PARAM_OFFLOAD}::test_param_offload_equals_stage3[1-reused,prefetch,init,overlap,beyond]"]),
+    Mutant("zero_page_buffer_not_cleared", ZERO_PAGES,
+           "            self.mapping.madvise(mmap.MADV_DONTNEED)",
+           "            pass",
+           ["tests/test_zero_pages.py"]),
 ]

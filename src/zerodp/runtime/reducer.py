@@ -45,6 +45,7 @@ from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.coalesce import AllOf, coalesced, runs_of_same_kind
 from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot
+from zerodp.runtime.zero_pages import ZeroPageBuffer
 
 #: collectives (one bucket, or one coalesced group of stage-3 buckets) that may be in flight at once
 #: while backward goes on (launching another first waits for the oldest): bounds staging memory.
@@ -266,9 +267,10 @@ class _FullGradBuffer(GradientReducer):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.grad_buffers: dict[int, torch.Tensor] = {
-            g.index: torch.zeros_like(g.buffer) for g in self.groups
-        }
+        # zeroed by giving their pages back to the kernel, so they hold memory only once backward
+        # writes into them, as DDP's gradients do (zerodp.runtime.zero_pages)
+        self._zero_pages: dict[int, ZeroPageBuffer] = {g.index: ZeroPageBuffer.like(g.buffer) for g in self.groups}
+        self.grad_buffers: dict[int, torch.Tensor] = {i: z.tensor for i, z in self._zero_pages.items()}
         self._views: dict[int, torch.Tensor] = {}
         for g in self.groups:
             for s in g.slots:
@@ -290,7 +292,7 @@ class _FullGradBuffer(GradientReducer):
 
     def zero_grads(self) -> None:
         super().zero_grads()
-        for buf in self.grad_buffers.values():
+        for buf in self._zero_pages.values():
             buf.zero_()
         for s in self.slots:  # restore views if the user set grads to None
             s.param.grad = self._views[s.index]

@@ -1,0 +1,56 @@
+"""zerodp.runtime.zero_pages: a gradient buffer zeroed by giving its pages back to the kernel reads
+exactly zeros afterwards (as ``torch.zeros`` / ``zero_()``) and no longer counts in the resident set
+(read from ``/proc/self/smaps``, the kernel's count for the mapping, not the buffer's bookkeeping)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerodp.runtime.zero_pages import HUGE_PAGE, ZeroPageBuffer, huge_pages_available
+
+MiB = 1 << 20
+
+
+def mapping_rss(addr: int) -> int:
+    """Resident bytes of the mapping of this process that contains address ``addr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping contains {addr:#x}")
+
+
+@pytest.mark.skipif(not huge_pages_available(), reason="needs Linux with transparent huge pages")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zeroed_pages_read_zero_and_leave_the_resident_set(dtype: torch.dtype) -> None:
+    numel = (8 * MiB) // torch.empty((), dtype=dtype).element_size() + 3  # not a whole number of pages
+    buf = ZeroPageBuffer.like(torch.empty(numel, dtype=dtype))
+    t = buf.tensor
+    assert buf.mapping is not None and t.shape == (numel,) and t.dtype == dtype
+    assert t.data_ptr() % HUGE_PAGE == 0
+    assert torch.equal(t, torch.zeros(numel, dtype=dtype))
+    values = torch.randn(numel).to(dtype)
+    t.add_(values)  # the way gradients accumulate into the buffer's views
+    assert torch.equal(t, values)
+    assert mapping_rss(t.data_ptr()) >= 8 * MiB
+    view = t[5:1005]  # a view taken before zeroing (param.grad) sees the zeros too
+    buf.zero_()
+    assert mapping_rss(t.data_ptr()) < MiB
+    assert torch.equal(t, torch.zeros(numel, dtype=dtype)) and not view.any()
+    t[-1] = 1.0  # still writable after the pages were dropped
+    assert t[-1].item() == 1.0 and t[:-1].count_nonzero().item() == 0
+
+
+def test_plain_buffer_when_not_lazy() -> None:
+    buf = ZeroPageBuffer.like(torch.ones(10, dtype=torch.float64), lazy=False)
+    assert buf.mapping is None and torch.equal(buf.tensor, torch.zeros(10, dtype=torch.float64))
+    buf.tensor.fill_(2.0)
+    buf.zero_()
+    assert torch.equal(buf.tensor, torch.zeros(10, dtype=torch.float64))
+    assert ZeroPageBuffer.like(torch.empty(0)).tensor.numel() == 0
