@@ -4,10 +4,10 @@ The guard owns one extra gloo process group (``dist.new_group``, with the guard'
 and one *agreement* per engine entry point that issues collectives (``forward`` at stage 3,
 ``backward``, ``step`` at a gradient accumulation boundary, ``save_checkpoint``, ``load_checkpoint``,
 ``module_state_dict``, ``shutdown_distributed``) and, at stage 3, per module fetch in a forward
-(``gather(<module name>)``); once the stage-3 module trace is recorded and agreed, a training forward's
-fetches are agreed by asynchronous tags instead, compared in batches and at the latest before the
-forward returns (:mod:`zerodp.runtime.forward_agreement`). The collectives inside backward (stage-3 backward fetches, gradient
-bucket reductions) are not agreed synchronously one by one (that would double the cost): each posts an
+(``gather(<module name>)``); once the stage-3 module trace is recorded and agreed, a training
+forward's fetches are agreed by asynchronous tags instead, compared in batches and at the latest
+before the forward returns (:mod:`zerodp.runtime.forward_agreement`). The collectives inside backward
+(stage-3 backward fetches, gradient bucket reductions) are not agreed synchronously one by one (that would double the cost): each posts an
 asynchronous tag on the same gloo group, checked while waiting and before backward returns
 (:mod:`zerodp.runtime.backward_agreement`). An agreement is one all-gather of five int64 per rank:
 ``(call code, hash of the call's detail, optimizer step, micro-step, aux)``; ``aux`` is exchanged, not

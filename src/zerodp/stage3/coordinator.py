@@ -43,7 +43,6 @@ PREFETCH_GROUPS_PER_PASS = 4
 PREFETCH_LEAD_MODULES = 2
 
 
-
 class FetchCheck(Protocol):
     """The collective guard's checks of stage-3 fetches (see
     :meth:`zerodp.runtime.collective_guard.CollectiveGuard.gather_check`)."""
@@ -53,6 +52,7 @@ class FetchCheck(Protocol):
 
     def before_launch(self) -> None:
         """Before any all-gather is launched (a fetch's own, a prefetch group, an external one)."""
+
 
 class TraceMode(enum.Enum):
     RECORD = "record"
