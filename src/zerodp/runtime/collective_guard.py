@@ -7,8 +7,9 @@ and one *agreement* per engine entry point that issues collectives (``forward`` 
 (``gather(<module name>)``); once the stage-3 module trace is recorded and agreed, a training
 forward's fetches are agreed by asynchronous tags instead, compared in batches and at the latest
 before the forward returns (:mod:`zerodp.runtime.forward_agreement`). The collectives inside backward
-(stage-3 backward fetches, gradient bucket reductions) are not agreed synchronously one by one (that would double the cost): each posts an
-asynchronous tag on the same gloo group, checked while waiting and before backward returns
+(stage-3 backward fetches, gradient bucket reductions) are not agreed synchronously one by one (that
+would double the cost): each posts an asynchronous tag on the same gloo group, checked while waiting
+and before backward returns
 (:mod:`zerodp.runtime.backward_agreement`). An agreement is one all-gather of five int64 per rank:
 ``(call code, hash of the call's detail, optimizer step, micro-step, aux)``; ``aux`` is exchanged, not
 compared (``backward`` puts the digest of the parameters its graph reaches there, and the digest of its
