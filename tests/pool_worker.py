@@ -143,15 +143,6 @@ def coalesced_overlap() -> dict:
         original_end(self)
 
     GradientReducer.end_micro_step = end_micro_step  # type: ignore[method-assign]
-    from zerodp.runtime import comm
-    original_rs = comm._reduce_scatter_single
-    torch_reduce_scatters = [0]
-
-    def counted_rs(*args, **kwargs):  # torch's reduce-scatter (gloo: an all-reduce of a clone)
-        torch_reduce_scatters[0] += 1
-        return original_rs(*args, **kwargs)
-
-    comm._reduce_scatter_single = counted_rs
     r, n = rank(), world()
     out: dict = {}
     try:
@@ -167,8 +158,6 @@ def coalesced_overlap() -> dict:
             out["launched_during_backward"] = at_return[-1] - before
     finally:
         GradientReducer.end_micro_step = original_end  # type: ignore[method-assign]
-        comm._reduce_scatter_single = original_rs
-    out["torch_reduce_scatters"] = torch_reduce_scatters[0]
     gathered = {(rec.op, rec.purpose): rec.count for rec in engine.ledger.records()}
     gathered_before = {(rec.op, rec.purpose): rec.count for rec in units}
     steps = 3  # iterations 1-3, after the recording one
@@ -176,8 +165,6 @@ def coalesced_overlap() -> dict:
     out["gather_collectives_per_step"] = (coord.gather_collectives - gathers) / steps
     out["units_gathered_per_step"] = (gathered[("all_gather", "parameters")]
                                       - gathered_before.get(("all_gather", "parameters"), 0)) / steps
-    out["units_reduced_per_step"] = (gathered[("reduce_scatter", "gradients")]
-                                     - gathered_before.get(("reduce_scatter", "gradients"), 0)) / steps
     out["units"] = len([u for u in engine.sharding.units if not u.persistent])
     sd = engine.module_state_dict()
     out["max_abs_diff"] = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())

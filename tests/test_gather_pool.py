@@ -98,9 +98,4 @@ def test_stage3_collectives_are_coalesced_and_reduce_scatters_overlap_backward(r
         assert row["launched_during_backward"] == row["reduce_collectives_per_step"], row
         # each unit gathered for forward and for backward, in collectives of several units
         assert row["units_gathered_per_step"] == 2 * units, row
-        # gloo: every unit's gradient reduce-scatter (one ledger record each) ran as an in-place
-        # all-reduce of its staging buffer, none as torch's reduce-scatter, which clones its input
-        # ([Note: gloo reduce-scatter] in zerodp.runtime.reducer); values checked above (diff 0.0)
-        assert row["torch_reduce_scatters"] == 0, row
-        assert row["units_reduced_per_step"] == units, row
         assert row["gather_collectives_per_step"] <= row["units_gathered_per_step"] / 2, row
