@@ -45,16 +45,3 @@ def coalesced(pg: Optional[ProcessGroup], launches: Sequence[Callable[[], Option
 
 def dtype_device(t: torch.Tensor) -> tuple[torch.dtype, torch.device]:
     return t.dtype, t.device
-
-
-class AllOf:
-    """Several ``Work`` handles waited for as one (collectives issued one by one that stand for one
-    coalesced collective, e.g. the per-tensor all-reduces of :func:`zerodp.runtime.comm.reduce_scatter_in_place`)."""
-
-    def __init__(self, works: Sequence[Optional[Work]]) -> None:
-        self.works = [w for w in works if w is not None]
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        return True

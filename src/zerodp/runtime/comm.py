@@ -188,35 +188,6 @@ def reduce_scatter(
                                            async_op=async_op or bool(WORK_WATCH)), async_op)
 
 
-def reduce_scatter_runs_as_all_reduce(group: Optional[ProcessGroup], device: torch.device) -> bool:
-    """True when ``group``'s backend for ``device`` is torch's gloo, whose reduce-scatter
-    (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``, also behind ``_reduce_scatter_base``) is an
-    all-reduce of a *clone* of each input followed by a copy of chunk ``rank`` into the output: the
-    caller can then all-reduce its own (disposable) input in place with :func:`reduce_scatter_in_place`
-    and read the chunk itself, the same values without the clone. False for any other backend (NCCL
-    has a real reduce-scatter, moving half the bytes of an all-reduce) or when it cannot be told."""
-    if device.type != "cpu" or not dist.is_initialized():
-        return False
-    try:
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        return isinstance(pg._get_backend(device), dist.ProcessGroupGloo)
-    except (AttributeError, RuntimeError, ValueError):
-        return False
-
-
-def reduce_scatter_in_place(
-    input: torch.Tensor, group: Optional[ProcessGroup], ledger: CommLedger, purpose: str,
-    async_op: bool = False,
-) -> Optional[Work]:
-    """Reduce-scatter of ``input`` (1-D, N x shard elements) where the backend runs it as an all-reduce
-    (see :func:`reduce_scatter_runs_as_all_reduce`): ``input`` is summed across ranks in place and rank
-    r reads its result from chunk r of ``input`` (the other chunks are overwritten too). Recorded as the
-    reduce-scatter it stands for (ZeRO's volume, as :func:`reduce_scatter`)."""
-    ledger.record("reduce_scatter", input.numel(), input.element_size(), purpose)
-    return _watched(dist.all_reduce(input, op=ReduceOp.SUM, group=group, async_op=async_op or bool(WORK_WATCH)),
-                    async_op)
-
-
 def all_gather(
     output: torch.Tensor, input: torch.Tensor, group: Optional[ProcessGroup], ledger: CommLedger,
     purpose: str, async_op: bool = False,

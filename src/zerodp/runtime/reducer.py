@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -43,7 +42,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
-from zerodp.runtime.coalesce import AllOf, coalesced, runs_of_same_kind
+from zerodp.runtime.coalesce import coalesced, runs_of_same_kind
 from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot
 from zerodp.runtime.zero_pages import ZeroPageBuffer
 
@@ -416,7 +415,6 @@ class PartitionedGradReducer(GradientReducer):
             dtype = accumulate_dtype or g.buffer.dtype
             self.owned[g.index] = torch.zeros(off, dtype=dtype, device=g.buffer.device)
         self._staging: dict[int, torch.Tensor] = {}  # id(bucket) -> staging buffer being filled
-        self._all_reduce_backends: dict[torch.device, bool] = {}  # see _in_place
         self._owned_written: set[int] = set()  # id(bucket) whose owned slice holds data since zeroing
 
     def _staging_for(self, b: Bucket, g: FlatGroup) -> torch.Tensor:
@@ -465,36 +463,16 @@ class PartitionedGradReducer(GradientReducer):
         """Reduce-scatter the staging buffers of ``buckets``; consecutive ones of one dtype and device
         go in one coalesced collective."""
         prepared = [(g, b, *self._prepare(g, b)) for g, b in buckets]
-        for run in runs_of_same_kind(prepared, lambda x: (x[2].dtype, x[2].device, x[3] is None)):
-            if run[0][3] is None:  # gloo: all-reduce each staging buffer in place (see _in_place)
-                work = AllOf([comm.reduce_scatter_in_place(buf, self.pg, self.ledger, self.collective_purpose,
-                                                           async_op=True) for _, _, buf, _, _ in run])
-            else:
-                work = coalesced(self.pg, [
-                    lambda buf=buf, out=out: comm.reduce_scatter(out, buf, self.pg, self.ledger,
-                                                                 self.collective_purpose, async_op=True)
-                    for _, _, buf, out, _ in run])
+        for run in runs_of_same_kind(prepared, lambda x: (x[2].dtype, x[2].device, x[3].dtype)):
+            work = coalesced(self.pg, [
+                lambda buf=buf, out=out: comm.reduce_scatter(out, buf, self.pg, self.ledger,
+                                                             self.collective_purpose, async_op=True)
+                for _, _, buf, out, _ in run])
             self.reduce_collectives += 1
             self._track(work, [(b, g, (buf, recv)) for g, b, buf, _, recv in run])
 
-    def _in_place(self, buf: torch.Tensor) -> bool:
-        """[Note: gloo reduce-scatter] torch's gloo backend runs a reduce-scatter as an all-reduce of a
-        clone of the input, then copies chunk ``rank`` into the output (one allocation and one full
-        copy of every staging buffer, on the training thread, per micro-step). The staging buffer is
-        disposable, so on gloo it is all-reduced in place instead and chunk ``rank`` read from it in
-        :meth:`_complete`: the same all-reduce of the same values, hence bitwise the same gradients,
-        without the clone. Other backends keep the real reduce-scatter (half the traffic on NCCL)."""
-        key = buf.device
-        known = self._all_reduce_backends.get(key)
-        if known is None:
-            known = self.world_size > 1 and comm.reduce_scatter_runs_as_all_reduce(self.pg, buf.device)
-            self._all_reduce_backends[key] = known
-        return known
-
-    def _prepare(self, g: FlatGroup, b: Bucket) -> tuple[torch.Tensor, Optional[torch.Tensor], object]:
-        """(staging buffer divided by N, reduce-scatter output or None when the staging buffer is
-        all-reduced in place (see :meth:`_in_place`), what :meth:`_complete` needs: a separate receive
-        buffer, None, or for an in-place reduction whether the owned slice accumulates)."""
+    def _prepare(self, g: FlatGroup, b: Bucket) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(staging buffer divided by N, reduce-scatter output, separate receive buffer or None)."""
         buf = self._staging_for(b, g)
         if self.contiguous:  # _on_grad copied each gradient that arrived this micro-step
             written = [self._count_np[s.index] > 0 for s in b.slots]
@@ -511,32 +489,22 @@ class PartitionedGradReducer(GradientReducer):
         buf.div_(self.world_size)
         off = self._owned_offsets[(g.index, b.index)]
         owned = self.owned[g.index][off : off + b.shard_numel]
-        first = id(b) not in self._owned_written and owned.dtype == buf.dtype
-        self._owned_written.add(id(b))
-        if self._in_place(buf):
-            return buf, None, _Chunk(accumulate=not first)
-        if first:
+        if id(b) not in self._owned_written and owned.dtype == buf.dtype:
             recv = None  # first reduction since zero_grads(): write straight into the owned partition
             out = owned
         else:
             recv = torch.empty(b.shard_numel, dtype=buf.dtype, device=buf.device)
             out = recv
+        self._owned_written.add(id(b))
         return buf, out, recv
 
     def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
         buf, recv = payload  # the staging buffer is dropped with the payload here
-        off = self._owned_offsets[(g.index, b.index)]
-        owned = self.owned[g.index][off : off + b.shard_numel]
-        if isinstance(recv, _Chunk):  # all-reduced in place: this rank's chunk is its reduce-scatter
-            chunk = buf[self.rank * b.shard_numel : (self.rank + 1) * b.shard_numel]
-            if recv.accumulate:
-                owned.add_(chunk)
-            else:
-                owned.copy_(chunk)
-        elif recv is not None:  # accumulate (later micro-steps, or an fp32 partition of bf16 grads)
-            owned.add_(recv)
         if self.staging_pool is not None:
             self.staging_pool.take_back(buf)
+        if recv is not None:  # accumulate (later micro-steps, or an fp32 partition of bf16 grads)
+            off = self._owned_offsets[(g.index, b.index)]
+            self.owned[g.index][off : off + b.shard_numel].add_(recv)
 
     def piece_grad(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
         for b in g.buckets:
@@ -555,18 +523,9 @@ class PartitionedGradReducer(GradientReducer):
     def held_bytes(self) -> dict[str, int]:
         owned = sum(t.numel() * t.element_size() for t in self.owned.values())
         staging = sum(t.numel() * t.element_size() for t in self._staging.values())
-        flight = sum(buf.numel() * buf.element_size() + (recv.numel() * recv.element_size()
-                                                         if isinstance(recv, torch.Tensor) else 0)
+        flight = sum(buf.numel() * buf.element_size() + (recv.numel() * recv.element_size() if recv is not None else 0)
                      for _, entries in self._in_flight for _, _, (buf, recv) in entries)
         return {"gradients": owned + staging, "comm_buffers": flight}
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """Payload of a staging buffer all-reduced in place: :meth:`PartitionedGradReducer._complete`
-    reads chunk ``rank`` and adds it to the owned slice (``accumulate``) or copies it there."""
-
-    accumulate: bool
 
 
 def _zero_unwritten(buf: torch.Tensor, b: Bucket, written: list[bool]) -> None:
