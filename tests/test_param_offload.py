@@ -152,3 +152,38 @@ def test_offload_param_config():
         "max_in_cpu": 1e9}}})
     po = cfg.zero_optimization.offload_param
     assert (po.buffer_size, po.max_in_cpu, po.buffer_count, po.prefetch_depth) == (10 ** 8, 10 ** 9, 5, 3)
+
+
+def test_overlap_step_dropin_zero_grad_after_step(tmp_path):
+    """DeepSpeed's loop (HF Trainer's too) calls ``engine.zero_grad()`` right after ``engine.step()``.
+    With ``overlap_step`` most sub-groups are updated during the next forward from the reduced
+    gradients, which ``zero_grad`` must not clear before then: the run equals overlap off bitwise."""
+    import zerodp.deepspeed as ds
+
+    runs, pending = {}, []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+               "zero_optimization": {
+                   "stage": 3, "stage3_param_persistence_threshold": 20, "sub_group_size": 60,
+                   "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2,
+                                     "buffer_size": 4096},
+                   "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "cpu_adam": "same",
+                                         "overlap_step": overlap}}}
+        engine, _, _, _ = ds.initialize(model=model, config=cfg)
+        losses = []
+        for step in range(3):
+            loss = engine(torch.randn(2, 16, generator=torch.Generator().manual_seed(step))).square().mean()
+            engine.backward(loss)
+            engine.step()
+            pending.append(overlap and engine.engine.offload.pending is not None)
+            engine.zero_grad()
+            losses.append(loss.item())
+        runs[overlap] = (losses, engine.engine.module_state_dict())
+        engine.engine.close()
+    assert any(pending)  # the overlapped steps did return with sub-groups left to update
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1].keys() == runs[False][1].keys()
+    assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[False][1])
+    assert list(tmp_path.iterdir()) == []

@@ -142,8 +142,15 @@ class DeepSpeedEngine:
         self._times = dict.fromkeys(self._times, 0.0)
 
     def zero_grad(self) -> None:
-        """Forget accumulated gradients (DeepSpeed's ``engine.zero_grad``)."""
-        self.engine.reducer.zero_grads()
+        """Forget accumulated gradients (DeepSpeed's ``engine.zero_grad``). With
+        ``offload_optimizer.overlap_step`` the sub-groups of the last step still to be updated read
+        the reduced gradients: they are forgotten once the loop has ended (at the latest when the next
+        backward starts), as the engine itself does after a step."""
+        offload = self.engine.offload
+        if offload is not None:
+            offload.when_updated(self.engine.reducer.zero_grads)
+        else:
+            self.engine.reducer.zero_grads()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
