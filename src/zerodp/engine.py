@@ -549,7 +549,7 @@ class Engine:
         if self.sharding is not None:
             gathered = [GatheredCopy(u.group, u.full) for u in self.sharding.units
                         if u.full is not None and u.full.untyped_storage().nbytes() > 0]
-        with self.shards_resident(write=True):
+        with self._states_resident(write=True):  # NVMe offload: masters are placeholders between steps
             return load_module_state(self.module, self.groups, self.frozen, gathered, state_dict, strict,
                                      self.process_group, self.ledger)
 
