@@ -37,8 +37,9 @@ non-offloaded engine's. Between steps the masters are empty placeholders and the
 
 Errors, raised on every rank (collective) before any training state changes: a missing or
 unwritable ``nvme_path``, too little free space (bytes needed vs free), a swap file deleted or
-replaced under a running job. Swap files are removed by :meth:`close`, at garbage collection and at
-interpreter exit (also after an exception).
+replaced under a running job. Swap files are removed by :meth:`close`, at interpreter exit (also
+after an exception) and when this object is garbage-collected, which the engine's registries keyed by
+the module's parameters prevent while the module lives.
 """
 
 from __future__ import annotations
