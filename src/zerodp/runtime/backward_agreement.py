@@ -24,7 +24,7 @@ When they are checked:
 
 - While a rank waits for any data collective inside backward (every ``zerodp.runtime.comm`` wait goes
   through :meth:`BackwardAgreement.wait_data` then, see ``comm.WORK_WATCH``), it waits in slices of
-  ``POLL_S`` and checks the tags that have completed in between; a rank waiting for a collective that a
+  ``comm.POLL_S`` and checks the tags that have completed in between; a rank waiting for a collective that a
   diverged peer never issues therefore raises as soon as that peer's next tag (or its ``end`` tag)
   arrives, and at the latest after the guard's ``timeout_s`` (:class:`CollectiveTimeoutError` naming
   what each rank was doing, through the guard's post-mortem).
@@ -59,7 +59,6 @@ from zerodp.runtime.collective_guard import CallSite, CollectiveError, Collectiv
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 KINDS: tuple[str, ...] = ("end", "gather", "reduce")
-POLL_S = 0.05  # slice of a data wait between two looks at the completed tags
 
 
 class _Guard(Protocol):
@@ -163,18 +162,7 @@ class BackwardAgreement:
     def wait_data(self, work: Work) -> None:
         """Wait for one data collective issued inside backward, at most the guard's ``timeout_s``,
         comparing the tags that complete meanwhile (a diverged peer is seen as soon as its tag is)."""
-        deadline = time.monotonic() + self.guard.timeout_s
-        while True:
-            try:
-                work.wait(timedelta(seconds=POLL_S))
-                return
-            except Exception as exc:
-                if "timed out" not in str(exc).lower():  # gloo's size check on a mis-paired op, a lost peer
-                    self._explain_failure(exc)
-                if time.monotonic() > deadline:
-                    self._explain_failure(TimeoutError(f"backward collective timed out after "
-                                                       f"{self.guard.timeout_s:g} s"))
-            self._check_completed()
+        comm.wait_polling(work, self.guard.timeout_s, "backward", self._explain_failure, self._check_completed)
 
     def _check_completed(self) -> None:
         while self._checked < len(self._tags) and self._tags[self._checked].work.is_completed():

@@ -12,10 +12,11 @@ buffer moves Psi elements per rank; an all-reduce moves 2 Psi (reduce-scatter + 
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -115,6 +116,29 @@ def _watched(work: Optional[Work], async_op: bool) -> Optional[Work]:
 def watch(work: Optional[Work]) -> Optional[Work]:
     """``work`` (issued outside this module, e.g. a coalesced group's) routed through the active watch."""
     return _watched(work, True)
+
+
+#: slice of a watched data wait (seconds) between two looks at the agreements completed meanwhile
+POLL_S = 0.05
+
+
+def wait_polling(work: Work, timeout_s: float, what: str, on_failure: Callable[[BaseException], NoReturn],
+                 between: Callable[[], None]) -> None:
+    """Wait for ``work`` in slices of :data:`POLL_S` seconds, calling ``between()`` after each slice
+    (the guard's agreements compare the tags completed meanwhile). A failure other than a slice's
+    timeout (a lost peer, gloo's size check on a mis-paired collective), or the whole wait passing
+    ``timeout_s`` seconds, goes to ``on_failure``, which raises."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            work.wait(timedelta(seconds=POLL_S))
+            return
+        except Exception as exc:
+            if "timed out" not in str(exc).lower():
+                on_failure(exc)
+            if time.monotonic() > deadline:
+                on_failure(TimeoutError(f"{what} collective timed out after {timeout_s:g} s"))
+        between()
 
 
 def _free_port() -> int:

@@ -45,7 +45,7 @@ When they are checked (every rank receives the same tables, so every rank reache
 - When more than :data:`MAX_IN_FLIGHT` are outstanding (a long forward): the oldest is waited for.
 - While a rank waits for a data collective inside the forward (every ``zerodp.runtime.comm`` wait,
   coalesced prefetch groups included, then goes through :meth:`ForwardAgreement.wait_data`, see
-  ``comm.WORK_WATCH``): in slices of ``POLL_S``, comparing the tags that completed meanwhile, at most
+  ``comm.WORK_WATCH``): in slices of ``comm.POLL_S``, comparing the tags that completed meanwhile, at most
   ``timeout_s`` in all. A rank waiting for an all-gather that a diverged peer never launches therefore
   raises as soon as its tag that met the peer's agreement completes.
 
@@ -74,7 +74,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 WIDTH = 5  # int64 per rank: the synchronous agreement's row (see collective_guard._WIDTH)
 MAX_IN_FLIGHT = 64  # tags outstanding before the oldest is waited for
-POLL_S = 0.05  # slice of a data wait between two looks at the completed tags
 END_DETAIL = "end"
 
 
@@ -226,18 +225,7 @@ class ForwardAgreement:
     def wait_data(self, work: Work) -> None:
         """Wait for one data collective issued inside the forward, at most the guard's ``timeout_s``,
         comparing the tags that complete meanwhile."""
-        deadline = time.monotonic() + self.guard.timeout_s
-        while True:
-            try:
-                work.wait(timedelta(seconds=POLL_S))
-                return
-            except Exception as exc:
-                if "timed out" not in str(exc).lower():  # a lost peer, gloo's size check
-                    self._explain_failure(exc)
-                if time.monotonic() > deadline:
-                    self._explain_failure(TimeoutError(f"forward collective timed out after "
-                                                       f"{self.guard.timeout_s:g} s"))
-            self._check_completed()
+        comm.wait_polling(work, self.guard.timeout_s, "forward", self._explain_failure, self._check_completed)
 
     def _check_completed(self) -> None:
         while self._checked < len(self._tags) and self._tags[self._checked].work.is_completed():
