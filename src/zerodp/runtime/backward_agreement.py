@@ -55,6 +55,7 @@ from torch.distributed import Work
 
 from zerodp.runtime import comm
 from zerodp.runtime.collective_guard import CallSite, CollectiveError, CollectiveMismatchError
+from zerodp.runtime.forward_agreement import TagWaits
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -82,7 +83,7 @@ class _Tag:
     work: Work
 
 
-class BackwardAgreement:
+class BackwardAgreement(TagWaits):
     """The tags of one engine's backward collectives (see the module docstring).
 
     Args:
@@ -172,15 +173,6 @@ class BackwardAgreement:
                 self._fail(self._checked, exc)
             self._compare(self._checked)
             self._checked += 1
-
-    def _explain_failure(self, exc: BaseException) -> NoReturn:
-        """A data collective failed or timed out: the tags explain it if they disagree (waiting for
-        them a little), otherwise the guard's post-mortem does."""
-        deadline = time.monotonic() + min(3.0, self.guard.timeout_s)
-        while time.monotonic() < deadline and self._checked < len(self._tags):
-            self._check_completed()
-            time.sleep(0.02)
-        self._fail(max(self._checked, len(self._tags) - 1), exc)
 
     # ---- verdicts ------------------------------------------------------------------------------------
     def _describe(self, kind: int, ident: int) -> str:

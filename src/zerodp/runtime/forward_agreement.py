@@ -62,7 +62,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn, Optional, Protocol, Sequence
+from typing import Any, NoReturn, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -130,7 +130,32 @@ class _Tag:
     work: Work
 
 
-class ForwardAgreement:
+class TagWaits:
+    """What the forward and backward agreements share: explaining a failed or timed-out data
+    collective by the tags posted so far. Subclasses hold ``guard`` (with ``timeout_s``), ``_tags``
+    and ``_checked`` (tags compared so far) and define ``_check_completed`` and ``_fail``."""
+
+    guard: Any
+    _tags: list
+    _checked: int
+
+    def _check_completed(self) -> None:
+        raise NotImplementedError
+
+    def _fail(self, i: int, exc: BaseException) -> NoReturn:
+        raise NotImplementedError
+
+    def _explain_failure(self, exc: BaseException) -> NoReturn:
+        """A data collective failed or timed out: the tags explain it if they disagree (waiting for
+        them a little), otherwise the guard's post-mortem does."""
+        deadline = time.monotonic() + min(3.0, self.guard.timeout_s)
+        while time.monotonic() < deadline and self._checked < len(self._tags):
+            self._check_completed()
+            time.sleep(0.02)
+        self._fail(max(self._checked, len(self._tags) - 1), exc)
+
+
+class ForwardAgreement(TagWaits):
     """The fetch tags of one engine's forward (see the module docstring).
 
     Args:
@@ -230,15 +255,6 @@ class ForwardAgreement:
     def _check_completed(self) -> None:
         while self._checked < len(self._tags) and self._tags[self._checked].work.is_completed():
             self._wait_until(self._checked + 1)
-
-    def _explain_failure(self, exc: BaseException) -> NoReturn:
-        """A data collective failed or timed out: the tags explain it if they disagree (waiting for
-        them a little), otherwise the guard's post-mortem does."""
-        deadline = time.monotonic() + min(3.0, self.guard.timeout_s)
-        while time.monotonic() < deadline and self._checked < len(self._tags):
-            self._check_completed()
-            time.sleep(0.02)
-        self._fail(max(self._checked, len(self._tags) - 1), exc)
 
     # ---- verdicts ------------------------------------------------------------------------------------
     def _compare(self, i: int) -> None:
