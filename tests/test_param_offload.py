@@ -152,6 +152,19 @@ def test_offload_param_config():
         "max_in_cpu": 1e9}}})
     po = cfg.zero_optimization.offload_param
     assert (po.buffer_size, po.max_in_cpu, po.buffer_count, po.prefetch_depth) == (10 ** 8, 10 ** 9, 5, 3)
+    # overlap_step: a boolean, and only with both offloads on NVMe (the message names both devices)
+    nv = {"device": "nvme", "nvme_path": "/x"}
+    with pytest.raises(zerodp.ConfigError, match="'zero_optimization.offload_optimizer.overlap_step'.*boolean"):
+        zerodp.load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {**nv, "overlap_step": "maybe"}}})
+    for opt, par in (("nvme", "none"), ("cpu", "nvme"), ("nvme", "cpu")):
+        with pytest.raises(zerodp.ConfigError, match=f"overlap_step' needs .*got offload_optimizer '{opt}', "
+                                                     f"offload_param '{par}'"):
+            zerodp.load_config({"zero_optimization": {
+                "stage": 3, "offload_optimizer": {**(nv if opt == "nvme" else {"device": opt}), "overlap_step": True},
+                "offload_param": nv if par == "nvme" else {"device": par}}})
+    ok = zerodp.load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {**nv, "overlap_step": True},
+                                                   "offload_param": nv}})
+    assert ok.zero_optimization.offload_optimizer.overlap_step is True
 
 
 def test_overlap_step_dropin_zero_grad_after_step(tmp_path):
