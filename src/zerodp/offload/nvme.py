@@ -363,6 +363,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self.pending = loop
         if not self.cfg.overlap_step or self.shard_access is None:
             loop.finish()
+            loop.stats.updated_in_step = len(todo)
             return
         eager = [k for k, sg in enumerate(todo)
                  if any(not self.shard_access.swapped(self._group_of[i]) for i in sg.pieces)]
