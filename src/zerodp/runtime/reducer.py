@@ -464,10 +464,13 @@ class PartitionedGradReducer(GradientReducer):
         go in one coalesced collective."""
         prepared = [(g, b, *self._prepare(g, b)) for g, b in buckets]
         for run in runs_of_same_kind(prepared, lambda x: (x[2].dtype, x[2].device, x[3].dtype)):
-            work = coalesced(self.pg, [
-                lambda buf=buf, out=out: comm.reduce_scatter(out, buf, self.pg, self.ledger,
-                                                             self.collective_purpose, async_op=True)
-                for _, _, buf, out, _ in run])
+            launches = [lambda buf=buf, out=out: comm.reduce_scatter(out, buf, self.pg, self.ledger,
+                                                                     self.collective_purpose, async_op=True)
+                        for _, _, buf, out, _ in run]
+            if comm.sums_by_all_to_all(run[0][2], self.pg):  # not coalescable, and cheaper apart
+                work = comm.AllOf([launch() for launch in launches])
+            else:
+                work = coalesced(self.pg, launches)
             self.reduce_collectives += 1
             self._track(work, [(b, g, (buf, recv)) for g, b, buf, _, recv in run])
 
