@@ -164,6 +164,9 @@ _COLLECTIVES: dict[str, tuple[str, Callable[[tuple, dict], int]]] = {
     "reduce_scatter_tensor": ("reduce_scatter", lambda a, k: _numel(a[1] if len(a) > 1 else k.get("input"))),
     "_reduce_scatter_base": ("reduce_scatter", lambda a, k: _numel(a[1] if len(a) > 1 else k.get("input"))),
     "reduce_scatter": ("reduce_scatter", lambda a, k: _list_numel(a[1] if len(a) > 1 else k.get("input_list"))),
+    # each rank sends (N-1)/N of its input, as a reduce-scatter of that input does (zerodp's
+    # reduce-scatter of host tensors on gloo is an all-to-all, see zerodp.runtime.comm)
+    "all_to_all_single": ("all_to_all", lambda a, k: _numel(a[1] if len(a) > 1 else k.get("input"))),
 }
 
 

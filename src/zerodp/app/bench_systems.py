@@ -192,7 +192,7 @@ def zerodp_builder(stage: int, offload: Optional[dict[str, Any]] = None,
                     "master_weights": [pc.master for g in engine.groups for pc in g.pieces],
                     "buffers": list(module.buffers())}
 
-        targets = [(comm, "_all_gather_single"), (comm, "_reduce_scatter_single")]
+        targets = [(comm, "_all_gather_single"), (comm, "_torch_reduce_scatter_single")]
         name = f"zerodp stage {stage}" + (f" + offload {device}" if device else "")
         system = _engine_system(name, "zerodp", stage, module, engine, sources, targets)
         system.offload = device
