@@ -76,7 +76,8 @@ def sums_by_all_to_all(tensor: torch.Tensor, group: Optional[ProcessGroup]) -> b
 
 
 def _reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM,
-                           group: Optional[ProcessGroup] = None, async_op: bool = False) -> Optional[Work]:
+                           group: Optional[ProcessGroup] = None, async_op: bool = False, *,
+                           received: Optional[torch.Tensor] = None) -> Optional[Work]:
     """torch's ``reduce_scatter_single``, except for a SUM of host tensors on gloo: there it is an
     all-to-all (rank r receives every rank's chunk r) followed by a local sum of the received chunks.
 
@@ -87,11 +88,16 @@ def _reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Reduce
     "Reduce-scatter on gloo"). Each rank sends and receives the (N-1)/N of the buffer that a
     reduce-scatter moves, so the traffic is the same. The received chunks are summed in rank order;
     with 2 ranks the result equals the reduce-scatter's bit for bit (a + b = b + a). The receive
-    buffer (``input.numel()`` elements) lives until the wait, as gloo's own copy of the input did.
+    buffer (``received``, or a new tensor like ``input``) is held until the wait, as gloo's own copy of
+    the input was; ``received`` is ignored on the other path.
     """
     if op != ReduceOp.SUM or not sums_by_all_to_all(input, group):
         return _torch_reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
-    received = torch.empty_like(input)
+    if received is None:
+        received = torch.empty_like(input)
+    elif received.shape != input.shape or received.dtype != input.dtype:
+        raise ValueError(f"received must be like input ({tuple(input.shape)}, {input.dtype}), "
+                         f"got ({tuple(received.shape)}, {received.dtype})")
     work = dist.all_to_all_single(received, input, group=group, async_op=True)
     summed = _SumOnWait(work, received, output)
     if async_op:
@@ -278,12 +284,16 @@ def all_reduce(
 
 def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, group: Optional[ProcessGroup], ledger: CommLedger,
-    purpose: str, async_op: bool = False,
+    purpose: str, async_op: bool = False, received: Optional[torch.Tensor] = None,
 ) -> Optional[Work]:
-    """Sum ``input`` (1-D, N x ``output.numel()`` elements) across ranks; rank r gets chunk r in ``output``."""
-    ledger.record("reduce_scatter", input.numel(), input.element_size(), purpose)
-    return _watched(_reduce_scatter_single(output, input, op=ReduceOp.SUM, group=group,
-                                           async_op=async_op or bool(WORK_WATCH)), async_op)
+    """Sum ``input`` (1-D, N x ``output.numel()`` elements) across ranks; rank r gets chunk r in ``output``.
+    ``received``: scratch like ``input`` for the all-to-all of host tensors on gloo (see
+    [Note: gloo reduce-scatter]); unused otherwise."""
+    kw = {} if received is None else {"received": received}
+    work = _reduce_scatter_single(output, input, op=ReduceOp.SUM, group=group,
+                                  async_op=async_op or bool(WORK_WATCH), **kw)
+    ledger.record("reduce_scatter", input.numel(), input.element_size(), purpose)  # once launched
+    return _watched(work, async_op)
 
 
 def all_gather(

@@ -464,15 +464,27 @@ class PartitionedGradReducer(GradientReducer):
         go in one coalesced collective."""
         prepared = [(g, b, *self._prepare(g, b)) for g, b in buckets]
         for run in runs_of_same_kind(prepared, lambda x: (x[2].dtype, x[2].device, x[3].dtype)):
-            launches = [lambda buf=buf, out=out: comm.reduce_scatter(out, buf, self.pg, self.ledger,
-                                                                     self.collective_purpose, async_op=True)
-                        for _, _, buf, out, _ in run]
             if comm.sums_by_all_to_all(run[0][2], self.pg):  # not coalescable, and cheaper apart
-                work = comm.AllOf([launch() for launch in launches])
+                # the all-to-alls' receive buffers come from the staging pool too (stage 3)
+                scratch = [self._receive_buffer(buf) for _, _, buf, _, _ in run]
+                work = comm.AllOf([comm.reduce_scatter(out, buf, self.pg, self.ledger, self.collective_purpose,
+                                                       async_op=True, received=rx)
+                                   for (_, _, buf, out, _), rx in zip(run, scratch)])
             else:
-                work = coalesced(self.pg, launches)
+                scratch = [None] * len(run)
+                work = coalesced(self.pg, [
+                    lambda buf=buf, out=out: comm.reduce_scatter(out, buf, self.pg, self.ledger,
+                                                                 self.collective_purpose, async_op=True)
+                    for _, _, buf, out, _ in run])
             self.reduce_collectives += 1
-            self._track(work, [(b, g, (buf, recv)) for g, b, buf, _, recv in run])
+            self._track(work, [(b, g, (buf, recv, rx)) for (g, b, buf, _, recv), rx in zip(run, scratch)])
+
+    def _receive_buffer(self, buf: torch.Tensor) -> Optional[torch.Tensor]:
+        """A buffer like ``buf`` from the staging pool for an all-to-all's received chunks (None
+        without a pool: the collective allocates its own)."""
+        if self.staging_pool is None:
+            return None
+        return self.staging_pool.empty_tensor(buf.numel(), buf.dtype, buf.device)
 
     def _prepare(self, g: FlatGroup, b: Bucket) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(staging buffer divided by N, reduce-scatter output, separate receive buffer or None)."""
@@ -502,9 +514,11 @@ class PartitionedGradReducer(GradientReducer):
         return buf, out, recv
 
     def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
-        buf, recv = payload  # the staging buffer is dropped with the payload here
+        buf, recv, received = payload  # the staging buffer is dropped with the payload here
         if self.staging_pool is not None:
             self.staging_pool.take_back(buf)
+            if received is not None:
+                self.staging_pool.take_back(received)
         if recv is not None:  # accumulate (later micro-steps, or an fp32 partition of bf16 grads)
             off = self._owned_offsets[(g.index, b.index)]
             self.owned[g.index][off : off + b.shard_numel].add_(recv)
@@ -526,8 +540,8 @@ class PartitionedGradReducer(GradientReducer):
     def held_bytes(self) -> dict[str, int]:
         owned = sum(t.numel() * t.element_size() for t in self.owned.values())
         staging = sum(t.numel() * t.element_size() for t in self._staging.values())
-        flight = sum(buf.numel() * buf.element_size() + (recv.numel() * recv.element_size() if recv is not None else 0)
-                     for _, entries in self._in_flight for _, _, (buf, recv) in entries)
+        flight = sum(sum(t.numel() * t.element_size() for t in payload if t is not None)
+                     for _, entries in self._in_flight for _, _, payload in entries)
         return {"gradients": owned + staging, "comm_buffers": flight}
 
 

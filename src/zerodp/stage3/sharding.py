@@ -170,7 +170,8 @@ def _pool_limit(units: list[ShardedUnit], max_live_parameters: int, reduce_flush
     """Bytes the gather pool may hold: the coordinator's live window (``stage3_max_live_parameters``)
     plus the largest unit (the module running), and the gradient staging buffers: units held back up
     to ``reduce_flush`` elements (:func:`reduce_flush_elements`) for one coalesced reduce-scatter, plus
-    those in flight, in the widest element size. Slabs returned beyond this are freed (see [Note: gather pool])."""
+    those in flight and their receive buffers, in the widest element size. Slabs returned beyond this are
+    freed (see [Note: gather pool])."""
     big = [u for u in units if not u.persistent]
     if not big:
         return 0
@@ -179,4 +180,6 @@ def _pool_limit(units: list[ShardedUnit], max_live_parameters: int, reduce_flush
     total = sum(u.numel for u in big)
     window = min(max_live_parameters, total)
     staging = min((1 + _STAGING_IN_FLIGHT) * (reduce_flush + largest), total)  # each unit staged once
-    return (window + largest + staging) * width
+    # receive buffers of the buckets in flight (host tensors on gloo: an all-to-all, see zerodp.runtime.comm)
+    receive = min(_STAGING_IN_FLIGHT * (reduce_flush + largest), total)
+    return (window + largest + staging + receive) * width
