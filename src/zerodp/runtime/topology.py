@@ -96,9 +96,10 @@ def _as_group(process_group: Any) -> Optional[dist.ProcessGroup]:
 
 def _sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     """Sum of the squared elements of ``grads``: a 0-d fp64 tensor on the CPU. Each gradient's L2 norm
-    is taken in fp32 (as ``torch.nn.utils.clip_grad_norm_`` does; relative error about 1e-7) and
-    the squares of those norms are summed in fp64. Converting every gradient to fp64 first cost 18-20
-    ms per step on the bench's 3.3M-parameter GPT against under 1 ms (docs/bench.md, "Gradient norm").
+    is taken in fp32 (as ``torch.nn.utils.clip_grad_norm_`` and ``get_total_norm`` do) and the squares
+    of those norms are summed in fp64. On the bench's 3.3M-parameter GPT with random gradients: 0.7 ms
+    per call, relative error 2e-6 in the sum of squares (1e-6 in the norm) against an fp64 sum, which
+    cost 18-20 ms per call (docs/bench.md, "Gradient norm").
     One device-to-host copy per device, not one per gradient."""
     norms: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:  # read once, in order: an offload may materialise them one at a time

@@ -1,0 +1,47 @@
+"""Step time of config variants of zerodp against DDP on the bench's GPT (2 ranks), interleaved over
+rounds (reversed every other round), median wall time per step between barriers; rank 0 prints the
+ratio of each variant's median to DDP's. Used for docs/bench.md ("Stage 3 against DDP: the
+breakdown").
+
+    OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone \
+        --nproc-per-node 2 tools/bench_variants.py PRESET VARIANTS ROUNDS
+
+VARIANTS is a comma list of ``DDP`` and ``s<stage>:<what>``, ``what`` one of ``0`` (the bench's
+config), ``noguard`` (``collective_guard.enabled`` false), ``nogathers`` (``check_gathers`` false)
+or a number (``reduce_bucket_size`` in elements), e.g. ``DDP,s3:0,s3:nogathers,s3:noguard``.
+"""
+import sys, statistics, time, torch, torch.distributed as dist, zerodp
+from zerodp.app.bench import PRESETS, _batches
+from zerodp.app.bench_systems import SYSTEMS
+from zerodp.app.model import GPTConfig
+zerodp.init_distributed()
+rank, world = dist.get_rank(), dist.get_world_size()
+n_layer, n_head, d_model, seq_len, micro = PRESETS[sys.argv[1]]
+cfg = GPTConfig(n_layer=n_layer, n_head=n_head, d_model=d_model, seq_len=seq_len)
+batches = _batches(cfg, micro, 6, rank, world)
+orig = zerodp.initialize
+variants = sys.argv[2].split(",")  # e.g. DDP,s2:0,s2:800000
+def build(v):
+    if v == "DDP": return SYSTEMS["DDP"](cfg, 1e-3, False)
+    st, rb = v[1:].split(":")
+    def init(m, c):
+        if rb == "noguard": c["collective_guard"] = {"enabled": False}
+        elif rb == "nogathers": c["collective_guard"] = {"check_gathers": False}
+        elif int(rb): c["zero_optimization"]["reduce_bucket_size"] = int(rb)
+        return orig(m, c)
+    zerodp.initialize = init
+    try: return SYSTEMS[f"zerodp stage {st}"](cfg, 1e-3, False)
+    finally: zerodp.initialize = orig
+wall = {v: [] for v in variants}
+for rnd in range(int(sys.argv[3])):
+    for v in (variants if rnd % 2 == 0 else variants[::-1]):
+        s = build(v)
+        for i, (x, y) in enumerate(batches):
+            dist.barrier(); t0 = time.perf_counter()
+            s.forward_backward(x, y); s.step(); dist.barrier()
+            if i > 0: wall[v].append(time.perf_counter() - t0)
+        del s
+if rank == 0:
+    b = statistics.median(wall["DDP"])
+    for v in variants: print(f"{v:>14} {statistics.median(wall[v]):.4f} s {statistics.median(wall[v])/b:.3f}x")
+zerodp.shutdown_distributed()
