@@ -1,14 +1,15 @@
 """Step time of config variants of zerodp against DDP on the bench's GPT (2 ranks), interleaved over
-rounds (reversed every other round), median wall time per step between barriers; rank 0 prints the
-ratio of each variant's median to DDP's. Used for docs/bench.md ("Stage 3 against DDP: the
+rounds (reversed every other round), median wall time per step between barriers and median process
+CPU time (all threads) per step; rank 0 prints each variant's medians and their ratios to DDP's. Used for docs/bench.md ("Stage 3 against DDP: the
 breakdown").
 
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone \
         --nproc-per-node 2 tools/bench_variants.py PRESET VARIANTS ROUNDS
 
 VARIANTS is a comma list of ``DDP`` and ``s<stage>:<what>``, ``what`` one of ``0`` (the bench's
-config), ``noguard`` (``collective_guard.enabled`` false), ``nogathers`` (``check_gathers`` false)
-or a number (``reduce_bucket_size`` in elements), e.g. ``DDP,s3:0,s3:nogathers,s3:noguard``.
+config), ``noguard`` (``collective_guard.enabled`` false), ``nogathers`` (``check_gathers`` false),
+``nobwdtags`` (the guard with the backward agreement's tags removed after the engine is built: an
+experiment, not a configuration) or a number (``reduce_bucket_size`` in elements), e.g. ``DDP,s3:0,s3:nogathers,s3:noguard``.
 """
 import sys, statistics, time, torch, torch.distributed as dist, zerodp
 from zerodp.app.bench import PRESETS, _batches
@@ -27,21 +28,30 @@ def build(v):
     def init(m, c):
         if rb == "noguard": c["collective_guard"] = {"enabled": False}
         elif rb == "nogathers": c["collective_guard"] = {"check_gathers": False}
+        elif rb == "nobwdtags": pass
         elif int(rb): c["zero_optimization"]["reduce_bucket_size"] = int(rb)
-        return orig(m, c)
+        engine = orig(m, c)
+        if rb == "nobwdtags":  # the guard without the backward agreement's tags (an experiment)
+            engine.backward_tags = None
+            engine.guard.backward_gather = lambda position: None
+            engine.reducer.launch_check = None
+        return engine
     zerodp.initialize = init
     try: return SYSTEMS[f"zerodp stage {st}"](cfg, 1e-3, False)
     finally: zerodp.initialize = orig
 wall = {v: [] for v in variants}
+cpu = {v: [] for v in variants}
 for rnd in range(int(sys.argv[3])):
     for v in (variants if rnd % 2 == 0 else variants[::-1]):
         s = build(v)
         for i, (x, y) in enumerate(batches):
-            dist.barrier(); t0 = time.perf_counter()
-            s.forward_backward(x, y); s.step(); dist.barrier()
-            if i > 0: wall[v].append(time.perf_counter() - t0)
+            dist.barrier(); t0, c0 = time.perf_counter(), time.process_time()
+            s.forward_backward(x, y); s.step(); c1 = time.process_time(); dist.barrier()
+            if i > 0: wall[v].append(time.perf_counter() - t0); cpu[v].append(c1 - c0)
         del s
 if rank == 0:
-    b = statistics.median(wall["DDP"])
-    for v in variants: print(f"{v:>14} {statistics.median(wall[v]):.4f} s {statistics.median(wall[v])/b:.3f}x")
+    b, bc = statistics.median(wall["DDP"]), statistics.median(cpu["DDP"])
+    for v in variants:
+        w, c = statistics.median(wall[v]), statistics.median(cpu[v])
+        print(f"{v:>14} wall {w:.4f} s {w / b:.3f}x   process CPU {c:.4f} s {c / bc:.3f}x")
 zerodp.shutdown_distributed()

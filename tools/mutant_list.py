@@ -27,6 +27,8 @@ CPU_ADAM = "src/zerodp/offload/cpu_adam.py"
 PARAM_SWAP = "src/zerodp/offload/param_swap.py"
 STEP_PIPELINE = "src/zerodp/offload/step_pipeline.py"
 ZERO_PAGES = "src/zerodp/runtime/zero_pages.py"
+COMM = "src/zerodp/runtime/comm.py"
+TOPOLOGY = "src/zerodp/runtime/topology.py"
 PARAM_OFFLOAD = "tests/test_param_offload.py"
 
 
@@ -160,6 +162,14 @@ MUTANTS: list[Mutant] = [
            "            if not any(h.state is Residency.SWAPPED for h in homes):\n                continue\n",
            "",
            [f"{PARAM_OFFLOAD}::test_param_offload_equals_stage3[1-reused,prefetch,init,overlap,beyond]"]),
+    Mutant("gloo_reduce_scatter_keeps_only_own_chunk", COMM,
+           "            torch.sum(received.view(-1, self._output.numel()), dim=0, out=self._output)\n",
+           "            self._output.copy_(received.view(-1, self._output.numel())[0])\n",
+           ["tests/test_comm.py::test_reduce_scatter_by_all_to_all_matches_torch[2]"]),
+    Mutant("grad_norm_sums_norms_not_squares", TOPOLOGY,
+           "        total += torch.stack(per_device).double().pow(2).sum().cpu()\n",
+           "        total += torch.stack(per_device).double().sum().cpu()\n",
+           ["tests/test_silent_wrong.py::test_full_state_accessors[2]"]),
     Mutant("zero_page_buffer_not_cleared", ZERO_PAGES,
            "            self.mapping.madvise(mmap.MADV_DONTNEED)",
            "            pass",
