@@ -205,6 +205,31 @@ def extra_param_scenario(stage: int, swap: bool = False) -> Callable[[], dict]:
     return run
 
 
+def tags_scenario(fetches: dict[int, list[int]], groups: dict[int, list[tuple[int, int]]]) -> Callable[[], dict]:
+    """The backward agreement alone on a guard of its own group: rank r notes the backward fetches
+    ``fetches[r]`` (module positions; none launches), then one reduction of the buckets ``groups[r]``
+    (one coalesced collective when there are several), then finishes the backward."""
+    def run() -> dict:
+        from zerodp.runtime.backward_agreement import BackwardAgreement
+        from zerodp.runtime.collective_guard import CollectiveGuard
+
+        rank = dist.get_rank()
+        pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+        guard = CollectiveGuard(pg, timeout_s=TIMEOUT_S)
+        names = {BackwardAgreement.reduce_identity(0, b): f"unit {b}" for b in range(4)}
+        tags = BackwardAgreement(guard, {p: f"module {p}" for p in range(8)}, names)
+        tags.begin(0, 0)
+        try:
+            for position in fetches[rank]:
+                tags.note_gather(position)
+            tags.note_reduce_group(groups[rank])
+            tags.finish()
+        finally:
+            tags.end()
+        return {"posted": tags.posted}
+    return run
+
+
 def outcome(fn: Callable[[], dict]) -> Callable[[], dict]:
     def run() -> dict:
         t0 = time.monotonic()
@@ -225,6 +250,11 @@ def scenarios(world: int) -> dict[str, Callable[[], dict]]:
            "aux_hang": aux_scenario(3, {0: "aux"}, aux_out=16),
            "swap_order/stage2": extra_param_scenario(2, swap=True),
            "dropped_output": dropped_output_scenario,
+           # backward fetches in another order that launch nothing: only the end tag's digest differs
+           "tags_fetch_order": tags_scenario({0: [1, 2], 1: [2, 1]}, {0: [(0, 0), (0, 1)], 1: [(0, 0), (0, 1)]}),
+           "tags_same": tags_scenario({0: [1, 2], 1: [1, 2]}, {0: [(0, 0), (0, 1)], 1: [(0, 0), (0, 1)]}),
+           # one coalesced reduction whose second bucket differs: the group's single tag differs
+           "tags_group": tags_scenario({0: [1], 1: [1]}, {0: [(0, 0), (0, 1)], 1: [(0, 0), (0, 2)]}),
            "slow_peer": slow_peer_scenario}
     for stage in (0, 1, 2, 3):
         if stage < 3:  # at stage 3 a module run on one rank only is a forward divergence (test_collective_guard)

@@ -111,6 +111,26 @@ def test_reductions_in_another_order_are_detected() -> None:
         assert "collective mismatch in backward at step 1" in msg and f"rank {r} entered reduce(bucket" in msg, msg
 
 
+def test_backward_fetch_order_is_compared_without_a_tag_per_fetch() -> None:
+    """Backward fetches that launch no all-gather post no tag; their order goes into the end tag's
+    digest, so ranks that fetched the same modules in another order raise when backward ends."""
+    assert [res["value"] for res in per_rank(2, "tags_same")] == [{"posted": 2}] * 2  # group + end
+    for r, res in enumerate(raised(2, "tags_fetch_order")):
+        msg = res["message"]
+        assert f"collective #1 of this backward: rank {r} entered the end of backward (after 1 collectives " \
+               "and 2 module fetches, fetch order digest" in msg, msg
+
+
+def test_coalesced_reduction_differing_in_one_bucket_is_detected() -> None:
+    """One tag covers a coalesced reduction of several buckets; a group that differs in any bucket
+    has another identity, named on the rank that launched it."""
+    for r, res in enumerate(raised(2, "tags_group")):
+        msg = res["message"]
+        mine = "unit 0 + unit 1" if r == 0 else "unit 0 + unit 2"
+        assert f"collective #0 of this backward: rank {r} entered reduce({mine}); rank {1 - r} is in " \
+               "reduce(a coalesced group of other gradient buckets)" in msg, msg
+
+
 def test_peer_stuck_inside_backward_times_out_on_every_rank() -> None:
     """Rank 1 sleeps 5 s inside backward (guard timeout 3 s): rank 0 gives up waiting for the gradient
     reduction after the timeout, naming it (and what rank 1 reported, if it did within the 3 s

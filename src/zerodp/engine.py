@@ -146,8 +146,7 @@ class Engine:
         self.backward_tags: Optional[BackwardAgreement] = None
         if self.guard.enabled:
             self.backward_tags = build_backward_agreement(self.guard, module, self.groups, self.sharding is not None)
-            self.guard.backward_gather = self.backward_tags.note_gather
-            self.reducer.launch_check = self.backward_tags.note_reduce
+            self.backward_tags.attach(self.reducer)
         self.output_roots = OutputRoots(module, self.reducer.slots)  # forward outputs since the last backward
         self.ledger.reset()  # the report covers training, not the initial broadcast
         for p in _unique_params(module):

@@ -125,6 +125,9 @@ class CollectiveGuard:
         #: called with the module's position for each stage-3 fetch inside backward (the asynchronous
         #: tag of :mod:`zerodp.runtime.backward_agreement`); None: backward fetches are not checked
         self.backward_gather: Optional[Callable[[int], None]] = None
+        #: inside backward, called before the coordinator launches all-gathers (the tag that pairs
+        #: with them, :meth:`zerodp.runtime.backward_agreement.BackwardAgreement.before_launch`)
+        self.backward_launch: Optional[Callable[[], None]] = None
         #: the asynchronous fetch tags of a training forward (built by :meth:`gather_check`)
         self.forward_tags: Optional[ForwardAgreement] = None
         self._names: dict[int, str] = {}  # module position -> name (messages from a table alone)
@@ -242,7 +245,14 @@ class CollectiveGuard:
                 tags.note_fetch(positions.get(id(module), -1), name)
                 return
             self.agree(CallSite("gather", name, outer.step if outer else -1, outer.micro_step if outer else -1))
-        return _FetchCheck(check, tags.before_launch)
+        def before_launch() -> None:
+            outer = self.current
+            if outer is not None and outer.call == "backward":
+                if self.backward_launch is not None:
+                    self.backward_launch()
+                return
+            tags.before_launch()
+        return _FetchCheck(check, before_launch)
 
     def install_shutdown_check(self) -> None:
         """Make :func:`zerodp.shutdown_distributed` agree first (the latest engine's guard wins)."""

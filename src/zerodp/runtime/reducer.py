@@ -114,6 +114,9 @@ class GradientReducer:
         #: called with (group index, bucket index) just before a bucket's collective is launched (the
         #: backward agreement's tag, :mod:`zerodp.runtime.backward_agreement`); None: no check
         self.launch_check: Optional[Callable[[int, int], None]] = None
+        #: called with the (group index, bucket index) list of one collective that reduces several
+        #: buckets (stage 3's coalesced groups), instead of ``launch_check`` per bucket; None: no check
+        self.group_check: Optional[Callable[[list[tuple[int, int]]], None]] = None
         #: this micro-step only: launch every bucket when backward returns (set after begin_micro_step
         #: when the ranks' backward graphs reach different parameters, see engine.backward)
         self.defer_once = False
@@ -166,8 +169,7 @@ class GradientReducer:
                     if id(b) not in self._launched:  # deferred, or some parameters got no gradient (0)
                         self._pending[id(b)] = 0
                         self._launched.add(id(b))
-                        if self.launch_check is not None:
-                            self.launch_check(g.index, b.index)
+                        self._check_launch(g, b)
                         self._launch(g, b)
         self._flush()
         self._drain(0)
@@ -236,9 +238,14 @@ class GradientReducer:
         self._pending[id(b)] -= 1
         if self._pending[id(b)] == 0 and not (self._deferred or self.defer_once):
             self._launched.add(id(b))
-            if self.launch_check is not None:
-                self.launch_check(g.index, b.index)
+            self._check_launch(g, b)
             self._launch(g, b)
+
+    def _check_launch(self, g: FlatGroup, b: Bucket) -> None:
+        """Bucket ``b`` of ``g`` is handed to :meth:`_launch` (its collective starts now, or with a
+        coalesced group: then the group is checked when it is launched)."""
+        if self.launch_check is not None:
+            self.launch_check(g.index, b.index)
 
     def _track(self, work: Work, entries: list[tuple[Bucket, FlatGroup, object]]) -> None:
         """Hold ``work`` (one collective reducing the buckets of ``entries``) until it is drained."""
@@ -445,6 +452,10 @@ class PartitionedGradReducer(GradientReducer):
             param.grad = None
         self._ready(slot, g, b)
 
+    def _check_launch(self, g: FlatGroup, b: Bucket) -> None:
+        if self.coalesce_elements <= 0 or self.group_check is None:
+            super()._check_launch(g, b)  # else one check per collective, in _launch_now
+
     def _launch(self, g: FlatGroup, b: Bucket) -> None:
         if self.coalesce_elements <= 0:
             self._launch_now([(g, b)])
@@ -464,6 +475,8 @@ class PartitionedGradReducer(GradientReducer):
         go in one coalesced collective."""
         prepared = [(g, b, *self._prepare(g, b)) for g, b in buckets]
         for run in runs_of_same_kind(prepared, lambda x: (x[2].dtype, x[2].device, x[3].dtype)):
+            if self.coalesce_elements > 0 and self.group_check is not None:
+                self.group_check([(g.index, b.index) for g, b, _, _, _ in run])
             if comm.sums_by_all_to_all(run[0][2], self.pg):  # not coalescable, and cheaper apart
                 # the all-to-alls' receive buffers come from the staging pool too (stage 3)
                 scratch = [self._receive_buffer(buf) for _, _, buf, _, _ in run]

@@ -96,14 +96,15 @@ def _as_group(process_group: Any) -> Optional[dist.ProcessGroup]:
 
 def _sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     """Sum of the squared elements of ``grads``: a 0-d fp64 tensor on the CPU. Each gradient's L2 norm
-    is taken in fp32 (as ``torch.nn.utils.clip_grad_norm_`` and ``get_total_norm`` do) and the squares
-    of those norms are summed in fp64. On the bench's 3.3M-parameter GPT with random gradients: 0.7 ms
-    per call, relative error 2e-6 in the sum of squares (1e-6 in the norm) against an fp64 sum, which
-    cost 18-20 ms per call (docs/bench.md, "Gradient norm").
-    One device-to-host copy per device, not one per gradient."""
+    is taken in fp32 (fp64 for fp64 gradients), as ``torch.nn.utils.clip_grad_norm_`` and
+    ``get_total_norm`` do, and the squares of those norms are summed in fp64. On the bench's 3.3M-
+    parameter GPT with random gradients: 0.7 ms per call, relative error 2e-6 in the sum of squares
+    (1e-6 in the norm) against an fp64 sum, which cost 18-20 ms per call (docs/bench.md, "Gradient
+    norm"). One device-to-host copy per device, not one per gradient."""
     norms: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:  # read once, in order: an offload may materialise them one at a time
-        norms.setdefault(g.device, []).append(torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32))
+        acc = torch.promote_types(g.dtype, torch.float32)  # fp32, or fp64 for fp64 gradients
+        norms.setdefault(g.device, []).append(torch.linalg.vector_norm(g.detach(), 2.0, dtype=acc))
     total = torch.zeros((), dtype=torch.float64)
     for per_device in norms.values():
         total += torch.stack(per_device).double().pow(2).sum().cpu()
