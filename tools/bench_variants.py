@@ -9,7 +9,8 @@ breakdown").
 VARIANTS is a comma list of ``DDP`` and ``s<stage>:<what>``, ``what`` one of ``0`` (the bench's
 config), ``noguard`` (``collective_guard.enabled`` false), ``nogathers`` (``check_gathers`` false),
 ``nobwdtags`` (the guard with the backward agreement's tags removed after the engine is built: an
-experiment, not a configuration) or a number (``reduce_bucket_size`` in elements), e.g. ``DDP,s3:0,s3:nogathers,s3:noguard``.
+experiment, not a configuration), ``nowatch`` (data waits not polled for tags while that variant
+runs: an experiment) or a number (``reduce_bucket_size`` in elements), e.g. ``DDP,s3:0,s3:nogathers,s3:noguard``.
 """
 import sys, statistics, time, torch, torch.distributed as dist, zerodp
 from zerodp.app.bench import PRESETS, _batches
@@ -28,17 +29,32 @@ def build(v):
     def init(m, c):
         if rb == "noguard": c["collective_guard"] = {"enabled": False}
         elif rb == "nogathers": c["collective_guard"] = {"check_gathers": False}
-        elif rb == "nobwdtags": pass
+        elif rb in ("nobwdtags", "nowatch"): pass
         elif int(rb): c["zero_optimization"]["reduce_bucket_size"] = int(rb)
         engine = orig(m, c)
         if rb == "nobwdtags":  # the guard without the backward agreement's tags (an experiment)
             engine.backward_tags = None
             engine.guard.backward_gather = lambda position: None
             engine.reducer.launch_check = None
+            engine.reducer.group_check = None
+        from zerodp.runtime import comm
+        comm._watched = _plain_waits if rb == "nowatch" else _WATCHED  # until the next build
         return engine
     zerodp.initialize = init
     try: return SYSTEMS[f"zerodp stage {st}"](cfg, 1e-3, False)
     finally: zerodp.initialize = orig
+from zerodp.runtime import comm
+_WATCHED = comm._watched
+
+
+def _plain_waits(work, async_op):
+    """``nowatch``: the guard's tags are posted, but data waits are plain ``wait()`` (not polled)."""
+    if async_op or work is None:
+        return work
+    work.wait()
+    return None
+
+
 wall = {v: [] for v in variants}
 cpu = {v: [] for v in variants}
 for rnd in range(int(sys.argv[3])):
