@@ -42,6 +42,17 @@ try:
     res["bad_scratch"] = None
 except ValueError as exc:
     res["bad_scratch"] = str(exc)
+try:  # N x 2 elements for an output of 1: torch's reduce-scatter refuses it, so must this one
+    comm.reduce_scatter(torch.empty(1), torch.zeros(2 * world), None, ledger, "test")
+    res["bad_sizes"] = None
+except ValueError as exc:
+    res["bad_sizes"] = str(exc)
+# a 2-D output (2, 3) of a (2N, 3) input, as torch's accepts: same values, the caller's shape kept
+x2d = (torch.arange(world * 6, dtype=torch.float32) + 100 * rank).view(world * 2, 3)
+ref2d, out2d = torch.empty(2, 3), torch.zeros(2, 3)
+comm._torch_reduce_scatter_single(ref2d, x2d.clone())
+comm.reduce_scatter(out2d, x2d, None, ledger, "test")
+res["two_d"] = {"shape": list(out2d.shape), "equal": bool(torch.equal(out2d, ref2d))}
 res["ledger_reduce_scatter"] = [r.count for r in ledger.records() if r.op == "reduce_scatter"]
 Path(a.out, f"rank{rank}.json").write_text(json.dumps(res))
 dist.barrier()

@@ -27,7 +27,10 @@ def test_reduce_scatter_by_all_to_all_matches_torch(world: int) -> None:
                 tol = {"torch.float32": 1e-6, "torch.bfloat16": 1e-2, "torch.float64": 1e-14}[case["dtype"]]
                 assert case["max_err"] <= tol * max(1.0, case["scale"]) * 4, (r, case)
         assert "received must be like input" in res["bad_scratch"]
-        assert res["ledger_reduce_scatter"] == [len(res["cases"]) * 3]
+        # sizes that do not split into N chunks of the output raise (as torch's), not sum wrong rows
+        assert res["bad_sizes"] is not None and "elements" in res["bad_sizes"], res["bad_sizes"]
+        assert res["two_d"] == {"shape": [2, 3], "equal": True}, res["two_d"]
+        assert res["ledger_reduce_scatter"] == [len(res["cases"]) * 3 + 1]
 
 
 class _SlowWork:

@@ -90,9 +90,20 @@ def _reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Reduce
     with 2 ranks the result equals the reduce-scatter's bit for bit (a + b = b + a). The receive
     buffer (``received``, or a new tensor like ``input``) is held until the wait, as gloo's own copy of
     the input was; ``received`` is ignored on the other path.
+
+    Raises:
+        ValueError: ``input`` does not hold N x ``output.numel()`` elements (torch's reduce-scatter
+            refuses it too; summing the received rows would give a wrong result silently), or
+            ``received`` is not like ``input``.
     """
     if op != ReduceOp.SUM or not sums_by_all_to_all(input, group):
         return _torch_reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    world = dist.get_world_size(group)
+    if input.numel() != world * output.numel():
+        raise ValueError(f"reduce-scatter: input must hold {world} x output.numel() = "
+                         f"{world * output.numel()} elements, got {input.numel()}")
+    if output.dim() != 1:  # summed as one row: keep the caller's shape (a contiguous output, as torch's)
+        output = output.view(-1)
     if received is None:
         received = torch.empty_like(input)
     elif received.shape != input.shape or received.dtype != input.dtype:
