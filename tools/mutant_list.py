@@ -29,6 +29,7 @@ STEP_PIPELINE = "src/zerodp/offload/step_pipeline.py"
 ZERO_PAGES = "src/zerodp/runtime/zero_pages.py"
 COMM = "src/zerodp/runtime/comm.py"
 TOPOLOGY = "src/zerodp/runtime/topology.py"
+BACKWARD_AGREEMENT = "src/zerodp/runtime/backward_agreement.py"
 PARAM_OFFLOAD = "tests/test_param_offload.py"
 
 
@@ -170,6 +171,14 @@ MUTANTS: list[Mutant] = [
            "        total += torch.stack(per_device).double().pow(2).sum().cpu()\n",
            "        total += torch.stack(per_device).double().sum().cpu()\n",
            ["tests/test_silent_wrong.py::test_full_state_accessors[2]"]),
+    Mutant("backward_end_tag_without_fetch_digest", BACKWARD_AGREEMENT,
+           "        self._post(0, self.end_identity(self.posted, self._fetches, self._digest))\n",
+           "        self._post(0, self.posted)\n",
+           ["tests/test_backward_guard.py::test_backward_fetch_order_is_compared_without_a_tag_per_fetch"]),
+    Mutant("coalesced_reduce_tag_names_first_bucket_only", BACKWARD_AGREEMENT,
+           "        digest = hashlib.blake2b(repr(buckets).encode(), digest_size=8).digest()\n",
+           "        digest = hashlib.blake2b(repr(buckets[:1]).encode(), digest_size=8).digest()\n",
+           ["tests/test_backward_guard.py::test_coalesced_reduction_differing_in_one_bucket_is_detected"]),
     Mutant("zero_page_buffer_not_cleared", ZERO_PAGES,
            "            self.mapping.madvise(mmap.MADV_DONTNEED)",
            "            pass",
