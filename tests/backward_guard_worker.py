@@ -222,7 +222,7 @@ def tags_scenario(fetches: dict[int, list[int]], groups: dict[int, list[tuple[in
         try:
             for position in fetches[rank]:
                 tags.note_gather(position)
-            tags.note_reduce_group(groups[rank])
+            tags.note_reduce(groups[rank])
             tags.finish()
         finally:
             tags.end()

@@ -36,7 +36,6 @@ def build(v):
             engine.backward_tags = None
             engine.guard.backward_gather = lambda position: None
             engine.reducer.launch_check = None
-            engine.reducer.group_check = None
         from zerodp.runtime import comm
         comm._watched = _plain_waits if rb == "nowatch" else _WATCHED  # until the next build
         return engine

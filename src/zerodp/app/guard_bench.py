@@ -119,7 +119,7 @@ def _tag_post_cost(reps: int) -> float:
         tags.begin(0, 0)
         t0 = time.perf_counter()
         for _ in range(reps):
-            tags.note_reduce(0, 0)
+            tags.note_reduce([(0, 0)])
         samples.append((time.perf_counter() - t0) / reps)
         tags.finish()
         tags.end()

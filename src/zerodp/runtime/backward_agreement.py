@@ -146,7 +146,6 @@ class BackwardAgreement(TagWaits):
         self.guard.backward_gather = self.note_gather
         self.guard.backward_launch = self.before_launch
         reducer.launch_check = self.note_reduce
-        reducer.group_check = self.note_reduce_group
 
     # ---- backward boundaries -------------------------------------------------------------------------
     def begin(self, step: int, micro_step: int) -> None:
@@ -188,18 +187,14 @@ class BackwardAgreement(TagWaits):
         if self.active:
             self._post(1, self._last_position)
 
-    def note_reduce(self, group_index: int, bucket_index: int) -> None:
-        """The gradient bucket's reduction is about to be launched."""
-        if self.active:
-            self._post(2, self.reduce_identity(group_index, bucket_index))
-
-    def note_reduce_group(self, buckets: list[tuple[int, int]]) -> None:
-        """One coalesced reduction of ``buckets`` (``(group index, bucket index)`` in launch order) is
-        about to be launched: one tag for all of them (see :meth:`group_identity`)."""
+    def note_reduce(self, buckets: list[tuple[int, int]]) -> None:
+        """One reduction of ``buckets`` (``(group index, bucket index)`` in launch order: one bucket, or a
+        coalesced stage-3 group) is about to be launched: one tag, identified by the bucket
+        (:meth:`reduce_identity`) or by all of the group's (:meth:`group_identity`)."""
         if not self.active:
             return
         if len(buckets) == 1:
-            self.note_reduce(*buckets[0])
+            self._post(2, self.reduce_identity(*buckets[0]))
             return
         ident = self.group_identity(buckets)
         names = self.names[2]

@@ -111,12 +111,10 @@ class GradientReducer:
         #: result was stored (piece_grad of its owned range is then final for this micro-step); the
         #: engine sets it on the boundary backward to stream gradients to an optimizer offload
         self.on_reduced: Optional[Callable[[FlatGroup, Bucket], None]] = None
-        #: called with (group index, bucket index) just before a bucket's collective is launched (the
-        #: backward agreement's tag, :mod:`zerodp.runtime.backward_agreement`); None: no check
-        self.launch_check: Optional[Callable[[int, int], None]] = None
-        #: called with the (group index, bucket index) list of one collective that reduces several
-        #: buckets (stage 3's coalesced groups), instead of ``launch_check`` per bucket; None: no check
-        self.group_check: Optional[Callable[[list[tuple[int, int]]], None]] = None
+        #: called with the (group index, bucket index) list of the buckets one collective reduces (one
+        #: bucket, or a coalesced stage-3 group) just before it is launched (the backward agreement's
+        #: tag, :mod:`zerodp.runtime.backward_agreement`); None: no check
+        self.launch_check: Optional[Callable[[list[tuple[int, int]]], None]] = None
         #: this micro-step only: launch every bucket when backward returns (set after begin_micro_step
         #: when the ranks' backward graphs reach different parameters, see engine.backward)
         self.defer_once = False
@@ -169,7 +167,6 @@ class GradientReducer:
                     if id(b) not in self._launched:  # deferred, or some parameters got no gradient (0)
                         self._pending[id(b)] = 0
                         self._launched.add(id(b))
-                        self._check_launch(g, b)
                         self._launch(g, b)
         self._flush()
         self._drain(0)
@@ -238,14 +235,12 @@ class GradientReducer:
         self._pending[id(b)] -= 1
         if self._pending[id(b)] == 0 and not (self._deferred or self.defer_once):
             self._launched.add(id(b))
-            self._check_launch(g, b)
             self._launch(g, b)
 
-    def _check_launch(self, g: FlatGroup, b: Bucket) -> None:
-        """Bucket ``b`` of ``g`` is handed to :meth:`_launch` (its collective starts now, or with a
-        coalesced group: then the group is checked when it is launched)."""
+    def _check_launch(self, buckets: list[tuple[FlatGroup, Bucket]]) -> None:
+        """One collective reducing ``buckets`` is about to be launched (see ``launch_check``)."""
         if self.launch_check is not None:
-            self.launch_check(g.index, b.index)
+            self.launch_check([(g.index, b.index) for g, b in buckets])
 
     def _track(self, work: Work, entries: list[tuple[Bucket, FlatGroup, object]]) -> None:
         """Hold ``work`` (one collective reducing the buckets of ``entries``) until it is drained."""
@@ -331,6 +326,7 @@ class AllReduceReducer(_FullGradBuffer):
     full_after_reduce = True
 
     def _launch(self, g: FlatGroup, b: Bucket) -> None:
+        self._check_launch([(g, b)])
         grad = self._bucket_grad(g, b)
         grad.div_(self.world_size)
         work = comm.all_reduce(grad, self.pg, self.ledger, self.collective_purpose, async_op=True)
@@ -364,6 +360,7 @@ class FullGradReduceScatter(_FullGradBuffer):
                 self.grad_buffers[g.index].zero_()
 
     def _launch(self, g: FlatGroup, b: Bucket) -> None:
+        self._check_launch([(g, b)])
         grad = self._bucket_grad(g, b)
         grad.div_(self.world_size)
         recv = torch.empty(b.shard_numel, dtype=grad.dtype, device=grad.device)
@@ -452,10 +449,6 @@ class PartitionedGradReducer(GradientReducer):
             param.grad = None
         self._ready(slot, g, b)
 
-    def _check_launch(self, g: FlatGroup, b: Bucket) -> None:
-        if self.coalesce_elements <= 0 or self.group_check is None:
-            super()._check_launch(g, b)  # else one check per collective, in _launch_now
-
     def _launch(self, g: FlatGroup, b: Bucket) -> None:
         if self.coalesce_elements <= 0:
             self._launch_now([(g, b)])
@@ -475,20 +468,14 @@ class PartitionedGradReducer(GradientReducer):
         go in one coalesced collective."""
         prepared = [(g, b, *self._prepare(g, b)) for g, b in buckets]
         for run in runs_of_same_kind(prepared, lambda x: (x[2].dtype, x[2].device, x[3].dtype)):
-            if self.coalesce_elements > 0 and self.group_check is not None:
-                self.group_check([(g.index, b.index) for g, b, _, _, _ in run])
-            if comm.sums_by_all_to_all(run[0][2], self.pg):  # not coalescable, and cheaper apart
-                # the all-to-alls' receive buffers come from the staging pool too (stage 3)
-                scratch = [self._receive_buffer(buf) for _, _, buf, _, _ in run]
-                work = comm.AllOf([comm.reduce_scatter(out, buf, self.pg, self.ledger, self.collective_purpose,
-                                                       async_op=True, received=rx)
-                                   for (_, _, buf, out, _), rx in zip(run, scratch)])
-            else:
-                scratch = [None] * len(run)
-                work = coalesced(self.pg, [
-                    lambda buf=buf, out=out: comm.reduce_scatter(out, buf, self.pg, self.ledger,
-                                                                 self.collective_purpose, async_op=True)
-                    for _, _, buf, out, _ in run])
+            self._check_launch([(g, b) for g, b, _, _, _ in run])
+            # on gloo, all-to-alls: not coalescable, cheaper apart, receiving into staging-pool buffers
+            apart = comm.sums_by_all_to_all(run[0][2], self.pg)
+            scratch = [self._receive_buffer(buf) if apart else None for _, _, buf, _, _ in run]
+            launches = [lambda buf=buf, out=out, rx=rx: comm.reduce_scatter(
+                            out, buf, self.pg, self.ledger, self.collective_purpose, async_op=True, received=rx)
+                        for (_, _, buf, out, _), rx in zip(run, scratch)]
+            work = comm.AllOf([launch() for launch in launches]) if apart else coalesced(self.pg, launches)
             self.reduce_collectives += 1
             self._track(work, [(b, g, (buf, recv, rx)) for (g, b, buf, _, recv), rx in zip(run, scratch)])
 
