@@ -1,6 +1,7 @@
 """Step time of config variants of zerodp against DDP on the bench's GPT (2 ranks), interleaved over
 rounds (reversed every other round), median wall time per step between barriers and median process
-CPU time (all threads) per step; rank 0 prints each variant's medians and their ratios to DDP's. Used for docs/bench.md ("Stage 3 against DDP: the
+CPU time (all threads) per step; rank 0 prints each variant's medians, their ratios to DDP's, and the
+quartiles over rounds of the ratio of a round's median to DDP's median in the same round. Used for docs/bench.md ("Stage 3 against DDP: the
 breakdown").
 
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone \
@@ -56,17 +57,25 @@ def _plain_waits(work, async_op):
 
 wall = {v: [] for v in variants}
 cpu = {v: [] for v in variants}
+per_round = {v: [] for v in variants}  # each round's median wall time per step
 for rnd in range(int(sys.argv[3])):
     for v in (variants if rnd % 2 == 0 else variants[::-1]):
         s = build(v)
+        mine = []
         for i, (x, y) in enumerate(batches):
             dist.barrier(); t0, c0 = time.perf_counter(), time.process_time()
             s.forward_backward(x, y); s.step(); c1 = time.process_time(); dist.barrier()
-            if i > 0: wall[v].append(time.perf_counter() - t0); cpu[v].append(c1 - c0)
+            if i > 0: mine.append(time.perf_counter() - t0); cpu[v].append(c1 - c0)
+        wall[v] += mine
+        per_round[v].append(statistics.median(mine))
         del s
 if rank == 0:
     b, bc = statistics.median(wall["DDP"]), statistics.median(cpu["DDP"])
     for v in variants:
         w, c = statistics.median(wall[v]), statistics.median(cpu[v])
-        print(f"{v:>14} wall {w:.4f} s {w / b:.3f}x   process CPU {c:.4f} s {c / bc:.3f}x")
+        # the ratio to DDP's median in the same round: its quartiles over rounds
+        q = statistics.quantiles([a / d for a, d in zip(per_round[v], per_round["DDP"])], n=4) \
+            if len(per_round[v]) > 1 else [w / b] * 3
+        print(f"{v:>14} wall {w:.4f} s {w / b:.3f}x (per-round ratio quartiles {q[0]:.3f} / {q[1]:.3f} / "
+              f"{q[2]:.3f})   process CPU {c:.4f} s {c / bc:.3f}x")
 zerodp.shutdown_distributed()
