@@ -11,6 +11,7 @@ above the value on entry.
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 from typing import Any, Optional
 
@@ -59,6 +60,7 @@ class HeapPeak:
             self.peak = used
 
     def __enter__(self) -> "HeapPeak":
+        gc.collect()  # garbage of earlier code freed inside the block would lower the heap below the base
         self.base = heap_bytes()
         sys.setprofile(self._sample)
         return self

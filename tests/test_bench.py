@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,8 @@ def test_deepspeed_rows_run_when_installed_else_say_why(tiny_run) -> None:
             assert s.status == "ran", (s.name, s.reason)
             assert s.max_loss_diff_vs_ddp is not None and s.max_loss_diff_vs_ddp < 1e-5, s.name
             assert s.stage == int(s.name.split()[2]) and s.memory and s.memory[0].measured["optimizer_states"] > 0
+            # stage 3 gathers below torch.distributed's Python functions: not measured, never a fraction
+            assert (s.traffic is None) == (s.stage == 3), (s.name, s.traffic)
     else:
         for s in rows:
             assert s.status == "skipped" and "DeepSpeed not installed" in s.reason and "[bench]" in s.reason
@@ -162,3 +165,60 @@ def test_offload_rows_are_registered_and_flags_forwarded() -> None:
     args = cli.build_parser().parse_args(["bench", "--offload", "--nvme-path", "/tmp/n", "--sub-group-size", "5"])
     cmd = cli.bench_command(args)
     assert "--offload" in cmd and "--sub-group-size" in " ".join(cmd) and "/tmp/n" in " ".join(cmd)
+
+
+def _bench_args(tmp_path: Path, *flags: str) -> argparse.Namespace:
+    return cli.build_parser().parse_args(["bench", "--preset", "tiny", "--out", str(tmp_path / "out"), *flags])
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--rounds", "-1"), "--rounds must be an integer >= 0, got -1"),
+    (("--steps", "0"), "--steps must be an integer >= 1, got 0"),
+    (("--warmup", "-3"), "--warmup must be an integer >= 0, got -3"),
+    (("--micro-batch", "0"), "--micro-batch must be an integer >= 1"),
+    (("--probe-steps", "1"), "--probe-steps must be >= 2"),
+    (("--sub-group-size", "0"), "--sub-group-size must be an integer >= 1"),
+    (("--n-head", "3"), "n_head"),
+    (("--only", "stage 2,nosuch"), "--only: 'nosuch' is part of no system's name; the systems are 'DDP'"),
+    (("--exclude", "FSDP3"), "--exclude: 'FSDP3' is part of no system's name"),
+    (("--sweep-ranks", ","), "--sweep-ranks takes integers >= 1"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path, flags, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        bench.check_arguments(_bench_args(tmp_path, *flags))
+    assert not (tmp_path / "out" / "bench.json").exists()
+
+
+def test_out_must_be_a_writable_directory(tmp_path) -> None:
+    (tmp_path / "file").write_text("x")
+    args = cli.build_parser().parse_args(["bench", "--preset", "tiny", "--out", str(tmp_path / "file" / "sub")])
+    with pytest.raises(ValueError, match="--out .* cannot be created as a directory"):
+        bench.check_arguments(args)
+    args = _bench_args(tmp_path, "--only", "stage 3", "--exclude", "DeepSpeed", "--rounds", "0")
+    bench.check_arguments(args)  # valid: nothing raised, the directory exists
+    assert (tmp_path / "out").is_dir()
+
+
+def test_launcher_refuses_bad_arguments_with_one_line(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "zerodp.app.cli", "bench", "--preset", "tiny", "--rounds", "-1",
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--rounds must be an integer >= 0, got -1" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "o" / "bench.json").exists()
+
+
+def test_sweep_ranks_inside_torchrun_needs_the_launcher(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match="zerodp bench launcher"):
+        bench.check_arguments(_bench_args(tmp_path, "--sweep-ranks", "1,3"))
+    bench.check_arguments(_bench_args(tmp_path, "--sweep-ranks", "1,3", "--sweep-from", "a.json"))
+
+
+def test_untimed_rows_show_no_ratio(tiny_run) -> None:
+    from zerodp.app.bench_report import format_table
+
+    res, _, _ = tiny_run
+    untimed = res.model_copy(update={"rounds": 0, "systems": [
+        s.model_copy(update={"step_time": None, "ratio_to_ddp": None, "ratio_per_round": []}) for s in res.systems]})
+    rows = [line for line in format_table(untimed).splitlines() if line[:34].strip() == "zerodp stage 2"]
+    assert len(rows) == 1 and "0.00x" not in rows[0] and "0.0000" not in rows[0]
+    assert rows[0].split()[3:6] == ["-", "-", "-"]  # median, IQR, vs DDP

@@ -56,7 +56,12 @@ class AccessedEngine(Protocol):
     def shards_resident(self, groups: Optional[list[FlatGroup]] = None, write: bool = False) -> Any: ...
 
 
-_ENGINES: dict[int, tuple[weakref.ref, weakref.ref, Optional[FlatGroup], Optional[ParamSlot]]] = {}
+#: id(parameter) -> weak references to (the parameter, its engine, its flat group, its slot); the group
+#: and slot references are None for a parameter outside the engine's groups (frozen). Only weak
+#: references: the engine owns its groups and slots, and an entry must not keep a parameter (which a
+#: slot references) or a group's flat buffers alive after the engine and module are gone; the
+#: parameter's own reference removes the entry when the parameter dies.
+_ENGINES: dict[int, tuple[weakref.ref, weakref.ref, Optional[weakref.ref], Optional[weakref.ref]]] = {}
 
 
 def register_engine(engine: AccessedEngine) -> None:
@@ -66,7 +71,7 @@ def register_engine(engine: AccessedEngine) -> None:
         _ENGINES[id(p)] = (_param_ref(p), ref, None, None)
     for g in engine.groups:
         for s in g.slots:
-            _ENGINES[id(s.param)] = (_param_ref(s.param), ref, g, s)
+            _ENGINES[id(s.param)] = (_param_ref(s.param), ref, weakref.ref(g), weakref.ref(s))
 
 
 def _param_ref(p: nn.Parameter) -> weakref.ref:
@@ -80,7 +85,13 @@ def _locate(param: nn.Parameter) -> tuple[AccessedEngine, Optional[FlatGroup], O
     if engine is None:
         raise ValueError(f"this parameter (shape {tuple(param.shape)}) does not belong to a module passed "
                          "to zerodp.initialize")
-    return engine, entry[2], entry[3]
+    if entry[2] is None:
+        return engine, None, None
+    g, s = entry[2](), entry[3]()
+    if g is None or s is None:  # the engine no longer holds the group it registered: never guess
+        raise RuntimeError(f"this parameter (shape {tuple(param.shape)}) was registered with a flat group "
+                           "its engine no longer holds")
+    return engine, g, s
 
 
 @contextlib.contextmanager

@@ -178,7 +178,8 @@ class Engine:
             for s in g.slots:
                 pieces = by_param.get(id(s.param))
                 if pieces:
-                    register_master_refresh(s.param, lambda ps=pieces, g=g: [self._refresh_master(p, g) for p in ps])
+                    register_master_refresh(s.param, lambda ps=pieces, g=g: [self._refresh_master(p, g) for p in ps],
+                                            self)
 
     def _refresh_master(self, piece: Any, group: FlatGroup) -> None:
         with self.shards_resident([group]):

@@ -259,7 +259,7 @@ class Init:
         self.units.append(unit)
         self._units_of[module] = [unit]
         for s in unit.slots:
-            OWNERS.set(s.param, Owner(unit, self.pg, self.ledger, None))
+            OWNERS.set(s.param, Owner(unit, self.pg, self.ledger, None), module)
         self._partitioned(unit)
 
     def _partitioned(self, unit: ShardedUnit) -> None:

@@ -89,6 +89,60 @@ def resolve_model(args: argparse.Namespace) -> tuple[GPTConfig, int]:
     return cfg, pick(args.micro_batch, micro)
 
 
+def _names_matching(flag: str, value: Optional[str]) -> list[str]:
+    """The comma-separated names of ``--only`` / ``--exclude``, each of which must be part of a
+    system's name (as they are matched)."""
+    names = [o.strip() for o in (value or "").split(",") if o.strip()]
+    for n in names:
+        if not any(n in system for system in SYSTEMS):
+            raise ValueError(f"{flag}: {n!r} is part of no system's name; the systems are "
+                             f"{', '.join(repr(k) for k in SYSTEMS)} (a part such as 'stage 3' or "
+                             f"'DeepSpeed' selects every system whose name contains it)")
+    return names
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, before anything runs, arguments the benchmark cannot honour as given.
+
+    Raises:
+        ValueError: a count out of range (``--steps`` and ``--micro-batch`` >= 1, ``--warmup`` and
+            ``--rounds`` >= 0, ``--probe-steps`` >= 2, ``--sub-group-size`` >= 1), an invalid model
+            size (:class:`~zerodp.app.model.GPTConfig`'s message), an ``--only`` / ``--exclude`` name
+            that selects no system, ``--sweep-ranks`` without world sizes or inside a torchrun job
+            started without the ``zerodp bench`` launcher, or an ``--out`` that cannot be a writable
+            directory (it is created here).
+    """
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
+                               ("--rounds", args.rounds, 0), ("--sub-group-size", args.sub_group_size, 1)):
+        if value < least:
+            raise ValueError(f"{flag} must be an integer >= {least}, got {value}"
+                             + (" (0 rounds: nothing is timed, as the --sweep-ranks probes run)"
+                                if flag == "--rounds" else ""))
+    if args.probe_steps < 2:
+        raise ValueError(f"--probe-steps must be >= 2 (optimizer states exist from the second step), "
+                         f"got {args.probe_steps}")
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise ValueError(f"--micro-batch must be an integer >= 1 (sequences per rank per step), got {args.micro_batch}")
+    resolve_model(args)  # GPTConfig refuses invalid sizes, naming the field and what is allowed
+    _names_matching("--only", args.only)
+    _names_matching("--exclude", args.exclude)
+    if args.sweep_ranks and not args.sweep_from:
+        if not [t for t in args.sweep_ranks.split(",") if t.strip()]:
+            raise ValueError(f"--sweep-ranks takes integers >= 1 separated by commas, got {args.sweep_ranks!r}")
+        if "LOCAL_RANK" in os.environ:
+            raise ValueError("--sweep-ranks runs one torchrun job per world size, which the zerodp bench "
+                             "launcher starts: run `zerodp bench ... --sweep-ranks ...` (inside a torchrun "
+                             "job, pass their bench.json files with --sweep-from instead)")
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {args.out!r} cannot be created as a directory for bench.json and the "
+                         f"charts: {exc}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {args.out!r} is not a writable directory (bench.json and the charts go there)")
+
+
 def _agree_skip(reason: Optional[str]) -> Optional[str]:
     """Every rank's skip reason; a system skipped on any rank is skipped on all."""
     reasons: list[Optional[str]] = [None] * dist.get_world_size()
@@ -128,7 +182,8 @@ def _probe(build: Builder, cfg: GPTConfig, batches: list, baseline: frozenset) -
     out = {"family": system.family, "stage": system.stage, "offload": system.offload, "losses": losses,
            "measured": {c: measured[c] for c in CATEGORIES}, "unattributed": measured["unattributed"],
            "peak_rss": rss.peak, "rss_before": rss.start,
-           "traffic_elements": traffic.elements, "by_op": {k: list(v) for k, v in traffic.by_op.items()}}
+           "traffic_elements": traffic.elements, "by_op": {k: list(v) for k, v in traffic.by_op.items()},
+           "traffic_countable": system.traffic_countable}
     del system
     return out
 
@@ -164,7 +219,12 @@ def _deepspeed_version() -> Optional[str]:
 
 
 def run(args: argparse.Namespace) -> Optional[BenchResult]:
-    """Run the benchmark on this rank (inside torchrun); returns the result on rank 0, else None."""
+    """Run the benchmark on this rank (inside torchrun); returns the result on rank 0, else None.
+
+    Raises:
+        ValueError: see :func:`check_arguments`.
+    """
+    check_arguments(args)
     cfg, micro = resolve_model(args)
     nvme_dir = args.nvme_path or tempfile.mkdtemp(prefix="zerodp_bench_")
     systems: dict[str, Builder] = dict(SYSTEMS)
@@ -275,7 +335,7 @@ def _assemble(args: argparse.Namespace, cfg: GPTConfig, micro: int, psi: int, wo
         for rnd, base in zip(times[name], times.get("DDP", [])):
             ratios.append(statistics.median(rnd) / statistics.median(base))
         steps = len(p["losses"])
-        counted = p["traffic_elements"] > 0 or world == 1
+        counted = p["traffic_countable"] and (p["traffic_elements"] > 0 or world == 1)
         diffs = [abs(a - b) for a, b in zip(p["losses"], ddp_losses)]
         systems.append(SystemResult(
             name=name, family=p["family"], stage=p["stage"], status="ran",
@@ -398,4 +458,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     add_arguments(ap)
-    run(ap.parse_args())
+    parsed = ap.parse_args()
+    try:
+        check_arguments(parsed)
+    except ValueError as exc:  # every rank refuses the same arguments: one line each, no traceback
+        ap.exit(2, f"zerodp.app.bench: error: {exc}\n")
+    run(parsed)

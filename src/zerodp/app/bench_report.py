@@ -147,8 +147,11 @@ def format_table(res: BenchResult) -> str:
         tr = s.traffic
         traffic = (f"{tr.psi_per_step:.2f}" + (f"/{tr.formula_psi} Psi" if tr.formula_psi else " Psi")) if tr else "-"
         dl = f"{s.max_loss_diff_vs_ddp:.1e}" if s.max_loss_diff_vs_ddp is not None else "-"
-        lines.append(f"{s.name:<34}{st.median if st else 0:>9.4f}{(st.q3 - st.q1) if st else 0:>8.4f}"
-                     f"{s.ratio_to_ddp or 0:>7.2f}x{rng:>13}{state:>13}{formula:>11}{rss:>14}{traffic:>14}{dl:>9}")
+        median = f"{st.median:.4f}" if st else "-"  # not timed (--rounds 0): no figure, not a zero
+        iqr = f"{st.q3 - st.q1:.4f}" if st else "-"
+        ratio = f"{s.ratio_to_ddp:.2f}x" if s.ratio_to_ddp is not None else "-"
+        lines.append(f"{s.name:<34}{median:>9}{iqr:>8}{ratio:>8}{rng:>13}{state:>13}{formula:>11}{rss:>14}"
+                     f"{traffic:>14}{dl:>9}")
     lines.append("RSS MiB: peak resident set of the highest rank, each system in a process of its own, and "
                  "its ratio to DDP's (* = no such process: rise over the RSS before the system was built "
                  "in the shared process)")

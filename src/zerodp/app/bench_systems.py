@@ -67,6 +67,9 @@ class System:
     sources: Callable[[], dict[str, Tensors]]
     traffic_targets: list[tuple[Any, str]] = field(default_factory=list)
     offload: Optional[str] = None  # offload_optimizer.device ("cpu", "nvme") or None
+    #: False: its collectives are issued below ``torch.distributed``'s Python functions (DeepSpeed
+    #: stage 3's parameter gathers), so the counted traffic would be a fraction: reported as not measured
+    traffic_countable: bool = True
 
 
 Builder = Callable[[GPTConfig, float, bool], System]  # (model config, learning rate, probe?) -> System
@@ -260,7 +263,9 @@ def deepspeed_builder(stage: int, offload: bool = False) -> Builder:
                     "master_weights": masters, "buffers": list(module.buffers())}
 
         name = f"DeepSpeed stage {stage}" + (" + CPU offload" if offload else "")
-        return _engine_system(name, "deepspeed", stage, module, engine, sources, [])
+        system = _engine_system(name, "deepspeed", stage, module, engine, sources, [])
+        system.traffic_countable = stage != 3
+        return system
 
     return build
 

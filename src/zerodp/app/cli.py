@@ -451,11 +451,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from zerodp.app import bench
 
+    try:
+        bench.check_arguments(args)
+    except ValueError as exc:
+        args.parser.error(str(exc))
     if _inside_torchrun():
         bench.run(args)
         return 0
-    if args.probe_steps < 2:
-        args.parser.error(f"--probe-steps must be >= 2 (optimizer states exist from the second step), got {args.probe_steps}")
     try:
         if args.sweep_ranks:
             full = torchrun_prefix(args)  # [python, -m, torch.distributed.run, --nproc-per-node, N, ...]

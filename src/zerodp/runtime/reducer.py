@@ -33,6 +33,7 @@ already-reduced bucket raises instead of being lost.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from typing import Callable, Optional, Protocol
 
@@ -131,24 +132,35 @@ class GradientReducer:
         self._handles.clear()
 
     def _make_hook(self, slot: ParamSlot):
+        # The hook lives on the parameter; a strong reference from it to the reducer or to the slot
+        # (both reach the parameter) would make a cycle through the parameter's hook dict that Python's
+        # gc does not collect: every engine (parameters, flat buffers, optimizer states) would stay alive
+        # after the user dropped it. Hence only a weak reference and the slot's position.
+        reducer, position = weakref.ref(self), self.slots.index(slot)
+
         def hook(param: torch.nn.Parameter) -> None:
-            if not self._in_backward:  # a plain loss.backward(): nothing would be reduced or scaled
-                raise RuntimeError(DIRECT_BACKWARD_MESSAGE)
-            if param.grad is not None and param.grad.layout != torch.strided:
-                raise RuntimeError(f"parameter '{slot.name}' received a {param.grad.layout} gradient; zerodp "
-                                   "reduces dense gradients only (use sparse=False in nn.Embedding)")
-            self._count_np[slot.index] += 1
-            if self._count_np[slot.index] > 1:
-                _, b = self._slot_bucket[slot.index]
-                if id(b) in self._launched:
-                    raise RuntimeError(
-                        f"parameter '{slot.name}' received another gradient contribution in this backward "
-                        "after its bucket was reduced (the first micro-step had none: reentrant "
-                        "checkpointing or a repeated backward through a shared parameter started later). "
-                        "Use the same structure from the first micro-step, or use_reentrant=False")
-            self._on_grad(slot, param)
+            owner = reducer()
+            if owner is not None:  # else the engine is gone and its hooks were not removed
+                owner._hook(owner.slots[position], param)
 
         return hook
+
+    def _hook(self, slot: ParamSlot, param: torch.nn.Parameter) -> None:
+        if not self._in_backward:  # a plain loss.backward(): nothing would be reduced or scaled
+            raise RuntimeError(DIRECT_BACKWARD_MESSAGE)
+        if param.grad is not None and param.grad.layout != torch.strided:
+            raise RuntimeError(f"parameter '{slot.name}' received a {param.grad.layout} gradient; zerodp "
+                               "reduces dense gradients only (use sparse=False in nn.Embedding)")
+        self._count_np[slot.index] += 1
+        if self._count_np[slot.index] > 1:
+            _, b = self._slot_bucket[slot.index]
+            if id(b) in self._launched:
+                raise RuntimeError(
+                    f"parameter '{slot.name}' received another gradient contribution in this backward "
+                    "after its bucket was reduced (the first micro-step had none: reentrant "
+                    "checkpointing or a repeated backward through a shared parameter started later). "
+                    "Use the same structure from the first micro-step, or use_reentrant=False")
+        self._on_grad(slot, param)
 
     # ---- micro-step protocol -----------------------------------------------------------------------
     def begin_micro_step(self, reduce: bool) -> None:

@@ -31,24 +31,39 @@ class Owner:
 
 
 class OwnerRegistry:
-    """id(partitioned parameter) -> where its shard lives; an entry dies with its parameter.
-    (Tensors cannot key a WeakKeyDictionary: their ``__eq__`` is elementwise.)"""
+    """id(partitioned parameter) -> a value about it (its :class:`Owner`, or a callable); an entry dies
+    with its parameter. (Tensors cannot key a WeakKeyDictionary: their ``__eq__`` is elementwise.)
+
+    The registry holds weak references only; each value is kept alive by a *holder* given to
+    :meth:`set` (the module, or the engine the value belongs to). A value reaches its parameter (an
+    Owner's unit holds the parameter's slot), so a strong reference from this process-wide registry
+    would keep every parameter, shard and engine alive for the life of the process."""
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, Owner]] = {}
+        self._entries: dict[int, tuple[weakref.ref, weakref.ref, weakref.ref]] = {}
 
-    def set(self, param: nn.Parameter, owner: Owner) -> None:
+    def set(self, param: nn.Parameter, value: object, holder: object) -> None:
+        """Register ``value`` for ``param``; ``holder`` (an object with a ``__dict__``) keeps it alive."""
         key = id(param)
-        self._entries[key] = (weakref.ref(param, lambda _r: self._entries.pop(key, None)), owner)
+        holder.__dict__.setdefault(_HELD, {})[(id(self), key)] = value
+        self._entries[key] = (weakref.ref(param, lambda _r: self._entries.pop(key, None)), weakref.ref(value),
+                              weakref.ref(holder))
 
     def drop(self, param: torch.Tensor) -> None:
-        self._entries.pop(id(param), None)
+        entry = self._entries.pop(id(param), None)
+        holder = entry[2]() if entry is not None else None
+        if holder is not None:
+            holder.__dict__.get(_HELD, {}).pop((id(self), id(param)), None)
 
-    def get(self, param: torch.Tensor) -> Optional[Owner]:
+    def get(self, param: torch.Tensor) -> Optional[object]:
         entry = self._entries.get(id(param))
         if entry is None or entry[0]() is not param:
             return None
-        return entry[1]
+        return entry[1]()  # None once its holder is gone
+
+
+#: attribute of a holder (see :class:`OwnerRegistry`) keeping the registered values alive
+_HELD = "_zerodp_registered"
 
 
 #: filled by each stage-3 engine (see :class:`zerodp.stage3.sharding.Stage3`).
@@ -83,12 +98,14 @@ def take_pending_external(root: nn.Module) -> list[tuple[nn.Module, nn.Parameter
     return taken
 
 
-def register_master_refresh(param: nn.Parameter, refresh: Callable[[], object]) -> None:
-    MASTER_REFRESH.set(param, refresh)
+def register_master_refresh(param: nn.Parameter, refresh: Callable[[], object], engine: object) -> None:
+    """``refresh`` lives as long as ``engine`` (whose fp32 masters it refreshes)."""
+    MASTER_REFRESH.set(param, refresh, engine)
 
 
-def register_owner(param: nn.Parameter, owner: Owner) -> None:
-    OWNERS.set(param, owner)
+def register_owner(param: nn.Parameter, owner: Owner, module: nn.Module) -> None:
+    """``owner`` lives as long as ``module`` (the module holding ``param``, or one containing it)."""
+    OWNERS.set(param, owner, module)
 
 
 def full_numel(param: nn.Parameter) -> int:

@@ -82,7 +82,7 @@ class Stage3:
             zc.stage3_max_reuse_distance)
         for u in self.index.units:
             for s in u.slots:
-                register_owner(s.param, Owner(u, pg, ledger, self.coordinator))
+                register_owner(s.param, Owner(u, pg, ledger, self.coordinator), module)
         self.stack = ModuleStack()
         self.handles = register_stage3_hooks(module, self.coordinator, self.stack)
         self._mode = ExternalParameterMode(self.coordinator, self.stack)
