@@ -158,6 +158,11 @@ def format_table(res: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def _tick(name: str) -> str:
+    """A system's name on two or three short lines (x tick label)."""
+    return name.replace(" stage ", "\nstage ").replace("torch ", "torch\n").replace(" + ", "\n+ ")
+
+
 def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
     """Write the three PNG charts into ``out_dir``; returns their paths.
 
@@ -186,8 +191,9 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
                        hatch="//" if label == "formula" else None, edgecolor="white",
                        label=c if (i == 0 and j == 0) else None)
                 bottom += v
-    ax.set_xticks(range(len(mem)), [s.name.replace(" stage ", "\nstage ").replace("torch ", "torch\n")
-                                    for s in mem], fontsize=7)
+    ax.set_xticks(range(len(mem)), [_tick(s.name) for s in mem], fontsize=7)
+    tallest = max((sum(v.values()) for s in mem for v in (s.memory[0].measured, s.formula)), default=0.0)
+    ax.set_ylim(0, 1.35 * tallest / 2**20 or 1.0)  # room for the legend above the tallest bar
     ax.set_ylabel("MiB per rank (rank 0)")
     ax.set_title(f"Model state per rank, {res.world_size} ranks, Psi = {res.psi:,} (left measured, right formula, hatched)",
                  fontsize=8)
@@ -205,8 +211,7 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
         ax.bar(i, s.ratio_to_ddp, color="#4C72B0" if s.family == "zerodp" else "#999999")
         ax.errorbar(i, s.ratio_to_ddp, yerr=[[s.ratio_to_ddp - lo], [hi - s.ratio_to_ddp]], color="k", capsize=3)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.set_xticks(range(len(timed)), [s.name.replace(" stage ", "\nstage ").replace("torch ", "torch\n")
-                                      for s in timed], fontsize=7)
+    ax.set_xticks(range(len(timed)), [_tick(s.name) for s in timed], fontsize=7)
     ax.set_ylabel("step time / DDP's (same round)")
     ax.set_title(f"Step time vs DDP, median of {res.rounds} rounds (whiskers: lowest-highest round)", fontsize=8)
     fig.tight_layout()
@@ -220,9 +225,13 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
                                       measured_total=sum(s.memory[0].measured.values()),
                                       formula_total=sum(s.formula.values()) if s.formula else None)
                            for s in mem]
-    for name in dict.fromkeys(p.system for p in points):
+    names = list(dict.fromkeys(p.system for p in points))
+    for k, name in enumerate(names):
         ps = sorted((p for p in points if p.system == name), key=lambda p: p.world_size)
-        line, = ax.plot([p.world_size for p in ps], [p.measured_total / 2**20 for p in ps], "o-", label=name)
+        # systems holding the same state (DDP and stage 0) overlap: earlier ones drawn larger and hollow
+        line, = ax.plot([p.world_size for p in ps], [p.measured_total / 2**20 for p in ps], "-",
+                        marker="osD^v<>p"[k % 8], markersize=4 + 2 * (len(names) - k),
+                        markerfacecolor="none" if k < len(names) - 1 else None, label=name)
         if all(p.formula_total is not None for p in ps):
             ax.plot([p.world_size for p in ps], [p.formula_total / 2**20 for p in ps], ":", color=line.get_color())
     ax.set_xlabel("ranks")
