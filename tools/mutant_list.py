@@ -183,4 +183,12 @@ MUTANTS: list[Mutant] = [
            "            self.mapping.madvise(mmap.MADV_DONTNEED)",
            "            pass",
            ["tests/test_zero_pages.py"]),
+    Mutant("gradient_hook_holds_its_reducer", REDUCER,
+           "        reducer, position = weakref.ref(self), self.slots.index(slot)\n",
+           "        reducer, position = (lambda owner=self: owner), self.slots.index(slot)\n",
+           ["tests/test_engine_lifetime.py::test_dropped_engine_is_collected[0-None]"]),
+    Mutant("owner_registry_holds_its_values", "src/zerodp/stage3/ownership.py",
+           "weakref.ref(value),",
+           "(lambda v=value: v),",
+           ["tests/test_engine_lifetime.py::test_dropped_engine_is_collected[3-None]"]),
 ]
