@@ -70,3 +70,42 @@ def test_dropped_engine_is_collected(stage: int, variant) -> None:
     assert not alive, f"{len(alive)} of {len(refs)} objects outlived their engine: {[type(a).__name__ for a in alive][:8]}"
     # what autograd and the allocator really hold: back to where it was before the engine was built
     assert _live_bytes() <= before
+
+
+@pytest.mark.parametrize("init", [False, True])
+def test_stage3_submodule_kept_alone_still_gathers(init: bool) -> None:
+    """The owners of a stage-3 model live as long as the modules holding their parameters: a submodule
+    kept after the engine and the root are dropped is still gathered by GatheredParameters."""
+    cfg = _config(3, None)
+    if init:
+        with zerodp.zero.Init(config=cfg):
+            model = _model()
+    else:
+        model = _model()
+    engine = zerodp.initialize(model, cfg)
+    loss = engine(torch.ones(4, 64)).square().mean()
+    engine.backward(loss)
+    engine.step()
+    expected = engine.module_state_dict()["0.weight"].clone()
+    first = model[0]
+    del engine, model, loss
+    gc.collect()
+    with zerodp.zero.GatheredParameters(list(first.parameters())):
+        got = first.weight.detach().clone()
+    assert torch.equal(got, expected)
+
+
+def test_accessor_on_a_dropped_engine_says_so() -> None:
+    from zerodp.accessors import safe_get_full_fp32_param
+
+    model = _model()
+    engine = zerodp.initialize(model, _config(1, None))
+    loss = engine(torch.ones(4, 64)).square().mean()
+    engine.backward(loss)
+    engine.step()
+    del engine, loss
+    gc.collect()
+    with pytest.raises(ValueError, match="belonged to an engine that no longer exists"):
+        safe_get_full_fp32_param(model[0].weight)
+    with pytest.raises(ValueError, match="also after its engine was dropped"):
+        zerodp.initialize(model, _config(1, None))

@@ -28,6 +28,7 @@ from torch import nn
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.partition import FlatGroup, ParamSlot, Piece
+from zerodp.runtime.wrapped import WRAPPED
 from zerodp.stage3.sharded_param import is_sharded
 
 #: optimizer-state keys that hold one value per parameter element (torch Adam/AdamW).
@@ -83,6 +84,10 @@ def _locate(param: nn.Parameter) -> tuple[AccessedEngine, Optional[FlatGroup], O
     entry = _ENGINES.get(id(param))
     engine = entry[1]() if entry is not None and entry[0]() is param else None
     if engine is None:
+        if WRAPPED.get(param) is not None:
+            raise ValueError(f"this parameter (shape {tuple(param.shape)}) belonged to an engine that no longer "
+                             f"exists ({WRAPPED.get(param)}; dropped and garbage-collected): its optimizer "
+                             "states went with it; keep a reference to the engine while you use these accessors")
         raise ValueError(f"this parameter (shape {tuple(param.shape)}) does not belong to a module passed "
                          "to zerodp.initialize")
     if entry[2] is None:

@@ -80,9 +80,13 @@ class Stage3:
         self.coordinator = ParameterCoordinator(
             self.index, positions, pg, ledger, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
             zc.stage3_max_reuse_distance)
+        # each owner lives as long as a module holding its parameter (the first one, as for tied
+        # parameters), so a submodule kept alone after the engine and the root are dropped still gathers
+        holder = {id(p): m for m in reversed(list(module.modules())) for p in m._parameters.values()
+                  if p is not None}
         for u in self.index.units:
             for s in u.slots:
-                register_owner(s.param, Owner(u, pg, ledger, self.coordinator), module)
+                register_owner(s.param, Owner(u, pg, ledger, self.coordinator), holder.get(id(s.param), module))
         self.stack = ModuleStack()
         self.handles = register_stage3_hooks(module, self.coordinator, self.stack)
         self._mode = ExternalParameterMode(self.coordinator, self.stack)
