@@ -109,3 +109,28 @@ def test_accessor_on_a_dropped_engine_says_so() -> None:
         safe_get_full_fp32_param(model[0].weight)
     with pytest.raises(ValueError, match="also after its engine was dropped"):
         zerodp.initialize(model, _config(1, None))
+
+
+def test_plain_backward_after_the_engine_was_dropped_is_refused() -> None:
+    model = _model()
+    engine = zerodp.initialize(model, _config(2, None))
+    loss = engine(torch.ones(4, 64)).square().mean()
+    engine.backward(loss)
+    engine.step()
+    del engine, loss
+    gc.collect()
+    with pytest.raises(RuntimeError, match="whose zerodp engine was dropped"):
+        model(torch.ones(4, 64)).square().mean().backward()
+
+
+def test_shutdown_agreement_does_not_depend_on_gc() -> None:
+    """Rank 0 collects its dropped engines before shutdown_distributed, rank 1 does not: both shut down
+    (the latest engine's guard is held by the shutdown check, so the agreement runs on every rank; with
+    a weak reference rank 1 waited alone for the guard's timeout, as the bench did in CI)."""
+    from pathlib import Path
+
+    from tests.distributed import run_worker
+
+    res = run_worker(2, worker=Path(__file__).with_name("lifetime_worker.py"))
+    assert res[0]["engines_alive"] == 0  # the check holds the latest guard, which does not hold its engine
+    assert res[1]["engines_alive"] == 3

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Iterator, NoReturn, Optional
 
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -255,15 +254,17 @@ class CollectiveGuard:
         return _FetchCheck(check, before_launch)
 
     def install_shutdown_check(self) -> None:
-        """Make :func:`zerodp.shutdown_distributed` agree first (the latest engine's guard wins)."""
+        """Make :func:`zerodp.shutdown_distributed` agree first (the latest engine's guard wins).
+
+        The check holds this guard strongly, until the next engine's guard replaces it or the shutdown:
+        with a weak reference, whether the agreement runs would depend on whether each rank's gc had
+        collected a dropped engine yet, and one rank would wait alone for the others (seen in the bench,
+        which drops every engine before it shuts down)."""
         if not self.enabled:
             return
-        ref = weakref.ref(self)
 
-        def check() -> None:
-            guard = ref()
-            if guard is not None:
-                guard.agree(CallSite("shutdown_distributed", "", -1, -1))
+        def check(guard: "CollectiveGuard" = self) -> None:
+            guard.agree(CallSite("shutdown_distributed", "", -1, -1))
         comm.SHUTDOWN_CHECK[:] = [check]
 
     # ---- failure path ------------------------------------------------------------------------------

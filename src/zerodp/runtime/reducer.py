@@ -56,6 +56,10 @@ DIRECT_BACKWARD_MESSAGE = (
     "loss.backward() was called on a model wrapped by a zerodp engine; call engine.backward(loss) "
     "instead (it divides the loss by gradient_accumulation_steps, applies the fp16 loss scale and "
     "reduces the gradients across ranks during backward), then engine.step()")
+DROPPED_ENGINE_MESSAGE = (
+    "loss.backward() was called on a model whose zerodp engine was dropped; its parameters are still laid "
+    "out for that engine (a model is wrapped once): keep the engine and call engine.backward(loss), or "
+    "build a new model")
 
 
 class StagingPool(Protocol):
@@ -140,8 +144,9 @@ class GradientReducer:
 
         def hook(param: torch.nn.Parameter) -> None:
             owner = reducer()
-            if owner is not None:  # else the engine is gone and its hooks were not removed
-                owner._hook(owner.slots[position], param)
+            if owner is None:  # refused as when alive: whether gc collected it differs between ranks
+                raise RuntimeError(DROPPED_ENGINE_MESSAGE)
+            owner._hook(owner.slots[position], param)
 
         return hook
 
