@@ -95,16 +95,22 @@ def test_stage3_submodule_kept_alone_still_gathers(init: bool) -> None:
     assert torch.equal(got, expected)
 
 
-def test_accessor_on_a_dropped_engine_says_so() -> None:
-    from zerodp.accessors import safe_get_full_fp32_param
-
+def _model_of_a_dropped_engine(stage: int) -> nn.Module:
+    """A model trained one step by an engine that was then dropped and collected."""
     model = _model()
-    engine = zerodp.initialize(model, _config(1, None))
+    engine = zerodp.initialize(model, _config(stage, None))
     loss = engine(torch.ones(4, 64)).square().mean()
     engine.backward(loss)
     engine.step()
     del engine, loss
     gc.collect()
+    return model
+
+
+def test_accessor_on_a_dropped_engine_says_so() -> None:
+    from zerodp.accessors import safe_get_full_fp32_param
+
+    model = _model_of_a_dropped_engine(1)
     with pytest.raises(ValueError, match="belonged to an engine that no longer exists"):
         safe_get_full_fp32_param(model[0].weight)
     with pytest.raises(ValueError, match="also after its engine was dropped"):
@@ -112,13 +118,7 @@ def test_accessor_on_a_dropped_engine_says_so() -> None:
 
 
 def test_plain_backward_after_the_engine_was_dropped_is_refused() -> None:
-    model = _model()
-    engine = zerodp.initialize(model, _config(2, None))
-    loss = engine(torch.ones(4, 64)).square().mean()
-    engine.backward(loss)
-    engine.step()
-    del engine, loss
-    gc.collect()
+    model = _model_of_a_dropped_engine(2)
     with pytest.raises(RuntimeError, match="whose zerodp engine was dropped"):
         model(torch.ones(4, 64)).square().mean().backward()
 
