@@ -16,19 +16,26 @@ from zerodp.app.bench import PRESETS, _batches
 from zerodp.app.bench_systems import SYSTEMS
 from zerodp.app.model import GPTConfig
 
-zerodp.init_distributed()
-rank, world = dist.get_rank(), dist.get_world_size()
-n_layer, n_head, d_model, seq_len, micro = PRESETS["small"]
-cfg = GPTConfig(n_layer=n_layer, n_head=n_head, d_model=d_model, seq_len=seq_len)
-batches = _batches(cfg, micro, 6, rank, world)
-for name in sys.argv[1].split(","):
-    s = SYSTEMS[name](cfg, 1e-3, False)
-    s.forward_backward(*batches[0]); s.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for x, y in batches[1:]:
-            s.forward_backward(x, y); s.step()
-    if rank == 0:
-        print(name)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(sys.argv[2])))
-    del s
-zerodp.shutdown_distributed()
+
+def print_profiles(names: list, cfg: GPTConfig, batches: list, rows: int, rank: int) -> None:
+    """For each bench system in ``names``: one step on ``batches[0]``, then a torch.profiler self-CPU
+    table of the remaining steps, ``rows`` rows, printed by rank 0 (also used by profile_stage12.py)."""
+    for name in names:
+        s = SYSTEMS[name](cfg, 1e-3, False)
+        s.forward_backward(*batches[0]); s.step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for x, y in batches[1:]:
+                s.forward_backward(x, y); s.step()
+        if rank == 0:
+            print(name)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+        del s
+
+
+if __name__ == "__main__":
+    zerodp.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_layer, n_head, d_model, seq_len, micro = PRESETS["small"]
+    cfg = GPTConfig(n_layer=n_layer, n_head=n_head, d_model=d_model, seq_len=seq_len)
+    print_profiles(sys.argv[1].split(","), cfg, _batches(cfg, micro, 6, rank, world), int(sys.argv[2]), rank)
+    zerodp.shutdown_distributed()

@@ -56,15 +56,6 @@ if rank == 0 and a.rounds:
               f"{statistics.median(wall[n]) / base_w:.3f}x   cpu {statistics.median(cpu[n]):.4f} s "
               f"({qc[0]:.4f}-{qc[2]:.4f}) {statistics.median(cpu[n]) / base_c:.3f}x")
 if a.profile:
-    from torch.profiler import ProfilerActivity, profile
-    for name in names:
-        s = SYSTEMS[name](cfg, 1e-3, False)
-        s.forward_backward(*batches[0]); s.step()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for x, y in batches[1:]:
-                s.forward_backward(x, y); s.step()
-        if rank == 0:
-            print(name)
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-        del s
+    from profile_ops import print_profiles  # this script's directory is on sys.path
+    print_profiles(names, cfg, batches, 25, rank)
 zerodp.shutdown_distributed()

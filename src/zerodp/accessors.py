@@ -84,9 +84,10 @@ def _locate(param: nn.Parameter) -> tuple[AccessedEngine, Optional[FlatGroup], O
     entry = _ENGINES.get(id(param))
     engine = entry[1]() if entry is not None and entry[0]() is param else None
     if engine is None:
-        if WRAPPED.get(param) is not None:
+        dropped = WRAPPED.get(param)
+        if dropped is not None:
             raise ValueError(f"this parameter (shape {tuple(param.shape)}) belonged to an engine that no longer "
-                             f"exists ({WRAPPED.get(param)}; dropped and garbage-collected): its optimizer "
+                             f"exists ({dropped}; dropped and garbage-collected): its optimizer "
                              "states went with it; keep a reference to the engine while you use these accessors")
         raise ValueError(f"this parameter (shape {tuple(param.shape)}) does not belong to a module passed "
                          "to zerodp.initialize")

@@ -29,8 +29,8 @@ module's position) just before them (the coordinator's ``before_launch``; the un
 from the fetches so far and the agreed trace, which the digest covers). A coalesced reduce-scatter of
 several stage-3 units posts one ``reduce`` tag whose identity is a 62-bit hash of all of its buckets
 (:meth:`BackwardAgreement.group_identity`), so a group that differs in any bucket differs in the tag.
-On the bench's small GPT this is 10-11 tags per step instead of 39 (one per fetch and one per unit):
-docs/collective-safety.md, "Backward".
+On the bench's small GPT this is 7 tags per step instead of 39 (one per fetch and one per unit;
+``tools/backward_tag_count.py``): docs/collective-safety.md, "Backward".
 
 When they are checked:
 

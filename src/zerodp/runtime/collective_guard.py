@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Iterator, NoReturn, Optional
 
-
 import torch
 import torch.distributed as dist
 from torch import nn

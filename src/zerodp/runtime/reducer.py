@@ -127,20 +127,20 @@ class GradientReducer:
     # ---- hook wiring -------------------------------------------------------------------------------
     def attach(self) -> None:
         """Register one post-accumulate-grad hook per trainable parameter (the only hooks we add)."""
-        for s in self.slots:
-            self._handles.append(s.param.register_post_accumulate_grad_hook(self._make_hook(s)))
+        for position, s in enumerate(self.slots):
+            self._handles.append(s.param.register_post_accumulate_grad_hook(self._make_hook(position)))
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
 
-    def _make_hook(self, slot: ParamSlot):
+    def _make_hook(self, position: int):
         # The hook lives on the parameter; a strong reference from it to the reducer or to the slot
         # (both reach the parameter) would make a cycle through the parameter's hook dict that Python's
         # gc does not collect: every engine (parameters, flat buffers, optimizer states) would stay alive
-        # after the user dropped it. Hence only a weak reference and the slot's position.
-        reducer, position = weakref.ref(self), self.slots.index(slot)
+        # after the user dropped it. Hence only a weak reference and the slot's position in ``slots``.
+        reducer = weakref.ref(self)
 
         def hook(param: torch.nn.Parameter) -> None:
             owner = reducer()
