@@ -222,3 +222,13 @@ def test_untimed_rows_show_no_ratio(tiny_run) -> None:
     rows = [line for line in format_table(untimed).splitlines() if line[:34].strip() == "zerodp stage 2"]
     assert len(rows) == 1 and "0.00x" not in rows[0] and "0.0000" not in rows[0]
     assert rows[0].split()[3:6] == ["-", "-", "-"]  # median, IQR, vs DDP
+
+
+def test_only_and_exclude_select_by_name_parts(tmp_path) -> None:
+    names, excluded = bench.selected_systems(_bench_args(tmp_path, "--only", "zerodp stage 2,", "--exclude", " FSDP2 ,"),
+                                             list(SYSTEMS))
+    # an empty entry selects nothing (it used to select every system); DDP is always first
+    assert names == ["DDP", "zerodp stage 2", "zerodp stage 2 + offload cpu", "zerodp stage 2 + offload nvme"]
+    assert excluded == ["FSDP2"]
+    names, excluded = bench.selected_systems(_bench_args(tmp_path), list(SYSTEMS))
+    assert names == list(SYSTEMS) and excluded == []

@@ -101,6 +101,20 @@ def _names_matching(flag: str, value: Optional[str]) -> list[str]:
     return names
 
 
+def selected_systems(args: argparse.Namespace, systems: list[str]) -> tuple[list[str], list[str]]:
+    """The systems ``--only`` keeps (all without it; DDP always, first: every ratio and loss difference
+    is taken against it) and the ``--exclude`` names. Empty entries (``"stage 2,"``) select nothing.
+
+    Raises:
+        ValueError: an ``--only`` / ``--exclude`` name that is part of no system's name.
+    """
+    only = _names_matching("--only", args.only)
+    names = [n for n in systems if not only or any(o in n for o in only)]
+    if "DDP" not in names:
+        names.insert(0, "DDP")
+    return names, _names_matching("--exclude", args.exclude)
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, before anything runs, arguments the benchmark cannot honour as given.
 
@@ -124,8 +138,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.micro_batch is not None and args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be an integer >= 1 (sequences per rank per step), got {args.micro_batch}")
     resolve_model(args)  # GPTConfig refuses invalid sizes, naming the field and what is allowed
-    _names_matching("--only", args.only)
-    _names_matching("--exclude", args.exclude)
+    selected_systems(args, list(SYSTEMS))
     if args.sweep_ranks and not args.sweep_from:
         if not [t for t in args.sweep_ranks.split(",") if t.strip()]:
             raise ValueError(f"--sweep-ranks takes integers >= 1 separated by commas, got {args.sweep_ranks!r}")
@@ -230,10 +243,7 @@ def run(args: argparse.Namespace) -> Optional[BenchResult]:
     systems: dict[str, Builder] = dict(SYSTEMS)
     if args.offload:  # same names, same order: the skipped placeholders become real builders
         systems.update(offload_systems(nvme_dir, args.sub_group_size))
-    names = [n for n in systems if not args.only or any(o.strip() in n for o in args.only.split(","))]
-    if "DDP" not in names:
-        names.insert(0, "DDP")  # every ratio and loss difference is taken against DDP
-    excluded = [o.strip() for o in (args.exclude or "").split(",") if o.strip()]
+    names, excluded = selected_systems(args, list(systems))
     is_excluded = lambda name: name != "DDP" and any(e in name for e in excluded)  # noqa: E731
     load_start = list(os.getloadavg())
     fresh = _fresh_rss(args, cfg, micro, systems, [n for n in names if not is_excluded(n)])
