@@ -231,6 +231,20 @@ class FP16Config(_Strict):
     min_loss_scale: float = Field(1.0, gt=0.0, description="dynamic: the scale never goes below this")
 
 
+class DataTypesConfig(_Strict):
+    """``data_types`` (DeepSpeed's key): the dtype gradients accumulate in across micro-steps.
+
+    ``grad_accum_dtype`` None (the default): fp32 when training in bf16/fp16 with
+    ``gradient_accumulation_steps`` > 1, else the module's dtype (one micro-step: nothing to
+    accumulate). "fp32": always an fp32 accumulation buffer (4 bytes per gradient element). "bf16" /
+    "fp16": accumulate in the module's dtype (2 bytes; each micro-step's gradient is rounded into the
+    sum, so small micro-steps can be lost); only the training dtype is accepted (see
+    :mod:`zerodp.runtime.precision`)."""
+
+    grad_accum_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = Field(
+        None, description="gradient accumulation dtype; default fp32 under bf16/fp16 with accumulation")
+
+
 class CollectiveGuardConfig(_Strict):
     """``collective_guard`` (zerodp's own key): the agreement checks of
     :mod:`zerodp.runtime.collective_guard` before every collective engine call."""
@@ -344,6 +358,7 @@ class ZeroDPConfig(_Strict):
     )
     bf16: BF16Config = Field(default_factory=BF16Config)
     fp16: FP16Config = Field(default_factory=FP16Config)
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     scheduler: Optional[SchedulerConfig] = None
     seed: Optional[int] = Field(None, ge=0, description="torch.manual_seed applied by initialize()")
     steps_per_print: int = Field(
@@ -360,6 +375,12 @@ class ZeroDPConfig(_Strict):
     def _one_precision(self) -> "ZeroDPConfig":
         if self.bf16.enabled and self.fp16.enabled:
             raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
+        accum = self.data_types.grad_accum_dtype
+        trained = "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
+        if accum not in (None, "fp32", trained):
+            raise ValueError(f"data_types.grad_accum_dtype is {accum!r} but the model trains in {trained} "
+                             f"(bf16.enabled / fp16.enabled); allowed: 'fp32'"
+                             + (f" or {trained!r}" if trained != "fp32" else ""))
         return self
 
     def for_world_size(self, world_size: int) -> "ZeroDPConfig":

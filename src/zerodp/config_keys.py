@@ -73,7 +73,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "gradient_predivide_factor": "gradients are averaged once, after the reduction",
     "sparse_gradients": "gradients are reduced dense",
     "communication_data_type": "gradients are reduced in the module's dtype",
-    "data_types": "gradient accumulation dtype follows the precision settings",
     "fp16.auto_cast": "inputs are not cast; the module runs in fp16",
     "fp16.fp16_master_weights_and_grads": "masters are always fp32",
     "bf16.immediate_grad_update": "gradients are reduced and applied at the step",

@@ -109,7 +109,9 @@ class Engine:
                    if self.stage == 3 else "the next step would copy the fp32 master weights back over them")
             self._load_guards = guard_module_load_state_dict(module, why)
 
-        reducer_args = (self.groups, self.rank, self.world_size, process_group, self.ledger, zc.overlap_comm)
+        # gradients accumulate in precision.grad_accum_dtype: fp32 under bf16/fp16 with k > 1 micro-steps
+        reducer_args = (self.groups, self.rank, self.world_size, process_group, self.ledger, zc.overlap_comm,
+                        self.precision.grad_accum_dtype)
         self.reducer: GradientReducer
         if self.stage == 0:
             self.reducer = AllReduceReducer(*reducer_args)
@@ -118,11 +120,6 @@ class Engine:
         else:
             self.reducer = PartitionedGradReducer(
                 *reducer_args, contiguous_gradients=zc.contiguous_gradients,
-                # k > 1 micro-steps accumulate into an fp32 partition so precision is not lost; with
-                # k = 1 the reduce-scatter result is kept in the module dtype (2 bytes, the paper's
-                # 2 Psi / N) and cast to fp32 for the master update at the step
-                accumulate_dtype=(torch.float32 if self.precision.has_master
-                                  and config.gradient_accumulation_steps > 1 else None),
                 staging_pool=self.sharding.pool if self.sharding is not None else None,
                 # stage 3 has one bucket per unit: reduce-scatter units in a few coalesced groups
                 coalesce_elements=self.sharding.reduce_flush_elements if self.sharding is not None else 0)
@@ -237,8 +234,9 @@ class Engine:
         """True when the next :meth:`step` will run the optimizer."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Back-propagate ``loss`` (a scalar) divided by ``gradient_accumulation_steps``.
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        """Back-propagate ``loss`` (a scalar) divided by ``gradient_accumulation_steps``, or as given with
+        ``scale_wrt_gas=False`` (DeepSpeed's: a loss already normalised over the accumulation window).
         ``retain_graph``: as in ``torch.Tensor.backward``; several ``backward`` calls before one
         ``step()`` add up their gradients, as in torch.
 
@@ -254,7 +252,7 @@ class Engine:
         if self.offload is not None:
             self.offload.settle()  # the reduced gradients of the last step are in use until then
         self.guards.before_backward()
-        if self.gradient_accumulation_steps > 1:
+        if scale_wrt_gas and self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale

@@ -18,6 +18,7 @@ traffic for stages 0-3 (:func:`zerodp.runtime.accounting.estimate_table`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import decimal
 import json
 import math
@@ -285,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="mixed-precision Adam: 2+2 bytes param/grad, K = 12 (default)")
     prec.add_argument("--fp32", dest="fp32", action="store_true",
                       help="fp32 Adam: 4+4 bytes param/grad, K = 8")
+    es.add_argument("--grad-accum", type=_int_at_least(1), default=1, metavar="K",
+                    help="gradient_accumulation_steps: with K > 1, mixed precision accumulates gradients "
+                         "in fp32 (4 bytes/element) unless --grad-accum-dtype says otherwise (default 1)")
+    es.add_argument("--grad-accum-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                    help="data_types.grad_accum_dtype: the gradient accumulation dtype (default: fp32 "
+                         "under mixed precision with --grad-accum > 1, else the parameters' dtype)")
     es.set_defaults(handler=_cmd_estimate, parser=es, fp32=False)
     return parser
 
@@ -356,7 +363,16 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         args.parser.error(f"argument --params: {exc}")
     if cfg is not None:
         print(f"{cfg}: {numel:,} parameters")
+    import torch
+
+    from zerodp.runtime.precision import grad_accum_dtype
+
     b = accounting.FP32_ADAM if args.fp32 else accounting.MIXED_PRECISION_ADAM
+    if args.fp32 and args.grad_accum_dtype not in (None, "fp32"):
+        args.parser.error(f"argument --grad-accum-dtype: {args.grad_accum_dtype} accumulation of fp32 "
+                          "gradients is not supported; allowed with --fp32: fp32")
+    dtype = grad_accum_dtype(torch.float32 if args.fp32 else torch.bfloat16, args.grad_accum, args.grad_accum_dtype)
+    b = dataclasses.replace(b, grad=dtype.itemsize)  # the accumulation buffer holds the gradients
     print(accounting.estimate_table(numel, args.dp, b))
     print()
     print(offload_estimate_table(numel, args.dp, b))

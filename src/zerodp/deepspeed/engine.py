@@ -6,8 +6,8 @@ methods what zerodp keeps as attributes (``gradient_accumulation_steps()``). Eve
 has and this class does not define is reached through it (``memory_report()``, ``comm_report()``...).
 
 What differs from DeepSpeed is refused, never ignored: ``backward(retain_graph=True)``,
-``backward(scale_wrt_gas=False)``, ``step(lr_kwargs=...)``, ``no_sync()`` at stages 2-3 (as DeepSpeed)
-or around a boundary backward, ``load_checkpoint(load_module_strict=False / custom_load_fn=...)``
+``step(lr_kwargs=...)``, ``no_sync()`` at stages 2-3 (as DeepSpeed, with what to use instead) or
+around a boundary backward, ``load_checkpoint(load_module_strict=False / custom_load_fn=...)``
 raise ``NotImplementedError`` naming the argument.
 """
 
@@ -32,6 +32,15 @@ from zerodp.zero import GatheredParameters
 #: keep tensors and RNG states there); zerodp's JSON client_state then holds only this marker.
 CLIENT_STATE_FILE = "client_state.pt"
 CLIENT_STATE_MARKER = "__zerodp_deepspeed_client_state__"
+
+#: no_sync() at stages 2-3 (``stage`` filled in): refused, as DeepSpeed does, with why and what instead.
+NO_SYNC_PARTITIONED = (
+    "no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage {stage}: "
+    "stages 2-3 reduce-scatter each bucket of gradients during every backward and keep only this "
+    "rank's partition, so there is no full local gradient to hold back until the boundary. Set "
+    "gradient_accumulation_steps in the config instead and call engine.backward(loss) and engine.step() "
+    "every micro-batch: the engine accumulates the gradients over the window (in fp32 under bf16/fp16) "
+    "and updates only at the boundary. Stages 0-1 accept no_sync (they reduce only at the boundary)")
 
 
 class DeepSpeedEngine:
@@ -91,15 +100,16 @@ class DeepSpeedEngine:
     # ---- training ----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True, release_loss: bool = False,
                  retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Back-propagate ``loss / gradient_accumulation_steps`` (DeepSpeed's ``scale_wrt_gas``);
-        returns ``loss``.
+        """Back-propagate ``loss / gradient_accumulation_steps``, or ``loss`` as given with
+        ``scale_wrt_gas=False`` (a loss already normalised over the accumulation window, e.g. by the
+        window's token count); returns ``loss``.
 
         Raises:
-            NotImplementedError: ``allreduce_gradients=False``, ``retain_graph=True``,
-                ``scale_wrt_gas=False``, or a boundary micro-step inside :meth:`no_sync`.
+            NotImplementedError: ``allreduce_gradients=False``, ``retain_graph=True``, or a boundary
+                micro-step inside :meth:`no_sync`.
         """
         for name, value, default in (("allreduce_gradients", allreduce_gradients, True),
-                                     ("retain_graph", retain_graph, False), ("scale_wrt_gas", scale_wrt_gas, True)):
+                                     ("retain_graph", retain_graph, False)):
             if value != default:
                 raise NotImplementedError(f"engine.backward({name}={value!r}) is not implemented in zerodp")
         if self._no_sync and self.is_gradient_accumulation_boundary():
@@ -107,7 +117,7 @@ class DeepSpeedEngine:
                 "engine.backward inside no_sync() on a gradient accumulation boundary is not implemented: "
                 "zerodp reduces gradients in the boundary micro-step's backward; leave no_sync() for it")
         t0 = time.perf_counter()
-        self.engine.backward(loss)
+        self.engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
         self._times["backward"] += time.perf_counter() - t0
         return loss
 
@@ -158,11 +168,11 @@ class DeepSpeedEngine:
         stages 2-3 too). zerodp already reduces only on the boundary micro-step at these stages.
 
         Raises:
-            AssertionError: at stages 2-3 (as DeepSpeed: incompatible with gradient partitioning).
+            AssertionError: at stages 2-3 (DeepSpeed's type and first words), saying why and what to use:
+                ``gradient_accumulation_steps``.
         """
         if self.engine.stage >= 2:
-            raise AssertionError(f"no_sync context manager is incompatible with gradient partitioning logic "
-                                 f"of ZeRO stage {self.engine.stage}")
+            raise AssertionError(NO_SYNC_PARTITIONED.format(stage=self.engine.stage))
         self._no_sync = True
         try:
             yield

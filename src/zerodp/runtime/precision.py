@@ -10,11 +10,19 @@ gradients divided by it before the update. Dynamic loss scaling (DeepSpeed's sem
 any rank's gradients skips the whole step on every rank; after ``hysteresis`` such overflows the scale
 is halved (never below ``min_loss_scale``); after ``loss_scale_window`` consecutive clean steps it is
 doubled and the hysteresis budget restored.
+
+Gradient accumulation (DeepSpeed's ``data_types.grad_accum_dtype``): adding each micro-step's bf16/fp16
+gradient into a bf16/fp16 sum rounds at every micro-step, and a micro-step much smaller than the sum
+is lost entirely (deepspeedai/DeepSpeed#1800: bf16, 8 micro-steps of 1.0 then seven of 2^-9 move the
+master by 0.125 instead of 0.12671). So by default, with ``gradient_accumulation_steps`` > 1 under
+bf16/fp16, every stage accumulates in an fp32 buffer (stages 0-1: the full gradient, reduced in fp32
+at the boundary; stages 2-3: the owned partition, each micro-step's reduce-scatter result added in
+fp32): 4 bytes per gradient element instead of 2 (:attr:`PrecisionPolicy.bytes_per_element`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -27,10 +35,12 @@ from zerodp.stage3.sharded_param import is_sharded
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """Which dtype the module computes in and whether fp32 master weights are kept."""
+    """Which dtype the module computes in, whether fp32 master weights are kept, and the dtype
+    gradients accumulate in across micro-steps (``grad_accum_dtype``, see the module docstring)."""
 
     param_dtype: torch.dtype
     loss_scaling: bool  # fp16 only
+    grad_accum_dtype: torch.dtype = torch.float32
 
     @property
     def has_master(self) -> bool:
@@ -38,15 +48,28 @@ class PrecisionPolicy:
 
     @property
     def bytes_per_element(self) -> BytesPerElement:
-        return MIXED_PRECISION_ADAM if self.has_master else FP32_ADAM
+        """Paper bytes per element, gradients at the accumulation dtype's size (4 with an fp32 buffer)."""
+        b = MIXED_PRECISION_ADAM if self.has_master else FP32_ADAM
+        return replace(b, grad=self.grad_accum_dtype.itemsize)
 
     @staticmethod
     def from_config(cfg: ZeroDPConfig) -> "PrecisionPolicy":
-        if cfg.bf16.enabled:
-            return PrecisionPolicy(torch.bfloat16, loss_scaling=False)
-        if cfg.fp16.enabled:
-            return PrecisionPolicy(torch.float16, loss_scaling=True)
-        return PrecisionPolicy(torch.float32, loss_scaling=False)
+        dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
+        return PrecisionPolicy(dtype, loss_scaling=cfg.fp16.enabled,
+                               grad_accum_dtype=grad_accum_dtype(dtype, cfg.gradient_accumulation_steps,
+                                                                 cfg.data_types.grad_accum_dtype))
+
+
+_ACCUM_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def grad_accum_dtype(param_dtype: torch.dtype, accumulation_steps: int, configured: Optional[str]) -> torch.dtype:
+    """The dtype gradients accumulate in: ``configured`` ("fp32", "bf16", "fp16": DeepSpeed's
+    ``data_types.grad_accum_dtype``, already checked against the precision by the config) if given;
+    else fp32 when ``param_dtype`` is 16-bit and ``accumulation_steps`` > 1, else ``param_dtype``."""
+    if configured is not None:
+        return _ACCUM_NAMES[configured]
+    return torch.float32 if accumulation_steps > 1 else param_dtype
 
 
 def cast_module(module: nn.Module, dtype: torch.dtype) -> None:

@@ -7,6 +7,9 @@ gradient are launched when backward returns (their missing gradients are zeros).
 
 - :class:`AllReduceReducer` (stage 0): gradients live in a full flat gradient buffer that ``param.grad``
   views; each bucket is all-reduced in place at the gradient accumulation boundary.
+  With an fp32 ``accumulate_dtype`` under bf16/fp16 (:mod:`zerodp.runtime.precision`), stages 0-1
+  keep that full buffer in fp32 instead: each parameter's low-precision gradient is added into it as
+  it arrives and ``param.grad`` set to None (no low-precision buffer is kept); it is reduced in fp32.
 - :class:`FullGradReduceScatter` (stage 1): the same full gradient buffer, but each bucket is
   reduce-scattered at the boundary; the owned shard is written back into the buffer's owned range.
 - :class:`PartitionedGradReducer` (stage 2): there is no full gradient buffer. Each gradient is copied
@@ -81,9 +84,11 @@ class GradientReducer:
 
     def __init__(
         self, groups: list[FlatGroup], rank: int, world_size: int, group: Optional[ProcessGroup],
-        ledger: CommLedger, overlap_comm: bool,
+        ledger: CommLedger, overlap_comm: bool, accumulate_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.groups = groups
+        #: dtype gradients accumulate in across micro-steps (None: each group's parameter dtype)
+        self.accumulate_dtype = accumulate_dtype
         self.rank = rank
         self.world_size = world_size
         self.pg = group
@@ -281,23 +286,38 @@ class GradientReducer:
 
 
 class _FullGradBuffer(GradientReducer):
-    """Stages 0 and 1: ``param.grad`` is a view of a full flat gradient buffer per group."""
+    """Stages 0 and 1: ``param.grad`` is a view of a full flat gradient buffer per group; or, when the
+    buffer is in another dtype than the parameters (fp32 accumulation of bf16/fp16 gradients), each
+    arriving ``param.grad`` is added into it and dropped (:attr:`folds`)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # zeroed by giving their pages back to the kernel, so they hold memory only once backward
         # writes into them, as DDP's gradients do (zerodp.runtime.zero_pages)
-        self._zero_pages: dict[int, ZeroPageBuffer] = {g.index: ZeroPageBuffer.like(g.buffer) for g in self.groups}
+        self._zero_pages: dict[int, ZeroPageBuffer] = {
+            g.index: ZeroPageBuffer.like(g.buffer, dtype=self.accumulate_dtype) for g in self.groups}
         self.grad_buffers: dict[int, torch.Tensor] = {i: z.tensor for i, z in self._zero_pages.items()}
+        #: gradients are added into an accumulation buffer of another dtype (param.grad cannot view it)
+        self.folds = any(self.grad_buffers[g.index].dtype != g.buffer.dtype for g in self.groups)
         self._views: dict[int, torch.Tensor] = {}
         for g in self.groups:
             for s in g.slots:
                 view = s.view(self.grad_buffers[g.index][s.offset : s.offset + s.numel])
                 self._views[s.index] = view
-                s.param.grad = view
+                if not self.folds:
+                    s.param.grad = view
 
     def _on_grad(self, slot: ParamSlot, param: torch.nn.Parameter) -> None:
         view = self._views[slot.index]
+        if self.folds:  # all this backward's contributions so far (and any .grad the user left): add, drop
+            if param.grad is not None:
+                view.add_(param.grad)
+                param.grad = None
+            self._present_np[slot.index] = 1
+            if self._reducing:
+                g, b = self._slot_bucket[slot.index]
+                self._ready(slot, g, b)
+            return
         if param.grad is not view:
             # Someone replaced .grad (e.g. module.zero_grad(set_to_none=True)): fold it back in.
             if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
@@ -313,7 +333,7 @@ class _FullGradBuffer(GradientReducer):
         for buf in self._zero_pages.values():
             buf.zero_()
         for s in self.slots:  # restore views if the user set grads to None
-            s.param.grad = self._views[s.index]
+            s.param.grad = None if self.folds else self._views[s.index]
 
     #: after its collective, the buffer holds the averaged gradient everywhere (all-reduce), not only
     #: in the owned ranges (reduce-scatter)
@@ -322,7 +342,7 @@ class _FullGradBuffer(GradientReducer):
     def end_micro_step(self) -> None:
         reduced = self._reducing
         super().end_micro_step()
-        if self.world_size > 1 and not (reduced and self.full_after_reduce):
+        if self.world_size > 1 and not (reduced and self.full_after_reduce) and not self.folds:
             # the buffer holds this rank's local sum (or, after a reduce-scatter, the average only in
             # the owned ranges): a ``param.grad`` that looks valid but is not the averaged gradient
             # must not be visible (zerodp.zero.safe_get_full_grad gives it). The next backward folds
@@ -413,7 +433,6 @@ class PartitionedGradReducer(GradientReducer):
     """
 
     def __init__(self, *args, contiguous_gradients: bool = True,
-                 accumulate_dtype: Optional[torch.dtype] = None,
                  staging_pool: Optional[StagingPool] = None, coalesce_elements: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.contiguous = contiguous_gradients
@@ -432,8 +451,8 @@ class PartitionedGradReducer(GradientReducer):
             for b in g.buckets:
                 self._owned_offsets[(g.index, b.index)] = off
                 off += b.shard_numel
-            # accumulated across micro-steps in accumulate_dtype (fp32 in mixed precision)
-            dtype = accumulate_dtype or g.buffer.dtype
+            # accumulated across micro-steps in accumulate_dtype (fp32 in mixed precision, see precision.py)
+            dtype = self.accumulate_dtype or g.buffer.dtype
             self.owned[g.index] = torch.zeros(off, dtype=dtype, device=g.buffer.device)
         self._staging: dict[int, torch.Tensor] = {}  # id(bucket) -> staging buffer being filled
         self._owned_written: set[int] = set()  # id(bucket) whose owned slice holds data since zeroing

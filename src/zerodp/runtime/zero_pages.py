@@ -59,15 +59,15 @@ class ZeroPageBuffer:
     mapping: Optional[mmap.mmap] = None
 
     @classmethod
-    def like(cls, t: torch.Tensor, lazy: Optional[bool] = None) -> "ZeroPageBuffer":
-        """A zeroed 1-D buffer of ``t.numel()`` elements of ``t``'s dtype and device. ``lazy`` (default:
-        :func:`huge_pages_available`, and ``t`` on the CPU and non-empty) selects the mapping."""
-        numel, dtype = t.numel(), t.dtype
+    def like(cls, t: torch.Tensor, lazy: Optional[bool] = None, dtype: Optional[torch.dtype] = None) -> "ZeroPageBuffer":
+        """A zeroed 1-D buffer of ``t.numel()`` elements of ``dtype`` (default ``t``'s) on ``t``'s device.
+        ``lazy`` (default: :func:`huge_pages_available`, and ``t`` on the CPU and non-empty) selects the mapping."""
+        numel, dtype = t.numel(), dtype or t.dtype
         if lazy is None:
             lazy = huge_pages_available()
         if not lazy or t.device.type != "cpu" or numel == 0:
             return cls(torch.zeros(numel, dtype=dtype, device=t.device))
-        nbytes = numel * t.element_size()
+        nbytes = numel * dtype.itemsize
         # one huge page of slack, so that the tensor can start on a 2 MiB boundary
         mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
