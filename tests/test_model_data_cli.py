@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from zerodp.app import cli
+from zerodp.runtime import accounting
 
 from zerodp.app import data
 from zerodp.app.model import GPT, GPTConfig, count_parameters, generate
@@ -175,6 +176,23 @@ def test_estimate_reproduces_paper_table(capsys) -> None:
         assert want in out
     assert cli.main(["estimate", "--params", "7500000000", "--dp", "64"]) == 0
     assert capsys.readouterr().out == out
+
+
+def test_estimate_counts_the_fp32_accumulation_buffer(capsys) -> None:
+    """Mixed precision with accumulation: 4-byte gradients (fp32 buffer) unless told bf16."""
+    psi, n = 7.5e9, 64
+    cli.main(["estimate", "--params", "7.5e9", "--dp", "64", "--grad-accum", "4"])
+    out = capsys.readouterr().out
+    assert "grad 4" in out
+    for total in ((2 + 4 + 12) * psi, (2 + 4) * psi + 12 * psi / n, 2 * psi + 16 * psi / n):  # stages 0, 1, 2
+        assert accounting.human_bytes(total) in out, accounting.human_bytes(total)
+    assert f"2 Psi = {accounting.human_bytes(2 * 4 * psi)}" in out  # stage 0 all-reduces the fp32 buffer
+    cli.main(["estimate", "--params", "7.5e9", "--dp", "64", "--grad-accum", "4", "--grad-accum-dtype", "bf16"])
+    low = capsys.readouterr().out
+    assert "grad 2" in low and "120.0 GB" in low  # the paper's 16 Psi at stage 0
+    with pytest.raises(SystemExit):
+        cli.main(["estimate", "--params", "7.5e9", "--dp", "64", "--fp32", "--grad-accum-dtype", "bf16"])
+    assert "allowed with --fp32: fp32" in capsys.readouterr().err
 
 
 def test_estimate_gpt_spec_and_json_file(capsys, tmp_path) -> None:

@@ -31,6 +31,7 @@ COMM = "src/zerodp/runtime/comm.py"
 TOPOLOGY = "src/zerodp/runtime/topology.py"
 BACKWARD_AGREEMENT = "src/zerodp/runtime/backward_agreement.py"
 PARAM_OFFLOAD = "tests/test_param_offload.py"
+GRAD_ACCUM = "tests/test_grad_accumulation.py"
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,19 @@ MUTANTS: list[Mutant] = [
            "            self.mapping.madvise(mmap.MADV_DONTNEED)",
            "            pass",
            ["tests/test_zero_pages.py"]),
+    Mutant("grad_accum_in_param_dtype", PRECISION,
+           "    return torch.float32 if accumulation_steps > 1 else param_dtype\n",
+           "    return param_dtype\n",
+           [f"{GRAD_ACCUM}::test_small_micro_steps_are_not_lost[1-0-bf16]",
+            f"{GRAD_ACCUM}::test_small_micro_steps_are_not_lost[1-2-fp16]"]),
+    Mutant("fp32_fold_overwrites", REDUCER,
+           "                view.add_(param.grad)\n                param.grad = None\n",
+           "                view.copy_(param.grad)\n                param.grad = None\n",
+           [f"{GRAD_ACCUM}::test_small_micro_steps_are_not_lost[1-1-bf16]"]),
+    Mutant("scale_wrt_gas_ignored", ENGINE,
+           "        if scale_wrt_gas and self.gradient_accumulation_steps > 1:\n",
+           "        if self.gradient_accumulation_steps > 1:\n",
+           [f"{GRAD_ACCUM}::test_token_weighted_loss_with_scale_wrt_gas_false[1-0]"]),
     Mutant("gradient_hook_holds_its_reducer", REDUCER,
            "        reducer = weakref.ref(self)\n",
            "        reducer = (lambda owner=self: owner)\n",
