@@ -7,9 +7,8 @@ gradient are launched when backward returns (their missing gradients are zeros).
 
 - :class:`AllReduceReducer` (stage 0): gradients live in a full flat gradient buffer that ``param.grad``
   views; each bucket is all-reduced in place at the gradient accumulation boundary.
-  With an fp32 ``accumulate_dtype`` under bf16/fp16 (:mod:`zerodp.runtime.precision`), stages 0-1
-  keep that full buffer in fp32 instead: each parameter's low-precision gradient is added into it as
-  it arrives and ``param.grad`` set to None (no low-precision buffer is kept); it is reduced in fp32.
+  Under bf16/fp16 with fp32 ``accumulate_dtype`` (:mod:`zerodp.runtime.precision`) the buffer is fp32:
+  each arriving ``param.grad`` is added into it and set to None; it is reduced in fp32.
 - :class:`FullGradReduceScatter` (stage 1): the same full gradient buffer, but each bucket is
   reduce-scattered at the boundary; the owned shard is written back into the buffer's owned range.
 - :class:`PartitionedGradReducer` (stage 2): there is no full gradient buffer. Each gradient is copied
@@ -286,16 +285,14 @@ class GradientReducer:
 
 
 class _FullGradBuffer(GradientReducer):
-    """Stages 0 and 1: ``param.grad`` is a view of a full flat gradient buffer per group; or, when the
-    buffer is in another dtype than the parameters (fp32 accumulation of bf16/fp16 gradients), each
-    arriving ``param.grad`` is added into it and dropped (:attr:`folds`)."""
+    """Stages 0 and 1: ``param.grad`` views a full flat gradient buffer per group, or is added into it
+    and dropped when the buffer is fp32 and the parameters are not (:attr:`folds`)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # zeroed by giving their pages back to the kernel, so they hold memory only once backward
         # writes into them, as DDP's gradients do (zerodp.runtime.zero_pages)
-        self._zero_pages: dict[int, ZeroPageBuffer] = {
-            g.index: ZeroPageBuffer.like(g.buffer, dtype=self.accumulate_dtype) for g in self.groups}
+        self._zero_pages = {g.index: ZeroPageBuffer.like(g.buffer, dtype=self.accumulate_dtype) for g in self.groups}
         self.grad_buffers: dict[int, torch.Tensor] = {i: z.tensor for i, z in self._zero_pages.items()}
         #: gradients are added into an accumulation buffer of another dtype (param.grad cannot view it)
         self.folds = any(self.grad_buffers[g.index].dtype != g.buffer.dtype for g in self.groups)
@@ -313,12 +310,7 @@ class _FullGradBuffer(GradientReducer):
             if param.grad is not None:
                 view.add_(param.grad)
                 param.grad = None
-            self._present_np[slot.index] = 1
-            if self._reducing:
-                g, b = self._slot_bucket[slot.index]
-                self._ready(slot, g, b)
-            return
-        if param.grad is not view:
+        elif param.grad is not view:
             # Someone replaced .grad (e.g. module.zero_grad(set_to_none=True)): fold it back in.
             if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
                 view.add_(param.grad)

@@ -59,7 +59,8 @@ class ZeroPageBuffer:
     mapping: Optional[mmap.mmap] = None
 
     @classmethod
-    def like(cls, t: torch.Tensor, lazy: Optional[bool] = None, dtype: Optional[torch.dtype] = None) -> "ZeroPageBuffer":
+    def like(cls, t: torch.Tensor, lazy: Optional[bool] = None,
+             dtype: Optional[torch.dtype] = None) -> "ZeroPageBuffer":
         """A zeroed 1-D buffer of ``t.numel()`` elements of ``dtype`` (default ``t``'s) on ``t``'s device.
         ``lazy`` (default: :func:`huge_pages_available`, and ``t`` on the CPU and non-empty) selects the mapping."""
         numel, dtype = t.numel(), dtype or t.dtype
