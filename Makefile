@@ -4,20 +4,25 @@
 #   make test    creates .venv, installs zerodp with its test dependencies (`.[dev]`), runs the test suite
 #   make mutants applies named faults to a copy of src/ one at a time; each must fail its tests (slow,
 #                not part of make test); prints "N/N mutants killed" last
+# Both install the torch pinned in constraints.txt (`pip install -c constraints.txt`), so the demo and the
+# tests run on the same torch. On a machine without a GPU, `make train TORCH_INDEX=https://download.pytorch.org/whl/cpu`
+# takes torch's CPU wheel (no CUDA packages) where pip's configured indexes offer only the CUDA one.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+TORCH_INDEX ?=
+PIP_INSTALL := $(BIN)/pip install -q -c constraints.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP_INSTALL) -e .
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
+$(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP_INSTALL) -e '.[dev]'
 	touch $@
 
 .PHONY: install train test mutants

@@ -123,7 +123,7 @@ def test_zerodp_memory_and_traffic_match_the_paper(tiny_run) -> None:
         assert s.traffic is not None and s.traffic.formula_psi == (3 if stage == 3 else 2)
         if stage < 3:
             assert s.traffic.psi_per_step == pytest.approx(2.0, rel=1e-3)
-        else:  # the tied embedding is gathered by two modules (see docs/bench.md)
+        else:  # the tied embedding is gathered by two modules (see docs/benchmarks/2026-12-01-bench.md)
             assert 3.0 <= s.traffic.psi_per_step < 3.5
     totals = [sum(next(x for x in res.systems if x.name == f"zerodp stage {st}").memory[0].measured.values())
               for st in (0, 1, 2, 3)]

@@ -202,6 +202,18 @@ def test_initialize_refusals(kwargs: dict, match: str) -> None:
         deepspeed.initialize(model=model, **kwargs)
 
 
+@pytest.mark.parametrize("config", [None, {"zero_optimization": {"stage": 2}}, {"gradient_accumulation_steps": 4}])
+def test_config_without_batch_size_refused(config) -> None:
+    """As DeepSpeed: train_batch_size or train_micro_batch_size_per_gpu must be given (the loader's
+    micro-batch would otherwise silently be 1)."""
+    with pytest.raises(zerodp.ConfigError) as err:
+        deepspeed.initialize(model=nn.Linear(3, 2), config=config)
+    assert "gives no batch size" in str(err.value)
+    assert "'train_micro_batch_size_per_gpu'" in str(err.value) and "'train_batch_size'" in str(err.value)
+    engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config={"train_batch_size": 4, **(config or {})})
+    assert engine.train_batch_size() == 4  # with either key given the same config is accepted
+
+
 def test_client_optimizer_refusals() -> None:
     model = nn.Linear(3, 2)
     stepped = torch.optim.Adam(model.parameters())
@@ -256,7 +268,7 @@ def test_real_deepspeed_accepts_the_same_tutorial_config() -> None:
 
 def test_steps_per_print_and_wall_clock_breakdown_print(capsys) -> None:
     engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config={
-        "steps_per_print": 2, "wall_clock_breakdown": True, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        "train_micro_batch_size_per_gpu": 1, "steps_per_print": 2, "wall_clock_breakdown": True, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     for _ in range(4):
         engine.backward(engine(torch.randn(1, 3)).sum())
         engine.step()
@@ -275,7 +287,8 @@ def test_client_optimizer_with_param_groups_matches_torch(cls: type) -> None:
         return [{"params": [m.weight], "weight_decay": 0.1}, {"params": [m.bias], "weight_decay": 0.0, "lr": 0.05}]
 
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=cls(groups(model), lr=0.01),
-                                                   config={"zero_optimization": {"stage": 1}})
+                                                   config={"train_micro_batch_size_per_gpu": 2,
+                                                           "zero_optimization": {"stage": 1}})
     assert type(optimizer) is cls and [g["lr"] for g in optimizer.param_groups] == [0.01, 0.05]
     opt = cls(groups(ref), lr=0.01)
     for _ in range(3):

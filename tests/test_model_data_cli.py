@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import zerodp
 from zerodp.app import cli
 from zerodp.runtime import accounting
 
@@ -437,6 +438,31 @@ def test_config_file_sets_engine_and_seed(tmp_path) -> None:
     flags = train.resolve_settings(cli.build_parser().parse_args(["train", "--stage", "0", "--lr", "0.01"]))
     assert flags.engine_config.zero_optimization.stage == 0
     assert flags.engine_config.optimizer.params.lr == 0.01 and flags.seed == train.DEFAULTS.seed
+
+
+@pytest.mark.parametrize("config", [{"zero_optimization": {"stage": 2}}, {"gradient_accumulation_steps": 2}])
+def test_config_file_without_batch_size_refused(tmp_path, config: dict) -> None:
+    """No flag default (--micro-batch 16) and no schema default (1) silently stands in for the file's
+    batch size: a file that gives none is refused, naming the keys, as DeepSpeed refuses it."""
+    from zerodp.app import train
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(zerodp.ConfigError) as err:
+        train.resolve_settings(cli.build_parser().parse_args(["train", "--config", str(path)]))
+    msg = str(err.value)
+    assert str(path) in msg and "gives no batch size" in msg, msg
+    assert "'train_micro_batch_size_per_gpu'" in msg and "'train_batch_size'" in msg, msg
+
+
+def test_config_file_train_batch_size_alone_sets_the_micro_batch(tmp_path) -> None:
+    """``train_batch_size`` alone: each of 2 ranks trains train_batch_size / 2 sequences per step (as
+    DeepSpeed derives it), not the schema's default micro batch of 1."""
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_batch_size": 6, "zero_optimization": {"stage": 1}}))
+    proc = _zerodp_train("--config", str(path), "--steps", "1", "--save-every", "0")
+    header = _line(proc.stdout, "zerodp train:")
+    assert header.endswith("1 steps x 192 tokens"), header  # 6 sequences x 32 tokens
 
 
 # ---- failures: one line each (see zerodp.app.launch) -------------------------------------------------

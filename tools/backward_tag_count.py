@@ -1,6 +1,6 @@
 """Backward tags posted in one stage-3 training step of the bench's small GPT (2 ranks), by kind (counted by
-wrapping ``BackwardAgreement._post``; the 4th step). Used for docs/bench.md and
-docs/collective-safety.md ("Fewer backward tags").
+wrapping ``BackwardAgreement._post``; the 4th step). Used for docs/benchmarks/2026-12-01-bench.md and
+docs/benchmarks/2026-12-01-collective-guard.md ("Fewer backward tags").
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 tools/backward_tag_count.py
 """

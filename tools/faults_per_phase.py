@@ -1,6 +1,6 @@
 """Minor page faults (all threads, ``getrusage``) per training step of zerodp on the bench's small GPT,
 split into forward, backward and step, mean over the steps after 2 warm-up ones; rank 0 prints one line
-per stage. Used for docs/bench.md ("Stage 3 against DDP: the breakdown").
+per stage. Used for docs/benchmarks/2026-12-01-bench.md ("Stage 3 against DDP: the breakdown").
 
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone \
         --nproc-per-node 2 tools/faults_per_phase.py 0,3

@@ -2,7 +2,7 @@
 ms per call, 10-20 calls after one warm-up, each case twice): all_reduce, reduce_scatter_tensor,
 all_to_all_single + local sum and all_gather_into_tensor on 3.26 M fp32 elements, then four stage-3
 sized units (196,608 + 65,536 + 262,144 + 262,144) as a coalesced reduce_scatter_tensor against four
-asynchronous all_to_all_single + sums. Used for docs/bench.md ("Reduce-scatter on gloo").
+asynchronous all_to_all_single + sums. Used for docs/benchmarks/2026-12-01-bench.md ("Reduce-scatter on gloo").
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 tools/gloo_collectives.py
 """

@@ -2,7 +2,7 @@
 gradients, 3.26 M elements; one thread, 20 calls after one, twice): the former fp64 conversion, one
 fp32 norm per tensor, and zerodp's fp32 norms of 64 K-element chunks
 (``zerodp.runtime.topology._sum_of_squares``), each with its relative error against the fp64 sum.
-Used for docs/bench.md ("Gradient norm").
+Used for docs/benchmarks/2026-12-01-bench.md ("Gradient norm").
 
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python tools/norm_cost.py
 """

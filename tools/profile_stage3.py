@@ -1,5 +1,5 @@
 """Profile one zerodp stage on the bench's small GPT (2 ranks): torch.profiler self-CPU table and
-cProfile of 4 steps after 2 warm-up steps, printed by rank 0. Used for docs/bench.md.
+cProfile of 4 steps after 2 warm-up steps, printed by rank 0. Used for docs/benchmarks/2026-12-01-bench.md.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 tools/profile_stage3.py 3
 """

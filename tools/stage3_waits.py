@@ -4,7 +4,7 @@ waiting for gradient reduce-scatters (``GradientReducer._drain``) and for parame
 ones; ``coalesced groups``: groups; ``... collectives``: zerodp's own counts, a group once), process CPU
 time (all threads), the training thread's own CPU time, minor page faults (memory first touched, e.g. freshly mmapped
 blocks) and wall time per step; rank 0 prints the mean over 6 steps after 2 warm-up steps.
-Blocked time and CPU time depend far less on the machine's load than step time (docs/bench.md).
+Blocked time and CPU time depend far less on the machine's load than step time (docs/benchmarks/2026-12-01-bench.md).
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 tools/stage3_waits.py [stage]
 """

@@ -415,6 +415,30 @@ class ZeroDPConfig(_Strict):
                 f"gradient_accumulation_steps ({gas}) x world size ({world_size}) = {implied}")
         return self.model_copy(update=update) if update else self
 
+    def require_batch_size(self, source: str) -> "ZeroDPConfig":
+        """Refuse a config that gives no batch size, as DeepSpeed does: it needs ``train_batch_size``
+        or ``train_micro_batch_size_per_gpu`` (``gradient_accumulation_steps`` alone is not enough).
+
+        Used where the config decides how many samples a rank trains on (``zerodp train --config``,
+        ``zerodp.deepspeed.initialize``); plain :func:`zerodp.initialize` trains on what the script
+        feeds it and does not call this.
+
+        Args:
+            source: what gave the config (a file path, ``"initialize()"``), named in the message.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ConfigError: neither key is set.
+        """
+        if {"train_batch_size", "train_micro_batch_size_per_gpu"} & self.model_fields_set:
+            return self
+        raise ConfigError(
+            f"invalid zerodp config: {source} gives no batch size; set 'train_micro_batch_size_per_gpu' "
+            "(samples per rank per micro-step) or 'train_batch_size' (micro batch x "
+            "gradient_accumulation_steps x world size), as DeepSpeed requires")
+
 
 def _format_errors(err: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
     lines = []

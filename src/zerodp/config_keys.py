@@ -9,7 +9,7 @@
 - :data:`ONLY_VALUE`: keys accepted only at the value that describes what zerodp always does
   (``reduce_scatter: true``...), refused as not implemented at any other.
 
-The README's "DeepSpeed config keys" table lists the same keys (tests/test_readme_config_table.py).
+The "DeepSpeed config keys" table of docs/deepspeed.md lists the same keys (tests/test_readme_config_table.py).
 """
 
 from __future__ import annotations

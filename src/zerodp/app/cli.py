@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(only biases and LayerNorms stay gathered; DeepSpeed's default 1e5 would keep "
                           "every parameter of the default model whole)")
     eng.add_argument("--config", metavar="FILE",
-                     help="DeepSpeed-style ds_config.json (excludes --stage/--lr/--micro-batch/--grad-accum/"
+                     help="DeepSpeed-style ds_config.json; it must give train_micro_batch_size_per_gpu or "
+                          "train_batch_size (excludes --stage/--lr/--micro-batch/--grad-accum/"
                           "--bf16/--fp16/--offload-optimizer/--offload-param/--nvme-path)")
     prec = eng.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_const", const=True,

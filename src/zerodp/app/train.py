@@ -28,7 +28,7 @@ import math
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -171,7 +171,8 @@ def resolve_settings(args: argparse.Namespace) -> RunSettings:
     Raises:
         ValueError: ``--config`` combined with an engine flag, ``--bf16`` with ``--fp16``, or an
             invalid model shape.
-        zerodp.ConfigError: invalid config file.
+        zerodp.ConfigError: invalid config file, or one that gives no batch size (neither
+            ``train_micro_batch_size_per_gpu`` nor ``train_batch_size``: no flag default replaces it).
     """
     if getattr(args, "bf16", None) and getattr(args, "fp16", None):
         raise ValueError("--bf16 and --fp16 exclude each other")
@@ -181,7 +182,7 @@ def resolve_settings(args: argparse.Namespace) -> RunSettings:
         if clash:
             raise ValueError(f"--config sets the engine; do not combine it with {', '.join(clash)} "
                              f"(put those values in the config file instead)")
-        engine_config = load_config(config_path)
+        engine_config = load_config(config_path).require_batch_size(f"--config {config_path}")
         seed = args.seed if getattr(args, "seed", None) is not None else (
             engine_config.seed if engine_config.seed is not None else DEFAULTS.seed)
     else:
@@ -356,6 +357,8 @@ def _precision_text(s: RunSettings) -> str:
 
 def _run(s: RunSettings, t_start: float) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
+    # the batch keys resolved for this world size (a file may give train_batch_size alone)
+    s = replace(s, engine_config=s.engine_config.for_world_size(world))
     mcfg, ecfg = s.model, s.engine_config
     micro, accum = ecfg.train_micro_batch_size_per_gpu, ecfg.gradient_accumulation_steps
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from zerodp.config import ConfigError, OptimizerConfig, optimizer_options
+from zerodp.config import ConfigError, OptimizerConfig, load_config, optimizer_options
 from zerodp.config_keys import OPTIMIZERS
 from zerodp.deepspeed import checkpointing, zero
 from zerodp.deepspeed.config import read_config, resolve_deepspeed_config
@@ -78,7 +78,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
         ``(engine, engine.optimizer, dataloader or None, engine.lr_scheduler)``.
 
     Raises:
-        ConfigError: invalid config, an unresolvable ``"auto"``, or both ``config`` and ``config_params``.
+        ConfigError: invalid config, an unresolvable ``"auto"``, a config that gives no batch size
+            (neither ``train_micro_batch_size_per_gpu`` nor ``train_batch_size``, as DeepSpeed), or
+            both ``config`` and ``config_params``.
         NotImplementedError: ``mesh_param``, an optimizer class zerodp
             does not build, a client optimizer that has state, or a scheduler bound to another optimizer.
     """
@@ -103,7 +105,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
         client_opt = optimizer
         raw["optimizer"], model_parameters = _from_client_optimizer(optimizer)
     lr = client_opt.defaults.get("lr") if client_opt is not None else None
-    cfg = resolve_deepspeed_config(raw, model, optimizer_lr=float(lr) if lr is not None else None)
+    cfg = load_config(resolve_deepspeed_config(raw, model, optimizer_lr=float(lr) if lr is not None else None))
+    cfg.require_batch_size("the config given to initialize()")  # DeepSpeed refuses it too
     shapes = {id(p): tuple(p.shape) for p in model.parameters()}
     scheduler_fn = _scheduler_factory(lr_scheduler, client_opt)
     engine = _zerodp_initialize(model, cfg, model_parameters=model_parameters, lr_scheduler=scheduler_fn, mpu=mpu)
