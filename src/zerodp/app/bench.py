@@ -296,7 +296,7 @@ def _fresh_rss(args: argparse.Namespace, cfg: GPTConfig, micro: int, systems: di
         return {n: {"error": f"fresh-process RSS not measured: {why}"} for n in names}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # at least FRESH_RSS_STEPS: DDP's peak is not reached in 2 steps (medium preset: 908 MiB after 2
-    # steps, 1027 MiB after 3; docs/bench.md)
+    # steps, 1027 MiB after 3; docs/benchmarks/2026-12-01-bench.md)
     steps = max(args.probe_steps, FRESH_RSS_STEPS)
     batches = lambda: _batches(cfg, micro, steps, rank, world)  # noqa: E731
     return {name: bench_rss.measure(k, lambda b=systems[name]: _build(b, cfg, probe=False), batches)

@@ -3,7 +3,7 @@
 
 - ``"fused"`` (default): torch's fused CPU kernel (``torch._fused_adam_`` / ``torch._fused_adamw_``,
   selected by ``fused=True`` on the param group). Measured on this project's 2-core machine in
-  ``docs/offload.md``: about 4x faster than the for-loop kernel the non-offloaded engine uses on
+  ``docs/benchmarks/2026-12-01-offload.md``: about 4x faster than the for-loop kernel the non-offloaded engine uses on
   CPU tensors. Its arithmetic differs in rounding order, so the parameters equal the non-offloaded
   engine's within about 1e-6 relative, not bitwise.
 - ``"same"``: the non-offloaded engine's kernel (torch's default choice for the optimizer's

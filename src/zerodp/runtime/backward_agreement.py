@@ -30,7 +30,7 @@ from the fetches so far and the agreed trace, which the digest covers). A coales
 several stage-3 units posts one ``reduce`` tag whose identity is a 62-bit hash of all of its buckets
 (:meth:`BackwardAgreement.group_identity`), so a group that differs in any bucket differs in the tag.
 On the bench's small GPT this is 7 tags per step instead of 39 (one per fetch and one per unit;
-``tools/backward_tag_count.py``): docs/collective-safety.md, "Backward".
+``tools/backward_tag_count.py``): docs/benchmarks/2026-12-01-collective-guard.md, "Backward".
 
 When they are checked:
 

@@ -98,7 +98,7 @@ class GradientReducer:
         n_slots = max((s.index for g in groups for s in g.slots), default=-1) + 1
         self._present = torch.zeros(n_slots, dtype=torch.int32)
         # numpy views sharing the flags' memory: the per-gradient hooks index them ~50x cheaper than
-        # the tensors (one torch op per index costs microseconds; see docs/bench.md)
+        # the tensors (one torch op per index costs microseconds; see docs/benchmarks/2026-12-01-bench.md)
         self._present_np = self._present.numpy()
         self._slot_bucket: dict[int, tuple[FlatGroup, Bucket]] = {
             s.index: (g, b) for g in groups for b in g.buckets for s in b.slots

@@ -7,7 +7,7 @@ the process's peak resident set. DDP frees its ``.grad`` tensors after the step
 (``zero_grad(set_to_none=True)``) and allocates them again during backward, when activations are
 already being freed; its bucket buffers are the only gradient-sized memory it holds during forward.
 So zerodp stage 0 (parameters + gradient buffer + Adam states) held exactly what DDP (parameters +
-bucket buffers + Adam states) held at the peak, and never less (docs/bench.md, "Where stage 0's
+bucket buffers + Adam states) held at the peak, and never less (docs/benchmarks/2026-12-01-bench.md, "Where stage 0's
 extra peak RSS came from").
 
 :class:`ZeroPageBuffer` allocates the buffer as a private anonymous mapping (Linux ``mmap``) and

@@ -8,7 +8,7 @@ hold: gloo's all-gather allocates a flat copy of its output per call (its reduce
 input, which the reducer avoids on gloo, see [Note: gloo reduce-scatter] in zerodp.runtime.reducer),
 autograd allocates each weight's gradient before the reducer copies it into a (pooled) staging buffer.
 With the dynamic threshold these end up as a fragmented heap, and a rank's resident set grows above
-stage 0's although it holds less (see docs/stage3-memory.md). Pinning the threshold (which also turns
+stage 0's although it holds less (see docs/benchmarks/2026-12-01-stage3-memory.md). Pinning the threshold (which also turns
 its dynamic adjustment off, as setting ``MALLOC_MMAP_THRESHOLD_`` does) keeps such blocks out of the
 heap. Smaller blocks (activations of typical layers) are unaffected.
 
@@ -18,7 +18,7 @@ that leaves more than 128 KiB unused at the top of the heap shrinks it and the n
 those pages in again (the gather pool's slabs freed after each backward, gloo's per-call copies below
 the mmap threshold). Pinning therefore also sets ``M_TRIM_THRESHOLD`` to twice the pinned value, as the
 dynamic rule would (unless the user set ``MALLOC_TRIM_THRESHOLD_``): on the bench's small GPT this cut
-the page faults per step by about a third (docs/bench.md, "Stage-3 copies").
+the page faults per step by about a third (docs/benchmarks/2026-12-01-bench.md, "Stage-3 copies").
 
 This is process-wide and cannot be undone by zerodp; it is applied once, when a stage-3 engine (or
 ``zero.Init``) is built, only on glibc, and never when the user set ``MALLOC_MMAP_THRESHOLD_`` (their
