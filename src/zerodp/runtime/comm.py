@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp, Work
 
+from zerodp.runtime import control
+
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _torch_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -287,8 +289,10 @@ def all_reduce(
     tensor: torch.Tensor, group: Optional[ProcessGroup], ledger: CommLedger, purpose: str,
     op: ReduceOp.RedOpType = ReduceOp.SUM, async_op: bool = False,
 ) -> Optional[Work]:
-    """In-place all-reduce of ``tensor`` (any shape) across ``group``."""
+    """In-place all-reduce of ``tensor`` (any shape) across ``group`` (a host tensor on an NCCL-only
+    group: over its gloo side group, see [Note: control group])."""
     ledger.record("all_reduce", tensor.numel(), tensor.element_size(), purpose)
+    group = control.route(tensor, group)
     return _watched(dist.all_reduce(tensor, op=op, group=group, async_op=async_op or bool(WORK_WATCH)),
                     async_op)
 
@@ -301,6 +305,7 @@ def reduce_scatter(
     ``received``: scratch like ``input`` for the all-to-all of host tensors on gloo (see
     [Note: gloo reduce-scatter]); unused otherwise."""
     kw = {} if received is None else {"received": received}
+    group = control.route(input, group)
     work = _reduce_scatter_single(output, input, op=ReduceOp.SUM, group=group,
                                   async_op=async_op or bool(WORK_WATCH), **kw)
     ledger.record("reduce_scatter", input.numel(), input.element_size(), purpose)  # once launched
@@ -313,6 +318,7 @@ def all_gather(
 ) -> Optional[Work]:
     """Concatenate every rank's 1-D ``input`` into ``output`` (N x ``input.numel()``); may be in place."""
     ledger.record("all_gather", output.numel(), output.element_size(), purpose)
+    group = control.route(output, group)
     return _watched(_all_gather_single(output, input, group=group, async_op=async_op or bool(WORK_WATCH)),
                     async_op)
 
@@ -322,4 +328,5 @@ def broadcast(
 ) -> None:
     """Overwrite ``tensor`` on every rank with global rank ``src``'s copy."""
     ledger.record("broadcast", tensor.numel(), tensor.element_size(), purpose)
+    group = control.route(tensor, group)
     dist.broadcast(tensor, src=src, group=group)
