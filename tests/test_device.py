@@ -266,3 +266,73 @@ def test_host_syncs_per_training_step_on_cpu():
     assert res["stage2"]["steps"] == [{"grad_norm": 1}] * 3
     pieces = res["stage1_bf16"]["pieces"]
     assert pieces >= 2 and res["stage1_bf16"]["steps"] == [{"grad_norm": 1, "master_edits": pieces}] * 3
+
+
+# ---- on a GPU (skipped here: no CUDA) ---------------------------------------------------------------
+
+NCCL_ONLY_SCRIPT = r"""
+import json, os, socket, torch, torch.distributed as dist, zerodp
+from zerodp.runtime import control, device
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", rank=0, world_size=1)  # NCCL only: no CPU backend
+out = {}
+for stage in (0, 1, 2, 3):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model.load_state_dict(ref.state_dict())
+    ref = ref.cuda()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = zerodp.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                       "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}})
+    device.reset_host_syncs()
+    errs = []
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=g).cuda(), torch.randn(8, 4, generator=g).cuda()
+        opt.zero_grad()
+        want = torch.nn.functional.mse_loss(ref(x), y)
+        want.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        got = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(got)
+        engine.step()
+        errs.append(abs(got.item() - want.item()) / abs(want.item()))
+    with zerodp.zero.GatheredParameters(list(model.parameters())):
+        perr = max(((a - b).abs().max() / (1e-6 + b.abs().max())).item()
+                   for a, b in zip(model.parameters(), ref.parameters()))
+    out[stage] = {"device": str(engine.device), "param_device": str(next(model.parameters()).device),
+                  "loss_err": max(errs), "param_err": perr, "syncs": dict(device.HOST_SYNCS)}
+out["side_groups"] = len(control.SIDE_GROUPS_BUILT)
+zerodp.shutdown_distributed()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.cuda
+def test_nccl_only_group_trains_on_the_gpu_like_pytorch():
+    """A user's init_process_group("nccl"): the engine puts the model on cuda:0, its control tensors go
+    over one gloo side group, and every stage equals plain PyTorch on the GPU."""
+    proc = run_python(NCCL_ONLY_SCRIPT, timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["side_groups"] == 1
+    for stage in ("0", "1", "2", "3"):
+        r = res[stage]
+        assert r["device"] == "cuda:0" and r["param_device"] == "cuda:0", r
+        assert r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
+        assert r["syncs"].get("grad_norm") == 5, r  # one host sync per step for the global norm
+
+
+@pytest.mark.cuda
+def test_auto_device_is_the_local_gpu():
+    proc = run_python("import zerodp, torch, json\n"
+                      "e = zerodp.initialize(torch.nn.Linear(4, 4), {})\n"
+                      "print(json.dumps([str(e.device), str(e.module.weight.device)]))\n"
+                      "zerodp.shutdown_distributed()")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["cuda:0", "cuda:0"]
