@@ -65,15 +65,18 @@ def test_report_counts_failures_and_spent_budget(tmp_path):
     finally:
         sys.path.pop(0)
     (tmp_path / "parts").mkdir()
-    statuses = {"install": "pass", "versions": "fail", "cuda_marked_tests": "timeout", "stage_tests_ws1": "pass",
+    statuses = {"install": "pass", "versions": "fail", "cuda_marked_tests": "pass", "stage_tests_ws1": "pass",
                 "stage_tests_ws2": "skipped", "train_compare": "budget_spent"}  # bench: never recorded
     for name, status in statuses.items():
         (tmp_path / "parts" / f"{name}.json").write_text(json.dumps(
             {"name": name, "status": status, "rc": 0, "seconds": 1.0, "note": ""}))
+    (tmp_path / "cuda_marked.xml").write_text(  # every test skipped: pytest's 0 is no pass
+        '<testsuites><testsuite tests="2" failures="0" errors="0" skipped="2"/></testsuites>')
     (tmp_path / "stages_ws1.xml").write_text(
         '<testsuites><testsuite tests="5" failures="1" errors="0" skipped="2"/></testsuites>')
     report = gpu_check_report.build(tmp_path, False, 480, 10.0)
     assert (report["passed"], report["counted"]) == (2, 6)  # skipped for lack of GPUs is not counted
+    assert report["parts"]["cuda_marked_tests"]["status"] == "fail"
     assert report["parts"]["bench"]["status"] == "fail"  # nothing recorded: a failure, named
     assert report["figures"]["stage_tests_ws1"] == {"tests": 5, "failures": 1, "errors": 0, "skipped": 2,
                                                     "passed": 2}

@@ -112,6 +112,7 @@ fi
 
 # ---- versions --------------------------------------------------------------------------------------
 part versions 30 "
+    set -e
     nvidia-smi
     '$PY' - <<'PYEOF'
 import json, torch

@@ -31,6 +31,8 @@ COMM = "src/zerodp/runtime/comm.py"
 TOPOLOGY = "src/zerodp/runtime/topology.py"
 BACKWARD_AGREEMENT = "src/zerodp/runtime/backward_agreement.py"
 PARAM_OFFLOAD = "tests/test_param_offload.py"
+CONTROL = "src/zerodp/runtime/control.py"
+DEVICE = "src/zerodp/runtime/device.py"
 
 
 @dataclass(frozen=True)
@@ -191,4 +193,12 @@ MUTANTS: list[Mutant] = [
            "weakref.ref(value),",
            "(lambda v=value: v),",
            ["tests/test_engine_lifetime.py::test_dropped_engine_is_collected[3-None]"]),
+    Mutant("control_tensors_stay_on_an_nccl_only_group", CONTROL,
+           "    return control_group(group)\n",
+           "    return group\n",
+           ["tests/test_device.py::test_comm_all_reduce_of_a_host_tensor_goes_to_the_side_group"]),
+    Mutant("auto_device_ignores_the_group_backend", DEVICE,
+           "    takes_cuda = cuda and group_takes(\"cuda\", group)\n",
+           "    takes_cuda = cuda\n",
+           ["tests/test_device.py::test_auto_is_cpu_without_cuda_or_without_a_cuda_backend"]),
 ]
