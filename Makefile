@@ -2,6 +2,8 @@
 #   make train   creates .venv, installs zerodp alone (`pip install -e .`), trains the default GPT on
 #                stdlib prose (2 ranks, ZeRO-2)
 #   make test    creates .venv, installs zerodp with its test dependencies (`.[dev]`), runs the test suite
+#   make gpu-check  on an NVIDIA GPU machine: tools/gpu_check.sh (installs a CUDA torch into .venv-gpu,
+#                runs the CUDA checks, writes gpu_check_out/gpu_check.json; see docs/gpu.md)
 #   make mutants applies named faults to a copy of src/ one at a time; each must fail its tests (slow,
 #                not part of make test); prints "N/N mutants killed" last
 # Both install the torch pinned in constraints.txt (`pip install -c constraints.txt`), so the demo and the
@@ -25,7 +27,7 @@ $(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP_INSTALL) -e '.[dev]'
 	touch $@
 
-.PHONY: install train test mutants
+.PHONY: install train test mutants gpu-check
 install: $(VENV)/.installed-dev
 
 train: $(VENV)/.installed
@@ -36,3 +38,6 @@ test: $(VENV)/.installed-dev
 
 mutants: install
 	$(BIN)/python tools/mutants.py
+
+gpu-check:
+	bash tools/gpu_check.sh

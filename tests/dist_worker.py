@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerodp
+from devices import engine_config, rank_device
 
 RTOL, ATOL = 1e-5, 1e-6
 #: stage-3 keys (ignored below stage 3 only in the sense that they configure nothing there): small
@@ -237,10 +238,12 @@ def compare_training(
         "optimizer": {"type": opt, "params": opt_params},
         "zero_optimization": {"stage": stage, **STAGE3_DEFAULTS, **(zero or {})},
         "gradient_clipping": clip,
+        **engine_config(),  # ZERODP_TEST_DEVICE (tests/devices.py): the reference runs there too
         **(config_extra or {}),
     }
+    dev = rank_device()
     torch.manual_seed(1234)
-    ref = model_fn()
+    ref = model_fn().to(dev)
     if freeze is not None:
         freeze(ref)
     initial = [p.detach().clone() for p in ref.parameters()]
@@ -254,7 +257,7 @@ def compare_training(
             freeze(model)
     elif rank_seed:
         torch.manual_seed(1234 + rank())
-        model = model_fn()
+        model = model_fn().to(dev)
         if freeze is not None:
             freeze(model)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -272,7 +275,7 @@ def compare_training(
     r, n = rank(), world()
     loss_errs, norm_errs = [], []
     for step in range(steps):
-        x, y = make_batch(step, micro * n * accum, kind, vocab)
+        x, y = (t.to(dev) for t in make_batch(step, micro * n * accum, kind, vocab))
         # reference: one step on the whole global batch
         if scheduler_ref is not None:
             for g in ref_opt.param_groups:
@@ -291,7 +294,7 @@ def compare_training(
             micro_loss = loss(forward(engine, xs, step), ys)
             engine.backward(micro_loss)
             engine.step()
-            total += micro_loss.detach().double()
+            total += micro_loss.detach().double().cpu()
         dist.all_reduce(total)
         loss_errs.append(err((total / (n * accum)).reshape(()), ref_loss.detach()))
         if clip > 0:

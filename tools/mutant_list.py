@@ -32,6 +32,8 @@ TOPOLOGY = "src/zerodp/runtime/topology.py"
 BACKWARD_AGREEMENT = "src/zerodp/runtime/backward_agreement.py"
 PARAM_OFFLOAD = "tests/test_param_offload.py"
 GRAD_ACCUM = "tests/test_grad_accumulation.py"
+CONTROL = "src/zerodp/runtime/control.py"
+DEVICE = "src/zerodp/runtime/device.py"
 
 
 @dataclass(frozen=True)
@@ -169,8 +171,8 @@ MUTANTS: list[Mutant] = [
            "            self._output.copy_(received.view(-1, self._output.numel())[0])\n",
            ["tests/test_comm.py::test_reduce_scatter_by_all_to_all_matches_torch[2]"]),
     Mutant("grad_norm_sums_norms_not_squares", TOPOLOGY,
-           "        total += torch.cat(per_device).double().pow(2).sum().cpu()\n",
-           "        total += torch.cat(per_device).double().sum().cpu()\n",
+           "        total += synchronize(\"grad_norm\", torch.cat(per_device).double().pow(2).sum())  # one per device\n",
+           "        total += synchronize(\"grad_norm\", torch.cat(per_device).double().sum())  # one per device\n",
            ["tests/test_silent_wrong.py::test_full_state_accessors[2]"]),
     Mutant("backward_end_tag_without_fetch_digest", BACKWARD_AGREEMENT,
            "        self._post(0, self.end_identity(self.posted, self._fetches, self._digest))\n",
@@ -205,4 +207,12 @@ MUTANTS: list[Mutant] = [
            "weakref.ref(value),",
            "(lambda v=value: v),",
            ["tests/test_engine_lifetime.py::test_dropped_engine_is_collected[3-None]"]),
+    Mutant("control_tensors_stay_on_an_nccl_only_group", CONTROL,
+           "    return control_group(group)\n",
+           "    return group\n",
+           ["tests/test_device.py::test_comm_all_reduce_of_a_host_tensor_goes_to_the_side_group"]),
+    Mutant("auto_device_ignores_the_group_backend", DEVICE,
+           "    takes_cuda = cuda and group_takes(\"cuda\", group)\n",
+           "    takes_cuda = cuda\n",
+           ["tests/test_device.py::test_auto_is_cpu_without_cuda_or_without_a_cuda_backend"]),
 ]

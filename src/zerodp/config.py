@@ -361,6 +361,10 @@ class ZeroDPConfig(_Strict):
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     scheduler: Optional[SchedulerConfig] = None
     seed: Optional[int] = Field(None, ge=0, description="torch.manual_seed applied by initialize()")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="zerodp's own key: where the engine puts the module, its shards and batches; "
+                            "auto = cuda:LOCAL_RANK when CUDA is available and the group takes CUDA tensors "
+                            "(NCCL), else cpu (zerodp.runtime.device.resolve_device)")
     steps_per_print: int = Field(
         10, gt=0, description="zerodp.deepspeed engines: rank 0 prints step, lr and loss scale every N steps")
     wall_clock_breakdown: bool = Field(

@@ -6,6 +6,7 @@
   optimizer, or a torch optimizer whose update depends on the parameter's shape or needs a closure).
 - :data:`NOT_IMPLEMENTED`: config key paths (dotted, DeepSpeed's spelling) refused with the message
   ``"'<key>' is not implemented: <reason>"`` instead of a generic unknown-key error.
+- :data:`OWN_KEYS`: zerodp's own keys, which DeepSpeed does not have (``device``, ``seed``...).
 - :data:`ONLY_VALUE`: keys accepted only at the value that describes what zerodp always does
   (``reduce_scatter: true``...), refused as not implemented at any other.
 
@@ -91,6 +92,17 @@ ONLY_VALUE: dict[str, tuple[Any, str]] = {
     "zero_optimization.elastic_checkpoint": (False, "checkpoints load at any world size and stage anyway"),
     "zero_optimization.ignore_unused_parameters": (True, "a parameter with no gradient on any rank is "
                                                          "always skipped"),
+}
+
+
+#: zerodp's own top-level keys (DeepSpeed has none of them) -> what they do. ``device``: "auto"
+#: (default: ``cuda:LOCAL_RANK`` when CUDA is available and the data-parallel group's backend takes
+#: CUDA tensors, else the CPU), "cpu" or "cuda" (refused where CUDA or an NCCL group is missing); see
+#: :func:`zerodp.runtime.device.resolve_device`. The DeepSpeed drop-in accepts ``"auto"`` for it.
+OWN_KEYS: dict[str, str] = {
+    "seed": "torch.manual_seed applied by initialize()",
+    "device": "where the engine puts the module, its shards and batches: auto, cpu or cuda",
+    "collective_guard": "agreement of the ranks before each collective engine call",
 }
 
 

@@ -15,7 +15,8 @@ from zerodp import checkpointing
 from zerodp.config import ZeroDPConfig, load_config
 from zerodp.engine import Engine
 from zerodp.runtime.wrapped import refuse_wrapped
-from zerodp.runtime import comm
+from zerodp.runtime import comm, control
+from zerodp.runtime.device import check_module_device, resolve_device
 from zerodp.runtime.guards import check_model_at_initialize
 from zerodp.runtime.optim import normalize_param_groups
 from zerodp.runtime.topology import resolve_topology
@@ -53,6 +54,8 @@ def initialize(
             ``model_parameters`` is not part of ``model``, appears twice, or a group has an unknown
             option; or both ``lr_scheduler`` and the config's ``scheduler``.
         TypeError: ``lr_scheduler`` is a scheduler object (it would be bound to another optimizer).
+        DeviceError: the config's ``device`` cannot be used here, or the model is on another GPU than
+            the engine's (see :func:`place_on_engine_device`).
     """
     cfg = load_config(config)
     if not isinstance(model, nn.Module):
@@ -73,9 +76,12 @@ def initialize(
         if cfg.scheduler is not None:
             raise ValueError("pass either lr_scheduler to initialize() or 'scheduler' in the config, not both")
     check_model_at_initialize(model, cfg.zero_optimization.stage)
+    control.prepare(topology)  # a gloo side group where a group is NCCL-only (collective: every rank)
+    device = place_on_engine_device(model, cfg, process_group)
     specs = normalize_param_groups(model, model_parameters)
     engine = Engine(model, cfg, specs, process_group)
     engine.topology = topology
+    engine.device = device
     if cfg.activation_checkpointing is not None:  # as deepspeed.checkpointing.configure(mpu, config)
         checkpointing.configure(mpu, deepspeed_config=cfg)
     if lr_scheduler is not None:
@@ -87,6 +93,35 @@ def initialize(
 
 
 __all__ = ["initialize"]
+
+
+def place_on_engine_device(model: nn.Module, cfg: ZeroDPConfig, group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Resolve the engine's device (config key ``device``, :func:`zerodp.runtime.device.resolve_device`)
+    and move ``model`` there, as DeepSpeed's engine moves the module to ``cuda:LOCAL_RANK``; a model
+    already there stays. Returns the device (``engine.device``).
+
+    Raises:
+        DeviceError: the device cannot be used; the model is on another GPU (names both); the model
+            was built under ``zero.Init`` on another device (its shards cannot move); or an offload is
+            configured on a CUDA device (not implemented yet: set ``device`` to ``"cpu"``).
+    """
+    from zerodp.runtime.device import DeviceError
+    from zerodp.stage3.sharded_param import is_sharded
+
+    device = resolve_device(cfg.device, group)
+    zc = cfg.zero_optimization
+    if device.type != "cpu" and (zc.offload_optimizer.enabled or zc.offload_param.enabled):
+        raise DeviceError(f"the engine's device is {device}, and offload on a GPU is not implemented yet "
+                          "(offload_optimizer/offload_param train on the CPU only); set the config key "
+                          "device to 'cpu'")
+    if check_module_device(model, device):
+        for name, p in model.named_parameters():
+            if is_sharded(p) and p.device != device:
+                raise DeviceError(f"parameter '{name}' was partitioned by zero.Init on {p.device}, but the "
+                                  f"engine's device is {device}; give Init and initialize the same config "
+                                  "key device")
+        model.to(device)
+    return device
 
 
 def _refuse_init_built_below_stage3(model: nn.Module, stage: int) -> None:

@@ -29,6 +29,7 @@ from torch.nn.parameter import is_lazy
 
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
+from zerodp.runtime.device import resolve_device
 from zerodp.accessors import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                               safe_set_full_fp32_param, safe_set_full_optimizer_state)
 from zerodp.config import ConfigError, load_config
@@ -102,7 +103,8 @@ class Init:
     weight-decay groups sees the same model as without ``Init``. With bf16/fp16 the partition is where
     the parameter is cast, once, as :func:`zerodp.initialize` casts a model built without ``Init``.
     With ``offload_param.device: nvme`` each new shard is written to a swap file at once and its memory
-    freed (the engine adopts it).
+    freed (the engine adopts it). Each partitioned parameter is moved to the engine's device first (config
+    key ``device``: ``cuda:LOCAL_RANK`` on a CUDA machine with NCCL), so its shard is allocated there.
 
     Code that changes a module's weights after it was partitioned (HF's ``post_init()``,
     ``self.apply(init_fn)`` at the end of the root ``__init__``, ``nn.init.*`` on a child's weight)
@@ -131,6 +133,8 @@ class Init:
                               f"zero_optimization.stage 3 (got stage {self.config.zero_optimization.stage}); "
                               "pass enabled=False for other stages")
         self.pg = process_group
+        #: where each shard is allocated: the engine's device (config key ``device``), set on enter
+        self.device = torch.device("cpu")
         self.ledger = CommLedger()
         self.units: list[ShardedUnit] = []
         self._handles: list = []
@@ -152,6 +156,7 @@ class Init:
                                              register_module_parameter_registration_hook)
 
         comm.init_distributed()
+        self.device = resolve_device(self.config.device, self.pg)  # each shard is allocated there
         pin_mmap_threshold()  # each module's full values are freed once partitioned: return them
         po = self.config.zero_optimization.offload_param
         if po.device == "nvme" and self.swapper is None:
@@ -247,10 +252,11 @@ class Init:
         dtype = (torch.bfloat16 if self.config.bf16.enabled
                  else torch.float16 if self.config.fp16.enabled else None)
         built = named[0][1].dtype
-        if dtype is not None:  # the one cast, after the module's own init (as initialize casts)
-            for _, p in named:
-                if p.is_floating_point():
-                    p.data = p.data.to(dtype)
+        for _, p in named:  # to the engine's device (a no-op on the CPU); the one cast, after the
+            # module's own init (as initialize casts)
+            cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
+            if p.device != self.device or cast != p.dtype:
+                p.data = p.data.to(self.device, cast)
         unit = shard_unit(name, named, 0, [-1] * len(named), rank, world, sync=sync)
         if built.is_floating_point and built != unit.shard.dtype:
             self._touch.built_dtype[id(unit)] = built  # touched later: gathered in this dtype

@@ -143,7 +143,7 @@ def swapper_only(numel: int, nvme_path: str, sub_group_size: int, steps: int = 3
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(layers)])
     engine = zerodp.initialize(model, {
-        "optimizer": {"type": "AdamW"}, "aio": {"thread_count": thread_count, **(aio or {})},
+        "optimizer": {"type": "AdamW"}, "aio": {"thread_count": thread_count, **(aio or {})}, "device": "cpu",
         "zero_optimization": {"stage": 1, "sub_group_size": sub_group_size,
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path,
                                                     "buffer_count": buffer_count, "cpu_adam": cpu_adam}}})
@@ -169,7 +169,7 @@ def host_step(numel: int, steps: int = 4) -> str:
     for cpu_adam in ("same", "fused"):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(layers)])
-        engine = zerodp.initialize(model, {"optimizer": {"type": "AdamW"}, "zero_optimization": {
+        engine = zerodp.initialize(model, {"optimizer": {"type": "AdamW"}, "device": "cpu", "zero_optimization": {
             "stage": 1, "offload_optimizer": {"device": "cpu", "cpu_adam": cpu_adam}}})
         x = torch.randn(4, side)
         times = []

@@ -170,7 +170,8 @@ def zerodp_builder(stage: int, offload: Optional[dict[str, Any]] = None,
         if sub_group_size is not None:
             zc["sub_group_size"] = sub_group_size
         engine = zerodp.initialize(module, {"optimizer": {"type": "AdamW", "params": {"lr": lr}},
-                                            "zero_optimization": zc})
+                                            "zero_optimization": zc,
+                                            "device": "cpu"})  # the bench runs on the CPU (docs/gpu.md)
         device = offload["device"] if offload is not None else None
         if device == "nvme":
             for old in bench_offload.NVME_ENGINES:

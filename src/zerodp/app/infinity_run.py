@@ -45,6 +45,7 @@ def engine_config(plan: dict, nvme_path: str, world: int) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": plan["lr"], "betas": [0.9, 0.95], "weight_decay": 0.0}},
         "bf16": {"enabled": True},
         "gradient_clipping": 1.0,
+        "device": "cpu",  # offload trains on the CPU (offload on a GPU is not implemented)
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": k["sub_group_size"],

@@ -287,7 +287,7 @@ def evaluate(engine: Any, batches: list[data.Batch]) -> float:
     total = 0.0
     with torch.no_grad():
         for batch in batches:
-            x, y = data.rank_slice(batch, rank, world)
+            x, y = (t.to(engine.device) for t in data.rank_slice(batch, rank, world))
             _, loss = engine(x, y)
             total += loss.item()
     engine.train()
@@ -419,7 +419,7 @@ def _run(s: RunSettings, t_start: float) -> None:
     for step in range(start, s.steps):
         step_loss = 0.0
         for m in range(accum):
-            x, y = data.rank_slice(batches.batch(step * accum + m), rank, world)
+            x, y = (t.to(engine.device) for t in data.rank_slice(batches.batch(step * accum + m), rank, world))
             _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
@@ -458,8 +458,8 @@ def _run(s: RunSettings, t_start: float) -> None:
     dist.gather_object(memory, gathered, dst=0)
 
     engine.eval()
-    prompt = data.encode(s.prompt).long()[None, :]
-    sample = _synced_sample(engine, prompt, s, mcfg.seq_len)
+    prompt = data.encode(s.prompt).long()[None, :].to(engine.device)
+    sample = _synced_sample(engine, prompt, s, mcfg.seq_len).cpu()
 
     if rank == 0:
         total_s = time.perf_counter() - t_start

@@ -115,7 +115,7 @@ def resolve_deepspeed_config(raw: Mapping[str, Any], model: Optional[nn.Module] 
             section["enabled"] = _floating_dtype(model) == dtype
     _translate_optimizer(cfg)
     _resolve_scheduler(cfg, optimizer_lr)
-    left = _auto_paths(cfg)
+    left = [p for p in _auto_paths(cfg) if p != "device"]  # zerodp's own key: "auto" is its default
     if left:
         raise ConfigError("invalid zerodp config:\n  " + "\n  ".join(
             f"'{p}' is \"auto\", which zerodp cannot resolve (the HF Trainer fills it from its "

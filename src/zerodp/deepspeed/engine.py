@@ -257,9 +257,9 @@ class DeepSpeedEngine:
 
     @property
     def device(self) -> torch.device:
-        for g in self.engine.groups:
-            return g.buffer.device
-        return torch.device("cpu")
+        """The engine's device (``cuda:LOCAL_RANK`` on a CUDA machine with NCCL, else the CPU; config
+        key ``device``): where a script puts its batches (``batch.to(engine.device)``)."""
+        return self.engine.device
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -62,6 +62,7 @@ from zerodp.offload.host import HostOptimizerOffload, fold_edit, storage_bytes
 from zerodp.offload.report import offload_formula
 from zerodp.offload.shard_window import ShardAccess, unique_groups
 from zerodp.offload.step_pipeline import SubGroupPipeline, SwapStats
+from zerodp.runtime import control
 from zerodp.runtime.partition import FlatGroup, Piece
 
 
@@ -540,7 +541,7 @@ def _job_id(pg: Optional[dist.ProcessGroup]) -> str:
     t = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
     if dist.is_initialized() and dist.get_world_size(pg) > 1:
         src = dist.get_global_rank(pg, 0) if pg is not None else 0
-        dist.broadcast(t, src, group=pg)
+        dist.broadcast(t, src, group=control.route(t, pg))
     return f"{int(t.item()):016x}"
 
 
@@ -551,7 +552,7 @@ def _raise_if_any(error: Optional[str], pg: Optional[dist.ProcessGroup]) -> None
             raise OffloadError(error)
         return
     flag = torch.tensor([1 if error else 0], dtype=torch.int64)
-    dist.all_reduce(flag, group=pg)
+    dist.all_reduce(flag, group=control.route(flag, pg))
     if flag.item():
         errors: list[Optional[str]] = [None] * dist.get_world_size(pg)
         dist.all_gather_object(errors, error, group=pg)

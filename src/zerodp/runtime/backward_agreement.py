@@ -35,8 +35,10 @@ On the bench's small GPT this is 7 tags per step instead of 39 (one per fetch an
 When they are checked:
 
 - While a rank waits for any data collective inside backward (every ``zerodp.runtime.comm`` wait goes
-  through :meth:`BackwardAgreement.wait_data` then, see ``comm.WORK_WATCH``), it waits in slices of
-  ``comm.POLL_S`` and checks the tags that have completed in between; a rank waiting for a collective that a
+  through :meth:`BackwardAgreement.wait_data` then, see ``comm.WORK_WATCH``), it polls the collective's
+  ``is_completed()`` and checks the tags that have completed every ``comm.POLL_S`` (never a timed
+  ``wait``: on NCCL that aborts the communicator; a device collective is not waited for on the host at
+  all, see [Note: guard waits] in :mod:`zerodp.runtime.comm`); a rank waiting for a collective that a
   diverged peer never issues therefore raises as soon as that peer's next tag (or its ``end`` tag)
   arrives, and at the latest after the guard's ``timeout_s`` (:class:`CollectiveTimeoutError` naming
   what each rank was doing, through the guard's post-mortem).
@@ -217,10 +219,11 @@ class BackwardAgreement(TagWaits):
         self.tags_total += 1
 
     # ---- waiting for data collectives ----------------------------------------------------------------
-    def wait_data(self, work: Work) -> None:
+    def wait_data(self, work: Work, on_device: bool = False) -> None:
         """Wait for one data collective issued inside backward, at most the guard's ``timeout_s``,
         comparing the tags that complete meanwhile (a diverged peer is seen as soon as its tag is)."""
-        comm.wait_polling(work, self.guard.timeout_s, "backward", self._explain_failure, self._check_completed)
+        comm.wait_polling(work, self.guard.timeout_s, "backward", self._explain_failure, self._check_completed,
+                          on_device)
 
     def _check_completed(self) -> None:
         while self._checked < len(self._tags) and self._tags[self._checked].work.is_completed():

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp, Work
 
+from zerodp.runtime import control
+
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _torch_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -180,56 +182,90 @@ WORK_WATCH: list = []
 
 
 class WatchedWork:
-    """A ``Work`` whose ``wait()`` is the watch's bounded wait; everything else passes through."""
+    """A ``Work`` whose ``wait()`` is the watch's bounded wait; everything else passes through.
+    ``on_device``: the collective's tensors are on an accelerator (its ``wait()`` orders streams and
+    does not block the host; see [Note: guard waits])."""
 
-    def __init__(self, work: Work, wait: "Callable[[Work], None]") -> None:
-        self.work, self._wait = work, wait
+    def __init__(self, work: Work, wait: "Callable[[Work, bool], None]", on_device: bool = False) -> None:
+        self.work, self._wait, self.on_device = work, wait, on_device
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        self._wait(self.work)
+        self._wait(self.work, self.on_device)
         return True
 
     def __getattr__(self, name: str):
         return getattr(self.work, name)
 
 
-def _watched(work: Optional[Work], async_op: bool) -> Optional[Work]:
-    """Route ``work`` through the active watch (see :data:`WORK_WATCH`); a synchronous call waits."""
+def _watched(work: Optional[Work], async_op: bool, tensor: Optional[torch.Tensor] = None) -> Optional[Work]:
+    """Route ``work`` through the active watch (see :data:`WORK_WATCH`); a synchronous call waits.
+    ``tensor``: one of the collective's tensors (where it lives decides how it is waited for)."""
     if not WORK_WATCH or work is None:
         return work
-    watched = WatchedWork(work, WORK_WATCH[-1])
+    watched = WatchedWork(work, WORK_WATCH[-1], tensor is not None and tensor.device.type != "cpu")
     if async_op:
         return watched
     watched.wait()
     return None
 
 
-def watch(work: Optional[Work]) -> Optional[Work]:
-    """``work`` (issued outside this module, e.g. a coalesced group's) routed through the active watch."""
-    return _watched(work, True)
+def watch(work: Optional[Work], device: Optional[torch.device] = None) -> Optional[Work]:
+    """``work`` (issued outside this module, e.g. a coalesced group's, on ``device``: where its tensors
+    are, the CPU when None) routed through the active watch."""
+    if not WORK_WATCH or work is None:
+        return work
+    return WatchedWork(work, WORK_WATCH[-1], device is not None and device.type != "cpu")
 
 
-#: slice of a watched data wait (seconds) between two looks at the agreements completed meanwhile
+#: seconds between two looks at the agreements completed meanwhile, while a watched host wait goes on
 POLL_S = 0.05
+#: the first and the longest pause (seconds) between two ``is_completed()`` polls of a host wait
+FIRST_PAUSE_S, MAX_PAUSE_S = 2e-5, 1e-3
 
 
 def wait_polling(work: Work, timeout_s: float, what: str, on_failure: Callable[[BaseException], NoReturn],
-                 between: Callable[[], None]) -> None:
-    """Wait for ``work`` in slices of :data:`POLL_S` seconds, calling ``between()`` after each slice
-    (the guard's agreements compare the tags completed meanwhile). A failure other than a slice's
-    timeout (a lost peer, gloo's size check on a mis-paired collective), or the whole wait passing
-    ``timeout_s`` seconds, goes to ``on_failure``, which raises."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            work.wait(timedelta(seconds=POLL_S))
-            return
-        except Exception as exc:
-            if "timed out" not in str(exc).lower():
-                on_failure(exc)
-            if time.monotonic() > deadline:
-                on_failure(TimeoutError(f"{what} collective timed out after {timeout_s:g} s"))
+                 between: Callable[[], None], on_device: bool = False) -> None:
+    """Wait for ``work`` without ever giving it a timeout, calling ``between()`` (the guard's
+    agreements compare the tags completed meanwhile) every :data:`POLL_S` seconds.
+
+    [Note: guard waits] A ``Work.wait(timeout)`` that times out on NCCL marks the work failed and
+    aborts the communicator (torch's "... before timing out" message), so no wait here has a timeout:
+
+    - host collectives (gloo, CPU tensors: the caller reads the result next): poll
+      ``work.is_completed()`` (non-blocking), pausing from :data:`FIRST_PAUSE_S` doubling up to
+      :data:`MAX_PAUSE_S`, with ``between()`` every :data:`POLL_S` seconds, then ``work.wait()`` (which
+      returns at once, or raises the collective's own failure). Past ``timeout_s`` seconds, or on a
+      failure, ``on_failure`` raises.
+    - device collectives (``on_device``: NCCL): ``between()`` once (non-blocking), then ``work.wait()``,
+      which makes the current stream wait for the collective and does not block the host; no host
+      sync per collective. A rank whose peer diverged or is gone is not told by this wait, but by
+      the tags: every collective in the guarded call has a tag on the guard's gloo group, and the
+      call's end waits for all of them within ``timeout_s`` (mismatch, timeout and lost rank are
+      decided from the agreed tags, never from local completion timing, which differs by rank).
+    """
+    if on_device:
         between()
+        try:
+            work.wait()
+        except Exception as exc:  # a failure the backend already knows of
+            on_failure(exc)
+        return
+    now = time.monotonic()
+    deadline, look = now + timeout_s, now + POLL_S
+    pause = FIRST_PAUSE_S
+    while not work.is_completed():
+        now = time.monotonic()
+        if now > deadline:
+            on_failure(TimeoutError(f"{what} collective timed out after {timeout_s:g} s"))
+        if now >= look:
+            between()
+            look = time.monotonic() + POLL_S
+        time.sleep(pause)
+        pause = min(2 * pause, MAX_PAUSE_S)
+    try:
+        work.wait()  # completed: returns at once (an all-to-all's sum runs here) or raises its failure
+    except Exception as exc:  # a lost peer, gloo's size check on a mis-paired collective
+        on_failure(exc)
 
 
 def _free_port() -> int:
@@ -287,10 +323,12 @@ def all_reduce(
     tensor: torch.Tensor, group: Optional[ProcessGroup], ledger: CommLedger, purpose: str,
     op: ReduceOp.RedOpType = ReduceOp.SUM, async_op: bool = False,
 ) -> Optional[Work]:
-    """In-place all-reduce of ``tensor`` (any shape) across ``group``."""
+    """In-place all-reduce of ``tensor`` (any shape) across ``group`` (a host tensor on an NCCL-only
+    group: over its gloo side group, see [Note: control group])."""
     ledger.record("all_reduce", tensor.numel(), tensor.element_size(), purpose)
+    group = control.route(tensor, group)
     return _watched(dist.all_reduce(tensor, op=op, group=group, async_op=async_op or bool(WORK_WATCH)),
-                    async_op)
+                    async_op, tensor)
 
 
 def reduce_scatter(
@@ -301,10 +339,11 @@ def reduce_scatter(
     ``received``: scratch like ``input`` for the all-to-all of host tensors on gloo (see
     [Note: gloo reduce-scatter]); unused otherwise."""
     kw = {} if received is None else {"received": received}
+    group = control.route(input, group)
     work = _reduce_scatter_single(output, input, op=ReduceOp.SUM, group=group,
                                   async_op=async_op or bool(WORK_WATCH), **kw)
     ledger.record("reduce_scatter", input.numel(), input.element_size(), purpose)  # once launched
-    return _watched(work, async_op)
+    return _watched(work, async_op, input)
 
 
 def all_gather(
@@ -313,8 +352,9 @@ def all_gather(
 ) -> Optional[Work]:
     """Concatenate every rank's 1-D ``input`` into ``output`` (N x ``input.numel()``); may be in place."""
     ledger.record("all_gather", output.numel(), output.element_size(), purpose)
+    group = control.route(output, group)
     return _watched(_all_gather_single(output, input, group=group, async_op=async_op or bool(WORK_WATCH)),
-                    async_op)
+                    async_op, output)
 
 
 def broadcast(
@@ -322,4 +362,5 @@ def broadcast(
 ) -> None:
     """Overwrite ``tensor`` on every rank with global rank ``src``'s copy."""
     ledger.record("broadcast", tensor.numel(), tensor.element_size(), purpose)
+    group = control.route(tensor, group)
     dist.broadcast(tensor, src=src, group=group)

@@ -45,8 +45,9 @@ When they are checked (every rank receives the same tables, so every rank reache
 - When more than :data:`MAX_IN_FLIGHT` are outstanding (a long forward): the oldest is waited for.
 - While a rank waits for a data collective inside the forward (every ``zerodp.runtime.comm`` wait,
   coalesced prefetch groups included, then goes through :meth:`ForwardAgreement.wait_data`, see
-  ``comm.WORK_WATCH``): in slices of ``comm.POLL_S``, comparing the tags that completed meanwhile, at most
-  ``timeout_s`` in all. A rank waiting for an all-gather that a diverged peer never launches therefore
+  ``comm.WORK_WATCH``): polling its ``is_completed()``, comparing the tags that completed every
+  ``comm.POLL_S``, at most ``timeout_s`` in all (a device collective: no host wait, see [Note: guard
+  waits] in :mod:`zerodp.runtime.comm`). A rank waiting for an all-gather that a diverged peer never launches therefore
   raises as soon as its tag that met the peer's agreement completes.
 
 Errors: :class:`~zerodp.runtime.collective_guard.CollectiveMismatchError` naming each rank's module (or
@@ -247,10 +248,11 @@ class ForwardAgreement(TagWaits):
             self._compare(self._checked)
             self._checked += 1
 
-    def wait_data(self, work: Work) -> None:
+    def wait_data(self, work: Work, on_device: bool = False) -> None:
         """Wait for one data collective issued inside the forward, at most the guard's ``timeout_s``,
         comparing the tags that complete meanwhile."""
-        comm.wait_polling(work, self.guard.timeout_s, "forward", self._explain_failure, self._check_completed)
+        comm.wait_polling(work, self.guard.timeout_s, "forward", self._explain_failure, self._check_completed,
+                          on_device)
 
     def _check_completed(self) -> None:
         while self._checked < len(self._tags) and self._tags[self._checked].work.is_completed():

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from zerodp.runtime.partition import FlatGroup, memory_stride
+from zerodp.runtime.device import synchronize
 from zerodp.runtime.refusal import RefusedError
 from zerodp.stage3.ownership import OWNERS
 from zerodp.stage3.units import ShardState
@@ -216,13 +217,14 @@ class TrainingGuards:
             unit = _persistent_unit_of(g)
             if unit is not None and unit.full is not None:
                 lo = unit.rank * unit.shard.numel()
-                if not torch.equal(unit.full[lo : lo + unit.shard.numel()], unit.shard):
+                same = torch.eq(unit.full[lo : lo + unit.shard.numel()], unit.shard).all()
+                if not bool(synchronize("persistent_unit_edits", same)):
                     unit.write_back()  # an edit of an always-gathered stage-3 parameter
             for piece in g.pieces:
                 if piece.master is None or offload is not None:
                     continue  # offloaded masters live on the host/NVMe: the offload folds them below
                 edited = piece.tensor != piece.master.to(piece.tensor.dtype)
-                if bool(edited.any()):  # keep the fp32 value of every element that was not edited
+                if bool(synchronize("master_edits", edited.any())):  # keep the fp32 value of every element that was not edited
                     piece.master[edited] = piece.tensor[edited].to(piece.master.dtype)
         if offload is not None:
             offload.fold_edits()  # the same rule, on the host masters or in the swap file

@@ -24,6 +24,8 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from zerodp.runtime.device import synchronize
+
 #: parameter attributes that mark a tensor-parallel (MP-partitioned) parameter (Megatron, DeepSpeed).
 MODEL_PARALLEL_ATTRS = ("tensor_model_parallel", "model_parallel")
 
@@ -124,7 +126,7 @@ def _sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:
         norms.setdefault(g.device, []).append(_chunk_norms(g, acc))
     total = torch.zeros((), dtype=torch.float64)
     for per_device in norms.values():
-        total += torch.cat(per_device).double().pow(2).sum().cpu()
+        total += synchronize("grad_norm", torch.cat(per_device).double().pow(2).sum())  # one per device
     return total
 
 

@@ -300,7 +300,7 @@ class ParameterCoordinator:
             work = coalesced(self.pg, [lambda u=u: u.start_gather(self.pg, self.ledger, "parameters") or u.work
                                        for u in run])
             if len(run) > 1:
-                work = comm.watch(work)  # a group's own Work: waited through the agreements' watch too
+                work = comm.watch(work, run[0].shard.device)  # a group's own Work: waited through the agreements' watch too
                 for u in run:
                     u.work = work
             self.gather_collectives += 1

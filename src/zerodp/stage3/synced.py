@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from zerodp.runtime import control
+
 
 class _GuardedEngine(Protocol):
     """What :func:`synced_generate` needs of a :class:`zerodp.Engine`."""
@@ -63,7 +65,7 @@ def synced_generate(engine: _GuardedEngine, step_fn: Callable[[int, bool], bool]
         if engine.world_size > 1:
             flag.fill_(0 if done else 1)
             with engine.collective_call("synced_generate"):
-                dist.all_reduce(flag, op=ReduceOp.MAX, group=engine.process_group)
+                dist.all_reduce(flag, op=ReduceOp.MAX, group=control.route(flag, engine.process_group))
             if int(flag.item()) == 0:
                 break
         elif done:

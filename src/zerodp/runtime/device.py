@@ -1,0 +1,211 @@
+"""The engine's device, its streams and events, and the one function every host sync goes through.
+
+[Note: device] :func:`resolve_device` turns the config key ``device`` (zerodp's own: ``"auto"``,
+``"cpu"``, ``"cuda"``) into a ``torch.device``, as DeepSpeed's engine does with its accelerator:
+``"auto"`` is ``cuda:LOCAL_RANK`` when CUDA is available and the data-parallel group's backend takes
+CUDA tensors (NCCL, e.g. :func:`zerodp.init_distributed`'s ``"cpu:gloo,cuda:nccl"``), the CPU
+otherwise; ``"cuda"`` refuses a machine or a group that cannot; ``"cpu"`` is the CPU whatever the
+machine has. Everything else asks the device's module (:func:`device_handle`, FSDP2's "device handle":
+``torch.get_device_module(device)``), so the same lines run on the CPU, where ``torch.cpu``'s
+``Stream``, ``Event``, ``current_stream`` and ``stream`` context are no-ops, and on a GPU.
+
+[Note: host syncs] Every place the runtime waits for the device to read a value on the host (a flag,
+a norm, a loss scale decision) calls :func:`synchronize` with a reason; :data:`HOST_SYNCS` counts them
+per reason on every device (on the CPU the copy is free, but the count is the same), so a test on the
+CPU sees how many host syncs a training step makes.
+
+This module has not run on a GPU (docs/gpu.md): its CUDA branches are covered by tests with
+``torch.cuda`` patched.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any, Optional, overload
+
+import torch
+import torch.distributed as dist
+
+#: the values of the config key ``device``
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+#: host syncs made through :func:`synchronize` since the last reset, per reason (tests read it)
+HOST_SYNCS: Counter = Counter()
+
+
+class DeviceError(ValueError):
+    """The requested device cannot be used (no CUDA, a group without a CUDA backend, a module on
+    another GPU); the message names both sides."""
+
+
+def group_device_backends(group: Optional[dist.ProcessGroup] = None) -> dict[str, str]:
+    """Device type -> backend name of ``group`` (default: the world), e.g. ``{"cpu": "gloo", "cuda":
+    "nccl"}`` for ``"cpu:gloo,cuda:nccl"``, ``{"cuda": "nccl"}`` for ``"nccl"`` (torch's
+    ``get_backend_config``; a plain backend name takes the devices torch says it supports)."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except (AttributeError, RuntimeError, ValueError):
+        config = str(dist.get_backend(group))
+    out: dict[str, str] = {}
+    for pair in config.lower().split(","):
+        if ":" in pair:
+            device, backend = pair.split(":", 1)
+            out[device.strip()] = backend.strip()
+        else:
+            for device in dist.Backend.backend_capability.get(pair.strip(), ["cpu", "cuda"]):
+                out[device] = pair.strip()
+    return out
+
+
+def group_takes(device_type: str, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether ``group``'s backend takes tensors of ``device_type`` ("cpu", "cuda")."""
+    return device_type in group_device_backends(group)
+
+
+def _local_cuda_index() -> int:
+    """``LOCAL_RANK`` (torchrun) when set, else the current CUDA device; ``torch.cuda.set_device`` to
+    it when it is not current (as DeepSpeed's engine does).
+
+    Raises:
+        DeviceError: ``LOCAL_RANK`` is not below ``torch.cuda.device_count()``.
+    """
+    count = torch.cuda.device_count()
+    local = os.environ.get("LOCAL_RANK")
+    index = int(local) if local is not None else torch.cuda.current_device()
+    if index >= count:
+        raise DeviceError(f"LOCAL_RANK is {index}, but this machine has {count} CUDA device(s): launch at most "
+                          f"{count} rank(s) per node, or set the config key device to 'cpu'")
+    if torch.cuda.current_device() != index:
+        torch.cuda.set_device(index)
+    return index
+
+
+def resolve_device(choice: str = "auto", group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """The engine's device for the config key ``device`` (see [Note: device]).
+
+    Args:
+        choice: "auto", "cpu" or "cuda".
+        group: the data-parallel group (None: the world); must be initialised.
+
+    Returns:
+        ``torch.device("cuda", LOCAL_RANK)`` or ``torch.device("cpu")``.
+
+    Raises:
+        DeviceError: ``choice`` is "cuda" and CUDA is not available or ``group``'s backend takes no
+            CUDA tensors (names the backend); ``LOCAL_RANK`` names no device here.
+        ValueError: ``choice`` is none of :data:`DEVICE_CHOICES`.
+    """
+    if choice not in DEVICE_CHOICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}; got {choice!r}")
+    if choice == "cpu":
+        return torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    takes_cuda = cuda and group_takes("cuda", group)
+    if choice == "cuda" and not takes_cuda:
+        why = ("torch.cuda.is_available() is False" if not cuda else
+               f"the data-parallel group's backend ({dist.get_backend(group)}) takes no CUDA tensors")
+        raise DeviceError(f"config key device is 'cuda', but {why}; initialise with NCCL "
+                          "(zerodp.init_distributed() does on a CUDA machine) or set device to 'cpu' or 'auto'")
+    if not takes_cuda:
+        return torch.device("cpu")
+    return torch.device("cuda", _local_cuda_index())
+
+
+def check_module_device(module: torch.nn.Module, device: torch.device) -> bool:
+    """Whether ``module`` must be moved to ``device``: False when every parameter and buffer is there
+    already (or it has none), True when they are all on the CPU or the meta device.
+
+    Raises:
+        DeviceError: some tensor is on another accelerator device than ``device`` (a model on
+            ``cuda:1`` for an engine on ``cuda:0``), naming both devices and the tensor.
+    """
+    move = False
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        d = t.device
+        if d == device:
+            continue
+        if d.type in ("cpu", "meta"):
+            move = True
+            continue
+        raise DeviceError(f"the model's tensor '{name}' is on {d}, but this rank's engine device is {device} "
+                          "(cuda:LOCAL_RANK); build the model on the CPU or on that device, or set the config "
+                          "key device")
+    return move
+
+
+def place_module(module: torch.nn.Module, device: torch.device) -> None:
+    """Move ``module`` to ``device`` (``module.to(device)``) unless it is there already.
+
+    Raises:
+        DeviceError: see :func:`check_module_device`.
+    """
+    if check_module_device(module, device):
+        module.to(device)
+
+
+def device_handle(device: torch.device) -> Any:
+    """``torch.get_device_module(device)``: ``torch.cuda`` or ``torch.cpu`` (whose streams and events
+    are no-ops), the module streams, events and ``synchronize`` are taken from."""
+    return torch.get_device_module(device)
+
+
+def current_stream(device: torch.device) -> Any:
+    """The stream work on ``device`` is issued to now (a no-op stream on the CPU)."""
+    return device_handle(device).current_stream()
+
+
+def new_stream(device: torch.device) -> Any:
+    """A new stream on ``device`` (a no-op one on the CPU)."""
+    return device_handle(device).Stream()
+
+
+def new_event(device: torch.device) -> Any:
+    """A new event on ``device`` (a no-op one, always complete, on the CPU)."""
+    return device_handle(device).Event()
+
+
+def wait_stream(waiter: Any, producer: Any) -> None:
+    """Make ``waiter`` (a stream) wait for the work issued to ``producer`` so far; no host sync."""
+    waiter.wait_stream(producer)
+
+
+def use_stream(device: torch.device, stream: Any) -> Any:
+    """Context manager: issue work on ``device`` to ``stream`` inside it."""
+    return device_handle(device).stream(stream)
+
+
+@overload
+def synchronize(reason: str, value: torch.Tensor) -> torch.Tensor: ...
+@overload
+def synchronize(reason: str, value: None = None, device: Optional[torch.device] = None) -> None: ...
+
+
+def synchronize(reason: str, value: Optional[torch.Tensor] = None,
+                device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
+    """The one host sync of the runtime (see [Note: host syncs]), counted in :data:`HOST_SYNCS`.
+
+    Args:
+        reason: what the host waits for (a short fixed string: the key of the count).
+        value: a tensor whose value the host needs: returned on the CPU (the tensor itself when it is
+            there already); the copy waits for the device.
+        device: with no ``value``, wait for all work on ``device`` (its module's ``synchronize``).
+
+    Returns:
+        ``value`` on the CPU, or None.
+    """
+    HOST_SYNCS[reason] += 1
+    if value is not None:
+        return value if value.device.type == "cpu" else value.cpu()
+    if device is not None:
+        device_handle(device).synchronize(device)
+    return None
+
+
+def host_syncs() -> int:
+    """Host syncs made through :func:`synchronize` since the last :func:`reset_host_syncs`."""
+    return sum(HOST_SYNCS.values())
+
+
+def reset_host_syncs() -> None:
+    HOST_SYNCS.clear()

@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# tools/gpu_check.sh: the one-shot check of zerodp on an NVIDIA GPU machine (issue 28, item 6).
+#
+#   tools/gpu_check.sh [--dry-run] [--out DIR] [--budget-s SECONDS] [--python PYTHON]
+#   make gpu-check
+#
+# From a fresh clone, unattended (no prompts), in at most --budget-s seconds (default 480): installs
+# zerodp with a CUDA torch into .venv-gpu, prints nvidia-smi / torch / CUDA / NCCL versions, runs the
+# tests marked cuda and the stage-equality tests with ZERODP_TEST_DEVICE=cuda (world size 1, and 2 when
+# there are 2+ GPUs), trains the default GPT at stages 0-3 on one GPU for 50 steps against plain PyTorch
+# on the GPU (tools/gpu_train_compare.py), and records `zerodp bench` on CUDA as not supported yet (the
+# bench runs on the CPU only). Each part has its own time box and the script goes on after a failing
+# part. Everything goes to $OUT (or ./gpu_check_out, or --out): one log per part, and gpu_check.json
+# with every figure and each part's status (tools/gpu_check_report.py). The last line is
+# `gpu check: N/M pass`.
+#
+# --dry-run: argument handling and the JSON on the CPU; no part runs (each is recorded as "dry").
+# --python: use this interpreter (with a CUDA torch and zerodp installed) instead of installing.
+#
+# This script has not run on a GPU yet (docs/gpu.md).
+
+set -u
+cd "$(dirname "$0")/.."
+
+DRY=0
+BUDGET_S=480
+OUT_DIR="${OUT:-./gpu_check_out}"
+PY=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry-run) DRY=1 ;;
+        --out) shift; OUT_DIR="${1:?--out needs a directory}" ;;
+        --out=*) OUT_DIR="${1#--out=}" ;;
+        --budget-s) shift; BUDGET_S="${1:?--budget-s needs a number of seconds}" ;;
+        --budget-s=*) BUDGET_S="${1#--budget-s=}" ;;
+        --python) shift; PY="${1:?--python needs an interpreter}" ;;
+        --python=*) PY="${1#--python=}" ;;
+        -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "gpu_check: unknown argument '$1'; allowed: --dry-run, --out DIR, --budget-s SECONDS, --python PYTHON" >&2
+           exit 2 ;;
+    esac
+    shift
+done
+case "$BUDGET_S" in
+    ''|*[!0-9]*) echo "gpu_check: --budget-s must be a whole number of seconds, got '$BUDGET_S'" >&2; exit 2 ;;
+esac
+
+mkdir -p "$OUT_DIR/parts" || { echo "gpu_check: cannot create $OUT_DIR" >&2; exit 2; }
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+rm -f "$OUT_DIR"/parts/*.json
+START=$(date +%s)
+HOST_PY="$(command -v python3 || command -v python)"
+
+# record NAME STATUS RC SECONDS NOTE: one part's outcome, $OUT/parts/NAME.json (read by the report)
+record() {
+    "$HOST_PY" - "$OUT_DIR/parts/$1.json" "$1" "$2" "$3" "$4" "$5" <<'EOF'
+import json, sys
+path, name, status, rc, seconds, note = sys.argv[1:]
+json.dump({"name": name, "status": status, "rc": int(rc), "seconds": float(seconds), "note": note,
+           "log": f"{name}.log"}, open(path, "w"))
+EOF
+}
+
+# part NAME BOX_S COMMAND...: run COMMAND (bash -c) within min(BOX_S, what is left of the budget),
+# logging to $OUT/NAME.log; pass when it exits 0. Never stops the script.
+part() {
+    local name="$1" box="$2"; shift 2
+    local left=$(( BUDGET_S - ($(date +%s) - START) ))
+    if [ "$DRY" = 1 ]; then
+        echo "[dry] $name (time box ${box}s): $*" | tee "$OUT_DIR/$name.log"
+        record "$name" dry 0 0 "dry run: not run (time box ${box}s)"
+        return 0
+    fi
+    if [ "$left" -lt 10 ]; then
+        echo "== $name: skipped, the ${BUDGET_S}s budget is spent" | tee "$OUT_DIR/$name.log"
+        record "$name" budget_spent 0 0 "the ${BUDGET_S}s budget was spent before this part"
+        return 0
+    fi
+    [ "$box" -gt "$left" ] && box=$left
+    echo "== $name (time box ${box}s)"
+    local t0=$(date +%s) rc
+    timeout --kill-after=10 "$box" bash -c "$*" > "$OUT_DIR/$name.log" 2>&1
+    rc=$?
+    local dt=$(( $(date +%s) - t0 ))
+    if [ $rc -eq 0 ]; then
+        record "$name" pass 0 "$dt" ""
+    elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+        record "$name" timeout "$rc" "$dt" "stopped by its ${box}s time box"
+    else
+        record "$name" fail "$rc" "$dt" "$(tail -n 3 "$OUT_DIR/$name.log" | tr '\n' ' ' | cut -c1-300)"
+    fi
+    echo "   -> rc $rc in ${dt}s (log: $OUT_DIR/$name.log)"
+    tail -n 5 "$OUT_DIR/$name.log" | sed 's/^/   | /'
+    return 0
+}
+
+# ---- install ---------------------------------------------------------------------------------------
+if [ -z "$PY" ]; then
+    PY="$PWD/.venv-gpu/bin/python"
+    # PyPI's Linux torch wheels are CUDA builds; the dev extra pins the tested torch version
+    part install 240 "
+        set -e
+        [ -x '$PY' ] || '$HOST_PY' -m venv .venv-gpu
+        '$PY' -m pip install -q --upgrade pip
+        '$PY' -m pip install -q torch
+        '$PY' -m pip install -q -e '.[dev]'
+        '$PY' -c 'import torch; assert torch.cuda.is_available(), \"installed torch \" + torch.__version__ + \" sees no CUDA device\"'
+    "
+else
+    part install 30 "'$PY' -c 'import torch, zerodp; assert torch.cuda.is_available(), \"no CUDA device\"'"
+fi
+
+# ---- versions --------------------------------------------------------------------------------------
+part versions 30 "
+    set -e
+    nvidia-smi
+    '$PY' - <<'PYEOF'
+import json, torch
+import torch.distributed as dist
+info = {'torch': torch.__version__, 'cuda': torch.version.cuda, 'gpus': torch.cuda.device_count(),
+        'names': [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else None}
+print(json.dumps(info))
+open('$OUT_DIR/versions.json', 'w').write(json.dumps(info))
+PYEOF
+"
+GPUS=0
+if [ "$DRY" = 0 ]; then
+    GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+fi
+
+# ---- tests -----------------------------------------------------------------------------------------
+part cuda_marked_tests 60 "'$PY' -m pytest -q -m cuda tests --junitxml='$OUT_DIR/cuda_marked.xml'"
+STAGE_K="test_matches_reference"
+part stage_tests_ws1 90 "
+    ZERODP_TEST_DEVICE=cuda '$PY' -m pytest -q --collect-only -k '$STAGE_K' tests/test_stages.py \
+        | grep '^tests/' | grep '\[1-' > '$OUT_DIR/ws1.ids'
+    ZERODP_TEST_DEVICE=cuda '$PY' -m pytest -q \$(cat '$OUT_DIR/ws1.ids') --junitxml='$OUT_DIR/stages_ws1.xml'
+"
+if [ "$DRY" = 1 ] || [ "$GPUS" -ge 2 ]; then
+    part stage_tests_ws2 90 "
+        ZERODP_TEST_DEVICE=cuda '$PY' -m pytest -q --collect-only -k '$STAGE_K' tests/test_stages.py \
+            | grep '^tests/' | grep '\[2-' > '$OUT_DIR/ws2.ids'
+        ZERODP_TEST_DEVICE=cuda '$PY' -m pytest -q \$(cat '$OUT_DIR/ws2.ids') --junitxml='$OUT_DIR/stages_ws2.xml'
+    "
+else
+    echo "== stage_tests_ws2: skipped, $GPUS GPU(s) (2 needed)" | tee "$OUT_DIR/stage_tests_ws2.log"
+    record stage_tests_ws2 skipped 0 0 "$GPUS GPU(s); 2 ranks need 2 GPUs"
+fi
+
+# ---- training against plain PyTorch ------------------------------------------------------------------
+part train_compare 120 "'$PY' tools/gpu_train_compare.py --device cuda --steps 50 --out '$OUT_DIR/train_compare.json'"
+
+# ---- bench -----------------------------------------------------------------------------------------
+echo "== bench: zerodp bench has no device option yet (it measures on the CPU)" | tee "$OUT_DIR/bench.log"
+record bench not_supported 0 0 "zerodp bench on CUDA is not supported yet: the bench pins every system to the CPU"
+
+# ---- report ----------------------------------------------------------------------------------------
+"$HOST_PY" tools/gpu_check_report.py "$OUT_DIR" --dry-run="$DRY" --budget-s="$BUDGET_S" \
+    --seconds="$(( $(date +%s) - START ))"
