@@ -213,4 +213,12 @@ MUTANTS: list[Mutant] = [
            "            p.grad = ph\n",
            "            pass\n",
            [f"{CLIP}[w2-stage1-fp32-none]"]),
+    Mutant("excluded_frozen_not_recorded", CHECKPOINT_SAVE,
+           "        excluded_frozen=[r.name for r in params if not r.trained] if exclude_frozen else [],\n",
+           "        excluded_frozen=[],\n",
+           ["tests/test_checkpoint_exclude_frozen.py::test_exclude_frozen_parameters[w1-stage1-fp32-none]"]),
+    Mutant("load_overwrites_excluded_frozen_shards", CHECKPOINT,
+           "            continue  # frozen, not saved (exclude_frozen_parameters): this engine's values stay\n",
+           "            pass\n",
+           ["tests/test_checkpoint_exclude_frozen.py::test_exclude_frozen_parameters[w1-stage3-fp32-none]"]),
 ]

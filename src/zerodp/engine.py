@@ -506,14 +506,16 @@ class Engine:
         self.ledger.reset()
 
     # ---- checkpoints (zerodp.checkpoint) ---------------------------------------------------------------
-    def save_checkpoint(self, save_dir: Any, tag: Optional[str] = None,
-                        client_state: Optional[Mapping[str, Any]] = None) -> Any:
+    def save_checkpoint(self, save_dir: Any, tag: Optional[str] = None, client_state: Optional[Mapping[str, Any]] = None,
+                        exclude_frozen_parameters: bool = False) -> Any:
         """Collective: write a sharded checkpoint to ``save_dir/<tag>`` (default ``global_step{N}``) and
-        point ``save_dir/latest`` at it; returns that directory. See :func:`zerodp.checkpoint.save_checkpoint`."""
+        point ``save_dir/latest`` at it; returns that directory. ``exclude_frozen_parameters``: only trained
+        parameters and their optimizer states. See :func:`zerodp.checkpoint.save_checkpoint`."""
         from zerodp import checkpoint
 
         with self.collective_call("save_checkpoint"), self._states_resident():
-            return checkpoint.save_checkpoint(self, self._checkpoint_dir(save_dir), tag, client_state)
+            return checkpoint.save_checkpoint(self, self._checkpoint_dir(save_dir), tag, client_state,
+                                              exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: Any, tag: Optional[str] = None) -> tuple[Any, Any]:
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;
