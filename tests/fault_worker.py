@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerodp
+from zerodp.runtime.grad_placeholder import is_hidden_gradient
 from dist_worker import (STAGE3_DEFAULTS, MixedReference, Zoo, compare_training, main, make_batch, mse, rank,
                          scenario, world)
 
@@ -181,14 +182,17 @@ def storage(stage: int) -> dict:
         x, y = make_batch(step, 2 * world(), "zoo")
         lo = rank() * 2
         engine.backward(mse(engine(x[lo : lo + 2]), y[lo : lo + 2]))
-        grads_after_backward.append([None if p.grad is None else _storage(p.grad) for p in params])
+        grads_after_backward.append([None if p.grad is None else "hidden" if is_hidden_gradient(p.grad)
+                                     else _storage(p.grad) for p in params])
         engine.step()
     out["param_storages_after"] = sorted({_storage(p) for p in params}) == sorted(storages)
     out["hook_calls"] = len(grad_seen)
     out["grad_storages_in_hook"] = sorted({s for s in grad_seen if s is not None})
     out["grads_none_in_hook"] = sum(s is None for s in grad_seen)
-    out["grad_storages_after_backward"] = sorted({s for g in grads_after_backward for s in g if s is not None})
+    out["grad_storages_after_backward"] = sorted({s for g in grads_after_backward for s in g
+                                                  if s is not None and s != "hidden"})
     out["grads_none_after_backward"] = sum(s is None for g in grads_after_backward for s in g)
+    out["grads_hidden_after_backward"] = sum(s == "hidden" for g in grads_after_backward for s in g)
     out["grad_param_overlap"] = any(s in storages for s in out["grad_storages_in_hook"])
     states = [t for st in engine.optimizer.state.values() for k, t in st.items() if k != "step"]
     out["state_tensors"] = len(states)

@@ -25,6 +25,7 @@ from dist_worker import STAGE3_DEFAULTS, MixedReference, err, rank, world  # noq
 import zerodp  # noqa: E402
 import zerodp.checkpoint  # noqa: E402
 from zerodp.runtime.guards import RefusedError  # noqa: E402
+from zerodp.runtime.grad_placeholder import is_hidden_gradient  # noqa: E402
 
 SCENARIOS = dist_worker.SCENARIOS
 SCENARIOS.clear()
@@ -178,7 +179,7 @@ def accessors(stage: int) -> dict:
     engine, model, ref, ref_opt = setup(stage, model_fn=lambda: nn.Sequential(nn.Linear(8, 9), nn.Tanh(), nn.Linear(9, 3)))
     names = [n for n, _ in ref.named_parameters()]
     errs: dict[str, float] = {"grad": 0.0, "p_grad": 0.0, "param": 0.0, "exp_avg": 0.0, "norm": 0.0, "set": 0.0}
-    compared = 0
+    compared = hidden = 0
     stale_grad = {"refused": False}
     for step in range(3):
         x, y = batch(step, 8, 3, MICRO * world())
@@ -188,7 +189,9 @@ def accessors(stage: int) -> dict:
         engine.backward(((engine(local(x)) - local(y)) ** 2).mean())
         for n, p, rp in zip(names, model.parameters(), ref.parameters()):
             errs["grad"] = max(errs["grad"], err(zerodp.zero.safe_get_full_grad(p), rp.grad))
-            if p.grad is not None:  # p.grad is the true averaged gradient or None
+            if is_hidden_gradient(p.grad):  # a placeholder that raises on use
+                hidden += 1
+            elif p.grad is not None:  # p.grad is the true averaged gradient, a placeholder or None
                 errs["p_grad"] = max(errs["p_grad"], err(p.grad, rp.grad))
                 compared += 1
         ref_opt.step()
@@ -214,16 +217,17 @@ def accessors(stage: int) -> dict:
     errs["set"] = err(zerodp.zero.safe_get_full_fp32_param(w), new_w)
     train_both(engine, model, ref, ref_opt, range(3, 5), 8, 3)
     return {**{f"{k}_err": v for k, v in errs.items()}, "param_err": state_err(engine, ref),
-            "p_grad_compared": compared, "stale_grad": stale_grad}
+            "p_grad_compared": compared, "p_grad_hidden": hidden, "stale_grad": stale_grad}
 
 
 @scenario
 def p_grad_with_accumulation(stage: int) -> dict:
     """gradient_accumulation_steps 2: after every backward, param.grad is the averaged gradient of the
-    whole accumulation (boundary, stage 0) or None; never this rank's partial sum."""
+    whole accumulation (boundary, stage 0) or a placeholder that raises on use; never this rank's
+    partial sum, never None (torch.nn.utils.clip_grad_norm_ would skip it silently)."""
     engine, model, ref, ref_opt = setup(stage, gradient_accumulation_steps=2)
     n, r = world(), rank()
-    worst, compared, partial_visible = 0.0, 0, 0
+    worst, compared, partial_visible, hidden, none = 0.0, 0, 0, 0, 0
     for step in range(2):
         x, y = batch(step, 8, 2, MICRO * n * 2)
         ref_opt.zero_grad()
@@ -233,7 +237,9 @@ def p_grad_with_accumulation(stage: int) -> dict:
             lo = (j * n + r) * MICRO
             engine.backward(((engine(x[lo : lo + MICRO]) - y[lo : lo + MICRO]) ** 2).mean())
             for p, rp in zip(model.parameters(), ref.parameters()):
-                if p.grad is not None and p.grad.numel() == rp.numel():
+                hidden += is_hidden_gradient(p.grad)
+                none += p.grad is None
+                if p.grad is not None and not is_hidden_gradient(p.grad) and p.grad.numel() == rp.numel():
                     if j == 0 and n > 1:
                         partial_visible += 1
                     else:
@@ -241,6 +247,7 @@ def p_grad_with_accumulation(stage: int) -> dict:
                         compared += 1
             engine.step()
     return {"p_grad_err": worst, "p_grad_compared": compared, "partial_visible": partial_visible,
+            "p_grad_hidden": hidden, "p_grad_none": none, "n_params": len(list(model.parameters())),
             "param_err": state_err(engine, ref)}
 
 

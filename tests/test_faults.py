@@ -110,16 +110,18 @@ def test_storage_held_stages_0_to_2(launches: dict, world_size: int, stage: int)
             assert res["grads_none_in_hook"] == 0
             assert len(res["grad_storages_in_hook"]) == 1 and not res["grad_param_overlap"]
             assert res["grad_storages_in_hook"][0][1] == res["param_storage_bytes"]
-            if stage == 0 or n == 1:  # after backward .grad is the averaged gradient, in that storage
-                assert res["grads_none_after_backward"] == 0
+            assert res["grads_none_after_backward"] == 0
+            if stage == 0:  # after backward .grad is the averaged gradient, in that storage
+                assert res["grads_hidden_after_backward"] == 0
                 assert res["grad_storages_after_backward"] == res["grad_storages_in_hook"]
-            else:  # stage 1: the local sum is not the averaged gradient, so .grad is hidden (None)
-                assert res["grads_none_after_backward"] == 3 * k  # 3 steps x every parameter
+            else:  # stage 1: only the owned ranges are averaged: .grad is a placeholder that raises on use
+                assert res["grads_hidden_after_backward"] == 3 * k  # 3 steps x every parameter
                 assert res["grad_storages_after_backward"] == []
         else:
             # stage 2: the engine took each gradient and freed .grad before any later hook ran
             assert res["grads_none_in_hook"] == res["hook_calls"]
             assert res["grad_storages_after_backward"] == []
+            assert res["grads_hidden_after_backward"] == 3 * k and res["grads_none_after_backward"] == 0
         # Adam's exp_avg and exp_avg_sq: every trained element once per rank at stage 0, once across
         # all ranks at stages 1-2 (never_used gets no gradient, hence no state); never a parameter view
         trained = psi - res["never_used_elements"]

@@ -69,6 +69,8 @@ def test_full_state_accessors(stage: int) -> None:
         assert res["p_grad_err"] <= 1.0, "param.grad is visible but is not the averaged gradient"
         if stage in (0,):
             assert res["p_grad_compared"] > 0  # stage 0: p.grad is the reduced gradient
+        else:  # stages 1-3: a placeholder that raises on use (3 steps x 4 parameters)
+            assert res["p_grad_compared"] == 0 and res["p_grad_hidden"] == 12
         assert res["norm_err"] <= 1e-6, f"get_global_grad_norm without clipping: {res['norm_err']}"
         assert res["stale_grad"]["refused"]
 
@@ -78,8 +80,12 @@ def test_param_grad_never_partial_with_accumulation(stage: int) -> None:
     for res in per_rank(stage, "p_grad_with_accumulation"):
         assert res["partial_visible"] == 0, "param.grad held this rank's unreduced sum after backward"
         assert res["p_grad_err"] <= 1.0, "param.grad after the boundary backward is not the averaged gradient"
-        if stage == 0:
-            assert res["p_grad_compared"] > 0
+        assert res["p_grad_none"] == 0, "param.grad None after backward: clip_grad_norm_ would skip it silently"
+        k = res["n_params"]
+        if stage == 0:  # 2 steps x 2 micro-steps x k: the boundary's averaged gradients, hidden partial sums
+            assert res["p_grad_compared"] == 2 * k and res["p_grad_hidden"] == 2 * k
+        else:
+            assert res["p_grad_compared"] == 0 and res["p_grad_hidden"] == 4 * k
         assert res["param_err"] <= 1.0
 
 

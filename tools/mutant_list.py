@@ -34,6 +34,8 @@ PARAM_OFFLOAD = "tests/test_param_offload.py"
 GRAD_ACCUM = "tests/test_grad_accumulation.py"
 CONTROL = "src/zerodp/runtime/control.py"
 DEVICE = "src/zerodp/runtime/device.py"
+GRAD_NORM = "src/zerodp/runtime/grad_norm.py"
+CLIP = "tests/test_clip_grad.py::test_user_clipping"
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,9 @@ MUTANTS: list[Mutant] = [
            "self.scale = max(self.scale / 2.0, self.min_scale)",
            "self.scale = max(self.scale, self.min_scale)",
            [f"{STAGES}::test_fp16_overflow_on_one_rank_skips_on_all[2-0]"]),
-    Mutant("clip_with_local_grad_norm", ENGINE,
-           "norm = global_grad_norm(grads, self.topology, self.stage >= 1 and self.world_size > 1,",
-           "norm = global_grad_norm(grads, self.topology, False,",
+    Mutant("clip_with_local_grad_norm", GRAD_NORM,
+           "    norm = norm_of(grads, engine.topology, _reduce_dp(engine), _all_reduce(engine), 2.0)\n",
+           "    norm = norm_of(grads, engine.topology, False, _all_reduce(engine), 2.0)\n",
            [f"{FAULTS}::test_accumulation_with_clipping_below_the_norm[2-1]"]),
     Mutant("skip_parameter_all_gather_after_step", ENGINE,
            "        elif self.stage >= 1:\n            self._all_gather_params()\n",
@@ -215,4 +217,32 @@ MUTANTS: list[Mutant] = [
            "    takes_cuda = cuda and group_takes(\"cuda\", group)\n",
            "    takes_cuda = cuda\n",
            ["tests/test_device.py::test_auto_is_cpu_without_cuda_or_without_a_cuda_backend"]),
+    Mutant("user_clip_not_applied_to_engine_grads", GRAD_NORM,
+           "                t.mul_(coef)\n",
+           "                pass\n",
+           [f"{CLIP}[w1-stage2-fp32-none]"]),
+    Mutant("user_clip_pending_factor_dropped_at_step", GRAD_NORM,
+           "        scale_grads(state.pending)\n",
+           "        pass\n",
+           [f"{CLIP}[w1-stage2-fp32-cpu]"]),
+    Mutant("user_clip_norm_of_loss_scaled_grads", GRAD_NORM,
+           "    unscale = state.pending / engine.loss_scale",
+           "    unscale = state.pending",
+           [f"{CLIP}[w1-stage2-fp16-none]"]),
+    Mutant("full_grad_ignores_pending_clip", "src/zerodp/accessors.py",
+           "        out.mul_(pending)\n",
+           "        pass\n",
+           [f"{CLIP}[w1-stage1-fp32-cpu]"]),
+    Mutant("param_grad_left_none_at_stage1", "src/zerodp/runtime/grad_placeholder.py",
+           "            p.grad = ph\n",
+           "            pass\n",
+           [f"{CLIP}[w2-stage1-fp32-none]"]),
+    Mutant("excluded_frozen_not_recorded", CHECKPOINT_SAVE,
+           "        excluded_frozen=[r.name for r in params if not r.trained] if exclude_frozen else [],\n",
+           "        excluded_frozen=[],\n",
+           ["tests/test_checkpoint_exclude_frozen.py::test_exclude_frozen_parameters[w1-stage1-fp32-none]"]),
+    Mutant("load_overwrites_excluded_frozen_shards", CHECKPOINT,
+           "            continue  # frozen, not saved (exclude_frozen_parameters): this engine's values stay\n",
+           "            pass\n",
+           ["tests/test_checkpoint_exclude_frozen.py::test_exclude_frozen_parameters[w1-stage3-fp32-none]"]),
 ]

@@ -12,7 +12,8 @@ engine's own state (fp32 masters, module-dtype values, optimizer state).
 
 Gradients are available between the ``engine.backward`` of the last micro-step of an accumulation
 (``engine.is_gradient_accumulation_boundary()``) and ``engine.step()``: the data-parallel mean, divided
-by ``gradient_accumulation_steps`` as ``engine.backward`` does, unscaled (fp16), before clipping.
+by ``gradient_accumulation_steps`` as ``engine.backward`` does, unscaled (fp16), before the step's
+``gradient_clipping`` and after any ``engine.clip_grad_norm_``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class AccessedEngine(Protocol):
     reducer: object
     loss_scaler: object
     offload: Optional[Any]  # zerodp.offload.build.OptimizerOffload
+    grad_clip: Any  # zerodp.runtime.grad_norm.ClipState
 
     @property
     def loss_scale(self) -> float: ...
@@ -172,6 +174,9 @@ def safe_get_full_grad(param: nn.Parameter) -> Optional[torch.Tensor]:
     out = _assemble(engine, s, fill, g.buffer.device)
     if out is not None and engine.loss_scaler is not None:
         out.div_(engine.loss_scale)
+    pending = engine.grad_clip.pending_factor(engine.global_steps)  # offload: clip_grad_norm_ not yet applied
+    if out is not None and pending != 1.0:
+        out.mul_(pending)
     return out
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from zerodp.runtime import comm
+from zerodp.runtime import comm, grad_norm
 from zerodp.runtime.backward_agreement import BackwardAgreement, build_backward_agreement
 from zerodp.runtime.backward_roots import OutputRoots
 from zerodp.runtime.collective_guard import CollectiveGuard
@@ -38,8 +38,9 @@ from zerodp.offload.build import OptimizerOffload, build_offload, no_offload
 from zerodp.offload.report import OffloadReport
 from zerodp.offload.param_swap import ParamOffload, build_param_offload
 from zerodp.runtime.guards import TrainingGuards, refuse_add_param_group
+from zerodp.runtime.grad_placeholder import GradPlaceholders
 from zerodp import accessors
-from zerodp.runtime.topology import Topology, global_grad_norm, is_model_parallel_parameter
+from zerodp.runtime.topology import Topology
 from zerodp.stage3.sharding import Stage3
 from zerodp.stage3.ownership import register_master_refresh
 from zerodp.runtime.wrapped import WRAPPED
@@ -70,6 +71,7 @@ class Engine:
         self.micro_steps = 0  # micro-batches seen
         self.ledger = CommLedger()
         self._global_grad_norm: Optional[float] = None
+        self.grad_clip = grad_norm.ClipState()  # what engine.clip_grad_norm_ left for the step
         self.precision = PrecisionPolicy.from_config(config)
         self.loss_scaler: Optional[LossScaler] = LossScaler.from_config(config)
         self.grads_ready = False  # reduced gradients of a complete accumulation exist (until step())
@@ -124,6 +126,7 @@ class Engine:
                 # stage 3 has one bucket per unit: reduce-scatter units in a few coalesced groups
                 coalesce_elements=self.sharding.reduce_flush_elements if self.sharding is not None else 0)
         self.reducer.attach()
+        self.grad_placeholders = GradPlaceholders(self.reducer.slots, self.stage, self.loss_scaler is not None)
         self._bucket_pieces: dict[int, list] = {}  # id(bucket) -> this rank's pieces in it
         for g in self.groups:
             for piece in g.pieces:
@@ -251,6 +254,7 @@ class Engine:
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
         if self.offload is not None:
             self.offload.settle()  # the reduced gradients of the last step are in use until then
+        self.grad_placeholders.remove()  # autograd accumulates into .grad (zerodp.runtime.grad_placeholder)
         self.guards.before_backward()
         if scale_wrt_gas and self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
@@ -280,6 +284,7 @@ class Engine:
                 if tags is not None:
                     tags.end()
             self.grads_ready = boundary
+            self.grad_placeholders.install(boundary)
             if self.sharding is not None:
                 self.sharding.end_backward()
 
@@ -292,6 +297,7 @@ class Engine:
     def step(self) -> None:
         """End a micro-step; at a gradient accumulation boundary, update the parameters."""
         boundary = self.is_gradient_accumulation_boundary()
+        self.grad_placeholders.remove()
         self.micro_steps += 1
         self.grads_ready = False
         if boundary:
@@ -330,7 +336,7 @@ class Engine:
                     target.grad = None
         if self.loss_scaler is not None:
             self._scale_grads(1.0 / self.loss_scaler.scale)
-        self._clip_gradients(self.config.gradient_clipping)  # also records the norm when clipping is off
+        self._global_grad_norm = grad_norm.clip_at_step(self, self.config.gradient_clipping, self._scale_grads)
         if self.offload is not None:
             self.offload.step(self.optimizer)
             self.offload.finish_step()  # the module's parameters now hold the update
@@ -385,23 +391,11 @@ class Engine:
         """Learning rate of each optimizer param group."""
         return [g["lr"] for g in self.optimizer.param_groups]
 
-    def _clip_gradients(self, max_norm: float) -> None:
-        """Record the global L2 gradient norm; if ``max_norm > 0``, scale owned gradients so that it is
-        at most ``max_norm`` (clip_grad_norm_)."""
-        by_kind: tuple[list[Any], list[Any]] = ([], [])
-        for g in self.groups:
-            for p in g.pieces:
-                by_kind[0 if is_model_parallel_parameter(p.slot.param) else 1].append(p)
-        grads = tuple(self.offload.norm_grads(ps) if self.offload is not None else
-                      [p.opt_tensor.grad for p in ps if p.opt_tensor.grad is not None] for ps in by_kind)
-        norm = global_grad_norm(grads, self.topology, self.stage >= 1 and self.world_size > 1,
-                                lambda t, group: comm.all_reduce(t, group, self.ledger, "grad_norm"))
-        self._global_grad_norm = norm
-        if max_norm <= 0:
-            return
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            self._scale_grads(coef)
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Collective (FSDP's spelling): clip the full averaged gradient to ``max_norm`` in the
+        ``norm_type``-norm and return its norm before clipping (0-d fp32 tensor); call it after the
+        boundary micro-step's ``engine.backward``, before ``step()``. See :mod:`zerodp.runtime.grad_norm`."""
+        return grad_norm.clip_grad_norm(self, max_norm, norm_type)
 
     def parameters_finite(self) -> bool:
         """Collective over the whole world (every data- and model-parallel rank, as a save is): True
@@ -416,8 +410,9 @@ class Engine:
         return not bool(flag)
 
     def get_global_grad_norm(self) -> Optional[float]:
-        """L2 norm of the full (averaged, unscaled) gradient at the last optimizer step, before clipping;
-        None before the first step. Computed at every step, with or without clipping."""
+        """L2 norm of the full (averaged, unscaled) gradient at the last optimizer step, before the
+        ``gradient_clipping`` of the config (after the user's own, e.g. :meth:`clip_grad_norm_`); None
+        before the first step. Computed at every step, with or without clipping."""
         return self._global_grad_norm
 
     def _all_gather_params(self) -> None:
@@ -509,14 +504,16 @@ class Engine:
         self.ledger.reset()
 
     # ---- checkpoints (zerodp.checkpoint) ---------------------------------------------------------------
-    def save_checkpoint(self, save_dir: Any, tag: Optional[str] = None,
-                        client_state: Optional[Mapping[str, Any]] = None) -> Any:
+    def save_checkpoint(self, save_dir: Any, tag: Optional[str] = None, client_state: Optional[Mapping[str, Any]] = None,
+                        exclude_frozen_parameters: bool = False) -> Any:
         """Collective: write a sharded checkpoint to ``save_dir/<tag>`` (default ``global_step{N}``) and
-        point ``save_dir/latest`` at it; returns that directory. See :func:`zerodp.checkpoint.save_checkpoint`."""
+        point ``save_dir/latest`` at it; returns that directory. ``exclude_frozen_parameters``: only trained
+        parameters and their optimizer states. See :func:`zerodp.checkpoint.save_checkpoint`."""
         from zerodp import checkpoint
 
         with self.collective_call("save_checkpoint"), self._states_resident():
-            return checkpoint.save_checkpoint(self, self._checkpoint_dir(save_dir), tag, client_state)
+            return checkpoint.save_checkpoint(self, self._checkpoint_dir(save_dir), tag, client_state,
+                                              exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: Any, tag: Optional[str] = None) -> tuple[Any, Any]:
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;

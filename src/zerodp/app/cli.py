@@ -26,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from typing import Any, Callable, Optional, Sequence, get_args
 
 from zerodp.runtime import accounting
@@ -492,6 +493,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     from zerodp import checkpoint
 
     from zerodp.checkpoint import sharded_export
+    from zerodp.checkpoint.reader import AbsentParametersWarning, absent_message
 
     # a directory: an existing one, a name ending in a separator, or a name without an extension; any
     # other name is a file (an unknown extension such as .bin is refused by consolidate)
@@ -502,6 +504,9 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
         return 1
     try:
         src = checkpoint.resolve_checkpoint(args.checkpoint_dir, args.tag)
+        with checkpoint.CheckpointReader(src) as reader:
+            absent = reader.absent_keys()  # said below, not as a warning
+        warnings.filterwarnings("ignore", category=AbsentParametersWarning)
         if single:
             out = checkpoint.consolidate(args.checkpoint_dir, args.out, args.tag)
             size, what = out.stat().st_size, ""
@@ -515,8 +520,10 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
         print(f"zerodp consolidate: error: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {out} ({len(meta.state_dict_keys)} tensors, {accounting.human_bytes(size)}{what}) from {src} "
-          f"(step {meta.global_steps}, saved by {meta.world_size} ranks at ZeRO stage {meta.stage})")
+    print(f"wrote {out} ({len(meta.state_dict_keys) - len(absent)} tensors, {accounting.human_bytes(size)}{what}) "
+          f"from {src} (step {meta.global_steps}, saved by {meta.world_size} ranks at ZeRO stage {meta.stage})")
+    if absent:
+        print(f"absent: {absent_message(absent, src)}")
     cs = meta.client_state
     if isinstance(cs, dict) and isinstance(cs.get("model"), dict):
         try:

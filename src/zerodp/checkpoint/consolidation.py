@@ -17,7 +17,8 @@ from zerodp.checkpoint.sharded_export import write_safetensors_streaming
 
 def load_full_state_dict(checkpoint_dir: PathLike, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
     """The full state dict stored in a checkpoint (see :meth:`CheckpointReader.full_state_dict`); needs
-    no process group.
+    no process group. Frozen parameters saved with ``exclude_frozen_parameters=True`` are absent, with an
+    :class:`~zerodp.checkpoint.reader.AbsentParametersWarning` naming them.
 
     Raises:
         CheckpointError: as :func:`resolve_checkpoint`, :func:`read_meta` and
@@ -25,14 +26,16 @@ def load_full_state_dict(checkpoint_dir: PathLike, tag: Optional[str] = None) ->
     """
     with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
         reader.verify_all()  # every tensor of every file, optimizer state included: a corrupt checkpoint
-        return reader.full_state_dict()  # is refused even where the weights happen to be intact
+        reader.warn_absent()  # is refused even where the weights happen to be intact
+        return reader.full_state_dict()
 
 
 def consolidate(checkpoint_dir: PathLike, out_path: PathLike, tag: Optional[str] = None) -> Path:
     """Write a checkpoint's full state dict, keyed like ``model.state_dict()`` (every tied name, as its
     own tensor; buffers included; floating tensors fp32 (fp64 stays fp64): trained parameters are the
     fp32 master values of a bf16/fp16 run, its frozen parameters and buffers are cast up), to one file
-    loadable without zerodp.
+    loadable without zerodp. Frozen parameters saved with ``exclude_frozen_parameters=True`` are not in
+    it; an :class:`~zerodp.checkpoint.reader.AbsentParametersWarning` names them.
 
     Pure function: no process group, CPU only, reads only the checkpoint's files.
 
@@ -57,6 +60,7 @@ def consolidate(checkpoint_dir: PathLike, out_path: PathLike, tag: Optional[str]
     if out.suffix == ".safetensors":  # streamed: never more than about two copies of the largest tensor
         with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
             reader.verify_all()
+            reader.warn_absent()
             out.parent.mkdir(parents=True, exist_ok=True)
             write_safetensors_streaming(reader, out)
         return out

@@ -44,10 +44,11 @@ class CheckpointLayout(Protocol):
     def value_targets(self, engine: Engine) -> list[Target]:
         """The parameter ranges this rank keeps in its flat buffers: loading fills exactly these."""
 
-    def extra_values(self, engine: Engine) -> dict[str, torch.Tensor]:
+    def extra_values(self, engine: Engine, frozen: bool = True) -> dict[str, torch.Tensor]:
         """Full values of every state_dict entry outside the flat buffers' trained parameters (frozen
         parameters, persistent buffers) by first state_dict name. Called on every rank when saving (it
-        may gather); only rank 0's are written, so other ranks may leave out what they would copy."""
+        may gather); only rank 0's are written, so other ranks may leave out what they would copy.
+        ``frozen=False``: the frozen parameters are not needed (they may be left out, not gathered)."""
 
     def extra_targets(self, engine: Engine) -> dict[str, torch.Tensor]:
         """The live full tensors, by first state_dict name, that loading fills besides
@@ -78,7 +79,7 @@ class ReplicatedParamsLayout:
         return [Target(s.name, 0, s.numel, g.buffer[s.offset : s.offset + s.numel])
                 for g in engine.groups for s in g.slots]
 
-    def extra_values(self, engine: Engine) -> dict[str, torch.Tensor]:
+    def extra_values(self, engine: Engine, frozen: bool = True) -> dict[str, torch.Tensor]:
         return self.extra_targets(engine)
 
     def extra_targets(self, engine: Engine) -> dict[str, torch.Tensor]:
@@ -118,12 +119,12 @@ class ShardedParamsLayout:
                     out.append(Target(s.name, lo - s.offset, hi - s.offset, g.buffer[lo - base : hi - base], reorder))
         return out
 
-    def extra_values(self, engine: Engine) -> dict[str, torch.Tensor]:
+    def extra_values(self, engine: Engine, frozen: bool = True) -> dict[str, torch.Tensor]:
         """Buffers (every rank), and on rank 0 CPU copies of the frozen unit parameters: each unit
-        holding one is gathered on every rank (collective), one unit at a time."""
+        holding one is gathered on every rank (collective), one unit at a time (not with ``frozen=False``)."""
         trained = {id(s.param) for s in trained_slots(engine)}
         out: dict[str, torch.Tensor] = {}
-        for u in units(engine):
+        for u in units(engine) if frozen else ():
             frozen = [s for s in u.slots if id(s.param) not in trained]
             if not frozen:
                 continue

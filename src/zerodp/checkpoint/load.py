@@ -67,7 +67,8 @@ def check_compatible(meta: CheckpointMeta, engine: Engine) -> None:
                             "before zerodp.initialize, or load zerodp.checkpoint.load_full_state_dict(...) "
                             "with engine.load_module_state_dict")
         elif kind_mine[k] == "parameter" and _trains(a) != _trains(b):
-            problems.append(_training_mismatch(k, a, b))
+            problems.append(_training_mismatch(k, a, b) + (" (its values were not saved either: "
+                            "exclude_frozen_parameters=True)" if k in meta.excluded_frozen else ""))
     if not problems:
         for i, names in enumerate(optimizer_group_names(engine)):
             try:
@@ -117,6 +118,8 @@ class _StagedLoad:
 def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointReader) -> _StagedLoad:
     named: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, live tensor, new values)
     for t in layout.value_targets(engine):
+        if reader.record(t.name).name in reader.excluded:
+            continue  # frozen, not saved (exclude_frozen_parameters): this engine's values stay
         if t.reorder is not None:  # stored row-major, held in the slot's memory order
             full = reader.read_values(t.name, 0, t.reorder.numel).reshape(t.reorder.shape)
             new = t.reorder.flat_values(full)[t.start : t.end]
@@ -124,6 +127,8 @@ def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointRead
             new = reader.read_values(t.name, t.start, t.end)
         named.append((t.name, t.tensor, new.reshape(t.tensor.shape)))
     for name, live in layout.extra_targets(engine).items():
+        if reader.record(name).name in reader.excluded:
+            continue
         named.append((name, live, reader.read_values(name, 0, live.numel()).reshape(live.shape)))
     theirs, mine = reader.meta.effective_precision(), engine_precision(engine)
     if theirs != mine:
@@ -199,7 +204,8 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: Optional[str] = Non
     Collective: every rank calls it. Every rank reads ``meta.json``, checks it against the engine and
     every file against ``meta.json``, and reads what it needs into new tensors; only when every rank
     succeeded are parameters (fp32 masters and the module's, possibly lower-precision, copy), frozen
-    parameters, buffers, optimizer state (pieces whose parameter had
+    parameters (except those saved with ``exclude_frozen_parameters=True``: the engine's own values
+    stay, e.g. a base model loaded before), buffers, optimizer state (pieces whose parameter had
     none get none), param-group hyperparameters (matched to the saved groups by parameter name, see
     :func:`group_hyperparameters`), the LR scheduler's state, the fp16 loss scaler's state and
     ``skipped_steps`` (see [Note: precision]), ``global_steps``, ``micro_steps`` (``global_steps x

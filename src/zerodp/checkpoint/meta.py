@@ -3,7 +3,8 @@
 The models are strict (a JSON ``"2"`` is not an int, ``true`` is not an int) and every problem is
 reported as a :class:`~zerodp.checkpoint.format.CheckpointError` naming the place (``meta.json``,
 ``params[3]``, ``ranks[0].pieces[1]``), the key and what was expected. Keys added after version 1
-(``precision``, ``skipped_steps``, ``loss_scaler``, ``lr_scheduler``) are optional when reading;
+(``precision``, ``skipped_steps``, ``loss_scaler``, ``lr_scheduler``, ``excluded_frozen``) are optional
+when reading;
 unknown keys are ignored.
 """
 
@@ -147,6 +148,9 @@ class CheckpointMeta(_Record):
     loss_scaler: Optional[LossScalerRecord] = None
     lr_scheduler: Optional[SchedulerRecord] = None
     extra_crc32: Optional[dict[str, int]] = None  # model_extra tensor name -> CRC-32 (version >= 2)
+    #: frozen parameters (first names) whose values are not in model_extra: saved with
+    #: ``exclude_frozen_parameters=True`` (DeepSpeed PR 3953, LoRA checkpoints); loading keeps the engine's
+    excluded_frozen: list[str] = Field(default_factory=list)
     torch_version: str = torch.__version__
 
     def to_json(self) -> str:
@@ -205,6 +209,10 @@ class CheckpointMeta(_Record):
                 raise CheckpointError(f"record {r.name!r}: name not among its aliases or numel != prod(shape)")
         if self.precision not in ("",) + PRECISIONS:
             raise CheckpointError(f"'precision' is {self.precision!r}; expected one of {list(PRECISIONS)}")
+        frozen = {r.name for r in self.params if not r.trained}
+        if len(set(self.excluded_frozen)) != len(self.excluded_frozen) or not set(self.excluded_frozen) <= frozen:
+            raise CheckpointError(f"'excluded_frozen' must name distinct frozen parameters; got "
+                                  f"{sorted(set(self.excluded_frozen) - frozen)[:5]} that are not")
         if self.skipped_steps < 0:
             raise CheckpointError(f"'skipped_steps' is {self.skipped_steps}; expected >= 0")
         if len(self.ranks) != self.world_size or [r.rank for r in self.ranks] != list(range(self.world_size)):
@@ -249,7 +257,8 @@ class CheckpointMeta(_Record):
         for rr in self.ranks:
             if rr.crc32 is None or sorted(rr.crc32) != sorted(rr.tensor_names()):
                 raise CheckpointError(f"{rr.file}: 'crc32' must list a checksum for each of its tensors")
-        extra = sorted(r.name for r in self.params + self.buffers if not r.trained)
+        extra = sorted(r.name for r in self.params + self.buffers
+                       if not r.trained and r.name not in self.excluded_frozen)
         if self.extra_crc32 is None or sorted(self.extra_crc32) != extra:
             raise CheckpointError("'extra_crc32' must list a checksum for each frozen parameter and buffer")
 

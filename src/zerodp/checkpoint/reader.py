@@ -3,6 +3,7 @@ mid-rename), checking every file against ``meta.json``, and reading ranges of sa
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -53,6 +54,18 @@ def resolve_checkpoint(checkpoint_dir: PathLike, tag: Optional[str] = None) -> P
     raise CheckpointError(f"checkpoint {path} does not exist or has no {META_FILE}")
 
 
+class AbsentParametersWarning(UserWarning):
+    """A full state dict read from a checkpoint lacks frozen parameters that were saved with
+    ``exclude_frozen_parameters=True``."""
+
+
+def absent_message(absent: list[str], path: Path) -> str:
+    """What to tell the user about the ``absent`` state_dict keys of checkpoint ``path``."""
+    return (f"{len(absent)} frozen parameter(s) are absent from checkpoint {path} (saved with "
+            f"exclude_frozen_parameters=True, only trained parameters and their optimizer states): "
+            f"{', '.join(absent)}. Load them from their own source (e.g. the base model's weights)")
+
+
 class CheckpointReader:
     """Reads one checkpoint directory: its meta and, lazily, ranges of saved tensors.
 
@@ -78,6 +91,22 @@ class CheckpointReader:
             self._crc32.update({(rr.file, k): v for k, v in (rr.crc32 or {}).items()})
         self._crc32.update({(EXTRA_FILE, k): v for k, v in (self.meta.extra_crc32 or {}).items()})
         self._verified: set[tuple[str, str]] = set()
+        self.excluded: set[str] = set(self.meta.excluded_frozen)  # frozen parameters not saved
+
+    def absent_keys(self) -> list[str]:
+        """The state_dict keys (every alias) whose values the checkpoint does not hold: frozen
+        parameters saved with ``exclude_frozen_parameters=True``; [] otherwise."""
+        return [k for k in self.meta.state_dict_keys if self.canonical[k] in self.excluded]
+
+    def warn_absent(self) -> None:
+        """Warn (:class:`AbsentParametersWarning`) naming the frozen parameters the checkpoint does not
+        hold, if any: a consolidated or exported state dict lacks them."""
+        absent = self.absent_keys()
+        if absent:
+            warnings.warn(AbsentParametersWarning(absent_message(absent, self.path)), stacklevel=3)
+
+    def _in_extra(self, rec: TensorRecord) -> bool:
+        return not rec.trained and rec.name not in self.excluded
 
     def __enter__(self) -> "CheckpointReader":
         return self
@@ -108,7 +137,7 @@ class CheckpointReader:
                 expected[p.key(PARAM_KEY)] = [p.numel]
                 expected.update({p.key(k): shape for k, shape in p.state.items()})
             self._check_file(rr.file, expected)
-        extras: dict[str, Optional[list[int]]] = {r.name: r.shape for r in self.records.values() if not r.trained}
+        extras: dict[str, Optional[list[int]]] = {r.name: r.shape for r in self.records.values() if self._in_extra(r)}
         self._check_file(EXTRA_FILE, extras)
 
     def _check_file(self, name: str, expected: Mapping[str, Optional[list[int]]]) -> None:
@@ -153,7 +182,7 @@ class CheckpointReader:
         """
         self.validate_files()
         files = [(rr.file, rr.tensor_names()) for rr in self.meta.ranks]
-        files.append((EXTRA_FILE, [r.name for r in self.records.values() if not r.trained]))
+        files.append((EXTRA_FILE, [r.name for r in self.records.values() if self._in_extra(r)]))
         tensors = nbytes = 0
         for file, names in files:
             for key in names:
@@ -173,8 +202,15 @@ class CheckpointReader:
 
     def read_values(self, name: str, start: int, end: int) -> torch.Tensor:
         """Elements ``[start, end)`` of flattened tensor ``name`` (any alias): fp32 for trained
-        parameters (assembled from the overlapping pieces), the stored dtype otherwise. 1-D."""
+        parameters (assembled from the overlapping pieces), the stored dtype otherwise. 1-D.
+
+        Raises:
+            CheckpointError: ``name`` is a frozen parameter left out of the checkpoint.
+        """
         rec = self.record(name)
+        if rec.name in self.excluded:
+            raise CheckpointError(f"frozen parameter {rec.name!r} is not in checkpoint {self.path}: it was saved "
+                                  "with exclude_frozen_parameters=True (only trained parameters)")
         if not rec.trained:
             return self._read(EXTRA_FILE, rec.name).reshape(-1)[start:end]
         return self.read_range(PARAM_KEY, rec.name, start, end, value_dtype(parse_dtype(rec.dtype)))
@@ -213,10 +249,14 @@ class CheckpointReader:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors keyed like the saved module's ``state_dict()`` (tied names as separate copies):
-        trained parameters in fp32, frozen parameters and buffers in their dtype."""
-        full = {r.name: r.unflatten(self.read_values(r.name, 0, r.numel)) for r in self.records.values()}
+        trained parameters in fp32, frozen parameters and buffers in their dtype. Frozen parameters
+        left out of the checkpoint (:meth:`absent_keys`) are absent."""
+        full = {r.name: r.unflatten(self.read_values(r.name, 0, r.numel)) for r in self.records.values()
+                if r.name not in self.excluded}
         out: dict[str, torch.Tensor] = {}
         for k in self.meta.state_dict_keys:
             name = self.canonical[k]
+            if name in self.excluded:
+                continue
             out[k] = full[name] if k == name else full[name].clone()
         return out

@@ -29,7 +29,7 @@ from zerodp.checkpoint.protocol import CheckpointableEngine as Engine
 
 
 def save_checkpoint(engine: Engine, save_dir: PathLike, tag: Optional[str] = None,
-                    client_state: Optional[Mapping[str, Any]] = None) -> Path:
+                    client_state: Optional[Mapping[str, Any]] = None, exclude_frozen_parameters: bool = False) -> Path:
     """Write a checkpoint of ``engine`` to ``save_dir/<tag>`` and point ``save_dir/latest`` at it.
 
     Collective: every rank of the engine's group must call it with the same ``save_dir`` and ``tag``.
@@ -41,6 +41,11 @@ def save_checkpoint(engine: Engine, save_dir: PathLike, tag: Optional[str] = Non
             tag is replaced.
         client_state: JSON-serialisable data returned by :func:`load_checkpoint` (rank 0's is kept; it
             comes back as JSON does: tuples as lists, non-string dict keys as strings).
+        exclude_frozen_parameters: leave out the values of the parameters the engine does not train
+            (frozen at ``zerodp.initialize``; DeepSpeed PR 3953, for LoRA-style checkpoints): only trained
+            parameters, their optimizer states and the buffers are written, and ``meta.json`` lists the
+            left-out names (``excluded_frozen``). Loading keeps the loading engine's values for them;
+            consolidation leaves them out and names them. At stage 3 they are then not gathered.
 
     Returns:
         The checkpoint directory ``save_dir/<tag>``.
@@ -56,10 +61,12 @@ def save_checkpoint(engine: Engine, save_dir: PathLike, tag: Optional[str] = Non
     tmp = save_dir / f"{TMP_PREFIX}{tag}"
     collectively(engine, "save_checkpoint", lambda: _check_can_save(engine, tag, client_state))
     collectively(engine, "save_checkpoint", lambda: _prepare_dir(tmp) if engine.rank == 0 else None)
-    extra = collectively(engine, "save_checkpoint", lambda: _copy_extra_values(engine, layout))
+    extra = collectively(engine, "save_checkpoint",
+                         lambda: _copy_extra_values(engine, layout, exclude_frozen_parameters))
     collectively(engine, "save_checkpoint", lambda: _write_rank_file(engine, layout, tmp))
     collectively(engine, "save_checkpoint",
-                  lambda: _finish_save(engine, extra, save_dir, tag, client_state) if engine.rank == 0 else None)
+                  lambda: _finish_save(engine, extra, save_dir, tag, client_state, exclude_frozen_parameters)
+                  if engine.rank == 0 else None)
     return save_dir / tag
 
 
@@ -85,12 +92,19 @@ def _prepare_dir(tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _copy_extra_values(engine: Engine, layout: CheckpointLayout) -> dict[str, torch.Tensor]:
-    """Every rank asks the layout (it may gather); rank 0 keeps CPU copies for ``model_extra``."""
-    values = layout.extra_values(engine)
+def _copy_extra_values(engine: Engine, layout: CheckpointLayout, exclude_frozen: bool) -> dict[str, torch.Tensor]:
+    """Every rank asks the layout (it may gather); rank 0 keeps CPU copies for ``model_extra`` (without
+    the frozen parameters with ``exclude_frozen``)."""
+    values = layout.extra_values(engine, frozen=not exclude_frozen)
     if engine.rank != 0:
         return {}
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in values.items()}
+    left_out = set(_frozen_names(engine)) if exclude_frozen else set()
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in values.items() if k not in left_out}
+
+
+def _frozen_names(engine: Engine) -> list[str]:
+    """First names of the parameters the engine does not train (their values go to ``model_extra``)."""
+    return [r.name for r in describe_model(engine)[0] if not r.trained]
 
 
 def _write_rank_file(engine: Engine, layout: CheckpointLayout, tmp: Path) -> Path:
@@ -144,7 +158,7 @@ def _scan_rank_file(path: Path, rank: int) -> RankRecord:
 
 
 def _finish_save(engine: Engine, extra: dict[str, torch.Tensor], save_dir: Path, tag: str,
-                 client_state: Any) -> None:
+                 client_state: Any, exclude_frozen: bool) -> None:
     """Rank 0, after every rank wrote its file: extra file, meta.json, rename, ``latest``."""
     tmp = save_dir / f"{TMP_PREFIX}{tag}"
     extra_crc32 = integrity.checksums(extra)
@@ -165,6 +179,7 @@ def _finish_save(engine: Engine, extra: dict[str, torch.Tensor], save_dir: Path,
         micro_steps=engine.micro_steps, client_state=client_state, precision=engine_precision(engine),
         skipped_steps=int(getattr(engine, "skipped_steps", 0)), loss_scaler=loss_scaler_state(engine),
         lr_scheduler=scheduler_state(engine), extra_crc32=extra_crc32,
+        excluded_frozen=[r.name for r in params if not r.trained] if exclude_frozen else [],
     )
     write_text(tmp / META_FILE, meta.to_json())
     fsync_dir(tmp)

@@ -106,6 +106,8 @@ def plan_shards(reader: CheckpointReader, max_shard_bytes: int) -> list[Shard]:
     size = 0
     for key in reader.meta.state_dict_keys:
         rec = reader.record(key)
+        if rec.name in reader.excluded:  # a frozen parameter left out of the checkpoint
+            continue
         dtype = output_dtype(rec.dtype)
         nbytes = prod(rec.shape) * torch.empty(0, dtype=dtype).element_size()
         if current and size + nbytes > max_shard_bytes:
@@ -175,6 +177,10 @@ def export_sharded_safetensors(checkpoint_dir: PathLike, out_dir: PathLike, tag:
     Returns:
         the index file's path (``out_dir/model.safetensors.index.json``).
 
+    Warns:
+        AbsentParametersWarning: naming frozen parameters saved with ``exclude_frozen_parameters=True``
+            (not in the output).
+
     Raises:
         CheckpointError: the checkpoint cannot be read or is corrupt; ``out_dir`` is a file.
         ValueError: ``max_shard_size`` is not a positive size.
@@ -189,6 +195,7 @@ def export_sharded_safetensors(checkpoint_dir: PathLike, out_dir: PathLike, tag:
         if verify:
             reader.verify_all()  # streams: one tensor at a time
         shards = plan_shards(reader, limit)
+        reader.warn_absent()
         out.mkdir(parents=True, exist_ok=True)
         for shard in shards:
             _write_shard(reader, shard, out / shard.file)

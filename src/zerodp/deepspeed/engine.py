@@ -297,15 +297,13 @@ class DeepSpeedEngine:
 
     def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
-        """Collective: write the full weights in the module's dtype to ``save_dir/save_filename`` (rank 0).
+        """Collective: write the full weights in the module's dtype to ``save_dir/save_filename`` (rank 0);
+        ``exclude_frozen_parameters``: without the parameters whose ``requires_grad`` is False (every name).
 
         Raises:
             ValueError: stage 3 without ``zero_optimization.stage3_gather_16bit_weights_on_model_save``
                 (DeepSpeed then writes nothing and returns False).
-            NotImplementedError: ``exclude_frozen_parameters=True``.
         """
-        if exclude_frozen_parameters:
-            raise NotImplementedError("save_16bit_model(exclude_frozen_parameters=True) is not implemented")
         zc = self.engine.config.zero_optimization
         if self.engine.stage == 3 and not zc.stage3_gather_16bit_weights_on_model_save:
             raise ValueError("save_16bit_model at stage 3 needs zero_optimization."
@@ -313,6 +311,9 @@ class DeepSpeedEngine:
         sd = self.engine.module_state_dict()
         dtypes = {n: p.dtype for n, p in self.module.named_parameters(remove_duplicate=False)}
         sd = {k: v.to(dtypes[k]) if k in dtypes else v for k, v in sd.items()}
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            sd = {k: v for k, v in sd.items() if k not in frozen}
         if self.engine.rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(sd, os.path.join(save_dir, save_filename))
@@ -326,15 +327,14 @@ class DeepSpeedEngine:
         an int; ``client_state`` may hold tensors and any picklable object (stored with torch.save in the
         checkpoint directory, and returned as saved); ``save_latest=False`` leaves ``latest`` as it was.
 
-        Raises:
-            NotImplementedError: ``exclude_frozen_parameters=True``.
+        ``exclude_frozen_parameters=True`` writes only the trained parameters and their optimizer states
+        (see :func:`zerodp.checkpoint.save_checkpoint`).
         """
-        if exclude_frozen_parameters:
-            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True) is not implemented")
         tag = None if tag is None else str(tag)
         latest = Path(save_dir) / "latest"
         before = latest.read_text(encoding="utf-8") if latest.is_file() else None
-        path = self.engine.save_checkpoint(save_dir, tag, {CLIENT_STATE_MARKER: CLIENT_STATE_FILE})
+        path = self.engine.save_checkpoint(save_dir, tag, {CLIENT_STATE_MARKER: CLIENT_STATE_FILE},
+                                           exclude_frozen_parameters=exclude_frozen_parameters)
         if self.engine.rank == 0:
             torch.save(dict(client_state or {}), Path(path) / CLIENT_STATE_FILE)
             if not save_latest:

@@ -50,7 +50,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 #: calls the guard knows; the index is the code exchanged between ranks (same on every rank).
 CALLS: tuple[str, ...] = ("forward", "backward", "step", "gather", "save_checkpoint", "load_checkpoint",
-                          "module_state_dict", "shutdown_distributed", "synced_generate")
+                          "module_state_dict", "shutdown_distributed", "synced_generate", "clip_grad_norm_")
 _WIDTH = 5  # int64 per rank in an agreement: call, crc32(detail), step, micro-step, aux
 _STORE_WAIT_S = 3.0  # how long a failing rank waits for the others' post-mortem reports
 

@@ -1,0 +1,137 @@
+"""``param.grad`` placeholders that raise on use, set from ``engine.backward`` until ``engine.step``.
+
+At stages 1-3 the engine keeps each rank's partition of the averaged gradient in its own buffers
+(:mod:`zerodp.runtime.reducer`), so ``param.grad`` of the module's parameters would be None after
+``engine.backward``. Code that reads ``param.grad`` then gets a silently wrong answer:
+``torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)`` skips None gradients, returns 0.0
+and clips nothing (pytorch/pytorch#170862 is the FSDP form; DeepSpeed behaves the same). A
+placeholder makes every such use fail loudly instead.
+
+:class:`HiddenGradient` has the parameter's shape, dtype and device (so ``param.grad = placeholder``
+is accepted, and ``.shape``/``.dtype``/``.device`` read normally) and no storage (it costs no
+memory). Every tensor operation on it (``torch.linalg.vector_norm``, ``torch._foreach_norm``,
+``mul_``, ``zero_``, ``clone``, printing its values) raises RuntimeError naming the parameter, why
+its gradient is not there, and what to use instead: ``"gradient_clipping"`` in the config,
+``engine.clip_grad_norm_(max_norm, norm_type)``, ``engine.get_global_grad_norm()``,
+``zerodp.zero.safe_get_full_grad(param)``. ``module.zero_grad()`` (``set_to_none=True``) still works.
+
+Which parameters get one (trained parameters only; frozen ones keep ``grad`` None, as in torch):
+
+- stages 1-3, at every world size: always (one behaviour at world size 1 and N).
+- stage 0: where ``param.grad`` is None (on a micro-step that does not reduce, world size > 1, the
+  local sum is hidden), and everywhere under fp16 loss scaling (the gradient buffer holds the
+  *scaled* gradient until ``engine.step`` unscales it). Otherwise ``param.grad`` views the averaged
+  gradient that the step uses, and ``torch.nn.utils.clip_grad_norm_`` on it works as in DDP.
+
+:meth:`GradPlaceholders.remove` puts back exactly what each placeholder displaced (None, or the
+stage-0/1 view of the flat gradient buffer) before the next backward and at ``engine.step``; a
+``param.grad`` that the user replaced in between is left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from zerodp.runtime.partition import ParamSlot
+
+#: what every message ends with: the ways to reach the gradients that do work
+ALTERNATIVES = (
+    "To clip gradients, set \"gradient_clipping\" in the config or call engine.clip_grad_norm_(max_norm, "
+    "norm_type=2.0) after engine.backward on the last micro-step of an accumulation (it returns the global "
+    "norm as torch.nn.utils.clip_grad_norm_ does, which cannot see the engine's gradients); "
+    "engine.get_global_grad_norm() is the norm at the last step; zerodp.zero.safe_get_full_grad(param), "
+    "called on every rank, gives one parameter's full averaged gradient")
+
+
+class HiddenGradient(torch.Tensor):
+    """Stands in ``param.grad`` while the engine holds the gradient: ``param``'s shape, dtype and device,
+    no storage; any operation raises RuntimeError with :attr:`message`."""
+
+    message: str
+
+    @staticmethod
+    def __new__(cls, param: torch.Tensor, message: str) -> "HiddenGradient":
+        t = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device,
+                                                 requires_grad=False)
+        t.message = message
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        hidden = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, HiddenGradient)), None)
+        what = hidden.message if hidden is not None else ALTERNATIVES
+        raise RuntimeError(f"{func} on a parameter's .grad: {what}")
+
+    def __repr__(self) -> str:  # no values to print; a debugger listing locals must not raise
+        return f"HiddenGradient(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+
+def is_hidden_gradient(t: Optional[torch.Tensor]) -> bool:
+    """True for a :class:`HiddenGradient` placeholder."""
+    return isinstance(t, HiddenGradient)
+
+
+class GradPlaceholders:
+    """Sets and removes the placeholders of one engine's trained parameters (``slots``).
+
+    Args:
+        slots: the engine's parameter slots (``reducer.slots``); frozen ones are skipped.
+        stage: ZeRO stage (see the module docstring for which parameters get one).
+        loss_scaled: fp16 loss scaling is on (the gradient buffers hold scaled values).
+    """
+
+    def __init__(self, slots: Sequence[ParamSlot], stage: int, loss_scaled: bool) -> None:
+        self.slots = [s for s in slots if s.group_index >= 0 and s.param.requires_grad]
+        self.stage = stage
+        self.loss_scaled = loss_scaled
+        self._cache: dict[int, HiddenGradient] = {}  # slot index -> placeholder (same shape: reused)
+        self._displaced: dict[int, tuple[HiddenGradient, Optional[torch.Tensor]]] = {}
+
+    def _reason(self) -> str:
+        if self.stage >= 1:
+            return (f"ZeRO stage {self.stage} keeps each rank's partition of the averaged gradient in the "
+                    "engine, so param.grad holds no value between engine.backward and engine.step")
+        if self.loss_scaled:
+            return ("under fp16 loss scaling the engine's gradient is multiplied by the loss scale until "
+                    "engine.step() unscales it, so param.grad holds no value between engine.backward and "
+                    "engine.step")
+        return ("gradients are averaged across ranks only by the engine.backward of the last micro-step of "
+                "an accumulation, so param.grad holds no value after the others")
+
+    def _hides(self, current: Optional[torch.Tensor], reduced: bool) -> bool:
+        if self.stage >= 1 or self.loss_scaled:
+            return True
+        # stage 0: a view of the averaged gradient, which the step reads, stays; None after a reduced
+        # backward means no gradient (the user set it to None and the parameter got none), as in torch
+        return current is None and not reduced
+
+    def install(self, reduced: bool) -> None:
+        """After ``engine.backward`` (``reduced``: it was the accumulation boundary's): set a placeholder
+        wherever ``param.grad`` is not the averaged, unscaled gradient."""
+        reason = self._reason()
+        for s in self.slots:
+            p = s.param
+            current = p.grad
+            if isinstance(current, HiddenGradient) or not self._hides(current, reduced):
+                continue
+            ph = self._cache.get(s.index)
+            if ph is None or ph.shape != p.shape or ph.dtype != p.dtype or ph.device != p.device:
+                ph = self._cache[s.index] = HiddenGradient(p, "")
+            ph.message = f"'{s.name}': {reason}. {ALTERNATIVES}"
+            p.grad = ph
+            self._displaced[s.index] = (ph, current)
+
+    def remove(self) -> None:
+        """Before a backward and at ``engine.step``: put back what each placeholder displaced (where
+        ``param.grad`` still holds that placeholder)."""
+        if not self._displaced:
+            return
+        for s in self.slots:
+            entry = self._displaced.get(s.index)
+            if entry is not None and s.param.grad is entry[0]:
+                s.param.grad = entry[1]
+        self._displaced.clear()
