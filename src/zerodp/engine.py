@@ -126,7 +126,8 @@ class Engine:
                 # stage 3 has one bucket per unit: reduce-scatter units in a few coalesced groups
                 coalesce_elements=self.sharding.reduce_flush_elements if self.sharding is not None else 0)
         self.reducer.attach()
-        self.grad_placeholders = GradPlaceholders(self.reducer.slots, self.stage, self.loss_scaler is not None)
+        self.grad_placeholders = GradPlaceholders(self.reducer.slots, self.stage, self.loss_scaler is not None,
+                                                  folded=self.reducer.folds)
         self._bucket_pieces: dict[int, list] = {}  # id(bucket) -> this rank's pieces in it
         for g in self.groups:
             for piece in g.pieces:

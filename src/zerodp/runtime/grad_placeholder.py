@@ -18,7 +18,8 @@ its gradient is not there, and what to use instead: ``"gradient_clipping"`` in t
 Which parameters get one (trained parameters only; frozen ones keep ``grad`` None, as in torch):
 
 - stages 1-3, at every world size: always (one behaviour at world size 1 and N).
-- stage 0: where ``param.grad`` is None (on a micro-step that does not reduce, world size > 1, the
+- stage 0: everywhere when gradients accumulate in an fp32 buffer under bf16/fp16 (the module's
+  16-bit ``.grad`` cannot hold it); otherwise where ``param.grad`` is None (on a micro-step that does not reduce, world size > 1, the
   local sum is hidden), and everywhere under fp16 loss scaling (the gradient buffer holds the
   *scaled* gradient until ``engine.step`` unscales it). Otherwise ``param.grad`` views the averaged
   gradient that the step uses, and ``torch.nn.utils.clip_grad_norm_`` on it works as in DDP.
@@ -82,12 +83,15 @@ class GradPlaceholders:
         slots: the engine's parameter slots (``reducer.slots``); frozen ones are skipped.
         stage: ZeRO stage (see the module docstring for which parameters get one).
         loss_scaled: fp16 loss scaling is on (the gradient buffers hold scaled values).
+        folded: stage 0 accumulates into an fp32 buffer (``reducer.folds``): the module's 16-bit
+            ``param.grad`` is dropped after each backward, so none can show the averaged gradient.
     """
 
-    def __init__(self, slots: Sequence[ParamSlot], stage: int, loss_scaled: bool) -> None:
+    def __init__(self, slots: Sequence[ParamSlot], stage: int, loss_scaled: bool, folded: bool = False) -> None:
         self.slots = [s for s in slots if s.group_index >= 0 and s.param.requires_grad]
         self.stage = stage
         self.loss_scaled = loss_scaled
+        self.folded = folded
         self._cache: dict[int, HiddenGradient] = {}  # slot index -> placeholder (same shape: reused)
         self._displaced: dict[int, tuple[HiddenGradient, Optional[torch.Tensor]]] = {}
 
@@ -99,11 +103,15 @@ class GradPlaceholders:
             return ("under fp16 loss scaling the engine's gradient is multiplied by the loss scale until "
                     "engine.step() unscales it, so param.grad holds no value between engine.backward and "
                     "engine.step")
+        if self.folded:
+            return ("the engine accumulates gradients in an fp32 buffer (data_types.grad_accum_dtype) and "
+                    "the module's 16-bit param.grad cannot hold it, so param.grad holds no value between "
+                    "engine.backward and engine.step")
         return ("gradients are averaged across ranks only by the engine.backward of the last micro-step of "
                 "an accumulation, so param.grad holds no value after the others")
 
     def _hides(self, current: Optional[torch.Tensor], reduced: bool) -> bool:
-        if self.stage >= 1 or self.loss_scaled:
+        if self.stage >= 1 or self.loss_scaled or self.folded:
             return True
         # stage 0: a view of the averaged gradient, which the step reads, stays; None after a reduced
         # backward means no gradient (the user set it to None and the parameter got none), as in torch

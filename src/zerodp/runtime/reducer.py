@@ -80,6 +80,7 @@ class GradientReducer:
     """Base: bookkeeping shared by the three strategies. See the module docstring."""
 
     collective_purpose = "gradients"
+    folds = False  # param.grad is added into a buffer of another dtype (stages 0-1, see _FullGradBuffer)
 
     def __init__(
         self, groups: list[FlatGroup], rank: int, world_size: int, group: Optional[ProcessGroup],
@@ -294,7 +295,6 @@ class _FullGradBuffer(GradientReducer):
         # writes into them, as DDP's gradients do (zerodp.runtime.zero_pages)
         self._zero_pages = {g.index: ZeroPageBuffer.like(g.buffer, dtype=self.accumulate_dtype) for g in self.groups}
         self.grad_buffers: dict[int, torch.Tensor] = {i: z.tensor for i, z in self._zero_pages.items()}
-        #: gradients are added into an accumulation buffer of another dtype (param.grad cannot view it)
         self.folds = any(self.grad_buffers[g.index].dtype != g.buffer.dtype for g in self.groups)
         self._views: dict[int, torch.Tensor] = {}
         for g in self.groups:
