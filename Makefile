@@ -2,6 +2,7 @@
 #   make train   creates .venv, installs zerodp alone (`pip install -e .`), trains the default GPT on
 #                stdlib prose (2 ranks, ZeRO-2)
 #   make test    creates .venv, installs zerodp with its test dependencies (`.[dev]`), runs the test suite
+#   make test-unit  the in-process tier alone (tests/unit: no torchrun, under a minute); make test runs it too
 #   make mutants applies named faults to a copy of src/ one at a time; each must fail its tests (slow,
 #                not part of make test); prints "N/N mutants killed" last
 # Both install the torch pinned in constraints.txt (`pip install -c constraints.txt`), so the demo and the
@@ -25,7 +26,7 @@ $(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP_INSTALL) -e '.[dev]'
 	touch $@
 
-.PHONY: install train test mutants
+.PHONY: install train test test-unit mutants
 install: $(VENV)/.installed-dev
 
 train: $(VENV)/.installed
@@ -33,6 +34,9 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q tests
+
+test-unit: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q tests/unit
 
 mutants: install
 	$(BIN)/python tools/mutants.py
