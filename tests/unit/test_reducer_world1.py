@@ -140,3 +140,55 @@ def test_stage2_owned_partition_is_one_shard_per_bucket(fake_world, world_size: 
     not_owned = b.shard_range((rank + 1) % world_size)
     with pytest.raises(KeyError, match=f"not owned by rank {rank}"):
         reducer.piece_grad(group, *not_owned)
+
+
+class Reused(nn.Module):
+    """``a`` runs twice under reentrant checkpointing: one inner backward per segment, so its
+    gradient is accumulated (and its hook called) twice in one backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.a, x, use_reentrant=True)
+        h = checkpoint(self.a, torch.tanh(h), use_reentrant=True)
+        return self.b(h).square().sum()
+
+
+@pytest.mark.parametrize("stage, kwargs", VARIANTS)
+def test_repeated_accumulation_in_one_backward_is_summed(world1, stage: int, kwargs: dict) -> None:
+    model = Reused()
+    ref = copy.deepcopy(model)
+    group, reducer = _build(model, stage, 1, 0, bucket_size=8, **kwargs)
+    x = torch.randn(3, 4, requires_grad=True)  # reentrant checkpointing needs an input that requires grad
+    for _ in range(2):  # the first micro-step calibrates, the second runs with what it found
+        reducer.zero_grads()
+        ref.zero_grad()
+        _micro_steps(model, reducer, [x], stage)
+        ref(x).backward()
+        for piece in group.pieces:
+            want = dict(ref.named_parameters())[piece.slot.name].grad.reshape(-1)
+            torch.testing.assert_close(reducer.piece_grad(group, piece.lo, piece.hi),
+                                       want[piece.lo - piece.slot.offset : piece.hi - piece.slot.offset])
+
+
+@pytest.mark.parametrize("stage, kwargs", VARIANTS)
+def test_second_backward_on_the_boundary_adds(world1, stage: int, kwargs: dict) -> None:
+    """Two engine.backward calls on the boundary micro-step before step(): both gradients count."""
+    model = Net()
+    ref = copy.deepcopy(model)
+    group, reducer = _build(model, stage, 1, 0, **kwargs)
+    xs = [torch.randn(2, 6), torch.randn(2, 6)]
+    for x in xs:
+        _micro_steps(model, reducer, [x], stage)
+        ref(x).backward()
+    for piece in group.pieces:
+        grad = dict(ref.named_parameters())[piece.slot.name].grad
+        if grad is None:
+            continue
+        torch.testing.assert_close(reducer.piece_grad(group, piece.lo, piece.hi),
+                                   grad.reshape(-1)[piece.lo - piece.slot.offset : piece.hi - piece.slot.offset])

@@ -157,3 +157,15 @@ def test_pool_lends_while_gathered_and_takes_back_on_release(world1) -> None:
         unit.release()
         assert pool.lent_bytes() == 0 and pool.free_bytes() == 18 * 4
     assert pool.allocations == 1  # the slab is reused by every later gather
+
+
+def test_released_unit_repr_does_not_touch_freed_storage(world1) -> None:
+    """A released unit's buffers hold 0 bytes; torch's tensor repr of them would read freed memory
+    (a segfault, e.g. in pytest's report of a failed assertion that mentions the unit)."""
+    lin, _, unit = _unit()
+    unit.start_gather(None, CommLedger(), "params")
+    unit.finish_gather()
+    unit.cast(lin.weight, torch.bfloat16)
+    unit.release()
+    text = repr(unit)
+    assert "ShardedUnit(name='lin'" in text and "state=<ShardState.SHARDED" in text
