@@ -4,6 +4,7 @@
 #   make test    creates .venv, installs zerodp with its test dependencies (`.[dev]`), runs the test suite
 #   make gpu-check  on an NVIDIA GPU machine: tools/gpu_check.sh (installs a CUDA torch into .venv-gpu,
 #                runs the CUDA checks, writes gpu_check_out/gpu_check.json; see docs/gpu.md)
+#   make test-unit  the in-process tier alone (tests/unit: no torchrun, under a minute); make test runs it too
 #   make mutants applies named faults to a copy of src/ one at a time; each must fail its tests (slow,
 #                not part of make test); prints "N/N mutants killed" last
 # Both install the torch pinned in constraints.txt (`pip install -c constraints.txt`), so the demo and the
@@ -27,7 +28,7 @@ $(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP_INSTALL) -e '.[dev]'
 	touch $@
 
-.PHONY: install train test mutants gpu-check
+.PHONY: install train test test-unit mutants gpu-check
 install: $(VENV)/.installed-dev
 
 train: $(VENV)/.installed
@@ -35,6 +36,9 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q tests
+
+test-unit: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q tests/unit
 
 mutants: install
 	$(BIN)/python tools/mutants.py

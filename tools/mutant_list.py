@@ -36,6 +36,12 @@ CONTROL = "src/zerodp/runtime/control.py"
 DEVICE = "src/zerodp/runtime/device.py"
 GRAD_NORM = "src/zerodp/runtime/grad_norm.py"
 CLIP = "tests/test_clip_grad.py::test_user_clipping"
+UNITS = "src/zerodp/stage3/units.py"
+ACCOUNTING = "src/zerodp/runtime/accounting.py"
+UNIT_PLAN = "tests/unit/test_partition_plan.py"  # the in-process tier (make test-unit): seconds per mutant
+UNIT_SHARD = "tests/unit/test_shard_state.py"
+UNIT_PRECISION = "tests/unit/test_precision_scaler.py"
+UNIT_ACCOUNTING = "tests/unit/test_accounting_formulas.py"
 
 
 @dataclass(frozen=True)
@@ -245,4 +251,33 @@ MUTANTS: list[Mutant] = [
            "            continue  # frozen, not saved (exclude_frozen_parameters): this engine's values stay\n",
            "            pass\n",
            ["tests/test_checkpoint_exclude_frozen.py::test_exclude_frozen_parameters[w1-stage3-fp32-none]"]),
+    # killed by the in-process tier (tests/unit), in seconds
+    Mutant("bucket_not_padded_to_world_size", PARTITION,
+           "        padded = -(-(cursor - start) // world_size) * world_size\n",
+           "        padded = cursor - start\n",
+           [f"{UNIT_PLAN}::test_buckets_cover_every_element_once_within_bound"]),
+    Mutant("bucket_closes_when_exactly_full", PARTITION,
+           "        if current and filled + p.numel() > bucket_size:\n",
+           "        if current and filled + p.numel() >= bucket_size:\n",
+           [f"{UNIT_PLAN}::test_buckets_cover_every_element_once_within_bound"]),
+    Mutant("every_rank_owns_shard_zero", PARTITION,
+           "else b.shard_range(rank)\n",
+           "else b.shard_range(0)\n",
+           [f"{UNIT_PLAN}::test_pieces_partition_each_bucket_across_ranks"]),
+    Mutant("hysteresis_not_restored_after_window", PRECISION,
+           "            self.hysteresis_left = self.hysteresis\n",
+           "            pass\n",
+           [f"{UNIT_PRECISION}::test_dynamic_schedule_follows_hysteresis_and_window"]),
+    Mutant("optimizer_states_partitioned_from_stage2", ACCOUNTING,
+           '"optimizer_states": b.optimizer * numel / (n if stage >= 1 else 1),',
+           '"optimizer_states": b.optimizer * numel / (n if stage >= 2 else 1),',
+           [f"{UNIT_ACCOUNTING}::test_mixed_precision_adam_is_2_2_12_psi"]),
+    Mutant("gather_does_not_enter_gathering", UNITS,
+           "        self.state = ShardState.GATHERING\n",
+           "        pass\n",
+           [f"{UNIT_SHARD}::test_gather_release_cycle_restores_values"]),
+    Mutant("stage3_unit_not_padded_to_world_size", UNITS,
+           "    padded = max(-(-cursor // world_size) * world_size, world_size)\n",
+           "    padded = max(cursor, world_size)\n",
+           [f"{UNIT_SHARD}::test_shards_of_larger_worlds"]),
 ]

@@ -75,10 +75,12 @@ class ShardedUnit:
     world_size: int
     persistent: bool = False
     state: ShardState = ShardState.SHARDED
-    full: Optional[torch.Tensor] = None  # 1-D, padded numel; its storage has 0 bytes while SHARDED
+    # 1-D, padded numel; its storage has 0 bytes while SHARDED (so not in repr: torch's tensor repr of a
+    # 0-byte storage reads freed memory, e.g. in pytest's report of a failed assertion on a unit)
+    full: Optional[torch.Tensor] = field(default=None, repr=False)
     work: Optional[Work] = None
     # (slot position, dtype) -> cast of that parameter; storage re-filled on gather, emptied on release
-    casts: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    casts: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
     users: int = 0  # modules currently holding it gathered (forward or backward)
     prefetched: bool = False  # gathered ahead of use by the coordinator
     #: lends the memory of ``full`` and of the cast buffers while gathered (see [Note: gather pool] in
