@@ -105,7 +105,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
         client_opt = optimizer
         raw["optimizer"], model_parameters = _from_client_optimizer(optimizer)
     lr = client_opt.defaults.get("lr") if client_opt is not None else None
-    cfg = load_config(resolve_deepspeed_config(raw, model, optimizer_lr=float(lr) if lr is not None else None))
+    cfg = load_config(resolve_deepspeed_config(raw, model, optimizer_lr=float(lr) if lr is not None else None,
+                                               translate_optimizer=client_opt is None))
     cfg.require_batch_size("the config given to initialize()")  # DeepSpeed refuses it too
     shapes = {id(p): tuple(p.shape) for p in model.parameters()}
     scheduler_fn = _scheduler_factory(lr_scheduler, client_opt)

@@ -140,8 +140,8 @@ class DeepSpeedEngine:
 
     def _report(self) -> None:
         cfg = self.engine.config
-        if self.engine.global_steps % cfg.steps_per_print:
-            return
+        if cfg.steps_per_print is None or self.engine.global_steps % cfg.steps_per_print:
+            return  # None: never (steps_per_print inf, as accelerate sets it)
         if self.engine.rank == 0:
             print(f"[zerodp] step={self.engine.global_steps}, skipped={self.engine.skipped_steps}, "
                   f"lr={self.get_lr()}, mom={self.get_mom()}, loss_scale={self.engine.loss_scale}", flush=True)

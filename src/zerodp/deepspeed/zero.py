@@ -17,7 +17,7 @@ from torch import nn
 
 from zerodp import zero as _zero
 from zerodp.config import ConfigError
-from zerodp.deepspeed.config import read_config, resolve_deepspeed_config
+from zerodp.deepspeed.config import drop_auto, read_config, resolve_deepspeed_config
 from zerodp.stage3.units import ShardedUnit
 from zerodp.zero import GatheredParameters, TiledLinear, full_numel, is_partitioned, register_external_parameter
 
@@ -27,9 +27,10 @@ class Init(_zero.Init):
     :class:`zerodp.zero.Init`), with DeepSpeed's keywords.
 
     Args:
-        config_dict_or_path / config: the DeepSpeed config (dict or JSON path); ``"auto"`` values are
-            resolved as in :func:`zerodp.deepspeed.initialize` where no model is needed. Without a
-            config, or a config without ``zero_optimization.stage``, stage 3 is implied.
+        config_dict_or_path / config: the DeepSpeed config (dict or JSON path); ``"auto"`` values take
+            their defaults, as in DeepSpeed's ``zero.Init`` (there is no model yet to resolve the
+            hidden-size ones from; ``initialize`` resolves them). Without a config, or a config without
+            ``zero_optimization.stage``, stage 3 is implied.
         enabled: False makes this a no-op.
         data_parallel_group: the process group (default: the world).
         dtype: the dtype parameters are partitioned in; must agree with the config's fp16/bf16 (None:
@@ -63,11 +64,13 @@ class Init(_zero.Init):
                                       "(no offload, model parallelism or quantization)")
         if config_dict_or_path is not None and config is not None:
             raise ValueError("zero.Init: give config_dict_or_path or config, not both")
-        raw = read_config(config if config is not None else config_dict_or_path)
-        raw.setdefault("zero_optimization", {}).setdefault("stage", 3)
-        for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size"):  # not used while building
-            if raw["zero_optimization"].get(key) == "auto":
-                del raw["zero_optimization"][key]
+        # "auto" values take their defaults, as DeepSpeed's zero.Init reads them (the HF Trainer fills
+        # the hidden-size ones only once the model exists): Init reads only the stage, the precision,
+        # the persistence threshold and offload_param; initialize() resolves the rest with the model.
+        raw = drop_auto(read_config(config if config is not None else config_dict_or_path))
+        if not isinstance(raw.get("zero_optimization"), dict):
+            raw["zero_optimization"] = {}
+        raw["zero_optimization"].setdefault("stage", 3)
         cfg = resolve_deepspeed_config(raw, model=None)
         implied = (torch.bfloat16 if (cfg.get("bf16") or {}).get("enabled") else
                    torch.float16 if (cfg.get("fp16") or {}).get("enabled") else None)
