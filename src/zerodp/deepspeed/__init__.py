@@ -28,7 +28,7 @@ from zerodp.deepspeed import checkpointing, zero
 from zerodp.deepspeed.config import read_config, resolve_deepspeed_config
 from zerodp.deepspeed.engine import DeepSpeedEngine
 from zerodp.entry import initialize as _zerodp_initialize
-from zerodp.runtime import comm
+from zerodp.runtime import comm as _runtime_comm  # not zerodp.deepspeed.comm (DeepSpeed's API)
 
 __version__ = "0.0.0+zerodp"  # not DeepSpeed: scripts that check deepspeed.__version__ see this
 
@@ -46,7 +46,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         raise NotImplementedError("init_distributed(init_method/rank/world_size) is not implemented in zerodp; "
                                   "launch with torchrun (RANK, WORLD_SIZE, MASTER_ADDR in the environment)")
     timeout_s = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-    comm.init_distributed(backend=dist_backend, timeout_s=timeout_s)
+    _runtime_comm.init_distributed(backend=dist_backend, timeout_s=timeout_s)
 
 
 def initialize(args: Any = None, model: Optional[nn.Module] = None,
@@ -93,7 +93,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
     if config is None:
         config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
     raw = read_config(config)
-    comm.init_distributed()
+    _runtime_comm.init_distributed()
     client_opt = None
     if optimizer is not None:
         if raw.get("optimizer") is not None:

@@ -18,6 +18,8 @@ from torch import nn
 from zerodp import zero as _zero
 from zerodp.config import ConfigError
 from zerodp.deepspeed.config import drop_auto, read_config, resolve_deepspeed_config
+from zerodp.stage3.ownership import OWNERS
+from zerodp.stage3.sharded_param import ZeroParamStatus
 from zerodp.stage3.units import ShardedUnit
 from zerodp.zero import GatheredParameters, TiledLinear, full_numel, is_partitioned, register_external_parameter
 
@@ -85,10 +87,17 @@ class Init(_zero.Init):
 
 
 def set_ds_attributes(p: nn.Parameter, shape: Optional[tuple[int, ...]]) -> None:
-    """DeepSpeed's ``ds_shape``/``ds_numel`` on a (possibly partitioned) parameter."""
+    """DeepSpeed's ``ds_shape``/``ds_numel`` on a (possibly partitioned) parameter and, when a stage-3
+    unit owns it, ``ds_id`` (the same on every rank, see :meth:`zerodp.stage3.units.ShardedUnit.ds_id`)
+    and ``ds_status`` (:class:`ZeroParamStatus`: ``NOT_AVAILABLE`` while only the shard exists, a
+    property of the sharded class; ``AVAILABLE`` while gathered)."""
     if shape is not None:
         p.ds_shape = torch.Size(shape)
     p.ds_numel = full_numel(p)
+    owner = OWNERS.get(p)
+    if owner is not None:
+        p.__dict__["ds_id"] = owner.unit.ds_id(p)
+        p.__dict__["ds_status"] = ZeroParamStatus.AVAILABLE  # read while gathered (own class)
 
 
-__all__ = ["Init", "GatheredParameters", "TiledLinear", "register_external_parameter", "full_numel", "is_partitioned"]
+__all__ = ["Init", "ZeroParamStatus", "GatheredParameters", "TiledLinear", "register_external_parameter", "full_numel", "is_partitioned"]
