@@ -140,8 +140,8 @@ def test_hf_config_without_trainer_arguments_is_refused_naming_each_auto() -> No
      ["'zero_optimization.reduce_bucket_size' is \"auto\"", "hidden_size * hidden_size", "Linear"]),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}, nn.Linear(2, 2),
      ["'scheduler.params.warmup_max_lr'", "set optimizer.params.lr"]),
-    ({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.1}}}, nn.Linear(2, 2),
-     ["'optimizer.params.weight_decay'", "adam_w_mode"]),
+    ({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.1, "adam_w_mode": "yes"}}}, nn.Linear(2, 2),
+     ["'optimizer.params.adam_w_mode'", "true or false"]),
 ])
 def test_unresolvable_auto_is_refused(raw: dict, model: nn.Module, fragments: list[str]) -> None:
     with pytest.raises(zerodp.ConfigError) as err:
@@ -155,6 +155,13 @@ def test_deepspeed_adam_spellings() -> None:
     assert wmode["optimizer"] == {"type": "AdamW", "params": {"weight_decay": 0.0}}  # DeepSpeed's default decay
     l2 = resolve_deepspeed_config({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}})
     assert l2["optimizer"] == {"type": "Adam", "params": {"weight_decay": 0.1}}
+    # DeepSpeed's adam_w_mode defaults to true: a config 'Adam' with weight decay is AdamW (cifar10_deepspeed.py)
+    default = resolve_deepspeed_config({"optimizer": {"type": "Adam", "params": {"lr": 0.001, "weight_decay": 3e-7}}})
+    assert default["optimizer"] == {"type": "AdamW", "params": {"lr": 0.001, "weight_decay": 3e-7}}
+    # a client torch.optim.Adam keeps its class (the translation is for config optimizers only)
+    client = resolve_deepspeed_config({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.1}}},
+                                      translate_optimizer=False)
+    assert client["optimizer"] == {"type": "Adam", "params": {"weight_decay": 0.1}}
     fp = resolve_deepspeed_config({"bf16": {"enabled": "auto"}}, nn.Linear(2, 2).to(torch.bfloat16))
     assert fp["bf16"]["enabled"] is True
 
@@ -241,6 +248,19 @@ def test_bare_zero_init_partitions_with_ds_attributes() -> None:
         model = nn.Sequential(nn.Linear(400, 300))
     p = model[0].weight
     assert zerodp.zero.is_partitioned(p) and p.ds_numel == 120_000 and tuple(p.ds_shape) == (300, 400)
+
+
+def test_zero_init_takes_defaults_for_auto_as_deepspeed() -> None:
+    """transformers' from_pretrained passes zero.Init the HF ZeRO-3 config before the Trainer filled its
+    hidden-size "auto" values: DeepSpeed reads them as defaults (persistence 1e5); so does zerodp."""
+    cfg = fill_auto(HF_ZERO3, **TRAINING_ARGS)
+    assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == "auto"
+    with deepspeed.zero.Init(config_dict_or_path=cfg) as init:
+        model = nn.Sequential(nn.Linear(400, 300), nn.Linear(300, 2))
+    assert init.config.zero_optimization.stage3_param_persistence_threshold == 100_000
+    assert zerodp.zero.is_partitioned(model[0].weight) and not zerodp.zero.is_partitioned(model[1].weight)
+    with deepspeed.zero.Init(config_dict_or_path=HF_ZERO3):  # nothing filled at all: still defaults
+        nn.Linear(2, 2)
 
 
 def test_checkpointing_module_is_zerodps() -> None:

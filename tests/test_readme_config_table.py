@@ -104,6 +104,56 @@ def test_refused_keys_exist():
 
 @pytest.mark.parametrize("key", REFUSED)
 def test_refused_key_is_refused(key):
+    # {"enabled": true}: a value that turns the feature on (keys at DeepSpeed's default or disabled
+    # value are accepted, see test_deepspeed_defaults_are_accepted)
     with pytest.raises(zerodp.ConfigError) as err:
-        zerodp.load_config(nested(key, {}))
+        zerodp.load_config(nested(key, {"enabled": True}))
     assert f"'{key}'" in str(err.value)
+
+
+#: DeepSpeed configs from public clients (DeepSpeedExamples cifar, DeepSpeed-Chat, accelerate) write
+#: these at DeepSpeed's default or disabled value: accepted, the config equals the one without them.
+DEFAULTS_OFF = {
+    "prescale_gradients": False, "gradient_predivide_factor": 1.0, "sparse_gradients": False,
+    "communication_data_type": None,
+    "zero_optimization": {"stage": 2, "cpu_offload": False, "memory_efficient_linear": False},
+    "fp16": {"enabled": False, "fp16_master_weights_and_grads": False, "auto_cast": False},
+    "hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1},
+    "tensorboard": {"enabled": False, "output_path": "x/", "job_name": "t"},
+    "wandb": {"enabled": False}, "csv_monitor": {"enabled": False}, "flops_profiler": {"enabled": False},
+    "comms_logger": {"enabled": False}, "amp": {"enabled": False},
+    "steps_per_print": float("inf"),
+}
+
+
+def test_deepspeed_defaults_are_accepted():
+    cfg = zerodp.load_config(DEFAULTS_OFF)
+    plain = zerodp.load_config({"zero_optimization": {"stage": 2}})
+    assert cfg.steps_per_print is None  # never prints, as accelerate's inf means
+    assert cfg.model_dump(exclude={"steps_per_print", "zero_optimization"}) == \
+        plain.model_dump(exclude={"steps_per_print", "zero_optimization"})
+    assert cfg.zero_optimization.memory_efficient_linear is False
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("prescale_gradients", True, "only false is accepted"),
+    ("gradient_predivide_factor", 2.0, "only 1.0 is accepted"),
+    ("zero_optimization.cpu_offload", True, "only false is accepted"),
+    ("fp16.fp16_master_weights_and_grads", True, "masters are always fp32"),
+    ("communication_data_type", "fp32", "only null is accepted"),
+    ("hybrid_engine", {"enabled": True}, "the hybrid (training + inference) engine"),
+    ("tensorboard", {"enabled": True, "output_path": "x"}, "accepted only when disabled"),
+    ("steps_per_print", float("nan"), "steps_per_print"),
+    ("steps_per_print", 0, "steps_per_print"),
+])
+def test_enabled_features_are_refused_by_name(key, value, fragment):
+    with pytest.raises(zerodp.ConfigError) as err:
+        zerodp.load_config(nested(key, value))
+    assert f"'{key}'" in str(err.value) and fragment in str(err.value), str(err.value)
+
+
+def test_bfloat16_is_bf16():
+    assert zerodp.load_config({"bfloat16": {"enabled": True}}).bf16.enabled
+    assert zerodp.load_config({"bfloat16": {"enabled": True}, "bf16": {"enabled": True}}).bf16.enabled
+    with pytest.raises(zerodp.ConfigError, match="'bfloat16'.*'bf16' are both given"):
+        zerodp.load_config({"bfloat16": {"enabled": True}, "bf16": {"enabled": False}})

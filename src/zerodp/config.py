@@ -175,6 +175,10 @@ class ZeroConfig(_Strict):
         0, ge=0, description="stage 3: a unit the trace uses again within this many elements stays gathered "
                              "(0: off; DeepSpeed's default is 1e9)"
     )
+    memory_efficient_linear: bool = Field(
+        True, description="accepted, either value (DeepSpeed's stage-3 linear that does not keep the gathered "
+                          "weight for backward): zerodp's released units already hold no memory between a "
+                          "module's forward and backward; results are the same")
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, description="stage 3: engine.save_16bit_model gathers and writes the full weights (else refused)"
     )
@@ -365,8 +369,9 @@ class ZeroDPConfig(_Strict):
         "auto", description="zerodp's own key: where the engine puts the module, its shards and batches; "
                             "auto = cuda:LOCAL_RANK when CUDA is available and the group takes CUDA tensors "
                             "(NCCL), else cpu (zerodp.runtime.device.resolve_device)")
-    steps_per_print: int = Field(
-        10, gt=0, description="zerodp.deepspeed engines: rank 0 prints step, lr and loss scale every N steps")
+    steps_per_print: Optional[int] = Field(
+        10, gt=0, description="zerodp.deepspeed engines: rank 0 prints step, lr and loss scale every N steps; "
+                              "None (or +inf, as accelerate sets it): never")
     wall_clock_breakdown: bool = Field(
         False, description="zerodp.deepspeed engines: rank 0 prints forward/backward/step seconds every "
                            "steps_per_print steps")
@@ -374,6 +379,16 @@ class ZeroDPConfig(_Strict):
         False, description="accepted for DeepSpeed configs; every optimizer zerodp builds is element-wise")
     collective_guard: CollectiveGuardConfig = Field(default_factory=CollectiveGuardConfig)
     activation_checkpointing: Optional[ActivationCheckpointingConfig] = None
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _never_print(cls, v: Any) -> Any:
+        # accelerate writes float("inf") (never print); DeepSpeed takes any number. NaN/-inf stay refused.
+        if isinstance(v, float) and v == float("inf"):
+            return None
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        return v
 
     @model_validator(mode="after")
     def _one_precision(self) -> "ZeroDPConfig":

@@ -8,7 +8,12 @@
   ``"'<key>' is not implemented: <reason>"`` instead of a generic unknown-key error.
 - :data:`OWN_KEYS`: zerodp's own keys, which DeepSpeed does not have (``device``, ``seed``...).
 - :data:`ONLY_VALUE`: keys accepted only at the value that describes what zerodp always does
-  (``reduce_scatter: true``...), refused as not implemented at any other.
+  (``reduce_scatter: true``...) or at DeepSpeed's default that leaves a feature off
+  (``prescale_gradients: false``...), refused as not implemented at any other.
+- :data:`OFF_SECTIONS`: DeepSpeed sections for features zerodp lacks (monitors, profilers, the hybrid
+  engine...): accepted and dropped when disabled (``enabled`` false, or absent: DeepSpeed's default),
+  refused as not implemented when enabled.
+- :data:`ALIASES`: DeepSpeed's former section names (``bfloat16`` for ``bf16``), read as DeepSpeed does.
 
 The "DeepSpeed config keys" table of docs/deepspeed.md lists the same keys (tests/test_readme_config_table.py).
 """
@@ -69,18 +74,25 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "zero_optimization.zero_quantized_weights": _ZERO_PP,
     "zero_optimization.zero_quantized_gradients": _ZERO_PP,
     "zero_optimization.mics_shard_size": _ZERO_PP,
-    "zero_optimization.cpu_offload": "offload is configured with offload_optimizer",
-    "prescale_gradients": "gradients are averaged once, after the reduction",
-    "gradient_predivide_factor": "gradients are averaged once, after the reduction",
-    "sparse_gradients": "gradients are reduced dense",
-    "communication_data_type": "gradients are reduced in the module's dtype",
-    "fp16.auto_cast": "inputs are not cast; the module runs in fp16",
-    "fp16.fp16_master_weights_and_grads": "masters are always fp32",
     "bf16.immediate_grad_update": "gradients are reduced and applied at the step",
-    "amp": _SCOPE, "flops_profiler": _SCOPE, "tensorboard": _SCOPE, "wandb": _SCOPE, "csv_monitor": _SCOPE,
-    "comms_logger": _SCOPE, "autotuning": _SCOPE, "elasticity": _SCOPE, "pipeline": _SCOPE,
-    "compression_training": _SCOPE, "data_efficiency": _SCOPE, "checkpoint": _SCOPE,
+    "pipeline": _SCOPE, "compression_training": _SCOPE, "checkpoint": _SCOPE,
 }
+
+_OFF = "accepted only when disabled"
+#: top-level section -> the feature it configures. DeepSpeed turns each on with ``enabled: true`` and
+#: leaves it off by default; zerodp has none of them, so a disabled section changes nothing.
+OFF_SECTIONS: dict[str, str] = {
+    "amp": "NVIDIA apex AMP (zerodp trains in bf16/fp16 with the bf16/fp16 sections)",
+    "flops_profiler": "the FLOPs profiler", "tensorboard": "the TensorBoard monitor", "wandb": "the W&B monitor",
+    "csv_monitor": "the CSV monitor", "comms_logger": "the communication logger", "autotuning": "autotuning",
+    "elasticity": "elastic training", "data_efficiency": "data efficiency (curriculum, sampling)",
+    "hybrid_engine": "the hybrid (training + inference) engine", "curriculum_learning": "curriculum learning",
+    "progressive_layer_drop": "progressive layer drop", "eigenvalue": "eigenvalue computation",
+    "nebula": "Nebula checkpointing",
+}
+
+#: DeepSpeed's former top-level names -> the name it reads them as (when the new name is absent).
+ALIASES: dict[str, str] = {"bfloat16": "bf16"}
 
 
 #: dotted key path -> (the one value accepted: what zerodp always does, why another is refused). The
@@ -92,6 +104,14 @@ ONLY_VALUE: dict[str, tuple[Any, str]] = {
     "zero_optimization.elastic_checkpoint": (False, "checkpoints load at any world size and stage anyway"),
     "zero_optimization.ignore_unused_parameters": (True, "a parameter with no gradient on any rank is "
                                                          "always skipped"),
+    # DeepSpeed's defaults, which leave a feature zerodp lacks off
+    "zero_optimization.cpu_offload": (False, "offload is configured with offload_optimizer"),
+    "prescale_gradients": (False, "gradients are averaged once, after the reduction"),
+    "gradient_predivide_factor": (1.0, "gradients are averaged once, after the reduction"),
+    "sparse_gradients": (False, "gradients are reduced dense"),
+    "communication_data_type": (None, "gradients are reduced in the module's dtype"),
+    "fp16.auto_cast": (False, "inputs are not cast; the module runs in fp16"),
+    "fp16.fp16_master_weights_and_grads": (False, "masters are always fp32"),
 }
 
 
@@ -116,6 +136,13 @@ def _lookup(config: Mapping[str, Any], path: str) -> tuple[bool, Any, Optional[d
     return True, node, parent
 
 
+def _same(given: Any, value: Any) -> bool:
+    """``given`` is ``value``: the same bool or None, or an equal number (1 for 1.0; never a bool)."""
+    if isinstance(value, bool) or value is None:
+        return given is value
+    return isinstance(given, (int, float)) and not isinstance(given, bool) and given == value
+
+
 def screen_keys(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """Split off DeepSpeed keys zerodp does not model as fields.
 
@@ -125,6 +152,24 @@ def screen_keys(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """
     out = copy.deepcopy(dict(config))
     found = []
+    for old, new in ALIASES.items():
+        if old not in out:
+            continue
+        given = out.pop(old)
+        if new in out and out[new] != given:
+            found.append(f"'{old}' (DeepSpeed's former name of '{new}') and '{new}' are both given, with "
+                         f"different values; give '{new}' only")
+        out.setdefault(new, given)
+    for section, feature in OFF_SECTIONS.items():
+        if section not in out:
+            continue
+        given = out[section]
+        enabled = given.get("enabled", False) if isinstance(given, Mapping) else given
+        if enabled is False or given is None:
+            del out[section]  # disabled: DeepSpeed would not run it either
+        else:
+            found.append(f"'{section}' is not implemented ({feature}): {_OFF}, i.e. with \"enabled\": false "
+                         f"(got {json.dumps(given, default=repr)})")
     for path, reason in NOT_IMPLEMENTED.items():
         if _lookup(out, path)[0]:
             found.append(f"'{path}' is not implemented: {reason}")
@@ -132,7 +177,7 @@ def screen_keys(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         present, given, parent = _lookup(out, path)
         if not present:
             continue
-        if given is value:
+        if _same(given, value):
             del parent[path.rsplit(".", 1)[-1]]
         else:
             found.append(f"'{path}' is not implemented for {json.dumps(given, default=repr)} (only "

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from zerodp.checkpoint.collective import collectively
+from zerodp.checkpoint.collective import check_same_on_ranks, collectively
 from zerodp.checkpoint.engine_state import (describe_model, engine_precision, group_hyperparameters,
                                             optimizer_group_names, piece_value)
 from zerodp.checkpoint.format import (IMPLEMENTATION_OPTIONS, SCHEDULED_OPTIONS, CheckpointError, PathLike,
@@ -227,8 +227,9 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: Optional[str] = Non
             ``meta.json``; saved pieces not covering a parameter; the model differs (names each
             missing or extra name, shape mismatch, a parameter frozen at initialize on one side only);
             saved with another precision and holding values this engine's dtype cannot represent (see
-            [Note: precision]).
+            [Note: precision]); the ranks passed different ``load_dir``s or tags (names each rank's).
     """
+    check_same_on_ranks(engine, "load_checkpoint", {"load_dir": Path(load_dir), "tag": tag})
     layout = layout_for(engine)
 
     def stage() -> _StagedLoad:

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from zerodp.checkpoint.collective import collectively
+from zerodp.checkpoint.collective import check_same_on_ranks, collectively
 from zerodp.checkpoint.durable import fsync, fsync_dir, write_text
 from zerodp.checkpoint import integrity
 from zerodp.checkpoint.engine_state import (describe_model, engine_precision, group_records, loss_scaler_state,
@@ -51,10 +51,12 @@ def save_checkpoint(engine: Engine, save_dir: PathLike, tag: Optional[str] = Non
         The checkpoint directory ``save_dir/<tag>``.
 
     Raises:
-        CheckpointError (on every rank): ``client_state`` is not JSON-serialisable, the tag is not a plain
+        CheckpointError (on every rank): the ranks passed different ``save_dir``s or tags (names each
+            rank's), ``client_state`` is not JSON-serialisable, the tag is not a plain
             directory name, the engine is in the middle of gradient accumulation, or a rank failed to
             write (its own rank re-raises the original error); the previous checkpoint is intact.
     """
+    check_same_on_ranks(engine, "save_checkpoint", {"save_dir": Path(save_dir), "tag": tag})
     layout = layout_for(engine)
     save_dir = Path(save_dir)
     tag = f"global_step{engine.global_steps}" if tag is None else tag

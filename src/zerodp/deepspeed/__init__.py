@@ -6,12 +6,18 @@
 - :func:`init_distributed`, :mod:`zerodp.deepspeed.zero` (``Init``, ``GatheredParameters``,
   ``register_external_parameter``), :mod:`zerodp.deepspeed.checkpointing`.
 - Configs are DeepSpeed's, ``"auto"`` included (:mod:`zerodp.deepspeed.config`).
+- The modules clients import: ``accelerator`` (``get_accelerator()``), ``comm`` (DeepSpeed's
+  functions over ``torch.distributed``), ``ops.adam`` (``FusedAdam``, ``DeepSpeedCPUAdam``),
+  ``runtime.zero.partition_parameters`` (``ZeroParamStatus``), ``runtime.zero.offload_config``,
+  ``runtime.lr_schedules``, ``utils`` (``logger``), ``checkpoint.utils``, ``moe.utils`` (MoE itself is
+  refused), ``compression.helper``; :func:`add_config_arguments` and :class:`HfDeepSpeedConfig`.
 
 The real ``deepspeed`` package is never imported. ``zerodp.initialize`` keeps its own form.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import inspect
 from typing import Any, Callable, Iterable, Optional, Union
@@ -27,8 +33,10 @@ from zerodp.config_keys import OPTIMIZERS
 from zerodp.deepspeed import checkpointing, zero
 from zerodp.deepspeed.config import read_config, resolve_deepspeed_config
 from zerodp.deepspeed.engine import DeepSpeedEngine
+from zerodp.deepspeed.hf_config import HfDeepSpeedConfig
+from zerodp.deepspeed.ops.adam import FusedAdam
 from zerodp.entry import initialize as _zerodp_initialize
-from zerodp.runtime import comm
+from zerodp.runtime import comm as _runtime_comm  # not zerodp.deepspeed.comm (DeepSpeed's API)
 
 __version__ = "0.0.0+zerodp"  # not DeepSpeed: scripts that check deepspeed.__version__ see this
 
@@ -46,7 +54,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         raise NotImplementedError("init_distributed(init_method/rank/world_size) is not implemented in zerodp; "
                                   "launch with torchrun (RANK, WORLD_SIZE, MASTER_ADDR in the environment)")
     timeout_s = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-    comm.init_distributed(backend=dist_backend, timeout_s=timeout_s)
+    _runtime_comm.init_distributed(backend=dist_backend, timeout_s=timeout_s)
 
 
 def initialize(args: Any = None, model: Optional[nn.Module] = None,
@@ -91,9 +99,10 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
     if config is not None and config_params is not None:
         raise ConfigError("give config or config_params to initialize(), not both")
     if config is None:
-        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
+        config = config_params if config_params is not None else (
+            getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None))
     raw = read_config(config)
-    comm.init_distributed()
+    _runtime_comm.init_distributed()
     client_opt = None
     if optimizer is not None:
         if raw.get("optimizer") is not None:
@@ -105,7 +114,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
         client_opt = optimizer
         raw["optimizer"], model_parameters = _from_client_optimizer(optimizer)
     lr = client_opt.defaults.get("lr") if client_opt is not None else None
-    cfg = load_config(resolve_deepspeed_config(raw, model, optimizer_lr=float(lr) if lr is not None else None))
+    raw_resolved = resolve_deepspeed_config(raw, model, optimizer_lr=float(lr) if lr is not None else None,
+                                            translate_optimizer=client_opt is None)
+    cfg = load_config(raw_resolved)
     cfg.require_batch_size("the config given to initialize()")  # DeepSpeed refuses it too
     shapes = {id(p): tuple(p.shape) for p in model.parameters()}
     scheduler_fn = _scheduler_factory(lr_scheduler, client_opt)
@@ -119,8 +130,22 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
         sampler = DistributedSampler(training_data, num_replicas=world, rank=rank)
         loader = DataLoader(training_data, batch_size=engine.config.train_micro_batch_size_per_gpu,
                             sampler=sampler, collate_fn=collate_fn)
-    ds_engine = DeepSpeedEngine(engine, loader)
+    ds_engine = DeepSpeedEngine(engine, loader, ds_config=raw_resolved)
     return ds_engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's command-line arguments: ``--deepspeed`` (flag), ``--deepspeed_config PATH`` (read by
+    :func:`initialize` from ``args``), ``--deepscale`` / ``--deepscale_config`` (DeepSpeed's former
+    names) and ``--deepspeed_mpi``; returns ``parser``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    group.add_argument("--deepspeed_mpi", default=False, action="store_true", help=argparse.SUPPRESS)
+    return parser
 
 
 _IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
@@ -128,8 +153,8 @@ _IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 def _from_client_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The config ``optimizer`` section and param groups that rebuild ``opt`` over the engine's pieces."""
-    name = type(opt).__name__
-    if OPTIMIZERS.get(name) is not type(opt):
+    name = "Adam" if isinstance(opt, FusedAdam) else type(opt).__name__  # DeepSpeed's names, torch's Adam
+    if OPTIMIZERS.get(name) is not type(opt) and not isinstance(opt, FusedAdam):
         raise NotImplementedError(f"client optimizer {type(opt).__module__}.{name} is not implemented in zerodp; "
                                   f"give one of torch.optim.{', torch.optim.'.join(OPTIMIZERS)}")
     if opt.state:
@@ -200,4 +225,5 @@ def _track_step_called(opt: torch.optim.Optimizer) -> None:
     opt.step = wrapper  # type: ignore[method-assign]
 
 
-__all__ = ["initialize", "init_distributed", "zero", "checkpointing", "DeepSpeedEngine", "ConfigError"]
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "checkpointing", "DeepSpeedEngine",
+           "HfDeepSpeedConfig", "ConfigError"]

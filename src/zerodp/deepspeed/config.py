@@ -24,11 +24,12 @@
   ``hidden_size`` is ``model.config.hidden_size`` (or ``max(model.config.hidden_sizes)``), as the HF
   Trainer reads it; a model without such a config gets a refusal naming the keys.
 
-- DeepSpeed's optimizer spellings: ``Adam`` with ``adam_w_mode`` (DeepSpeed's default for FusedAdam
-  is AdamW mode) and ``torch_adam``. DeepSpeed's Adam/AdamW default ``weight_decay`` is 0 while
-  torch's AdamW default is 0.01, so an AdamW without ``weight_decay`` gets 0 written in; ``Adam``
-  with a nonzero ``weight_decay`` and no ``adam_w_mode`` is refused (DeepSpeed would apply decoupled
-  decay, zerodp's ``Adam`` applies L2).
+- DeepSpeed's optimizer spellings: ``Adam`` with ``adam_w_mode`` and ``torch_adam``. As in DeepSpeed,
+  ``adam_w_mode`` defaults to true, so a config ``Adam`` is ``AdamW`` (decoupled weight decay) unless
+  ``adam_w_mode: false`` (torch's L2 ``Adam``); ``AdamW`` is always AdamW. DeepSpeed's Adam/AdamW
+  default ``weight_decay`` is 0 while torch's AdamW default is 0.01, so an AdamW without
+  ``weight_decay`` gets 0 written in. A client ``torch.optim.Adam`` passed to ``initialize`` stays
+  torch's Adam (``translate_optimizer=False``).
 
 Errors: :class:`zerodp.ConfigError` naming the key path.
 """
@@ -51,6 +52,16 @@ HIDDEN_SIZE_KEYS = {
     "stage3_prefetch_bucket_size": ("0.9 * hidden_size * hidden_size", lambda h: int(0.9 * h * h)),
     "stage3_param_persistence_threshold": ("10 * hidden_size", lambda h: 10 * h),
 }
+
+
+def drop_auto(node: Any) -> Any:
+    """``node`` without its ``"auto"`` values (recursively), as DeepSpeed's config models read them
+    when no trainer has filled them: the key takes its default. Used by ``zero.Init``, which has no
+    model or optimizer to resolve them from and reads only the stage, the precision and the
+    stage-3/offload keys."""
+    if isinstance(node, dict):
+        return {k: drop_auto(v) for k, v in node.items() if not (isinstance(v, str) and v == AUTO)}
+    return node
 #: DeepSpeed's former names, renamed as DeepSpeed itself does
 RENAMED = {"stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
 
@@ -86,20 +97,21 @@ def _floating_dtype(model: Optional[nn.Module]) -> Optional[torch.dtype]:
 
 
 def resolve_deepspeed_config(raw: Mapping[str, Any], model: Optional[nn.Module] = None,
-                             optimizer_lr: Optional[float] = None) -> dict[str, Any]:
+                             optimizer_lr: Optional[float] = None, translate_optimizer: bool = True) -> dict[str, Any]:
     """Resolve ``"auto"`` values and DeepSpeed optimizer spellings in ``raw`` (not modified).
 
     Args:
         raw: a DeepSpeed config dict.
         model: the model being trained (for ``hidden_size`` and the dtype); None inside ``zero.Init``.
         optimizer_lr: the client optimizer's lr, when one was passed to ``initialize``.
+        translate_optimizer: False when the ``optimizer`` section describes a client torch optimizer
+            (its class is kept: DeepSpeed's ``adam_w_mode`` default applies to config optimizers only).
 
     Returns:
         A config dict for :func:`zerodp.load_config` without any ``"auto"``.
 
     Raises:
-        ConfigError: an ``"auto"`` that cannot be resolved (names the key and what must fill it), or
-            ``Adam`` with weight decay but no ``adam_w_mode``.
+        ConfigError: an ``"auto"`` that cannot be resolved (names the key and what must fill it).
     """
     cfg = copy.deepcopy(dict(raw))
     zo = cfg.get("zero_optimization")
@@ -113,7 +125,8 @@ def resolve_deepspeed_config(raw: Mapping[str, Any], model: Optional[nn.Module] 
         section = cfg.get(name)
         if isinstance(section, dict) and section.get("enabled") == AUTO:
             section["enabled"] = _floating_dtype(model) == dtype
-    _translate_optimizer(cfg)
+    if translate_optimizer:
+        _translate_optimizer(cfg)
     _resolve_scheduler(cfg, optimizer_lr)
     left = [p for p in _auto_paths(cfg) if p != "device"]  # zerodp's own key: "auto" is its default
     if left:
@@ -169,12 +182,10 @@ def _translate_optimizer(cfg: dict[str, Any]) -> None:
     kind = opt["type"].lower()
     if kind not in ("adam", "adamw"):
         return
-    w_mode = params.pop("adam_w_mode", None)
-    if kind == "adam" and w_mode is None and params.get("weight_decay") not in (None, 0, 0.0, AUTO):
-        raise ConfigError(
-            "invalid zerodp config:\n  'optimizer.params.weight_decay' with type 'Adam' and no "
-            "'adam_w_mode': DeepSpeed's Adam applies decoupled (AdamW) decay by default, zerodp's 'Adam' "
-            "is torch's L2 Adam; set adam_w_mode (true: AdamW, false: L2) or use type 'AdamW'")
+    w_mode = params.pop("adam_w_mode", True)  # DeepSpeed's ADAM_W_MODE_DEFAULT
+    if not isinstance(w_mode, bool):
+        raise ConfigError(f"invalid zerodp config:\n  'optimizer.params.adam_w_mode': expected true or false "
+                          f"(got {w_mode!r})")
     if kind == "adamw" or w_mode:
         opt["type"] = "AdamW"
         params.setdefault("weight_decay", 0.0)  # DeepSpeed's default; torch's AdamW default is 0.01

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerodp.deepspeed.engine_states import ThroughputTimer, offload_states, reload_states
 from zerodp.engine import Engine
 from zerodp.zero import GatheredParameters
 
@@ -49,18 +50,32 @@ class DeepSpeedEngine:
     Call it like the model; ``backward(loss)`` and ``step()`` every micro-batch, as in DeepSpeed.
     """
 
-    def __init__(self, engine: Engine, training_dataloader: Any = None) -> None:
+    def __init__(self, engine: Engine, training_dataloader: Any = None,
+                 ds_config: Optional[Mapping[str, Any]] = None) -> None:
         self.engine = engine
         self.training_dataloader = training_dataloader
+        #: DeepSpeed's ``engine.config``: the config dict given to initialize ("auto" resolved)
+        self.config: dict[str, Any] = dict(ds_config or {})
         self._step_applied = False
         self._no_sync = False
+        self._offloaded: Any = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self.tput_timer = ThroughputTimer(self.train_batch_size())
 
     def __getattr__(self, name: str) -> Any:
-        # only reached for names this class lacks: zerodp's own engine API
-        if name == "engine":
+        # only reached for names this class lacks: zerodp's own engine API, then the module's
+        # attributes (DeepSpeed's engine is an nn.Module that forwards them: ``engine.model``)
+        if name in ("engine", "__setstate__") or name.startswith("__"):
             raise AttributeError(name)
-        return getattr(self.engine, name)
+        try:
+            return getattr(self.engine, name)
+        except AttributeError:
+            pass
+        try:
+            return getattr(self.engine.module, name)
+        except AttributeError:
+            raise AttributeError(f"'{type(self).__name__}' object (and its module "
+                                 f"{type(self.engine.module).__name__}) has no attribute '{name}'") from None
 
     # ---- the module --------------------------------------------------------------------------------
     @property
@@ -76,6 +91,8 @@ class DeepSpeedEngine:
         return self.engine.lr_scheduler
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine.module.training:
+            self.tput_timer.start()
         t0 = time.perf_counter()
         out = self.engine(*args, **kwargs)
         self._times["forward"] += time.perf_counter() - t0
@@ -134,14 +151,15 @@ class DeepSpeedEngine:
         t0 = time.perf_counter()
         self.engine.step()
         self._times["step"] += time.perf_counter() - t0
+        self.tput_timer.stop(global_step=boundary)
         if boundary:
             self._step_applied = self.engine.skipped_steps == skipped
             self._report()
 
     def _report(self) -> None:
         cfg = self.engine.config
-        if self.engine.global_steps % cfg.steps_per_print:
-            return
+        if cfg.steps_per_print is None or self.engine.global_steps % cfg.steps_per_print:
+            return  # None: never (steps_per_print inf, as accelerate sets it)
         if self.engine.rank == 0:
             print(f"[zerodp] step={self.engine.global_steps}, skipped={self.engine.skipped_steps}, "
                   f"lr={self.get_lr()}, mom={self.get_mom()}, loss_scale={self.engine.loss_scale}", flush=True)
@@ -260,6 +278,34 @@ class DeepSpeedEngine:
         """The engine's device (``cuda:LOCAL_RANK`` on a CUDA machine with NCCL, else the CPU; config
         key ``device``): where a script puts its batches (``batch.to(engine.device)``)."""
         return self.engine.device
+
+    # ---- states between phases (RLHF), 16-bit saves ------------------------------------------------
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Move optimizer states and fp32 masters to the host (see :mod:`zerodp.deepspeed.engine_states`)."""
+        offload_states(self, include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Move what :meth:`offload_states` moved back, values unchanged."""
+        reload_states(self, non_blocking)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (accelerate asks before saving)."""
+        return bool(self.engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[dict]:
+        """Collective: the full module state dict in the module's dtype on rank 0 (None on the other
+        ranks), as DeepSpeed's (accelerate's ``get_state_dict`` calls it at stage 3).
+
+        Raises:
+            NotImplementedError: ``exclude_frozen_parameters=True``.
+        """
+        if exclude_frozen_parameters:
+            raise NotImplementedError("_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True) is "
+                                      "not implemented")
+        sd = self.engine.module_state_dict()
+        dtypes = {n: p.dtype for n, p in self.module.named_parameters(remove_duplicate=False)}
+        return {k: v.to(dtypes[k]) if k in dtypes else v for k, v in sd.items()} if self.engine.rank == 0 else None
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -17,7 +17,9 @@ from torch import nn
 
 from zerodp import zero as _zero
 from zerodp.config import ConfigError
-from zerodp.deepspeed.config import read_config, resolve_deepspeed_config
+from zerodp.deepspeed.config import drop_auto, read_config, resolve_deepspeed_config
+from zerodp.stage3.ownership import OWNERS
+from zerodp.stage3.sharded_param import ZeroParamStatus
 from zerodp.stage3.units import ShardedUnit
 from zerodp.zero import GatheredParameters, TiledLinear, full_numel, is_partitioned, register_external_parameter
 
@@ -27,9 +29,10 @@ class Init(_zero.Init):
     :class:`zerodp.zero.Init`), with DeepSpeed's keywords.
 
     Args:
-        config_dict_or_path / config: the DeepSpeed config (dict or JSON path); ``"auto"`` values are
-            resolved as in :func:`zerodp.deepspeed.initialize` where no model is needed. Without a
-            config, or a config without ``zero_optimization.stage``, stage 3 is implied.
+        config_dict_or_path / config: the DeepSpeed config (dict or JSON path); ``"auto"`` values take
+            their defaults, as in DeepSpeed's ``zero.Init`` (there is no model yet to resolve the
+            hidden-size ones from; ``initialize`` resolves them). Without a config, or a config without
+            ``zero_optimization.stage``, stage 3 is implied.
         enabled: False makes this a no-op.
         data_parallel_group: the process group (default: the world).
         dtype: the dtype parameters are partitioned in; must agree with the config's fp16/bf16 (None:
@@ -63,11 +66,13 @@ class Init(_zero.Init):
                                       "(no offload, model parallelism or quantization)")
         if config_dict_or_path is not None and config is not None:
             raise ValueError("zero.Init: give config_dict_or_path or config, not both")
-        raw = read_config(config if config is not None else config_dict_or_path)
-        raw.setdefault("zero_optimization", {}).setdefault("stage", 3)
-        for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size"):  # not used while building
-            if raw["zero_optimization"].get(key) == "auto":
-                del raw["zero_optimization"][key]
+        # "auto" values take their defaults, as DeepSpeed's zero.Init reads them (the HF Trainer fills
+        # the hidden-size ones only once the model exists): Init reads only the stage, the precision,
+        # the persistence threshold and offload_param; initialize() resolves the rest with the model.
+        raw = drop_auto(read_config(config if config is not None else config_dict_or_path))
+        if not isinstance(raw.get("zero_optimization"), dict):
+            raw["zero_optimization"] = {}
+        raw["zero_optimization"].setdefault("stage", 3)
         cfg = resolve_deepspeed_config(raw, model=None)
         implied = (torch.bfloat16 if (cfg.get("bf16") or {}).get("enabled") else
                    torch.float16 if (cfg.get("fp16") or {}).get("enabled") else None)
@@ -82,10 +87,17 @@ class Init(_zero.Init):
 
 
 def set_ds_attributes(p: nn.Parameter, shape: Optional[tuple[int, ...]]) -> None:
-    """DeepSpeed's ``ds_shape``/``ds_numel`` on a (possibly partitioned) parameter."""
+    """DeepSpeed's ``ds_shape``/``ds_numel`` on a (possibly partitioned) parameter and, when a stage-3
+    unit owns it, ``ds_id`` (the same on every rank, see :meth:`zerodp.stage3.units.ShardedUnit.ds_id`)
+    and ``ds_status`` (:class:`ZeroParamStatus`: ``NOT_AVAILABLE`` while only the shard exists, a
+    property of the sharded class; ``AVAILABLE`` while gathered)."""
     if shape is not None:
         p.ds_shape = torch.Size(shape)
     p.ds_numel = full_numel(p)
+    owner = OWNERS.get(p)
+    if owner is not None:
+        p.__dict__["ds_id"] = owner.unit.ds_id(p)
+        p.__dict__["ds_status"] = ZeroParamStatus.AVAILABLE  # read while gathered (own class)
 
 
-__all__ = ["Init", "GatheredParameters", "TiledLinear", "register_external_parameter", "full_numel", "is_partitioned"]
+__all__ = ["Init", "ZeroParamStatus", "GatheredParameters", "TiledLinear", "register_external_parameter", "full_numel", "is_partitioned"]

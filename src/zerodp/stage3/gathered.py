@@ -8,6 +8,7 @@ shard and the fp32 masters refreshed on exit.
 
 from __future__ import annotations
 
+import zlib
 from typing import Iterable, Optional, Union
 
 import torch
@@ -23,15 +24,25 @@ from zerodp.stage3.units import ShardedUnit, ShardState
 class GatheredParameters:
     """Context manager: inside it, ``params`` hold their full values on every rank.
 
+    The partitioned parameters are gathered unit by unit in ``ds_id`` order (a number each parameter
+    gets when its unit is built, the same on every rank), as DeepSpeed sorts by ``ds_id``: the
+    iterable may come in any order, e.g. a list built from a ``set`` (transformers' ``from_pretrained``),
+    whose order differs per rank. The ranks must still name the same set of units: they check it with
+    one small all-gather and raise ``ValueError`` otherwise, instead of pairing different units'
+    collectives.
+
     Args:
-        params: a parameter or an iterable of parameters (of any stage; non-partitioned ones are
-            already full and are only broadcast on exit when ``modifier_rank`` is set).
+        params: a parameter or an iterable of parameters, in any order, duplicates allowed (of any stage;
+            non-partitioned ones are already full and are only broadcast on exit when ``modifier_rank``
+            is set: zerodp's addition for stages 0-2, where DeepSpeed leaves them alone; these must be
+            listed in the same order on every rank, checked by their shapes).
         modifier_rank: data-parallel rank whose in-place edits are kept: on exit its values are
             broadcast to every rank and re-partitioned. None: edits are discarded (read-only use).
         enabled: False makes this a no-op.
 
     Raises:
-        ValueError: ``modifier_rank`` is outside ``[0, world_size)``.
+        ValueError: ``modifier_rank`` is outside ``[0, world_size)``; the ranks name different partitioned
+            units, or (with ``modifier_rank``) differently shaped non-partitioned parameters in order.
     """
 
     def __init__(self, params: Union[nn.Parameter, Iterable[nn.Parameter]], modifier_rank: Optional[int] = None,
@@ -48,13 +59,16 @@ class GatheredParameters:
             n = dist.get_world_size()
             if not 0 <= self.modifier_rank < n:
                 raise ValueError(f"modifier_rank must be in [0, {n}), got {self.modifier_rank}")
-        seen: set[int] = set()
+        seen: dict[int, tuple[ShardedUnit, Owner]] = {}
         for p in self.params:
             owner = OWNERS.get(p)
-            if owner is None or id(owner.unit) in seen:
-                continue
-            seen.add(id(owner.unit))
-            u = owner.unit
+            if owner is not None:
+                seen.setdefault(id(owner.unit), (owner.unit, owner))
+        ordered = sorted(seen.values(), key=lambda uo: uo[0].ds_id_base)
+        if ordered:
+            _agree([u.ds_id_base for u, _ in ordered], ordered[0][1].pg, ordered[0][0].shard.device,
+                   "partitioned units (ds_id of their first parameter)")
+        for u, owner in ordered:
             with coordinator_busy(owner):
                 if u.state is ShardState.SHARDED:
                     u.start_gather(owner.pg, owner.ledger, "gathered_parameters")
@@ -76,9 +90,12 @@ class GatheredParameters:
             for u, owner in self._units:
                 src = dist.get_global_rank(owner.pg, self.modifier_rank) if owner.pg else self.modifier_rank
                 comm.broadcast(u.full, src, owner.pg, owner.ledger, "gathered_parameters")
-            for p in self.params:
-                if id(p) not in partitioned:
-                    dist.broadcast(p.data, src=self.modifier_rank)
+            plain = list({id(p): p for p in self.params if id(p) not in partitioned}.values())
+            if plain:
+                _agree([f"{tuple(p.shape)}:{p.dtype}" for p in plain], None, plain[0].device,
+                       "non-partitioned parameters (their shapes, in the order given)")
+            for p in plain:
+                dist.broadcast(p.data, src=self.modifier_rank)
         if modify:
             for u, _ in self._units:
                 u.write_back()
@@ -94,3 +111,21 @@ class GatheredParameters:
                 with coordinator_busy(owner):
                     u.release()
         self._units = []
+
+
+def _agree(keys: list, pg: Optional[dist.ProcessGroup], device: torch.device, what: str) -> None:
+    """Check that every rank of ``pg`` holds the same ``keys`` (one all-gather of two int64 per rank:
+    the count and a CRC of the keys); raise ``ValueError`` naming the ranks otherwise. Nothing to do on
+    one rank."""
+    if not dist.is_initialized() or dist.get_world_size(pg) == 1:
+        return
+    digest = zlib.crc32(",".join(str(k) for k in keys).encode())
+    mine = torch.tensor([len(keys), digest], dtype=torch.int64, device=device)
+    table = torch.empty(dist.get_world_size(pg) * 2, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(table, mine, group=pg)
+    rows = table.view(-1, 2).tolist()
+    if any(r != rows[0] for r in rows):
+        counts = ", ".join(f"rank {i}: {r[0]}" for i, r in enumerate(rows))
+        raise ValueError(f"GatheredParameters: the ranks passed different {what} ({counts} of them; the "
+                         "lists differ even where the counts agree). Every rank must pass the same "
+                         "parameters; their order does not matter for partitioned ones")

@@ -22,6 +22,7 @@ and costs nothing extra.
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Callable, Optional
 
 import torch
@@ -108,12 +109,28 @@ def _noop_conversion(p: torch.Tensor, func: Any, args: tuple, kwargs: dict) -> b
     return False
 
 
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's ``deepspeed.runtime.zero.partition_parameters.ZeroParamStatus`` (same values): what
+    ``param.ds_status`` says of a stage-3 parameter (see :attr:`ShardedParameter.ds_status`)."""
+
+    AVAILABLE = 1  # gathered: the full values are here
+    NOT_AVAILABLE = 2  # only this rank's shard exists
+    INFLIGHT = 3  # being gathered (zerodp reports NOT_AVAILABLE until the gather is finished)
+
+
 class ShardedParameter(nn.Parameter):
     """A partitioned parameter while only its shard exists (see the module docstring).
 
     Never constructed directly: :func:`mark_sharded` sets a parameter's class to this (or to a subclass
     of this and the parameter's own ``nn.Parameter`` subclass).
     """
+
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        """DeepSpeed's ``param.ds_status`` while only the shard exists. A gathered parameter is of its
+        own class again and reads ``AVAILABLE`` (set by ``zerodp.deepspeed``, which gives partitioned
+        parameters DeepSpeed's ``ds_*`` attributes)."""
+        return ZeroParamStatus.NOT_AVAILABLE
 
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: Any = None):

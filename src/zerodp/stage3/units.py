@@ -64,6 +64,18 @@ class ShardHome(Protocol):
         """End one use; ``dirty``: the values were changed and must reach the home."""
 
 
+#: the next DeepSpeed-style ``ds_id``: each unit numbers its parameters from here when it is built.
+#: Units are built in the same order on every rank (each build broadcasts the unit's values), so a
+#: parameter's id is the same on every rank and orders gathers rank-independently.
+_next_ds_id = [0]
+
+
+def _reserve_ds_ids(count: int) -> int:
+    first = _next_ds_id[0]
+    _next_ds_id[0] += count
+    return first
+
+
 @dataclass(eq=False)
 class ShardedUnit:
     """One module's partitioned parameters. ``group`` is the optimizer/reducer view: its ``buffer`` is
@@ -87,6 +99,19 @@ class ShardedUnit:
     #: :mod:`zerodp.stage3.pool`); None: each gather allocates and each release frees
     pool: Optional[GatherPool] = None
     home: Optional[ShardHome] = None  # offload_param: where the shard lives between uses; None: here
+    #: ``ds_id`` of the first slot's parameter (slot i has ``ds_id_base + i``); see :func:`_reserve_ds_ids`
+    ds_id_base: int = -1
+
+    def __post_init__(self) -> None:
+        if self.ds_id_base < 0:
+            self.ds_id_base = _reserve_ds_ids(len(self.group.slots))
+
+    def ds_id(self, param: torch.Tensor) -> int:
+        """DeepSpeed's ``param.ds_id``: the same number on every rank (see :func:`_reserve_ds_ids`)."""
+        for i, s in enumerate(self.slots):
+            if s.param is param:
+                return self.ds_id_base + i
+        raise KeyError("parameter is not in this unit")
 
     @property
     def numel(self) -> int:

@@ -1,0 +1,1 @@
+"""``deepspeed.checkpoint``: :mod:`zerodp.deepspeed.checkpoint.utils`."""

@@ -1,0 +1,1 @@
+"""``zerodp.deepspeed.runtime``: the places DeepSpeed clients import from (``deepspeed.runtime.*``)."""
