@@ -162,7 +162,10 @@ class ParameterCoordinator:
         finally:
             self.busy = False
 
-    def release(self, module: nn.Module) -> None:
+    def release(self, module: nn.Module, held: Optional[dict[int, int]] = None) -> None:
+        """``module`` is done with its units; those no other module holds are released. ``held``:
+        storage key -> views of it the caller still holds, about to be dropped (see
+        :meth:`ShardedUnit.release`)."""
         units = self.index.by_module.get(id(module))
         if not units:
             return
@@ -171,7 +174,7 @@ class ParameterCoordinator:
             for u in units:
                 u.users -= 1
                 if u.users <= 0 and not u.persistent and not self._reused_soon(u):
-                    u.release()
+                    u.release(held)
         finally:
             self.busy = False
 
