@@ -1,5 +1,6 @@
-"""Per-rank worker for tests/test_escaping_views.py (issue 26 item 3): tensors that view a stage-3
-parameter's gathered storage and outlive its module's forward. Each scenario trains a small token model
+"""Per-rank worker for tests/test_escaping_views.py (issue 26 items 3 and 4): tensors that view a
+stage-3 parameter's gathered storage and outlive its module's forward, and ``module.state_dict()``
+values used outside zerodp (safetensors, numpy, torch.save). Each scenario trains a small token model
 whose ``pos`` submodule (a 6x8 table, persistence threshold 0: always partitioned) lets a view of its
 table escape in one way, and compares with single-process plain PyTorch on the same global batch;
 scenarios run at stages 0-3 and, at stage 3, also with ``offload_param`` (cpu). Launched by torchrun
@@ -8,7 +9,11 @@ through tests/distributed.py.
 
 from __future__ import annotations
 
+import copy
+import io
+import os
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,7 +23,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dist_worker  # noqa: E402  (shared helpers and the main loop)
-from dist_worker import compare_training, err, token_xent  # noqa: E402
+from dist_worker import compare_training, err, rank, token_xent  # noqa: E402
+
+import zerodp  # noqa: E402
 
 SCENARIOS = dist_worker.SCENARIOS
 SCENARIOS.clear()
@@ -117,6 +124,75 @@ for _how in ("returned", "returned_in_tuple", "parameter", "saved", "stored", "c
             return train(stage, how, offload)
         _run.__name__ = f"{_how}{'_offload' if _offload else ''}"
         scenario(_run)
+
+
+# ---- item 4: module.state_dict() at stage 3 ----------------------------------------------------------
+#: what users do with a state dict outside zerodp; each must work (stages 0-2) or raise zerodp's error
+STATE_DICT_USES = {
+    "safetensors.save_file": lambda sd, v: __import__("safetensors.torch").torch.save_file(
+        sd, os.path.join(tempfile.mkdtemp(), "m.safetensors")),
+    "torch.save": lambda sd, v: torch.save(sd, io.BytesIO()),
+    "deepcopy": lambda sd, v: copy.deepcopy(sd),
+    "numpy": lambda sd, v: v.numpy(),
+    "data_ptr": lambda sd, v: v.data_ptr(),
+    "untyped_storage": lambda sd, v: v.untyped_storage(),
+    "storage": lambda sd, v: v.storage(),
+    "dlpack": lambda sd, v: torch.from_dlpack(v),
+    "tolist": lambda sd, v: v.tolist(),
+    "cpu_clone": lambda sd, v: v.cpu().clone(),
+    "to_bf16": lambda sd, v: v.to(torch.bfloat16),
+}
+SAVE_WORDS = ("save_16bit_model", "GatheredParameters", "zerodp consolidate")
+
+
+def state_dict_uses(stage: int, dtype: str, offload: bool) -> dict:
+    """Every use in :data:`STATE_DICT_USES` of ``engine.module.state_dict()``: whether it raised zerodp's
+    PartitionedParameterError naming the parameter and :data:`SAVE_WORDS`; then the documented way
+    (GatheredParameters around state_dict, safetensors) saves the plain model's values."""
+    from safetensors.torch import load_file, save_file
+
+    from zerodp.stage3.sharded_param import PartitionedParameterError
+
+    torch.manual_seed(3)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = copy.deepcopy(ref)
+    zc: dict = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload and stage == 3:
+        zc["offload_param"] = {"device": "cpu"}
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+           "zero_optimization": zc, **({"bf16": {"enabled": True}} if dtype == "bf16" else {})}
+    engine = zerodp.initialize(model, cfg)
+    sd = engine.module.state_dict()
+    out: dict = {"uses": {}}
+    for name, use in STATE_DICT_USES.items():
+        try:
+            use(sd, sd["0.weight"])
+            out["uses"][name] = "ok"
+        except PartitionedParameterError as e:
+            named = "'0.weight'" in str(e) and all(w in str(e) for w in SAVE_WORDS)
+            out["uses"][name] = "refused, naming all" if named else f"refused without the names: {e}"
+        except Exception as e:  # noqa: BLE001  (anything else is what the issue reported)
+            out["uses"][name] = f"{type(e).__name__}: {e}"
+    out["shapes_ok"] = all(sd[k].shape == v.shape and sd[k].dtype == engine.module.state_dict()[k].dtype
+                           for k, v in ref.state_dict().items())
+    want = {k: v.to(torch.bfloat16 if dtype == "bf16" else torch.float32) for k, v in ref.state_dict().items()}
+    path = os.path.join(tempfile.mkdtemp(), f"rank{rank()}.safetensors")
+    with zerodp.zero.GatheredParameters(list(engine.module.parameters())):
+        save_file(engine.module.state_dict(), path)
+    got = load_file(path)
+    out["saved_err"] = max(err(got[k].float(), want[k].float()) for k in want) if sorted(got) == sorted(want) \
+        else float("inf")
+    return out
+
+
+for _dtype in ("fp32", "bf16"):
+    for _offload in (False, True):
+        def _uses(stage: int, dtype: str = _dtype, offload: bool = _offload) -> dict:
+            if offload and stage != 3:
+                return {"skipped": True}
+            return state_dict_uses(stage, dtype, offload)
+        _uses.__name__ = f"state_dict_{_dtype}{'_offload' if _offload else ''}"
+        scenario(_uses)
 
 
 if __name__ == "__main__":

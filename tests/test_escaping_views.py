@@ -54,3 +54,22 @@ def test_escaping_view_trains_right(world: int, stage: int, offload: bool, how: 
         else:
             assert len(res["escape_warnings"]) == 1, res["escape_warnings"]
             assert "'pos'" in res["escape_warnings"][0] and "'pos.weights'" in res["escape_warnings"][0]
+
+
+# ---- item 4: module.state_dict() at stage 3 used outside zerodp --------------------------------------
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_state_dict_values_outside_zerodp(world: int, stage: int, offload: bool, dtype: str) -> None:
+    """Stages 0-2: every use works. Stage 3: every use raises zerodp's PartitionedParameterError naming
+    the parameter, save_16bit_model, GatheredParameters and `zerodp consolidate` (never a raw storage
+    error from inside safetensors). Every stage: GatheredParameters around state_dict() saves, through
+    safetensors, exactly the plain model's values."""
+    if offload and stage != 3:
+        pytest.skip("offload_param is a stage-3 option")
+    for res in results(world, f"state_dict_{dtype}{'_offload' if offload else ''}", stage):
+        want = "refused, naming all" if stage == 3 else "ok"
+        assert res["uses"] == {k: want for k in res["uses"]}, res["uses"]
+        assert len(res["uses"]) == 11 and res["shapes_ok"]
+        assert res["saved_err"] == 0, res["saved_err"]

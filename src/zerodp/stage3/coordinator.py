@@ -54,6 +54,21 @@ class FetchCheck(Protocol):
         """Before any all-gather is launched (a fetch's own, a prefetch group, an external one)."""
 
 
+class _SharedWork:
+    """One Work waited for by several units: the first :meth:`wait` waits and drops it."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work) -> None:
+        self.work = work
+
+    def wait(self, *args) -> bool:
+        work, self.work = self.work, None
+        if work is not None:
+            work.wait(*args)
+        return True
+
+
 class TraceMode(enum.Enum):
     RECORD = "record"
     COMPLETE = "complete"
@@ -303,9 +318,12 @@ class ParameterCoordinator:
             work = coalesced(self.pg, [lambda u=u: u.start_gather(self.pg, self.ledger, "parameters") or u.work
                                        for u in run])
             if len(run) > 1:
-                work = comm.watch(work)  # a group's own Work: waited through the agreements' watch too
+                # a group's own Work: waited through the agreements' watch too, and dropped by the first
+                # unit that waits for it (a Work references the buffers it wrote: one kept alive by the
+                # units still GATHERING would look like a view escaping, see [Note: escaping views])
+                shared = _SharedWork(comm.watch(work))
                 for u in run:
-                    u.work = work
+                    u.work = shared
             self.gather_collectives += 1
 
     def _read_ahead(self) -> None:

@@ -113,13 +113,17 @@ class ShardedUnit:
         assert self.state is ShardState.SHARDED, f"unit '{self.name}' gathered while {self.state}"
         if self.full is None:
             self.full = _empty(self.numel, self.shard.dtype, self.shard.device, self.pool)
+            self.refs[None] = storage_refs(self.full) + len(self.slots)  # finish_gather points them at it
             if self.aliases is not None:
                 self.aliases.add(self.full, self, None)
         else:
             _allocate(self.full, self.pool)
         if self.home is not None:
             self.home.acquire()  # released in finish_gather, once the collective has read the shard
-        self.work = comm.all_gather(self.full, self.shard, pg, ledger, purpose, async_op=True)
+        # into a non-owning alias of the full buffer's memory: the Work (kept by gloo's thread for a while
+        # after wait() returns) then holds no reference to the buffer's storage, whose use count tells
+        # escaping views (see [Note: escaping views]); the unit waits for the Work before any release
+        self.work = comm.all_gather(_unowned_alias(self.full), self.shard, pg, ledger, purpose, async_op=True)
         self.state = ShardState.GATHERING
 
     def finish_gather(self) -> None:
@@ -138,18 +142,22 @@ class ShardedUnit:
             with torch.no_grad():
                 buf.copy_(self._view(self.slots[i]))
         self.state = ShardState.UNSHARDED
-        self.note_refs()
 
     def attach_aliases(self, table: AliasTable) -> None:
         """Register this unit's buffers in ``table`` (views of them saved by autograd hold no storage)."""
         self.aliases = table
         if self.full is not None:
             table.add(self.full, self, None)
+            if None not in self.refs:
+                self.note_refs()
         for key, buf in self.casts.items():
             table.add(buf, self, key)
 
     def note_refs(self) -> None:
-        """Record the use count of each buffer's storage (UNSHARDED, parameters pointing at ``full``)."""
+        """Record the use count of each buffer's storage: the buffer, its Python storage object and (for
+        ``full``) the parameters, whose ``.data`` view it. Measured only when nothing else can hold it
+        (never while an all-gather's Work, which references its output, may be alive), so that no view
+        escaping later can hide behind a transient reference."""
         if self.full is not None:
             self.refs[None] = storage_refs(self.full)
         for key, buf in self.casts.items():
@@ -219,7 +227,7 @@ class ShardedUnit:
                                                                          old.storage_offset())
         if self.aliases is not None:
             self.aliases.add(new, self, key)
-        self.refs[key] = storage_refs(new)
+        self.refs[key] = storage_refs(new) + (len(self.slots) if key is None else 0)  # re-pointed next
         return new
 
     def param_names(self, limit: int = 4) -> str:
@@ -305,6 +313,13 @@ class ShardedUnit:
             yield self.shard
         finally:
             self.home.release(dirty=write)
+
+
+def _unowned_alias(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor over ``t``'s memory whose storage does not own it (nor count as a reference to
+    ``t``'s storage); valid while ``t``'s storage holds that memory."""
+    storage = torch._C._construct_storage_from_data_pointer(t.data_ptr(), t.device, t.numel() * t.element_size())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (t.numel(),), (1,))
 
 
 def _row_major(shape: torch.Size) -> tuple[int, ...]:
