@@ -133,7 +133,7 @@ STATE_DICT_USES = {
         sd, os.path.join(tempfile.mkdtemp(), "m.safetensors")),
     "torch.save": lambda sd, v: torch.save(sd, io.BytesIO()),
     "deepcopy": lambda sd, v: copy.deepcopy(sd),
-    "numpy": lambda sd, v: v.numpy(),
+    "numpy": lambda sd, v: (v.view(torch.int16) if v.dtype == torch.bfloat16 else v).numpy(),  # numpy has no bf16
     "data_ptr": lambda sd, v: v.data_ptr(),
     "untyped_storage": lambda sd, v: v.untyped_storage(),
     "storage": lambda sd, v: v.storage(),
