@@ -7,11 +7,15 @@ parent). Every tensor that shares such a storage is one of:
 
 - a parameter (its ``.data``) or the buffer itself: counted in the unit's baseline (the storage's use
   count measured when the unit became UNSHARDED, :func:`storage_refs`);
-- a view saved by autograd (``weight.t()`` in ``linear``): while a stage-3 forward runs,
-  :class:`SavedAliasHooks` (``saved_tensors_hooks``) saves it as a :class:`_SavedAlias` (buffer key,
-  offset, size, stride), which holds no reference to the storage; unpacked in backward as a view of
-  the unit's buffer, which the module's pre-backward fetch has re-gathered (a still-released one
-  raises :class:`PartitionedParameterError` instead of reading freed memory);
+- a view saved by autograd (``weight.t()`` in ``linear``): while a stage-3 forward runs (the engine's
+  forward; or a module called on its own while no other ``saved_tensors_hooks`` are active: the
+  outermost module's pre-forward pushes them, its post-forward pops them), :class:`SavedAliasHooks`
+  saves it as a :class:`_SavedAlias` (buffer key, offset, size, stride), which holds no reference to
+  the storage; unpacked in backward as a view of the unit's buffer, which the module's pre-backward
+  fetch has re-gathered (a still-released one raises :class:`PartitionedParameterError` instead of
+  reading freed memory). Such views are not passed to ``saved_tensors_hooks`` enclosing the engine's
+  forward (``save_on_cpu`` and the like): they hold no memory between forward and backward anyway.
+  Other saved tensors are;
 - a view returned from the module's forward: :func:`aliasing_copies` replaces it with a copy
   (``clone``, differentiable) before the unit is released, so the caller holds its own memory;
 - anything else (a view stored on the module, captured in a closure, kept in a list, saved by a
@@ -130,10 +134,9 @@ class SavedAliasHooks:
         return packed
 
 
-def ours_on_top() -> bool:
-    """True when the innermost ``saved_tensors_hooks`` are a :class:`SavedAliasHooks`'."""
-    top = _top_hooks(False)
-    return top is not None and isinstance(getattr(top[0], "__self__", None), SavedAliasHooks)
+def no_saved_tensors_hooks() -> bool:
+    """True when no ``saved_tensors_hooks`` are active (ours or anyone's)."""
+    return _top_hooks(False) is None
 
 
 def push_saved_alias_hooks(table: AliasTable) -> None:

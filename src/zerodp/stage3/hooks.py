@@ -32,7 +32,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from zerodp.runtime.tensor_walk import tensors_in
-from zerodp.stage3.aliases import aliasing_copies, ours_on_top, pop_saved_alias_hooks, push_saved_alias_hooks
+from zerodp.stage3.aliases import (aliasing_copies, no_saved_tensors_hooks, pop_saved_alias_hooks,
+                                   push_saved_alias_hooks)
 from zerodp.stage3.coordinator import ParameterCoordinator
 from zerodp.stage3.sharded_param import METADATA
 from zerodp.stage3.units import ShardState
@@ -99,7 +100,9 @@ def register_stage3_hooks(
     aliases = coordinator.index.aliases
 
     def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
-        if not stack.stack and not ours_on_top():  # a module called outside the engine's forward
+        # a module called outside the engine's forward (which pushes them itself), with no hooks of
+        # anyone else active (torch.utils.checkpoint's recomputation counts what its own hooks save)
+        if not stack.stack and no_saved_tensors_hooks():
             push_saved_alias_hooks(aliases)
             stack.pushed_by = module
         stack.stack.append(module)
