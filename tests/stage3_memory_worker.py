@@ -5,7 +5,9 @@ forward and its backward: every tensor saved for backward is captured with
 ``torch.autograd.graph.saved_tensors_hooks``; the saved tensors that come from a parameter (they share
 its gathered storage at save time, or have its full shape or the transposed one: views and casts) are
 kept, and after forward the bytes of their distinct storages (``untyped_storage().nbytes()``) are
-summed. Then backward and one optimizer step run and the parameters are compared with plain PyTorch on
+summed. Views of a partitioned parameter's gathered buffers are saved by zerodp's own hooks, innermost
+(see [Note: escaping views] in zerodp.stage3.aliases), as descriptors that never reach an enclosing
+hook: those are captured where zerodp creates them, and measured from the buffer they name. Then backward and one optimizer step run and the parameters are compared with plain PyTorch on
 the same global batch (so saved views re-filled by the re-gather are checked to be the right values).
 """
 
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerodp
+import zerodp.stage3.aliases as aliases
 from dist_worker import rank, world
 from distributed import run_selected, worker_args
 
@@ -29,15 +32,39 @@ def scenario(fn: Callable[[], dict]) -> Callable[[], dict]:
     return fn
 
 
+_ACTIVE: list["SavedParamTensors"] = []
+_alias_init = aliases._SavedAlias.__init__
+
+
+def _observed_alias_init(self, *args, **kwargs) -> None:
+    _alias_init(self, *args, **kwargs)
+    if _ACTIVE:
+        _ACTIVE[-1].total += 1
+        _ACTIVE[-1].aliases.append(self)
+
+
+aliases._SavedAlias.__init__ = _observed_alias_init
+
+
+def _alias_buffer(a) -> torch.Tensor:
+    return a.unit.full if a.key is None else a.unit.casts[a.key]
+
+
 class SavedParamTensors:
-    """saved_tensors_hooks context collecting the saved tensors derived from ``params``."""
+    """saved_tensors_hooks context collecting the saved tensors derived from ``params`` (and the views
+    of gathered buffers that zerodp saved as descriptors)."""
 
     def __init__(self, params: list[nn.Parameter], shapes: list[torch.Size]) -> None:
         self.params = params
         self.shapes = {tuple(s) for s in shapes} | {tuple(reversed(s)) for s in shapes}
         self.saved: list[torch.Tensor] = []
+        self.aliases: list = []  # zerodp's descriptors of saved views of gathered buffers
         self.total = 0  # tensors saved, of any kind
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @property
+    def count(self) -> int:
+        return len(self.saved) + len(self.aliases)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.total += 1
@@ -48,19 +75,23 @@ class SavedParamTensors:
 
     def __enter__(self) -> "SavedParamTensors":
         self.hooks.__enter__()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _ACTIVE.remove(self)
         self.hooks.__exit__(*exc)
 
     def live_bytes(self) -> int:
         """Bytes of the distinct storages behind the captured tensors, as they are now."""
-        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in self.saved}
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                    for t in self.saved + [_alias_buffer(a) for a in self.aliases]}
         return sum(storages.values())
 
     def logical_bytes(self) -> int:
         """Bytes the captured tensors would hold if their storages were still allocated."""
-        return sum(t.numel() * t.element_size() for t in self.saved)
+        return (sum(t.numel() * t.element_size() for t in self.saved)
+                + sum(torch.Size(a.size).numel() * a.dtype.itemsize for a in self.aliases))
 
 
 def config(zero: dict, bf16: bool = False, lr: float = 0.01) -> dict:
@@ -95,7 +126,7 @@ def run_case(model_fn: Callable[[], nn.Module], make_x: Callable[[int], torch.Te
         ref_opt.step()
         with SavedParamTensors(list(model.parameters()), shapes) as saved:
             loss = engine(xs).float().pow(2).mean()
-        out.update(saved_param_tensors=len(saved.saved), saved_total=saved.total,
+        out.update(saved_param_tensors=saved.count, saved_total=saved.total,
                    alive_after_forward=saved.live_bytes(), if_not_freed=saved.logical_bytes(),
                    report_gathered_after_forward=engine.memory_report().measured["parameters"]
                    - sum(u.shard.numel() * u.shard.element_size() for u in engine.sharding.units))

@@ -54,6 +54,21 @@ class FetchCheck(Protocol):
         """Before any all-gather is launched (a fetch's own, a prefetch group, an external one)."""
 
 
+class _SharedWork:
+    """One Work waited for by several units: the first :meth:`wait` waits and drops it."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work) -> None:
+        self.work = work
+
+    def wait(self, *args) -> bool:
+        work, self.work = self.work, None
+        if work is not None:
+            work.wait(*args)
+        return True
+
+
 class TraceMode(enum.Enum):
     RECORD = "record"
     COMPLETE = "complete"
@@ -162,7 +177,10 @@ class ParameterCoordinator:
         finally:
             self.busy = False
 
-    def release(self, module: nn.Module) -> None:
+    def release(self, module: nn.Module, held: Optional[dict[int, int]] = None) -> None:
+        """``module`` is done with its units; those no other module holds are released. ``held``:
+        storage key -> views of it the caller still holds, about to be dropped (see
+        :meth:`ShardedUnit.release`)."""
         units = self.index.by_module.get(id(module))
         if not units:
             return
@@ -171,7 +189,7 @@ class ParameterCoordinator:
             for u in units:
                 u.users -= 1
                 if u.users <= 0 and not u.persistent and not self._reused_soon(u):
-                    u.release()
+                    u.release(held)
         finally:
             self.busy = False
 
@@ -300,9 +318,12 @@ class ParameterCoordinator:
             work = coalesced(self.pg, [lambda u=u: u.start_gather(self.pg, self.ledger, "parameters") or u.work
                                        for u in run])
             if len(run) > 1:
-                work = comm.watch(work, run[0].shard.device)  # a group's own Work: waited through the agreements' watch too
+                # a group's own Work: waited through the agreements' watch too, and dropped by the first
+                # unit that waits for it (a Work references the buffers it wrote: one kept alive by the
+                # units still GATHERING would look like a view escaping, see [Note: escaping views])
+                shared = _SharedWork(comm.watch(work, run[0].shard.device))
                 for u in run:
-                    u.work = work
+                    u.work = shared
             self.gather_collectives += 1
 
     def _read_ahead(self) -> None:

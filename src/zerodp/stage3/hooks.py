@@ -24,7 +24,7 @@ and re-filled when the unit is gathered for backward (see :mod:`zerodp.stage3.un
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -32,6 +32,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from zerodp.runtime.tensor_walk import tensors_in
+from zerodp.stage3.aliases import (aliasing_copies, no_saved_tensors_hooks, pop_saved_alias_hooks,
+                                   push_saved_alias_hooks)
 from zerodp.stage3.coordinator import ParameterCoordinator
 from zerodp.stage3.sharded_param import METADATA
 from zerodp.stage3.units import ShardState
@@ -81,6 +83,9 @@ class ModuleStack:
 
     def __init__(self) -> None:
         self.stack: list[nn.Module] = []
+        #: the outermost module whose pre-forward pushed the saved-alias hooks (a call outside the
+        #: engine's forward, which pushes its own); its post-forward pops them
+        self.pushed_by: Optional[nn.Module] = None
 
 
 def register_stage3_hooks(
@@ -92,7 +97,14 @@ def register_stage3_hooks(
     def needs_backward_hooks(module: nn.Module) -> bool:
         return torch.is_grad_enabled() and bool(coordinator.index.by_module.get(id(module)))
 
+    aliases = coordinator.index.aliases
+
     def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
+        # a module called outside the engine's forward (which pushes them itself), with no hooks of
+        # anyone else active (torch.utils.checkpoint's recomputation counts what its own hooks save)
+        if not stack.stack and no_saved_tensors_hooks():
+            push_saved_alias_hooks(aliases)
+            stack.pushed_by = module
         stack.stack.append(module)
         coordinator.fetch(module)
         if needs_backward_hooks(module):
@@ -103,11 +115,18 @@ def register_stage3_hooks(
     def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
         if stack.stack and stack.stack[-1] is module:
             stack.stack.pop()
-        coordinator.release(module)
+        if stack.pushed_by is module:
+            stack.pushed_by = None
+            pop_saved_alias_hooks()
+        units = coordinator.index.by_module.get(id(module))
+        copies, held = aliasing_copies(output, units, aliases) if units else ({}, {})
+        if copies:  # views of the module's parameters returned: copies, taken before the release
+            output = _replace(output, copies)
+        coordinator.release(module, held)
         if needs_backward_hooks(module):
             # pre-backward: runs when the gradient of the module's outputs arrives
             return _wrap(coordinator.fetch, module, output)
-        return None
+        return output if copies else None
 
     for module in root.modules():
         handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True))

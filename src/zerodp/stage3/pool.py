@@ -87,6 +87,13 @@ class GatherPool:
         # else: dropping the last reference frees the slab's memory
         return True
 
+    def disown(self, t: torch.Tensor) -> None:
+        """Forget the slab lent to ``t``'s storage without taking it back: the storage keeps the memory
+        (freed when its last tensor is), and the pool no longer counts it. A no-op if none is lent."""
+        key = t.untyped_storage()._cdata
+        if self._lent.pop(key, None) is not None:
+            self._lent_sizes.pop(key)
+
     def empty_tensor(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements whose memory is lent from the pool (contents undefined);
         hand it back with :meth:`take_back`."""

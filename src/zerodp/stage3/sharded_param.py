@@ -82,6 +82,16 @@ def _metadata() -> frozenset:
 
 
 METADATA = _metadata()
+#: what reads a tensor's memory without computing on it (safetensors, numpy, DLPack, storage sharing)
+_MEMORY_ACCESS = frozenset({torch.Tensor.untyped_storage, torch.Tensor.data_ptr, torch.Tensor.is_shared})
+#: the metadata a :class:`ShardedData` (a state-dict value at stage 3) answers; anything else raises
+_DATA_METADATA = METADATA - _MEMORY_ACCESS
+#: how to save a stage-3 model instead (every refusal of a state-dict value names these)
+SAVE_HINT = ("; to save the model at stage 3 use engine.save_16bit_model(save_dir) (gathers the full "
+             "weights once; DeepSpeed API, zero_optimization.stage3_gather_16bit_weights_on_model_save), "
+             "engine.module_state_dict() (full fp32 values, collective), zerodp.zero.GatheredParameters "
+             "around module.state_dict(), or `zerodp consolidate CHECKPOINT_DIR OUT` on a checkpoint "
+             "written by engine.save_checkpoint")
 _DATA_GET = torch.Tensor.data.__get__
 _DATA_SET = torch.Tensor.data.__set__
 _DETACH = torch.Tensor.detach
@@ -163,8 +173,12 @@ class ShardedParameter(nn.Parameter):
 
 
 class ShardedData(torch.Tensor):
-    """``p.data`` / ``p.detach()`` of a :class:`ShardedParameter`: the same shape, dtype, device and
-    strides, no storage; every operation but ``detach``/``alias`` raises :class:`PartitionedParameterError`."""
+    """``p.data`` / ``p.detach()`` of a :class:`ShardedParameter` (so also each parameter's value in
+    ``module.state_dict()`` at stage 3): the same shape, dtype, device and strides, no storage. Its
+    metadata reads work; every other use, including what reads memory without computing
+    (``untyped_storage()``, ``data_ptr()``, ``numpy()``, ``storage()``, DLPack: safetensors'
+    ``save_file``, ``torch.save``, ``copy.deepcopy``), raises :class:`PartitionedParameterError` naming
+    the parameter and how to save the model instead (:data:`SAVE_HINT`)."""
 
     _zerodp_name: str
 
@@ -181,7 +195,13 @@ class ShardedData(torch.Tensor):
     def of(cls, param: "ShardedParameter") -> "ShardedData":
         return cls(_name(param), param)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: Any = None):
+        if func in _DATA_METADATA or func == _DETACH or func == _DATA_GET:
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+        name = next((a._zerodp_name for a in _flat(args, kwargs or {}) if isinstance(a, ShardedData)), "?")
+        raise PartitionedParameterError(_message(name, f"{_func_name(func)} (on its .data or state-dict value)")
+                                        + SAVE_HINT)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
@@ -189,14 +209,16 @@ class ShardedData(torch.Tensor):
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) and isinstance(src, ShardedData):
             return ShardedData(src._zerodp_name, src)
         name = next((a._zerodp_name for a in _flat(args, kwargs or {}) if isinstance(a, ShardedData)), "?")
-        raise PartitionedParameterError(_message(name, f"'{func}' (on its .data)"))
+        raise PartitionedParameterError(_message(name, f"'{func}' (on its .data)") + SAVE_HINT)
 
     def __reduce_ex__(self, proto: Any) -> Any:  # torch.save of model.state_dict() at stage 3
-        raise PartitionedParameterError(_message(self._zerodp_name, "pickling/saving (torch.save)") +
-                                        "; to save the model use engine.module_state_dict() (collective)")
+        raise PartitionedParameterError(_message(self._zerodp_name, "pickling/saving (torch.save)") + SAVE_HINT)
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise PartitionedParameterError(_message(self._zerodp_name, "copy.deepcopy"))
+        raise PartitionedParameterError(_message(self._zerodp_name, "copy.deepcopy") + SAVE_HINT)
+
+    def __format__(self, spec: str) -> str:
+        return repr(self)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (f"ShardedData('{self._zerodp_name}', shape={tuple(self.shape)}, dtype={self.dtype}, "

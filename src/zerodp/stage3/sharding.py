@@ -18,6 +18,7 @@ from torch import nn
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
 from zerodp.config import ZeroConfig
+from zerodp.stage3.aliases import saved_alias_hooks
 from zerodp.stage3.coordinator import ParameterCoordinator
 from zerodp.stage3.hooks import ExternalParameterMode, ModuleStack, register_stage3_hooks
 from zerodp.stage3.allocator import pin_mmap_threshold
@@ -103,6 +104,8 @@ class Stage3:
             u = shard_unit(name, named, first, groups, self.rank, self.world_size, persistent=persistent,
                            sync=sync)
         self.index.units.append(u)
+        if not u.persistent:
+            u.attach_aliases(self.index.aliases)
         for s in u.slots:
             self.index.by_param[id(s.param)] = u
         return first + len(named)
@@ -120,7 +123,7 @@ class Stage3:
         if training:
             self.coordinator.begin_iteration()
         self.stack.stack.clear()
-        with self._mode:
+        with self._mode, saved_alias_hooks(self.index.aliases):
             out = module(*args, **kwargs)
         if not training:
             self.coordinator.release_idle()

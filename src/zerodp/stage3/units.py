@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Protocol
 
@@ -43,6 +44,7 @@ from torch.distributed import ProcessGroup, Work
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot, memory_stride
+from zerodp.stage3.aliases import AliasTable, storage_key, storage_refs
 from zerodp.stage3.pool import GatherPool
 from zerodp.stage3.sharded_param import PartitionedParameterError, mark_sharded, mark_unsharded
 
@@ -99,6 +101,13 @@ class ShardedUnit:
     #: :mod:`zerodp.stage3.pool`); None: each gather allocates and each release frees
     pool: Optional[GatherPool] = None
     home: Optional[ShardHome] = None  # offload_param: where the shard lives between uses; None: here
+    #: the stage-3 alias table this unit's buffers are registered in (see [Note: escaping views] in
+    #: :mod:`zerodp.stage3.aliases`); None: not registered (views saved by autograd keep the storage)
+    aliases: Optional[AliasTable] = None
+    #: buffer key (None: full, (slot position, dtype): a cast buffer) -> its storage's use count when the
+    #: unit became UNSHARDED; a release finding more keeps that storage for the extra views
+    refs: dict = field(default_factory=dict)
+    warned_escape: bool = False
     #: ``ds_id`` of the first slot's parameter (slot i has ``ds_id_base + i``); see :func:`_reserve_ds_ids`
     ds_id_base: int = -1
 
@@ -131,11 +140,17 @@ class ShardedUnit:
         assert self.state is ShardState.SHARDED, f"unit '{self.name}' gathered while {self.state}"
         if self.full is None:
             self.full = _empty(self.numel, self.shard.dtype, self.shard.device, self.pool)
+            self.refs[None] = storage_refs(self.full) + len(self.slots)  # finish_gather points them at it
+            if self.aliases is not None:
+                self.aliases.add(self.full, self, None)
         else:
             _allocate(self.full, self.pool)
         if self.home is not None:
             self.home.acquire()  # released in finish_gather, once the collective has read the shard
-        self.work = comm.all_gather(self.full, self.shard, pg, ledger, purpose, async_op=True)
+        # into a non-owning alias of the full buffer's memory: the Work (kept by gloo's thread for a while
+        # after wait() returns) then holds no reference to the buffer's storage, whose use count tells
+        # escaping views (see [Note: escaping views]); the unit waits for the Work before any release
+        self.work = comm.all_gather(_unowned_alias(self.full), self.shard, pg, ledger, purpose, async_op=True)
         self.state = ShardState.GATHERING
 
     def finish_gather(self) -> None:
@@ -155,16 +170,44 @@ class ShardedUnit:
                 buf.copy_(self._view(self.slots[i]))
         self.state = ShardState.UNSHARDED
 
-    def release(self) -> None:
+    def attach_aliases(self, table: AliasTable) -> None:
+        """Register this unit's buffers in ``table`` (views of them saved by autograd hold no storage)."""
+        self.aliases = table
+        if self.full is not None:
+            table.add(self.full, self, None)
+            if None not in self.refs:
+                self.note_refs()
+        for key, buf in self.casts.items():
+            table.add(buf, self, key)
+
+    def note_refs(self) -> None:
+        """Record the use count of each buffer's storage: the buffer, its Python storage object and (for
+        ``full``) the parameters, whose ``.data`` view it. Measured only when nothing else can hold it
+        (never while an all-gather's Work, which references its output, may be alive), so that no view
+        escaping later can hide behind a transient reference."""
+        if self.full is not None:
+            self.refs[None] = storage_refs(self.full)
+        for key, buf in self.casts.items():
+            self.refs[key] = storage_refs(buf)
+
+    def release(self, allow: Optional[dict[int, int]] = None) -> None:
         """UNSHARDED -> SHARDED: the memory of the full buffer and of the cast buffers is freed (their
         storages are resized to 0 bytes); the parameters stay views of the full buffer (full shape, no
-        storage) and become :class:`~zerodp.stage3.sharded_param.ShardedParameter`."""
+        storage) and become :class:`~zerodp.stage3.sharded_param.ShardedParameter`.
+
+        A buffer whose storage is still viewed by tensors other than the parameters (see [Note: escaping
+        views] in :mod:`zerodp.stage3.aliases`) is not freed: it is left to those tensors, and the unit
+        gets a new, empty buffer (with a warning, once per unit). ``allow``: storage key -> views the
+        caller still holds that are about to be dropped (a module's outputs, replaced by copies)."""
         if self.state is ShardState.GATHERING:
             self.finish_gather()
         if self.state is ShardState.SHARDED:
             return
         for s in self.slots:  # views made while the storage is allocated (a re-binding is dropped)
             s.param.data = self._view(s)
+        if self.refs:
+            self._leave_escaped_views(allow or {})
+        for s in self.slots:
             mark_sharded(s.param, self._param_name(s))
         _free(self.full, self.pool)
         for buf in self.casts.values():
@@ -172,6 +215,52 @@ class ShardedUnit:
         self.users = 0
         self.prefetched = False
         self.state = ShardState.SHARDED
+
+    def _leave_escaped_views(self, allow: dict[int, int]) -> None:
+        """Give each buffer whose storage has more references than :attr:`refs` (+ ``allow``) a new
+        empty storage, leaving the old one, memory and values, to the tensors that view it."""
+        def escaped(key: object, buf: torch.Tensor) -> bool:
+            return storage_refs(buf) > self.refs.get(key, 1 << 62) + allow.get(storage_key(buf), 0)
+
+        kept = []
+        if self.full is not None and escaped(None, self.full):
+            self.full = self._replace_buffer(self.full, None)
+            for s in self.slots:
+                s.param.data = self._view(s)
+            kept.append("the parameters")
+        for key, buf in list(self.casts.items()):
+            if escaped(key, buf):
+                self.casts[key] = self._replace_buffer(buf, key)
+                kept.append(f"the {key[1]} cast of '{self._param_name(self.slots[key[0]])}'")
+        if kept and not self.warned_escape:
+            self.warned_escape = True
+            warnings.warn(
+                f"ZeRO stage 3: a tensor viewing {', '.join(kept)} of module '{self.name or '<root>'}' "
+                f"({self.param_names()}) outlived the release of its gathered values (a view stored on "
+                "the module or elsewhere, captured in a closure, or kept by a user's saved_tensors_hooks). "
+                "Its memory is kept for it, so it stays valid, but it holds the values of that moment and "
+                "no longer follows the parameter (an optimizer step does not update it). Store a copy "
+                "(.clone()) instead, or keep the parameter gathered (stage3_param_persistence_threshold). "
+                "Reported once per module.", RuntimeWarning, stacklevel=2)
+
+    def _replace_buffer(self, old: torch.Tensor, key: object) -> torch.Tensor:
+        """A new buffer like ``old`` (same shape and strides), empty; ``old`` keeps its memory."""
+        if self.pool is not None:
+            self.pool.disown(old)
+        if self.aliases is not None:
+            self.aliases.drop(old)
+        extent = old.untyped_storage().nbytes() // old.element_size()
+        new = _empty(extent, old.dtype, old.device, self.pool).as_strided(old.shape, old.stride(),
+                                                                         old.storage_offset())
+        if self.aliases is not None:
+            self.aliases.add(new, self, key)
+        self.refs[key] = storage_refs(new) + (len(self.slots) if key is None else 0)  # re-pointed next
+        return new
+
+    def param_names(self, limit: int = 4) -> str:
+        """The unit's parameter names, quoted (the first ``limit``), for messages."""
+        names = [f"'{self._param_name(s)}'" for s in self.slots]
+        return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
     def cast(self, param: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
         """The cast buffer holding ``param`` (gathered, of this unit) in ``dtype``, re-filled now.
@@ -190,6 +279,9 @@ class ShardedUnit:
             buf = _empty(s.numel, dtype, self.shard.device, self.pool).as_strided(
                 s.shape, s.stride or _row_major(s.shape))
             self.casts[(pos, dtype)] = buf
+            if self.aliases is not None:
+                self.aliases.add(buf, self, (pos, dtype))
+            self.refs[(pos, dtype)] = storage_refs(buf)
         with torch.no_grad():
             buf.copy_(self._view(self.slots[pos]))
         return buf
@@ -248,6 +340,13 @@ class ShardedUnit:
             yield self.shard
         finally:
             self.home.release(dirty=write)
+
+
+def _unowned_alias(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor over ``t``'s memory whose storage does not own it (nor count as a reference to
+    ``t``'s storage); valid while ``t``'s storage holds that memory."""
+    storage = torch._C._construct_storage_from_data_pointer(t.data_ptr(), t.device, t.numel() * t.element_size())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (t.numel(),), (1,))
 
 
 def _row_major(shape: torch.Size) -> tuple[int, ...]:
@@ -311,6 +410,8 @@ def shard_unit(
     unit = ShardedUnit(name, group, rank, world_size, persistent=persistent)
     unit.full = full
     unit.state = ShardState.UNSHARDED
+    del full
+    unit.note_refs()
     if not persistent:
         unit.release()
     return unit
@@ -323,6 +424,8 @@ class UnitIndex:
     units: list[ShardedUnit] = field(default_factory=list)
     by_param: dict[int, ShardedUnit] = field(default_factory=dict)  # id(param) -> unit
     by_module: dict[int, list[ShardedUnit]] = field(default_factory=dict)  # id(module) -> units
+    #: storages of the units' buffers, for views that outlive a release (see :mod:`zerodp.stage3.aliases`)
+    aliases: AliasTable = field(default_factory=AliasTable)
 
     def add_module(self, module: nn.Module) -> None:
         needed: list[ShardedUnit] = []
