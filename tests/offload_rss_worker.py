@@ -1,9 +1,9 @@
 """Per-rank RSS with and without ZeRO-Offload (tests/test_offload_rss.py): 2 ranks, an MLP of
 ``LAYERS`` x Linear(WIDTH, WIDTH), AdamW, DeepSpeed's keys at their defaults (``sub_group_size`` not
 set). For each configuration, in turn in this process: RSS (``VmRSS`` of ``/proc/self/status``, after
-``gc.collect`` and glibc's ``malloc_trim``) before the model is built and after ``STEPS`` steps; the
-growth is what the configuration holds, measured by the kernel. Beside it, the engine's own figure:
-``memory_report().total`` plus the offload's host buffers (:func:`zerodp.offload.report.host_total`).
+``gc.collect`` and glibc's ``malloc_trim``) before the model is built and after ``STEPS`` steps and one more
+backward (gradients held); the growth is what the configuration holds, measured by the kernel. Beside it, the engine's own figure:
+``memory_report().total`` plus the offloads' host buffers (:func:`zerodp.offload.report.host_total`).
 Run with ``MALLOC_MMAP_THRESHOLD_`` set so freed large blocks go back to the OS between configurations.
 """
 
@@ -23,7 +23,7 @@ from torch import nn
 import zerodp
 from zerodp.offload.report import host_total
 
-WIDTH, LAYERS, STEPS = 1024, 8, 2
+WIDTH, LAYERS, STEPS = 512, 32, 2
 _libc = ctypes.CDLL("libc.so.6")
 
 
@@ -59,13 +59,16 @@ def measure(stage: int, dtype: str, offload: str, nvme: str) -> dict:
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     numel = sum(p.numel() for p in model.parameters())
     engine = zerodp.initialize(model, config(stage, dtype, offload, nvme))
-    for _ in range(STEPS):
+    for i in range(STEPS + 1):
         engine.backward(engine(x.to(torch.bfloat16) if dtype == "bf16" else x).float().pow(2).mean())
+        if i == STEPS:  # gradients held (stages 0-1 give their pages back at each step)
+            after = rss_bytes()
         engine.step()
-    after = rss_bytes()
     off = engine.offload_report()
-    out = {"growth": after - before, "numel": numel, "figure": host_total(engine.memory_report(), off),
-           "offloaded": off is not None}
+    swapper = getattr(engine.param_offload, "swapper", None)  # nvme: the parameter swapper
+    param_host = swapper.host_bytes() if swapper is not None else None
+    out = {"growth": after - before, "numel": numel, "offloaded": off is not None,
+           "figure": host_total(engine.memory_report(), off, param_host)}
     if off is not None:
         out["swap_buffers"] = off.host["swap_buffers"]
     engine.close()

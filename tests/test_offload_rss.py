@@ -1,5 +1,5 @@
 """Offload saves the memory it moves off, measured as process RSS (tests/offload_rss_worker.py: 2 ranks,
-8 x Linear(1024, 1024), AdamW, DeepSpeed's keys at their defaults, so ``sub_group_size`` is chosen by
+32 x Linear(512, 512), AdamW, DeepSpeed's keys at their defaults, so ``sub_group_size`` is chosen by
 zerodp from ``offload_optimizer.host_buffer_bytes``), and the engine's host figure matches the RSS.
 
 Bytes moved off per rank (computed here from the model's size, not from the engine): Adam moments

@@ -38,8 +38,9 @@ non-offloaded engine's. Between steps the masters are empty placeholders and the
 Errors, raised on every rank (collective) before any training state changes: a missing or
 unwritable ``nvme_path``, too little free space (bytes needed vs free), a swap file deleted or
 replaced under a running job. Swap files are removed by :meth:`close`, at interpreter exit (also
-after an exception) and when this object is garbage-collected, which the engine's registries keyed by
-the module's parameters prevent while the module lives.
+after an exception), on SIGTERM and SIGINT (:mod:`zerodp.offload.swap_dir`, which also names the
+directories of dead jobs at the start) and when this object is garbage-collected, which the engine's
+registries keyed by the module's parameters prevent while the module lives.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from zerodp.offload.cpu_adam import cpu_adam_kernel
 from zerodp.offload.host import HostOptimizerOffload, fold_edit, storage_bytes
 from zerodp.offload.report import offload_formula
 from zerodp.offload.shard_window import ShardAccess, unique_groups
+from zerodp.offload.swap_dir import check_stale, make_rank_dir, release
 from zerodp.offload.sizing import SPLIT_ALIGN, BufferLayout, auto_sub_group_size, oversize_warning
 from zerodp.offload.step_pipeline import SubGroupPipeline, SwapStats
 from zerodp.runtime import control
@@ -192,10 +194,10 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         if needed > free:
             raise OffloadError(f"offload_optimizer.nvme_path {base!r}: the swap file needs {needed:,} bytes, "
                                f"{free:,} bytes are free")
-        self.dir = os.path.join(base, f"zerodp_{job}", f"rank{self.rank}")
-        os.makedirs(self.dir, exist_ok=True)
-        path = os.path.join(self.dir, "optimizer.swp")
+        check_stale(base, self.cfg.remove_stale_swap, "offload_optimizer.nvme_path", self.rank)
         files: list[Optional[SwapFile]] = []
+        self.dir = make_rank_dir(base, job, self.rank, files)  # owner record; unlinked on SIGTERM/SIGINT
+        path = os.path.join(self.dir, "optimizer.swp")
         self._finalizer = weakref.finalize(self, _cleanup, self.dir, files)
         self.file = SwapFile(path)
         files.append(self.file)
@@ -626,10 +628,7 @@ def _cleanup(directory: str, files: list[Optional[SwapFile]]) -> None:
             f.close()
             with contextlib.suppress(OSError):
                 os.remove(f.path)
-    with contextlib.suppress(OSError):
-        os.rmdir(directory)
-    with contextlib.suppress(OSError):
-        os.rmdir(os.path.dirname(directory))  # the job directory, once every rank's is gone
+    release(directory)  # the owner record, the directory, the job directory once empty
 
 
 def _job_id(pg: Optional[dist.ProcessGroup]) -> str:

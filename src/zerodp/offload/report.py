@@ -56,15 +56,20 @@ class OffloadReport:
         return "\n".join(lines)
 
 
-def host_total(memory: MemoryReport, offload: Optional[OffloadReport]) -> int:
+def host_total(memory: MemoryReport, offload: Optional[OffloadReport],
+               param_host: Optional[dict[str, int]] = None) -> int:
     """Host bytes of this rank's model states, measured: ``engine.memory_report().total`` (parameters,
     gradients, optimizer states, masters and communication buffers in memory) plus what only the
     offload holds (``engine.offload_report()``: the NVMe swapper's buffers and the fp32 host
-    gradients or gradient scratch). On a CPU-only machine this is the figure to set beside the
-    process's resident set (tests/test_offload_rss.py matches them within 10 %)."""
+    gradients or gradient scratch) and, with ``param_host`` (``engine.param_offload.swapper.host_bytes()``,
+    stage 3 ``offload_param``), the parameter swapper's buffer pool (its resident shards are counted
+    by the memory report already). On a CPU-only machine this is the figure to set beside the
+    process's resident set (tests/test_offload_rss.py matches them within 10 % while gradients are held,
+    after a backward)."""
+    total = memory.total + (param_host or {}).get("swap_buffers", 0)
     if offload is None:
-        return memory.total
-    return memory.total + offload.host["swap_buffers"] + offload.host["gradients"]
+        return total
+    return total + offload.host["swap_buffers"] + offload.host["gradients"]
 
 
 def offload_estimate_table(numel: int, world_size: int, b: BytesPerElement) -> str:
