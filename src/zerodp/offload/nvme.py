@@ -51,7 +51,6 @@ import secrets
 import shutil
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
@@ -64,7 +63,8 @@ from zerodp.offload.host import HostOptimizerOffload, fold_edit, storage_bytes
 from zerodp.offload.report import offload_formula
 from zerodp.offload.shard_window import ShardAccess, unique_groups
 from zerodp.offload.swap_dir import check_stale, make_rank_dir, release
-from zerodp.offload.sizing import SPLIT_ALIGN, BufferLayout, auto_sub_group_size, oversize_warning
+from zerodp.offload.sizing import BufferLayout, auto_sub_group_size, oversize_warning
+from zerodp.offload.subgroups import SubGroup, plan_subgroups as _plan
 from zerodp.offload.step_pipeline import SubGroupPipeline, SwapStats
 from zerodp.runtime import control
 from zerodp.runtime.partition import FlatGroup, Piece
@@ -72,29 +72,6 @@ from zerodp.runtime.partition import FlatGroup, Piece
 
 class OffloadError(RuntimeError):
     """The NVMe swap space is unusable (path, permissions, free space, a deleted swap file)."""
-
-
-@dataclass
-class SubGroup:
-    """Consecutive spans of pieces swapped together; ``offset`` in the file; ``seg`` bytes per segment;
-    ``segments``: 3 (fp32 masters, ``exp_avg``, ``exp_avg_sq``) or 2 (the moments only, when the
-    module's fp32 tensors are the masters)."""
-
-    index: int
-    spans: list[tuple[int, int, int]]  # (position in NvmeOptimizerOffload.pieces, lo, hi): elements of the piece
-    numel: int
-    offset: int
-    seg: int
-    segments: int = 3
-
-    @property
-    def pieces(self) -> list[int]:
-        """Positions of the pieces with a span here, in order, each once."""
-        return list(dict.fromkeys(i for i, _, _ in self.spans))
-
-    @property
-    def nbytes(self) -> int:
-        return self.segments * self.seg
 
 
 class NvmeOptimizerOffload(HostOptimizerOffload):
@@ -578,48 +555,6 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             self.io = None
         if self._finalizer is not None:
             self._finalizer()
-
-
-def _plan(pieces: list[Piece], order: list[int], size: int, segments: int = 3) -> list[SubGroup]:
-    """Sub-groups of consecutive spans of the pieces at ``order`` (positions in ``pieces``), each of at
-    most ``size`` elements; a piece that does not fit in what is left of a sub-group is cut at a
-    multiple of :data:`zerodp.offload.sizing.SPLIT_ALIGN` elements from its start (a piece smaller
-    than that, or a ``size`` below it, is not cut: such a sub-group may exceed ``size``). Each
-    sub-group is one contiguous region of the swap file (``segments`` segments)."""
-    groups: list[SubGroup] = []
-    current: list[tuple[int, int, int]] = []
-    numel = 0
-    offset = 0
-
-    def close() -> None:
-        nonlocal offset, current, numel
-        if current:
-            seg = align_up(4 * numel)
-            groups.append(SubGroup(len(groups), current, numel, offset, seg, segments))
-            offset += segments * seg
-        current, numel = [], 0
-
-    for i in order:
-        n = pieces[i].hi - pieces[i].lo
-        lo = 0
-        while lo < n:
-            room = size - numel
-            if n - lo <= room:
-                take = n - lo
-            else:
-                take = room // SPLIT_ALIGN * SPLIT_ALIGN
-                if take == 0 and current:
-                    close()
-                    continue
-                if take == 0:  # an empty sub-group: at least one aligned span (or the rest of the piece)
-                    take = min(n - lo, max(SPLIT_ALIGN, size // SPLIT_ALIGN * SPLIT_ALIGN))
-            current.append((i, lo, lo + take))
-            numel += take
-            lo += take
-            if numel >= size:
-                close()
-    close()
-    return groups
 
 
 def _cleanup(directory: str, files: list[Optional[SwapFile]]) -> None:
