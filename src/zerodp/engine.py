@@ -94,7 +94,7 @@ class Engine:
         self.frozen = [p for p in _unique_params(module) if id(p) not in in_groups]
         self._broadcast_from_rank0()
         self.offload: Optional[OptimizerOffload] = build_offload(
-            zc.offload_optimizer, config.aio, zc.sub_group_size, self.stage, self.rank, process_group)
+            zc, config.aio, self.stage, self.rank, process_group, self.groups)
         for g in self.groups:  # pieces are views of the shards; masters are copies (an offload makes its own)
             with self.shards_resident([g]):
                 assign_pieces(g, self.rank, owns_everything=self.stage == 0)

@@ -30,6 +30,7 @@ import warnings
 from typing import Any, Callable, Optional, Sequence, get_args
 
 from zerodp.runtime import accounting
+from zerodp.app import clean_swap
 from zerodp.offload.report import offload_estimate_table
 from zerodp.app import launch
 from zerodp.config import ZeroConfig
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``zerodp`` argument parser (subcommands ``train``, ``consolidate``, ``verify``, ``bench``,
     ``estimate``)."""
     parser = argparse.ArgumentParser(prog="zerodp", description=__doc__.split("\n\n")[0].replace("``", ""))
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,consolidate,verify,bench,estimate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,consolidate,verify,bench,estimate,clean-swap}")
 
     d = DEFAULTS
     tr = sub.add_parser(
@@ -295,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="data_types.grad_accum_dtype: the gradient accumulation dtype (default: fp32 "
                          "under mixed precision with --grad-accum > 1, else the parameters' dtype)")
     es.set_defaults(handler=_cmd_estimate, parser=es, fp32=False)
+    clean_swap.add_parser(sub)
     return parser
 
 

@@ -7,12 +7,14 @@ does not depend on the host or NVMe implementations.
 from __future__ import annotations
 
 import contextlib
+import os
+import warnings
 from typing import Callable, Iterable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
-from zerodp.config import ConfigError
+from zerodp.config import ConfigError, ZeroConfig
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
 from zerodp.offload.host import HostOptimizerOffload
 from zerodp.offload.nvme import NvmeOptimizerOffload
@@ -47,21 +49,43 @@ class OptimizerOffload(Protocol):
     def close(self) -> None: ...
 
 
-def build_offload(cfg: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: int, stage: int, rank: int,
-                  process_group: Optional[dist.ProcessGroup]) -> Optional[OptimizerOffload]:
+#: set to "1" (the test suite does, tests/conftest.py) to run the host-memory offload's pipeline even
+#: when training runs on the CPU, where it moves nothing: its logic is the GPU path's
+HOST_PIPELINE_ON_CPU_ENV = "ZERODP_HOST_OFFLOAD_ON_CPU"
+
+
+def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int,
+                  process_group: Optional[dist.ProcessGroup], groups: list[FlatGroup]) -> Optional[OptimizerOffload]:
     """None for ``device: none``; else the host or NVMe offload (not yet attached).
+
+    ``device: cpu`` when every parameter of ``groups`` is on the CPU also gives None: the optimizer
+    states are in host memory already, so offloading them to the host would move nothing and only
+    add a second fp32 copy of the partition and of its gradient; the engine runs as without offload,
+    and rank 0 warns once (unless :data:`HOST_PIPELINE_ON_CPU_ENV` is "1").
+    ``zero_optimization.sub_group_size``: honoured when the user set it, else chosen by the NVMe
+    offload from ``offload_optimizer.host_buffer_bytes`` (:mod:`zerodp.offload.sizing`).
 
     Raises:
         ConfigError: offload asked for at stage 0 (DeepSpeed offloads partitioned states: stages 1-3).
     """
+    cfg = zc.offload_optimizer
     if not cfg.enabled:
         return None
     if stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer needs zero_optimization.stage 1, 2 or 3 "
                          "(it offloads this rank's partition of the optimizer states); got stage 0")
     if cfg.device == "cpu":
+        on_cpu = all(g.buffer.device.type == "cpu" for g in groups)
+        if on_cpu and os.environ.get(HOST_PIPELINE_ON_CPU_ENV) != "1":
+            if rank == 0:
+                warnings.warn("zero_optimization.offload_optimizer.device 'cpu': training runs on the CPU, so the "
+                              "optimizer states are in host memory already; nothing is offloaded and no memory "
+                              "is added (the engine runs as without offload). Use device 'nvme' to take them "
+                              "out of RAM", stacklevel=3)
+            return None
         return HostOptimizerOffload(cfg.pin_memory, cfg.cpu_adam)
-    return NvmeOptimizerOffload(cfg, aio, sub_group_size, rank, process_group)
+    user_size = zc.sub_group_size if "sub_group_size" in zc.model_fields_set else None
+    return NvmeOptimizerOffload(cfg, aio, user_size, rank, process_group)
 
 
 @contextlib.contextmanager
@@ -69,4 +93,4 @@ def no_offload() -> Iterator[None]:
     yield
 
 
-__all__ = ["OptimizerOffload", "build_offload", "no_offload"]
+__all__ = ["HOST_PIPELINE_ON_CPU_ENV", "OptimizerOffload", "build_offload", "no_offload"]

@@ -36,6 +36,10 @@ class _OffloadTarget(_StrictModel):
 
     device: OffloadDevice = Field("none", description="none | cpu | nvme")
     nvme_path: Optional[str] = Field(None, description="directory for swap files (device nvme)")
+    remove_stale_swap: bool = Field(False, description="zerodp's own key: remove swap directories under "
+                                                       "nvme_path left by jobs whose processes are gone "
+                                                       "(else they are named in a warning; see "
+                                                       "zerodp.offload.swap_dir)")
 
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> "_OffloadTarget":
@@ -73,6 +77,17 @@ class OffloadOptimizerConfig(_OffloadTarget):
                                                   "updated; the other sub-groups are updated during the "
                                                   "next forward, each before its parameters' first use "
                                                   "(same values; see zerodp.offload.step_pipeline)")
+    host_buffer_bytes: int = Field(256 * 2**20, ge=0, description="nvme (zerodp's own key): host bytes of the "
+                                                                 "swapper's buffers when sub_group_size is not "
+                                                                 "set (see zerodp.offload.sizing)")
+
+    @field_validator("host_buffer_bytes", mode="before")
+    @classmethod
+    def _budget_from_float(cls, v: Any) -> Any:
+        """Accept integral floats (``2.5e8``), refuse ``1.5``."""
+        if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+            return int(v)
+        return v
 
     @field_validator("ratio")
     @classmethod

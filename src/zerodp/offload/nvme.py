@@ -38,8 +38,9 @@ non-offloaded engine's. Between steps the masters are empty placeholders and the
 Errors, raised on every rank (collective) before any training state changes: a missing or
 unwritable ``nvme_path``, too little free space (bytes needed vs free), a swap file deleted or
 replaced under a running job. Swap files are removed by :meth:`close`, at interpreter exit (also
-after an exception) and when this object is garbage-collected, which the engine's registries keyed by
-the module's parameters prevent while the module lives.
+after an exception), on SIGTERM and SIGINT (:mod:`zerodp.offload.swap_dir`, which also names the
+directories of dead jobs at the start) and when this object is garbage-collected, which the engine's
+registries keyed by the module's parameters prevent while the module lives.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ import contextlib
 import os
 import secrets
 import shutil
+import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
@@ -61,6 +62,9 @@ from zerodp.offload.cpu_adam import cpu_adam_kernel
 from zerodp.offload.host import HostOptimizerOffload, fold_edit, storage_bytes
 from zerodp.offload.report import offload_formula
 from zerodp.offload.shard_window import ShardAccess, unique_groups
+from zerodp.offload.swap_dir import check_stale, make_rank_dir, release
+from zerodp.offload.sizing import BufferLayout, auto_sub_group_size, oversize_warning
+from zerodp.offload.subgroups import SubGroup, plan_subgroups as _plan
 from zerodp.offload.step_pipeline import SubGroupPipeline, SwapStats
 from zerodp.runtime import control
 from zerodp.runtime.partition import FlatGroup, Piece
@@ -70,36 +74,24 @@ class OffloadError(RuntimeError):
     """The NVMe swap space is unusable (path, permissions, free space, a deleted swap file)."""
 
 
-@dataclass
-class SubGroup:
-    """Consecutive pieces swapped together; ``offset`` in the file; ``seg`` bytes per segment."""
-
-    index: int
-    pieces: list[int]  # positions in NvmeOptimizerOffload.pieces
-    numel: int
-    offset: int
-    seg: int
-
-    @property
-    def nbytes(self) -> int:
-        return 3 * self.seg
-
-
 class NvmeOptimizerOffload(HostOptimizerOffload):
     """Masters and Adam moments in a swap file, updated through the buffer pool (module docstring)."""
 
     device = "nvme"
 
-    def __init__(self, cfg: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: int,
+    def __init__(self, cfg: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: Optional[int],
                  rank: int, process_group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(cfg.pin_memory, cfg.cpu_adam)
         self.cfg = cfg
         self.aio_cfg = aio
-        self.sub_group_size = sub_group_size
+        self.user_sub_group_size = sub_group_size  # None: chosen at attach (zerodp.offload.sizing)
+        self.sub_group_size = 0
+        self.in_place = False  # the module's fp32 CPU tensors are the masters (no masters segment)
+        self.layout: Optional[BufferLayout] = None
         self.rank = rank
         self.pg = process_group
         self.subgroups: list[SubGroup] = []
-        self.steps: dict[int, torch.Tensor] = {}  # piece position -> Adam's step (pieces with state)
+        self.steps: dict[tuple[int, int], torch.Tensor] = {}  # (piece position, span lo) -> Adam's step
         self.buffers: list[torch.Tensor] = []
         self.io: Optional[AsyncIO] = None
         self.file: Optional[SwapFile] = None
@@ -107,7 +99,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self.stats = SwapStats()
         self._finalizer: Optional[weakref.finalize] = None
         self.deferred = False  # gradients read from the reducer's host partition (module docstring)
-        self.grad_scratch = torch.empty(0, dtype=torch.float32)  # fp32, largest sub-group (deferred)
+        self.grad_scratch = torch.empty(0, dtype=torch.float32)  # fp32, largest sub-group (deferred, not fp32)
+        self._norm_scratch: Optional[torch.Tensor] = None  # fp32, largest piece, during a step's norm only
         self._grad_refs: list[Optional[torch.Tensor]] = []  # per piece: the reducer's partition view
         self._factors: list[float] = []  # scale factors applied this step, in order (deferred)
         self._group_of: list[FlatGroup] = []  # per piece: its flat group (= stage-3 unit)
@@ -124,7 +117,22 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         # inside step() even with overlap_step, because forward reads them without asking
         swapped = [self.shard_access is not None and self.shard_access.swapped(g) for g in groups for _ in g.pieces]
         order = [i for i, s in enumerate(swapped) if not s] + [i for i, s in enumerate(swapped) if s]
-        self.subgroups = _plan(pieces, order, self.sub_group_size)
+        self.deferred = all(p.tensor.device.type == "cpu" for p in pieces)
+        # fp32 on the CPU, shards always resident: the module's tensors serve as the masters
+        self.in_place = self.shard_access is None and self.deferred and \
+            all(p.tensor.dtype == torch.float32 for p in pieces)
+        owned = sum(p.hi - p.lo for p in pieces)
+        plan_layout = BufferLayout(2 if self.in_place else 3, self.cfg.buffer_count, 0 if self.in_place else 1)
+        self.sub_group_size = self.user_sub_group_size or auto_sub_group_size(
+            owned, plan_layout, self.cfg.host_buffer_bytes, not self.in_place)
+        self.subgroups = _plan(pieces, order, self.sub_group_size, plan_layout.segments)
+        count = max(1, min(self.cfg.buffer_count, len(self.subgroups)))  # more would never be used
+        self.layout = BufferLayout(plan_layout.segments, count, 0 if self.in_place or not self.deferred else 1)
+        largest = max((sg.numel for sg in self.subgroups), default=0)
+        if self.user_sub_group_size is not None and self.rank == 0:
+            warning = oversize_warning(self.user_sub_group_size, largest, self.layout, owned, not self.in_place)
+            if warning:
+                warnings.warn(warning, stacklevel=2)
         needed = sum(sg.nbytes for sg in self.subgroups)
         job = _job_id(self.pg)
         error = None
@@ -133,25 +141,22 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         except (OSError, OffloadError) as exc:
             error = f"rank {self.rank}: {exc}"
         _raise_if_any(error, self.pg)
-        self.deferred = all(p.tensor.device.type == "cpu" for p in pieces)
         for g in groups:
             for piece in g.pieces:  # host gradients and placeholders; the masters go to the file below
                 self._add_piece(piece)
                 self._group_of.append(g)
         self._grad_refs = [None] * len(pieces)
-        if self.deferred:
-            self.grad_scratch = torch.empty(max((sg.numel for sg in self.subgroups), default=0), dtype=torch.float32)
+        if self.layout.scratch:  # low-precision host gradients: made fp32 one sub-group at a time
+            self.grad_scratch = torch.empty(largest, dtype=torch.float32)
         biggest = max((sg.nbytes for sg in self.subgroups), default=0)
-        # more buffers than sub-groups would never be used
-        count = max(1, min(self.cfg.buffer_count, len(self.subgroups)))
         self.buffers = [aligned_buffer(biggest, self.pin) for _ in range(count)]
-        for sg in self.subgroups:  # with shard_access: only this sub-group's shards resident
+        for sg in self.subgroups if not self.in_place else ():  # the masters go to the file
             buf = self.buffers[0][: sg.nbytes]
             masters = buf[: sg.seg].view(torch.float32)
-            with self._pinned(sg.pieces, dirty=False):
-                for i, view in self._views(sg, masters):
+            with self._pinned(sg.pieces, dirty=False):  # with shard_access: only this sub-group's shards
+                for i, lo, hi, view in self._views(sg, masters):
                     p = self.pieces[i]
-                    view.copy_(p.master if p.master is not None else p.tensor)
+                    view.copy_((p.master if p.master is not None else p.tensor)[lo:hi])
             self.io.write(self.file, buf, sg.offset).wait()
         for p in pieces:
             p.master = torch.empty(0, dtype=torch.float32)
@@ -166,10 +171,10 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         if needed > free:
             raise OffloadError(f"offload_optimizer.nvme_path {base!r}: the swap file needs {needed:,} bytes, "
                                f"{free:,} bytes are free")
-        self.dir = os.path.join(base, f"zerodp_{job}", f"rank{self.rank}")
-        os.makedirs(self.dir, exist_ok=True)
-        path = os.path.join(self.dir, "optimizer.swp")
+        check_stale(base, self.cfg.remove_stale_swap, "offload_optimizer.nvme_path", self.rank)
         files: list[Optional[SwapFile]] = []
+        self.dir = make_rank_dir(base, job, self.rank, files)  # owner record; unlinked on SIGTERM/SIGINT
+        path = os.path.join(self.dir, "optimizer.swp")
         self._finalizer = weakref.finalize(self, _cleanup, self.dir, files)
         self.file = SwapFile(path)
         files.append(self.file)
@@ -232,25 +237,36 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         finally:
             self.shard_access.unpin(groups, dirty)
 
-    def _views(self, sg: SubGroup, seg: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-        """(piece position, its fp32 view) inside one segment of a sub-group's buffer."""
+    @staticmethod
+    def _views(sg: SubGroup, seg: torch.Tensor) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        """(piece position, lo, hi, the span's fp32 view) inside one segment of a sub-group's buffer."""
         at = 0
-        for i in sg.pieces:
-            n = self.pieces[i].hi - self.pieces[i].lo
-            yield i, seg[at: at + n]
-            at += n
+        for i, lo, hi in sg.spans:
+            yield i, lo, hi, seg[at: at + hi - lo]
+            at += hi - lo
+
+    def _segments(self, sg: SubGroup, buf: torch.Tensor) -> list[torch.Tensor]:
+        """[masters or None, exp_avg, exp_avg_sq]: fp32 segments of sub-group ``sg``'s buffer (masters
+        None when the module's tensors are the masters)."""
+        f32 = buf.view(torch.float32)
+        per = sg.seg // 4
+        segs = [f32[j * per: (j + 1) * per] for j in range(sg.segments)]
+        return ([None] if sg.segments == 2 else []) + segs
 
     def refresh_master(self, piece: Piece) -> None:
-        """Write the module's (edited) value of ``piece`` into its master in the swap file."""
+        """Write the module's (edited) value of ``piece`` into its master in the swap file (nothing to
+        do when the module's tensors are the masters)."""
         self.settle()
+        if self.in_place:
+            return
         i = self._index[id(piece)]
-        sg = next(s for s in self.subgroups if i in s.pieces)
-        buf = self.buffers[0][: sg.nbytes]
-        self.io.read(self.file, buf, sg.offset).wait()
-        for j, view in self._views(sg, buf[: sg.seg].view(torch.float32)):
-            if j == i:
-                view.copy_(piece.tensor)
-        self.io.write(self.file, buf, sg.offset).wait()
+        for sg in (s for s in self.subgroups if i in s.pieces):
+            buf = self.buffers[0][: sg.nbytes]
+            self.io.read(self.file, buf, sg.offset).wait()
+            for j, lo, hi, view in self._views(sg, buf[: sg.seg].view(torch.float32)):
+                if j == i:
+                    view.copy_(piece.tensor[lo:hi])
+            self.io.write(self.file, buf, sg.offset).wait()
 
     def fold_edits(self) -> None:
         """Nothing before the update: the masters are in the swap file, so in-place edits of module
@@ -264,7 +280,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
     def skipped_step(self) -> None:
         """The update was skipped (fp16 overflow): fold the edits :meth:`step` would have folded."""
         self.settle()
-        self._fold_masters(self.subgroups)
+        if not self.in_place:
+            self._fold_masters(self.subgroups)
 
     def _fold_masters(self, subgroups: list[SubGroup]) -> None:
         """Compare the module's values of ``subgroups``' pieces with their masters and fold edits in.
@@ -285,7 +302,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             reads.pop(k).wait()
             seg = self.buffers[k % nbuf][: sg.seg]
             with self._pinned(sg.pieces, dirty=False):  # with shard_access: this sub-group's shards only
-                changed = [fold_edit(self.pieces[i].tensor, view) for i, view in self._views(sg, seg.view(torch.float32))]
+                changed = [fold_edit(self.pieces[i].tensor[lo:hi], view)
+                           for i, lo, hi, view in self._views(sg, seg.view(torch.float32))]
             if any(changed):
                 writes[k % nbuf] = self.io.write(self.file, seg, sg.offset)
             if k + nbuf < len(subgroups):
@@ -329,11 +347,20 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         return super().grads()
 
     def grad_of(self, piece: Piece) -> Optional[torch.Tensor]:
-        """Deferred: ``piece``'s fp32 gradient in the scratch buffer, valid until the next call."""
+        """Deferred: ``piece``'s fp32 gradient: the reducer's partition itself when it is fp32 and no
+        factor is recorded yet, else made in a norm scratch of the largest piece (allocated for the
+        step, freed after it), valid until the next call."""
         if not self.deferred:
             return super().grad_of(piece)
         i = self._index[id(piece)]
-        return self._materialise(i, self.grad_scratch[: piece.hi - piece.lo]) if self._present[i] else None
+        if not self._present[i]:
+            return None
+        ref = self._grad_refs[i]
+        if ref.dtype == torch.float32 and not self._factors:
+            return ref
+        if self._norm_scratch is None:
+            self._norm_scratch = torch.empty(max(p.hi - p.lo for p in self.pieces), dtype=torch.float32)
+        return self._materialise(i, 0, piece.hi - piece.lo, self._norm_scratch[: piece.hi - piece.lo])
 
     def norm_grads(self, pieces: list[Piece]) -> Iterable[torch.Tensor]:
         """Deferred: a generator; each piece's fp32 gradient overwrites the previous one's."""
@@ -341,9 +368,15 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             return super().norm_grads(pieces)
         return (g for g in (self.grad_of(p) for p in pieces) if g is not None)
 
-    def _materialise(self, i: int, out: torch.Tensor) -> torch.Tensor:
-        """Piece ``i``'s fp32 gradient in ``out``: the eager path's copy, then its in-place scalings."""
-        out.copy_(self._grad_refs[i])
+    def _materialise(self, i: int, lo: int, hi: int, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """Elements ``lo:hi`` of piece ``i``'s fp32 gradient in ``out``: the eager path's copy, then its
+        in-place scalings. ``out`` None (the reducer's partition is fp32, as the eager path's gradient
+        is then): scaled in place there, as the eager path scales it."""
+        ref = self._grad_refs[i][lo:hi]
+        if out is None:
+            out = ref
+        else:
+            out.copy_(ref)
         for f in self._factors:
             out.mul_(f)
         return out
@@ -357,7 +390,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self.settle()
         self._sync_copies()
         todo = [sg for sg in self.subgroups if any(self._present[i] for i in sg.pieces)]
-        self._fold_masters([sg for sg in self.subgroups if not any(self._present[i] for i in sg.pieces)])
+        if not self.in_place:  # the module's tensors are the masters: nothing to fold
+            self._fold_masters([sg for sg in self.subgroups if not any(self._present[i] for i in sg.pieces)])
         loop = SubGroupPipeline(self, optimizer, todo, lambda sg, buf: self._update(sg, buf, optimizer),
                                 self._loop_done)
         self.stats = loop.stats
@@ -381,35 +415,43 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             fn()
 
     def _update(self, sg: SubGroup, buf: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-        f32 = buf.view(torch.float32)
-        per = sg.seg // 4
-        masters = dict(self._views(sg, f32[:per]))
-        m = dict(self._views(sg, f32[per: 2 * per]))
-        v = dict(self._views(sg, f32[2 * per: 3 * per]))
-        scratch = dict(self._views(sg, self.grad_scratch)) if self.deferred else {}
-        for i in sg.pieces:
-            fold_edit(self.pieces[i].tensor, masters[i])  # an in-place edit since the last step (fold_edits)
-        for i in sg.pieces:
+        """Update sub-group ``sg`` in its buffer: each span of a piece with a gradient is bound to the
+        piece's optimizer parameter (a sub-group holds at most one span of a piece) and the optimizer
+        runs once; the masters are then cast into the module (unless they are the module's tensors)."""
+        seg_m, seg_a, seg_v = self._segments(sg, buf)
+        m = {i: view for i, _, _, view in self._views(sg, seg_a)}
+        v = {i: view for i, _, _, view in self._views(sg, seg_v)}
+        spans = {i: (lo, hi) for i, lo, hi in sg.spans}
+        if seg_m is None:
+            masters = {i: self.pieces[i].tensor[lo:hi] for i, (lo, hi) in spans.items()}
+        else:
+            masters = {i: view for i, _, _, view in self._views(sg, seg_m)}
+            for i, (lo, hi) in spans.items():  # an in-place edit since the last step (fold_edits)
+                fold_edit(self.pieces[i].tensor[lo:hi], masters[i])
+        scratch = {i: view for i, _, _, view in self._views(sg, self.grad_scratch)} if self.layout.scratch else {}
+        for i, (lo, hi) in spans.items():
             if not self._present[i]:
                 continue
             p = self.pieces[i]
             p.master.data = masters[i]
-            p.master.grad = self._materialise(i, scratch[i]) if self.deferred else self.grad_buffers[i]
-            if i not in self.steps:  # fresh state, exactly what torch's lazy initialisation makes
+            p.master.grad = self._materialise(i, lo, hi, scratch.get(i)) if self.deferred \
+                else self.grad_buffers[i][lo:hi]
+            if (i, lo) not in self.steps:  # fresh state, exactly what torch's lazy initialisation makes
                 m[i].zero_()
                 v[i].zero_()
-                self.steps[i] = torch.tensor(0.0, dtype=torch.float32)
-            optimizer.state[p.master] = {"step": self.steps[i], "exp_avg": m[i], "exp_avg_sq": v[i]}
+                self.steps[(i, lo)] = torch.tensor(0.0, dtype=torch.float32)
+            optimizer.state[p.master] = {"step": self.steps[(i, lo)], "exp_avg": m[i], "exp_avg_sq": v[i]}
         with cpu_adam_kernel(optimizer, self.cpu_adam):
             optimizer.step()
-        for i in sg.pieces:
+        for i, (lo, hi) in spans.items():
             if not self._present[i]:
                 continue
             p = self.pieces[i]
             # blocking: a non_blocking copy out of this (pinned) buffer could still be running on the
             # device when the step reads the next sub-group into the same buffer
-            p.tensor.copy_(masters[i])
-            self.steps[i] = optimizer.state.pop(p.master)["step"]
+            if seg_m is not None:
+                p.tensor[lo:hi].copy_(masters[i])
+            self.steps[(i, lo)] = optimizer.state.pop(p.master)["step"]
             p.master.grad = None
             p.master.data = torch.empty(0, dtype=torch.float32)
         self._sync_copies()
@@ -424,48 +466,62 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self._streamed = [False] * len(self.pieces)
         self._grad_refs = [None] * len(self.pieces)
         self._factors = []
+        self._norm_scratch = None
 
     # ---- checkpoints and reports ---------------------------------------------------------------
     @contextlib.contextmanager
     def resident(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
         """Read every master and moment into ordinary host tensors bound to the optimizer (12 bytes
-        per owned element, for the duration of a checkpoint save or load), then write back what the
-        block left there and return to placeholders."""
+        per owned element, for the duration of a checkpoint save or load; when the module's tensors
+        are the masters, the master is the module's tensor itself), then write back what the block
+        left there and return to placeholders."""
         self.settle()
-        full: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        full: dict[int, list[torch.Tensor]] = {}
+        for i, p in enumerate(self.pieces):
+            n = p.hi - p.lo
+            full[i] = [p.tensor if self.in_place else torch.empty(n, dtype=torch.float32),
+                       torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)]
+        step_of: dict[int, torch.Tensor] = {}
         for sg in self.subgroups:
             buf = self.buffers[0][: sg.nbytes]
             self.io.read(self.file, buf, sg.offset).wait()
-            f32 = buf.view(torch.float32)
-            per = sg.seg // 4
-            segs = [dict(self._views(sg, f32[j * per: (j + 1) * per])) for j in range(3)]
-            for i in sg.pieces:
-                full[i] = tuple(s[i].clone() for s in segs)  # type: ignore[assignment]
-                p = self.pieces[i]
-                p.master.data = full[i][0]
-                if i in self.steps:
-                    optimizer.state[p.master] = {"step": self.steps[i], "exp_avg": full[i][1],
-                                                 "exp_avg_sq": full[i][2]}
+            for j, seg in enumerate(self._segments(sg, buf)):
+                for i, lo, hi, view in self._views(sg, seg) if seg is not None else ():
+                    full[i][j][lo:hi].copy_(view)
+            for i, lo, _ in sg.spans:
+                if (i, lo) in self.steps:
+                    step_of.setdefault(i, self.steps[(i, lo)])
+        for i, p in enumerate(self.pieces):
+            p.master.data = full[i][0]
+            if i in step_of:
+                optimizer.state[p.master] = {"step": step_of[i].clone(), "exp_avg": full[i][1],
+                                             "exp_avg_sq": full[i][2]}
         try:
             yield
         finally:
+            states = {}
+            for i, p in enumerate(self.pieces):
+                states[i] = optimizer.state.pop(p.master, None)
+                if self.in_place and p.master.data.data_ptr() != p.tensor.data_ptr():
+                    p.tensor.copy_(p.master.data)  # a load bound a tensor of its own
             for sg in self.subgroups:
                 buf = self.buffers[0][: sg.nbytes]
-                f32 = buf.view(torch.float32)
-                per = sg.seg // 4
-                segs = [dict(self._views(sg, f32[j * per: (j + 1) * per])) for j in range(3)]
-                for i in sg.pieces:
-                    p = self.pieces[i]
-                    segs[0][i].copy_(p.master.data)
-                    st = optimizer.state.pop(p.master, None)
-                    if st:
-                        segs[1][i].copy_(st["exp_avg"])
-                        segs[2][i].copy_(st["exp_avg_sq"])
-                        self.steps[i] = st["step"]
+                seg_m, seg_a, seg_v = self._segments(sg, buf)
+                for j, seg in ((0, seg_m), (1, seg_a), (2, seg_v)):
+                    for i, lo, hi, view in self._views(sg, seg) if seg is not None else ():
+                        st = states[i]
+                        if j == 0:
+                            view.copy_(self.pieces[i].master.data[lo:hi])
+                        elif st:
+                            view.copy_(st["exp_avg" if j == 1 else "exp_avg_sq"][lo:hi])
+                for i, lo, _ in sg.spans:
+                    if states[i]:
+                        self.steps[(i, lo)] = states[i]["step"].clone()
                     else:
-                        self.steps.pop(i, None)
-                    p.master.data = torch.empty(0, dtype=torch.float32)
+                        self.steps.pop((i, lo), None)
                 self.io.write(self.file, buf, sg.offset).wait()
+            for p in self.pieces:
+                p.master.data = torch.empty(0, dtype=torch.float32)
 
     def host_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Host bytes measured from live storages; ``gradients``: the fp32 host gradient buffers, or
@@ -476,13 +532,16 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         return out
 
     def formula(self, numel_per_rank: float, host: dict[str, int]) -> dict[str, dict[str, float]]:
-        scratch = float(max((sg.numel for sg in self.subgroups), default=0)) if self.deferred else None
-        return offload_formula(self.device, numel_per_rank, host["swap_buffers"], scratch)
+        largest = float(max((sg.numel for sg in self.subgroups), default=0))
+        scratch = (largest if self.layout.scratch else 0.0) if self.deferred else None
+        return offload_formula(self.device, numel_per_rank, host["swap_buffers"], scratch,
+                               masters_in_file=not self.in_place)
 
     def nvme_bytes(self) -> dict[str, int]:
-        """Bytes of the swap file's segments (padding included), by category."""
+        """Bytes of the swap file's segments (padding included), by category (no masters when the
+        module's tensors are the masters)."""
         seg = sum(sg.seg for sg in self.subgroups)
-        return {"master_weights": seg, "optimizer_states": 2 * seg}
+        return {"master_weights": 0 if self.in_place else seg, "optimizer_states": 2 * seg}
 
     def close(self) -> None:
         """Stop the I/O threads and remove this rank's swap file and directory (a step's loop still
@@ -498,42 +557,13 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             self._finalizer()
 
 
-def _plan(pieces: list[Piece], order: list[int], size: int) -> list[SubGroup]:
-    """Sub-groups of consecutive pieces of ``order`` (positions in ``pieces``), each at most ``size``
-    elements unless one piece is larger; each one contiguous in the swap file."""
-    groups: list[SubGroup] = []
-    current: list[int] = []
-    numel = 0
-    offset = 0
-
-    def close() -> None:
-        nonlocal offset
-        if current:
-            seg = align_up(4 * numel)
-            groups.append(SubGroup(len(groups), list(current), numel, offset, seg))
-            offset += 3 * seg
-
-    for i in order:
-        n = pieces[i].hi - pieces[i].lo
-        if current and numel + n > size:
-            close()
-            current, numel = [], 0
-        current.append(i)
-        numel += n
-    close()
-    return groups
-
-
 def _cleanup(directory: str, files: list[Optional[SwapFile]]) -> None:
     for f in files:
         if f is not None:
             f.close()
             with contextlib.suppress(OSError):
                 os.remove(f.path)
-    with contextlib.suppress(OSError):
-        os.rmdir(directory)
-    with contextlib.suppress(OSError):
-        os.rmdir(os.path.dirname(directory))  # the job directory, once every rank's is gone
+    release(directory)  # the owner record, the directory, the job directory once empty
 
 
 def _job_id(pg: Optional[dist.ProcessGroup]) -> str:

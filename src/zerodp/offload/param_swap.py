@@ -52,6 +52,7 @@ import torch.distributed as dist
 from zerodp.offload.aio import ALIGN, AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
 from zerodp.offload.config import AioConfig, OffloadParamConfig
 from zerodp.offload.nvme import OffloadError, _cleanup, _job_id, _raise_if_any
+from zerodp.offload.swap_dir import check_stale, make_rank_dir
 from zerodp.runtime.partition import FlatGroup
 from zerodp.stage3.sharding import Stage3
 from zerodp.stage3.units import ShardedUnit
@@ -165,9 +166,9 @@ class ParamSwapper:
             raise OffloadError(f"offload_param.nvme_path {base!r} does not exist or is not a directory")
         if not os.access(base, os.W_OK | os.X_OK):
             raise OffloadError(f"offload_param.nvme_path {base!r} is not writable")
-        self.dir = os.path.join(base, f"zerodp_{job}", f"rank{self.rank}")
-        os.makedirs(self.dir, exist_ok=True)
+        check_stale(base, self.cfg.remove_stale_swap, "offload_param.nvme_path", self.rank)
         files: list[Optional[SwapFile]] = []
+        self.dir = make_rank_dir(base, job, self.rank, files)  # owner record; unlinked on SIGTERM/SIGINT
         self._finalizer = weakref.finalize(self, _cleanup, self.dir, files)
         self.file = SwapFile(os.path.join(self.dir, "params.swp"))
         files.append(self.file)

@@ -11,17 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from zerodp.runtime.accounting import STAGE_NAMES, BytesPerElement, human_bytes, model_state_bytes
+from zerodp.runtime.accounting import STAGE_NAMES, BytesPerElement, MemoryReport, human_bytes, model_state_bytes
 
 
 def offload_formula(device: str, numel_per_rank: float, buffer_bytes: int = 0,
-                    grad_numel: Optional[float] = None) -> dict[str, dict[str, float]]:
+                    grad_numel: Optional[float] = None, masters_in_file: bool = True) -> dict[str, dict[str, float]]:
     """Expected host / NVMe bytes for one rank with ``numel_per_rank`` = Psi / N_d owned elements:
     fp32 master 4, Adam moments 8 and fp32 gradient 4 bytes per element (ZeRO-Offload section 4);
     with NVMe, the master and moments (12 bytes) move to the swap file and host memory keeps the
     gradients and the swapper's buffer pool. ``grad_numel``: elements of the fp32 host gradient when
     it is not a full copy of the partition (NVMe with the gradients in host memory already: a scratch
-    of the largest sub-group, see :mod:`zerodp.offload.nvme`); default ``numel_per_rank``."""
+    of the largest sub-group, see :mod:`zerodp.offload.nvme`); default ``numel_per_rank``.
+    ``masters_in_file`` False: fp32 training on the CPU, where the module's tensors are the masters
+    (the swap file holds the moments only)."""
     n = numel_per_rank
     g = n if grad_numel is None else grad_numel
     if device == "cpu":
@@ -30,7 +32,7 @@ def offload_formula(device: str, numel_per_rank: float, buffer_bytes: int = 0,
                 "nvme": {"master_weights": 0, "optimizer_states": 0}}
     return {"host": {"master_weights": 0, "optimizer_states": 0, "gradients": 4 * g,
                      "swap_buffers": buffer_bytes},
-            "nvme": {"master_weights": 4 * n, "optimizer_states": 8 * n}}
+            "nvme": {"master_weights": 4 * n if masters_in_file else 0, "optimizer_states": 8 * n}}
 
 
 
@@ -52,6 +54,22 @@ class OffloadReport:
             for c, v in measured.items():
                 lines.append(f"  {where:<6}{c:<18}{human_bytes(v):>14}{human_bytes(self.formula[where][c]):>14}")
         return "\n".join(lines)
+
+
+def host_total(memory: MemoryReport, offload: Optional[OffloadReport],
+               param_host: Optional[dict[str, int]] = None) -> int:
+    """Host bytes of this rank's model states, measured: ``engine.memory_report().total`` (parameters,
+    gradients, optimizer states, masters and communication buffers in memory) plus what only the
+    offload holds (``engine.offload_report()``: the NVMe swapper's buffers and the fp32 host
+    gradients or gradient scratch) and, with ``param_host`` (``engine.param_offload.swapper.host_bytes()``,
+    stage 3 ``offload_param``), the parameter swapper's buffer pool (its resident shards are counted
+    by the memory report already). On a CPU-only machine this is the figure to set beside the
+    process's resident set (tests/test_offload_rss.py matches them within 10 % while gradients are held,
+    after a backward)."""
+    total = memory.total + (param_host or {}).get("swap_buffers", 0)
+    if offload is None:
+        return total
+    return total + offload.host["swap_buffers"] + offload.host["gradients"]
 
 
 def offload_estimate_table(numel: int, world_size: int, b: BytesPerElement) -> str:
@@ -77,4 +95,4 @@ def offload_estimate_table(numel: int, world_size: int, b: BytesPerElement) -> s
     return "\n".join(rows)
 
 
-__all__ = ["OffloadReport", "offload_formula", "offload_estimate_table"]
+__all__ = ["OffloadReport", "host_total", "offload_formula", "offload_estimate_table"]
