@@ -42,11 +42,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _storage_key(t: torch.Tensor) -> Optional[tuple[int, int]]:
     try:
         s = _local(t).untyped_storage()
-    except (RuntimeError, NotImplementedError):  # meta / fake tensors hold no storage
-        return None
-    if s.data_ptr() == 0 or s.nbytes() == 0:
-        return None
-    return (s.data_ptr(), s.nbytes())
+        key = (s.data_ptr(), s.nbytes())
+    except (RuntimeError, NotImplementedError):  # meta / fake tensors and storage-less wrapper subclasses
+        return None  # (zerodp's param.grad placeholders, stage-3 partitioned values) hold no storage
+    return None if key[0] == 0 or key[1] == 0 else key
 
 
 def live_storage_bytes(sources: Mapping[str, Iterable[torch.Tensor]],
