@@ -1,6 +1,8 @@
 """The package layout as an architecture: no import cycles between zerodp's modules (imports inside
-functions and under ``TYPE_CHECKING`` included), the library never imports the application package
-``zerodp.app``, every module says what it owns, and no source file outgrows one concept."""
+functions and under ``TYPE_CHECKING`` included), imports point down the package ranks
+(config < runtime < stage3 < offload < checkpoint < engine < deepspeed < app), the library never imports
+the application package ``zerodp.app``, every module says what it owns, and no source file outgrows one
+concept."""
 
 from __future__ import annotations
 
@@ -14,6 +16,40 @@ import zerodp
 PACKAGE_DIR = Path(zerodp.__file__).parent
 APP = "zerodp.app"
 MAX_LINES = 600
+
+#: The package ranks, lowest first. A module may import modules of its own rank or a lower one, never a
+#: higher one (imports inside functions and under ``TYPE_CHECKING`` included); a dependency that must
+#: point up is inverted by a ``Protocol`` defined in the lower module and implemented above it.
+#:
+#: - ``config``: the validated configuration (``zerodp.config``, its key tables ``zerodp.config_keys``,
+#:   and the offload sections' schema ``zerodp.offload.config``, which ``zerodp.config`` embeds). Every
+#:   layer reads its settings from these, so they sit below everything and import no other layer.
+#: - ``engine``: the engine and the top-level modules that sit with it and make up the library's
+#:   public face (``zerodp.initialize``, ``zerodp.zero``, the safe accessors, tiling, activation
+#:   checkpointing); each is named explicitly below, so a new top-level module must be placed.
+#: - ``deepspeed`` and ``app`` are both clients of the engine; ``app`` is ranked above ``deepspeed``
+#:   (the library never imports the application, see :func:`test_library_never_imports_the_application`).
+RANKS = ("config", "runtime", "stage3", "offload", "checkpoint", "engine", "deepspeed", "app")
+
+#: module or package -> its rank; the longest matching dotted prefix wins
+RANK_OF_PREFIX = {
+    "zerodp.config": "config",
+    "zerodp.config_keys": "config",
+    "zerodp.offload.config": "config",
+    "zerodp.runtime": "runtime",
+    "zerodp.stage3": "stage3",
+    "zerodp.offload": "offload",
+    "zerodp.checkpoint": "checkpoint",
+    "zerodp": "engine",  # the package itself: zerodp/__init__.py
+    "zerodp.engine": "engine",
+    "zerodp.entry": "engine",
+    "zerodp.zero": "engine",
+    "zerodp.accessors": "engine",
+    "zerodp.tiling": "engine",
+    "zerodp.checkpointing": "engine",
+    "zerodp.deepspeed": "deepspeed",
+    "zerodp.app": "app",
+}
 
 
 def module_name(path: Path) -> str:
@@ -90,6 +126,48 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def rank_of(module: str) -> str | None:
+    """The rank of ``module`` (see :data:`RANKS`): that of its longest dotted prefix in
+    :data:`RANK_OF_PREFIX`, where only the package ``zerodp`` itself matches ``"zerodp"`` (a new
+    top-level module has no rank until it is given one)."""
+    best = None
+    for prefix, rank in RANK_OF_PREFIX.items():
+        matches = module == prefix or (prefix != "zerodp" and module.startswith(prefix + "."))
+        if matches and (best is None or len(prefix) > len(best[0])):
+            best = (prefix, rank)
+    return best[1] if best else None
+
+
+def import_lines(path: Path, name: str, target: str, modules: dict[str, Path]) -> list[int]:
+    """Line numbers in ``path`` of the import statements that make ``name`` import ``target``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name == target for a in node.names):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = resolve(name, path.name == "__init__.py", node.level, node.module)
+            subs = {f"{base}.{a.name}" for a in node.names}
+            if target in subs or (base == target and any(s not in modules for s in subs)):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def rank_violations(graph: dict[str, set[str]], modules: dict[str, Path] | None = None) -> list[str]:
+    """One line per import of a higher-ranked module: ``file:line: importer (rank) imports target (rank)``."""
+    out = []
+    for name in sorted(graph):
+        mine = RANKS.index(rank_of(name))
+        for dep in sorted(graph[name]):
+            theirs = RANKS.index(rank_of(dep))
+            if theirs > mine:
+                where = str(modules[name].relative_to(PACKAGE_DIR.parent.parent)) if modules else name
+                lines = import_lines(modules[name], name, dep, modules) if modules else []
+                out.append(f"{where}:{','.join(map(str, lines)) or '?'}: {name} ({RANKS[mine]}) imports "
+                           f"{dep} ({RANKS[theirs]})")
+    return out
+
+
 def test_import_graph_sees_real_edges():
     graph = import_graph()
     assert "zerodp.engine" in graph and "zerodp.app.cli" in graph
@@ -107,6 +185,35 @@ def test_find_cycle_detects_cycles():
 def test_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_every_module_has_a_rank():
+    unranked = sorted(m for m in all_modules() if rank_of(m) is None)
+    assert not unranked, f"modules with no rank (add them to RANK_OF_PREFIX in {__file__}): {unranked}"
+
+
+def test_rank_of_matches_whole_dotted_names():
+    assert rank_of("zerodp.checkpointing") == "engine"  # not the package zerodp.checkpoint
+    assert rank_of("zerodp.checkpoint.layout") == "checkpoint"
+    assert rank_of("zerodp.config_keys") == "config"
+    assert rank_of("zerodp.offload.config") == "config" and rank_of("zerodp.offload.nvme") == "offload"
+    assert rank_of("zerodp") == "engine" and rank_of("zerodp.something_new") is None
+
+
+def test_rank_violations_are_listed():
+    graph = {"zerodp.runtime.a": {"zerodp.stage3.b", "zerodp.config"}, "zerodp.stage3.b": {"zerodp.runtime.a"},
+             "zerodp.offload.config": {"zerodp.offload.nvme"}}
+    assert rank_violations(graph) == [
+        "zerodp.offload.config:?: zerodp.offload.config (config) imports zerodp.offload.nvme (offload)",
+        "zerodp.runtime.a:?: zerodp.runtime.a (runtime) imports zerodp.stage3.b (stage3)"]
+
+
+def test_imports_point_down_the_package_ranks():
+    modules = all_modules()
+    violations = rank_violations(import_graph(), modules)
+    assert not violations, (
+        f"imports of a higher-ranked module (ranks, lowest first: {' < '.join(RANKS)}); move the shared "
+        "code down, or define a Protocol in the lower module:\n" + "\n".join(violations))
 
 
 def test_library_never_imports_the_application():

@@ -41,6 +41,7 @@ from zerodp.runtime.guards import TrainingGuards, refuse_add_param_group
 from zerodp.runtime.grad_placeholder import GradPlaceholders
 from zerodp import accessors
 from zerodp.runtime.topology import Topology
+from zerodp.stage3.sharded_param import is_sharded
 from zerodp.stage3.sharding import Stage3
 from zerodp.stage3.ownership import register_master_refresh
 from zerodp.runtime.wrapped import WRAPPED
@@ -77,7 +78,7 @@ class Engine:
         self.grads_ready = False  # reduced gradients of a complete accumulation exist (until step())
         self.skipped_steps = 0  # optimizer steps skipped because some rank's gradients overflowed
         if self.precision.has_master:
-            cast_module(module, self.precision.param_dtype)  # floating parameters and buffers
+            cast_module(module, self.precision.param_dtype, partitioned=is_sharded)  # parameters and buffers
 
         zc = config.zero_optimization
         self.sharding: Optional[Stage3] = None

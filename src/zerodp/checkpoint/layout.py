@@ -17,8 +17,8 @@ from zerodp.checkpoint.format import value_dtype
 from zerodp.checkpoint.protocol import CheckpointableEngine as Engine
 from zerodp.runtime import comm
 from zerodp.runtime.partition import ParamSlot, Piece
+from zerodp.stage3.gathered import GatheredParameters
 from zerodp.stage3.units import ShardState
-from zerodp.zero import GatheredParameters
 
 
 @dataclass

@@ -14,9 +14,10 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from zerodp.offload.cpu_adam import CpuAdam
-
 OffloadDevice = Literal["none", "cpu", "nvme"]
+
+#: allowed values of ``offload_optimizer.cpu_adam`` (the kernels: :mod:`zerodp.offload.cpu_adam`)
+CpuAdam = Literal["fused", "same"]
 
 
 class _StrictModel(BaseModel):

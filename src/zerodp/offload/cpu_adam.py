@@ -24,12 +24,11 @@ Left alone (the configured kernel runs): optimizers other than ``torch.optim.Ada
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Literal
+from typing import Iterator
 
 import torch
 
-#: allowed values of ``offload_optimizer.cpu_adam``
-CpuAdam = Literal["fused", "same"]
+from zerodp.offload.config import CpuAdam
 
 
 def fused_groups(optimizer: torch.optim.Optimizer, choice: CpuAdam) -> list[dict]:

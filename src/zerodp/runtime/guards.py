@@ -41,8 +41,6 @@ from torch import nn
 from zerodp.runtime.partition import FlatGroup, memory_stride
 from zerodp.runtime.device import synchronize
 from zerodp.runtime.refusal import RefusedError
-from zerodp.stage3.ownership import OWNERS
-from zerodp.stage3.units import ShardState
 
 
 #: attribute set on a parameter by :func:`acknowledge_edit`: the version counter of its last legitimate
@@ -55,6 +53,33 @@ def acknowledge_edit(param: nn.Parameter) -> None:
     setattr(param, ACK_ATTR, param._version)
 
 
+class GuardedUnit(Protocol):
+    """A stage-3 unit as the guards see it (implemented by :class:`zerodp.stage3.units.ShardedUnit`; a
+    Protocol, so this runtime module does not import :mod:`zerodp.stage3`, which ranks above it)."""
+
+    group: FlatGroup  # its ``slots`` are the unit's parameters
+    persistent: bool  # always gathered (small parameters), else gathered around each use
+    rank: int
+    full: Optional[torch.Tensor]  # 1-D, the gathered (padded) parameters; None or 0 bytes while sharded
+
+    @property
+    def shard(self) -> torch.Tensor: ...
+
+    @property
+    def sharded(self) -> bool:
+        """True while only this rank's shard is here (not gathered, nor being gathered)."""
+
+    def write_back(self) -> None:
+        """Copy this rank's slice of ``full`` into the shard."""
+
+
+class GuardedUnits(Protocol):
+    """The engine's stage-3 units (implemented by :class:`zerodp.stage3.sharding.Stage3`)."""
+
+    @property
+    def units(self) -> list[GuardedUnit]: ...
+
+
 class GuardedEngine(Protocol):
     """What the guards read from the engine (a Protocol, so this module does not import it)."""
 
@@ -62,6 +87,7 @@ class GuardedEngine(Protocol):
     stage: int
     groups: list[FlatGroup]
     optimizer: torch.optim.Optimizer
+    sharding: Optional[GuardedUnits]  # stage 3 only
 
 
 def _names(module: nn.Module) -> dict[int, str]:
@@ -128,13 +154,11 @@ class TrainingGuards:
         self.known = {id(p) for p in engine.module.parameters()}
         self.untrained = [p for p in engine.module.parameters() if id(p) not in trained]
         self.was_frozen = {id(p) for p in self.untrained if not p.requires_grad}
-        self._partitioned: list[tuple[str, nn.Parameter, object]] = []
-        if engine.stage == 3:
-            for g in engine.groups:
-                for s in g.slots:
-                    owner = OWNERS.get(s.param)
-                    if owner is not None and not owner.unit.persistent:
-                        self._partitioned.append((s.name, s.param, owner.unit))
+        units = engine.sharding.units if engine.stage == 3 and engine.sharding is not None else []
+        self._partitioned: list[tuple[str, nn.Parameter, GuardedUnit]] = [
+            (s.name, s.param, u) for u in units if not u.persistent for s in u.group.slots]
+        #: id(group) -> the persistent (always gathered) stage-3 unit whose group it is
+        self._persistent: dict[int, GuardedUnit] = {id(u.group): u for u in units if u.persistent}
         self.record_versions()
 
     # ---- stage-3 edits of partitioned parameters ----------------------------------------------------
@@ -144,8 +168,7 @@ class TrainingGuards:
 
     def _check_partitioned_edits(self) -> None:
         for (name, p, unit), v in zip(self._partitioned, self._versions):
-            sharded = unit.state is ShardState.SHARDED  # type: ignore[attr-defined]
-            if (p._version != v and sharded
+            if (p._version != v and unit.sharded
                     and getattr(p, ACK_ATTR, None) != p._version):
                 raise RefusedError(
                     f"parameter '{name}' was modified in place while partitioned (ZeRO stage 3: outside a "
@@ -185,7 +208,7 @@ class TrainingGuards:
         into the buffer and point ``p`` back at it (a later master compare adopts the value)."""
         for g in self.engine.groups:
             if self.engine.stage == 3:
-                unit = _persistent_unit_of(g)
+                unit = self._persistent.get(id(g))
                 if unit is None or unit.full is None:
                     continue
                 base, shift = unit.full, 0
@@ -214,7 +237,7 @@ class TrainingGuards:
             self._check_partitioned_edits()
         offload = getattr(self.engine, "offload", None)
         for g in self.engine.groups:
-            unit = _persistent_unit_of(g)
+            unit = self._persistent.get(id(g))
             if unit is not None and unit.full is not None:
                 lo = unit.rank * unit.shard.numel()
                 same = torch.eq(unit.full[lo : lo + unit.shard.numel()], unit.shard).all()
@@ -233,11 +256,3 @@ class TrainingGuards:
         if self._partitioned:
             self.record_versions()
 
-
-def _persistent_unit_of(g: FlatGroup) -> Optional[object]:
-    if not g.slots:
-        return None
-    owner = OWNERS.get(g.slots[0].param)
-    if owner is None or not owner.unit.persistent or owner.unit.group is not g:
-        return None
-    return owner.unit

@@ -23,14 +23,13 @@ fp32): 4 bytes per gradient element instead of 2 (:attr:`PrecisionPolicy.bytes_p
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from zerodp.runtime.accounting import FP32_ADAM, MIXED_PRECISION_ADAM, BytesPerElement
 from zerodp.config import ConfigError, ZeroDPConfig
-from zerodp.stage3.sharded_param import is_sharded
 
 
 @dataclass(frozen=True)
@@ -72,10 +71,12 @@ def grad_accum_dtype(param_dtype: torch.dtype, accumulation_steps: int, configur
     return torch.float32 if accumulation_steps > 1 else param_dtype
 
 
-def cast_module(module: nn.Module, dtype: torch.dtype) -> None:
+def cast_module(module: nn.Module, dtype: torch.dtype, *, partitioned: Callable[[torch.Tensor], bool]) -> None:
     """Cast ``module``'s floating parameters (in place: ``p.data``, same objects) and buffers to ``dtype``,
     as ``module.to(dtype)`` does, except that parameters partitioned by :class:`zerodp.zero.Init` (no
     values here; Init already partitioned them in the config's dtype) are left as they are.
+    ``partitioned`` tells those apart (the engine passes :func:`zerodp.stage3.sharded_param.is_sharded`;
+    a parameter, so this runtime module does not import :mod:`zerodp.stage3`, which ranks above it).
 
     Raises:
         ConfigError: a partitioned parameter is in another floating dtype than ``dtype`` (``Init`` was
@@ -85,7 +86,7 @@ def cast_module(module: nn.Module, dtype: torch.dtype) -> None:
         for name, p in m._parameters.items():
             if p is None or not p.is_floating_point() or p.dtype == dtype:
                 continue
-            if is_sharded(p):
+            if partitioned(p):
                 raise ConfigError(f"parameter '{name}' of {type(m).__name__} was partitioned by zero.Init in "
                                   f"{p.dtype}, but the engine trains in {dtype}: give Init and initialize the same "
                                   "bf16/fp16 settings")

@@ -123,6 +123,11 @@ class ShardedUnit:
         raise KeyError("parameter is not in this unit")
 
     @property
+    def sharded(self) -> bool:
+        """True while only this rank's shard is here (state SHARDED: not gathered, nor gathering)."""
+        return self.state is ShardState.SHARDED
+
+    @property
     def numel(self) -> int:
         return self.group.buckets[0].numel
 
