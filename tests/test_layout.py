@@ -126,6 +126,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def shown(path: Path) -> str:
+    """``path`` relative to the repository (``src/zerodp/...``) when it lies inside it."""
+    root = PACKAGE_DIR.parent.parent
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
 def rank_of(module: str) -> str | None:
     """The rank of ``module`` (see :data:`RANKS`): that of its longest dotted prefix in
     :data:`RANK_OF_PREFIX`, where only the package ``zerodp`` itself matches ``"zerodp"`` (a new
@@ -161,7 +167,7 @@ def rank_violations(graph: dict[str, set[str]], modules: dict[str, Path] | None 
         for dep in sorted(graph[name]):
             theirs = RANKS.index(rank_of(dep))
             if theirs > mine:
-                where = str(modules[name].relative_to(PACKAGE_DIR.parent.parent)) if modules else name
+                where = shown(modules[name]) if modules else name
                 lines = import_lines(modules[name], name, dep, modules) if modules else []
                 out.append(f"{where}:{','.join(map(str, lines)) or '?'}: {name} ({RANKS[mine]}) imports "
                            f"{dep} ({RANKS[theirs]})")
@@ -214,6 +220,33 @@ def test_imports_point_down_the_package_ranks():
     assert not violations, (
         f"imports of a higher-ranked module (ranks, lowest first: {' < '.join(RANKS)}); move the shared "
         "code down, or define a Protocol in the lower module:\n" + "\n".join(violations))
+
+
+def private_imports(name: str, path: Path) -> list[str]:
+    """``file:line: module imports _name from other`` for each underscore name (not a dunder) that
+    ``name`` imports from another zerodp module: a helper two modules share belongs, public, in a
+    module both import."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = resolve(name, path.name == "__init__.py", node.level, node.module)
+            if not base.startswith("zerodp") or base == name:
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    out.append(f"{shown(path)}:{node.lineno}: {name} imports "
+                               f"{alias.name} from {base}")
+    return out
+
+
+def test_no_module_imports_another_modules_private_names(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from zerodp.offload.nvme import OffloadError, _cleanup\nfrom zerodp import __version__\n")
+    assert [line.split(": ", 1)[1] for line in private_imports("zerodp.probe", probe)] == [
+        "zerodp.probe imports _cleanup from zerodp.offload.nvme"]
+    found = [v for name, path in all_modules().items() for v in private_imports(name, path)]
+    assert not found, "private names imported across modules (make them public in a shared module):\n" + "\n".join(found)
 
 
 def test_library_never_imports_the_application():

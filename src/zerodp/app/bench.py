@@ -64,7 +64,7 @@ LR = 1e-3
 FRESH_RSS_STEPS = 3
 
 
-def _batches(cfg: GPTConfig, micro: int, n: int, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(cfg: GPTConfig, micro: int, n: int, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(n):
@@ -250,8 +250,8 @@ def run(args: argparse.Namespace) -> Optional[BenchResult]:
     zerodp.init_distributed()  # after the fresh-process children: they fork from a process without one
     rank, world = dist.get_rank(), dist.get_world_size()
     psi = count_parameters(cfg)
-    probe_batches = _batches(cfg, micro, args.probe_steps, rank, world)
-    timed_batches = _batches(cfg, micro, args.warmup + args.steps, rank, world)
+    probe_batches = make_batches(cfg, micro, args.probe_steps, rank, world)
+    timed_batches = make_batches(cfg, micro, args.warmup + args.steps, rank, world)
     baseline = frozenset(live_storages())
 
     _probe(systems["DDP"], cfg, probe_batches, baseline)  # discarded: one-time costs (lazy init, gloo, allocator)
@@ -298,7 +298,7 @@ def _fresh_rss(args: argparse.Namespace, cfg: GPTConfig, micro: int, systems: di
     # at least FRESH_RSS_STEPS: DDP's peak is not reached in 2 steps (medium preset: 908 MiB after 2
     # steps, 1027 MiB after 3; docs/benchmarks/2026-12-01-bench.md)
     steps = max(args.probe_steps, FRESH_RSS_STEPS)
-    batches = lambda: _batches(cfg, micro, steps, rank, world)  # noqa: E731
+    batches = lambda: make_batches(cfg, micro, steps, rank, world)  # noqa: E731
     return {name: bench_rss.measure(k, lambda b=systems[name]: _build(b, cfg, probe=False), batches)
             for k, name in enumerate(names)}
 

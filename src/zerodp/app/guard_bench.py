@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from zerodp.app.bench import _batches, add_arguments, resolve_model
+from zerodp.app.bench import add_arguments, make_batches, resolve_model
 from zerodp.app.bench_systems import loss_of
 from zerodp.app.model import GPT
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> None:
     zerodp.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, micro = resolve_model(args)
-    batches = _batches(cfg, micro, args.warmup + args.steps, rank, world)
+    batches = make_batches(cfg, micro, args.warmup + args.steps, rank, world)
     times: dict[tuple[int, str], list[float]] = {}
     agreements: dict[tuple[int, str], float] = {}
     in_guard: dict[tuple[int, str], list[float]] = {}

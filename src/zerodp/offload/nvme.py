@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import warnings
 import weakref
@@ -62,16 +61,12 @@ from zerodp.offload.cpu_adam import cpu_adam_kernel
 from zerodp.offload.host import HostOptimizerOffload, fold_edit, storage_bytes
 from zerodp.offload.report import offload_formula
 from zerodp.offload.shard_window import ShardAccess, unique_groups
-from zerodp.offload.swap_dir import check_stale, make_rank_dir, release
+from zerodp.offload.swap_dir import check_stale, make_rank_dir
+from zerodp.offload.swap_job import OffloadError, agree_job_id, raise_if_any_rank_failed, remove_swap_dir
 from zerodp.offload.sizing import BufferLayout, auto_sub_group_size, oversize_warning
 from zerodp.offload.subgroups import SubGroup, plan_subgroups as _plan
 from zerodp.offload.step_pipeline import SubGroupPipeline, SwapStats
-from zerodp.runtime import control
 from zerodp.runtime.partition import FlatGroup, Piece
-
-
-class OffloadError(RuntimeError):
-    """The NVMe swap space is unusable (path, permissions, free space, a deleted swap file)."""
 
 
 class NvmeOptimizerOffload(HostOptimizerOffload):
@@ -134,13 +129,13 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             if warning:
                 warnings.warn(warning, stacklevel=2)
         needed = sum(sg.nbytes for sg in self.subgroups)
-        job = _job_id(self.pg)
+        job = agree_job_id(self.pg)
         error = None
         try:
             self._open(job, needed)
         except (OSError, OffloadError) as exc:
             error = f"rank {self.rank}: {exc}"
-        _raise_if_any(error, self.pg)
+        raise_if_any_rank_failed(error, self.pg)
         for g in groups:
             for piece in g.pieces:  # host gradients and placeholders; the masters go to the file below
                 self._add_piece(piece)
@@ -175,7 +170,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         files: list[Optional[SwapFile]] = []
         self.dir = make_rank_dir(base, job, self.rank, files)  # owner record; unlinked on SIGTERM/SIGINT
         path = os.path.join(self.dir, "optimizer.swp")
-        self._finalizer = weakref.finalize(self, _cleanup, self.dir, files)
+        self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir, files)
         self.file = SwapFile(path)
         files.append(self.file)
         try:
@@ -318,7 +313,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         if self.file is None or self.file.deleted():
             error = (f"rank {self.rank}: swap file {self.file.path if self.file else self.dir} was deleted "
                      "or replaced while training; the optimizer state in it is lost, the step is not taken")
-        _raise_if_any(error, self.pg)
+        raise_if_any_rank_failed(error, self.pg)
 
     # ---- gradients (deferred when they are in host memory already) ------------------------------
     def stream_grad(self, piece: Piece, grad: torch.Tensor) -> None:
@@ -555,38 +550,6 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             self.io = None
         if self._finalizer is not None:
             self._finalizer()
-
-
-def _cleanup(directory: str, files: list[Optional[SwapFile]]) -> None:
-    for f in files:
-        if f is not None:
-            f.close()
-            with contextlib.suppress(OSError):
-                os.remove(f.path)
-    release(directory)  # the owner record, the directory, the job directory once empty
-
-
-def _job_id(pg: Optional[dist.ProcessGroup]) -> str:
-    """One id for the whole job: rank 0's random value, broadcast."""
-    t = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size(pg) > 1:
-        src = dist.get_global_rank(pg, 0) if pg is not None else 0
-        dist.broadcast(t, src, group=control.route(t, pg))
-    return f"{int(t.item()):016x}"
-
-
-def _raise_if_any(error: Optional[str], pg: Optional[dist.ProcessGroup]) -> None:
-    """Collective: if any rank has an error, every rank raises :class:`OffloadError` with all of them."""
-    if not dist.is_initialized() or dist.get_world_size(pg) == 1:
-        if error:
-            raise OffloadError(error)
-        return
-    flag = torch.tensor([1 if error else 0], dtype=torch.int64)
-    dist.all_reduce(flag, group=control.route(flag, pg))
-    if flag.item():
-        errors: list[Optional[str]] = [None] * dist.get_world_size(pg)
-        dist.all_gather_object(errors, error, group=pg)
-        raise OffloadError("; ".join(e for e in errors if e))
 
 
 __all__ = ["NvmeOptimizerOffload", "OffloadError", "SubGroup", "SwapStats"]

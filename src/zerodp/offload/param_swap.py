@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from zerodp.offload.aio import ALIGN, AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
 from zerodp.offload.config import AioConfig, OffloadParamConfig
-from zerodp.offload.nvme import OffloadError, _cleanup, _job_id, _raise_if_any
+from zerodp.offload.swap_job import OffloadError, agree_job_id, raise_if_any_rank_failed, remove_swap_dir
 from zerodp.offload.swap_dir import check_stale, make_rank_dir
 from zerodp.runtime.partition import FlatGroup
 from zerodp.stage3.sharding import Stage3
@@ -151,13 +151,13 @@ class ParamSwapper:
     def open(self) -> None:
         """Collective: create ``nvme_path/zerodp_<job>/rank<r>/params.swp``; every rank raises
         :class:`~zerodp.offload.nvme.OffloadError` (naming the path) if any rank cannot."""
-        job = _job_id(self.pg)
+        job = agree_job_id(self.pg)
         error = None
         try:
             self._open(job)
         except (OSError, OffloadError) as exc:
             error = f"rank {self.rank}: {exc}"
-        _raise_if_any(error, self.pg)
+        raise_if_any_rank_failed(error, self.pg)
 
     def _open(self, job: str) -> None:
         base = self.cfg.nvme_path
@@ -169,7 +169,7 @@ class ParamSwapper:
         check_stale(base, self.cfg.remove_stale_swap, "offload_param.nvme_path", self.rank)
         files: list[Optional[SwapFile]] = []
         self.dir = make_rank_dir(base, job, self.rank, files)  # owner record; unlinked on SIGTERM/SIGINT
-        self._finalizer = weakref.finalize(self, _cleanup, self.dir, files)
+        self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir, files)
         self.file = SwapFile(os.path.join(self.dir, "params.swp"))
         files.append(self.file)
         self.io = AsyncIO(self.aio_cfg)
@@ -340,7 +340,7 @@ class ParamSwapper:
         if self.file is None or self.file.deleted():
             error = (f"rank {self.rank}: parameter swap file {self.file.path if self.file else self.dir} was "
                      "deleted or replaced while training; the parameters in it are lost")
-        _raise_if_any(error, self.pg)
+        raise_if_any_rank_failed(error, self.pg)
 
     def close(self) -> None:
         """Finish the transfers in flight, stop the I/O threads, remove the swap file and directory."""

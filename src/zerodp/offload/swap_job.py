@@ -1,0 +1,68 @@
+"""What optimizer swapping (:mod:`.nvme`, ``offload_optimizer``) and parameter swapping (:mod:`.param_swap`,
+``offload_param``) agree on across ranks for their swap directory ``<nvme_path>/zerodp_<job>/rank<r>/``
+(ownership, signals and stale directories: :mod:`.swap_dir`).
+
+- :func:`agree_job_id`: one id for the whole job (rank 0's random 62-bit value, broadcast; 16 hex digits).
+- :func:`raise_if_any_rank_failed`: collective; every rank raises :class:`OffloadError` naming every
+  rank's error, so a bad path on one rank stops all of them at the same call.
+- :func:`remove_swap_dir`: closes and deletes the swap files, then the rank's owner record and directory
+  and, once every rank's is gone, the job directory (each step ignores ``OSError``; run by a finalizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from zerodp.offload.aio import SwapFile
+from zerodp.offload.swap_dir import release
+from zerodp.runtime import control
+
+
+class OffloadError(RuntimeError):
+    """The NVMe swap space is unusable (path, permissions, free space, a deleted swap file)."""
+
+
+def remove_swap_dir(directory: str, files: list[Optional[SwapFile]]) -> None:
+    """Close and delete ``files`` (None entries skipped), then ``directory`` (:func:`.swap_dir.release`)."""
+    for f in files:
+        if f is not None:
+            f.close()
+            with contextlib.suppress(OSError):
+                os.remove(f.path)
+    release(directory)
+
+
+def agree_job_id(pg: Optional[dist.ProcessGroup]) -> str:
+    """Collective: one id for the whole job, rank 0's random value, broadcast (16 hex digits)."""
+    t = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size(pg) > 1:
+        src = dist.get_global_rank(pg, 0) if pg is not None else 0
+        dist.broadcast(t, src, group=control.route(t, pg))
+    return f"{int(t.item()):016x}"
+
+
+def raise_if_any_rank_failed(error: Optional[str], pg: Optional[dist.ProcessGroup]) -> None:
+    """Collective: if any rank has an error, every rank raises :class:`OffloadError` with all of them.
+
+    Raises:
+        OffloadError: some rank passed a non-empty ``error``; the message joins every rank's with "; ".
+    """
+    if not dist.is_initialized() or dist.get_world_size(pg) == 1:
+        if error:
+            raise OffloadError(error)
+        return
+    flag = torch.tensor([1 if error else 0], dtype=torch.int64)
+    dist.all_reduce(flag, group=control.route(flag, pg))
+    if flag.item():
+        errors: list[Optional[str]] = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(errors, error, group=pg)
+        raise OffloadError("; ".join(e for e in errors if e))
+
+
+__all__ = ["OffloadError", "agree_job_id", "raise_if_any_rank_failed", "remove_swap_dir"]
