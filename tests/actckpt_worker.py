@@ -20,6 +20,7 @@ from torch import nn
 import zerodp
 from distributed import run_scenarios
 from zerodp import checkpointing
+from zerodp.runtime import activation_checkpointing
 
 D, ROWS, STEPS = 8, 4, 3
 
@@ -104,7 +105,7 @@ def run(stage: int, scenario: str) -> dict:
             "compared": len(want), "trained_names": sorted(moved)}
 
 
-def kept_by_graph(out: torch.Tensor) -> list[checkpointing._Kept]:
+def kept_by_graph(out: torch.Tensor) -> list[activation_checkpointing._Kept]:
     """Walk the live autograd graph from ``out`` and return what every checkpoint node keeps for backward."""
     seen, stack, found = set(), [out.grad_fn], []
     while stack:
@@ -112,7 +113,7 @@ def kept_by_graph(out: torch.Tensor) -> list[checkpointing._Kept]:
         if fn is None or id(fn) in seen:
             continue
         seen.add(id(fn))
-        found += [k for k in getattr(fn, "kept", None) or [] if isinstance(k, checkpointing._Kept)]
+        found += [k for k in getattr(fn, "kept", None) or [] if isinstance(k, activation_checkpointing._Kept)]
         stack.extend(f for f, _ in fn.next_functions)
     return found
 

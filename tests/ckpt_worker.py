@@ -605,7 +605,7 @@ def freeze_midrun(stage: int, ctx: Context) -> dict:
 
     def resident(e: zerodp.Engine) -> contextlib.AbstractContextManager:
         """NVMe: masters and optimizer states read into memory for the block (piece_states reads them)."""
-        return e.offload.resident(e.optimizer) if ctx.arg == "nvme" else contextlib.nullcontext()
+        return e.optimizer_offload.resident(e.optimizer) if ctx.arg == "nvme" else contextlib.nullcontext()
 
     def set_frozen(m: Zoo, frozen: bool) -> None:
         for p in midrun_frozen(m):

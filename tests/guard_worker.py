@@ -138,7 +138,7 @@ def forward_tag_counts() -> dict:
     blocking waits for them (the first step records the module trace: one agreement per fetch)."""
     torch.manual_seed(0)
     engine = zerodp.initialize(Blocks(), config(3))
-    guard, tags = engine.guard, engine.guard.forward_tags
+    guard, tags = engine.collective_guard, engine.collective_guard.forward_tags
     per_step = []
     for _ in range(3):
         a, t, w = guard.agreements, tags.tags_total, tags.sync_waits

@@ -185,11 +185,11 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
             reports[device] = {"host": rep.host, "nvme": rep.nvme, "formula": rep.formula,
                                "memory": engine.memory_report().measured,
                                "skipped": engine.skipped_steps, "norm": engine.get_global_grad_norm(),
-                               "max_grad_buffer": max(t.numel() for t in engine.offload.grad_buffers),
+                               "max_grad_buffer": max(t.numel() for t in engine.optimizer_offload.grad_buffers),
                                "owned": sum(p.hi - p.lo for g in engine.groups for p in g.pieces)}
             if device == "nvme":
-                reports[device]["swap"] = [engine.offload.stats.bytes_read, engine.offload.stats.bytes_written]
-                reports[device]["subgroups"] = len(engine.offload.subgroups)
+                reports[device]["swap"] = [engine.optimizer_offload.stats.bytes_read, engine.optimizer_offload.stats.bytes_written]
+                reports[device]["subgroups"] = len(engine.optimizer_offload.subgroups)
         engine.close()
     out = {"steps": STEPS, "equal": {d: _equal(runs["none"], runs[d]) for d in ("cpu", "nvme")},
            "reports": reports}
@@ -216,7 +216,7 @@ def deleted_swap_file(nvme: str) -> dict:
     train(engine, range(1), 1)
     before = params(engine)
     if dist.get_rank() == 0:
-        os.remove(engine.offload.file.path)
+        os.remove(engine.optimizer_offload.file.path)
     out = {"raised_on": [], "message": ""}
     try:
         train(engine, range(1, 2), 1)

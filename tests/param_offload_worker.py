@@ -201,7 +201,7 @@ def mixed_nvme_step() -> dict:
             engine = zerodp.initialize(model, cfg)
             peaks: list[int] = []
             if dev == "nvme":
-                off, sw = engine.offload, engine.param_offload.swapper
+                off, sw = engine.optimizer_offload, engine.param_offload.swapper
                 real = off._update
                 off._update = lambda sg, buf, opt: (peaks.append(sum(s.storage_bytes() for s in sw.shards)),
                                                    real(sg, buf, opt))[1]
@@ -348,7 +348,7 @@ def overlap_step() -> dict:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-            off = engine.offload
+            off = engine.optimizer_offload
             left = (off.pending is not None, off.stats.updated_in_step, off.stats.subgroups) if off else None
             if step == 1:
                 with zerodp.zero.GatheredParameters([model.layers[3].weight]):

@@ -109,7 +109,7 @@ def test_full_disk_names_bytes(tmp_path, monkeypatch):
 
 def test_swap_files_removed_on_close_and_on_exception(tmp_path):
     engine = _engine(str(tmp_path), fast_init=True)
-    swap = engine.offload.file.path
+    swap = engine.optimizer_offload.file.path
     assert os.path.getsize(swap) > 0
     engine.close()
     assert list(tmp_path.iterdir()) == []
@@ -173,21 +173,21 @@ def test_gradients_stream_to_host_during_backward(device, tmp_path, monkeypatch)
 
     streamed_before_last_grad = []
     plain, off = build(False), build(True)
-    real = off.offload.stream_grad
+    real = off.optimizer_offload.stream_grad
     calls = []
-    monkeypatch.setattr(off.offload, "stream_grad", lambda piece, grad: (calls.append(piece), real(piece, grad)))
+    monkeypatch.setattr(off.optimizer_offload, "stream_grad", lambda piece, grad: (calls.append(piece), real(piece, grad)))
     off.module[0].weight.register_post_accumulate_grad_hook(
         lambda p: streamed_before_last_grad.append(len(calls)))
     x = torch.randn(5, 6)
     for _ in range(3):
         for e in (plain, off):
             e.backward(e(x).square().mean())
-        n_pieces = len(off.offload.pieces)
-        assert len(calls) == n_pieces and off.offload.copies.pending() <= n_pieces
-        submitted = off.offload.copies.copies
+        n_pieces = len(off.optimizer_offload.pieces)
+        assert len(calls) == n_pieces and off.optimizer_offload.copies.pending() <= n_pieces
+        submitted = off.optimizer_offload.copies.copies
         for e in (plain, off):
             e.step()
-        assert off.offload.copies.copies - submitted == (n_pieces if device == "cpu" else 0)  # parameters back
+        assert off.optimizer_offload.copies.copies - submitted == (n_pieces if device == "cpu" else 0)  # parameters back
         calls.clear()
     assert len(off.reducer.groups[0].buckets) >= 3
     # the first micro-step calibrates (every bucket is launched when backward returns, see
@@ -296,12 +296,12 @@ def test_edit_folding_with_parameters_on_another_device(device, tmp_path, monkey
         with torch.no_grad():
             e.module.weight[1:3].mul_(0.5)
             e.module.bias[0] = 3.0
-        originals = [p.tensor for p in e.offload.pieces]
+        originals = [p.tensor for p in e.optimizer_offload.pieces]
         if elsewhere:
-            for p in e.offload.pieces:
+            for p in e.optimizer_offload.pieces:
                 p.tensor = torch.Tensor._make_subclass(ElsewhereTensor, p.tensor)
-        e.offload.fold_edits() if device == "cpu" else e.offload.skipped_step()
-        for p, t in zip(e.offload.pieces, originals):
+        e.optimizer_offload.fold_edits() if device == "cpu" else e.optimizer_offload.skipped_step()
+        for p, t in zip(e.optimizer_offload.pieces, originals):
             p.tensor = t
         return e
 

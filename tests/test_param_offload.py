@@ -190,7 +190,7 @@ def test_overlap_step_dropin_zero_grad_after_step(tmp_path):
             loss = engine(torch.randn(2, 16, generator=torch.Generator().manual_seed(step))).square().mean()
             engine.backward(loss)
             engine.step()
-            pending.append(overlap and engine.engine.offload.pending is not None)
+            pending.append(overlap and engine.engine.optimizer_offload.pending is not None)
             engine.zero_grad()
             losses.append(loss.item())
         runs[overlap] = (losses, engine.engine.module_state_dict())

@@ -30,7 +30,7 @@ torch.manual_seed(0)
 e = zerodp.initialize(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)),
                       {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}})
 e.backward(e(torch.ones(2, 64)).sum()); e.step()
-pathlib.Path(ready, os.environ.get("RANK", "0")).write_text(e.offload.file.path)
+pathlib.Path(ready, os.environ.get("RANK", "0")).write_text(e.optimizer_offload.file.path)
 while True:
     time.sleep(0.05)
 """

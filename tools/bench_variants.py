@@ -35,7 +35,7 @@ def build(v):
         engine = orig(m, c)
         if rb == "nobwdtags":  # the guard without the backward agreement's tags (an experiment)
             engine.backward_tags = None
-            engine.guard.backward_gather = lambda position: None
+            engine.collective_guard.backward_gather = lambda position: None
             engine.reducer.launch_check = None
         from zerodp.runtime import comm
         comm._watched = _plain_waits if rb == "nowatch" else _WATCHED  # until the next build

@@ -98,9 +98,6 @@ class OptimizerParams(_Strict):
         return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
-AdamParams = OptimizerParams  # the former name
-
-
 class OptimizerConfig(_Strict):
     """``optimizer``: ``type`` names a torch optimizer (DeepSpeed's names, case-insensitive; see
     :data:`zerodp.config_keys.OPTIMIZERS`), ``params`` its keyword arguments.

@@ -94,18 +94,18 @@ class Engine:
         in_groups = {id(s.param) for g in self.groups for s in g.slots}
         self.frozen = [p for p in _unique_params(module) if id(p) not in in_groups]
         self._broadcast_from_rank0()
-        self.offload: Optional[OptimizerOffload] = build_offload(
+        self.optimizer_offload: Optional[OptimizerOffload] = build_offload(
             zc, config.aio, self.stage, self.rank, process_group, self.groups)
         for g in self.groups:  # pieces are views of the shards; masters are copies (an offload makes its own)
             with self.shards_resident([g]):
                 assign_pieces(g, self.rank, owns_everything=self.stage == 0)
-                for piece in g.pieces if self.precision.has_master and self.offload is None else ():
+                for piece in g.pieces if self.precision.has_master and self.optimizer_offload is None else ():
                     piece.master = piece.tensor.detach().float().clone()
-        if self.offload is not None:
+        if self.optimizer_offload is not None:
             if self.param_offload is not None:  # NVMe: attach and step make shards resident per sub-group
-                self.offload.set_shard_access(self.param_offload)
-            with self.shards_resident() if self.offload.shard_access is None else contextlib.nullcontext():
-                self.offload.attach(self.groups)
+                self.optimizer_offload.set_shard_access(self.param_offload)
+            with self.shards_resident() if self.optimizer_offload.shard_access is None else contextlib.nullcontext():
+                self.optimizer_offload.attach(self.groups)
         self._register_master_refresh()
         if self.stage == 3 or self.precision.has_master:
             why = ("stage 3 keeps each parameter as a shard; outside forward the module's parameters hold no values"
@@ -135,19 +135,19 @@ class Engine:
                 self._bucket_pieces.setdefault(id(piece.bucket), []).append(piece)
         self.optimizer = build_optimizer(config.optimizer, param_groups, self.groups)
         refuse_add_param_group(self.optimizer)
-        self.guards = TrainingGuards(self)
+        self.training_guards = TrainingGuards(self)
         accessors.register_engine(self)
         self.lr_scheduler: Optional[LRScheduler] = None
         if config.scheduler is not None:
             self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
         gc = config.collective_guard
-        self.guard = CollectiveGuard(process_group, gc.timeout_s, gc.check_gathers, gc.enabled)
+        self.collective_guard = CollectiveGuard(process_group, gc.timeout_s, gc.check_gathers, gc.enabled)
         if self.sharding is not None:
-            self.sharding.coordinator.fetch_check = self.guard.gather_check(module)
-        self.guard.install_shutdown_check()
+            self.sharding.coordinator.fetch_check = self.collective_guard.gather_check(module)
+        self.collective_guard.install_shutdown_check()
         self.backward_tags: Optional[BackwardAgreement] = None
-        if self.guard.enabled:
-            self.backward_tags = build_backward_agreement(self.guard, module, self.groups, self.sharding is not None)
+        if self.collective_guard.enabled:
+            self.backward_tags = build_backward_agreement(self.collective_guard, module, self.groups, self.sharding is not None)
             self.backward_tags.attach(self.reducer)
         self.output_roots = OutputRoots(module, self.reducer.slots)  # forward outputs since the last backward
         self.ledger.reset()  # the report covers training, not the initial broadcast
@@ -174,7 +174,7 @@ class Engine:
         by_param: dict[int, list] = {}
         for g in self.groups:
             for piece in g.pieces:
-                if piece.master is not None or self.offload is not None:
+                if piece.master is not None or self.optimizer_offload is not None:
                     by_param.setdefault(id(piece.slot.param), []).append(piece)
         for g in self.groups:
             for s in g.slots:
@@ -188,8 +188,8 @@ class Engine:
             self._copy_to_master(piece)
 
     def _copy_to_master(self, piece: Any) -> None:
-        if self.offload is not None:
-            self.offload.refresh_master(piece)
+        if self.optimizer_offload is not None:
+            self.optimizer_offload.refresh_master(piece)
         else:
             piece.master.copy_(piece.tensor)
 
@@ -210,12 +210,12 @@ class Engine:
         """Context of one collective engine call: every rank agrees on it first (see
         :mod:`zerodp.runtime.collective_guard`); raises CollectiveError subclasses otherwise. Any
         call but forward first finishes an optimizer step still updating (``overlap_step``)."""
-        if name != "forward" and self.offload is not None:
-            self.offload.settle()
-        return self.guard.call(name, self.global_steps, self.micro_steps)
+        if name != "forward" and self.optimizer_offload is not None:
+            self.optimizer_offload.settle()
+        return self.collective_guard.call(name, self.global_steps, self.micro_steps)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.guards.before_forward()
+        self.training_guards.before_forward()
         if self.sharding is not None:
             with self.collective_call("forward"):
                 out = self.sharding.forward(self.module, args, kwargs)
@@ -254,10 +254,10 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss) needs a scalar tensor that requires grad, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
-        if self.offload is not None:
-            self.offload.settle()  # the reduced gradients of the last step are in use until then
+        if self.optimizer_offload is not None:
+            self.optimizer_offload.settle()  # the reduced gradients of the last step are in use until then
         self.grad_placeholders.remove()  # autograd accumulates into .grad (zerodp.runtime.grad_placeholder)
-        self.guards.before_backward()
+        self.training_guards.before_backward()
         if scale_wrt_gas and self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         if self.loss_scaler is not None:
@@ -265,19 +265,19 @@ class Engine:
         boundary = self.is_gradient_accumulation_boundary()
         # what this backward will gather and reduce, agreed with the other ranks before it starts
         plan = self.output_roots.plan(loss, walk=self.world_size > 1)
-        with self.guard.call("backward", self.global_steps, self.micro_steps, plan.fetch_digest(),
+        with self.collective_guard.call("backward", self.global_steps, self.micro_steps, plan.fetch_digest(),
                              plan.slot_digest(), lambda: plan.fetch_names(self.output_roots.names)):
             tags = self.backward_tags
             if tags is not None:
                 tags.begin(self.global_steps, self.micro_steps)
             try:
-                if self.offload is not None:  # the boundary's reduced gradients stream to the host per bucket
+                if self.optimizer_offload is not None:  # the boundary's reduced gradients stream to the host per bucket
                     if boundary:
-                        self.offload.begin_grads()
+                        self.optimizer_offload.begin_grads()
                     self.reducer.on_reduced = self._stream_bucket if boundary else None
                 self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
                 # the ranks reach different parameters: reduce every bucket at the end, in one order
-                self.reducer.defer_once = self.guard.aux_differs
+                self.reducer.defer_once = self.collective_guard.aux_differs
                 self.output_roots.backward(plan, retain_graph, self.reducer)
                 self.reducer.end_micro_step()
                 if tags is not None:
@@ -294,7 +294,7 @@ class Engine:
         """Bucket ``b`` of ``g`` was reduced on the boundary backward: start copying its owned
         gradients into the offload's host partition (zerodp.offload.stream)."""
         for piece in self._bucket_pieces.get(id(b), ()):
-            self.offload.stream_grad(piece, self.reducer.piece_grad(g, piece.lo, piece.hi))
+            self.optimizer_offload.stream_grad(piece, self.reducer.piece_grad(g, piece.lo, piece.hi))
 
     def step(self) -> None:
         """End a micro-step; at a gradient accumulation boundary, update the parameters."""
@@ -306,19 +306,19 @@ class Engine:
             with self.collective_call("step"):
                 if self.param_offload is not None:
                     self.param_offload.check_health()  # collective: a lost swap file stops every rank
-                whole = self.offload is None or self.offload.shard_access is None
+                whole = self.optimizer_offload is None or self.optimizer_offload.shard_access is None
                 with self.shards_resident(write=True) if whole else contextlib.nullcontext():
                     self._optimizer_step()
 
     def _optimizer_step(self) -> None:
-        if self.offload is not None:
-            self.offload.check_health()  # collective: a lost swap file stops every rank here
-        self.guards.before_update()
+        if self.optimizer_offload is not None:
+            self.optimizer_offload.check_health()  # collective: a lost swap file stops every rank here
+        self.training_guards.before_update()
         local_overflow = self.loss_scaler is not None and self._has_inf_or_nan()
         present, overflow = self.reducer.presence(local_overflow)
         if overflow:  # every rank skips: parameters and optimizer states stay exactly as they were
-            if self.offload is not None:
-                self.offload.skipped_step()  # edits still reach the masters (NVMe folds them at the step)
+            if self.optimizer_offload is not None:
+                self.optimizer_offload.skipped_step()  # edits still reach the masters (NVMe folds them at the step)
             self.reducer.zero_grads()
             self.loss_scaler.update(overflow=True)
             self.skipped_steps += 1
@@ -329,8 +329,8 @@ class Engine:
         for g in self.groups:
             for piece in g.pieces:
                 target = piece.opt_tensor
-                if present[piece.slot.index] and self.offload is not None:
-                    self.offload.stage_grad(piece, self.reducer.piece_grad(g, piece.lo, piece.hi))
+                if present[piece.slot.index] and self.optimizer_offload is not None:
+                    self.optimizer_offload.stage_grad(piece, self.reducer.piece_grad(g, piece.lo, piece.hi))
                 elif present[piece.slot.index]:
                     grad = self.reducer.piece_grad(g, piece.lo, piece.hi)
                     target.grad = grad if grad.dtype == target.dtype else grad.to(target.dtype)
@@ -339,16 +339,16 @@ class Engine:
         if self.loss_scaler is not None:
             self._scale_grads(1.0 / self.loss_scaler.scale)
         self._global_grad_norm = grad_norm.clip_at_step(self, self.config.gradient_clipping, self._scale_grads)
-        if self.offload is not None:
-            self.offload.step(self.optimizer)
-            self.offload.finish_step()  # the module's parameters now hold the update
+        if self.optimizer_offload is not None:
+            self.optimizer_offload.step(self.optimizer)
+            self.optimizer_offload.finish_step()  # the module's parameters now hold the update
         else:
             self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         for g in self.groups:
             for piece in g.pieces:
-                if self.offload is not None:
+                if self.optimizer_offload is not None:
                     break
                 piece.opt_tensor.grad = None
                 if piece.master is not None:
@@ -359,18 +359,18 @@ class Engine:
             self.sharding.after_step()
         elif self.stage >= 1:
             self._all_gather_params()
-        if self.offload is not None:  # its loop may still read them (overlap_step)
-            self.offload.when_updated(self.reducer.zero_grads)
+        if self.optimizer_offload is not None:  # its loop may still read them (overlap_step)
+            self.optimizer_offload.when_updated(self.reducer.zero_grads)
         else:
             self.reducer.zero_grads()
-        self.guards.after_update()
+        self.training_guards.after_update()
         self.global_steps += 1
         self.ledger.steps += 1
 
     def _scale_grads(self, factor: float) -> None:
         """Multiply the owned gradients by ``factor`` in place (an offload may defer it, bitwise alike)."""
-        if self.offload is not None:
-            return self.offload.scale_grads(factor)
+        if self.optimizer_offload is not None:
+            return self.optimizer_offload.scale_grads(factor)
         for g in self.groups:
             for p in g.pieces:
                 if p.opt_tensor.grad is not None:
@@ -463,8 +463,8 @@ class Engine:
             "comm_buffers": held["comm_buffers"],
         }
         formula = model_state_bytes(self.stage, self.numel, self.world_size, self._bytes_per_element())
-        if self.offload is not None:  # fp32 masters always; with NVMe, masters and moments not in memory
-            nvme = self.offload.device == "nvme"
+        if self.optimizer_offload is not None:  # fp32 masters always; with NVMe, masters and moments not in memory
+            nvme = self.optimizer_offload.device == "nvme"
             formula["master_weights"] = 0.0 if nvme else 4 * self.numel / self.world_size
             formula["optimizer_states"] = 0.0 if nvme else formula["optimizer_states"]
         if self.param_offload is not None and self.param_offload.device == "nvme":
@@ -488,12 +488,12 @@ class Engine:
 
     def offload_report(self) -> Optional[OffloadReport]:
         """Host and NVMe bytes of this rank's offloaded optimizer partition (None without offload)."""
-        if self.offload is None:
+        if self.optimizer_offload is None:
             return None
         owned = sum(p.hi - p.lo for g in self.groups for p in g.pieces)
-        host = self.offload.host_bytes(self.optimizer)
-        return OffloadReport(self.offload.device, self.rank, owned, host, self.offload.nvme_bytes(),
-                             self.offload.formula(self.numel / self.world_size, host))
+        host = self.optimizer_offload.host_bytes(self.optimizer)
+        return OffloadReport(self.optimizer_offload.device, self.rank, owned, host, self.optimizer_offload.nvme_bytes(),
+                             self.optimizer_offload.formula(self.numel / self.world_size, host))
 
     def comm_report(self) -> CommReport:
         """Every collective since the last :meth:`reset_comm_report` (op, count, elements, bytes)."""
@@ -563,7 +563,7 @@ class Engine:
     def _states_resident(self, write: bool = False) -> Iterator[None]:
         """Offloaded masters, optimizer states and parameter shards as ordinary tensors for the duration
         of a block (``write``: the block may change the shards)."""
-        with (self.offload.resident(self.optimizer) if self.offload is not None else no_offload()), \
+        with (self.optimizer_offload.resident(self.optimizer) if self.optimizer_offload is not None else no_offload()), \
                 self.shards_resident(write=write):
             yield
 
@@ -573,14 +573,14 @@ class Engine:
         :mod:`zerodp.offload.param_swap`); otherwise a no-op."""
         if self.param_offload is None:
             return contextlib.nullcontext()
-        if self.offload is not None:
-            self.offload.settle()  # an optimizer step still updating shards (overlap_step) ends first
+        if self.optimizer_offload is not None:
+            self.optimizer_offload.settle()  # an optimizer step still updating shards (overlap_step) ends first
         return self.param_offload.resident(groups, write)
 
     def close(self) -> None:
         """Release offload resources now (swap files, I/O threads); also done at interpreter exit."""
-        if self.offload is not None:
-            self.offload.close()
+        if self.optimizer_offload is not None:
+            self.optimizer_offload.close()
         if self.param_offload is not None:
             self.param_offload.close()
 

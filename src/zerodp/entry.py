@@ -11,11 +11,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from zerodp import checkpointing
 from zerodp.config import ZeroDPConfig, load_config
 from zerodp.engine import Engine
 from zerodp.runtime.wrapped import refuse_wrapped
-from zerodp.runtime import comm, control
+from zerodp.runtime import activation_checkpointing, comm, control
 from zerodp.runtime.device import check_module_device, resolve_device
 from zerodp.runtime.guards import check_model_at_initialize
 from zerodp.runtime.optim import normalize_param_groups
@@ -83,7 +82,7 @@ def initialize(
     engine.topology = topology
     engine.device = device
     if cfg.activation_checkpointing is not None:  # as deepspeed.checkpointing.configure(mpu, config)
-        checkpointing.configure(mpu, deepspeed_config=cfg)
+        activation_checkpointing.configure(mpu, deepspeed_config=cfg)
     if lr_scheduler is not None:
         engine.lr_scheduler = lr_scheduler(engine.optimizer)
         if not isinstance(engine.lr_scheduler, LRScheduler):

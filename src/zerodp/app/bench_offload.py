@@ -74,7 +74,7 @@ def swap_report(directory: str) -> str:
     against the faster of the two. Also where the swap phase's time went."""
     if not NVME_ENGINES:
         return "offload nvme: not measured"
-    off = NVME_ENGINES[0].offload
+    off = NVME_ENGINES[0].optimizer_offload
     st = off.stats
     ranks = dist.get_world_size(off.pg) if dist.is_initialized() else 1
     moved = st.bytes_read + st.bytes_written

@@ -59,9 +59,9 @@ def run(args: argparse.Namespace) -> None:
                     engine.step()
                 for i, (x, y) in enumerate(batches):
                     if i == args.warmup:
-                        before = engine.guard.agreements
+                        before = engine.collective_guard.agreements
                         tags_before = engine.backward_tags.tags_total if engine.backward_tags else 0
-                    g0 = engine.guard.seconds
+                    g0 = engine.collective_guard.seconds
                     w0 = engine.output_roots.seconds
                     dist.barrier()
                     t0 = time.perf_counter()
@@ -69,9 +69,9 @@ def run(args: argparse.Namespace) -> None:
                     dist.barrier()
                     if i >= args.warmup:
                         times.setdefault((stage, name), []).append(time.perf_counter() - t0)
-                        in_guard.setdefault((stage, name), []).append(engine.guard.seconds - g0)
+                        in_guard.setdefault((stage, name), []).append(engine.collective_guard.seconds - g0)
                         walks.setdefault((stage, name), []).append(engine.output_roots.seconds - w0)
-                agreements[(stage, name)] = (engine.guard.agreements - before) / args.steps
+                agreements[(stage, name)] = (engine.collective_guard.agreements - before) / args.steps
                 tags_total = engine.backward_tags.tags_total if engine.backward_tags else 0
                 tags[(stage, name)] = (tags_total - tags_before) / args.steps
     latency = _agreement_latency(args.latency_reps)

@@ -187,8 +187,8 @@ def run_worker(plan: dict, nvme_path: str) -> None:
             _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-            if step + 1 == plan["steps"] and engine.offload is not None:
-                engine.offload.settle()  # overlap_step: the last step's loop has no next forward to run in
+            if step + 1 == plan["steps"] and engine.optimizer_offload is not None:
+                engine.optimizer_offload.settle()  # overlap_step: the last step's loop has no next forward to run in
             seconds = time.perf_counter() - t
             io1, busy1 = proc_io(), disk_busy_ms(device)
             busy = None if busy0 is None or busy1 is None else (busy1 - busy0) / 1e3

@@ -174,7 +174,7 @@ class DeepSpeedEngine:
         ``offload_optimizer.overlap_step`` the sub-groups of the last step still to be updated read
         the reduced gradients: they are forgotten once the loop has ended (at the latest when the next
         backward starts), as the engine itself does after a step."""
-        offload = self.engine.offload
+        offload = self.engine.optimizer_offload
         if offload is not None:
             offload.when_updated(self.engine.reducer.zero_grads)
         else:

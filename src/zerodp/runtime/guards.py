@@ -235,7 +235,7 @@ class TrainingGuards:
         """At a gradient accumulation boundary, before the optimizer: adopt in-place edits."""
         if self._partitioned:
             self._check_partitioned_edits()
-        offload = getattr(self.engine, "offload", None)
+        offload = getattr(self.engine, "optimizer_offload", None)
         for g in self.engine.groups:
             unit = self._persistent.get(id(g))
             if unit is not None and unit.full is not None:
