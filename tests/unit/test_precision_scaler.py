@@ -86,6 +86,6 @@ def test_policy_from_config(config: dict, dtype, accum, grad_bytes: int, base) -
 def test_cast_module_keeps_parameter_objects() -> None:
     m = nn.BatchNorm1d(4)
     w = m.weight
-    cast_module(m, torch.bfloat16)
+    cast_module(m, torch.bfloat16, partitioned=lambda p: False)
     assert m.weight is w and w.dtype == torch.bfloat16 and m.running_mean.dtype == torch.bfloat16
     assert m.num_batches_tracked.dtype == torch.int64  # integer buffers untouched
