@@ -40,6 +40,7 @@ UNITS = "src/zerodp/stage3/units.py"
 ACCOUNTING = "src/zerodp/runtime/accounting.py"
 UNIT_PLAN = "tests/unit/test_partition_plan.py"  # the in-process tier (make test-unit): seconds per mutant
 UNIT_SHARD = "tests/unit/test_shard_state.py"
+STREAM_ORDER = "tests/unit/test_stream_order.py::test_collectives_are_ordered_against_the_compute_stream"
 UNIT_PRECISION = "tests/unit/test_precision_scaler.py"
 UNIT_ACCOUNTING = "tests/unit/test_accounting_formulas.py"
 
@@ -70,8 +71,8 @@ MUTANTS: list[Mutant] = [
            "        buf.div_(self.world_size)\n",
            [f"{STAGES}::test_matches_reference[2-2-adam_buckets]"]),
     Mutant("average_over_wrong_world_size_stage0", REDUCER,
-           "        grad.div_(self.world_size)\n        work = comm.all_reduce(",
-           "        grad.div_(max(self.world_size - 1, 1))\n        work = comm.all_reduce(",
+           "        grad.div_(self.world_size)\n        self.stream.after_compute()",
+           "        grad.div_(max(self.world_size - 1, 1))\n        self.stream.after_compute()",
            [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-0]"]),
     Mutant("average_over_wrong_world_size_stage2", REDUCER,
            "        buf.div_(self.world_size)\n",
@@ -308,4 +309,21 @@ MUTANTS: list[Mutant] = [
            "_DATA_METADATA = METADATA - _MEMORY_ACCESS",
            "_DATA_METADATA = METADATA",
            ["tests/test_escaping_views.py::test_state_dict_values_outside_zerodp[fp32-False-3-1]"]),
+    # [Note: comm streams]: the recording stand-in for the device's module (in-process tier)
+    Mutant("compute_does_not_wait_for_all_gather_stream", UNITS,
+           "            self.stream.done(self.work)", "            self.work.wait()",
+           [f"{STREAM_ORDER}[3]"]),
+    Mutant("pooled_slab_reused_without_release_event", "src/zerodp/stage3/pool.py",
+           "            waiter.wait_for(self._released.pop(id(slab), None))",
+           "            self._released.pop(id(slab), None)",
+           [f"{STREAM_ORDER}[3]"]),
+    Mutant("demand_gather_skips_compute_wait", "src/zerodp/stage3/coordinator.py",
+           "        if stream is not None and (not prefetch or stream.stale):", "        if False:",
+           [f"{STREAM_ORDER}[3]"]),
+    Mutant("reduce_before_gradient_event", REDUCER,
+           "            self.stream.after_compute()  # the buckets' staging buffers are written on the compute stream",
+           "            pass", [f"{STREAM_ORDER}[2]"]),
+    Mutant("reduce_result_used_before_completion_event", REDUCER,
+           "            self.stream.done(work)  # the buckets' buffers are read or reused only after this",
+           "            work.wait()", [f"{STREAM_ORDER}[0]"]),
 ]

@@ -27,6 +27,7 @@ from zerodp.runtime.backward_roots import OutputRoots
 from zerodp.runtime.collective_guard import CollectiveGuard
 from zerodp.runtime.accounting import CATEGORIES, BytesPerElement, CommReport, MemoryReport, model_state_bytes
 from zerodp.runtime.comm import CommLedger
+from zerodp.runtime.device import all_finite
 from zerodp.config import ConfigError, ZeroDPConfig
 from zerodp.runtime.optim import ParamGroupSpec, build_optimizer
 from zerodp.runtime.module_state import (GatheredCopy, LoadResult, guard_module_load_state_dict,
@@ -378,11 +379,8 @@ class Engine:
 
     def _has_inf_or_nan(self) -> bool:
         """Any inf/nan in the reduced gradients this rank owns (before the cross-rank check)."""
-        for g in self.groups:
-            for piece in g.pieces:
-                if not torch.isfinite(self.reducer.piece_grad(g, piece.lo, piece.hi)).all():
-                    return True
-        return False
+        return not all_finite([self.reducer.piece_grad(g, p.lo, p.hi) for g in self.groups for p in g.pieces],
+                              "fp16_overflow")  # one host sync per device
 
     @property
     def loss_scale(self) -> float:
@@ -405,7 +403,7 @@ class Engine:
         pieces it updates: the fp32 masters under bf16/fp16, else the parameters). One all-reduce of
         one int32 (recorded as ``checkpoint``: it guards saving)."""
         with self.shards_resident():
-            bad = any(not bool(torch.isfinite(p.opt_tensor).all()) for g in self.groups for p in g.pieces)
+            bad = not all_finite([p.opt_tensor for g in self.groups for p in g.pieces], "parameters_finite")
         flag = torch.tensor([int(bad)], dtype=torch.int32)
         if dist.get_world_size() > 1:
             comm.all_reduce(flag, None, self.ledger, "checkpoint", op=dist.ReduceOp.MAX)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import Any, Optional, overload
+from typing import Any, Iterable, Optional, overload
 
 import torch
 import torch.distributed as dist
@@ -200,6 +200,26 @@ def synchronize(reason: str, value: Optional[torch.Tensor] = None,
     if device is not None:
         device_handle(device).synchronize(device)
     return None
+
+
+def host_flags(reason: str, flags: list[torch.Tensor]) -> list[bool]:
+    """The values of ``flags`` (0-d bool tensors, e.g. ``t.isfinite().all()`` per tensor) on the host,
+    in order, with one :func:`synchronize` per device they are on (not one per flag)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, f in enumerate(flags):
+        by_device.setdefault(f.device, []).append(i)
+    out = [False] * len(flags)
+    for positions in by_device.values():
+        values = synchronize(reason, torch.stack([flags[i].reshape(()) for i in positions])).tolist()
+        for i, v in zip(positions, values):
+            out[i] = bool(v)
+    return out
+
+
+def all_finite(tensors: Iterable[torch.Tensor], reason: str) -> bool:
+    """Whether every element of every tensor is finite (no inf/nan), with one :func:`synchronize` per
+    device (the fp16 overflow check, ``engine.parameters_finite``). True for no tensors."""
+    return all(host_flags(reason, [torch.isfinite(t).all() for t in tensors]))
 
 
 def host_syncs() -> int:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from zerodp.runtime import comm
+from zerodp.runtime.device import synchronize
 from zerodp.runtime.topology import Topology, global_grad_norm, is_model_parallel_parameter
 
 #: added to the norm in the clip coefficient, as torch.nn.utils.clip_grad_norm_
@@ -82,11 +83,14 @@ def norm_of(grads_by_kind: tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]]
     inf = math.isinf(norm_type)
     parts = []
     for grads in grads_by_kind:
-        acc = torch.zeros((), dtype=torch.float64)
+        norms: dict[torch.device, list[torch.Tensor]] = {}
         for g in grads:  # read once, in order (an offload may materialise them one at a time)
             n = torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.promote_types(g.dtype, torch.float32))
-            n = n.double().cpu()
-            acc = torch.maximum(acc, n) if inf else acc + n ** norm_type
+            norms.setdefault(g.device, []).append(n.double())
+        acc = torch.zeros((), dtype=torch.float64)
+        for per_device in norms.values():  # one host sync per device, not one per gradient
+            n = synchronize("grad_norm", torch.stack(per_device))
+            acc = torch.maximum(acc, n.max()) if inf else acc + (n ** norm_type).sum()
         parts.append(acc)
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     both = torch.stack(parts)

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from zerodp.runtime.partition import FlatGroup, memory_stride
-from zerodp.runtime.device import synchronize
+from zerodp.runtime.device import host_flags, synchronize
 from zerodp.runtime.refusal import RefusedError
 
 
@@ -243,12 +243,13 @@ class TrainingGuards:
                 same = torch.eq(unit.full[lo : lo + unit.shard.numel()], unit.shard).all()
                 if not bool(synchronize("persistent_unit_edits", same)):
                     unit.write_back()  # an edit of an always-gathered stage-3 parameter
-            for piece in g.pieces:
-                if piece.master is None or offload is not None:
-                    continue  # offloaded masters live on the host/NVMe: the offload folds them below
+        # offloaded masters live on the host/NVMe: the offload folds them below
+        pieces = [p for g in self.engine.groups for p in g.pieces if p.master is not None and offload is None]
+        flags = [(p.tensor != p.master.to(p.tensor.dtype)).any() for p in pieces]
+        for piece, edited_any in zip(pieces, host_flags("master_edits", flags)):  # one host sync per device
+            if edited_any:  # keep the fp32 value of every element that was not edited
                 edited = piece.tensor != piece.master.to(piece.tensor.dtype)
-                if bool(synchronize("master_edits", edited.any())):  # keep the fp32 value of every element that was not edited
-                    piece.master[edited] = piece.tensor[edited].to(piece.master.dtype)
+                piece.master[edited] = piece.tensor[edited].to(piece.master.dtype)
         if offload is not None:
             offload.fold_edits()  # the same rule, on the host masters or in the swap file
 

@@ -189,3 +189,30 @@ def assign_pieces(group: FlatGroup, rank: int, owns_everything: bool) -> None:
             lo, hi = max(lo_b, s.offset), min(hi_b, s.offset + s.numel)
             if lo < hi and s.group_index >= 0 and s.param.requires_grad:
                 group.pieces.append(Piece(s, b, lo, hi, group.buffer[lo - base : hi - base]))
+
+
+def zero_unwritten(buf: torch.Tensor, b: Bucket, written: list[bool]) -> None:
+    """Zero the elements of ``buf`` (bucket ``b``'s staging buffer, 1-D, ``b.numel``) outside the
+    ranges of the slots marked in ``written`` (one flag per ``b.slots`` entry): padding, gaps and
+    parameters that got no gradient, which the collective must see as zeros. Adjacent ranges are
+    zeroed together (one ``zero_`` for the padding of a bucket whose parameters all got a gradient)."""
+    ranges: list[list[int]] = []
+
+    def add(lo: int, hi: int) -> None:
+        if lo >= hi:
+            return
+        if ranges and ranges[-1][1] == lo:
+            ranges[-1][1] = hi
+        else:
+            ranges.append([lo, hi])
+
+    pos = 0
+    for s, w in sorted(zip(b.slots, written), key=lambda x: x[0].offset):
+        rel = s.offset - b.start
+        add(pos, rel)
+        if not w:
+            add(rel, rel + s.numel)
+        pos = max(pos, rel + s.numel)
+    add(pos, b.numel)
+    for lo, hi in ranges:
+        buf[lo:hi].zero_()

@@ -46,7 +46,8 @@ from torch.utils.hooks import RemovableHandle
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.coalesce import coalesced, runs_of_same_kind
-from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot
+from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot, zero_unwritten
+from zerodp.runtime.streams import SideStream
 from zerodp.runtime.zero_pages import ZeroPageBuffer
 
 #: collectives (one bucket, or one coalesced group of stage-3 buckets) that may be in flight at once
@@ -115,6 +116,10 @@ class GradientReducer:
         # one entry per collective: its Work and the (bucket, group, payload) of every bucket it reduces
         self._in_flight: deque[tuple[Work, list[tuple[Bucket, FlatGroup, object]]]] = deque()
         self.wait_seconds = 0.0  # time the training thread blocked in this reducer's waits (perf_counter)
+        #: collectives are issued here once the compute stream's gradient-ready event is passed, and the
+        #: compute stream waits for each one's completion event before using or reusing its buffers
+        #: (see [Note: comm streams] in zerodp.runtime.streams; no-ops on the CPU)
+        self.stream = SideStream(groups[0].buffer.device if groups else torch.device("cpu"), "reduce")
         self.peak_grad_bytes = 0
         self._handles: list[RemovableHandle] = []
         #: called as ``on_reduced(group, bucket)`` right after a bucket's collective completed and its
@@ -274,7 +279,7 @@ class GradientReducer:
         while len(self._in_flight) > keep:
             work, entries = self._in_flight.popleft()
             t0 = time.perf_counter()
-            work.wait()
+            self.stream.done(work)  # the buckets' buffers are read or reused only after this
             self.wait_seconds += time.perf_counter() - t0
             for b, g, payload in entries:
                 self._complete(g, b, payload)
@@ -358,7 +363,9 @@ class AllReduceReducer(_FullGradBuffer):
         self._check_launch([(g, b)])
         grad = self._bucket_grad(g, b)
         grad.div_(self.world_size)
-        work = comm.all_reduce(grad, self.pg, self.ledger, self.collective_purpose, async_op=True)
+        self.stream.after_compute()  # the bucket's gradients are complete on the compute stream
+        with self.stream.issuing():
+            work = comm.all_reduce(grad, self.pg, self.ledger, self.collective_purpose, async_op=True)
         self._track(work, [(b, g, None)])
 
     def held_bytes(self) -> dict[str, int]:
@@ -393,7 +400,9 @@ class FullGradReduceScatter(_FullGradBuffer):
         grad = self._bucket_grad(g, b)
         grad.div_(self.world_size)
         recv = torch.empty(b.shard_numel, dtype=grad.dtype, device=grad.device)
-        work = comm.reduce_scatter(recv, grad, self.pg, self.ledger, self.collective_purpose, async_op=True)
+        self.stream.after_compute()  # the bucket's gradients are complete on the compute stream
+        with self.stream.issuing():
+            work = comm.reduce_scatter(recv, grad, self.pg, self.ledger, self.collective_purpose, async_op=True)
         self._track(work, [(b, g, recv)])
 
     def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
@@ -503,7 +512,9 @@ class PartitionedGradReducer(GradientReducer):
             launches = [lambda buf=buf, out=out, rx=rx: comm.reduce_scatter(
                             out, buf, self.pg, self.ledger, self.collective_purpose, async_op=True, received=rx)
                         for (_, _, buf, out, _), rx in zip(run, scratch)]
-            work = comm.AllOf([launch() for launch in launches]) if apart else coalesced(self.pg, launches)
+            self.stream.after_compute()  # the buckets' staging buffers are written on the compute stream
+            with self.stream.issuing():
+                work = comm.AllOf([launch() for launch in launches]) if apart else coalesced(self.pg, launches)
             self.reduce_collectives += 1
             self._track(work, [(b, g, (buf, recv, rx)) for (g, b, buf, _, recv), rx in zip(run, scratch)])
 
@@ -527,7 +538,7 @@ class PartitionedGradReducer(GradientReducer):
                     rel = s.offset - b.start
                     buf[rel : rel + s.numel].copy_(s.flat_values(s.param.grad))
                     s.param.grad = None
-        _zero_unwritten(buf, b, written)
+        zero_unwritten(buf, b, written)
         del self._staging[id(b)]
         buf.div_(self.world_size)
         off = self._owned_offsets[(g.index, b.index)]
@@ -571,30 +582,3 @@ class PartitionedGradReducer(GradientReducer):
         flight = sum(sum(t.numel() * t.element_size() for t in payload if t is not None)
                      for _, entries in self._in_flight for _, _, payload in entries)
         return {"gradients": owned + staging, "comm_buffers": flight}
-
-
-def _zero_unwritten(buf: torch.Tensor, b: Bucket, written: list[bool]) -> None:
-    """Zero the elements of ``buf`` (bucket ``b``'s staging buffer, 1-D, ``b.numel``) outside the
-    ranges of the slots marked in ``written`` (one flag per ``b.slots`` entry): padding, gaps and
-    parameters that got no gradient, which the collective must see as zeros. Adjacent ranges are
-    zeroed together (one ``zero_`` for the padding of a bucket whose parameters all got a gradient)."""
-    ranges: list[list[int]] = []
-
-    def add(lo: int, hi: int) -> None:
-        if lo >= hi:
-            return
-        if ranges and ranges[-1][1] == lo:
-            ranges[-1][1] = hi
-        else:
-            ranges.append([lo, hi])
-
-    pos = 0
-    for s, w in sorted(zip(b.slots, written), key=lambda x: x[0].offset):
-        rel = s.offset - b.start
-        add(pos, rel)
-        if not w:
-            add(rel, rel + s.numel)
-        pos = max(pos, rel + s.numel)
-    add(pos, b.numel)
-    for lo, hi in ranges:
-        buf[lo:hi].zero_()

@@ -21,6 +21,7 @@ Trace modes (DeepSpeed's ZeRoTraceMode): RECORD -> COMPLETE -> (mismatch) INVALI
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import zlib
 from typing import Callable, Optional, Protocol
@@ -32,6 +33,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.coalesce import coalesced, dtype_device, runs_of_same_kind
+from zerodp.runtime.streams import SideStream
 from zerodp.stage3.units import ShardedUnit, ShardState, UnitIndex
 
 
@@ -111,6 +113,9 @@ class ParameterCoordinator:
         #: offload_param: called after each fetch (recorded trace only) with the units of the modules
         #: still to come, in trace order, to read their shards ahead; None: no read-ahead
         self.read_ahead: Optional[Callable[[list[list[ShardedUnit]]], None]] = None
+        #: the all-gather stream (see [Note: comm streams] in :mod:`zerodp.runtime.streams`); None: the
+        #: current stream
+        self.stream: Optional[SideStream] = None
 
     # ---- iteration boundaries -----------------------------------------------------------------------
     def begin_iteration(self) -> None:
@@ -302,21 +307,33 @@ class ParameterCoordinator:
             return
         # the next module's units first, in their own collective: its fetch then waits for them only,
         # while the rest of the group is gathered during that module's compute
-        self._start_gathers(batch[:needed_next])
-        self._start_gathers(batch[needed_next:])
+        self._start_gathers(batch[:needed_next], prefetch=True)
+        self._start_gathers(batch[needed_next:], prefetch=True)
         for u in batch:
             u.prefetched = True
         self.prefetches_issued += len(batch)
         self._note_live()
 
-    def _start_gathers(self, units: list[ShardedUnit]) -> None:
+    def _start_gathers(self, units: list[ShardedUnit], prefetch: bool = False) -> None:
         """SHARDED -> GATHERING for ``units``; consecutive units of one dtype share one coalesced
-        all-gather (see :mod:`zerodp.runtime.coalesce`)."""
+        all-gather (see :mod:`zerodp.runtime.coalesce`), issued on the all-gather stream (see [Note:
+        comm streams]). A fetch on demand makes that stream wait for the compute stream first (the
+        shards may just have been updated); a prefetch of the recorded trace waits only for the
+        release events of the slabs it reuses (the iteration's first fetch, always on demand, waited
+        for the optimizer step's writes), unless a shard was written back since."""
         if units and self.fetch_check is not None:
             self.fetch_check.before_launch()
+        if not units:
+            return
+        for u in units:  # allocation on the compute stream, before any launch
+            u.prepare_gather()
+        stream = self.stream
+        if stream is not None and (not prefetch or stream.stale):
+            stream.after_compute()
         for run in runs_of_same_kind(units, lambda u: dtype_device(u.shard)):
-            work = coalesced(self.pg, [lambda u=u: u.start_gather(self.pg, self.ledger, "parameters") or u.work
-                                       for u in run])
+            with stream.issuing() if stream is not None else contextlib.nullcontext():
+                work = coalesced(self.pg, [lambda u=u: u.launch_gather(self.pg, self.ledger, "parameters") or u.work
+                                           for u in run])
             if len(run) > 1:
                 # a group's own Work: waited through the agreements' watch too, and dropped by the first
                 # unit that waits for it (a Work references the buffers it wrote: one kept alive by the

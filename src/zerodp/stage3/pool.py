@@ -23,13 +23,31 @@ plus the units of the module running) and the reducer (buckets in flight). The e
 idle slabs at the end of each backward (:meth:`GatherPool.clear`), so the pool's memory is reused
 within an iteration (forward gathers, backward gathers, gradient staging) and not held between
 iterations.
+
+Streams (see [Note: comm streams] in :mod:`zerodp.runtime.streams`): a slab is taken back on the
+compute stream, which may still have kernels queued that read it; :meth:`GatherPool.take_back` then
+records a *release event* on the compute stream (:attr:`GatherPool.release_event`), kept with the
+free slab. A slab lent to a side stream (``waiter``: the all-gather stream) is not written before
+that event: the waiter waits for it; a slab newly allocated for a waiter makes it wait for the compute
+stream (the caching allocator may hand out memory whose last compute-stream reader is still queued).
+A slab lent for use on the compute stream itself (gradient staging, cast buffers) needs no wait.
+Slabs are allocated and freed on the compute stream (never while a side stream is current), after
+the compute stream waited for every side-stream use of them.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
+
+
+class Waiter(Protocol):
+    """A side stream that will write a lent slab (:class:`zerodp.runtime.streams.SideStream`)."""
+
+    def wait_for(self, event: Optional[Any]) -> None: ...
+
+    def after_compute(self) -> None: ...
 
 
 class GatherPool:
@@ -37,28 +55,34 @@ class GatherPool:
 
     Args:
         limit_bytes: slabs are freed instead of kept when the pool (lent + free) would exceed this.
+        release_event: returns an event recorded now on the compute stream (see the note above);
+            None: no events (no side streams).
     """
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, release_event: Optional[Callable[[], Any]] = None) -> None:
         if limit_bytes < 0:
             raise ValueError(f"GatherPool limit_bytes must be >= 0, got {limit_bytes}")
         self.limit_bytes = limit_bytes
+        self.release_event = release_event
         self._free: list[torch.UntypedStorage] = []  # slabs holding memory, not lent
+        self._released: dict[int, Any] = {}  # id(free slab) -> its release event
         self._lent: dict[int, torch.UntypedStorage] = {}  # borrower storage's _cdata -> slab (now empty)
         self._lent_sizes: dict[int, int] = {}  # borrower storage's _cdata -> slab bytes
         self.allocations = 0  # slabs allocated since construction
         self.peak_bytes = 0  # largest lent + free bytes seen
 
     # ---- lending -----------------------------------------------------------------------------------
-    def lend(self, t: torch.Tensor) -> None:
-        """Give ``t``'s storage (0 bytes now) the memory of a slab big enough for ``t``.
+    def lend(self, t: torch.Tensor, waiter: Optional[Waiter] = None) -> None:
+        """Give ``t``'s storage (0 bytes now) the memory of a slab big enough for ``t``; ``waiter``: the
+        side stream that writes it first (waits for the slab's release event, see the note above).
 
         Raises:
             RuntimeError: ``t``'s storage is not empty or already holds a slab.
         """
-        self._lend_to(t.untyped_storage(), (t.storage_offset() + t.numel()) * t.element_size(), t.device)
+        self._lend_to(t.untyped_storage(), (t.storage_offset() + t.numel()) * t.element_size(), t.device, waiter)
 
-    def _lend_to(self, storage: torch.UntypedStorage, need: int, device: torch.device) -> None:
+    def _lend_to(self, storage: torch.UntypedStorage, need: int, device: torch.device,
+                 waiter: Optional[Waiter] = None) -> None:
         key = storage._cdata
         if key in self._lent or storage.nbytes() != 0:
             raise RuntimeError("GatherPool.lend: the tensor's storage is not empty "
@@ -67,6 +91,12 @@ class GatherPool:
         if slab is None:
             slab = torch.UntypedStorage(need, device=device)
             self.allocations += 1
+            if waiter is not None:
+                waiter.after_compute()
+        elif waiter is not None:
+            waiter.wait_for(self._released.pop(id(slab), None))
+        else:
+            self._released.pop(id(slab), None)
         size = slab.nbytes()
         storage._swap_data_ptr_(slab)
         self._lent[key] = slab
@@ -84,6 +114,8 @@ class GatherPool:
         storage._swap_data_ptr_(slab)
         if self.held_bytes() + slab.nbytes() <= self.limit_bytes:
             self._free.append(slab)
+            if self.release_event is not None:
+                self._released[id(slab)] = self.release_event()
         # else: dropping the last reference frees the slab's memory
         return True
 
@@ -94,11 +126,12 @@ class GatherPool:
         if self._lent.pop(key, None) is not None:
             self._lent_sizes.pop(key)
 
-    def empty_tensor(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def empty_tensor(self, numel: int, dtype: torch.dtype, device: torch.device,
+                     waiter: Optional[Waiter] = None) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements whose memory is lent from the pool (contents undefined);
-        hand it back with :meth:`take_back`."""
+        hand it back with :meth:`take_back`. ``waiter``: as in :meth:`lend`."""
         storage = torch.UntypedStorage(0, device=device)
-        self._lend_to(storage, numel * torch.empty(0, dtype=dtype).element_size(), device)
+        self._lend_to(storage, numel * torch.empty(0, dtype=dtype).element_size(), device, waiter)
         return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
 
     def _take_free(self, need: int, device: torch.device) -> Optional[torch.UntypedStorage]:
@@ -123,3 +156,4 @@ class GatherPool:
     def clear(self) -> None:
         """Free every slab not lent out."""
         self._free.clear()
+        self._released.clear()

@@ -24,6 +24,7 @@ from zerodp.stage3.hooks import ExternalParameterMode, ModuleStack, register_sta
 from zerodp.stage3.allocator import pin_mmap_threshold
 from zerodp.stage3.pool import GatherPool
 from zerodp.runtime.optim import ParamGroupSpec
+from zerodp.runtime.streams import SideStream
 from zerodp.runtime.partition import FlatGroup
 from zerodp.stage3.units import ShardedUnit, ShardState, UnitIndex, shard_unit
 from zerodp.stage3.ownership import (Owner, full_numel, materialize, pre_sharded_unit, register_owner,
@@ -73,14 +74,21 @@ class Stage3:
         #: elements of complete units' gradients held for one coalesced reduce-scatter (the reducer's
         #: ``coalesce_elements``), see :func:`reduce_flush_elements`
         self.reduce_flush_elements = reduce_flush_elements(self.index.units, zc.reduce_bucket_size)
-        self.pool = GatherPool(_pool_limit(self.index.units, zc.stage3_max_live_parameters, self.reduce_flush_elements))
+        device = self.index.units[0].shard.device if self.index.units else torch.device("cpu")
+        #: all-gathers are issued here, ordered against the compute stream by events (see [Note: comm
+        #: streams] in zerodp.runtime.streams; no-ops on the CPU)
+        self.gather_stream = SideStream(device, "all_gather")
+        self.pool = GatherPool(_pool_limit(self.index.units, zc.stage3_max_live_parameters, self.reduce_flush_elements),
+                               release_event=self.gather_stream.compute_event)
         for u in self.index.units:
             if not u.persistent:
                 u.pool = self.pool
+                u.stream = self.gather_stream
         positions = {id(m): i for i, m in enumerate(module.modules())}
         self.coordinator = ParameterCoordinator(
             self.index, positions, pg, ledger, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
             zc.stage3_max_reuse_distance)
+        self.coordinator.stream = self.gather_stream
         # each owner lives as long as a module holding its parameter (the first one, as for tied
         # parameters), so a submodule kept alone after the engine and the root are dropped still gathers
         holder = {id(p): m for m in reversed(list(module.modules())) for p in m._parameters.values()

@@ -25,7 +25,8 @@ for it around every use: an all-gather (from :meth:`ShardedUnit.start_gather` un
 :meth:`ShardedUnit.resident`.
 
 State machine (FSDP2's ShardedState / DeepSpeed's ZeroParamStatus): SHARDED -> GATHERING (collective in
-flight) -> UNSHARDED -> SHARDED, transitions only in :meth:`ShardedUnit.start_gather`,
+flight) -> UNSHARDED -> SHARDED, transitions only in :meth:`ShardedUnit.launch_gather` (also through
+:meth:`ShardedUnit.start_gather`),
 :meth:`ShardedUnit.finish_gather` and :meth:`ShardedUnit.release`.
 """
 
@@ -44,6 +45,7 @@ from torch.distributed import ProcessGroup, Work
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot, memory_stride
+from zerodp.runtime.streams import SideStream
 from zerodp.stage3.aliases import AliasTable, storage_key, storage_refs
 from zerodp.stage3.pool import GatherPool
 from zerodp.stage3.sharded_param import PartitionedParameterError, mark_sharded, mark_unsharded
@@ -110,6 +112,9 @@ class ShardedUnit:
     warned_escape: bool = False
     #: ``ds_id`` of the first slot's parameter (slot i has ``ds_id_base + i``); see :func:`_reserve_ds_ids`
     ds_id_base: int = -1
+    #: the all-gather stream (see [Note: comm streams] in :mod:`zerodp.runtime.streams`); None: the
+    #: collective is issued on, and waited for by, the stream current then
+    stream: Optional[SideStream] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.ds_id_base < 0:
@@ -141,17 +146,32 @@ class ShardedUnit:
 
     def start_gather(self, pg: Optional[ProcessGroup], ledger: CommLedger, purpose: str) -> None:
         """SHARDED -> GATHERING: re-allocate the full buffer's storage and launch the all-gather of
-        every rank's shard into it."""
+        every rank's shard into it (on :attr:`stream` when set, after it waited for the compute
+        stream: a use on demand, where the shard may just have been written)."""
+        self.prepare_gather()
+        if self.stream is not None:
+            self.stream.after_compute()
+        with _issuing(self.stream):
+            self.launch_gather(pg, ledger, purpose)
+
+    def prepare_gather(self) -> None:
+        """Give the full buffer's storage memory again (on the compute stream; a pooled slab makes
+        :attr:`stream` wait for its release, see [Note: gather pool]) and bring the shard home."""
         assert self.state is ShardState.SHARDED, f"unit '{self.name}' gathered while {self.state}"
         if self.full is None:
-            self.full = _empty(self.numel, self.shard.dtype, self.shard.device, self.pool)
+            self.full = _empty(self.numel, self.shard.dtype, self.shard.device, self.pool, self.stream)
             self.refs[None] = storage_refs(self.full) + len(self.slots)  # finish_gather points them at it
             if self.aliases is not None:
                 self.aliases.add(self.full, self, None)
         else:
-            _allocate(self.full, self.pool)
+            _allocate(self.full, self.pool, self.stream)
         if self.home is not None:
             self.home.acquire()  # released in finish_gather, once the collective has read the shard
+            if self.stream is not None:
+                self.stream.stale = True  # the shard may just have been read back on the compute stream
+
+    def launch_gather(self, pg: Optional[ProcessGroup], ledger: CommLedger, purpose: str) -> None:
+        """Issue the all-gather of a prepared unit (on the stream current now) -> GATHERING."""
         # into a non-owning alias of the full buffer's memory: the Work (kept by gloo's thread for a while
         # after wait() returns) then holds no reference to the buffer's storage, whose use count tells
         # escaping views (see [Note: escaping views]); the unit waits for the Work before any release
@@ -159,10 +179,14 @@ class ShardedUnit:
         self.state = ShardState.GATHERING
 
     def finish_gather(self) -> None:
-        """GATHERING -> UNSHARDED: wait, point each parameter's ``.data`` at its full view and re-fill
-        the cast buffers."""
+        """GATHERING -> UNSHARDED: the compute stream waits for the all-gather (see [Note: comm
+        streams]), then each parameter's ``.data`` points at its full view and the cast buffers are
+        re-filled."""
         assert self.state is ShardState.GATHERING, f"unit '{self.name}' finished while {self.state}"
-        self.work.wait()
+        if self.stream is not None:
+            self.stream.done(self.work)
+        else:
+            self.work.wait()
         self.work = None
         if self.home is not None:
             self.home.release(dirty=False)
@@ -332,6 +356,8 @@ class ShardedUnit:
         lo = self.rank * self.shard.numel()
         with self.resident(write=True):
             self.shard.copy_(self.full[lo : lo + self.shard.numel()])
+        if self.stream is not None:
+            self.stream.stale = True  # a prefetch must not read the shard before this copy
 
     @contextlib.contextmanager
     def resident(self, write: bool = False) -> Iterator[torch.Tensor]:
@@ -370,19 +396,31 @@ def _free(t: Optional[torch.Tensor], pool: Optional[GatherPool] = None) -> None:
         t.untyped_storage().resize_(0)
 
 
-def _allocate(t: torch.Tensor, pool: Optional[GatherPool] = None) -> None:
-    """Give ``t``'s (same) storage object memory again: a slab of ``pool``, or a fresh allocation."""
+def _allocate(t: torch.Tensor, pool: Optional[GatherPool] = None, waiter: Optional[SideStream] = None) -> None:
+    """Give ``t``'s (same) storage object memory again: a slab of ``pool``, or a fresh allocation.
+    ``waiter``: the side stream that writes it first (see [Note: gather pool])."""
     nbytes = (t.storage_offset() + t.numel()) * t.element_size()
     if pool is not None and t.untyped_storage().nbytes() == 0:
-        pool.lend(t)
+        pool.lend(t, waiter)
     elif t.untyped_storage().nbytes() < nbytes:
         t.untyped_storage().resize_(nbytes)
+        if waiter is not None:
+            waiter.after_compute()
 
 
-def _empty(numel: int, dtype: torch.dtype, device: torch.device, pool: Optional[GatherPool]) -> torch.Tensor:
+def _empty(numel: int, dtype: torch.dtype, device: torch.device, pool: Optional[GatherPool],
+           waiter: Optional[SideStream] = None) -> torch.Tensor:
     if pool is not None:
-        return pool.empty_tensor(numel, dtype, device)
-    return torch.empty(numel, dtype=dtype, device=device)
+        return pool.empty_tensor(numel, dtype, device, waiter)
+    out = torch.empty(numel, dtype=dtype, device=device)
+    if waiter is not None:
+        waiter.after_compute()
+    return out
+
+
+def _issuing(stream: Optional[SideStream]):
+    """``stream.issuing()``, or nothing (the current stream) without one."""
+    return stream.issuing() if stream is not None else contextlib.nullcontext()
 
 
 def shard_unit(
