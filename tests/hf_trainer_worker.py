@@ -2,9 +2,13 @@
 style ZeRO-2 and ZeRO-3 config ("auto" values) on zerodp registered as ``deepspeed``
 (``import zerodp.deepspeed.as_deepspeed``, the first import), and the same Trainer without DeepSpeed
 (DDP). Each run trains 6 steps saving at step 3; a fresh Trainer then resumes from step 3's checkpoint.
-Run by tests/test_hf_trainer.py; writes ``rank{r}.json``: {run: {"ok", "losses", "resumed", ...}}."""
+With ``--via-launcher`` the
+opt-in line is skipped: the worker runs under ``zerodp run``. Run by tests/test_hf_trainer.py; writes ``rank{r}.json``: {run: {"ok", "losses", "resumed", ...}}."""
 
-import zerodp.deepspeed.as_deepspeed  # noqa: F401  (the opt-in line; before transformers/accelerate)
+import sys
+
+if "--via-launcher" not in sys.argv:  # else `zerodp run` has registered zerodp as deepspeed already
+    import zerodp.deepspeed.as_deepspeed  # noqa: F401  (the opt-in line; before transformers/accelerate)
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
@@ -169,7 +173,11 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", required=True)
     ap.add_argument("--stages", default="")  # tests/distributed.py's run_worker passes it; unused
     ap.add_argument("--scenarios", default=",".join(RUNS))
+    ap.add_argument("--via-launcher", action="store_true")
     args = ap.parse_args()
+    from zerodp.deepspeed.registration import is_installed
+    if not is_installed():
+        raise AssertionError("zerodp is not registered as deepspeed")
     dist.init_process_group("gloo")
     results: dict[str, dict] = {}
     for name in args.scenarios.split(","):
