@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "under mixed precision with --grad-accum > 1, else the parameters' dtype)")
     es.set_defaults(handler=_cmd_estimate, parser=es, fp32=False)
     clean_swap.add_parser(sub)
-    run_script.add_parser(sub, _add_launcher_arguments)
+    run_script.add_parser(sub, _add_launcher_arguments, torchrun_prefix)
     return parser
 
 

@@ -16,12 +16,14 @@ import os
 import runpy
 import subprocess
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 
-def add_parser(sub: Any, add_launcher_arguments: Any) -> None:
+def add_parser(sub: Any, add_launcher_arguments: Callable[[Any], None],
+               torchrun_prefix: Callable[[argparse.Namespace], list[str]]) -> None:
     """Add the ``run`` subcommand to ``sub`` (argparse subparsers); ``add_launcher_arguments(parser)``
-    adds ``--nproc`` and the rendezvous flags (those of ``zerodp train``)."""
+    adds ``--nproc`` and the rendezvous flags (those of ``zerodp train``), ``torchrun_prefix(args)``
+    turns them into the ``python -m torch.distributed.run ...`` command (both from zerodp.app.cli)."""
     ru = sub.add_parser(
         "run", help="run a DeepSpeed / HF Trainer script on zerodp registered as `deepspeed`",
         description="Launch SCRIPT on N ranks (torch.distributed.run) with zerodp.deepspeed registered as the "
@@ -31,18 +33,16 @@ def add_parser(sub: Any, add_launcher_arguments: Any) -> None:
     add_launcher_arguments(ru)
     ru.add_argument("script", metavar="SCRIPT", help="the Python script to run")
     ru.add_argument("script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="SCRIPT's own arguments")
-    ru.set_defaults(handler=command, parser=ru)
+    ru.set_defaults(handler=command, parser=ru, torchrun_prefix=torchrun_prefix)
 
 
 def command(args: argparse.Namespace) -> int:
     """``zerodp run``: launch the workers (or, inside torchrun, be one); returns the exit code."""
-    from zerodp.app.cli import torchrun_prefix
-
     if not os.path.isfile(args.script):
         args.parser.error(f"argument SCRIPT: {args.script!r} is not a file")
     if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
         return run_worker(args.script, args.script_args)
-    cmd = torchrun_prefix(args) + ["-m", "zerodp.app.run_script", args.script, *args.script_args]
+    cmd = args.torchrun_prefix(args) + ["-m", "zerodp.app.run_script", args.script, *args.script_args]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default per worker, without its banner
     return subprocess.run(cmd, env=env).returncode

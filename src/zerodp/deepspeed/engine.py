@@ -328,17 +328,16 @@ class DeepSpeedEngine:
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[dict]:
         """Collective: the full module state dict in the module's dtype on rank 0 (None on the other
-        ranks), as DeepSpeed's (accelerate's ``get_state_dict`` calls it at stage 3).
-
-        Raises:
-            NotImplementedError: ``exclude_frozen_parameters=True``.
-        """
-        if exclude_frozen_parameters:
-            raise NotImplementedError("_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True) is "
-                                      "not implemented")
+        ranks), as DeepSpeed's (accelerate's ``get_state_dict`` calls it at stage 3; the HF Trainer
+        with ``exclude_frozen_parameters=True`` for a PEFT model: without the parameters whose
+        ``requires_grad`` is False, buffers kept)."""
         sd = self.engine.module_state_dict()
-        dtypes = {n: p.dtype for n, p in self.module.named_parameters(remove_duplicate=False)}
-        return {k: v.to(dtypes[k]) if k in dtypes else v for k, v in sd.items()} if self.engine.rank == 0 else None
+        named = list(self.module.named_parameters(remove_duplicate=False))
+        dtypes = {n: p.dtype for n, p in named}
+        frozen = {n for n, p in named if not p.requires_grad} if exclude_frozen_parameters else set()
+        if self.engine.rank != 0:
+            return None
+        return {k: v.to(dtypes[k]) if k in dtypes else v for k, v in sd.items() if k not in frozen}
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

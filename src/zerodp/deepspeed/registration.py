@@ -39,6 +39,10 @@ DEEPSPEED_API_VERSION = "0.19.8"
 DECIDED_AT_IMPORT = ("accelerate.accelerator", "accelerate.utils.deepspeed", "transformers.integrations.deepspeed",
                      "transformers.trainer")
 
+#: submodules DeepSpeed's ``__init__`` imports, so ``deepspeed.comm.get_rank()`` works after ``import
+#: deepspeed`` (transformers' ZeRO-3 weight initialisation); zerodp.deepspeed imports the others itself.
+EAGER_SUBMODULES = ("comm",)
+
 _NAME = "deepspeed"
 _TARGET = "zerodp.deepspeed"
 
@@ -162,6 +166,8 @@ def install() -> ModuleType:
             "already decided that DeepSpeed is unavailable. Put `import zerodp.deepspeed.as_deepspeed` "
             "first in the script, or start it with `zerodp run SCRIPT`")
     module = importlib.import_module(_TARGET)
+    for name in EAGER_SUBMODULES:  # attributes clients reach without importing them (deepspeed.comm.get_rank)
+        importlib.import_module(f"{_TARGET}.{name}")
     sys.meta_path.insert(0, ZerodpDeepSpeedFinder())
     sys.modules[_NAME] = module
     return module
