@@ -26,7 +26,7 @@ STEPS = [str(s) for s in range(1, 7)]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_worker(2, "", "zero2,ddp-warmup,zero3,zero3-pretrained,ddp", worker=WORKER,
+    return run_worker(2, "", "zero2,ddp-warmup,zero3,zero3-pretrained,ddp,zero2-cut", worker=WORKER,
                       extra_args=["--ckpt-dir", str(tmp_path_factory.mktemp("hf_trainer"))])
 
 
@@ -69,6 +69,15 @@ def test_trainer_resumes_exactly(results: list[dict], run: str) -> None:
         assert sorted(res["resumed"]) == ["4", "5", "6"]
         for step, loss in res["resumed"].items():
             assert loss == pytest.approx(res["losses"][step], rel=1e-6, abs=1e-7), (run, step)
+
+
+def test_a_window_cut_short_is_refused_by_name(results: list[dict]) -> None:
+    """An epoch whose micro-batch count gradient_accumulation_steps does not divide: accelerate ends
+    its last window early; zerodp's window is fixed, so it raises, naming the micro-step, after the
+    full windows trained."""
+    for res in _ok(results, "zero2-cut"):
+        assert res["refused"] is not None and "is_boundary=True" in res["refused"], res["refused"]
+        assert "micro-step 1 of 2" in res["refused"] and res["steps_done"] == 5
 
 
 def test_launcher_runs_the_unchanged_trainer_script(results: list[dict]) -> None:
