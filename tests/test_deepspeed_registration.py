@@ -127,3 +127,18 @@ def test_refuses_after_accelerate_decided() -> None:
     """)
     assert proc.returncode == 0, proc.stderr
     assert "before importing" in proc.stdout and "accelerate.accelerator" in proc.stdout
+
+
+def test_zerodp_run_command_line(tmp_path: Path) -> None:
+    """``zerodp run --nproc N SCRIPT ARGS``: the script's own flags go to it untouched; the workers are
+    ``python -m zerodp.app.run_script SCRIPT ARGS`` under torch's launcher."""
+    from zerodp.app import cli
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    args = cli.build_parser().parse_args(["run", "--nproc", "3", str(script), "--deepspeed", "ds.json", "--nproc", "9"])
+    assert args.script == str(script) and args.script_args == ["--deepspeed", "ds.json", "--nproc", "9"]
+    cmd = args.torchrun_prefix(args)
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "3", "--standalone"]
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["run", "--nproc", "2"])  # SCRIPT missing
