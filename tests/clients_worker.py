@@ -256,6 +256,14 @@ def chat_run(stage: int, opt_cls: Any) -> dict[str, Any]:
     consolidated = engine._zero3_consolidated_16bit_state_dict()
     out["consolidated"] = (consolidated is None) if dist.get_rank() else all(
         torch.equal(consolidated[k], full[k].to(consolidated[k].dtype)) for k in full)
+    # the HF Trainer's PEFT save: exclude_frozen_parameters=True leaves out what requires no grad
+    frozen_name, frozen = next(iter(engine.module.named_parameters()))
+    frozen.requires_grad_(False)
+    trained_only = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+    frozen.requires_grad_(True)
+    out["excluded_frozen"] = (trained_only is None) if dist.get_rank() else (
+        sorted(trained_only) == sorted(k for k in full if k != frozen_name)
+        and all(torch.equal(trained_only[k], consolidated[k]) for k in trained_only))
     return out
 
 

@@ -67,6 +67,7 @@ def test_deepspeed_chat_pattern() -> None:
             assert res["optimizer"] == "Adam" and res["decoupled"], key  # torch's Adam in AdamW mode
             assert res["model_attr"] and res["head_attr"] and res["config_is_dict"], key
             assert res["tput_steps"] == 4 and res["save_ok"] and res["consolidated"], key
+            assert res["excluded_frozen"], key
             assert res["hidden_auto"] == 160, key  # "auto" = 10 * hidden_size at initialize
         assert base["losses"][-1] < base["losses"][0]
 

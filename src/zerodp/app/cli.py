@@ -1,4 +1,5 @@
-"""The ``zerodp`` command line: ``zerodp train``, ``consolidate``, ``verify``, ``bench`` and ``estimate``.
+"""The ``zerodp`` command line: ``zerodp train``, ``consolidate``, ``verify``, ``bench``, ``estimate``
+and ``run`` (a script on zerodp registered as ``deepspeed``, :mod:`zerodp.app.run_script`).
 
 ``zerodp train`` outside a torchrun-launched process re-launches itself through torch's own launcher,
 ``torch.distributed.run --nproc-per-node N [--standalone | rendezvous flags] -m zerodp.app.cli train
@@ -32,7 +33,7 @@ from typing import Any, Callable, Optional, Sequence, get_args
 from zerodp.runtime import accounting
 from zerodp.app import clean_swap
 from zerodp.offload.report import offload_estimate_table
-from zerodp.app import launch
+from zerodp.app import launch, run_script
 from zerodp.config import ZeroConfig
 from zerodp.app.model import GPTConfig, count_parameters
 from zerodp.app.train import DEFAULTS
@@ -297,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "under mixed precision with --grad-accum > 1, else the parameters' dtype)")
     es.set_defaults(handler=_cmd_estimate, parser=es, fp32=False)
     clean_swap.add_parser(sub)
+    run_script.add_parser(sub, _add_launcher_arguments, torchrun_prefix)
     return parser
 
 

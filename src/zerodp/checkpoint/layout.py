@@ -154,6 +154,7 @@ class ShardedParamsLayout:
                     v = s.param.detach()
                     full[id(s.param)] = v.to(dtype=value_dtype(v.dtype) if id(s.param) in trained else v.dtype,
                                              copy=True)
+                    del v  # a view of the gathered storage: alive at the release, it would keep that memory
         return keyed_like_state_dict(engine, full, lambda v: v.detach().clone())
 
     def before_load(self, engine: Engine) -> None:

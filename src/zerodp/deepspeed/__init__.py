@@ -31,6 +31,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from zerodp.config import ConfigError, OptimizerConfig, load_config, optimizer_options
 from zerodp.config_keys import OPTIMIZERS
 from zerodp.deepspeed import checkpointing, zero
+# what DeepSpeed's own __init__ imports, so that attribute paths such as
+# ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`` (accelerate) resolve without an import
+# (``comm`` too, imported by registration.install: it imports this package back, lazily)
+from zerodp.deepspeed import accelerator, ops, runtime, utils  # noqa: F401
+from zerodp.deepspeed.runtime import lr_schedules as _lr_schedules  # noqa: F401
+from zerodp.deepspeed.runtime.zero import partition_parameters as _partition_parameters  # noqa: F401
 from zerodp.deepspeed.config import read_config, resolve_deepspeed_config
 from zerodp.deepspeed.engine import DeepSpeedEngine
 from zerodp.deepspeed.hf_config import HfDeepSpeedConfig

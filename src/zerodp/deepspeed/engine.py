@@ -58,6 +58,7 @@ class DeepSpeedEngine:
         self.config: dict[str, Any] = dict(ds_config or {})
         self._step_applied = False
         self._no_sync = False
+        self._backward_unstepped = False  # a backward() ran and no step() since (accelerate's protocol)
         self._offloaded: Any = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.tput_timer = ThroughputTimer(self.train_batch_size())
@@ -136,6 +137,7 @@ class DeepSpeedEngine:
         t0 = time.perf_counter()
         self.engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
         self._times["backward"] += time.perf_counter() - t0
+        self._backward_unstepped = True
         return loss
 
     def step(self, lr_kwargs: Optional[Mapping[str, Any]] = None) -> None:
@@ -148,6 +150,7 @@ class DeepSpeedEngine:
             raise NotImplementedError("engine.step(lr_kwargs=...) is not implemented in zerodp")
         boundary = self.is_gradient_accumulation_boundary()
         skipped = self.engine.skipped_steps
+        self._backward_unstepped = False
         t0 = time.perf_counter()
         self.engine.step()
         self._times["step"] += time.perf_counter() - t0
@@ -155,6 +158,36 @@ class DeepSpeedEngine:
         if boundary:
             self._step_applied = self.engine.skipped_steps == skipped
             self._report()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """accelerate's protocol (its ``DeepSpeedEngineWrapper``): before each micro-batch's
+        ``backward``, say whether it ends the accumulation window; ``step()`` then follows only the
+        window's last backward. A backward left without ``step()`` is ended here, as a non-boundary
+        micro-step (its gradients stay accumulated). zerodp's window is fixed by the config's
+        ``gradient_accumulation_steps``, so ``is_boundary`` must agree with it.
+
+        Raises:
+            NotImplementedError: ``is_boundary`` differs from the engine's window (a window cut short,
+                e.g. an epoch whose micro-batch count ``gradient_accumulation_steps`` does not divide);
+                or a boundary backward was left without ``step()``.
+        """
+        if self._backward_unstepped:
+            if self.is_gradient_accumulation_boundary():
+                raise NotImplementedError(
+                    "set_gradient_accumulation_boundary: the last backward ended the accumulation window and "
+                    "was not followed by engine.step(); call step() after the window's last backward")
+            self._backward_unstepped = False
+            self.engine.step()  # a non-boundary micro-step: counts it, updates nothing
+            self.tput_timer.stop(global_step=False)
+        engine_boundary = self.is_gradient_accumulation_boundary()
+        if bool(is_boundary) != engine_boundary:
+            gas = self.gradient_accumulation_steps()
+            raise NotImplementedError(
+                f"set_gradient_accumulation_boundary(is_boundary={bool(is_boundary)}) at micro-step "
+                f"{self.engine.micro_steps % gas + 1} of {gas}: zerodp's accumulation window is fixed by "
+                f"gradient_accumulation_steps={gas} and a window cut short is not implemented. Give the "
+                "Trainer/accelerate the config's gradient_accumulation_steps (\"auto\" does) and a number of "
+                "micro-batches per epoch that it divides")
 
     def _report(self) -> None:
         cfg = self.engine.config
@@ -295,17 +328,16 @@ class DeepSpeedEngine:
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[dict]:
         """Collective: the full module state dict in the module's dtype on rank 0 (None on the other
-        ranks), as DeepSpeed's (accelerate's ``get_state_dict`` calls it at stage 3).
-
-        Raises:
-            NotImplementedError: ``exclude_frozen_parameters=True``.
-        """
-        if exclude_frozen_parameters:
-            raise NotImplementedError("_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True) is "
-                                      "not implemented")
+        ranks), as DeepSpeed's (accelerate's ``get_state_dict`` calls it at stage 3; the HF Trainer
+        with ``exclude_frozen_parameters=True`` for a PEFT model: without the parameters whose
+        ``requires_grad`` is False, buffers kept)."""
         sd = self.engine.module_state_dict()
-        dtypes = {n: p.dtype for n, p in self.module.named_parameters(remove_duplicate=False)}
-        return {k: v.to(dtypes[k]) if k in dtypes else v for k, v in sd.items()} if self.engine.rank == 0 else None
+        named = list(self.module.named_parameters(remove_duplicate=False))
+        dtypes = {n: p.dtype for n, p in named}
+        frozen = {n for n, p in named if not p.requires_grad} if exclude_frozen_parameters else set()
+        if self.engine.rank != 0:
+            return None
+        return {k: v.to(dtypes[k]) if k in dtypes else v for k, v in sd.items() if k not in frozen}
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
