@@ -577,8 +577,9 @@ def test_make_train_installs_only_the_package() -> None:
                              check=True).stdout
         return [ln for ln in out.splitlines() if "pip install" in ln and "--upgrade pip" not in ln]
 
-    assert installs("train") == [".venv/bin/pip install -q -e ."]  # no test dependencies
-    assert installs("test") == [".venv/bin/pip install -q -e '.[dev]'"]
+    # no test dependencies for train; both take the torch pinned in constraints.txt
+    assert installs("train") == [".venv/bin/pip install -q -c constraints.txt  -e ."]
+    assert installs("test") == [".venv/bin/pip install -q -c constraints.txt  -e '.[dev]'"]
 
 
 def test_resume_from_a_tag_other_than_latest(tiny_runs, tmp_path) -> None:
