@@ -234,12 +234,12 @@ def test_client_optimizer_refusals() -> None:
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"remote_device": "cpu"}, "remote_device"), ({"pin_memory": True}, "pin_memory"), ({"mpu": object()}, "mpu"),
+    ({"remote_device": "disk"}, "allowed values"), ({"mpu": object()}, "mpu"),
     ({"module": nn.Linear(2, 2)}, "module"), ({"dtype": torch.bfloat16}, "disagrees"),
     ({"config_dict_or_path": {"zero_optimization": {"stage": 2}}}, "stage 3"),
 ])
 def test_zero_init_refusals(kwargs: dict, match: str) -> None:
-    with pytest.raises((NotImplementedError, zerodp.ConfigError), match=match):
+    with pytest.raises((NotImplementedError, ValueError), match=match):  # ConfigError is a ValueError
         deepspeed.zero.Init(**kwargs)
 
 

@@ -197,6 +197,10 @@ class ZeroConfig(_Strict):
                              f"zero_optimization.stage 3 (it offloads each rank's shard of the partitioned "
                              f"parameters); got stage {self.stage}. Use device 'none' or stage 3")
         oo = self.offload_optimizer
+        if oo.delayed_update and self.offload_param.enabled:
+            raise ValueError("'zero_optimization.offload_optimizer.delayed_update' with offload_param (device "
+                             f"{self.offload_param.device!r}) is not implemented; set offload_param.device 'none' "
+                             "or delayed_update false")
         if oo.overlap_step and not (oo.device == "nvme" and self.offload_param.device == "nvme"):
             raise ValueError("'zero_optimization.offload_optimizer.overlap_step' needs offload_optimizer.device "
                              "'nvme' and offload_param.device 'nvme' at stage 3 (the next forward waits for a "

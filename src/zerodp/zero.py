@@ -29,10 +29,11 @@ from torch.nn.parameter import is_lazy
 
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
-from zerodp.runtime.device import resolve_device
+from zerodp.runtime.device import DeviceError, resolve_device
 from zerodp.accessors import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                               safe_set_full_fp32_param, safe_set_full_optimizer_state)
 from zerodp.config import ConfigError, load_config
+from zerodp.offload.config import OffloadParamConfig
 from zerodp.offload.param_swap import ParamSwapper
 from zerodp.stage3.ownership import (OWNERS, Owner, add_pending_external, full_numel, is_partitioned,
                                      materialize)
@@ -102,9 +103,13 @@ class Init:
     :mod:`zerodp.stage3.sharded_param`): shape-based code such as nanoGPT's ``p.dim() >= 2``
     weight-decay groups sees the same model as without ``Init``. With bf16/fp16 the partition is where
     the parameter is cast, once, as :func:`zerodp.initialize` casts a model built without ``Init``.
-    With ``offload_param.device: nvme`` each new shard is written to a swap file at once and its memory
-    freed (the engine adopts it). Each partitioned parameter is moved to the engine's device first (config
-    key ``device``: ``cuda:LOCAL_RANK`` on a CUDA machine with NCCL), so its shard is allocated there.
+    Each partitioned parameter is moved to the engine's device first (config key ``device``:
+    ``cuda:LOCAL_RANK`` on a CUDA machine with NCCL), so its shard is allocated there, unless the shard
+    has a remote home (``remote_device``, else the config's ``offload_param.device``; DeepSpeed's
+    ``zero.Init(remote_device=...)``): ``"nvme"`` writes each new shard to this rank's parameter swap
+    file as soon as it is built and frees its memory (the engine adopts the file), ``"cpu"`` keeps it in
+    host memory, page-locked when ``pin_memory`` and CUDA is available. Only the module being built
+    exists in full at any time, so peak memory is about one module's parameters, not the model's.
 
     Code that changes a module's weights after it was partitioned (HF's ``post_init()``,
     ``self.apply(init_fn)`` at the end of the root ``__init__``, ``nn.init.*`` on a child's weight)
@@ -119,19 +124,31 @@ class Init:
         enabled: False makes this a no-op (same code for every stage).
         process_group: data-parallel group (default: the whole world, initialised from torchrun's
             environment if needed).
+        remote_device: where each shard lives once built: None or ``"none"`` (the config's
+            ``offload_param.device``), ``"cpu"`` or ``"nvme"`` (needs the config's
+            ``offload_param.nvme_path``); see :func:`resolve_remote_device`.
+        pin_memory: page-lock host shards (``"cpu"``) and swap buffers (``"nvme"``) where CUDA is
+            available; None takes the config's ``offload_param.pin_memory``.
 
     Raises:
-        ConfigError: invalid config, or a stage other than 3 with ``enabled=True``.
+        ConfigError: invalid config, a stage other than 3 with ``enabled=True``, or a ``remote_device``
+            that disagrees with the config's ``offload_param.device`` or lacks its ``nvme_path``.
+        ValueError: ``remote_device`` is none of None, "none", "cpu", "nvme".
+        DeviceError: (on enter) a remote device with the engine's device on a GPU (parameter offload
+            on a GPU is not implemented yet).
     """
 
     def __init__(self, config: object = None, enabled: bool = True,
-                 process_group: Optional[dist.ProcessGroup] = None) -> None:
+                 process_group: Optional[dist.ProcessGroup] = None, remote_device: Optional[str] = None,
+                 pin_memory: Optional[bool] = None) -> None:
         self.config = load_config(config)  # type: ignore[arg-type]
         self.enabled = enabled
         if enabled and self.config.zero_optimization.stage != 3:
             raise ConfigError("zerodp.zero.Init partitions parameters at construction, which needs "
                               f"zero_optimization.stage 3 (got stage {self.config.zero_optimization.stage}); "
                               "pass enabled=False for other stages")
+        #: where each shard goes as it is built (``offload_param`` with ``remote_device`` applied)
+        self.remote = resolve_remote_device(self.config.zero_optimization.offload_param, remote_device, pin_memory)
         self.pg = process_group
         #: where each shard is allocated: the engine's device (config key ``device``), set on enter
         self.device = torch.device("cpu")
@@ -157,8 +174,12 @@ class Init:
 
         comm.init_distributed()
         self.device = resolve_device(self.config.device, self.pg)  # each shard is allocated there
+        po = self.remote
+        if po.enabled and self.device.type != "cpu":
+            raise DeviceError(f"zero.Init(remote_device={po.device!r}): the engine's device is {self.device}, and "
+                              "parameter offload on a GPU is not implemented yet; set the config key device to "
+                              "'cpu' or build without a remote device")
         pin_mmap_threshold()  # each module's full values are freed once partitioned: return them
-        po = self.config.zero_optimization.offload_param
         if po.device == "nvme" and self.swapper is None:
             self.swapper = ParamSwapper(po, self.config.aio, dist.get_rank(self.pg), self.pg)
             self.swapper.open()
@@ -257,7 +278,8 @@ class Init:
             cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
             if p.device != self.device or cast != p.dtype:
                 p.data = p.data.to(self.device, cast)
-        unit = shard_unit(name, named, 0, [-1] * len(named), rank, world, sync=sync)
+        pin = self.remote.device == "cpu" and self.remote.pin_memory and torch.cuda.is_available()
+        unit = shard_unit(name, named, 0, [-1] * len(named), rank, world, sync=sync, pin_memory=pin)
         if built.is_floating_point and built != unit.shard.dtype:
             self._touch.built_dtype[id(unit)] = built  # touched later: gathered in this dtype
         if self.swapper is not None:  # offload_param nvme: straight to the swap file
@@ -272,6 +294,39 @@ class Init:
         """Called once per unit Init builds (subclasses add attributes to its parameters)."""
 
 
+#: the values of ``zero.Init(remote_device=...)`` (None: the config's ``offload_param.device``)
+REMOTE_DEVICES = ("none", "cpu", "nvme")
+
+
+def resolve_remote_device(po: OffloadParamConfig, remote_device: Optional[str],
+                          pin_memory: Optional[bool]) -> OffloadParamConfig:
+    """The ``offload_param`` section :class:`Init` builds with: the config's, with ``remote_device``
+    (None or "none": the config's device, as DeepSpeed reads an unset one) and ``pin_memory`` (None:
+    the config's) applied. A ``str`` enum (DeepSpeed's ``OffloadDeviceEnum``) is read by its value.
+
+    Raises:
+        ValueError: ``remote_device`` is not one of :data:`REMOTE_DEVICES` or None (names them).
+        ConfigError: ``remote_device`` "cpu"/"nvme" while the config's ``offload_param.device`` is the
+            other one (the engine would keep the shards elsewhere), or "nvme" without
+            ``offload_param.nvme_path`` in the config.
+    """
+    remote = getattr(remote_device, "value", remote_device)
+    if remote is not None and remote not in REMOTE_DEVICES:
+        raise ValueError(f"zero.Init(remote_device={remote_device!r}): allowed values are None, "
+                         f"{', '.join(repr(d) for d in REMOTE_DEVICES)}")
+    if pin_memory is not None and not isinstance(pin_memory, bool):
+        raise ValueError(f"zero.Init(pin_memory={pin_memory!r}): must be True, False or None")
+    device = po.device if remote in (None, "none") else remote
+    if device != po.device and po.device != "none":
+        raise ConfigError(f"zero.Init(remote_device={remote!r}) disagrees with the config's "
+                          f"zero_optimization.offload_param.device {po.device!r}; give one of them, or the same")
+    if device == "nvme" and not po.nvme_path:
+        raise ConfigError("zero.Init(remote_device='nvme') needs zero_optimization.offload_param.nvme_path in the "
+                          "config (the directory of the parameter swap file)")
+    return po.model_copy(update={"device": device,
+                                 "pin_memory": po.pin_memory if pin_memory is None else pin_memory})
+
+
 def _constructing(module: nn.Module) -> bool:
     """Whether an ``__init__`` of ``module`` is on the call stack (its construction is not over)."""
     frame = sys._getframe(1)
@@ -282,6 +337,6 @@ def _constructing(module: nn.Module) -> bool:
     return False
 
 
-__all__ = ["GatheredParameters", "Init", "TiledLinear", "register_external_parameter", "full_numel", "is_partitioned",
+__all__ = ["GatheredParameters", "Init", "REMOTE_DEVICES", "resolve_remote_device", "TiledLinear", "register_external_parameter", "full_numel", "is_partitioned",
            "safe_get_full_grad", "safe_get_full_fp32_param", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "synced_generate"]

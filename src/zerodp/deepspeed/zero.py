@@ -3,9 +3,10 @@
 :class:`Init` takes DeepSpeed's keywords (``config_dict_or_path``, ``remote_device``, ``pin_memory``,
 ``dtype``, ``enabled``, ``mpu``, ``data_parallel_group``...); a bare ``Init()`` partitions, as
 DeepSpeed does (stage 3 implied). Partitioned parameters carry ``ds_shape`` and ``ds_numel``.
-Keywords asking for something zerodp does not do (offload to CPU/NVMe, pinned memory, model
-parallelism, quantized weights, partitioning an already-built module) raise ``NotImplementedError``
-naming the keyword.
+``remote_device="cpu"|"nvme"`` and ``pin_memory`` send each shard to host memory or the parameter
+swap file as it is built (see :class:`zerodp.zero.Init`). Keywords asking for something zerodp does
+not do (model parallelism, quantized weights, partitioning an already-built module) raise
+``NotImplementedError`` naming the keyword.
 """
 
 from __future__ import annotations
@@ -37,13 +38,18 @@ class Init(_zero.Init):
         data_parallel_group: the process group (default: the world).
         dtype: the dtype parameters are partitioned in; must agree with the config's fp16/bf16 (None:
             taken from the config).
-        remote_device: None or ``"none"``; ``"cpu"``/``"nvme"`` (offload) refused.
-        pin_memory: False (True refused). mem_efficient_linear: accepted (no effect on results).
+        remote_device: None or ``"none"`` (the config's ``offload_param.device``), ``"cpu"`` or
+            ``"nvme"`` (each shard to host memory or the swap file as it is built; see
+            :func:`zerodp.zero.resolve_remote_device`).
+        pin_memory: True page-locks the host shards / swap buffers where CUDA is available; False
+            (DeepSpeed's default) takes the config's ``offload_param.pin_memory``.
+        mem_efficient_linear: accepted (no effect on results).
 
     Raises:
-        NotImplementedError: ``module``, ``mpu``, ``remote_device`` "cpu"/"nvme", ``pin_memory=True``,
-            quantized weights or another unsupported keyword.
-        ConfigError: a stage other than 3, or ``dtype`` disagreeing with the config.
+        NotImplementedError: ``module``, ``mpu``, quantized weights or another unsupported keyword.
+        ValueError: ``remote_device`` is not None, "none", "cpu" or "nvme".
+        ConfigError: a stage other than 3, ``dtype`` disagreeing with the config, or ``remote_device``
+            disagreeing with the config's ``offload_param`` (or "nvme" without its ``nvme_path``).
     """
 
     def __init__(self, module: Optional[nn.Module] = None, data_parallel_group: Any = None,
@@ -54,8 +60,7 @@ class Init(_zero.Init):
                  zero_quantized_nontrainable_weights: bool = False, sequence_data_parallel_group: Any = None,
                  param_swapper: Any = None) -> None:
         refused = {"module": module is not None, "mpu": mpu is not None,
-                   "remote_device": remote_device not in (None, "none"),
-                   "pin_memory": bool(pin_memory), "zero_param_parallel_group": zero_param_parallel_group is not None,
+                   "zero_param_parallel_group": zero_param_parallel_group is not None,
                    "zero_quantized_weights": bool(zero_quantized_weights),
                    "zero_quantized_nontrainable_weights": bool(zero_quantized_nontrainable_weights),
                    "sequence_data_parallel_group": sequence_data_parallel_group is not None,
@@ -63,7 +68,7 @@ class Init(_zero.Init):
         bad = [k for k, v in refused.items() if v]
         if bad:
             raise NotImplementedError(f"zerodp.deepspeed.zero.Init({bad[0]}=...) is not implemented in zerodp "
-                                      "(no offload, model parallelism or quantization)")
+                                      "(no model parallelism or quantization)")
         if config_dict_or_path is not None and config is not None:
             raise ValueError("zero.Init: give config_dict_or_path or config, not both")
         # "auto" values take their defaults, as DeepSpeed's zero.Init reads them (the HF Trainer fills
@@ -79,7 +84,8 @@ class Init(_zero.Init):
         if dtype is not None and dtype != (implied or torch.float32):
             raise ConfigError(f"zero.Init(dtype={dtype}) disagrees with the config's precision "
                               f"({implied or 'fp32'}); zerodp partitions in the config's dtype")
-        super().__init__(config=cfg, enabled=enabled, process_group=data_parallel_group)
+        super().__init__(config=cfg, enabled=enabled, process_group=data_parallel_group,
+                         remote_device=remote_device, pin_memory=None if pin_memory is False else pin_memory)
 
     def _partitioned(self, unit: ShardedUnit) -> None:
         for s in unit.slots:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from zerodp.config import ConfigError, ZeroConfig
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
+from zerodp.offload.delayed import DelayedHostOffload
 from zerodp.offload.host import HostOptimizerOffload
 from zerodp.offload.nvme import NvmeOptimizerOffload
 from zerodp.runtime.partition import FlatGroup, Piece
@@ -58,7 +59,9 @@ def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int,
                   process_group: Optional[dist.ProcessGroup], groups: list[FlatGroup]) -> Optional[OptimizerOffload]:
     """None for ``device: none``; else the host or NVMe offload (not yet attached).
 
-    ``device: cpu`` when every parameter of ``groups`` is on the CPU also gives None: the optimizer
+    ``delayed_update`` gives :class:`zerodp.offload.delayed.DelayedHostOffload` on any device (its
+    update runs beside the next forward even when training runs on the CPU). Else ``device: cpu`` when
+    every parameter of ``groups`` is on the CPU also gives None: the optimizer
     states are in host memory already, so offloading them to the host would move nothing and only
     add a second fp32 copy of the partition and of its gradient; the engine runs as without offload,
     and rank 0 warns once (unless :data:`HOST_PIPELINE_ON_CPU_ENV` is "1").
@@ -74,6 +77,8 @@ def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int,
     if stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer needs zero_optimization.stage 1, 2 or 3 "
                          "(it offloads this rank's partition of the optimizer states); got stage 0")
+    if cfg.device == "cpu" and cfg.delayed_update:  # host memory, the update one step late
+        return DelayedHostOffload(cfg.pin_memory, cfg.cpu_adam)
     if cfg.device == "cpu":
         on_cpu = all(g.buffer.device.type == "cpu" for g in groups)
         if on_cpu and os.environ.get(HOST_PIPELINE_ON_CPU_ENV) != "1":

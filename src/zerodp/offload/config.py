@@ -62,7 +62,8 @@ class OffloadOptimizerConfig(_OffloadTarget):
       asynchronous direct I/O through ``buffer_count`` aligned buffers, sub-group by sub-group.
 
     ``cpu_adam`` (zerodp's own key) chooses the Adam/AdamW kernel of the CPU step
-    (:mod:`zerodp.offload.cpu_adam`): ``"fused"`` (default) or ``"same"``.
+    (:mod:`zerodp.offload.cpu_adam`): ``"fused"`` (default) or ``"same"``. ``delayed_update`` (zerodp's
+    own key, ``cpu`` only) applies each step's update one step late (:mod:`zerodp.offload.delayed`).
     """
 
     pin_memory: bool = Field(False, description="page-lock the host buffers (only with CUDA present)")
@@ -78,9 +79,21 @@ class OffloadOptimizerConfig(_OffloadTarget):
                                                   "updated; the other sub-groups are updated during the "
                                                   "next forward, each before its parameters' first use "
                                                   "(same values; see zerodp.offload.step_pipeline)")
+    delayed_update: bool = Field(False, description="cpu (zerodp's own key): step t's CPU update runs during step "
+                                                    "t+1's forward and backward and reaches the module at step "
+                                                    "t+1, so every forward sees the parameters one update behind "
+                                                    "(ZeRO-Offload section 4.3; see zerodp.offload.delayed)")
     host_buffer_bytes: int = Field(256 * 2**20, ge=0, description="nvme (zerodp's own key): host bytes of the "
                                                                  "swapper's buffers when sub_group_size is not "
                                                                  "set (see zerodp.offload.sizing)")
+
+    @model_validator(mode="after")
+    def _delayed_needs_cpu(self) -> "OffloadOptimizerConfig":
+        if self.delayed_update and self.device != "cpu":
+            raise ValueError(f"delayed_update needs offload_optimizer.device 'cpu' (the update runs on the host "
+                             f"while the next forward runs); got device {self.device!r}. Set device 'cpu' or "
+                             "delayed_update false")
+        return self
 
     @field_validator("host_buffer_bytes", mode="before")
     @classmethod

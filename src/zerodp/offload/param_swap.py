@@ -521,14 +521,23 @@ class ParamOffload:
 
 def build_param_offload(cfg: OffloadParamConfig, aio: AioConfig, sharding: Optional[Stage3], rank: int,
                         process_group: Optional[dist.ProcessGroup]) -> Optional[ParamOffload]:
-    """None for ``offload_param.device: none``; else the engine's parameter offload, attached to the
-    stage-3 units (their shards sent home) and wired to the coordinator's read-ahead hook.
+    """None for ``offload_param.device: none`` (shards ``zero.Init`` wrote to its swap file are read
+    back into memory first); else the engine's parameter offload, attached to the stage-3 units (their
+    shards sent home) and wired to the coordinator's read-ahead hook.
 
     Raises:
         ValueError: offload asked for without stage 3 (the config schema refuses that first).
         OffloadError: the NVMe path is unusable (on every rank).
     """
     if not cfg.enabled:
+        built = {}
+        for u in sharding.units if sharding is not None else ():  # built by zero.Init(remote_device="nvme")
+            if isinstance(u.home, SwappedShard):
+                home, u.home = u.home, None
+                built[id(home.swapper)] = home.swapper
+                home.swapper.forget(home)  # read into memory for good: this engine does not offload
+        for swapper in built.values():
+            swapper.close()
         return None
     if sharding is None:
         raise ValueError("zero_optimization.offload_param needs zero_optimization.stage 3")

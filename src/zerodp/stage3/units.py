@@ -426,9 +426,10 @@ def _issuing(stream: Optional[SideStream]):
 def shard_unit(
     name: str, named: list[tuple[str, nn.Parameter]], first_index: int, group_indices: list[int],
     rank: int, world_size: int, persistent: bool = False,
-    sync: Optional[Callable[[torch.Tensor], None]] = None,
+    sync: Optional[Callable[[torch.Tensor], None]] = None, pin_memory: bool = False,
 ) -> ShardedUnit:
     """Lay out ``named`` (full, identical on every rank) as one unit and keep only shard ``rank``.
+    ``pin_memory``: allocate the shard page-locked (host parameters only; the caller checks CUDA).
 
     The parameters' ``.data`` become views of the unit's full buffer, released (no storage) unless the
     unit is persistent (kept gathered). Element i of the unit lives on rank ``i // (numel / world_size)``.
@@ -448,7 +449,8 @@ def shard_unit(
     if sync is not None:
         sync(full)  # e.g. broadcast from rank 0 so every rank shards the same values
     shard_numel = padded // world_size
-    shard = full[rank * shard_numel : (rank + 1) * shard_numel].clone()
+    shard = torch.empty(shard_numel, dtype=full.dtype, device=full.device, pin_memory=pin_memory)
+    shard.copy_(full[rank * shard_numel : (rank + 1) * shard_numel])
     group = FlatGroup(0, shard, [bucket], slots, shard_offset=rank * shard_numel)
     unit = ShardedUnit(name, group, rank, world_size, persistent=persistent)
     unit.full = full
