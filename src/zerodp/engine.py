@@ -34,7 +34,7 @@ from zerodp.runtime.module_state import (GatheredCopy, LoadResult, guard_module_
 from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
 from zerodp.runtime.precision import LossScaler, PrecisionPolicy, cast_module
 from zerodp.runtime.schedulers import build_scheduler
-from zerodp.offload.build import OptimizerOffload, build_offload, no_offload
+from zerodp.offload.build import OptimizerOffload, build_offload
 from zerodp.offload.report import OffloadReport
 from zerodp.offload.param_swap import ParamOffload, build_param_offload
 from zerodp.runtime.guards import TrainingGuards, refuse_add_param_group
@@ -94,18 +94,16 @@ class Engine:
         in_groups = {id(s.param) for g in self.groups for s in g.slots}
         self.frozen = [p for p in _unique_params(module) if id(p) not in in_groups]
         self._broadcast_from_rank0()
-        self.optimizer_offload: Optional[OptimizerOffload] = build_offload(
-            zc, config.aio, self.stage, self.rank, process_group, self.groups)
-        for g in self.groups:  # pieces are views of the shards; masters are copies (an offload makes its own)
+        # the optimizer update, chosen once: in place (NoOffload), or the host / NVMe offload
+        self.optimizer_offload: OptimizerOffload = build_offload(
+            zc, config.aio, self.stage, self.rank, process_group, self.groups, self.precision.has_master)
+        for g in self.groups:  # pieces are views of the shards; masters are copies made by the offload's attach
             with self.shards_resident([g]):
                 assign_pieces(g, self.rank, owns_everything=self.stage == 0)
-                for piece in g.pieces if self.precision.has_master and self.optimizer_offload is None else ():
-                    piece.master = piece.tensor.detach().float().clone()
-        if self.optimizer_offload is not None:
-            if self.param_offload is not None:  # NVMe: attach and step make shards resident per sub-group
-                self.optimizer_offload.set_shard_access(self.param_offload)
-            with self.shards_resident() if self.optimizer_offload.shard_access is None else contextlib.nullcontext():
-                self.optimizer_offload.attach(self.groups)
+        if self.param_offload is not None:  # NVMe: attach and step make shards resident per sub-group
+            self.optimizer_offload.set_shard_access(self.param_offload)
+        with self.shards_resident() if self.optimizer_offload.shard_access is None else contextlib.nullcontext():
+            self.optimizer_offload.attach(self.groups)
         self._register_master_refresh()
         if self.stage == 3 or self.precision.has_master:
             why = ("stage 3 keeps each parameter as a shard; outside forward the module's parameters hold no values"
@@ -174,7 +172,7 @@ class Engine:
         by_param: dict[int, list] = {}
         for g in self.groups:
             for piece in g.pieces:
-                if piece.master is not None or self.optimizer_offload is not None:
+                if self.optimizer_offload.holds_master(piece):
                     by_param.setdefault(id(piece.slot.param), []).append(piece)
         for g in self.groups:
             for s in g.slots:
@@ -185,13 +183,7 @@ class Engine:
 
     def _refresh_master(self, piece: Any, group: FlatGroup) -> None:
         with self.shards_resident([group]):
-            self._copy_to_master(piece)
-
-    def _copy_to_master(self, piece: Any) -> None:
-        if self.optimizer_offload is not None:
             self.optimizer_offload.refresh_master(piece)
-        else:
-            piece.master.copy_(piece.tensor)
 
     def _broadcast_from_rank0(self) -> None:
         """Make every rank start from rank 0's parameters and buffers, as DDP does."""
@@ -210,7 +202,7 @@ class Engine:
         """Context of one collective engine call: every rank agrees on it first (see
         :mod:`zerodp.runtime.collective_guard`); raises CollectiveError subclasses otherwise. Any
         call but forward first finishes an optimizer step still updating (``overlap_step``)."""
-        if name != "forward" and self.optimizer_offload is not None:
+        if name != "forward":
             self.optimizer_offload.settle()
         return self.collective_guard.call(name, self.global_steps, self.micro_steps)
 
@@ -254,8 +246,7 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss) needs a scalar tensor that requires grad, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
-        if self.optimizer_offload is not None:
-            self.optimizer_offload.settle()  # the reduced gradients of the last step are in use until then
+        self.optimizer_offload.settle()  # the reduced gradients of the last step are in use until then
         self.grad_placeholders.remove()  # autograd accumulates into .grad (zerodp.runtime.grad_placeholder)
         self.training_guards.before_backward()
         if scale_wrt_gas and self.gradient_accumulation_steps > 1:
@@ -271,10 +262,11 @@ class Engine:
             if tags is not None:
                 tags.begin(self.global_steps, self.micro_steps)
             try:
-                if self.optimizer_offload is not None:  # the boundary's reduced gradients stream to the host per bucket
-                    if boundary:
-                        self.optimizer_offload.begin_grads()
-                    self.reducer.on_reduced = self._stream_bucket if boundary else None
+                if boundary:
+                    self.optimizer_offload.begin_grads()
+                # an offload's copies of the boundary's reduced gradients start per bucket
+                streams = boundary and self.optimizer_offload.streams_grads
+                self.reducer.on_reduced = self._stream_bucket if streams else None
                 self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
                 # the ranks reach different parameters: reduce every bucket at the end, in one order
                 self.reducer.defer_once = self.collective_guard.aux_differs
@@ -306,19 +298,17 @@ class Engine:
             with self.collective_call("step"):
                 if self.param_offload is not None:
                     self.param_offload.check_health()  # collective: a lost swap file stops every rank
-                whole = self.optimizer_offload is None or self.optimizer_offload.shard_access is None
+                whole = self.optimizer_offload.shard_access is None
                 with self.shards_resident(write=True) if whole else contextlib.nullcontext():
                     self._optimizer_step()
 
     def _optimizer_step(self) -> None:
-        if self.optimizer_offload is not None:
-            self.optimizer_offload.check_health()  # collective: a lost swap file stops every rank here
+        self.optimizer_offload.check_health()  # collective: a lost swap file stops every rank here
         self.training_guards.before_update()
         local_overflow = self.loss_scaler is not None and self._has_inf_or_nan()
         present, overflow = self.reducer.presence(local_overflow)
         if overflow:  # every rank skips: parameters and optimizer states stay exactly as they were
-            if self.optimizer_offload is not None:
-                self.optimizer_offload.skipped_step()  # edits still reach the masters (NVMe folds them at the step)
+            self.optimizer_offload.skipped_step()  # edits still reach the masters (NVMe folds them at the step)
             self.reducer.zero_grads()
             self.loss_scaler.update(overflow=True)
             self.skipped_steps += 1
@@ -328,53 +318,29 @@ class Engine:
         present = present.tolist()  # one conversion, not one tensor index per piece
         for g in self.groups:
             for piece in g.pieces:
-                target = piece.opt_tensor
-                if present[piece.slot.index] and self.optimizer_offload is not None:
+                if present[piece.slot.index]:
                     self.optimizer_offload.stage_grad(piece, self.reducer.piece_grad(g, piece.lo, piece.hi))
-                elif present[piece.slot.index]:
-                    grad = self.reducer.piece_grad(g, piece.lo, piece.hi)
-                    target.grad = grad if grad.dtype == target.dtype else grad.to(target.dtype)
-                else:
-                    target.grad = None
         if self.loss_scaler is not None:
             self._scale_grads(1.0 / self.loss_scaler.scale)
         self._global_grad_norm = grad_norm.clip_at_step(self, self.config.gradient_clipping, self._scale_grads)
-        if self.optimizer_offload is not None:
-            self.optimizer_offload.step(self.optimizer)
-            self.optimizer_offload.finish_step()  # the module's parameters now hold the update
-        else:
-            self.optimizer.step()
+        self.optimizer_offload.step(self.optimizer)
+        self.optimizer_offload.finish_step()  # the module's parameters now hold the update
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        for g in self.groups:
-            for piece in g.pieces:
-                if self.optimizer_offload is not None:
-                    break
-                piece.opt_tensor.grad = None
-                if piece.master is not None:
-                    piece.tensor.copy_(piece.master)  # cast the update back to the module dtype
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         if self.sharding is not None:
             self.sharding.after_step()
         elif self.stage >= 1:
             self._all_gather_params()
-        if self.optimizer_offload is not None:  # its loop may still read them (overlap_step)
-            self.optimizer_offload.when_updated(self.reducer.zero_grads)
-        else:
-            self.reducer.zero_grads()
+        self.optimizer_offload.when_updated(self.reducer.zero_grads)  # its loop may still read them (overlap_step)
         self.training_guards.after_update()
         self.global_steps += 1
         self.ledger.steps += 1
 
     def _scale_grads(self, factor: float) -> None:
         """Multiply the owned gradients by ``factor`` in place (an offload may defer it, bitwise alike)."""
-        if self.optimizer_offload is not None:
-            return self.optimizer_offload.scale_grads(factor)
-        for g in self.groups:
-            for p in g.pieces:
-                if p.opt_tensor.grad is not None:
-                    p.opt_tensor.grad.mul_(factor)
+        self.optimizer_offload.scale_grads(factor)
 
     def _has_inf_or_nan(self) -> bool:
         """Any inf/nan in the reduced gradients this rank owns (before the cross-rank check)."""
@@ -463,10 +429,7 @@ class Engine:
             "comm_buffers": held["comm_buffers"],
         }
         formula = model_state_bytes(self.stage, self.numel, self.world_size, self._bytes_per_element())
-        if self.optimizer_offload is not None:  # fp32 masters always; with NVMe, masters and moments not in memory
-            nvme = self.optimizer_offload.device == "nvme"
-            formula["master_weights"] = 0.0 if nvme else 4 * self.numel / self.world_size
-            formula["optimizer_states"] = 0.0 if nvme else formula["optimizer_states"]
+        self.optimizer_offload.adjust_formula(formula, self.numel / self.world_size)
         if self.param_offload is not None and self.param_offload.device == "nvme":
             formula["parameters"] = 0.0  # shards on NVMe between uses (persistent ones stay: measured)
         formula["parameters"] += frozen_bytes
@@ -488,7 +451,7 @@ class Engine:
 
     def offload_report(self) -> Optional[OffloadReport]:
         """Host and NVMe bytes of this rank's offloaded optimizer partition (None without offload)."""
-        if self.optimizer_offload is None:
+        if self.optimizer_offload.device == "none":
             return None
         owned = sum(p.hi - p.lo for g in self.groups for p in g.pieces)
         host = self.optimizer_offload.host_bytes(self.optimizer)
@@ -563,8 +526,7 @@ class Engine:
     def _states_resident(self, write: bool = False) -> Iterator[None]:
         """Offloaded masters, optimizer states and parameter shards as ordinary tensors for the duration
         of a block (``write``: the block may change the shards)."""
-        with (self.optimizer_offload.resident(self.optimizer) if self.optimizer_offload is not None else no_offload()), \
-                self.shards_resident(write=write):
+        with self.optimizer_offload.resident(self.optimizer), self.shards_resident(write=write):
             yield
 
     def shards_resident(self, groups: Optional[Sequence[FlatGroup]] = None, write: bool = False) -> ContextManager:
@@ -573,14 +535,12 @@ class Engine:
         :mod:`zerodp.offload.param_swap`); otherwise a no-op."""
         if self.param_offload is None:
             return contextlib.nullcontext()
-        if self.optimizer_offload is not None:
-            self.optimizer_offload.settle()  # an optimizer step still updating shards (overlap_step) ends first
+        self.optimizer_offload.settle()  # an optimizer step still updating shards (overlap_step) ends first
         return self.param_offload.resident(groups, write)
 
     def close(self) -> None:
         """Release offload resources now (swap files, I/O threads); also done at interpreter exit."""
-        if self.optimizer_offload is not None:
-            self.optimizer_offload.close()
+        self.optimizer_offload.close()
         if self.param_offload is not None:
             self.param_offload.close()
 
