@@ -41,6 +41,7 @@ from zerodp.runtime.guards import TrainingGuards, refuse_add_param_group
 from zerodp.runtime.grad_placeholder import GradPlaceholders
 from zerodp import accessors
 from zerodp.runtime.topology import Topology
+from zerodp.runtime.training_state import TrainingPhase, TrainingState
 from zerodp.stage3.sharded_param import is_sharded
 from zerodp.stage3.sharding import Stage3
 from zerodp.stage3.ownership import register_master_refresh
@@ -75,7 +76,7 @@ class Engine:
         self.grad_clip = grad_norm.ClipState()  # what engine.clip_grad_norm_ left for the step
         self.precision = PrecisionPolicy.from_config(config)
         self.loss_scaler: Optional[LossScaler] = LossScaler.from_config(config)
-        self.grads_ready = False  # reduced gradients of a complete accumulation exist (until step())
+        self.phase = TrainingPhase()  # IDLE, BACKWARD, GRADS_READY (until step()), STEP
         self.skipped_steps = 0  # optimizer steps skipped because some rank's gradients overflowed
         if self.precision.has_master:
             cast_module(module, self.precision.param_dtype, partitioned=is_sharded)  # parameters and buffers
@@ -227,6 +228,11 @@ class Engine:
         self.module.eval()
         return self
 
+    @property
+    def grads_ready(self) -> bool:
+        """The boundary micro-step's backward has reduced the gradients of the accumulation (until step())."""
+        return self.phase.grads_ready
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next :meth:`step` will run the optimizer."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -246,6 +252,12 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss) needs a scalar tensor that requires grad, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+        boundary = self.is_gradient_accumulation_boundary()
+        after = TrainingState.GRADS_READY if boundary else TrainingState.IDLE
+        with self.phase.during(TrainingState.BACKWARD, "engine.backward", then=after):
+            self._backward(loss, boundary, retain_graph, scale_wrt_gas)
+
+    def _backward(self, loss: torch.Tensor, boundary: bool, retain_graph: bool, scale_wrt_gas: bool) -> None:
         self.optimizer_offload.settle()  # the reduced gradients of the last step are in use until then
         self.grad_placeholders.remove()  # autograd accumulates into .grad (zerodp.runtime.grad_placeholder)
         self.training_guards.before_backward()
@@ -253,7 +265,6 @@ class Engine:
             loss = loss / self.gradient_accumulation_steps
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
-        boundary = self.is_gradient_accumulation_boundary()
         # what this backward will gather and reduce, agreed with the other ranks before it starts
         plan = self.output_roots.plan(loss, walk=self.world_size > 1)
         with self.collective_guard.call("backward", self.global_steps, self.micro_steps, plan.fetch_digest(),
@@ -277,7 +288,6 @@ class Engine:
             finally:
                 if tags is not None:
                     tags.end()
-            self.grads_ready = boundary
             self.grad_placeholders.install(boundary)
             if self.sharding is not None:
                 self.sharding.end_backward()
@@ -291,16 +301,21 @@ class Engine:
     def step(self) -> None:
         """End a micro-step; at a gradient accumulation boundary, update the parameters."""
         boundary = self.is_gradient_accumulation_boundary()
-        self.grad_placeholders.remove()
-        self.micro_steps += 1
-        self.grads_ready = False
-        if boundary:
-            with self.collective_call("step"):
-                if self.param_offload is not None:
-                    self.param_offload.check_health()  # collective: a lost swap file stops every rank
-                whole = self.optimizer_offload.shard_access is None
-                with self.shards_resident(write=True) if whole else contextlib.nullcontext():
-                    self._optimizer_step()
+        # the reduced gradients are consumed (or, off the boundary, the accumulation goes on)
+        with self.phase.during(TrainingState.STEP, "engine.step", then=TrainingState.IDLE,
+                               on_error=TrainingState.IDLE):
+            self.grad_placeholders.remove()
+            self.micro_steps += 1
+            if boundary:
+                self._boundary_step()
+
+    def _boundary_step(self) -> None:
+        with self.collective_call("step"):
+            if self.param_offload is not None:
+                self.param_offload.check_health()  # collective: a lost swap file stops every rank
+            whole = self.optimizer_offload.shard_access is None
+            with self.shards_resident(write=True) if whole else contextlib.nullcontext():
+                self._optimizer_step()
 
     def _optimizer_step(self) -> None:
         self.optimizer_offload.check_health()  # collective: a lost swap file stops every rank here
