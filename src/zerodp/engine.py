@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Any, ContextManager, Iterator, Mapping, Optional, Sequence
+from typing import Any, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,17 +25,18 @@ from zerodp.runtime import comm, grad_norm
 from zerodp.runtime.backward_agreement import BackwardAgreement, build_backward_agreement
 from zerodp.runtime.backward_roots import OutputRoots
 from zerodp.runtime.collective_guard import CollectiveGuard
-from zerodp.runtime.accounting import CATEGORIES, BytesPerElement, CommReport, MemoryReport, model_state_bytes
+from zerodp.runtime import accounting
+from zerodp.runtime.accounting import CATEGORIES, CommReport, MemoryReport
 from zerodp.runtime.comm import CommLedger
 from zerodp.config import ConfigError, ZeroDPConfig
 from zerodp.runtime.optim import ParamGroupSpec, build_optimizer
-from zerodp.runtime.module_state import (GatheredCopy, LoadResult, guard_module_load_state_dict,
-                                         load_module_state)
+from zerodp.runtime.module_state import guard_module_load_state_dict
+from zerodp.checkpoint.engine_methods import CheckpointMethods
 from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
 from zerodp.runtime.precision import LossScaler, PrecisionPolicy, cast_module
 from zerodp.runtime.schedulers import build_scheduler
 from zerodp.offload.build import OptimizerOffload, build_offload
-from zerodp.offload.report import OffloadReport
+from zerodp.offload.report import OffloadReport, offload_report
 from zerodp.offload.param_swap import ParamOffload, build_param_offload
 from zerodp.runtime.guards import TrainingGuards, refuse_add_param_group
 from zerodp.runtime.grad_placeholder import GradPlaceholders
@@ -49,7 +50,7 @@ from zerodp.runtime.wrapped import WRAPPED
 from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer, PartitionedGradReducer
 
 
-class Engine:
+class Engine(CheckpointMethods):
     """Wraps ``module`` for ZeRO data-parallel training. Build it with :func:`zerodp.initialize`.
 
     Every method that issues collectives (forward at stage 3, backward, step at a boundary, the
@@ -415,134 +416,27 @@ class Engine:
         for _, work in in_flight:
             work.wait()
 
-    # ---- reports -----------------------------------------------------------------------------------
+    # ---- reports (zerodp.runtime.accounting, zerodp.offload.report) -------------------------------
     @property
     def numel(self) -> int:
         """Psi: trainable elements, without padding."""
-        return sum(s.numel for g in self.groups for s in g.slots if s.group_index >= 0 and s.param.requires_grad)
-
-    def _bytes_per_element(self) -> BytesPerElement:
-        return self.precision.bytes_per_element
+        return accounting.trainable_numel(self.groups)
 
     def memory_report(self) -> MemoryReport:
         """Bytes of model state held by this rank, measured from the engine's tensors, beside the
-        paper's formula for this stage (see :mod:`zerodp.runtime.accounting`)."""
-        frozen_bytes = sum(p.numel() * p.element_size() for p in self.frozen)
-        held = self.reducer.held_bytes()
-        measured = {
-            # stage 3: shards, from their live storage (0 bytes while offload_param has one swapped out)
-            "parameters": sum(g.buffer.untyped_storage().nbytes() if self.stage == 3 else _nbytes(g.buffer)
-                              for g in self.groups) + frozen_bytes,
-            "gradients": held["gradients"],
-            "optimizer_states": sum(
-                _nbytes(t) for st in self.optimizer.state.values() for t in st.values()
-                if isinstance(t, torch.Tensor)
-            ),
-            # fp32 training: none, the optimizer updates views of the parameters
-            "master_weights": sum(_nbytes(p.master) for g in self.groups for p in g.pieces
-                                  if p.master is not None),
-            "comm_buffers": held["comm_buffers"],
-        }
-        formula = model_state_bytes(self.stage, self.numel, self.world_size, self._bytes_per_element())
-        self.optimizer_offload.adjust_formula(formula, self.numel / self.world_size)
-        if self.param_offload is not None and self.param_offload.device == "nvme":
-            formula["parameters"] = 0.0  # shards on NVMe between uses (persistent ones stay: measured)
-        formula["parameters"] += frozen_bytes
-        peak = {"gradients+buffers": self.reducer.peak_grad_bytes}
-        if self.sharding is not None:
-            held3 = self.sharding.held_bytes()
-            measured["parameters"] += held3["gathered"]
-            # read from the live storages of the gathered buffers, not from the coordinator's counts
-            peak["gathered_parameters"] = self.sharding.coordinator.peak_gathered_bytes
-            # idle + lent slabs of the gather pool (see zerodp.stage3.pool), largest seen
-            peak["gather_pool"] = self.sharding.pool.peak_bytes
-        return MemoryReport(
-            stage=self.stage, rank=self.rank, world_size=self.world_size, numel=self.numel,
-            frozen_numel=sum(s.numel for g in self.groups for s in g.slots
-                             if not (s.group_index >= 0 and s.param.requires_grad))
-            + sum(p.numel() for p in self.frozen),
-            measured=measured, formula=formula, peak=peak,
-        )
+        paper's formula for this stage (see :func:`zerodp.runtime.accounting.memory_report`)."""
+        return accounting.memory_report(self)
 
     def offload_report(self) -> Optional[OffloadReport]:
         """Host and NVMe bytes of this rank's offloaded optimizer partition (None without offload)."""
-        if self.optimizer_offload.device == "none":
-            return None
-        owned = sum(p.hi - p.lo for g in self.groups for p in g.pieces)
-        host = self.optimizer_offload.host_bytes(self.optimizer)
-        return OffloadReport(self.optimizer_offload.device, self.rank, owned, host, self.optimizer_offload.nvme_bytes(),
-                             self.optimizer_offload.formula(self.numel / self.world_size, host))
+        return offload_report(self)
 
     def comm_report(self) -> CommReport:
         """Every collective since the last :meth:`reset_comm_report` (op, count, elements, bytes)."""
-        model = self.ledger.traffic_elements("gradients") + self.ledger.traffic_elements("parameters")
-        return CommReport(stage=self.stage, numel=self.numel, steps=self.ledger.steps,
-                          records=self.ledger.records(), traffic_elements=self.ledger.traffic_elements(),
-                          model_traffic_elements=model)
+        return accounting.comm_report(self.stage, self.numel, self.ledger)
 
     def reset_comm_report(self) -> None:
         self.ledger.reset()
-
-    # ---- checkpoints (zerodp.checkpoint) ---------------------------------------------------------------
-    def save_checkpoint(self, save_dir: Any, tag: Optional[str] = None, client_state: Optional[Mapping[str, Any]] = None,
-                        exclude_frozen_parameters: bool = False) -> Any:
-        """Collective: write a sharded checkpoint to ``save_dir/<tag>`` (default ``global_step{N}``) and
-        point ``save_dir/latest`` at it; returns that directory. ``exclude_frozen_parameters``: only trained
-        parameters and their optimizer states. See :func:`zerodp.checkpoint.save_checkpoint`."""
-        from zerodp import checkpoint
-
-        with self.collective_call("save_checkpoint"), self._states_resident():
-            return checkpoint.save_checkpoint(self, self._checkpoint_dir(save_dir), tag, client_state,
-                                              exclude_frozen_parameters)
-
-    def load_checkpoint(self, load_dir: Any, tag: Optional[str] = None) -> tuple[Any, Any]:
-        """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;
-        returns (checkpoint directory, client_state). See :func:`zerodp.checkpoint.load_checkpoint`."""
-        from zerodp import checkpoint
-
-        with self.collective_call("load_checkpoint"), self._states_resident(write=True):
-            return checkpoint.load_checkpoint(self, self._checkpoint_dir(load_dir), tag)
-
-    def _checkpoint_dir(self, d: Any) -> Any:
-        """``d``, or with model parallelism ``d/mp_rank_XX``: each model-parallel rank's DP group
-        saves and loads its own parameter shards (the same names hold different slices)."""
-        import os
-
-        return os.path.join(d, f"mp_rank_{self.topology.mp_rank:02d}") if self.topology.model_parallel else d
-
-    def load_module_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> LoadResult:
-        """Collective: load a full state dict (keys and shapes of ``module.state_dict()``, e.g. from
-        :meth:`module_state_dict` or a plain PyTorch model) into this rank's parameters or shards and
-        fp32 master weights, at any stage and precision; optimizer states are kept. Every rank must pass
-        the same values. See :func:`zerodp.runtime.module_state.load_module_state`.
-
-        Raises:
-            RuntimeError: missing/unexpected keys with ``strict``, a shape mismatch, or ranks passing
-                different values.
-        """
-        gathered = []
-        if self.sharding is not None:
-            gathered = [GatheredCopy(u.group, u.full) for u in self.sharding.units
-                        if u.full is not None and u.full.untyped_storage().nbytes() > 0]
-        with self._states_resident(write=True):  # NVMe offload: masters are placeholders between steps
-            return load_module_state(self.module, self.groups, self.frozen, gathered, state_dict, strict,
-                                     self.process_group, self.ledger)
-
-    def module_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full state dict keyed like ``module.state_dict()``, fresh copies, on every rank (a
-        collective): trained parameters in fp32 (the fp32 masters under bf16/fp16), frozen parameters
-        and buffers in the module's dtype."""
-        from zerodp import checkpoint
-
-        with self.collective_call("module_state_dict"), self._states_resident():
-            return checkpoint.module_state_dict(self)
-
-    @contextlib.contextmanager
-    def _states_resident(self, write: bool = False) -> Iterator[None]:
-        """Offloaded masters, optimizer states and parameter shards as ordinary tensors for the duration
-        of a block (``write``: the block may change the shards)."""
-        with self.optimizer_offload.resident(self.optimizer), self.shards_resident(write=write):
-            yield
 
     def shards_resident(self, groups: Optional[Sequence[FlatGroup]] = None, write: bool = False) -> ContextManager:
         """Stage 3 with ``offload_param``: this rank's shards (all, or those of ``groups``) hold their
@@ -558,10 +452,6 @@ class Engine:
         self.optimizer_offload.close()
         if self.param_offload is not None:
             self.param_offload.close()
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _unique_params(module: nn.Module) -> list[nn.Parameter]:
