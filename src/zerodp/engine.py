@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Any, ContextManager, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,47 +59,85 @@ class Engine(CheckpointMethods):
     when they are not all in the same call."""
 
     def __init__(
-        self, module: nn.Module, config: ZeroDPConfig,
-        param_groups: list[ParamGroupSpec], process_group: Optional[dist.ProcessGroup] = None,
+        self, module: nn.Module, config: ZeroDPConfig, param_groups: list[ParamGroupSpec],
+        process_group: Optional[dist.ProcessGroup] = None, *, topology: Optional[Topology] = None,
+        lr_scheduler: Optional[Callable[[torch.optim.Optimizer], LRScheduler]] = None,
+        device: Optional[torch.device] = None,
     ) -> None:
+        """``topology``: the data- and model-parallel groups (default: data parallel over
+        ``process_group``); ``lr_scheduler``: ``f(optimizer) -> LRScheduler`` (else the config's
+        ``scheduler``, if any); ``device``: the device :func:`zerodp.initialize` placed the module on.
+
+        Raises:
+            TypeError: ``lr_scheduler(optimizer)`` is not a torch ``LRScheduler``.
+        """
         self.module = module
         self.config = config
-        self.process_group = process_group
-        self.topology = Topology(dp_group=process_group)  # initialize(mpu=...) sets the model-parallel part
+        self.topology = topology if topology is not None else Topology(dp_group=process_group)
+        self.process_group = process_group = self.topology.dp_group if topology is not None else process_group
+        self.device = device
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.stage = config.zero_optimization.stage
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.global_steps = 0  # optimizer steps taken
         self.micro_steps = 0  # micro-batches seen
+        self.skipped_steps = 0  # optimizer steps skipped because some rank's gradients overflowed
         self.ledger = CommLedger()
         self._global_grad_norm: Optional[float] = None
         self.grad_clip = grad_norm.ClipState()  # what engine.clip_grad_norm_ left for the step
         self.precision = PrecisionPolicy.from_config(config)
         self.loss_scaler: Optional[LossScaler] = LossScaler.from_config(config)
         self.phase = TrainingPhase()  # IDLE, BACKWARD, GRADS_READY (until step()), STEP
-        self.skipped_steps = 0  # optimizer steps skipped because some rank's gradients overflowed
+        gc = config.collective_guard
+        self.collective_guard = CollectiveGuard(process_group, gc.timeout_s, gc.check_gathers, gc.enabled)
         if self.precision.has_master:
             cast_module(module, self.precision.param_dtype, partitioned=is_sharded)  # parameters and buffers
+        self._build_layout(param_groups)
+        self._build_optimizer_update()
+        self._build_reducer()
+        self.optimizer = build_optimizer(config.optimizer, param_groups, self.groups)
+        refuse_add_param_group(self.optimizer)
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.training_guards = TrainingGuards(self)
+        accessors.register_engine(self)
+        self.collective_guard.install_shutdown_check()
+        self.backward_tags: Optional[BackwardAgreement] = None
+        if self.collective_guard.enabled:
+            self.backward_tags = build_backward_agreement(self.collective_guard, module, self.groups,
+                                                          self.sharding is not None)
+            self.backward_tags.attach(self.reducer)
+        self.output_roots = OutputRoots(module, self.reducer.slots)  # forward outputs since the last backward
+        self.ledger.reset()  # the report covers training, not the initial broadcast
+        for p in _unique_params(module):
+            WRAPPED.add(p, f"ZeRO stage {self.stage}")
 
-        zc = config.zero_optimization
+    # ---- construction ------------------------------------------------------------------------------
+    def _build_layout(self, param_groups: list[ParamGroupSpec]) -> None:
+        """Flat groups (stages 0-2) or stage-3 units, the parameter offload, the frozen parameters, and
+        rank 0's values on every rank."""
+        zc = self.config.zero_optimization
         self.sharding: Optional[Stage3] = None
         if self.stage == 3:
-            self.sharding = Stage3(module, param_groups, self.rank, self.world_size, process_group,
-                                   self.ledger, zc)
+            self.sharding = Stage3(self.module, param_groups, self.rank, self.world_size, self.process_group,
+                                   self.ledger, zc, fetch_check=self.collective_guard.gather_check(self.module))
             self.groups = self.sharding.groups
         else:
             self.groups = self._flatten(param_groups, zc.reduce_bucket_size)
         # offload_param (stage 3): from here on every shard lives in its home between uses
         self.param_offload: Optional[ParamOffload] = build_param_offload(
-            zc.offload_param, config.aio, self.sharding, self.rank, process_group)
+            zc.offload_param, self.config.aio, self.sharding, self.rank, self.process_group)
         in_groups = {id(s.param) for g in self.groups for s in g.slots}
-        self.frozen = [p for p in _unique_params(module) if id(p) not in in_groups]
+        self.frozen = [p for p in _unique_params(self.module) if id(p) not in in_groups]
         self._broadcast_from_rank0()
-        # the optimizer update, chosen once: in place (NoOffload), or the host / NVMe offload
+
+    def _build_optimizer_update(self) -> None:
+        """This rank's pieces and the optimizer update, chosen once: in place (NoOffload) or the host /
+        NVMe offload; masters are copies made by the offload's ``attach``."""
+        zc = self.config.zero_optimization
         self.optimizer_offload: OptimizerOffload = build_offload(
-            zc, config.aio, self.stage, self.rank, process_group, self.groups, self.precision.has_master)
-        for g in self.groups:  # pieces are views of the shards; masters are copies made by the offload's attach
+            zc, self.config.aio, self.stage, self.rank, self.process_group, self.groups, self.precision.has_master)
+        for g in self.groups:  # pieces are views of the shards
             with self.shards_resident([g]):
                 assign_pieces(g, self.rank, owns_everything=self.stage == 0)
         if self.param_offload is not None:  # NVMe: attach and step make shards resident per sub-group
@@ -110,49 +148,44 @@ class Engine(CheckpointMethods):
         if self.stage == 3 or self.precision.has_master:
             why = ("stage 3 keeps each parameter as a shard; outside forward the module's parameters hold no values"
                    if self.stage == 3 else "the next step would copy the fp32 master weights back over them")
-            self._load_guards = guard_module_load_state_dict(module, why)
+            self._load_guards = guard_module_load_state_dict(self.module, why)
+        self._bucket_pieces: dict[int, list] = {}  # id(bucket) -> this rank's pieces in it
+        for g in self.groups:
+            for piece in g.pieces:
+                self._bucket_pieces.setdefault(id(piece.bucket), []).append(piece)
 
-        # gradients accumulate in precision.grad_accum_dtype: fp32 under bf16/fp16 with k > 1 micro-steps
-        reducer_args = (self.groups, self.rank, self.world_size, process_group, self.ledger, zc.overlap_comm,
-                        self.precision.grad_accum_dtype)
+    def _build_reducer(self) -> None:
+        """The stage's gradient reducer; gradients accumulate in ``precision.grad_accum_dtype`` (fp32
+        under bf16/fp16 with k > 1 micro-steps)."""
+        zc = self.config.zero_optimization
+        # an offload's copies of the boundary's reduced gradients start per bucket
+        on_reduced = self._stream_bucket if self.optimizer_offload.streams_grads else None
+        args = (self.groups, self.rank, self.world_size, self.process_group, self.ledger, zc.overlap_comm,
+                self.precision.grad_accum_dtype, on_reduced)
         self.reducer: GradientReducer
         if self.stage == 0:
-            self.reducer = AllReduceReducer(*reducer_args)
+            self.reducer = AllReduceReducer(*args)
         elif self.stage == 1:
-            self.reducer = FullGradReduceScatter(*reducer_args)
+            self.reducer = FullGradReduceScatter(*args)
         else:
             self.reducer = PartitionedGradReducer(
-                *reducer_args, contiguous_gradients=zc.contiguous_gradients,
+                *args, contiguous_gradients=zc.contiguous_gradients,
                 staging_pool=self.sharding.pool if self.sharding is not None else None,
                 # stage 3 has one bucket per unit: reduce-scatter units in a few coalesced groups
                 coalesce_elements=self.sharding.reduce_flush_elements if self.sharding is not None else 0)
         self.reducer.attach()
         self.grad_placeholders = GradPlaceholders(self.reducer.slots, self.stage, self.loss_scaler is not None,
                                                   folded=self.reducer.folds)
-        self._bucket_pieces: dict[int, list] = {}  # id(bucket) -> this rank's pieces in it
-        for g in self.groups:
-            for piece in g.pieces:
-                self._bucket_pieces.setdefault(id(piece.bucket), []).append(piece)
-        self.optimizer = build_optimizer(config.optimizer, param_groups, self.groups)
-        refuse_add_param_group(self.optimizer)
-        self.training_guards = TrainingGuards(self)
-        accessors.register_engine(self)
-        self.lr_scheduler: Optional[LRScheduler] = None
-        if config.scheduler is not None:
-            self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
-        gc = config.collective_guard
-        self.collective_guard = CollectiveGuard(process_group, gc.timeout_s, gc.check_gathers, gc.enabled)
-        if self.sharding is not None:
-            self.sharding.coordinator.fetch_check = self.collective_guard.gather_check(module)
-        self.collective_guard.install_shutdown_check()
-        self.backward_tags: Optional[BackwardAgreement] = None
-        if self.collective_guard.enabled:
-            self.backward_tags = build_backward_agreement(self.collective_guard, module, self.groups, self.sharding is not None)
-            self.backward_tags.attach(self.reducer)
-        self.output_roots = OutputRoots(module, self.reducer.slots)  # forward outputs since the last backward
-        self.ledger.reset()  # the report covers training, not the initial broadcast
-        for p in _unique_params(module):
-            WRAPPED.add(p, f"ZeRO stage {self.stage}")
+
+    def _build_scheduler(self, factory: Optional[Callable[[torch.optim.Optimizer], LRScheduler]]
+                         ) -> Optional[LRScheduler]:
+        if factory is None:
+            return build_scheduler(self.config.scheduler, self.optimizer) if self.config.scheduler is not None else None
+        scheduler = factory(self.optimizer)
+        if not isinstance(scheduler, LRScheduler):
+            raise TypeError(f"lr_scheduler(optimizer) returned {type(scheduler).__name__}, "
+                            "not a torch.optim.lr_scheduler.LRScheduler")
+        return scheduler
 
     # ---- construction ------------------------------------------------------------------------------
     def _flatten(self, specs: list[ParamGroupSpec], bucket_size: int) -> list[FlatGroup]:
@@ -276,9 +309,6 @@ class Engine(CheckpointMethods):
             try:
                 if boundary:
                     self.optimizer_offload.begin_grads()
-                # an offload's copies of the boundary's reduced gradients start per bucket
-                streams = boundary and self.optimizer_offload.streams_grads
-                self.reducer.on_reduced = self._stream_bucket if streams else None
                 self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
                 # the ranks reach different parameters: reduce every bucket at the end, in one order
                 self.reducer.defer_once = self.collective_guard.aux_differs
@@ -294,8 +324,10 @@ class Engine(CheckpointMethods):
                 self.sharding.end_backward()
 
     def _stream_bucket(self, g: FlatGroup, b: Any) -> None:
-        """Bucket ``b`` of ``g`` was reduced on the boundary backward: start copying its owned
+        """The reducer reduced bucket ``b`` of ``g``: on the boundary backward, start copying its owned
         gradients into the offload's host partition (zerodp.offload.stream)."""
+        if not self.is_gradient_accumulation_boundary():  # micro_steps counts this backward at step()
+            return
         for piece in self._bucket_pieces.get(id(b), ()):
             self.optimizer_offload.stream_grad(piece, self.reducer.piece_grad(g, piece.lo, piece.hi))
 
