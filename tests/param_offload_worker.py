@@ -349,7 +349,7 @@ def overlap_step() -> dict:
             engine.step()
             losses.append(loss.item())
             off = engine.optimizer_offload
-            left = (off.pending is not None, off.stats.updated_in_step, off.stats.subgroups) if off else None
+            left = (off.pending is not None, off.stats.updated_in_step, off.stats.subgroups) if off.device != "none" else None
             if step == 1:
                 with zerodp.zero.GatheredParameters([model.layers[3].weight]):
                     seen.append(model.layers[3].weight.detach().clone())

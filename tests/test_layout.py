@@ -15,7 +15,28 @@ import zerodp
 
 PACKAGE_DIR = Path(zerodp.__file__).parent
 APP = "zerodp.app"
-MAX_LINES = 600
+MAX_LINES = 500
+MAX_FUNCTION_LINES = 60  # a function or method of the library (zerodp.app excluded), decorators not counted
+
+#: files still above MAX_LINES, each with the concepts it still mixes; none may pass HARD_MAX_LINES,
+#: and a file that drops under MAX_LINES must leave this list (test_over_length_allow_list_is_current)
+OVER_MAX_LINES = {
+    "zerodp.runtime.reducer": "the reducer base and its three stage strategies (all-reduce, reduce-scatter "
+                              "at the boundary, partitioned buckets): one module per strategy",
+    "zerodp.offload.nvme": "the NVMe optimizer offload and its sub-group swap-in/out pipeline",
+    "zerodp.offload.param_swap": "parameter offload: the swapper, the shard homes and the read-ahead",
+    "zerodp.config": "the top-level config schema beside the batch-size arithmetic and DeepSpeed key handling",
+    "zerodp.app.cli": "the argument parser of every subcommand beside their dispatch",
+    "zerodp.app.train": "the demo training loop beside its reporting",
+}
+HARD_MAX_LINES = 600
+
+#: library functions still above MAX_FUNCTION_LINES (qualified name -> why), to be split
+LONG_FUNCTIONS = {
+    "zerodp.checkpoint.load.load_checkpoint": "reads, checks and reshards in one pass",
+    "zerodp.deepspeed.initialize": "DeepSpeed's initialize signature: argument checks, then the engine",
+    "zerodp.runtime.module_state.load_module_state": "key check, gathered copies, masters and frozen in one pass",
+}
 
 #: The package ranks, lowest first. A module may import modules of its own rank or a lower one, never a
 #: higher one (imports inside functions and under ``TYPE_CHECKING`` included); a dependency that must
@@ -262,4 +283,47 @@ def test_module_has_docstring_and_fits_one_concept(name):
     source = path.read_text()
     assert ast.get_docstring(ast.parse(source)), f"{path} has no module docstring saying what it owns"
     lines = source.count("\n")
-    assert lines <= MAX_LINES, f"{path} has {lines} lines (> {MAX_LINES}): split it by concept"
+    cap = HARD_MAX_LINES if name in OVER_MAX_LINES else MAX_LINES
+    assert lines <= cap, f"{path} has {lines} lines (> {cap}): split it by concept"
+
+
+def test_over_length_allow_list_is_current():
+    modules = all_modules()
+    stale = [n for n in OVER_MAX_LINES if n not in modules or modules[n].read_text().count("\n") <= MAX_LINES]
+    assert not stale, f"{stale} fit in {MAX_LINES} lines now (or are gone): remove them from OVER_MAX_LINES"
+
+
+def function_lengths(name: str, path: Path) -> dict[str, int]:
+    """Qualified name (module.Class.function) -> lines from ``def`` to the end of the body."""
+    out: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                qual = f"{prefix}.{child.name}"
+                out[qual] = child.end_lineno - child.lineno + 1
+                visit(child, qual)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}.{child.name}")
+
+    visit(ast.parse(path.read_text()), name)
+    return out
+
+
+def library_function_lengths() -> dict[str, int]:
+    return {q: n for m, p in all_modules().items() if not (m == APP or m.startswith(APP + "."))
+            for q, n in function_lengths(m, p).items()}
+
+
+def test_no_library_function_above_the_line_cap():
+    lengths = library_function_lengths()
+    long = {q: n for q, n in lengths.items() if n > MAX_FUNCTION_LINES and q not in LONG_FUNCTIONS}
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them): {long}"
+    stale = [q for q in LONG_FUNCTIONS if lengths.get(q, 0) <= MAX_FUNCTION_LINES]
+    assert not stale, f"{stale} fit in {MAX_FUNCTION_LINES} lines now (or are gone): remove them from LONG_FUNCTIONS"
+
+
+def test_function_lengths_are_measured_from_def_to_end(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("class A:\n    def f(self):\n        x = 1\n\n        return x\n\n\ndef g():\n    pass\n")
+    assert function_lengths("probe", probe) == {"probe.A.f": 4, "probe.g": 2}

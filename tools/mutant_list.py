@@ -23,6 +23,7 @@ STAGES = "tests/test_stages.py"
 INIT = "src/zerodp/zero.py"
 INIT_BUILD = "tests/test_init_build.py"
 NVME = "src/zerodp/offload/nvme.py"
+NO_OFFLOAD = "src/zerodp/offload/no_offload.py"
 CPU_ADAM = "src/zerodp/offload/cpu_adam.py"
 PARAM_SWAP = "src/zerodp/offload/param_swap.py"
 STEP_PIPELINE = "src/zerodp/offload/step_pipeline.py"
@@ -114,9 +115,9 @@ MUTANTS: list[Mutant] = [
            "        elif self.stage >= 1:\n            self._all_gather_params()\n",
            "        elif self.stage >= 1:\n            pass\n",
            [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-1]"]),
-    Mutant("master_not_copied_back_to_module", ENGINE,
-           "                    piece.tensor.copy_(piece.master)",
-           "                    pass",
+    Mutant("master_not_copied_back_to_module", NO_OFFLOAD,
+           "                piece.tensor.copy_(piece.master)",
+           "                pass",
            [f"{FAULTS}::test_mixed_precision_scale_sensitive[2-0-bf16_accum]"]),
     Mutant("stage2_overwrite_instead_of_accumulate", REDUCER,
            "            self.owned[g.index][off : off + b.shard_numel].add_(recv)",
@@ -139,8 +140,8 @@ MUTANTS: list[Mutant] = [
            "        for buf in self._zero_pages.values():\n            pass\n",
            [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-0]"]),
     Mutant("unused_parameter_gets_zero_gradient", ENGINE,
-           "                elif present[piece.slot.index]:\n",
-           "                elif True:\n",
+           "                if present[piece.slot.index]:\n",
+           "                if True:\n",
            [f"{STAGES}::test_matches_reference[2-2-no_grad_some_steps]"]),
     Mutant("skip_stage3_persistent_regather_after_step", SHARDING,
            '                comm.all_gather(u.full, u.shard, self.pg, self.ledger, "parameters")\n',

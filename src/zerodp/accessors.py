@@ -50,7 +50,7 @@ class AccessedEngine(Protocol):
     grads_ready: bool
     reducer: object
     loss_scaler: object
-    optimizer_offload: Optional[Any]  # zerodp.offload.build.OptimizerOffload
+    optimizer_offload: Any  # zerodp.offload.build.OptimizerOffload (NoOffload without offload)
     grad_clip: Any  # zerodp.runtime.grad_norm.ClipState
 
     @property
@@ -107,9 +107,7 @@ def _resident(engine: AccessedEngine, g: FlatGroup, write: bool = False) -> Iter
     """For one call: this rank's shard of ``g`` (``offload_param``) and the offloaded masters and
     optimizer states (``offload_optimizer`` nvme: the whole swap file is read into host memory and
     written back, 12 bytes per owned element; a no-op for cpu) as ordinary tensors."""
-    offload = getattr(engine, "optimizer_offload", None)
-    with (offload.resident(engine.optimizer) if offload is not None else contextlib.nullcontext()), \
-            engine.shards_resident([g], write=write):
+    with engine.optimizer_offload.resident(engine.optimizer), engine.shards_resident([g], write=write):
         yield
 
 

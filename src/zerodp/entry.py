@@ -63,8 +63,7 @@ def initialize(
     _refuse_init_built_below_stage3(model, cfg.zero_optimization.stage)
     comm.init_distributed()
     topology = resolve_topology(process_group, mpu)
-    process_group = topology.dp_group
-    cfg = cfg.for_world_size(dist.get_world_size(process_group))
+    cfg = cfg.for_world_size(dist.get_world_size(topology.dp_group))
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     if lr_scheduler is not None:
@@ -76,18 +75,11 @@ def initialize(
             raise ValueError("pass either lr_scheduler to initialize() or 'scheduler' in the config, not both")
     check_model_at_initialize(model, cfg.zero_optimization.stage)
     control.prepare(topology)  # a gloo side group where a group is NCCL-only (collective: every rank)
-    device = place_on_engine_device(model, cfg, process_group)
+    device = place_on_engine_device(model, cfg, topology.dp_group)
     specs = normalize_param_groups(model, model_parameters)
-    engine = Engine(model, cfg, specs, process_group)
-    engine.topology = topology
-    engine.device = device
-    if cfg.activation_checkpointing is not None:  # as deepspeed.checkpointing.configure(mpu, config)
+    engine = Engine(model, cfg, specs, topology=topology, lr_scheduler=lr_scheduler, device=device)
+    if cfg.activation_checkpointing is not None:  # process-wide, as deepspeed.checkpointing.configure(mpu, config)
         activation_checkpointing.configure(mpu, deepspeed_config=cfg)
-    if lr_scheduler is not None:
-        engine.lr_scheduler = lr_scheduler(engine.optimizer)
-        if not isinstance(engine.lr_scheduler, LRScheduler):
-            raise TypeError(f"lr_scheduler(optimizer) returned {type(engine.lr_scheduler).__name__}, "
-                            "not a torch.optim.lr_scheduler.LRScheduler")
     return engine
 
 

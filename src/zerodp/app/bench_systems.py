@@ -184,7 +184,7 @@ def zerodp_builder(stage: int, offload: Optional[dict[str, Any]] = None,
             grads = list(_grads(params))
             for attr in ("grad_buffers", "owned", "_staging"):
                 grads += list(getattr(red, attr, {}).values())
-            if engine.optimizer_offload is not None:  # host fp32 gradient partition
+            if engine.optimizer_offload.streams_grads:  # host fp32 gradient partition
                 grads += list(engine.optimizer_offload.grad_buffers) + [getattr(engine.optimizer_offload, "grad_scratch", None)]
                 grads = [t for t in grads if t is not None]
             shards = [g.buffer for g in engine.groups]

@@ -207,11 +207,7 @@ class DeepSpeedEngine:
         ``offload_optimizer.overlap_step`` the sub-groups of the last step still to be updated read
         the reduced gradients: they are forgotten once the loop has ended (at the latest when the next
         backward starts), as the engine itself does after a step."""
-        offload = self.engine.optimizer_offload
-        if offload is not None:
-            offload.when_updated(self.engine.reducer.zero_grads)
-        else:
-            self.engine.reducer.zero_grads()
+        self.engine.optimizer_offload.when_updated(self.engine.reducer.zero_grads)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Callable, Iterable, Iterator, Optional, Protocol
+from typing import Callable, Iterable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from zerodp.config import ConfigError, ZeroConfig
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
 from zerodp.offload.delayed import DelayedHostOffload
 from zerodp.offload.host import HostOptimizerOffload
+from zerodp.offload.no_offload import NoOffload
 from zerodp.offload.nvme import NvmeOptimizerOffload
 from zerodp.runtime.partition import FlatGroup, Piece
 
@@ -26,9 +27,11 @@ class OptimizerOffload(Protocol):
     """What the engine calls; see :class:`zerodp.offload.host.HostOptimizerOffload` for the order."""
 
     device: str
+    streams_grads: bool
     shard_access: Optional[object]
 
     def attach(self, groups: list[FlatGroup]) -> None: ...
+    def holds_master(self, piece: Piece) -> bool: ...
     def refresh_master(self, piece: Piece) -> None: ...
     def fold_edits(self) -> None: ...
     def skipped_step(self) -> None: ...
@@ -44,6 +47,7 @@ class OptimizerOffload(Protocol):
     def settle(self) -> None: ...
     def when_updated(self, fn: Callable[[], None]) -> None: ...
     def resident(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager: ...
+    def adjust_formula(self, formula: dict[str, float], numel_per_rank: float) -> None: ...
     def host_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]: ...
     def nvme_bytes(self) -> dict[str, int]: ...
     def formula(self, numel_per_rank: float, host: dict[str, int]) -> dict[str, dict[str, float]]: ...
@@ -55,13 +59,14 @@ class OptimizerOffload(Protocol):
 HOST_PIPELINE_ON_CPU_ENV = "ZERODP_HOST_OFFLOAD_ON_CPU"
 
 
-def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int,
-                  process_group: Optional[dist.ProcessGroup], groups: list[FlatGroup]) -> Optional[OptimizerOffload]:
-    """None for ``device: none``; else the host or NVMe offload (not yet attached).
+def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int, process_group: Optional[dist.ProcessGroup],
+                  groups: list[FlatGroup], has_master: bool) -> OptimizerOffload:
+    """:class:`~zerodp.offload.no_offload.NoOffload` for ``device: none`` (fp32 masters on the
+    training device when ``has_master``); else the host or NVMe offload (not yet attached).
 
     ``delayed_update`` gives :class:`zerodp.offload.delayed.DelayedHostOffload` on any device (its
     update runs beside the next forward even when training runs on the CPU). Else ``device: cpu`` when
-    every parameter of ``groups`` is on the CPU also gives None: the optimizer
+    every parameter of ``groups`` is on the CPU also gives NoOffload: the optimizer
     states are in host memory already, so offloading them to the host would move nothing and only
     add a second fp32 copy of the partition and of its gradient; the engine runs as without offload,
     and rank 0 warns once (unless :data:`HOST_PIPELINE_ON_CPU_ENV` is "1").
@@ -73,7 +78,7 @@ def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int,
     """
     cfg = zc.offload_optimizer
     if not cfg.enabled:
-        return None
+        return NoOffload(has_master)
     if stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer needs zero_optimization.stage 1, 2 or 3 "
                          "(it offloads this rank's partition of the optimizer states); got stage 0")
@@ -87,15 +92,10 @@ def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int,
                               "optimizer states are in host memory already; nothing is offloaded and no memory "
                               "is added (the engine runs as without offload). Use device 'nvme' to take them "
                               "out of RAM", stacklevel=3)
-            return None
+            return NoOffload(has_master)
         return HostOptimizerOffload(cfg.pin_memory, cfg.cpu_adam)
     user_size = zc.sub_group_size if "sub_group_size" in zc.model_fields_set else None
     return NvmeOptimizerOffload(cfg, aio, user_size, rank, process_group)
 
 
-@contextlib.contextmanager
-def no_offload() -> Iterator[None]:
-    yield
-
-
-__all__ = ["HOST_PIPELINE_ON_CPU_ENV", "OptimizerOffload", "build_offload", "no_offload"]
+__all__ = ["HOST_PIPELINE_ON_CPU_ENV", "NoOffload", "OptimizerOffload", "build_offload"]

@@ -75,6 +75,9 @@ class HostOptimizerOffload:
     """
 
     device = "cpu"
+    #: the boundary backward's reduced gradients are copied here bucket by bucket (:meth:`stream_grad`),
+    #: so a ``clip_grad_norm_`` factor is deferred to the step (it scales these copies)
+    streams_grads = True
     #: the engine's parameter offload when the step makes shards resident itself (NVMe subclass only);
     #: None: the engine keeps every shard resident for the whole step
     shard_access: Optional[object] = None
@@ -114,6 +117,10 @@ class HostOptimizerOffload:
         master = host_empty(piece.hi - piece.lo, self.pin)
         master.copy_(source.detach())
         piece.master = master
+
+    def holds_master(self, piece: Piece) -> bool:
+        """Every owned piece has a host fp32 master (also under fp32 training)."""
+        return True
 
     def refresh_master(self, piece: Piece) -> None:
         """The module's value of ``piece`` was edited (GatheredParameters): copy it into the master."""
@@ -217,6 +224,11 @@ class HostOptimizerOffload:
     def resident(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
         """Masters and optimizer states as ordinary tensors for a checkpoint (already so here)."""
         yield
+
+    def adjust_formula(self, formula: dict[str, float], numel_per_rank: float) -> None:
+        """The paper's model-state formula (:func:`zerodp.runtime.accounting.model_state_bytes`) for an
+        offloaded partition: fp32 masters always (4 bytes per owned element, also under fp32)."""
+        formula["master_weights"] = 4 * numel_per_rank
 
     def host_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Host bytes by category, measured from the live storages."""

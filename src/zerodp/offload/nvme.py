@@ -518,6 +518,11 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             for p in self.pieces:
                 p.master.data = torch.empty(0, dtype=torch.float32)
 
+    def adjust_formula(self, formula: dict[str, float], numel_per_rank: float) -> None:
+        """Masters and optimizer states live in the swap file: none in memory."""
+        formula["master_weights"] = 0.0
+        formula["optimizer_states"] = 0.0
+
     def host_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Host bytes measured from live storages; ``gradients``: the fp32 host gradient buffers, or
         (deferred) the one-sub-group scratch (the reducer's partition is counted by the engine)."""

@@ -9,7 +9,7 @@ master 4, Adam moments 8, fp32 gradient 4 bytes per element; NVMe moves master a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from zerodp.runtime.accounting import STAGE_NAMES, BytesPerElement, MemoryReport, human_bytes, model_state_bytes
 
@@ -95,4 +95,16 @@ def offload_estimate_table(numel: int, world_size: int, b: BytesPerElement) -> s
     return "\n".join(rows)
 
 
-__all__ = ["OffloadReport", "host_total", "offload_formula", "offload_estimate_table"]
+def offload_report(engine: Any) -> Optional[OffloadReport]:
+    """Host and NVMe bytes of ``engine``'s offloaded optimizer partition on this rank, beside
+    :func:`offload_formula` (None without optimizer offload)."""
+    offload = engine.optimizer_offload
+    if offload.device == "none":
+        return None
+    owned = sum(p.hi - p.lo for g in engine.groups for p in g.pieces)
+    host = offload.host_bytes(engine.optimizer)
+    return OffloadReport(offload.device, engine.rank, owned, host, offload.nvme_bytes(),
+                         offload.formula(engine.numel / engine.world_size, host))
+
+
+__all__ = ["OffloadReport", "host_total", "offload_formula", "offload_estimate_table", "offload_report"]

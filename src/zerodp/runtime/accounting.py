@@ -26,6 +26,9 @@ With gradient accumulation under bf16/fp16, zerodp accumulates gradients in an f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Protocol
+
+import torch
 
 STAGES = (0, 1, 2, 3)
 STAGE_NAMES = {0: "data parallel", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
@@ -170,3 +173,78 @@ class CommReport:
             lines.append(f"  per step: {self.elements_per_step:,.0f} elements = {ratio:.3f} Psi "
                          f"(formula {want} Psi = {self.expected_elements_per_step:,})")
         return "\n".join(lines)
+
+
+class ReportedEngine(Protocol):
+    """What :func:`memory_report` reads off an engine (a Protocol: no import of the engine module)."""
+
+    stage: int
+    rank: int
+    world_size: int
+    groups: list  # list[zerodp.runtime.partition.FlatGroup]
+    frozen: list  # parameters outside the flat groups
+    reducer: Any  # zerodp.runtime.reducer.GradientReducer
+    optimizer: torch.optim.Optimizer
+    optimizer_offload: Any  # zerodp.offload.build.OptimizerOffload
+    param_offload: Optional[Any]  # zerodp.offload.param_swap.ParamOffload
+    sharding: Optional[Any]  # zerodp.stage3.sharding.Stage3
+    precision: Any  # zerodp.runtime.precision.PrecisionPolicy
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def trainable_numel(groups: Iterable[Any]) -> int:
+    """Psi: trainable elements of the flat groups' slots, without padding."""
+    return sum(s.numel for g in groups for s in g.slots if s.group_index >= 0 and s.param.requires_grad)
+
+
+def _measured(engine: ReportedEngine, frozen_bytes: int) -> dict[str, int]:
+    """Bytes per category of :data:`CATEGORIES` held by ``engine``'s tensors."""
+    held = engine.reducer.held_bytes()
+    return {
+        # stage 3: shards, from their live storage (0 bytes while offload_param has one swapped out)
+        "parameters": sum(g.buffer.untyped_storage().nbytes() if engine.stage == 3 else _nbytes(g.buffer)
+                          for g in engine.groups) + frozen_bytes,
+        "gradients": held["gradients"],
+        "optimizer_states": sum(_nbytes(t) for st in engine.optimizer.state.values() for t in st.values()
+                                if isinstance(t, torch.Tensor)),
+        # fp32 training: none, the optimizer updates views of the parameters
+        "master_weights": sum(_nbytes(p.master) for g in engine.groups for p in g.pieces if p.master is not None),
+        "comm_buffers": held["comm_buffers"],
+    }
+
+
+def memory_report(engine: ReportedEngine) -> MemoryReport:
+    """Bytes of model state held by this rank, measured from ``engine``'s tensors, beside the paper's
+    formula for its stage (:func:`model_state_bytes`) as the optimizer and parameter offloads change
+    it (masters and moments on the host or on NVMe), with frozen parameters added to both."""
+    numel = trainable_numel(engine.groups)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in engine.frozen)
+    measured = _measured(engine, frozen_bytes)
+    formula = model_state_bytes(engine.stage, numel, engine.world_size, engine.precision.bytes_per_element)
+    engine.optimizer_offload.adjust_formula(formula, numel / engine.world_size)
+    if engine.param_offload is not None and engine.param_offload.device == "nvme":
+        formula["parameters"] = 0.0  # shards on NVMe between uses (persistent ones stay: measured)
+    formula["parameters"] += frozen_bytes
+    peak = {"gradients+buffers": engine.reducer.peak_grad_bytes}
+    if engine.sharding is not None:
+        measured["parameters"] += engine.sharding.held_bytes()["gathered"]
+        # read from the live storages of the gathered buffers, not from the coordinator's counts
+        peak["gathered_parameters"] = engine.sharding.coordinator.peak_gathered_bytes
+        # idle + lent slabs of the gather pool (see zerodp.stage3.pool), largest seen
+        peak["gather_pool"] = engine.sharding.pool.peak_bytes
+    frozen_numel = (sum(s.numel for g in engine.groups for s in g.slots
+                        if not (s.group_index >= 0 and s.param.requires_grad))
+                    + sum(p.numel() for p in engine.frozen))
+    return MemoryReport(stage=engine.stage, rank=engine.rank, world_size=engine.world_size, numel=numel,
+                        frozen_numel=frozen_numel, measured=measured, formula=formula, peak=peak)
+
+
+def comm_report(stage: int, numel: int, ledger: Any) -> CommReport:
+    """Every collective recorded in ``ledger`` (a :class:`zerodp.runtime.comm.CommLedger`) since its
+    last reset, with the gradient and parameter traffic the paper's formula counts."""
+    model = ledger.traffic_elements("gradients") + ledger.traffic_elements("parameters")
+    return CommReport(stage=stage, numel=numel, steps=ledger.steps, records=ledger.records(),
+                      traffic_elements=ledger.traffic_elements(), model_traffic_elements=model)

@@ -172,7 +172,7 @@ def _clip_grad_norm(engine: Any, max_norm: float, norm_type: float) -> torch.Ten
     norm = norm_of(grads, engine.topology, _reduce_dp(engine), _all_reduce(engine), norm_type) * unscale
     coef = max_norm / (norm + CLIP_EPS)
     if not coef >= 1.0:  # nan too, as torch (a nan or inf norm makes the gradients nan or zero)
-        if engine.optimizer_offload is not None:
+        if engine.optimizer_offload.streams_grads:  # the step's gradients are the offload's copies
             state.pending *= coef
         else:
             for t in (t for kind in grads for t in kind):
@@ -192,10 +192,7 @@ def clip_at_step(engine: Any, max_norm: float, scale_grads: Callable[[float], No
     state = engine.grad_clip.current(engine.global_steps)
     if state.pending != 1.0:
         scale_grads(state.pending)
-    offload = engine.optimizer_offload
-    grads = tuple(offload.norm_grads(ps) if offload is not None else
-                  [p.opt_tensor.grad for p in ps if p.opt_tensor.grad is not None]
-                  for ps in _owned_grads(engine, lambda g, p: p))
+    grads = tuple(engine.optimizer_offload.norm_grads(ps) for ps in _owned_grads(engine, lambda g, p: p))
     norm = norm_of(grads, engine.topology, _reduce_dp(engine), _all_reduce(engine), 2.0)
     state.reset()
     if max_norm > 0:

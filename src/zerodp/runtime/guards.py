@@ -235,7 +235,6 @@ class TrainingGuards:
         """At a gradient accumulation boundary, before the optimizer: adopt in-place edits."""
         if self._partitioned:
             self._check_partitioned_edits()
-        offload = getattr(self.engine, "optimizer_offload", None)
         for g in self.engine.groups:
             unit = self._persistent.get(id(g))
             if unit is not None and unit.full is not None:
@@ -243,15 +242,8 @@ class TrainingGuards:
                 same = torch.eq(unit.full[lo : lo + unit.shard.numel()], unit.shard).all()
                 if not bool(synchronize("persistent_unit_edits", same)):
                     unit.write_back()  # an edit of an always-gathered stage-3 parameter
-        # offloaded masters live on the host/NVMe: the offload folds them below
-        pieces = [p for g in self.engine.groups for p in g.pieces if p.master is not None and offload is None]
-        flags = [(p.tensor != p.master.to(p.tensor.dtype)).any() for p in pieces]
-        for piece, edited_any in zip(pieces, host_flags("master_edits", flags)):  # one host sync per device
-            if edited_any:  # keep the fp32 value of every element that was not edited
-                edited = piece.tensor != piece.master.to(piece.tensor.dtype)
-                piece.master[edited] = piece.tensor[edited].to(piece.master.dtype)
-        if offload is not None:
-            offload.fold_edits()  # the same rule, on the host masters or in the swap file
+        # edited elements reach the fp32 masters (on the device, the host or in the swap file)
+        self.engine.optimizer_offload.fold_edits()
 
     def after_update(self) -> None:
         if self._partitioned:

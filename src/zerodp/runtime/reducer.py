@@ -86,7 +86,7 @@ class GradientReducer:
     def __init__(
         self, groups: list[FlatGroup], rank: int, world_size: int, group: Optional[ProcessGroup],
         ledger: CommLedger, overlap_comm: bool, accumulate_dtype: Optional[torch.dtype] = None,
-    ) -> None:
+        on_reduced: Optional[Callable[[FlatGroup, Bucket], None]] = None) -> None:
         self.groups = groups
         #: dtype gradients accumulate in across micro-steps (None: each group's parameter dtype)
         self.accumulate_dtype = accumulate_dtype
@@ -123,9 +123,9 @@ class GradientReducer:
         self.peak_grad_bytes = 0
         self._handles: list[RemovableHandle] = []
         #: called as ``on_reduced(group, bucket)`` right after a bucket's collective completed and its
-        #: result was stored (piece_grad of its owned range is then final for this micro-step); the
-        #: engine sets it on the boundary backward to stream gradients to an optimizer offload
-        self.on_reduced: Optional[Callable[[FlatGroup, Bucket], None]] = None
+        #: result was stored (piece_grad of its owned range is then final for this micro-step): the
+        #: engine's gradient streaming to an optimizer offload; None: nothing to call
+        self.on_reduced = on_reduced
         #: called with the (group index, bucket index) list of the buckets one collective reduces (one
         #: bucket, or a coalesced stage-3 group) just before it is launched (the backward agreement's
         #: tag, :mod:`zerodp.runtime.backward_agreement`); None: no check

@@ -83,7 +83,7 @@ class ParameterCoordinator:
     def __init__(
         self, index: UnitIndex, module_positions: dict[int, int], pg: Optional[ProcessGroup],
         ledger: CommLedger, prefetch_bucket_size: int, max_live_parameters: int,
-        max_reuse_distance: int = 0,
+        max_reuse_distance: int = 0, fetch_check: Optional[FetchCheck] = None,
     ) -> None:
         self.index = index
         self.positions = module_positions  # id(module) -> position in named_modules() (rank-independent)
@@ -109,7 +109,7 @@ class ParameterCoordinator:
         self.busy = False  # set while the coordinator itself touches parameters
         #: called with the module before each fetch of a module that has units (the collective guard's
         #: agreement, see :mod:`zerodp.runtime.collective_guard`); None: no check
-        self.fetch_check: Optional[FetchCheck] = None
+        self.fetch_check = fetch_check
         #: offload_param: called after each fetch (recorded trace only) with the units of the modules
         #: still to come, in trace order, to read their shards ahead; None: no read-ahead
         self.read_ahead: Optional[Callable[[list[list[ShardedUnit]]], None]] = None

@@ -36,8 +36,10 @@ class Stage3:
 
     def __init__(
         self, module: nn.Module, specs: list[ParamGroupSpec], rank: int, world_size: int,
-        pg: Optional[dist.ProcessGroup], ledger: CommLedger, zc: ZeroConfig,
+        pg: Optional[dist.ProcessGroup], ledger: CommLedger, zc: ZeroConfig, fetch_check: Any = None,
     ) -> None:
+        """``fetch_check``: the collective guard's gather agreement, called by the coordinator before
+        each fetch (:meth:`zerodp.runtime.collective_guard.CollectiveGuard.gather_check`); None: none."""
         self.rank, self.world_size, self.pg, self.ledger = rank, world_size, pg, ledger
         spec_of = {id(p): gi for gi, spec in enumerate(specs) for _, p in spec.params}
         src = dist.get_global_rank(pg, 0) if pg is not None else 0
@@ -87,7 +89,7 @@ class Stage3:
         positions = {id(m): i for i, m in enumerate(module.modules())}
         self.coordinator = ParameterCoordinator(
             self.index, positions, pg, ledger, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
-            zc.stage3_max_reuse_distance)
+            zc.stage3_max_reuse_distance, fetch_check)
         self.coordinator.stream = self.gather_stream
         # each owner lives as long as a module holding its parameter (the first one, as for tied
         # parameters), so a submodule kept alone after the engine and the root are dropped still gathers

@@ -1,0 +1,90 @@
+"""The engine's checkpoint methods (``save_checkpoint``, ``load_checkpoint``, ``module_state_dict``,
+``load_module_state_dict``) as a mixin the engine inherits: each agrees on the call with the other
+ranks, makes offloaded states resident and hands over to :mod:`zerodp.checkpoint.save`,
+:mod:`~zerodp.checkpoint.load`, :mod:`~zerodp.checkpoint.layout` or
+:mod:`zerodp.runtime.module_state`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+
+from zerodp.checkpoint import layout, load, save
+from zerodp.runtime.module_state import GatheredCopy, LoadResult, load_module_state
+
+
+class CheckpointMethods:
+    """Mixed into :class:`zerodp.engine.Engine`; uses its ``collective_call``, ``shards_resident``,
+    ``optimizer_offload``, ``optimizer``, ``topology``, ``sharding``, ``module``, ``groups``, ``frozen``,
+    ``process_group`` and ``ledger``."""
+
+    # attributes and methods the engine provides
+    collective_call: Any
+    shards_resident: Any
+    optimizer_offload: Any
+    optimizer: torch.optim.Optimizer
+    topology: Any
+    sharding: Any
+    module: torch.nn.Module
+    groups: list
+    frozen: list
+    process_group: Any
+    ledger: Any
+
+    def save_checkpoint(self, save_dir: Any, tag: Optional[str] = None, client_state: Optional[Mapping[str, Any]] = None,
+                        exclude_frozen_parameters: bool = False) -> Any:
+        """Collective: write a sharded checkpoint to ``save_dir/<tag>`` (default ``global_step{N}``) and
+        point ``save_dir/latest`` at it; returns that directory. ``exclude_frozen_parameters``: only trained
+        parameters and their optimizer states. See :func:`zerodp.checkpoint.save_checkpoint`."""
+        with self.collective_call("save_checkpoint"), self._states_resident():
+            return save.save_checkpoint(self, self._checkpoint_dir(save_dir), tag, client_state,
+                                        exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: Any, tag: Optional[str] = None) -> tuple[Any, Any]:
+        """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;
+        returns (checkpoint directory, client_state). See :func:`zerodp.checkpoint.load_checkpoint`."""
+        with self.collective_call("load_checkpoint"), self._states_resident(write=True):
+            return load.load_checkpoint(self, self._checkpoint_dir(load_dir), tag)
+
+    def _checkpoint_dir(self, d: Any) -> Any:
+        """``d``, or with model parallelism ``d/mp_rank_XX``: each model-parallel rank's DP group
+        saves and loads its own parameter shards (the same names hold different slices)."""
+        return os.path.join(d, f"mp_rank_{self.topology.mp_rank:02d}") if self.topology.model_parallel else d
+
+    def load_module_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> LoadResult:
+        """Collective: load a full state dict (keys and shapes of ``module.state_dict()``, e.g. from
+        :meth:`module_state_dict` or a plain PyTorch model) into this rank's parameters or shards and
+        fp32 master weights, at any stage and precision; optimizer states are kept. Every rank must pass
+        the same values. See :func:`zerodp.runtime.module_state.load_module_state`.
+
+        Raises:
+            RuntimeError: missing/unexpected keys with ``strict``, a shape mismatch, or ranks passing
+                different values.
+        """
+        gathered = []
+        if self.sharding is not None:
+            gathered = [GatheredCopy(u.group, u.full) for u in self.sharding.units
+                        if u.full is not None and u.full.untyped_storage().nbytes() > 0]
+        with self._states_resident(write=True):  # NVMe offload: masters are placeholders between steps
+            return load_module_state(self.module, self.groups, self.frozen, gathered, state_dict, strict,
+                                     self.process_group, self.ledger)
+
+    def module_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full state dict keyed like ``module.state_dict()``, fresh copies, on every rank (a
+        collective): trained parameters in fp32 (the fp32 masters under bf16/fp16), frozen parameters
+        and buffers in the module's dtype."""
+        with self.collective_call("module_state_dict"), self._states_resident():
+            return layout.module_state_dict(self)
+
+    @contextlib.contextmanager
+    def _states_resident(self, write: bool = False) -> Iterator[None]:
+        """Offloaded masters, optimizer states and parameter shards as ordinary tensors for the duration
+        of a block (``write``: the block may change the shards)."""
+        with self.optimizer_offload.resident(self.optimizer), self.shards_resident(write=write):
+            yield
+
+
+__all__ = ["CheckpointMethods"]
