@@ -49,28 +49,7 @@ class Stage3:
                 comm.broadcast(full, src, pg, ledger, "init")
 
         self.index = UnitIndex()
-        assigned: set[int] = set()
-        persistent: list[tuple[str, nn.Parameter]] = []
-        next_index = 0
-        threshold = zc.stage3_param_persistence_threshold
-        for mname, m in module.named_modules():
-            named = []
-            for pname, p in m.named_parameters(recurse=False):
-                if id(p) not in assigned:
-                    assigned.add(id(p))
-                    named.append((f"{mname}.{pname}" if mname else pname, p))
-            persistent += [(n, p) for n, p in named if full_numel(p) <= threshold]
-            big = [(n, p) for n, p in named if full_numel(p) > threshold]
-            if big:
-                next_index = self._add_unit(mname, big, next_index, spec_of, sync, persistent=False)
-        if persistent:
-            self._add_unit("<persistent>", persistent, next_index, spec_of, sync, persistent=True)
-        for i, u in enumerate(self.index.units):
-            u.group.index = i
-        for m in module.modules():
-            self.index.add_module(m)
-        for m, p in take_pending_external(module):  # register_external_parameter before initialize
-            self.index.register_external(m, p)
+        self._build_units(module, zc.stage3_param_persistence_threshold, spec_of, sync)
 
         pin_mmap_threshold()  # see [Note: mmap threshold]
         #: elements of complete units' gradients held for one coalesced reduce-scatter (the reducer's
@@ -101,6 +80,31 @@ class Stage3:
         self.stack = ModuleStack()
         self.handles = register_stage3_hooks(module, self.coordinator, self.stack)
         self._mode = ExternalParameterMode(self.coordinator, self.stack)
+
+    def _build_units(self, module: nn.Module, threshold: int, spec_of: dict, sync) -> None:
+        """One unit per module holding parameters above ``threshold`` elements (each parameter in the
+        first module that holds it), one ``<persistent>`` unit of the rest, indexed in module order."""
+        assigned: set[int] = set()
+        persistent: list[tuple[str, nn.Parameter]] = []
+        next_index = 0
+        for mname, m in module.named_modules():
+            named = []
+            for pname, p in m.named_parameters(recurse=False):
+                if id(p) not in assigned:
+                    assigned.add(id(p))
+                    named.append((f"{mname}.{pname}" if mname else pname, p))
+            persistent += [(n, p) for n, p in named if full_numel(p) <= threshold]
+            big = [(n, p) for n, p in named if full_numel(p) > threshold]
+            if big:
+                next_index = self._add_unit(mname, big, next_index, spec_of, sync, persistent=False)
+        if persistent:
+            self._add_unit("<persistent>", persistent, next_index, spec_of, sync, persistent=True)
+        for i, u in enumerate(self.index.units):
+            u.group.index = i
+        for m in module.modules():
+            self.index.add_module(m)
+        for m, p in take_pending_external(module):  # register_external_parameter before initialize
+            self.index.register_external(m, p)
 
     def _add_unit(self, name: str, named: list, first: int, spec_of: dict, sync, persistent: bool) -> int:
         groups = [spec_of.get(id(p), -1) for _, p in named]
