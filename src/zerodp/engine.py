@@ -46,7 +46,8 @@ from zerodp.stage3.sharded_param import is_sharded
 from zerodp.stage3.sharding import Stage3
 from zerodp.stage3.ownership import register_master_refresh
 from zerodp.runtime.wrapped import WRAPPED
-from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer, PartitionedGradReducer
+from zerodp.runtime.grad_spill import partitioned_reducer
+from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer
 
 
 class Engine:
@@ -122,8 +123,9 @@ class Engine:
         elif self.stage == 1:
             self.reducer = FullGradReduceScatter(*reducer_args)
         else:
-            self.reducer = PartitionedGradReducer(
+            self.reducer = partitioned_reducer(  # with NVMe offload (no fp16 scaling), gradients go to disk per unit
                 *reducer_args, contiguous_gradients=zc.contiguous_gradients,
+                spill=None if self.optimizer_offload is None or self.loss_scaler is not None else self.optimizer_offload.gradient_spill,
                 staging_pool=self.sharding.pool if self.sharding is not None else None,
                 # stage 3 has one bucket per unit: reduce-scatter units in a few coalesced groups
                 coalesce_elements=self.sharding.reduce_flush_elements if self.sharding is not None else 0)
@@ -331,7 +333,7 @@ class Engine:
             for piece in g.pieces:
                 target = piece.opt_tensor
                 if present[piece.slot.index] and self.optimizer_offload is not None:
-                    self.optimizer_offload.stage_grad(piece, self.reducer.piece_grad(g, piece.lo, piece.hi))
+                    self.optimizer_offload.stage_grad(piece, self.reducer.held_grad(g, piece.lo, piece.hi))
                 elif present[piece.slot.index]:
                     grad = self.reducer.piece_grad(g, piece.lo, piece.hi)
                     target.grad = grad if grad.dtype == target.dtype else grad.to(target.dtype)

@@ -15,7 +15,8 @@ from zerodp.runtime.accounting import STAGE_NAMES, BytesPerElement, MemoryReport
 
 
 def offload_formula(device: str, numel_per_rank: float, buffer_bytes: int = 0,
-                    grad_numel: Optional[float] = None, masters_in_file: bool = True) -> dict[str, dict[str, float]]:
+                    grad_numel: Optional[float] = None, masters_in_file: bool = True,
+                    grad_read_bytes: int = 0) -> dict[str, dict[str, float]]:
     """Expected host / NVMe bytes for one rank with ``numel_per_rank`` = Psi / N_d owned elements:
     fp32 master 4, Adam moments 8 and fp32 gradient 4 bytes per element (ZeRO-Offload section 4);
     with NVMe, the master and moments (12 bytes) move to the swap file and host memory keeps the
@@ -23,14 +24,15 @@ def offload_formula(device: str, numel_per_rank: float, buffer_bytes: int = 0,
     it is not a full copy of the partition (NVMe with the gradients in host memory already: a scratch
     of the largest sub-group, see :mod:`zerodp.offload.nvme`); default ``numel_per_rank``.
     ``masters_in_file`` False: fp32 training on the CPU, where the module's tensors are the masters
-    (the swap file holds the moments only)."""
+    (the swap file holds the moments only). ``grad_read_bytes``: host buffers of the gradient swap
+    file (:mod:`zerodp.offload.grad_swap`), counted with the gradients."""
     n = numel_per_rank
     g = n if grad_numel is None else grad_numel
     if device == "cpu":
         return {"host": {"master_weights": 4 * n, "optimizer_states": 8 * n, "gradients": 4 * n,
                          "swap_buffers": 0},
                 "nvme": {"master_weights": 0, "optimizer_states": 0}}
-    return {"host": {"master_weights": 0, "optimizer_states": 0, "gradients": 4 * g,
+    return {"host": {"master_weights": 0, "optimizer_states": 0, "gradients": 4 * g + grad_read_bytes,
                      "swap_buffers": buffer_bytes},
             "nvme": {"master_weights": 4 * n if masters_in_file else 0, "optimizer_states": 8 * n}}
 
