@@ -66,7 +66,7 @@ from zerodp.offload.report import offload_formula
 from zerodp.offload.shard_window import ShardAccess, unique_groups
 from zerodp.offload.swap_dir import check_stale, make_rank_dir
 from zerodp.offload.swap_job import OffloadError, agree_job_id, raise_if_any_rank_failed, remove_swap_dir
-from zerodp.offload.sizing import BufferLayout, auto_sub_group_size, oversize_warning
+from zerodp.offload.sizing import BufferLayout, configured_buffers, oversize_warning
 from zerodp.offload.subgroups import SubGroup, plan_subgroups as _plan
 from zerodp.offload.step_pipeline import SubGroupPipeline, SwapStats
 from zerodp.runtime.partition import FlatGroup, Piece
@@ -124,12 +124,11 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self.in_place = self.shard_access is None and self.deferred and \
             all(p.tensor.dtype == torch.float32 for p in pieces)
         owned = sum(p.hi - p.lo for p in pieces)
-        plan_layout = BufferLayout(2 if self.in_place else 3, self.cfg.buffer_count, 0 if self.in_place else 1)
-        self.sub_group_size = self.user_sub_group_size or auto_sub_group_size(
-            owned, plan_layout, self.cfg.host_buffer_bytes, not self.in_place)
-        self.subgroups = _plan(pieces, order, self.sub_group_size, plan_layout.segments)
+        self.sub_group_size, layout = configured_buffers(owned, self.user_sub_group_size, self.cfg.buffer_count,
+                                                         self.cfg.host_buffer_bytes, self.in_place, self.deferred)
+        self.subgroups = _plan(pieces, order, self.sub_group_size, layout.segments)
         count = max(1, min(self.cfg.buffer_count, len(self.subgroups)))  # more would never be used
-        self.layout = BufferLayout(plan_layout.segments, count, 0 if self.in_place or not self.deferred else 1)
+        self.layout = BufferLayout(layout.segments, count, layout.scratch)
         largest = max((sg.numel for sg in self.subgroups), default=0)
         if self.user_sub_group_size is not None and self.rank == 0:
             warning = oversize_warning(self.user_sub_group_size, largest, self.layout, owned, not self.in_place)

@@ -97,4 +97,44 @@ def offload_estimate_table(numel: int, world_size: int, b: BytesPerElement) -> s
     return "\n".join(rows)
 
 
-__all__ = ["OffloadReport", "host_total", "offload_formula", "offload_estimate_table"]
+def configured_offload_table(numel: int, world_size: int, cfg: "ZeroDPConfig") -> str:  # noqa: F821
+    """``zerodp estimate --config``: host and NVMe bytes per rank of the offload buffers as ``cfg``
+    configures them on a CPU-only machine, sized by the engine's own code
+    (:func:`zerodp.offload.sizing.estimate_offload_bytes`); no padding to 4096 bytes per segment."""
+    import torch
+
+    from zerodp.offload.sizing import estimate_offload_bytes
+    from zerodp.runtime.precision import grad_accum_dtype
+
+    zc = cfg.zero_optimization
+    owned = -(-numel // world_size)
+    low = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
+    accum = grad_accum_dtype(low, cfg.gradient_accumulation_steps or 1, cfg.data_types.grad_accum_dtype)
+    rows = [f"offload as configured (stage {zc.stage}, {str(accum).replace('torch.', '')} gradients, {owned:,} owned elements per rank):"]
+    oo, op = zc.offload_optimizer, zc.offload_param
+    if oo.device == "nvme":
+        user = zc.sub_group_size if "sub_group_size" in zc.model_fields_set else None
+        in_place = low == torch.float32 and not op.enabled
+        spill = zc.stage >= 2 and not cfg.fp16.enabled  # zerodp.runtime.grad_spill
+        e = estimate_offload_bytes(owned, user, oo.buffer_count, oo.host_buffer_bytes, in_place, accum.itemsize, spill)
+        how = "set" if user else f"chosen from host_buffer_bytes {oo.host_buffer_bytes:,}"
+        rows += [f"  offload_optimizer nvme: sub_group_size {e['sub_group_size']:,} ({how}), {e['buffer_count']} buffers",
+                 f"    host  sub-group buffers + gradient scratch  {human_bytes(e['host_buffers']):>12}",
+                 f"    host  gradient swap read buffers            {human_bytes(e['host_gradient_reads']):>12}",
+                 f"    nvme  {'Adam moments' if in_place else 'fp32 masters + Adam moments':<38}"
+                 f"{human_bytes(e['nvme_states']):>12}",
+                 f"    nvme  reduced gradient partition            {human_bytes(e['nvme_gradients']):>12}"]
+    elif oo.device == "cpu":
+        rows.append(f"  offload_optimizer cpu: host fp32 masters, moments and gradients {human_bytes(16 * owned)} "
+                    "(on a CPU-only machine nothing moves: see zerodp.offload.build)")
+    if op.device == "nvme":
+        shard = (low.itemsize if low != torch.float32 else 4) * owned
+        rows += [f"  offload_param nvme: host pool {op.buffer_count} x {human_bytes(op.buffer_size)} + read-ahead "
+                 f"{human_bytes(op.max_in_cpu)} = {human_bytes(op.buffer_count * op.buffer_size + op.max_in_cpu)}, "
+                 f"nvme parameter shards {human_bytes(shard)}"]
+    if len(rows) == 1:
+        rows.append("  no offload configured (zero_optimization.offload_optimizer / offload_param)")
+    return "\n".join(rows)
+
+
+__all__ = ["OffloadReport", "configured_offload_table", "host_total", "offload_formula", "offload_estimate_table"]
