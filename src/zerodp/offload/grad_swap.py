@@ -109,6 +109,10 @@ class GradSwap:
         self._writes.append((index, self.io.write(self.file, whole, e.offset), owned))
         self.bytes_written += whole.numel()
         self.on_disk.add(index)
+        for _, h, _ in self._writes:
+            if h.done():
+                h.wait()  # landed (a failed write raises here): its memory goes now
+        self._writes = [w for w in self._writes if w[1].futures]
         while len(self._writes) > MAX_WRITES_IN_FLIGHT:
             self._writes.pop(0)[1].wait()
 

@@ -7,7 +7,10 @@ memory from construction on (2 bytes per owned element in bf16, 4 in fp32): with
 states on NVMe it is the one host term that grows with the model. Here a group's partition (one
 stage-3 unit's shard of gradients) exists in memory only from the first reduction of one of its
 buckets in a micro-step until all its buckets are reduced (and passed to ``on_reduced``); it is
-then handed to the :class:`GradSpill` and dropped. A later micro-step of the same accumulation reads
+then handed to the :class:`GradSpill` and dropped (its memory freed once its write lands, at the
+latest when backward returns). At stage 3 a group is one unit, so the gradient memory is bounded by
+a few units; at stage 2 a group is a whole parameter group, so during backward the partition is
+still whole, and only between backward and the next one it is not in memory. A later micro-step of the same accumulation reads
 it back to add to it. :meth:`SpillingGradReducer.piece_grad` of a spilled group reads a copy (the
 accessors, ``clip_grad_norm_``); :meth:`SpillingGradReducer.held_grad` says None, so the engine's
 step lets the optimizer offload read the gradients sub-group by sub-group itself.
@@ -34,6 +37,7 @@ class GradSpill(Protocol):
     def get(self, index: int) -> torch.Tensor: ...
     def read_elements(self, index: int, lo: int, hi: int) -> torch.Tensor: ...
     def forget(self) -> None: ...
+    def drain(self) -> None: ...
 
 
 #: makes the spill for a reducer (its ``owned_sizes`` and :meth:`SpillingGradReducer.owned_offset`), or None
@@ -76,6 +80,12 @@ class SpillingGradReducer(PartitionedGradReducer):
     def begin_micro_step(self, reduce: bool) -> None:
         super().begin_micro_step(reduce)
         self._reduced_in_group = {}
+
+    def end_micro_step(self) -> None:
+        """As the base, then wait for the last writes: no partition stays in memory past backward."""
+        super().end_micro_step()
+        if self.spill is not None:
+            self.spill.drain()
 
     def _after_reduced(self, g: FlatGroup) -> None:
         if self.spill is None:
