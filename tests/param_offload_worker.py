@@ -226,6 +226,9 @@ def mixed_nvme_step() -> dict:
                          "spans": any(len(a & b) for a, b in zip(need, need[1:])),
                          "grad_buffer_max": max(t.numel() for t in off.grad_buffers),
                          "grad_host": off.host_bytes(engine.optimizer)["gradients"],
+                         # the gradient swap file's read buffers (zerodp.offload.grad_swap), page-sized here
+                         "grad_reads": off.spill.host_bytes() if off.spill is not None else 0,
+                         "reducer_grads": engine.memory_report().measured["gradients"],
                          "owned": sum(p.hi - p.lo for gr in engine.groups for p in gr.pieces),
                          "live_after": sum(s.storage_bytes() for s in sw.shards), "norms": norms,
                          "skipped": engine.skipped_steps}

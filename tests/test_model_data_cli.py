@@ -602,3 +602,40 @@ def test_resume_from_a_tag_other_than_latest(tiny_runs, tmp_path) -> None:
     assert all(torch.equal(mine[k], first[k]) for k in first)
     missing = _zerodp_train("--steps", "6", "--save-dir", str(tagged), "--resume-tag", "global_step99", ok=False)
     assert "global_step99 does not exist" in missing.stderr
+
+
+def test_estimate_config_gives_offload_buffers_as_configured(capsys, tmp_path) -> None:
+    """Issue 31 item 2: host and NVMe bytes of the offload buffers as a config sets them, by the
+    sizing the engine uses (zerodp.offload.sizing), here recomputed by hand."""
+    from zerodp.offload.sizing import AUTO_SHARE, SPLIT_ALIGN
+
+    owned = 500_000_000  # 1e9 parameters on 2 ranks
+    zo = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+          "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2, "buffer_size": 4096,
+                            "max_in_cpu": 8192}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {**zo, "sub_group_size": 1_000_000}}))
+    assert cli.main(["estimate", "--params", "1e9", "--dp", "2", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    # 4 buffers x (3 fp32 segments) + 1 fp32 scratch per element of a 1e6 sub-group; 2 bf16 read buffers
+    assert "sub_group_size 1,000,000 (set), 4 buffers" in out
+    for want in (4 * (3 * 4) * 10**6 + 4 * 10**6, 2 * 2 * 10**6, 12 * owned, 2 * owned):
+        assert accounting.human_bytes(want) in out, (want, out)
+    assert (f"host pool 2 x {accounting.human_bytes(4096)} + read-ahead {accounting.human_bytes(8192)} = "
+            f"{accounting.human_bytes(2 * 4096 + 8192)}") in out
+    # sub_group_size not set: chosen from host_buffer_bytes (default 256 MiB) within 8% of the bytes moved off
+    path.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": zo}))
+    cli.main(["estimate", "--params", "1e9", "--dp", "2", "--config", str(path)])
+    out = capsys.readouterr().out
+    size = int(min(256 * 2**20, AUTO_SHARE * 12 * owned) // 52) // SPLIT_ALIGN * SPLIT_ALIGN
+    assert f"sub_group_size {size:,} (chosen from host_buffer_bytes 268,435,456)" in out
+    assert accounting.human_bytes(52 * size) in out
+    # fp16: loss scaling keeps the gradient partition in memory (no gradient swap file)
+    path.write_text(json.dumps({"fp16": {"enabled": True}, "zero_optimization": zo}))
+    cli.main(["estimate", "--params", "1e9", "--dp", "2", "--config", str(path)])
+    out = capsys.readouterr().out
+    nvme_grads = next(line for line in out.splitlines() if "nvme  reduced gradient partition" in line)
+    assert nvme_grads.split()[-2:] == accounting.human_bytes(0).split(), nvme_grads
+    with pytest.raises(SystemExit):
+        cli.main(["estimate", "--params", "1e9", "--dp", "2", "--config", str(tmp_path / "missing.json")])
+    assert "--config" in capsys.readouterr().err

@@ -48,7 +48,8 @@ from zerodp.stage3.sharded_param import is_sharded
 from zerodp.stage3.sharding import Stage3
 from zerodp.stage3.ownership import register_master_refresh
 from zerodp.runtime.wrapped import WRAPPED
-from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer, PartitionedGradReducer
+from zerodp.runtime.grad_spill import partitioned_reducer
+from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer
 
 
 class Engine(CheckpointMethods):
@@ -169,8 +170,9 @@ class Engine(CheckpointMethods):
         elif self.stage == 1:
             self.reducer = FullGradReduceScatter(*args)
         else:
-            self.reducer = PartitionedGradReducer(
+            self.reducer = partitioned_reducer(  # with NVMe offload (no fp16 scaling), gradients go to disk per unit
                 *args, contiguous_gradients=zc.contiguous_gradients,
+                spill=None if self.loss_scaler is not None else self.optimizer_offload.gradient_spill,
                 staging_pool=self.sharding.pool if self.sharding is not None else None,
                 # stage 3 has one bucket per unit: reduce-scatter units in a few coalesced groups
                 coalesce_elements=self.sharding.reduce_flush_elements if self.sharding is not None else 0)
@@ -368,7 +370,7 @@ class Engine(CheckpointMethods):
         for g in self.groups:
             for piece in g.pieces:
                 if present[piece.slot.index]:
-                    self.optimizer_offload.stage_grad(piece, self.reducer.piece_grad(g, piece.lo, piece.hi))
+                    self.optimizer_offload.stage_grad(piece, self.reducer.held_grad(g, piece.lo, piece.hi))
         if self.loss_scaler is not None:
             self._scale_grads(1.0 / self.loss_scaler.scale)
         self._global_grad_norm = grad_norm.clip_at_step(self, self.config.gradient_clipping, self._scale_grads)

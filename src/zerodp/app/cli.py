@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence, get_args
 
 from zerodp.runtime import accounting
 from zerodp.app import clean_swap
-from zerodp.offload.report import offload_estimate_table
+from zerodp.offload.report import configured_offload_table, offload_estimate_table
 from zerodp.app import launch, run_script
 from zerodp.config import ZeroConfig
 from zerodp.app.model import GPTConfig, count_parameters
@@ -296,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--grad-accum-dtype", choices=("fp32", "bf16", "fp16"), default=None,
                     help="data_types.grad_accum_dtype: the gradient accumulation dtype (default: fp32 "
                          "under mixed precision with --grad-accum > 1, else the parameters' dtype)")
+    es.add_argument("--config", metavar="JSON",
+                    help="a DeepSpeed/zerodp config: also print the host and NVMe bytes per rank of its offload "
+                         "buffers as configured (sized by the engine's own code, zerodp.offload.sizing)")
     es.set_defaults(handler=_cmd_estimate, parser=es, fp32=False)
     clean_swap.add_parser(sub)
     run_script.add_parser(sub, _add_launcher_arguments, torchrun_prefix)
@@ -382,6 +385,15 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     print(accounting.estimate_table(numel, args.dp, b))
     print()
     print(offload_estimate_table(numel, args.dp, b))
+    if args.config is not None:
+        from zerodp.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(args.config)
+        except (ConfigError, ValueError, OSError) as exc:
+            args.parser.error(f"argument --config: {exc}")
+        print()
+        print(configured_offload_table(numel, args.dp, cfg))
     return 0
 
 

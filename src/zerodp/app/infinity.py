@@ -13,21 +13,25 @@ The plan (:func:`plan_run`) is printed first; ``--dry-run`` stops there. A disk 
 the plan is refused with the bytes needed and available. Where the bytes go (all ranks together):
 
 - disk: fp32 master + Adam moments (12 bytes/param, ``offload_optimizer`` swap files), the bf16
-  parameter shards (2 bytes/param, ``offload_param`` swap file), the raw-I/O probe file, 3% slack;
-- RAM (:func:`ram_accounting`): held for the whole run, the reduced bf16 gradient partition (2
-  bytes/param, held once: the NVMe optimizer offload reads it in place and makes fp32 gradients one
-  sub-group at a time, see :mod:`zerodp.offload.nvme`), plus per rank the runtime, the optimizer's
-  sub-group buffers and the parameter swap pool with its read-ahead budget; then the larger of two
+  parameter shards (2 bytes/param, ``offload_param`` swap file), the reduced bf16 gradient partition
+  (2 bytes/param, ``gradients.swp``: each unit's goes there once reduced, :mod:`zerodp.offload.grad_swap`),
+  the raw-I/O probe file, 3% slack;
+- RAM (:func:`ram_accounting`), every row bounded by a layer, a sub-group or a configured pool, none by
+  the parameter count: per rank the runtime, the optimizer's sub-group buffers, the gradient swap's
+  two read buffers (a sub-group each) and the unit partitions being reduced or written, and the
+  parameter swap pool with its read-ahead budget; then the larger of two
   phases that do not overlap: backward (the stage-3 gather pool at its limit: live window, running
   unit, gradient staging; and the saved activations, measured at about 36 bytes per token, layer and
   ``d_model`` in bf16) and the optimizer step (the fp32 gradient scratch of one sub-group and the
   parameter shards resident while a sub-group is updated: those of two sub-groups plus two boundary
-  layers, the fp64 norm of one layer's gradient, Adam's temporaries); 30% slack (the 3.2B runs peaked
-  20-21% above the attributed rows, cause not found). The raw-I/O probe runs before the model exists
-  and is not counted.
+  layers, the fp64 norm of one layer's gradient, Adam's temporaries); 15% slack. The raw-I/O probe runs
+  before the model exists and is not counted. The 3.2B runs peaked 20-21% above the rows of the plan
+  of then; the part not attributed was glibc's sliding mmap threshold (freed blocks up to 32 MiB kept
+  in the heap, about 2 bytes/param at a small scale, tests/test_infinity_rss.py): the worker runs with
+  ``MALLOC_MMAP_THRESHOLD_`` fixed (:data:`MALLOC_ENV`).
 
-Consequence: states of ``R`` x RAM mean ``P = R x RAM / 16`` parameters, whose gradient partition
-takes ``2 P = R x RAM / 8``: a quarter of the RAM at ``R = 2``; the rest is buffers of fixed size.
+Consequence: the RAM needed depends on the layer width and the activations (tokens x layers x
+``d_model``), not on the parameter count: the model is bounded by the disk.
 
 The worker half (:func:`run_worker`, in :mod:`zerodp.app.infinity_run`) runs under ``torch.distributed.run``.
 """
@@ -47,6 +51,9 @@ from typing import Optional
 from zerodp.app.model import GPTConfig, count_parameters
 from zerodp.runtime.accounting import human_bytes
 
+#: glibc: a fixed mmap threshold, so freed blocks above it go back to the kernel (the default slides up to
+#: 32 MiB after the first large free, and the heap then keeps freed blocks below it)
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 #: bytes per parameter of the model states in mixed-precision Adam (ZeRO paper section 3.1: 2 + 2 + 12)
 STATE_BYTES = 16
 GIB = 2**30
@@ -173,6 +180,7 @@ def plan_run(machine: Machine, nproc: int = 1, states_ratio: float = 2.0, seq_le
     k = knobs_for(p, largest_layer, nproc, overlap_step)
     disk = {"optimizer states (fp32 master + Adam m, v)": 12 * p,
             "parameter shards (bf16)": 2 * p,
+            "reduced gradient partition (bf16, gradients.swp)": 2 * p,
             "raw-I/O probe file": k.probe_bytes}
     disk["slack (3%)"] = math.ceil(0.03 * sum(disk.values()))
     ram, phases = ram_accounting(p, model, micro_batch, largest_layer, nproc, k)
@@ -229,15 +237,16 @@ def ram_accounting(p: int, model: GPTConfig, micro_batch: int, largest_layer: in
     else:
         larger = max(phases, key=lambda ph: sum(phases[ph].values()))
         transient = sum(phases[larger].values())
-    ram = {"reduced bf16 gradient partition (held once)": 2 * p,
-           "runtime per rank": nproc * k.runtime_bytes,
+    bucket = min(k.reduce_bucket_size + u, p)  # a coalesced reduce-scatter: its owned share is 1/nproc
+    ram = {"runtime per rank": nproc * k.runtime_bytes,
+           "gradient swap: 2 read buffers + 4 reduced buckets per rank": nproc * 2 * (2 * s_ + 2**20) + 4 * 2 * bucket,
            "optimizer sub-group buffers per rank": nproc * k.optimizer_buffers * -(-12 * s_ // align) * align,
            "parameter swap pool + read-ahead per rank": nproc * (k.param_buffer_count * k.param_buffer_size
                                                                 + k.max_in_cpu),
            f"transients per rank, {'larger phase (' + larger + ')' if not k.overlap_step else larger}": transient}
-    # 30%: the 3.2B runs (docs/benchmarks/2026-12-01-infinity.md) peaked 2.5-2.6 GB (20-21%) above the attributed rows; the
-    # cause is not found, so the margin is a measured one
-    ram["slack (30%)"] = math.ceil(0.3 * sum(ram.values()))
+    # the 3.2B runs' unattributed 20-21% was the allocator's sliding mmap threshold, now fixed (MALLOC_ENV); 15%
+    # covers the interpreter and allocator variation, not yet measured at that scale since
+    ram["slack (15%)"] = math.ceil(0.15 * sum(ram.values()))
     return ram, phases
 
 
@@ -359,6 +368,8 @@ def command(args: argparse.Namespace) -> int:
               "-m", "zerodp.app.infinity_run", "--plan", json.dumps(_plan_json(plan)), "--nvme-path", machine.nvme_path]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc)))
+    for key, value in MALLOC_ENV.items():  # the allocator keeps no freed large blocks (module docstring)
+        env.setdefault(key, value)
     return subprocess.run(worker, env=env).returncode
 
 

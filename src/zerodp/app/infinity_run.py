@@ -207,6 +207,33 @@ def run_worker(plan: dict, nvme_path: str) -> None:
     zerodp.shutdown_distributed()
 
 
+#: a step whose disk throughput is below this share of the raw figure measured at the start is reported
+SLOW_DISK_SHARE = 0.5
+
+
+def disk_throughput(read: int, written: int, busy_s: Optional[float], seconds: float, raw_read: float,
+                    raw_write: float) -> tuple[float, float, str]:
+    """(achieved, raw, over) in bytes/s for one step: ``achieved`` = bytes moved (``/proc/self/io`` of
+    every rank) / seconds the disk was busy (``io_ticks``; without it the step's wall time, a lower
+    bound on the rate: ``over`` says which); ``raw`` = the same bytes / the seconds the raw
+    sequential direct-I/O figures of the start of the run need for them (reads at ``raw_read``,
+    writes at ``raw_write``)."""
+    moved = read + written
+    ideal = read / raw_read + written / raw_write
+    over, t = ("disk busy", busy_s) if busy_s else ("step time", seconds)
+    return (moved / t if t > 0 else 0.0), (moved / ideal if ideal > 0 else 0.0), over
+
+
+def slow_disk_warning(step: int, achieved: float, raw: float, over: str, share: float = SLOW_DISK_SHARE) -> Optional[str]:
+    """The line that attributes a slow step to the disk (None when ``achieved >= share x raw``, or
+    nothing was moved)."""
+    if raw <= 0 or achieved >= share * raw:
+        return None
+    return (f"step {step}: the disk slowed down: {achieved / 1e6:,.0f} MB/s (bytes moved / {over}) vs "
+            f"{raw / 1e6:,.0f} MB/s at the start of the run (raw direct I/O, same read/write mix); this step's "
+            "time is the disk's, not zerodp's (sustained direct I/O can exhaust a virtual disk's burst budget)")
+
+
 def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, build_s: float,
            device: Optional[str]) -> str:
     m = plan["model"]
@@ -221,7 +248,8 @@ def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, bui
                      f"{human_bytes(r['rss_after_init'])} | {human_bytes(r['rss_after_initialize'])}")
     lines.append(f"per step (rank 0; I/O of all ranks summed; disk busy = io_ticks of {device or 'n/a'}):")
     lines.append(f"  {'step':>4} {'loss':>8} {'time s':>8} {'read':>10} {'written':>10} {'busy s':>8} "
-                 f"{'wait s':>8} {'I/O/raw':>8} {'hidden':>7} {'step/max(c,io)':>15}")
+                 f"{'wait s':>8} {'I/O/raw':>8} {'hidden':>7} {'step/max(c,io)':>15} {'MB/s':>7} {'raw MB/s':>9}")
+    slow = []
     for i, rec in enumerate(every[0]["records"]):
         read = sum(r["records"][i]["read"] for r in every)
         written = sum(r["records"][i]["written"] for r in every)
@@ -233,11 +261,15 @@ def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, bui
             ratio = f"{t / max(t - wait, busy):.2f}"
         else:
             eff = hidden = ratio = "n/a"
+        achieved, raw, over = disk_throughput(read, written, busy, t, raw_read, raw_write)
         lines.append(f"  {rec['step']:>4} {rec['loss']:>8.4f} {t:>8.1f} {human_bytes(read):>10} "
                      f"{human_bytes(written):>10} {busy if busy is not None else float('nan'):>8.1f} {wait:>8.1f} "
-                     f"{eff:>8} {hidden:>7} {ratio:>15}")
+                     f"{eff:>8} {hidden:>7} {ratio:>15} {achieved / 1e6:>7,.0f} {raw / 1e6:>9,.0f}")
+        slow += [w] if (w := slow_disk_warning(rec["step"], achieved, raw, over)) else []
     lines.append("  I/O/raw: (read / raw read + written / raw write) / busy; hidden: 1 - wait / busy; "
-                 "compute c = time - wait")
+                 "compute c = time - wait; MB/s: (read + written) / busy; raw MB/s: the same bytes at the raw "
+                 "figures above")
+    lines += ["WARNING " + w for w in slow]
     return "\n".join(lines)
 
 

@@ -146,6 +146,10 @@ class HostOptimizerOffload:
         self.copies.wait()
         self._streamed = [False] * len(self.pieces)
 
+    def gradient_spill(self, reducer: object) -> None:
+        """No gradient swap file: host offload keeps the fp32 host gradients (see the NVMe offload's)."""
+        return None
+
     def stream_grad(self, piece: Piece, grad: torch.Tensor) -> None:
         """Start copying ``piece``'s reduced gradient (module or fp32 dtype, any device) into its host
         fp32 buffer; called as its bucket's reduction completes. ``grad`` must stay unchanged until

@@ -86,6 +86,10 @@ class NoOffload:
         target = piece.opt_tensor
         target.grad = grad if grad.dtype == target.dtype else grad.to(target.dtype)
 
+    def gradient_spill(self, reducer: object) -> None:
+        """No gradient swap file: the reduced gradients stay in the reducer (see the NVMe offload's)."""
+        return None
+
     def scale_grads(self, factor: float) -> None:
         """Multiply the staged gradients by ``factor`` in place (loss unscaling, clipping)."""
         for piece in self.pieces:

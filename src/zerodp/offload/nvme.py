@@ -10,7 +10,9 @@ masters, then ``exp_avg``, then ``exp_avg_sq``, each segment padded to 4096 byte
 one direct-I/O read and one write. Host memory holds ``buffer_count`` buffers of the largest region
 (the swapper's pool), one ``step`` scalar per piece, and the gradients:
 
-- CPU training (the reduced gradient partition is already in host memory): no second copy. The
+- CPU training, stages 2-3 without loss scaling: the reduced gradients go to ``gradients.swp`` per
+  unit (:mod:`zerodp.offload.grad_swap`), read back per sub-group during the step.
+- Otherwise on the CPU: no second copy. The
   offload keeps a reference to the reducer's partition (module dtype, or fp32 when accumulating; it
   stays unchanged until the step) and records the scale factors the engine applies (loss unscaling,
   clipping) in order. A piece's fp32 gradient is made just in time, in one scratch buffer of the
@@ -58,12 +60,13 @@ import torch.distributed as dist
 from zerodp.offload.aio import AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
 from zerodp.offload.cpu_adam import cpu_adam_kernel
+from zerodp.offload.grad_swap import GradSwap, StepGradReads, open_grad_swap
 from zerodp.offload.host import HostOptimizerOffload, fold_edit, storage_bytes
 from zerodp.offload.report import offload_formula
 from zerodp.offload.shard_window import ShardAccess, unique_groups
 from zerodp.offload.swap_dir import check_stale, make_rank_dir
 from zerodp.offload.swap_job import OffloadError, agree_job_id, raise_if_any_rank_failed, remove_swap_dir
-from zerodp.offload.sizing import BufferLayout, auto_sub_group_size, oversize_warning
+from zerodp.offload.sizing import BufferLayout, configured_buffers, oversize_warning
 from zerodp.offload.subgroups import SubGroup, plan_subgroups as _plan
 from zerodp.offload.step_pipeline import SubGroupPipeline, SwapStats
 from zerodp.runtime.partition import FlatGroup, Piece
@@ -101,6 +104,10 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self._group_of: list[FlatGroup] = []  # per piece: its flat group (= stage-3 unit)
         self.shard_access: Optional[ShardAccess] = None
         self.pending: Optional[SubGroupPipeline] = None  # a step's loop still running (overlap_step)
+        self.spill: Optional[GradSwap] = None  # the reduced gradients on NVMe (gradient_spill)
+        self._grad_at: list[tuple[int, int]] = []  # per piece: (group index, offset in its owned partition)
+        self._grad_reads: Optional[StepGradReads] = None  # this step's reads of the gradient swap file
+        self._files: list[Optional[SwapFile]] = []
         self._after: list[Callable[[], None]] = []  # to run once the pending loop has finished
 
     # ---- construction --------------------------------------------------------------------------
@@ -117,12 +124,11 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self.in_place = self.shard_access is None and self.deferred and \
             all(p.tensor.dtype == torch.float32 for p in pieces)
         owned = sum(p.hi - p.lo for p in pieces)
-        plan_layout = BufferLayout(2 if self.in_place else 3, self.cfg.buffer_count, 0 if self.in_place else 1)
-        self.sub_group_size = self.user_sub_group_size or auto_sub_group_size(
-            owned, plan_layout, self.cfg.host_buffer_bytes, not self.in_place)
-        self.subgroups = _plan(pieces, order, self.sub_group_size, plan_layout.segments)
+        self.sub_group_size, layout = configured_buffers(owned, self.user_sub_group_size, self.cfg.buffer_count,
+                                                         self.cfg.host_buffer_bytes, self.in_place, self.deferred)
+        self.subgroups = _plan(pieces, order, self.sub_group_size, layout.segments)
         count = max(1, min(self.cfg.buffer_count, len(self.subgroups)))  # more would never be used
-        self.layout = BufferLayout(plan_layout.segments, count, 0 if self.in_place or not self.deferred else 1)
+        self.layout = BufferLayout(layout.segments, count, layout.scratch)
         largest = max((sg.numel for sg in self.subgroups), default=0)
         if self.user_sub_group_size is not None and self.rank == 0:
             warning = oversize_warning(self.user_sub_group_size, largest, self.layout, owned, not self.in_place)
@@ -167,12 +173,11 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             raise OffloadError(f"offload_optimizer.nvme_path {base!r}: the swap file needs {needed:,} bytes, "
                                f"{free:,} bytes are free")
         check_stale(base, self.cfg.remove_stale_swap, "offload_optimizer.nvme_path", self.rank)
-        files: list[Optional[SwapFile]] = []
-        self.dir = make_rank_dir(base, job, self.rank, files)  # owner record; unlinked on SIGTERM/SIGINT
+        self.dir = make_rank_dir(base, job, self.rank, self._files)  # owner record; unlinked on SIGTERM/SIGINT
         path = os.path.join(self.dir, "optimizer.swp")
-        self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir, files)
+        self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir, self._files)
         self.file = SwapFile(path)
-        files.append(self.file)
+        self._files.append(self.file)
         try:
             if self.cfg.fast_init:
                 os.ftruncate(self.file.fd, needed)
@@ -183,6 +188,22 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                                f"{path} ({needed:,} bytes, {shutil.disk_usage(base).free:,} free): "
                                f"{os.strerror(exc.errno or 0)}") from None
         self.io = AsyncIO(self.aio_cfg)
+
+    def gradient_spill(self, reducer: object) -> Optional[GradSwap]:
+        """Collective: the gradient swap file for ``reducer``
+        (:class:`zerodp.runtime.grad_spill.SpillingGradReducer`), or None when the gradients are not
+        in host memory (:func:`zerodp.offload.grad_swap.open_grad_swap`; raises its errors)."""
+        if not self.deferred or self.file is None:
+            return None
+        self._grad_at = [(g.index, reducer.owned_offset(g, p.lo, p.hi)) for p, g in zip(self.pieces, self._group_of)]
+        self.spill = open_grad_swap(self.dir, self.cfg.nvme_path, self.cfg.fast_init, self.io, self._files,
+                                    reducer.owned_sizes, self._grad_at, [sg.spans for sg in self.subgroups],
+                                    self.rank, self.pg)
+        return self.spill
+
+    def _spilled_spans(self, index: int) -> list[tuple[int, int, int]]:
+        """Spans of sub-group ``index`` whose gradient is in the gradient swap file."""
+        return [(i, lo, hi) for i, lo, hi in self.subgroups[index].spans if self._present[i] and self._grad_refs[i] is None]
 
     def _grad_buffer(self, piece: Piece) -> torch.Tensor:
         if not self.deferred:
@@ -320,14 +341,16 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         if not self.deferred:
             return super().stream_grad(piece, grad)
         i = self._index[id(piece)]
-        self._grad_refs[i] = grad
+        if self.spill is None:  # with a spill the reducer's partition goes to the file: no reference
+            self._grad_refs[i] = grad
         self._streamed[i] = True
 
-    def stage_grad(self, piece: Piece, grad: torch.Tensor) -> None:
+    def stage_grad(self, piece: Piece, grad: Optional[torch.Tensor]) -> None:
+        """Deferred: ``grad`` the reducer's partition view (unchanged until the step), or None: in :attr:`spill`."""
         if not self.deferred:
             return super().stage_grad(piece, grad)
         i = self._index[id(piece)]
-        self._grad_refs[i] = grad  # the reducer's final partition view: unchanged until the step
+        self._grad_refs[i] = grad
         self._present[i] = True
 
     def scale_grads(self, factor: float) -> None:
@@ -350,12 +373,15 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         i = self._index[id(piece)]
         if not self._present[i]:
             return None
-        ref = self._grad_refs[i]
-        if ref.dtype == torch.float32 and not self._factors:
-            return ref
+        ref, n = self._grad_refs[i], piece.hi - piece.lo
+        fresh = ref is None  # in the gradient swap file: this piece read into a buffer of its own
+        if fresh:
+            ref = self.spill.read_elements(self._grad_at[i][0], self._grad_at[i][1], self._grad_at[i][1] + n)
+        if ref.dtype == torch.float32 and (fresh or not self._factors):
+            return self._materialise(i, 0, n, None, ref) if fresh else ref
         if self._norm_scratch is None:
             self._norm_scratch = torch.empty(max(p.hi - p.lo for p in self.pieces), dtype=torch.float32)
-        return self._materialise(i, 0, piece.hi - piece.lo, self._norm_scratch[: piece.hi - piece.lo])
+        return self._materialise(i, 0, n, self._norm_scratch[:n], ref)
 
     def norm_grads(self, pieces: list[Piece]) -> Iterable[torch.Tensor]:
         """Deferred: a generator; each piece's fp32 gradient overwrites the previous one's."""
@@ -363,11 +389,13 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             return super().norm_grads(pieces)
         return (g for g in (self.grad_of(p) for p in pieces) if g is not None)
 
-    def _materialise(self, i: int, lo: int, hi: int, out: Optional[torch.Tensor]) -> torch.Tensor:
+    def _materialise(self, i: int, lo: int, hi: int, out: Optional[torch.Tensor],
+                     ref: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Elements ``lo:hi`` of piece ``i``'s fp32 gradient in ``out``: the eager path's copy, then its
         in-place scalings. ``out`` None (the reducer's partition is fp32, as the eager path's gradient
-        is then): scaled in place there, as the eager path scales it."""
-        ref = self._grad_refs[i][lo:hi]
+        is then): scaled in place there, as the eager path scales it. ``ref``: those elements read
+        from the gradient swap file (default: the reducer's partition)."""
+        ref = self._grad_refs[i][lo:hi] if ref is None else ref
         if out is None:
             out = ref
         else:
@@ -385,6 +413,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self.settle()
         self._sync_copies()
         todo = [sg for sg in self.subgroups if any(self._present[i] for i in sg.pieces)]
+        if self.spill is not None:
+            self._grad_reads = StepGradReads(self.spill, self._grad_at, [sg.index for sg in todo], self._spilled_spans)
         if not self.in_place:  # the module's tensors are the masters: nothing to fold
             self._fold_masters([sg for sg in self.subgroups if not any(self._present[i] for i in sg.pieces)])
         loop = SubGroupPipeline(self, optimizer, todo, lambda sg, buf: self._update(sg, buf, optimizer),
@@ -424,12 +454,13 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             for i, (lo, hi) in spans.items():  # an in-place edit since the last step (fold_edits)
                 fold_edit(self.pieces[i].tensor[lo:hi], masters[i])
         scratch = {i: view for i, _, _, view in self._views(sg, self.grad_scratch)} if self.layout.scratch else {}
+        spilled = self._grad_reads.take(sg.index) if self.spill is not None else {}
         for i, (lo, hi) in spans.items():
             if not self._present[i]:
                 continue
             p = self.pieces[i]
             p.master.data = masters[i]
-            p.master.grad = self._materialise(i, lo, hi, scratch.get(i)) if self.deferred \
+            p.master.grad = self._materialise(i, lo, hi, scratch.get(i), spilled.get(i)) if self.deferred \
                 else self.grad_buffers[i][lo:hi]
             if (i, lo) not in self.steps:  # fresh state, exactly what torch's lazy initialisation makes
                 m[i].zero_()
@@ -462,6 +493,9 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self._grad_refs = [None] * len(self.pieces)
         self._factors = []
         self._norm_scratch = None
+        if self._grad_reads is not None:  # reads issued ahead and not used (none normally)
+            self._grad_reads.close()
+            self._grad_reads = None
 
     # ---- checkpoints and reports ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -529,19 +563,27 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         out = super().host_bytes(optimizer)
         out["gradients"] = storage_bytes(self.grad_buffers + [self.grad_scratch])
         out["swap_buffers"] = storage_bytes(self.buffers)
+        if self.spill is not None:  # its read buffers and the partitions whose writes are in flight
+            out["gradients"] += self.spill.host_bytes()
         return out
 
     def formula(self, numel_per_rank: float, host: dict[str, int]) -> dict[str, dict[str, float]]:
         largest = float(max((sg.numel for sg in self.subgroups), default=0))
         scratch = (largest if self.layout.scratch else 0.0) if self.deferred else None
-        return offload_formula(self.device, numel_per_rank, host["swap_buffers"], scratch,
-                               masters_in_file=not self.in_place)
+        out = offload_formula(self.device, numel_per_rank, host["swap_buffers"], scratch,
+                              masters_in_file=not self.in_place, grad_read_bytes=self.spill.host_bytes() if self.spill else 0)
+        if self.spill is not None:  # the reduced gradient partition, in the reducer's dtype
+            out["nvme"]["gradients"] = max(e.dtype.itemsize for e in self.spill.extents.values()) * numel_per_rank
+        return out
 
     def nvme_bytes(self) -> dict[str, int]:
         """Bytes of the swap file's segments (padding included), by category (no masters when the
         module's tensors are the masters)."""
         seg = sum(sg.seg for sg in self.subgroups)
-        return {"master_weights": 0 if self.in_place else seg, "optimizer_states": 2 * seg}
+        out = {"master_weights": 0 if self.in_place else seg, "optimizer_states": 2 * seg}
+        if self.spill is not None:
+            out["gradients"] = os.fstat(self.spill.file.fd).st_size
+        return out
 
     def close(self) -> None:
         """Stop the I/O threads and remove this rank's swap file and directory (a step's loop still
@@ -550,6 +592,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             self.pending.abandon()
             self.pending = None
         self.copies.close()
+        if self.spill is not None:
+            self.spill.drain()
         if self.io is not None:
             self.io.close()
             self.io = None

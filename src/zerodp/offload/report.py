@@ -15,7 +15,8 @@ from zerodp.runtime.accounting import STAGE_NAMES, BytesPerElement, MemoryReport
 
 
 def offload_formula(device: str, numel_per_rank: float, buffer_bytes: int = 0,
-                    grad_numel: Optional[float] = None, masters_in_file: bool = True) -> dict[str, dict[str, float]]:
+                    grad_numel: Optional[float] = None, masters_in_file: bool = True,
+                    grad_read_bytes: int = 0) -> dict[str, dict[str, float]]:
     """Expected host / NVMe bytes for one rank with ``numel_per_rank`` = Psi / N_d owned elements:
     fp32 master 4, Adam moments 8 and fp32 gradient 4 bytes per element (ZeRO-Offload section 4);
     with NVMe, the master and moments (12 bytes) move to the swap file and host memory keeps the
@@ -23,14 +24,15 @@ def offload_formula(device: str, numel_per_rank: float, buffer_bytes: int = 0,
     it is not a full copy of the partition (NVMe with the gradients in host memory already: a scratch
     of the largest sub-group, see :mod:`zerodp.offload.nvme`); default ``numel_per_rank``.
     ``masters_in_file`` False: fp32 training on the CPU, where the module's tensors are the masters
-    (the swap file holds the moments only)."""
+    (the swap file holds the moments only). ``grad_read_bytes``: host buffers of the gradient swap
+    file (:mod:`zerodp.offload.grad_swap`), counted with the gradients."""
     n = numel_per_rank
     g = n if grad_numel is None else grad_numel
     if device == "cpu":
         return {"host": {"master_weights": 4 * n, "optimizer_states": 8 * n, "gradients": 4 * n,
                          "swap_buffers": 0},
                 "nvme": {"master_weights": 0, "optimizer_states": 0}}
-    return {"host": {"master_weights": 0, "optimizer_states": 0, "gradients": 4 * g,
+    return {"host": {"master_weights": 0, "optimizer_states": 0, "gradients": 4 * g + grad_read_bytes,
                      "swap_buffers": buffer_bytes},
             "nvme": {"master_weights": 4 * n if masters_in_file else 0, "optimizer_states": 8 * n}}
 
@@ -107,4 +109,45 @@ def offload_report(engine: Any) -> Optional[OffloadReport]:
                          offload.formula(engine.numel / engine.world_size, host))
 
 
-__all__ = ["OffloadReport", "host_total", "offload_formula", "offload_estimate_table", "offload_report"]
+def configured_offload_table(numel: int, world_size: int, cfg: "ZeroDPConfig") -> str:  # noqa: F821
+    """``zerodp estimate --config``: host and NVMe bytes per rank of the offload buffers as ``cfg``
+    configures them on a CPU-only machine, sized by the engine's own code
+    (:func:`zerodp.offload.sizing.estimate_offload_bytes`); no padding to 4096 bytes per segment."""
+    import torch
+
+    from zerodp.offload.sizing import estimate_offload_bytes
+    from zerodp.runtime.precision import grad_accum_dtype
+
+    zc = cfg.zero_optimization
+    owned = -(-numel // world_size)
+    low = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
+    accum = grad_accum_dtype(low, cfg.gradient_accumulation_steps or 1, cfg.data_types.grad_accum_dtype)
+    rows = [f"offload as configured (stage {zc.stage}, {str(accum).replace('torch.', '')} gradients, {owned:,} owned elements per rank):"]
+    oo, op = zc.offload_optimizer, zc.offload_param
+    if oo.device == "nvme":
+        user = zc.sub_group_size if "sub_group_size" in zc.model_fields_set else None
+        in_place = low == torch.float32 and not op.enabled
+        spill = zc.stage >= 2 and not cfg.fp16.enabled  # zerodp.runtime.grad_spill
+        e = estimate_offload_bytes(owned, user, oo.buffer_count, oo.host_buffer_bytes, in_place, accum.itemsize, spill)
+        how = "set" if user else f"chosen from host_buffer_bytes {oo.host_buffer_bytes:,}"
+        rows += [f"  offload_optimizer nvme: sub_group_size {e['sub_group_size']:,} ({how}), {e['buffer_count']} buffers",
+                 f"    host  sub-group buffers + gradient scratch  {human_bytes(e['host_buffers']):>12}",
+                 f"    host  gradient swap read buffers            {human_bytes(e['host_gradient_reads']):>12}",
+                 f"    nvme  {'Adam moments' if in_place else 'fp32 masters + Adam moments':<38}"
+                 f"{human_bytes(e['nvme_states']):>12}",
+                 f"    nvme  reduced gradient partition            {human_bytes(e['nvme_gradients']):>12}"]
+    elif oo.device == "cpu":
+        rows.append(f"  offload_optimizer cpu: host fp32 masters, moments and gradients {human_bytes(16 * owned)} "
+                    "(on a CPU-only machine nothing moves: see zerodp.offload.build)")
+    if op.device == "nvme":
+        shard = (low.itemsize if low != torch.float32 else 4) * owned
+        rows += [f"  offload_param nvme: host pool {op.buffer_count} x {human_bytes(op.buffer_size)} + read-ahead "
+                 f"{human_bytes(op.max_in_cpu)} = {human_bytes(op.buffer_count * op.buffer_size + op.max_in_cpu)}, "
+                 f"nvme parameter shards {human_bytes(shard)}"]
+    if len(rows) == 1:
+        rows.append("  no offload configured (zero_optimization.offload_optimizer / offload_param)")
+    return "\n".join(rows)
+
+
+__all__ = ["OffloadReport", "configured_offload_table", "host_total", "offload_formula", "offload_estimate_table",
+           "offload_report"]

@@ -90,5 +90,33 @@ def oversize_warning(sub_group_size: int, largest_numel: int, layout: BufferLayo
             f"set it below {max(1, moved // layout.bytes_per_element):,}")
 
 
+def configured_buffers(owned_numel: int, user_sub_group_size: Optional[int], buffer_count: int, budget_bytes: int,
+                       in_place: bool, deferred: bool) -> tuple[int, BufferLayout]:
+    """(``sub_group_size``, buffer layout) the NVMe swapper uses for ``owned_numel`` elements: the
+    user's size or :func:`auto_sub_group_size`; ``in_place``: the module's fp32 CPU tensors are the
+    masters (2 segments, no scratch); ``deferred``: gradients in host memory (a low-precision scratch).
+    The buffer count is ``buffer_count`` but at most the number of sub-groups."""
+    plan = BufferLayout(2 if in_place else 3, buffer_count, 0 if in_place else 1)
+    size = user_sub_group_size or auto_sub_group_size(owned_numel, plan, budget_bytes, not in_place)
+    subgroups = max(1, -(-owned_numel // max(1, size)))
+    return size, BufferLayout(plan.segments, max(1, min(buffer_count, subgroups)), 0 if in_place or not deferred else 1)
+
+
+def estimate_offload_bytes(owned_numel: int, user_sub_group_size: Optional[int], buffer_count: int,
+                           budget_bytes: int, in_place: bool, grad_itemsize: int, spill: bool) -> dict[str, int]:
+    """Host and NVMe bytes of one rank's NVMe optimizer offload as configured (CPU training), before
+    padding to 4096 bytes per segment: ``host_buffers`` (the sub-group pool and gradient scratch, as
+    :meth:`zerodp.offload.nvme.NvmeOptimizerOffload.attach` sizes them), ``host_gradient_reads`` (with
+    ``spill``: the gradient swap file's two read buffers of a sub-group), ``nvme_states`` (masters,
+    unless ``in_place``, and Adam moments) and ``nvme_gradients`` (with ``spill``)."""
+    size, layout = configured_buffers(owned_numel, user_sub_group_size, buffer_count, budget_bytes, in_place, True)
+    largest = min(size, owned_numel)
+    return {"sub_group_size": size, "buffer_count": layout.count,
+            "host_buffers": layout.host_bytes(largest),
+            "host_gradient_reads": 2 * grad_itemsize * largest if spill else 0,
+            "nvme_states": 4 * layout.segments * owned_numel,
+            "nvme_gradients": grad_itemsize * owned_numel if spill else 0}
+
+
 __all__ = ["AUTO_SHARE", "BufferLayout", "MIN_AUTO_NUMEL", "SPLIT_ALIGN", "auto_sub_group_size",
-           "moved_off_bytes", "oversize_warning"]
+           "configured_buffers", "estimate_offload_bytes", "moved_off_bytes", "oversize_warning"]

@@ -251,6 +251,9 @@ class GradientReducer:
         """The averaged gradient of flat range [lo, hi) of ``g`` (which this rank owns)."""
         raise NotImplementedError
 
+    def held_grad(self, g: FlatGroup, lo: int, hi: int) -> Optional[torch.Tensor]:
+        return self.piece_grad(g, lo, hi)  # None where a spill holds it (zerodp.runtime.grad_spill)
+
     def held_bytes(self) -> dict[str, int]:
         """Bytes currently held: {'gradients': ..., 'comm_buffers': ...}."""
         raise NotImplementedError
@@ -285,6 +288,10 @@ class GradientReducer:
                 self._complete(g, b, payload)
                 if self.on_reduced is not None:
                     self.on_reduced(g, b)
+                self._after_reduced(g)
+
+    def _after_reduced(self, g: FlatGroup) -> None:
+        """After each bucket of ``g`` was reduced and passed to ``on_reduced`` (a spill's hook)."""
 
     def _note_peak(self) -> None:
         self.peak_grad_bytes = max(self.peak_grad_bytes, sum(self.held_bytes().values()))
@@ -447,16 +454,27 @@ class PartitionedGradReducer(GradientReducer):
         # owned gradient partition per group: shard of every bucket back to back, 1-D
         self._owned_offsets: dict[tuple[int, int], int] = {}
         self.owned: dict[int, torch.Tensor] = {}
+        #: (group index, elements, dtype) of each group's owned partition (accumulate_dtype: fp32 in mixed precision,
+        #: see precision.py)
+        self.owned_sizes: list[tuple[int, int, torch.dtype]] = []
         for g in self.groups:
             off = 0
             for b in g.buckets:
                 self._owned_offsets[(g.index, b.index)] = off
                 off += b.shard_numel
-            # accumulated across micro-steps in accumulate_dtype (fp32 in mixed precision, see precision.py)
-            dtype = self.accumulate_dtype or g.buffer.dtype
-            self.owned[g.index] = torch.zeros(off, dtype=dtype, device=g.buffer.device)
+            self.owned_sizes.append((g.index, off, self.accumulate_dtype or g.buffer.dtype))
+        self._allocate_owned()
         self._staging: dict[int, torch.Tensor] = {}  # id(bucket) -> staging buffer being filled
         self._owned_written: set[int] = set()  # id(bucket) whose owned slice holds data since zeroing
+
+    def _allocate_owned(self) -> None:
+        """Every group's owned partition, zeroed, held from now on (:mod:`zerodp.runtime.grad_spill`: not)."""
+        for (index, numel, dtype), g in zip(self.owned_sizes, self.groups):
+            self.owned[index] = torch.zeros(numel, dtype=dtype, device=g.buffer.device)
+
+    def _owned_of(self, g: FlatGroup, first: bool) -> Optional[torch.Tensor]:
+        """``g``'s owned partition (``first``: first reduction since zero_grads; else a spill may give None)."""
+        return self.owned[g.index]
 
     def _staging_for(self, b: Bucket, g: FlatGroup) -> torch.Tensor:
         """The bucket's staging buffer, created uninitialised: every gradient is copied over its
@@ -542,15 +560,13 @@ class PartitionedGradReducer(GradientReducer):
         del self._staging[id(b)]
         buf.div_(self.world_size)
         off = self._owned_offsets[(g.index, b.index)]
-        owned = self.owned[g.index][off : off + b.shard_numel]
-        if id(b) not in self._owned_written and owned.dtype == buf.dtype:
-            recv = None  # first reduction since zero_grads(): write straight into the owned partition
-            out = owned
-        else:
-            recv = torch.empty(b.shard_numel, dtype=buf.dtype, device=buf.device)
-            out = recv
+        first = id(b) not in self._owned_written
         self._owned_written.add(id(b))
-        return buf, out, recv
+        whole = self._owned_of(g, first)
+        if first and whole.dtype == buf.dtype:  # first reduction since zero_grads(): straight into the partition
+            return buf, whole[off : off + b.shard_numel], None
+        recv = torch.empty(b.shard_numel, dtype=buf.dtype, device=buf.device)
+        return buf, recv, recv
 
     def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
         buf, recv, received = payload  # the staging buffer is dropped with the payload here
@@ -560,7 +576,7 @@ class PartitionedGradReducer(GradientReducer):
                 self.staging_pool.take_back(received)
         if recv is not None:  # accumulate (later micro-steps, or an fp32 partition of bf16 grads)
             off = self._owned_offsets[(g.index, b.index)]
-            self.owned[g.index][off : off + b.shard_numel].add_(recv)
+            self._owned_of(g, False)[off : off + b.shard_numel].add_(recv)
 
     def piece_grad(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
         for b in g.buckets:
