@@ -12,13 +12,10 @@ one direct-I/O read and one write. Host memory holds ``buffer_count`` buffers of
 
 - CPU training, stages 2-3 without loss scaling: the reduced gradients go to ``gradients.swp`` per
   unit (:mod:`zerodp.offload.grad_swap`), read back per sub-group during the step.
-- Otherwise on the CPU: no second copy. The
-  offload keeps a reference to the reducer's partition (module dtype, or fp32 when accumulating; it
-  stays unchanged until the step) and records the scale factors the engine applies (loss unscaling,
-  clipping) in order. A piece's fp32 gradient is made just in time, in one scratch buffer of the
-  largest sub-group (4 bytes x ``sub_group_size``): ``copy_`` to fp32, then ``mul_`` by each factor,
-  the very fp32 operations the eager path applies to its copy, so the values are bitwise the same.
-  The global norm reads them one piece at a time (:meth:`NvmeOptimizerOffload.norm_grads`).
+- Otherwise on the CPU: no second copy. The offload reads the reducer's partition (unchanged until
+  the step) and records the engine's scale factors (loss unscaling, clipping) in order; a piece's fp32
+  gradient is made just in time in one scratch buffer of the largest sub-group by the same fp32
+  ``copy_`` and ``mul_`` the eager path applies, so the values are bitwise the same.
 - Gradients on a CUDA device: streamed into an fp32 host buffer per piece during backward (ZeRO-Offload's
   host gradient, :class:`zerodp.offload.host.HostOptimizerOffload`), scaled there in place.
 
@@ -39,10 +36,8 @@ non-offloaded engine's. Between steps the masters are empty placeholders and the
 
 Errors, raised on every rank (collective) before any training state changes: a missing or
 unwritable ``nvme_path``, too little free space (bytes needed vs free), a swap file deleted or
-replaced under a running job. Swap files are removed by :meth:`close`, at interpreter exit (also
-after an exception), on SIGTERM and SIGINT (:mod:`zerodp.offload.swap_dir`, which also names the
-directories of dead jobs at the start) and when this object is garbage-collected, which the engine's
-registries keyed by the module's parameters prevent while the module lives.
+replaced under a running job. Swap files are removed by :meth:`close`, at interpreter exit, on
+SIGTERM and SIGINT (:mod:`zerodp.offload.swap_dir`) and when this object is garbage-collected.
 """
 
 from __future__ import annotations
