@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
-PARTS = ["install", "versions", "cuda_marked_tests", "stage_tests_ws1", "stage_tests_ws2", "train_compare", "bench"]
+PARTS = ["install", "versions", "cuda_marked_tests", "stage_tests_ws1", "stage_tests_ws2", "train_compare",
+         "bench_ws1", "bench_ws2"]
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -29,15 +30,38 @@ def test_dry_run_writes_the_json(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["dry_run"] is True and report["budget_s"] == 480
     assert list(report["parts"]) == PARTS
-    for name in PARTS[:-1]:
+    for name in PARTS:
         part = report["parts"][name]
         assert part["status"] == "dry" and part["rc"] == 0, part
         assert "time box" in part["note"]
         assert (tmp_path / f"{name}.log").read_text().startswith(f"[dry] {name}")
-    assert report["parts"]["bench"]["status"] == "not_supported"
+    for n in (1, 2):  # zerodp bench on CUDA at n ranks, its JSON kept in OUT/bench_wsN, then checked
+        log = (tmp_path / f"bench_ws{n}.log").read_text()
+        assert "zerodp.app.cli bench --device cuda --nproc " + str(n) in log, log
+        assert f"--out '{tmp_path}/bench_ws{n}'" in log and f"gpu_bench_check.py '{tmp_path}/bench_ws{n}/bench.json'" in log
+        assert "time box 150s" in report["parts"][f"bench_ws{n}"]["note"]
+        assert report["figures"][f"bench_ws{n}"] is None  # nothing ran
     assert report["passed"] == 0 and report["counted"] == 0
     assert set(report["figures"]) == {"versions", "train_compare", "cuda_marked_tests", "stage_tests_ws1",
-                                      "stage_tests_ws2"}
+                                      "stage_tests_ws2", "bench_ws1", "bench_ws2"}
+
+
+def test_dry_run_bench_command_parses(tmp_path):
+    """The bench part's command line, run here: every flag is accepted and only --device cuda is
+    refused (this machine has no CUDA), before anything runs."""
+    import shlex
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the command would run")
+    assert run("--dry-run", "--out", str(tmp_path)).returncode == 0
+    line = next(ln for ln in (tmp_path / "bench_ws1.log").read_text().splitlines() if "zerodp.app.cli bench" in ln)
+    cmd = shlex.split(line)
+    cmd[0] = sys.executable
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--device cuda needs a CUDA device" in proc.stderr, proc.stderr
+    assert not (tmp_path / "bench_ws1" / "bench.json").exists()
 
 
 def test_out_from_the_environment_and_budget(tmp_path):
@@ -66,7 +90,8 @@ def test_report_counts_failures_and_spent_budget(tmp_path):
         sys.path.pop(0)
     (tmp_path / "parts").mkdir()
     statuses = {"install": "pass", "versions": "fail", "cuda_marked_tests": "pass", "stage_tests_ws1": "pass",
-                "stage_tests_ws2": "skipped", "train_compare": "budget_spent"}  # bench: never recorded
+                "stage_tests_ws2": "skipped", "train_compare": "budget_spent",
+                "bench_ws1": "pass"}  # bench_ws2: never recorded
     for name, status in statuses.items():
         (tmp_path / "parts" / f"{name}.json").write_text(json.dumps(
             {"name": name, "status": status, "rc": 0, "seconds": 1.0, "note": ""}))
@@ -75,9 +100,15 @@ def test_report_counts_failures_and_spent_budget(tmp_path):
     (tmp_path / "stages_ws1.xml").write_text(
         '<testsuites><testsuite tests="5" failures="1" errors="0" skipped="2"/></testsuites>')
     report = gpu_check_report.build(tmp_path, False, 480, 10.0)
-    assert (report["passed"], report["counted"]) == (2, 6)  # skipped for lack of GPUs is not counted
+    (tmp_path / "bench_ws1").mkdir()
+    (tmp_path / "bench_ws1" / "bench.json").write_text(json.dumps(_bench_record()))
+    report = gpu_check_report.build(tmp_path, False, 480, 10.0)
+    assert (report["passed"], report["counted"]) == (3, 7)  # skipped for lack of GPUs is not counted
     assert report["parts"]["cuda_marked_tests"]["status"] == "fail"
-    assert report["parts"]["bench"]["status"] == "fail"  # nothing recorded: a failure, named
+    assert report["parts"]["bench_ws2"]["status"] == "fail"  # nothing recorded: a failure, named
+    bench = report["figures"]["bench_ws1"]
+    assert bench["problems"] == [] and bench["systems"]["FSDP2"]["peak_device_mib"] == [2.0, 4.0]
+    assert report["figures"]["bench_ws2"] is None
     assert report["figures"]["stage_tests_ws1"] == {"tests": 5, "failures": 1, "errors": 0, "skipped": 2,
                                                     "passed": 2}
 
@@ -95,3 +126,40 @@ def test_train_compare_helper_on_cpu(tmp_path):
     for stage, entry in res["stages"].items():
         assert entry["engine_device"] == "cpu" and entry["max_rel_loss_diff"] <= 1e-5, (stage, entry)
         assert entry["first_last"][0] != entry["first_last"][1]  # it trained
+
+
+def _bench_record(**changes) -> dict:
+    """A minimal ``zerodp bench --device cuda`` record at 2 ranks (plain JSON, BenchResult's fields)."""
+    rows = [{"name": n, "status": "ran", "step_time": {"median": 0.01}, "ratio_to_ddp": 1.0,
+             "max_loss_diff_vs_ddp": 0.0 if n == "DDP" else 2e-6,
+             "memory": [{"rank": r, "peak_device": (r + 1) * 2 * 2**20} for r in (0, 1)]}
+            for n in ("DDP", "FSDP2", "zerodp stage 0", "zerodp stage 1", "zerodp stage 2", "zerodp stage 3")]
+    rows.append({"name": "zerodp stage 2 + offload cpu", "status": "skipped", "reason": "offload is refused on a GPU"})
+    return {"device": "cuda", "world_size": 2, "backend": "cpu:gloo,cuda:nccl", "preset": "tiny", "systems": rows,
+            **changes}
+
+
+def test_bench_check_names_each_problem(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gpu_bench_check
+    finally:
+        sys.path.pop(0)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_bench_record()))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_bench_check.py"), str(good)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["systems"]["DDP"]["peak_device_mib"] == [2.0, 4.0]
+    bad = _bench_record(device="cpu")
+    bad["systems"][1] = {"name": "FSDP2", "status": "skipped", "reason": "RuntimeError: NCCL error"}
+    bad["systems"][2]["memory"][1]["peak_device"] = None
+    bad["systems"][3]["max_loss_diff_vs_ddp"] = 0.5
+    found = gpu_bench_check.problems(gpu_bench_check.summary(bad))
+    assert found == ["device is 'cpu', not 'cuda'", "FSDP2 did not run: RuntimeError: NCCL error",
+                     "zerodp stage 0: no peak device memory for some rank ([2.0, None])",
+                     "zerodp stage 1: loss differs from DDP's by 0.5 (> 0.001)"]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_bench_check.py"), str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "FSDP2 did not run: RuntimeError: NCCL error" in proc.stderr

@@ -8,8 +8,10 @@
 # zerodp with a CUDA torch into .venv-gpu, prints nvidia-smi / torch / CUDA / NCCL versions, runs the
 # tests marked cuda and the stage-equality tests with ZERODP_TEST_DEVICE=cuda (world size 1, and 2 when
 # there are 2+ GPUs), trains the default GPT at stages 0-3 on one GPU for 50 steps against plain PyTorch
-# on the GPU (tools/gpu_train_compare.py), and records `zerodp bench` on CUDA as not supported yet (the
-# bench runs on the CPU only). Each part has its own time box and the script goes on after a failing
+# on the GPU (tools/gpu_train_compare.py), and runs `zerodp bench --device cuda` (tiny preset: DDP, FSDP2,
+# zerodp stages 0-3, DeepSpeed when it installed) at 1 rank, and 2 when there are 2+ GPUs, each record
+# checked by tools/gpu_bench_check.py (the rows ran, losses match DDP's, peak GPU memory per rank) and
+# kept as $OUT/bench_wsN/bench.json. Each part has its own time box and the script goes on after a failing
 # part. Everything goes to $OUT (or ./gpu_check_out, or --out): one log per part, and gpu_check.json
 # with every figure and each part's status (tools/gpu_check_report.py). The last line is
 # `gpu check: N/M pass`.
@@ -152,8 +154,24 @@ fi
 part train_compare 120 "'$PY' tools/gpu_train_compare.py --device cuda --steps 50 --out '$OUT_DIR/train_compare.json'"
 
 # ---- bench -----------------------------------------------------------------------------------------
-echo "== bench: zerodp bench has no device option yet (it measures on the CPU)" | tee "$OUT_DIR/bench.log"
-record bench not_supported 0 0 "zerodp bench on CUDA is not supported yet: the bench pins every system to the CPU"
+# zerodp bench --device cuda at N ranks (cuda:LOCAL_RANK each, NCCL); its JSON lands in $OUT/bench_wsN/;
+# pass: the bench exits 0 and gpu_bench_check.py finds the required rows ran with peak GPU memory
+bench_part() {
+    local n="$1"
+    part "bench_ws$n" 150 "
+        set -e
+        '$PY' -m zerodp.app.cli bench --device cuda --nproc $n --preset tiny --steps 3 --warmup 1 \
+            --rounds 1 --probe-steps 2 --no-fresh-rss --no-plots --out '$OUT_DIR/bench_ws$n'
+        '$PY' tools/gpu_bench_check.py '$OUT_DIR/bench_ws$n/bench.json'
+    "
+}
+bench_part 1
+if [ "$DRY" = 1 ] || [ "$GPUS" -ge 2 ]; then
+    bench_part 2
+else
+    echo "== bench_ws2: skipped, $GPUS GPU(s) (2 needed)" | tee "$OUT_DIR/bench_ws2.log"
+    record bench_ws2 skipped 0 0 "$GPUS GPU(s); 2 ranks need 2 GPUs"
+fi
 
 # ---- report ----------------------------------------------------------------------------------------
 "$HOST_PY" tools/gpu_check_report.py "$OUT_DIR" --dry-run="$DRY" --budget-s="$BUDGET_S" \

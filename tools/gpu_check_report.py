@@ -4,7 +4,8 @@
 
 Reads ``OUT_DIR/parts/*.json`` (one per part: name, status pass/fail/timeout/budget_spent/skipped/dry/not_supported,
 rc, seconds, note, log), the figures the parts wrote (``versions.json``, ``train_compare.json``, the
-pytest junit files ``*.xml``: passed/failed/skipped counts), writes ``OUT_DIR/gpu_check.json`` and
+pytest junit files ``*.xml``: passed/failed/skipped counts, the bench records ``bench_wsN/bench.json``
+summarised by tools/gpu_bench_check.py), writes ``OUT_DIR/gpu_check.json`` and
 prints one line per part, ending with ``gpu check: N/M pass`` (M: the parts that ran or had to; a part
 skipped for lack of GPUs or not supported yet is listed, not counted). Exit status 0.
 """
@@ -18,10 +19,14 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_bench_check  # noqa: E402  (tools/, next to this file)
+
 #: statuses counted in M (the denominator); "dry", "not_supported" and lack-of-GPU skips are not
 COUNTED = ("pass", "fail", "timeout", "budget_spent")
 #: the parts gpu_check.sh records, in order (the report names any that is missing)
-PARTS = ("install", "versions", "cuda_marked_tests", "stage_tests_ws1", "stage_tests_ws2", "train_compare", "bench")
+PARTS = ("install", "versions", "cuda_marked_tests", "stage_tests_ws1", "stage_tests_ws2", "train_compare",
+         "bench_ws1", "bench_ws2")
 
 
 def junit_counts(path: Path) -> dict[str, int] | None:
@@ -58,6 +63,10 @@ def build(out: Path, dry: bool, budget_s: int, seconds: float) -> dict[str, Any]
         if part["status"] == "pass" and not (figures[key] or {}).get("passed"):
             # pytest exits 0 when every test skips (no CUDA): not a pass
             parts[key] = {**part, "status": "fail", "note": "no test passed (all skipped, or no junit file)"}
+    for key in ("bench_ws1", "bench_ws2"):
+        data = read_json(out / key / "bench.json")
+        figures[key] = None if data is None else {**gpu_bench_check.summary(data),
+                                                  "problems": gpu_bench_check.problems(gpu_bench_check.summary(data))}
     counted = [p for p in parts.values() if p["status"] in COUNTED]
     passed = sum(p["status"] == "pass" for p in counted)
     return {"dry_run": dry, "budget_s": budget_s, "seconds": seconds, "parts": parts, "figures": figures,

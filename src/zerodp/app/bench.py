@@ -21,7 +21,9 @@ three PNG charts. With ``--offload`` the rows ``zerodp stage 2 + offload cpu|nvm
 ``--nvme-path``, default a temporary directory removed afterwards), and rank 0 also prints the NVMe
 swap bandwidth beside raw direct I/O on the same disk and the CPU AdamW kernels
 (:mod:`zerodp.app.bench_offload`); the offload rows carry no paper formula (their state is off it). ``--sweep-ranks 1,2,3,4`` (launcher side) first runs the probe of DDP and zerodp at
-each of those world sizes for the memory-vs-ranks chart.
+each of those world sizes for the memory-vs-ranks chart. ``--device cpu|cuda|auto`` (default cpu) says
+where every system, its batches and its timing run, and adds the peak device memory per rank on CUDA
+(:mod:`zerodp.app.bench_device`).
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from zerodp.app import bench_offload, bench_rss
+from zerodp.app import bench_device, bench_offload, bench_rss
 from zerodp.app.bench_measure import (CATEGORIES, RssSampler, TrafficCounter, live_storage_bytes,
                                       live_storages, release_free_memory)
 from zerodp.app.bench_report import (BenchResult, FreshRank, RankMemory, StepTimes, SweepPoint, SystemResult,
                                      Traffic, format_table, plot_all)
+from zerodp.app.bench_device import FRESH_RSS_ON_GPU
 from zerodp.app.bench_systems import SYSTEMS, Builder, Skipped, System, offload_systems
 from zerodp.app.model import GPTConfig, count_parameters
 from zerodp.runtime.accounting import FP32_ADAM, comm_elements_per_step, model_state_bytes
@@ -124,7 +127,7 @@ def check_arguments(args: argparse.Namespace) -> None:
             size (:class:`~zerodp.app.model.GPTConfig`'s message), an ``--only`` / ``--exclude`` name
             that selects no system, ``--sweep-ranks`` without world sizes or inside a torchrun job
             started without the ``zerodp bench`` launcher, or an ``--out`` that cannot be a writable
-            directory (it is created here).
+            directory (it is created here), ``--device cuda`` without CUDA or with ``--offload``.
     """
     for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
                                ("--rounds", args.rounds, 0), ("--sub-group-size", args.sub_group_size, 1)):
@@ -137,6 +140,7 @@ def check_arguments(args: argparse.Namespace) -> None:
                          f"got {args.probe_steps}")
     if args.micro_batch is not None and args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be an integer >= 1 (sequences per rank per step), got {args.micro_batch}")
+    bench_device.check_device(args.device, args.offload)
     resolve_model(args)  # GPTConfig refuses invalid sizes, naming the field and what is allowed
     selected_systems(args, list(SYSTEMS))
     if args.sweep_ranks and not args.sweep_from:
@@ -163,10 +167,11 @@ def _agree_skip(reason: Optional[str]) -> Optional[str]:
     return next((r for r in reasons if r), None)
 
 
-def _build(build: Builder, cfg: GPTConfig, probe: bool) -> tuple[Optional[System], Optional[str]]:
+def _build(build: Builder, cfg: GPTConfig, probe: bool,
+           device: torch.device = bench_device.CPU) -> tuple[Optional[System], Optional[str]]:
     system, reason = None, None
     try:
-        system = build(cfg, LR, probe)
+        system = build(cfg, LR, probe, device=device)
     except Skipped as exc:
         reason = str(exc)
     except Exception as exc:  # a peer that fails to build here is reported, not fatal
@@ -175,11 +180,12 @@ def _build(build: Builder, cfg: GPTConfig, probe: bool) -> tuple[Optional[System
     return (None if reason else system), reason
 
 
-def _probe(build: Builder, cfg: GPTConfig, batches: list, baseline: frozenset) -> dict[str, Any]:
+def _probe(build: Builder, cfg: GPTConfig, batches: list, baseline: frozenset, device: torch.device) -> dict[str, Any]:
     """Probe phase of one system on this rank (see module docstring)."""
     release_free_memory()
+    bench_device.reset_peak_memory(device)
     with RssSampler() as rss:
-        system, reason = _build(build, cfg, probe=True)
+        system, reason = _build(build, cfg, True, device)
         if system is None:
             return {"reason": reason}
         losses, measured = [], {}
@@ -196,21 +202,23 @@ def _probe(build: Builder, cfg: GPTConfig, batches: list, baseline: frozenset) -
            "measured": {c: measured[c] for c in CATEGORIES}, "unattributed": measured["unattributed"],
            "peak_rss": rss.peak, "rss_before": rss.start,
            "traffic_elements": traffic.elements, "by_op": {k: list(v) for k, v in traffic.by_op.items()},
-           "traffic_countable": system.traffic_countable}
+           "traffic_countable": system.traffic_countable, "peak_device": bench_device.peak_memory(device)}
     del system
     return out
 
 
-def _time(build: Builder, cfg: GPTConfig, batches: list, warmup: int) -> list[float]:
+def _time(build: Builder, cfg: GPTConfig, batches: list, warmup: int, device: torch.device) -> list[float]:
     release_free_memory()
-    system, _ = _build(build, cfg, probe=False)
+    system, _ = _build(build, cfg, False, device)
     assert system is not None  # it built in the probe phase
     times = []
     for i, (x, y) in enumerate(batches):
+        bench_device.synchronize(device)  # the clock starts and stops with the device idle
         dist.barrier()
         t0 = time.perf_counter()
         system.forward_backward(x, y)
         system.step()
+        bench_device.synchronize(device)
         dist.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -248,21 +256,22 @@ def run(args: argparse.Namespace) -> Optional[BenchResult]:
     load_start = list(os.getloadavg())
     fresh = _fresh_rss(args, cfg, micro, systems, [n for n in names if not is_excluded(n)])
     zerodp.init_distributed()  # after the fresh-process children: they fork from a process without one
+    device = bench_device.resolve(args.device)  # cuda:LOCAL_RANK, made current, or the CPU
     rank, world = dist.get_rank(), dist.get_world_size()
     psi = count_parameters(cfg)
-    probe_batches = make_batches(cfg, micro, args.probe_steps, rank, world)
-    timed_batches = make_batches(cfg, micro, args.warmup + args.steps, rank, world)
+    probe_batches = bench_device.to_device(make_batches(cfg, micro, args.probe_steps, rank, world), device)
+    timed_batches = bench_device.to_device(make_batches(cfg, micro, args.warmup + args.steps, rank, world), device)
     baseline = frozenset(live_storages())
 
-    _probe(systems["DDP"], cfg, probe_batches, baseline)  # discarded: one-time costs (lazy init, gloo, allocator)
+    _probe(systems["DDP"], cfg, probe_batches, baseline, device)  # discarded: one-time costs (lazy init, gloo, allocator)
     release_free_memory()                       # would otherwise land on whichever system runs first
     probes = {name: ({"reason": f"excluded by --exclude {args.exclude}"} if is_excluded(name)
-                     else _probe(systems[name], cfg, probe_batches, baseline)) for name in names}
+                     else _probe(systems[name], cfg, probe_batches, baseline, device)) for name in names}
     ran = [n for n in names if "reason" not in probes[n]]
     times: dict[str, list[list[float]]] = {n: [] for n in ran}
     for _ in range(args.rounds):  # interleaved: drift and load hit every system alike
         for name in ran:
-            times[name].append(_time(systems[name], cfg, timed_batches, args.warmup))
+            times[name].append(_time(systems[name], cfg, timed_batches, args.warmup, device))
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, {n: p for n, p in probes.items() if "reason" not in p})
     fresh_all: list[Any] = [None] * world
@@ -270,6 +279,7 @@ def run(args: argparse.Namespace) -> Optional[BenchResult]:
     result = None
     if rank == 0:
         result = _assemble(args, cfg, micro, psi, world, names, probes, gathered, times, load_start)
+        result.device = device.type
         _add_fresh_rss(result, fresh_all, args)
         _write(args, result)
         if args.offload:
@@ -291,7 +301,7 @@ def _fresh_rss(args: argparse.Namespace, cfg: GPTConfig, micro: int, systems: di
     ``--no-fresh-rss`` or where it cannot run (the reason is reported per system)."""
     if args.no_fresh_rss:
         return {}
-    why = bench_rss.unavailable_reason()
+    why = FRESH_RSS_ON_GPU if bench_device.device_type(args.device) != "cpu" else bench_rss.unavailable_reason()
     if why:
         return {n: {"error": f"fresh-process RSS not measured: {why}"} for n in names}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -353,7 +363,8 @@ def _assemble(args: argparse.Namespace, cfg: GPTConfig, micro: int, psi: int, wo
             ratio_to_ddp=statistics.median(ratios) if ratios else None, ratio_per_round=ratios,
             losses=p["losses"], max_loss_diff_vs_ddp=max(diffs) if diffs else None, formula=formula,
             memory=[RankMemory(rank=r, measured=g[name]["measured"], unattributed=g[name]["unattributed"],
-                               peak_rss=g[name]["peak_rss"], rss_before=g[name]["rss_before"])
+                               peak_rss=g[name]["peak_rss"], rss_before=g[name]["rss_before"],
+                               peak_device=g[name]["peak_device"])
                     for r, g in enumerate(gathered)],
             traffic=None if not counted else Traffic(elements_per_step=p["traffic_elements"] / steps,
                             psi_per_step=p["traffic_elements"] / steps / psi,
@@ -408,7 +419,7 @@ def sweep_commands(args: argparse.Namespace, prefix: list[str]) -> tuple[list[li
         out = Path(args.out) / f"sweep_{n}"
         flags = [f"--preset={args.preset}", "--only=DDP,zerodp stage 0,zerodp stage 1,zerodp stage 2,zerodp stage 3",
                  "--rounds=0", f"--probe-steps={args.probe_steps}", f"--out={out}", "--no-plots",
-                 "--no-fresh-rss"]
+                 "--no-fresh-rss", f"--device={args.device}"]
         flags += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("n_layer", "n_head", "d_model",
                                                                           "seq_len", "micro_batch")
                   if getattr(args, k) is not None]
@@ -417,13 +428,14 @@ def sweep_commands(args: argparse.Namespace, prefix: list[str]) -> tuple[list[li
     return cmds, files
 
 
-def launch_env() -> dict[str, str]:
+def launch_env(device: str = "cpu") -> dict[str, str]:
     """Environment for the bench workers: one thread each, glibc returning freed tensor memory to the
-    OS at once (so RSS follows live memory), DeepSpeed's CPU accelerator when there is no GPU."""
+    OS at once (so RSS follows live memory), DeepSpeed's CPU accelerator when ``--device`` resolves to
+    the CPU (no GPU, or ``--device cpu`` on a GPU machine)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    if not torch.cuda.is_available():
+    if bench_device.device_type(device) == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")
     return env
 
@@ -436,7 +448,7 @@ def run_sweep(args: argparse.Namespace, prefix: list[str]) -> Optional[str]:
     """
     cmds, files = sweep_commands(args, prefix)
     for cmd in cmds:
-        rc = subprocess.run(cmd, env=launch_env(), stdout=subprocess.DEVNULL).returncode
+        rc = subprocess.run(cmd, env=launch_env(args.device), stdout=subprocess.DEVNULL).returncode
         if rc != 0:
             raise RuntimeError(f"sweep run failed with exit code {rc}: {' '.join(cmd)}")
     return ",".join(files) or None
@@ -463,6 +475,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload", action="store_true")
     p.add_argument("--nvme-path", default=None)
     p.add_argument("--sub-group-size", type=int, default=1_000_000)
+    p.add_argument("--device", default="cpu", choices=bench_device.DEVICE_CHOICES)
 
 
 if __name__ == "__main__":

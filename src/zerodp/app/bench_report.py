@@ -46,6 +46,9 @@ class RankMemory(_Strict):
     unattributed: int
     peak_rss: int
     rss_before: int
+    #: ``torch.cuda.max_memory_allocated`` bytes from the system's build to its last probe step
+    #: (``--device cuda``); None on the CPU
+    peak_device: Optional[int] = None
 
 
 class FreshRank(_Strict):
@@ -107,6 +110,7 @@ class BenchResult(_Strict):
     psi: int
     world_size: int
     backend: str
+    device: str = "cpu"  # --device as resolved: "cpu" or "cuda" (cuda:LOCAL_RANK on each rank)
     micro_batch: int
     steps: int
     warmup: int
@@ -125,12 +129,14 @@ def format_table(res: BenchResult) -> str:
     """The stdout table: one row per system (skipped ones with their reason). ``RSS MiB`` is the
     highest rank's peak RSS with the system alone in its process (:mod:`zerodp.app.bench_rss`) and its
     ratio to DDP's; without that measurement, the highest rise over the RSS before the system was
-    built in the shared process, marked ``*``."""
-    lines = [f"GPT {res.psi:,} parameters ({res.preset}), {res.world_size} ranks ({res.backend}), micro-batch "
+    built in the shared process, marked ``*``. On CUDA a last column ``GPU MiB`` is the highest rank's
+    peak device memory (``torch.cuda.max_memory_allocated``); on the CPU it is absent."""
+    gpu = res.device != "cpu"
+    lines = [f"GPT {res.psi:,} parameters ({res.preset}), {res.world_size} ranks ({res.backend}, {res.device}), micro-batch "
              f"{res.micro_batch}, {res.steps} timed steps x {res.rounds} rounds, load average "
              f"{res.load_average_start[0]:.1f} -> {res.load_average_end[0]:.1f} on {res.cpu_count} CPUs",
              f"{'system':<34}{'median s':>9}{'IQR s':>8}{'vs DDP':>8}{'range':>13}{'model state':>13}"
-             f"{'formula':>11}{'RSS MiB':>14}{'traffic':>14}{'dloss':>9}"]
+             f"{'formula':>11}{'RSS MiB':>14}{'traffic':>14}{'dloss':>9}" + (f"{'GPU MiB':>9}" if gpu else "")]
     for s in res.systems:
         if s.status == "skipped":
             lines.append(f"{s.name:<34}skipped: {s.reason}")
@@ -151,11 +157,17 @@ def format_table(res: BenchResult) -> str:
         iqr = f"{st.q3 - st.q1:.4f}" if st else "-"
         ratio = f"{s.ratio_to_ddp:.2f}x" if s.ratio_to_ddp is not None else "-"
         lines.append(f"{s.name:<34}{median:>9}{iqr:>8}{ratio:>8}{rng:>13}{state:>13}{formula:>11}{rss:>14}"
-                     f"{traffic:>14}{dl:>9}")
+                     f"{traffic:>14}{dl:>9}" + (f"{_peak_device_mib(s):>9}" if gpu else ""))
     lines.append("RSS MiB: peak resident set of the highest rank, each system in a process of its own, and "
                  "its ratio to DDP's (* = no such process: rise over the RSS before the system was built "
                  "in the shared process)")
     return "\n".join(lines)
+
+
+def _peak_device_mib(s: SystemResult) -> str:
+    """The highest rank's peak device memory of ``s`` in MiB, or ``-`` where it was not measured."""
+    peaks = [m.peak_device for m in s.memory if m.peak_device is not None]
+    return f"{max(peaks) / 2**20:.0f}" if peaks else "-"
 
 
 def _tick(name: str) -> str:

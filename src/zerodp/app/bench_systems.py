@@ -10,7 +10,13 @@ Systems (``SYSTEMS``): torch DDP; torch ``ZeroRedundancyOptimizer`` (+ DDP for g
 (``fully_shard`` per block and on the root); DeepSpeed stages 1-3 and 3 with the optimizer offloaded
 to CPU (optional extra, ``DS_ACCELERATOR=cpu`` on a machine without GPUs); zerodp stages 0-3; zerodp
 stage 2 with ``offload_optimizer`` cpu and nvme (:mod:`zerodp.offload`; reported as skipped unless
-``--offload`` is given, see :func:`offload_systems`).
+``--offload`` is given, see :func:`offload_systems`, and on a GPU).
+
+Every builder takes ``device`` (``--device``, :mod:`zerodp.app.bench_device`; default the CPU) and
+builds its model there: ``module.to(device)`` for DDP (``device_ids=[index]`` on CUDA), the
+ZeroRedundancyOptimizer and FSDP2 (whose mesh is ``init_device_mesh(device.type, (world,))``, not
+torch's default, which would pick CUDA whenever it exists), the config key ``device`` for zerodp, and
+DeepSpeed's accelerator, which must be of the same type (else the row is skipped with both named).
 """
 
 from __future__ import annotations
@@ -72,7 +78,10 @@ class System:
     traffic_countable: bool = True
 
 
-Builder = Callable[[GPTConfig, float, bool], System]  # (model config, learning rate, probe?) -> System
+#: (model config, learning rate, probe?, device=CPU) -> System
+Builder = Callable[..., System]
+
+CPU = torch.device("cpu")
 
 
 def _torch_sources(module: nn.Module, opt: Any, opt_params: Callable[[], list[Any]]) -> Callable[[], dict[str, Tensors]]:
@@ -101,42 +110,49 @@ def _plain(name: str, stage: Optional[int], module: nn.Module, model: nn.Module,
     return System(name, "torch", stage, module, fb, step, _torch_sources(module, opt, params))
 
 
-def _ddp_model(cfg: GPTConfig, probe: bool) -> tuple[GPT, torch.nn.Module]:
-    """The seeded GPT and its DDP wrapper (with the traffic-counting comm hook in a probe)."""
+def _seeded_gpt(cfg: GPTConfig, device: torch.device) -> GPT:
+    """The GPT every system starts from: seed 0, built on the CPU (same values everywhere), then moved
+    to ``device``."""
+    torch.manual_seed(0)
+    return GPT(cfg).to(device)
+
+
+def _ddp_model(cfg: GPTConfig, probe: bool, device: torch.device) -> tuple[GPT, torch.nn.Module]:
+    """The seeded GPT on ``device`` and its DDP wrapper (with the traffic-counting comm hook in a probe)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    torch.manual_seed(0)
-    module = GPT(cfg)
-    ddp = DistributedDataParallel(module)
+    module = _seeded_gpt(cfg, device)
+    ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
     if probe:
         ddp.register_comm_hook(None, counting_allreduce_hook)
     return module, ddp
 
 
-def build_ddp(cfg: GPTConfig, lr: float, probe: bool) -> System:
-    module, ddp = _ddp_model(cfg, probe)
+def build_ddp(cfg: GPTConfig, lr: float, probe: bool, device: torch.device = CPU) -> System:
+    module, ddp = _ddp_model(cfg, probe, device)
     return _plain("DDP", 0, module, ddp, torch.optim.AdamW(ddp.parameters(), lr=lr))
 
 
-def build_torch_zero(cfg: GPTConfig, lr: float, probe: bool) -> System:
+def build_torch_zero(cfg: GPTConfig, lr: float, probe: bool, device: torch.device = CPU) -> System:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    module, ddp = _ddp_model(cfg, probe)
+    module, ddp = _ddp_model(cfg, probe, device)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
     return _plain("torch ZeroRedundancyOptimizer", 1, module, ddp, opt)
 
 
-def build_fsdp2(cfg: GPTConfig, lr: float, probe: bool) -> System:
+def build_fsdp2(cfg: GPTConfig, lr: float, probe: bool, device: torch.device = CPU) -> System:
     try:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
     except ImportError as exc:
         raise Skipped(f"torch.distributed.fsdp.fully_shard unavailable: {exc}") from None
 
-    torch.manual_seed(0)
-    module = GPT(cfg)
+    module = _seeded_gpt(cfg, device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # the default picks CUDA if present
     for block in module.blocks:
-        fully_shard(block)
-    fully_shard(module)
+        fully_shard(block, mesh=mesh)
+    fully_shard(module, mesh=mesh)
     return _plain("FSDP2", 3, module, module, torch.optim.AdamW(module.parameters(), lr=lr))
 
 
@@ -158,12 +174,14 @@ def zerodp_builder(stage: int, offload: Optional[dict[str, Any]] = None,
     An NVMe engine is kept in :data:`zerodp.app.bench_offload.NVME_ENGINES` (the previous one is
     closed) so that its swap statistics can be reported after the run."""
 
-    def build(cfg: GPTConfig, lr: float, probe: bool) -> System:
+    def build(cfg: GPTConfig, lr: float, probe: bool, device: torch.device = CPU) -> System:
         from zerodp.app import bench_offload
         from zerodp.runtime import comm
 
-        torch.manual_seed(0)
-        module = GPT(cfg)
+        if offload is not None and device.type != "cpu":
+            from zerodp.app.bench_device import OFFLOAD_ON_GPU
+            raise Skipped(OFFLOAD_ON_GPU)
+        module = _seeded_gpt(cfg, device)
         zc: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 1000}
         if offload is not None:
             zc["offload_optimizer"] = dict(offload)
@@ -171,9 +189,9 @@ def zerodp_builder(stage: int, offload: Optional[dict[str, Any]] = None,
             zc["sub_group_size"] = sub_group_size
         engine = zerodp.initialize(module, {"optimizer": {"type": "AdamW", "params": {"lr": lr}},
                                             "zero_optimization": zc,
-                                            "device": "cpu"})  # the bench runs on the CPU (docs/gpu.md)
-        device = offload["device"] if offload is not None else None
-        if device == "nvme":
+                                            "device": device.type})  # --device (cpu or cuda)
+        where = offload["device"] if offload is not None else None
+        if where == "nvme":
             for old in bench_offload.NVME_ENGINES:
                 old.close()
             bench_offload.NVME_ENGINES[:] = [engine]
@@ -197,9 +215,9 @@ def zerodp_builder(stage: int, offload: Optional[dict[str, Any]] = None,
                     "buffers": list(module.buffers())}
 
         targets = [(comm, "_all_gather_single"), (comm, "_torch_reduce_scatter_single")]
-        name = f"zerodp stage {stage}" + (f" + offload {device}" if device else "")
+        name = f"zerodp stage {stage}" + (f" + offload {where}" if where else "")
         system = _engine_system(name, "zerodp", stage, module, engine, sources, targets)
-        system.offload = device
+        system.offload = where
         return system
 
     return build
@@ -208,7 +226,10 @@ def zerodp_builder(stage: int, offload: Optional[dict[str, Any]] = None,
 OFFLOAD_DEVICES = ("cpu", "nvme")
 
 
-def _offload_not_requested(cfg: GPTConfig, lr: float, probe: bool) -> System:
+def _offload_not_requested(cfg: GPTConfig, lr: float, probe: bool, device: torch.device = CPU) -> System:
+    if device.type != "cpu":
+        from zerodp.app.bench_device import OFFLOAD_ON_GPU
+        raise Skipped(OFFLOAD_ON_GPU)
     raise Skipped("run with --offload (and --nvme-path DIR for the swap files) to measure ZeRO-Offload")
 
 
@@ -226,15 +247,15 @@ def deepspeed_builder(stage: int, offload: bool = False) -> Builder:
     """Builder of DeepSpeed ZeRO ``stage`` (optimizer offloaded to CPU when ``offload``), fp32
     torch AdamW, no gradient clipping; raises :class:`Skipped` when DeepSpeed is not importable."""
 
-    def build(cfg: GPTConfig, lr: float, probe: bool) -> System:
-        if not torch.cuda.is_available():
+    def build(cfg: GPTConfig, lr: float, probe: bool, device: torch.device = CPU) -> System:
+        if not torch.cuda.is_available() or device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator, no ops built
         try:
             import deepspeed  # optional extra: pip install -e '.[bench]'
         except ImportError as exc:
             raise Skipped(f"DeepSpeed not installed (pip install -e '.[bench]'): {exc}") from None
-        torch.manual_seed(0)
-        module = GPT(cfg)
+        _check_deepspeed_device(device)
+        module = _seeded_gpt(cfg, device)  # DeepSpeed moves it to its accelerator's current device
         zc: dict[str, Any] = {"stage": stage}
         if stage == 3:
             zc["stage3_param_persistence_threshold"] = 1000
@@ -269,6 +290,19 @@ def deepspeed_builder(stage: int, offload: bool = False) -> Builder:
         return system
 
     return build
+
+
+def _check_deepspeed_device(device: torch.device) -> None:
+    """Raise :class:`Skipped` when DeepSpeed's accelerator is not of ``device``'s type (``DS_ACCELERATOR``
+    is read once per process: the launcher sets it to cpu for ``--device cpu``)."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+        name = get_accelerator().device_name()
+    except Exception as exc:  # an accelerator DeepSpeed cannot set up here
+        raise Skipped(f"DeepSpeed's accelerator is unavailable: {type(exc).__name__}: {exc}") from None
+    if name != device.type:
+        raise Skipped(f"DeepSpeed's accelerator is {name!r} but --device resolved to {device.type!r} "
+                      f"(set DS_ACCELERATOR={device.type})")
 
 
 def _key(t: torch.Tensor) -> int:

@@ -125,6 +125,8 @@ BENCH_HELP = {
                "the NVMe swap bandwidth vs raw direct I/O on the same disk, and the CPU Adam kernels",
     "nvme_path": "directory for the nvme row's swap files (default: a temporary directory)",
     "sub_group_size": "sub_group_size of the nvme row (elements)",
+    "device": "where every system runs: cpu, cuda (cuda:LOCAL_RANK, NCCL; refused without CUDA) or auto "
+              "(cuda when available); on cuda the table adds peak GPU memory per rank",
 }
 
 
@@ -500,7 +502,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"zerodp bench: error: {exc}", file=sys.stderr)
         return 1
-    return subprocess.run(bench_command(args), env=bench.launch_env()).returncode
+    return subprocess.run(bench_command(args), env=bench.launch_env(args.device)).returncode
 
 
 # ---- consolidate -----------------------------------------------------------------------------------
