@@ -12,6 +12,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from zerodp.config import ZeroDPConfig, load_config
+from zerodp.runtime.config_agreement import agree_on_settings, flat_settings
 from zerodp.engine import Engine
 from zerodp.runtime.wrapped import refuse_wrapped
 from zerodp.runtime import activation_checkpointing, comm, control
@@ -77,6 +78,8 @@ def initialize(
     control.prepare(topology)  # a gloo side group where a group is NCCL-only (collective: every rank)
     device = place_on_engine_device(model, cfg, topology.dp_group)
     specs = normalize_param_groups(model, model_parameters)
+    agree_on_settings(flat_settings(cfg, [s.options for s in specs], [[n for n, _ in s.params] for s in specs]),
+                      topology.dp_group)  # collective: a rank given other settings would train silently wrong
     engine = Engine(model, cfg, specs, topology=topology, lr_scheduler=lr_scheduler, device=device)
     if cfg.activation_checkpointing is not None:  # process-wide, as deepspeed.checkpointing.configure(mpu, config)
         activation_checkpointing.configure(mpu, deepspeed_config=cfg)
