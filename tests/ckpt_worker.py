@@ -24,9 +24,9 @@ import os
 import shutil
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,11 +34,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 import zerodp
-from zerodp import checkpoint
-from zerodp.checkpoint import save as checkpoint_save
-from zerodp.checkpoint import consolidate, load_full_state_dict
-
 from dist_worker import Zoo, err, rank, world  # this file's folder is on sys.path when run as a script
+from zerodp import checkpoint
+from zerodp.checkpoint import consolidate, load_full_state_dict
+from zerodp.checkpoint import save as checkpoint_save
 
 GLOBAL_ROWS = 12  # global batch of the resharding scenarios: the same at world sizes 2, 3 and 4
 
@@ -46,7 +45,7 @@ GLOBAL_ROWS = 12  # global batch of the resharding scenarios: the same at world 
 @dataclass
 class Context:
     ckpt_dir: Path
-    arg: Optional[str]
+    arg: str | None
 
 
 SCENARIOS: dict[str, Callable[[int, Context], dict]] = {}
@@ -224,7 +223,7 @@ def piece_states(engine: zerodp.Engine) -> list[tuple[str, int, int, dict]]:
             for g in engine.groups for p in g.pieces]
 
 
-def piece_values(engine: zerodp.Engine) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+def piece_values(engine: zerodp.Engine) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(module-dtype value, fp32 master or None) of this rank's pieces, copied."""
     return [(p.tensor.clone(), None if p.master is None else p.master.clone())
             for g in engine.groups for p in g.pieces]
@@ -624,7 +623,7 @@ def freeze_midrun(stage: int, ctx: Context) -> dict:
     meta = json.loads((d / "global_step3" / "meta.json").read_text())
     records = {r["name"]: [r["trained"], r["requires_grad"]] for r in meta["params"]}
 
-    def rest(m: Zoo, e: zerodp.Engine, r: Optional[Zoo] = None) -> list[torch.Tensor]:
+    def rest(m: Zoo, e: zerodp.Engine, r: Zoo | None = None) -> list[torch.Tensor]:
         out = []
         for step in range(3, 6):
             if step == 4:
@@ -664,7 +663,7 @@ def freeze_midrun(stage: int, ctx: Context) -> dict:
     }
 
 
-def parse_spec(spec: str, stages: list[int]) -> list[tuple[str, str, int, Optional[str]]]:
+def parse_spec(spec: str, stages: list[int]) -> list[tuple[str, str, int, str | None]]:
     """``name`` | ``name@S`` | ``name@S:arg`` -> [(result key, name, stage, arg)]."""
     name, _, rest = spec.partition("@")
     if not rest:

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zerodp.deepspeed as deepspeed  # was: import deepspeed
-from zerodp.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # was: from deepspeed...
 from distributed import run_selected, worker_args
+from zerodp.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # was: from deepspeed...
 
 
 def stage3_config(**extra: Any) -> dict[str, Any]:
@@ -181,8 +181,8 @@ def cifar() -> dict:
 
 
 # ---- DeepSpeed-Chat step 1 / an HF config with "auto" values -----------------------------------------
-from zerodp.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam  # noqa: E402
 from zerodp.deepspeed.compression.helper import recursive_getattr  # noqa: E402
+from zerodp.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam  # noqa: E402
 
 
 class TinyCausalLM(nn.Module):

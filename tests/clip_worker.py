@@ -29,10 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed import run_scenarios, worker_args  # noqa: E402
-
 import zerodp  # noqa: E402
 import zerodp.zero  # noqa: E402
+from distributed import run_scenarios, worker_args  # noqa: E402
 from zerodp.runtime.grad_placeholder import is_hidden_gradient  # noqa: E402
 
 MICRO, GAS, LR = 2, 2, 0.5

@@ -12,8 +12,9 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 TIMEOUT_S = 600

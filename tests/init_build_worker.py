@@ -16,7 +16,7 @@ Scenarios (one launch per world size, every rank runs each):
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

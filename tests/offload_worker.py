@@ -10,7 +10,6 @@ Checkpoints cross between offloaded and non-offloaded engines. Results: ``OUT/ra
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import traceback

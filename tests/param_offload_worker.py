@@ -9,11 +9,11 @@ read and forward-done events. Results: ``OUT/rank{r}.json``.
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import tempfile
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ NVME = ""  # set from --nvme
 CKPT = ""
 
 
-def place(device: str) -> Optional[dict]:
+def place(device: str) -> dict | None:
     if device == "none":
         return None
     if device == "cpu":
@@ -59,8 +59,8 @@ class Spec:
 
     def __init__(self, model_fn: Callable[[], nn.Module], kind: str = "zoo", vocab: int = 11,
                  forward: Callable[[Any, torch.Tensor, int], Any] = lambda m, x, step: m(x),
-                 loss: Callable = mse, prepare: Optional[Callable[[nn.Module], None]] = None,
-                 between: Optional[Callable[[int, nn.Module], dict]] = None) -> None:
+                 loss: Callable = mse, prepare: Callable[[nn.Module], None] | None = None,
+                 between: Callable[[int, nn.Module], dict] | None = None) -> None:
         self.model_fn, self.kind, self.vocab = model_fn, kind, vocab
         self.forward, self.loss, self.prepare, self.between = forward, loss, prepare, between
 
@@ -99,7 +99,7 @@ SPECS = {
 }
 
 
-def train(engine: Any, spec: Spec, steps: range, seen: Optional[dict] = None) -> list[float]:
+def train(engine: Any, spec: Spec, steps: range, seen: dict | None = None) -> list[float]:
     """Train on ``steps``; values returned by ``spec.between`` go into ``seen`` (by step and name)."""
     r, n = dist.get_rank(), dist.get_world_size()
     losses = []

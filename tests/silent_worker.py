@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import copy
 import sys
-import zlib
 import warnings
+import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,12 +21,11 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dist_worker  # noqa: E402  (shared helpers and the main loop)
-from dist_worker import STAGE3_DEFAULTS, MixedReference, err, rank, world  # noqa: E402
-
 import zerodp  # noqa: E402
 import zerodp.checkpoint  # noqa: E402
-from zerodp.runtime.guards import RefusedError  # noqa: E402
+from dist_worker import STAGE3_DEFAULTS, MixedReference, err, rank, world  # noqa: E402
 from zerodp.runtime.grad_placeholder import is_hidden_gradient  # noqa: E402
+from zerodp.runtime.guards import RefusedError  # noqa: E402
 
 SCENARIOS = dist_worker.SCENARIOS
 SCENARIOS.clear()
@@ -79,7 +79,7 @@ def refusal(fn: Callable[[], Any]) -> dict:
     return {"refused": False, "message": ""}
 
 
-def setup(stage: int, model_fn: Callable[[], nn.Module] = mlp, prepare: Optional[Callable] = None, **cfg: Any):
+def setup(stage: int, model_fn: Callable[[], nn.Module] = mlp, prepare: Callable | None = None, **cfg: Any):
     torch.manual_seed(11)
     ref = model_fn()
     if prepare is not None:
@@ -282,7 +282,7 @@ def add_param_group_after_initialize(stage: int) -> dict:
 
 # ---- 5: a parameter accumulated more than once per backward (checkpointed reuse) ---------------------
 class Reused(nn.Module):
-    def __init__(self, reentrant: Optional[bool]) -> None:
+    def __init__(self, reentrant: bool | None) -> None:
         super().__init__()
         self.inp, self.blk, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
         self.reentrant = reentrant

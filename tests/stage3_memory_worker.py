@@ -13,10 +13,9 @@ the same global batch (so saved views re-filled by the re-gather are checked to 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import zerodp
@@ -32,7 +31,7 @@ def scenario(fn: Callable[[], dict]) -> Callable[[], dict]:
     return fn
 
 
-_ACTIVE: list["SavedParamTensors"] = []
+_ACTIVE: list[SavedParamTensors] = []
 _alias_init = aliases._SavedAlias.__init__
 
 
@@ -73,7 +72,7 @@ class SavedParamTensors:
             self.saved.append(t)
         return t
 
-    def __enter__(self) -> "SavedParamTensors":
+    def __enter__(self) -> SavedParamTensors:
         self.hooks.__enter__()
         _ACTIVE.append(self)
         return self

@@ -9,7 +9,6 @@ step at stages 0-2.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys

@@ -143,8 +143,8 @@ def test_torch_scheduler_callable() -> None:
 def test_warmup_cosine_formula() -> None:
     import math
 
-    from zerodp.runtime.schedulers import WarmupCosineLR
     from zerodp.config import WarmupCosineLRParams
+    from zerodp.runtime.schedulers import WarmupCosineLR
 
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([p], lr=0.2)

@@ -12,7 +12,7 @@ values are refused naming the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -29,8 +29,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3))
 
 
-def _engine(stage: int, device: Optional[str], nvme: Path, bf16: bool = False,
-            optimizer: Optional[dict] = None, **offload: Any) -> zerodp.Engine:
+def _engine(stage: int, device: str | None, nvme: Path, bf16: bool = False,
+            optimizer: dict | None = None, **offload: Any) -> zerodp.Engine:
     torch.manual_seed(0)
     zc: dict = {"stage": stage, "reduce_bucket_size": 200, "stage3_param_persistence_threshold": 4}
     if device:

@@ -15,13 +15,13 @@ from torch import nn
 import zerodp
 import zerodp.checkpointing
 import zerodp.deepspeed as deepspeed
-from zerodp.deepspeed.config import fill_auto, resolve_deepspeed_config
 from distributed import run_worker
+from zerodp.deepspeed.config import fill_auto, resolve_deepspeed_config
 
 WORKER = Path(__file__).with_name("ds_script_worker.py")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results() -> list[dict]:
     return run_worker(2, worker=WORKER)
 
@@ -274,9 +274,9 @@ def test_checkpointing_module_is_zerodps() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 def test_real_deepspeed_accepts_the_same_tutorial_config() -> None:
     """Interop: the tutorial configs zerodp loads are valid for DeepSpeed's own config parser."""
-    from deepspeed.runtime.config import DeepSpeedConfig  # type: ignore
-
     import inspect
+
+    from deepspeed.runtime.config import DeepSpeedConfig  # type: ignore
 
     # the DeepSpeed version this test was written against took world_size=; 0.19.8 has no such
     # parameter (it reads the world size from torch.distributed, 1 without a process group)

@@ -13,11 +13,9 @@ import pytest
 import torch
 
 import zerodp
-from zerodp.app import cli
-from zerodp.runtime import accounting
-
-from zerodp.app import data
+from zerodp.app import cli, data
 from zerodp.app.model import GPT, GPTConfig, count_parameters, generate
+from zerodp.runtime import accounting
 
 CONFIGS = [
     GPTConfig(),

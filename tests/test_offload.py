@@ -14,11 +14,10 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 import zerodp
-from zerodp.offload.aio import AsyncIO, SwapFile, aligned_buffer
-from zerodp.offload.config import AioConfig
-
 from distributed import run_offload_worker
 from swap_checks import assert_nvme_path_errors, assert_swap_removed_after_exception, full_disk_error
+from zerodp.offload.aio import AsyncIO, SwapFile, aligned_buffer
+from zerodp.offload.config import AioConfig
 
 WORKER = Path(__file__).with_name("offload_worker.py")
 #: the non-offloaded engine's Adam kernel in the offloaded step, for the tests that compare bitwise

@@ -4,11 +4,16 @@ docs/benchmarks/2026-12-01-collective-guard.md ("Fewer backward tags").
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 tools/backward_tag_count.py
 """
-import collections, torch, torch.distributed as dist, zerodp
+import collections
+
+import torch.distributed as dist
+
+import zerodp
 from zerodp.app.bench import PRESETS, _batches
 from zerodp.app.bench_systems import SYSTEMS
 from zerodp.app.model import GPTConfig
 from zerodp.runtime import backward_agreement as ba
+
 zerodp.init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
 n_layer, n_head, d_model, seq_len, micro = PRESETS["small"]

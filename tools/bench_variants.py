@@ -13,10 +13,17 @@ config), ``noguard`` (``collective_guard.enabled`` false), ``nogathers`` (``chec
 experiment, not a configuration), ``nowatch`` (data waits not polled for tags while that variant
 runs: an experiment) or a number (``reduce_bucket_size`` in elements), e.g. ``DDP,s3:0,s3:nogathers,s3:noguard``.
 """
-import sys, statistics, time, torch, torch.distributed as dist, zerodp
+import statistics
+import sys
+import time
+
+import torch.distributed as dist
+
+import zerodp
 from zerodp.app.bench import PRESETS, _batches
 from zerodp.app.bench_systems import SYSTEMS
 from zerodp.app.model import GPTConfig
+
 zerodp.init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
 n_layer, n_head, d_model, seq_len, micro = PRESETS[sys.argv[1]]
@@ -44,6 +51,7 @@ def build(v):
     try: return SYSTEMS[f"zerodp stage {st}"](cfg, 1e-3, False)
     finally: zerodp.initialize = orig
 from zerodp.runtime import comm
+
 _WATCHED = comm._watched
 
 

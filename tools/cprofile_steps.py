@@ -6,10 +6,17 @@ breakdown").
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone \\
         --nproc-per-node 2 tools/cprofile_steps.py "zerodp stage 3" [SORT]
 """
-import sys, cProfile, pstats, torch, torch.distributed as dist, zerodp
+import cProfile
+import pstats
+import sys
+
+import torch.distributed as dist
+
+import zerodp
 from zerodp.app.bench import PRESETS, _batches
 from zerodp.app.bench_systems import SYSTEMS
 from zerodp.app.model import GPTConfig
+
 zerodp.init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
 n_layer, n_head, d_model, seq_len, micro = PRESETS["small"]

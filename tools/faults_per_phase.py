@@ -5,10 +5,17 @@ per stage. Used for docs/benchmarks/2026-12-01-bench.md ("Stage 3 against DDP: t
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone \
         --nproc-per-node 2 tools/faults_per_phase.py 0,3
 """
-import sys, resource, torch, torch.distributed as dist, zerodp
+import resource
+import sys
+
+import torch
+import torch.distributed as dist
+
+import zerodp
 from zerodp.app.bench import PRESETS, _batches
-from zerodp.app.bench_systems import SYSTEMS, loss_of
-from zerodp.app.model import GPTConfig, GPT
+from zerodp.app.bench_systems import loss_of
+from zerodp.app.model import GPT, GPTConfig
+
 zerodp.init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
 n_layer, n_head, d_model, seq_len, micro = PRESETS["small"]

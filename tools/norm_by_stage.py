@@ -5,10 +5,14 @@ stage's partition layout, so the norms differ in the last digits.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 tools/norm_by_stage.py
 """
-import torch, torch.distributed as dist, zerodp
+import torch
+import torch.distributed as dist
+
+import zerodp
 from zerodp.app.bench import _batches
 from zerodp.app.bench_systems import loss_of
 from zerodp.app.model import GPT, GPTConfig
+
 zerodp.init_distributed(); rank, world = dist.get_rank(), dist.get_world_size()
 cfg = GPTConfig(n_layer=4, n_head=4, d_model=128, seq_len=64)
 batches = _batches(cfg, 8, 3, rank, world)

@@ -8,7 +8,6 @@ a backend's or autograd's own threads), calls per step, bytes per step and self 
 import collections
 import sys
 
-import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 

@@ -8,9 +8,10 @@ Process CPU time (all threads, ``time.process_time``) is reported beside wall ti
 shared, loaded machine it is far less sensitive to other jobs: the extra work a system does shows up
 in it even when wall-clock medians are too noisy to rank the systems.
 """
-import argparse, statistics, time
+import argparse
+import statistics
+import time
 
-import torch
 import torch.distributed as dist
 
 import zerodp

@@ -3,10 +3,19 @@ cProfile of 4 steps after 2 warm-up steps, printed by rank 0. Used for docs/benc
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 tools/profile_stage3.py 3
 """
-import cProfile, pstats, io, sys, time, torch, torch.distributed as dist
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
 import zerodp
-from zerodp.app.model import GPT, GPTConfig
 from zerodp.app.bench_systems import loss_of
+from zerodp.app.model import GPT, GPTConfig
+
 stage = int(sys.argv[1])
 zerodp.init_distributed()
 r = dist.get_rank()
@@ -20,7 +29,8 @@ x = torch.randint(0, 256, (8, 129), generator=g)
 def step():
     loss = loss_of(eng(x[:, :-1])[0], x[:, 1:]); eng.backward(loss); eng.step()
 for _ in range(2): step()
-from torch.profiler import profile, ProfilerActivity
+from torch.profiler import ProfilerActivity, profile
+
 pr = cProfile.Profile()
 dist.barrier(); t0 = time.perf_counter()
 with profile(activities=[ProfilerActivity.CPU]) as prof:

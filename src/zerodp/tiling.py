@@ -13,7 +13,8 @@ appended to its row, before the next tile is allocated, so the whole weight neve
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,7 +79,7 @@ class TiledLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, in_splits: int = 1,
                  out_splits: int = 1, input_is_already_split: bool = False, combine_out_splits: bool = True,
-                 linear_cls: type = nn.Linear, init_linear: Optional[nn.Module] = None, **kwargs: Any) -> None:
+                 linear_cls: type = nn.Linear, init_linear: nn.Module | None = None, **kwargs: Any) -> None:
         super().__init__()
         _check_splits("in_splits", in_splits, in_features, "in_features")
         _check_splits("out_splits", out_splits, out_features, "out_features")
@@ -108,8 +109,8 @@ class TiledLinear(nn.Module):
         if init_linear is not None:
             self.copy_params_from(init_linear)
 
-    def forward(self, input_: Union[torch.Tensor, Sequence[torch.Tensor]]
-                ) -> Union[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, input_: torch.Tensor | Sequence[torch.Tensor]
+                ) -> torch.Tensor | list[torch.Tensor]:
         if self.input_is_already_split:
             inputs = list(input_)  # type: ignore[arg-type]
             if len(inputs) != self.in_splits:

@@ -17,7 +17,10 @@ from torch import nn
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
 from zerodp.runtime.reducer import (
-    DIRECT_BACKWARD_MESSAGE, AllReduceReducer, FullGradReduceScatter, PartitionedGradReducer,
+    DIRECT_BACKWARD_MESSAGE,
+    AllReduceReducer,
+    FullGradReduceScatter,
+    PartitionedGradReducer,
 )
 
 

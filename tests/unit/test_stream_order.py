@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -42,7 +42,7 @@ def _merge(into: dict[str, int], other: dict[str, int]) -> None:
 
 
 class FakeStream:
-    def __init__(self, world: "FakeDeviceModule", name: Optional[str] = None) -> None:
+    def __init__(self, world: FakeDeviceModule, name: str | None = None) -> None:
         self.world = world
         self.name = name or f"side{next(world.ids)}"
         self.clock: dict[str, int] = {}
@@ -51,32 +51,32 @@ class FakeStream:
         self.clock[self.name] = self.clock.get(self.name, 0) + 1
         return dict(self.clock)
 
-    def wait_event(self, event: "FakeEvent") -> None:
+    def wait_event(self, event: FakeEvent) -> None:
         self.world.log.append(("wait", self.name, event))
         _merge(self.clock, event.clock)
 
-    def wait_stream(self, other: "FakeStream") -> None:
+    def wait_stream(self, other: FakeStream) -> None:
         self.world.log.append(("wait_stream", self.name, other.name))
         _merge(self.clock, other.clock)
 
-    def record_event(self) -> "FakeEvent":
+    def record_event(self) -> FakeEvent:
         event = FakeEvent(self.world)
         event.record(self)
         return event
 
 
 class FakeEvent:
-    def __init__(self, world: "FakeDeviceModule", **_: Any) -> None:
+    def __init__(self, world: FakeDeviceModule, **_: Any) -> None:
         self.world = world
         self.clock: dict[str, int] = {}
-        self.stream: Optional[str] = None
+        self.stream: str | None = None
 
-    def record(self, stream: Optional[FakeStream] = None) -> None:
+    def record(self, stream: FakeStream | None = None) -> None:
         stream = stream or self.world.current
         self.clock, self.stream = stream.tick(), stream.name
         self.world.log.append(("record", stream.name, self))
 
-    def wait(self, stream: Optional[FakeStream] = None) -> None:
+    def wait(self, stream: FakeStream | None = None) -> None:
         (stream or self.world.current).wait_event(self)
 
     def query(self) -> bool:

@@ -15,7 +15,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from zerodp.offload.config import AioConfig
 NVME_ENGINES: list[Any] = []
 
 
-def raw_direct_io(directory: str, nbytes: int, cfg: Optional[AioConfig] = None, repeats: int = 3,
+def raw_direct_io(directory: str, nbytes: int, cfg: AioConfig | None = None, repeats: int = 3,
                   streams: int = 1) -> tuple[float, float]:
     """Median seconds to write then read ``nbytes`` sequentially with direct I/O in ``directory``
     (the same thread pool and block size as the swapper); returns (write s, read s). ``streams``
@@ -133,7 +133,7 @@ def _split(numel: int, parts: int = 16) -> list[int]:
 
 
 def swapper_only(numel: int, nvme_path: str, sub_group_size: int, steps: int = 3,
-                 thread_count: int = 1, aio: Optional[dict[str, Any]] = None, buffer_count: int = 4,
+                 thread_count: int = 1, aio: dict[str, Any] | None = None, buffer_count: int = 4,
                  cpu_adam: str = "fused") -> str:
     """One rank, stage 1, a ``numel``-element stack of 1000 x 1000 linear layers with the optimizer on NVMe: the swap
     report after ``steps`` steps (``python -m zerodp.app.bench_offload``). ``aio``: more ``aio`` keys;

@@ -12,7 +12,7 @@ DDP's in the same round, whiskers from the lowest to the highest round) and ``me
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -62,7 +62,7 @@ class Traffic(_Strict):
 
     elements_per_step: float
     psi_per_step: float
-    formula_psi: Optional[int] = None  # 2 (stages 0-2) or 3 (stage 3) per the paper, section 7
+    formula_psi: int | None = None  # 2 (stages 0-2) or 3 (stage 3) per the paper, section 7
     by_op: dict[str, list[int]] = Field(default_factory=dict)  # op -> [calls, elements] per step x steps
 
 
@@ -71,21 +71,21 @@ class SystemResult(_Strict):
 
     name: str
     family: str
-    stage: Optional[int] = None
+    stage: int | None = None
     status: Literal["ran", "skipped"]
-    reason: Optional[str] = None
-    step_time: Optional[StepTimes] = None
-    ratio_to_ddp: Optional[float] = None  # median over rounds of (system median / DDP median)
+    reason: str | None = None
+    step_time: StepTimes | None = None
+    ratio_to_ddp: float | None = None  # median over rounds of (system median / DDP median)
     ratio_per_round: list[float] = Field(default_factory=list)
     losses: list[float] = Field(default_factory=list)  # rank 0, every probe step
-    max_loss_diff_vs_ddp: Optional[float] = None  # max |loss - DDP's loss| over the probe steps
-    formula: Optional[dict[str, float]] = None  # bytes per rank, paper's table, fp32 AdamW
+    max_loss_diff_vs_ddp: float | None = None  # max |loss - DDP's loss| over the probe steps
+    formula: dict[str, float] | None = None  # bytes per rank, paper's table, fp32 AdamW
     memory: list[RankMemory] = Field(default_factory=list)
-    traffic: Optional[Traffic] = None  # None: no collective seen at torch.distributed's Python calls
+    traffic: Traffic | None = None  # None: no collective seen at torch.distributed's Python calls
     #                                   (DeepSpeed stage 3 issues its gathers below them)
     fresh_rss: list[FreshRank] = Field(default_factory=list)  # per rank, a process of its own
-    fresh_rss_vs_ddp: Optional[float] = None  # highest rank's peak / DDP's highest rank's peak
-    fresh_rss_note: Optional[str] = None  # why fresh_rss is empty (not requested, failed: the error)
+    fresh_rss_vs_ddp: float | None = None  # highest rank's peak / DDP's highest rank's peak
+    fresh_rss_note: str | None = None  # why fresh_rss is empty (not requested, failed: the error)
 
 
 class SweepPoint(_Strict):
@@ -94,7 +94,7 @@ class SweepPoint(_Strict):
     system: str
     world_size: int
     measured_total: int
-    formula_total: Optional[float] = None
+    formula_total: float | None = None
 
 
 class BenchResult(_Strict):
@@ -113,7 +113,7 @@ class BenchResult(_Strict):
     rounds: int
     probe_steps: int
     torch_version: str
-    deepspeed_version: Optional[str] = None
+    deepspeed_version: str | None = None
     cpu_count: int
     load_average_start: list[float]
     load_average_end: list[float]

@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> None:
     zerodp.shutdown_distributed()
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ:  # launch the ranks
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",

@@ -71,8 +71,13 @@ restored either way).
 
 from zerodp.checkpoint.consolidation import consolidate, load_full_state_dict
 from zerodp.checkpoint.format import EXTRA_FILE, LATEST_FILE, META_FILE, CheckpointError, check_tag
-from zerodp.checkpoint.layout import (LAYOUTS, CheckpointLayout, ReplicatedParamsLayout, ShardedParamsLayout,
-                                      module_state_dict)
+from zerodp.checkpoint.layout import (
+                                      LAYOUTS,
+                                      CheckpointLayout,
+                                      ReplicatedParamsLayout,
+                                      ShardedParamsLayout,
+                                      module_state_dict,
+)
 from zerodp.checkpoint.load import load_checkpoint
 from zerodp.checkpoint.meta import CheckpointMeta, read_meta
 from zerodp.checkpoint.reader import CheckpointReader, resolve_checkpoint

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator, Mapping, Optional
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ class CheckpointMethods:
     process_group: Any
     ledger: Any
 
-    def save_checkpoint(self, save_dir: Any, tag: Optional[str] = None, client_state: Optional[Mapping[str, Any]] = None,
+    def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Mapping[str, Any] | None = None,
                         exclude_frozen_parameters: bool = False) -> Any:
         """Collective: write a sharded checkpoint to ``save_dir/<tag>`` (default ``global_step{N}``) and
         point ``save_dir/latest`` at it; returns that directory. ``exclude_frozen_parameters``: only trained
@@ -43,7 +44,7 @@ class CheckpointMethods:
             return save.save_checkpoint(self, self._checkpoint_dir(save_dir), tag, client_state,
                                         exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir: Any, tag: Optional[str] = None) -> tuple[Any, Any]:
+    def load_checkpoint(self, load_dir: Any, tag: str | None = None) -> tuple[Any, Any]:
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;
         returns (checkpoint directory, client_state). See :func:`zerodp.checkpoint.load_checkpoint`."""
         with self.collective_call("load_checkpoint"), self._states_resident(write=True):

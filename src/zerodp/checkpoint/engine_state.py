@@ -5,7 +5,8 @@ fp32 master values, loss-scaler and scheduler state. Stage-independent (the stag
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -100,14 +101,14 @@ def _json_part(v: Any) -> Any:
     return _NOT_JSON
 
 
-def loss_scaler_state(engine: Engine) -> Optional[dict[str, Any]]:
+def loss_scaler_state(engine: Engine) -> dict[str, Any] | None:
     scaler = getattr(engine, "loss_scaler", None)
     if scaler is None:
         return None
     return {"dynamic": bool(scaler.dynamic), **scaler.state_dict()}
 
 
-def scheduler_state(engine: Engine) -> Optional[dict[str, Any]]:
+def scheduler_state(engine: Engine) -> dict[str, Any] | None:
     """The engine's LR scheduler: class name and the JSON-serialisable part of its ``state_dict()``
     (a DeepSpeed schedule's parameters come from the config, a LambdaLR's functions from the code)."""
     scheduler = getattr(engine, "lr_scheduler", None)
@@ -162,7 +163,7 @@ def trained_slots(engine: Engine) -> list[ParamSlot]:
     return [s for g in engine.groups for s in g.slots if s.group_index >= 0]
 
 
-def group_hyperparameters(meta: CheckpointMeta, names: list[str]) -> Optional[dict[str, Any]]:
+def group_hyperparameters(meta: CheckpointMeta, names: list[str]) -> dict[str, Any] | None:
     """The saved hyperparameters of the optimizer group that held parameters ``names`` (any alias), matched
     by name, so param groups may be split or numbered differently (other dtype split, stage 3 units);
     None when no saved group held any of them.

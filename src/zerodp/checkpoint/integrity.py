@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -7,12 +7,17 @@ Stages 0-2 share :class:`ReplicatedParamsLayout`; stage 3 uses :class:`ShardedPa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 
-from zerodp.checkpoint.engine_state import (full_master_values, keyed_like_state_dict, outside_slots,
-                                            trained_slots, units)
+from zerodp.checkpoint.engine_state import (
+    full_master_values,
+    keyed_like_state_dict,
+    outside_slots,
+    trained_slots,
+    units,
+)
 from zerodp.checkpoint.format import value_dtype
 from zerodp.checkpoint.protocol import CheckpointableEngine as Engine
 from zerodp.runtime import comm
@@ -32,7 +37,7 @@ class Target:
     tensor: torch.Tensor
     #: set when the stored values are row-major but ``tensor`` holds them in this slot's memory order
     #: (a frozen ``channels_last`` parameter at stage 3): the range is taken after reordering
-    reorder: Optional[ParamSlot] = None
+    reorder: ParamSlot | None = None
 
 
 class CheckpointLayout(Protocol):

@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Callable, Iterable, Optional, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from zerodp.config import ConfigError, ZeroConfig
-from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
+from zerodp.offload.config import AioConfig
 from zerodp.offload.delayed import DelayedHostOffload
 from zerodp.offload.host import HostOptimizerOffload
 from zerodp.offload.no_offload import NoOffload
@@ -28,7 +29,7 @@ class OptimizerOffload(Protocol):
 
     device: str
     streams_grads: bool
-    shard_access: Optional[object]
+    shard_access: object | None
 
     def attach(self, groups: list[FlatGroup]) -> None: ...
     def holds_master(self, piece: Piece) -> bool: ...
@@ -59,7 +60,7 @@ class OptimizerOffload(Protocol):
 HOST_PIPELINE_ON_CPU_ENV = "ZERODP_HOST_OFFLOAD_ON_CPU"
 
 
-def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int, process_group: Optional[dist.ProcessGroup],
+def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int, process_group: dist.ProcessGroup | None,
                   groups: list[FlatGroup], has_master: bool) -> OptimizerOffload:
     """:class:`~zerodp.offload.no_offload.NoOffload` for ``device: none`` (fp32 masters on the
     training device when ``has_master``); else the host or NVMe offload (not yet attached).

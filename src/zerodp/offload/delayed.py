@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterator, Optional
 
 import torch
 
@@ -58,9 +58,9 @@ class DelayedHostOffload(HostOptimizerOffload):
 
     def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused") -> None:
         super().__init__(pin_memory, cpu_adam)
-        self._worker: Optional[ThreadPoolExecutor] = None
-        self._job: Optional[Future] = None
-        self.launched: Optional[list[torch.Tensor]] = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._job: Future | None = None
+        self.launched: list[torch.Tensor] | None = None
         self.updates_launched = 0
         self.updates_overlapped = 0  # not finished when step() returned
 

@@ -31,7 +31,7 @@ non-offloaded masters).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -80,7 +80,7 @@ class HostOptimizerOffload:
     streams_grads = True
     #: the engine's parameter offload when the step makes shards resident itself (NVMe subclass only);
     #: None: the engine keeps every shard resident for the whole step
-    shard_access: Optional[object] = None
+    shard_access: object | None = None
 
     def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused") -> None:
         self.pin = pin_memory
@@ -182,7 +182,7 @@ class HostOptimizerOffload:
         """The engine's parameter offload (stage 3, ``offload_param``). Host memory updates every piece
         at once, so the engine keeps the shards resident for the step: nothing to do here."""
 
-    def grad_of(self, piece: Piece) -> Optional[torch.Tensor]:
+    def grad_of(self, piece: Piece) -> torch.Tensor | None:
         """``piece``'s host gradient staged this step, or None if it has none."""
         i = self._index[id(piece)]
         self._sync_copies()

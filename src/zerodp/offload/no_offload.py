@@ -10,7 +10,7 @@ into the pieces by :meth:`NoOffload.finish_step`.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -27,7 +27,7 @@ class NoOffload:
     #: so a ``clip_grad_norm_`` factor scales them at once)
     streams_grads = False
     #: the engine keeps every shard resident for the whole step
-    shard_access: Optional[object] = None
+    shard_access: object | None = None
 
     def __init__(self, has_master: bool) -> None:
         """``has_master``: bf16/fp16 training keeps an fp32 master copy of every owned piece."""

@@ -50,22 +50,23 @@ import os
 import shutil
 import warnings
 import weakref
-from typing import Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from zerodp.offload.aio import AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
+from zerodp.offload.aio import AsyncIO, IOHandle, SwapFile, aligned_buffer
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
 from zerodp.offload.cpu_adam import cpu_adam_kernel
 from zerodp.offload.host import HostOptimizerOffload, fold_edit, storage_bytes
 from zerodp.offload.report import offload_formula
 from zerodp.offload.shard_window import ShardAccess, unique_groups
+from zerodp.offload.sizing import BufferLayout, auto_sub_group_size, oversize_warning
+from zerodp.offload.step_pipeline import SubGroupPipeline, SwapStats
+from zerodp.offload.subgroups import SubGroup
+from zerodp.offload.subgroups import plan_subgroups as _plan
 from zerodp.offload.swap_dir import check_stale, make_rank_dir
 from zerodp.offload.swap_job import OffloadError, agree_job_id, raise_if_any_rank_failed, remove_swap_dir
-from zerodp.offload.sizing import BufferLayout, auto_sub_group_size, oversize_warning
-from zerodp.offload.subgroups import SubGroup, plan_subgroups as _plan
-from zerodp.offload.step_pipeline import SubGroupPipeline, SwapStats
 from zerodp.runtime.partition import FlatGroup, Piece
 
 
@@ -74,33 +75,33 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
 
     device = "nvme"
 
-    def __init__(self, cfg: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: Optional[int],
-                 rank: int, process_group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, cfg: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: int | None,
+                 rank: int, process_group: dist.ProcessGroup | None) -> None:
         super().__init__(cfg.pin_memory, cfg.cpu_adam)
         self.cfg = cfg
         self.aio_cfg = aio
         self.user_sub_group_size = sub_group_size  # None: chosen at attach (zerodp.offload.sizing)
         self.sub_group_size = 0
         self.in_place = False  # the module's fp32 CPU tensors are the masters (no masters segment)
-        self.layout: Optional[BufferLayout] = None
+        self.layout: BufferLayout | None = None
         self.rank = rank
         self.pg = process_group
         self.subgroups: list[SubGroup] = []
         self.steps: dict[tuple[int, int], torch.Tensor] = {}  # (piece position, span lo) -> Adam's step
         self.buffers: list[torch.Tensor] = []
-        self.io: Optional[AsyncIO] = None
-        self.file: Optional[SwapFile] = None
-        self.dir: Optional[str] = None
+        self.io: AsyncIO | None = None
+        self.file: SwapFile | None = None
+        self.dir: str | None = None
         self.stats = SwapStats()
-        self._finalizer: Optional[weakref.finalize] = None
+        self._finalizer: weakref.finalize | None = None
         self.deferred = False  # gradients read from the reducer's host partition (module docstring)
         self.grad_scratch = torch.empty(0, dtype=torch.float32)  # fp32, largest sub-group (deferred, not fp32)
-        self._norm_scratch: Optional[torch.Tensor] = None  # fp32, largest piece, during a step's norm only
-        self._grad_refs: list[Optional[torch.Tensor]] = []  # per piece: the reducer's partition view
+        self._norm_scratch: torch.Tensor | None = None  # fp32, largest piece, during a step's norm only
+        self._grad_refs: list[torch.Tensor | None] = []  # per piece: the reducer's partition view
         self._factors: list[float] = []  # scale factors applied this step, in order (deferred)
         self._group_of: list[FlatGroup] = []  # per piece: its flat group (= stage-3 unit)
-        self.shard_access: Optional[ShardAccess] = None
-        self.pending: Optional[SubGroupPipeline] = None  # a step's loop still running (overlap_step)
+        self.shard_access: ShardAccess | None = None
+        self.pending: SubGroupPipeline | None = None  # a step's loop still running (overlap_step)
         self._after: list[Callable[[], None]] = []  # to run once the pending loop has finished
 
     # ---- construction --------------------------------------------------------------------------
@@ -167,7 +168,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             raise OffloadError(f"offload_optimizer.nvme_path {base!r}: the swap file needs {needed:,} bytes, "
                                f"{free:,} bytes are free")
         check_stale(base, self.cfg.remove_stale_swap, "offload_optimizer.nvme_path", self.rank)
-        files: list[Optional[SwapFile]] = []
+        files: list[SwapFile | None] = []
         self.dir = make_rank_dir(base, job, self.rank, files)  # owner record; unlinked on SIGTERM/SIGINT
         path = os.path.join(self.dir, "optimizer.swp")
         self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir, files)
@@ -341,7 +342,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             raise RuntimeError("NvmeOptimizerOffload: gradients are made one piece at a time (norm_grads)")
         return super().grads()
 
-    def grad_of(self, piece: Piece) -> Optional[torch.Tensor]:
+    def grad_of(self, piece: Piece) -> torch.Tensor | None:
         """Deferred: ``piece``'s fp32 gradient: the reducer's partition itself when it is fp32 and no
         factor is recorded yet, else made in a norm scratch of the largest piece (allocated for the
         step, freed after it), valid until the next call."""
@@ -363,7 +364,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             return super().norm_grads(pieces)
         return (g for g in (self.grad_of(p) for p in pieces) if g is not None)
 
-    def _materialise(self, i: int, lo: int, hi: int, out: Optional[torch.Tensor]) -> torch.Tensor:
+    def _materialise(self, i: int, lo: int, hi: int, out: torch.Tensor | None) -> torch.Tensor:
         """Elements ``lo:hi`` of piece ``i``'s fp32 gradient in ``out``: the eager path's copy, then its
         in-place scalings. ``out`` None (the reducer's partition is fp32, as the eager path's gradient
         is then): scaled in place there, as the eager path scales it."""

@@ -20,7 +20,6 @@ ZeRO-Infinity (Rajbhandari et al., SC21) section 5.2 (the pipelined optimizer sw
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 #: a piece cut between two sub-groups is cut at a multiple of this many elements from its start
 #: (the elementwise optimizer kernels then process each element as in one call over the whole piece)
@@ -74,7 +73,7 @@ def auto_sub_group_size(owned_numel: int, layout: BufferLayout, budget_bytes: in
 
 
 def oversize_warning(sub_group_size: int, largest_numel: int, layout: BufferLayout, owned_numel: int,
-                     masters_moved: bool) -> Optional[str]:
+                     masters_moved: bool) -> str | None:
     """The warning for a ``sub_group_size`` the user set whose buffers take more host memory than the
     offload moves off (None when they take less)."""
     buffers = layout.host_bytes(largest_numel)

@@ -37,7 +37,8 @@ import dataclasses
 import time
 import weakref
 import zlib
-from typing import Any, Iterable, Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 

@@ -31,7 +31,8 @@ stage-0/1 view of the flat gradient buffer) before the next backward and at ``en
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ class HiddenGradient(torch.Tensor):
     message: str
 
     @staticmethod
-    def __new__(cls, param: torch.Tensor, message: str) -> "HiddenGradient":
+    def __new__(cls, param: torch.Tensor, message: str) -> HiddenGradient:
         t = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device,
                                                  requires_grad=False)
         t.message = message
@@ -71,7 +72,7 @@ class HiddenGradient(torch.Tensor):
         return f"HiddenGradient(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 
 
-def is_hidden_gradient(t: Optional[torch.Tensor]) -> bool:
+def is_hidden_gradient(t: torch.Tensor | None) -> bool:
     """True for a :class:`HiddenGradient` placeholder."""
     return isinstance(t, HiddenGradient)
 
@@ -93,7 +94,7 @@ class GradPlaceholders:
         self.loss_scaled = loss_scaled
         self.folded = folded
         self._cache: dict[int, HiddenGradient] = {}  # slot index -> placeholder (same shape: reused)
-        self._displaced: dict[int, tuple[HiddenGradient, Optional[torch.Tensor]]] = {}
+        self._displaced: dict[int, tuple[HiddenGradient, torch.Tensor | None]] = {}
 
     def _reason(self) -> str:
         if self.stage >= 1:
@@ -110,7 +111,7 @@ class GradPlaceholders:
         return ("gradients are averaged across ranks only by the engine.backward of the last micro-step of "
                 "an accumulation, so param.grad holds no value after the others")
 
-    def _hides(self, current: Optional[torch.Tensor], reduced: bool) -> bool:
+    def _hides(self, current: torch.Tensor | None, reduced: bool) -> bool:
         if self.stage >= 1 or self.loss_scaled or self.folded:
             return True
         # stage 0: a view of the averaged gradient, which the step reads, stays; None after a reduced

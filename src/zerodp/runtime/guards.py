@@ -33,15 +33,14 @@ The engine calls :meth:`TrainingGuards.before_forward`, :meth:`TrainingGuards.be
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from zerodp.runtime.device import synchronize
 from zerodp.runtime.partition import FlatGroup, memory_stride
-from zerodp.runtime.device import host_flags, synchronize
 from zerodp.runtime.refusal import RefusedError
-
 
 #: attribute set on a parameter by :func:`acknowledge_edit`: the version counter of its last legitimate
 #: in-place edit (made inside ``GatheredParameters``).
@@ -60,7 +59,7 @@ class GuardedUnit(Protocol):
     group: FlatGroup  # its ``slots`` are the unit's parameters
     persistent: bool  # always gathered (small parameters), else gathered around each use
     rank: int
-    full: Optional[torch.Tensor]  # 1-D, the gathered (padded) parameters; None or 0 bytes while sharded
+    full: torch.Tensor | None  # 1-D, the gathered (padded) parameters; None or 0 bytes while sharded
 
     @property
     def shard(self) -> torch.Tensor: ...
@@ -87,7 +86,7 @@ class GuardedEngine(Protocol):
     stage: int
     groups: list[FlatGroup]
     optimizer: torch.optim.Optimizer
-    sharding: Optional[GuardedUnits]  # stage 3 only
+    sharding: GuardedUnits | None  # stage 3 only
 
 
 def _names(module: nn.Module) -> dict[int, str]:

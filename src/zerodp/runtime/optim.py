@@ -7,8 +7,9 @@ per-parameter state and skipping of ``grad is None`` match torch on the unpartit
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ class ParamGroupSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-def normalize_param_groups(module: nn.Module, model_parameters: Optional[Iterable[Any]]) -> list[ParamGroupSpec]:
+def normalize_param_groups(module: nn.Module, model_parameters: Iterable[Any] | None) -> list[ParamGroupSpec]:
     """Turn ``model_parameters`` (None, parameters, or param-group dicts) into named groups.
 
     Frozen parameters (``requires_grad=False``) are dropped from the groups; they stay in the module,

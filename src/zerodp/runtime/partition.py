@@ -23,7 +23,6 @@ received no gradient is skipped exactly as torch skips a parameter whose ``.grad
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -40,7 +39,7 @@ class ParamSlot:
     numel: int
     shape: torch.Size
     group_index: int = 0  # which user param group (optimizer options) it belongs to
-    stride: Optional[tuple[int, ...]] = None  # the parameter's strides if dense but not row-major, else None
+    stride: tuple[int, ...] | None = None  # the parameter's strides if dense but not row-major, else None
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` (1-D, ``numel`` contiguous elements in this slot's order) as a tensor of the
@@ -58,7 +57,7 @@ class ParamSlot:
         return out
 
 
-def memory_stride(p: torch.Tensor) -> Optional[tuple[int, ...]]:
+def memory_stride(p: torch.Tensor) -> tuple[int, ...] | None:
     """``p``'s strides if it is dense and non-overlapping but not row-major (e.g. ``channels_last``), so
     that a view with these strides over ``numel`` contiguous elements holds it; else None."""
     if p.dim() < 2 or p.is_contiguous():
@@ -100,7 +99,7 @@ class Piece:
     lo: int  # flat-buffer coordinates, [lo, hi)
     hi: int
     tensor: torch.Tensor  # 1-D view of the flat buffer (or shard), (hi - lo) elements, module dtype
-    master: Optional[torch.Tensor] = None  # fp32 copy of ``tensor`` in mixed precision, else None
+    master: torch.Tensor | None = None  # fp32 copy of ``tensor`` in mixed precision, else None
 
     @property
     def opt_tensor(self) -> torch.Tensor:

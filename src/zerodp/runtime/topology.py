@@ -18,8 +18,9 @@ group for gradient clipping; every other parameter is replicated across MP ranks
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,8 @@ class Topology:
     """Where this rank sits. ``dp_group`` None means the whole world; ``mp_group`` None: no model
     parallelism (``mp_world_size`` 1)."""
 
-    dp_group: Optional[dist.ProcessGroup]
-    mp_group: Optional[dist.ProcessGroup] = None
+    dp_group: dist.ProcessGroup | None
+    mp_group: dist.ProcessGroup | None = None
     mp_rank: int = 0
     mp_world_size: int = 1
 
@@ -86,7 +87,7 @@ def resolve_topology(process_group: Any = None, mpu: Any = None) -> Topology:
     return Topology(dp_group=dp, mp_group=mp, mp_rank=mp_rank, mp_world_size=mp_world)
 
 
-def _as_group(process_group: Any) -> Optional[dist.ProcessGroup]:
+def _as_group(process_group: Any) -> dist.ProcessGroup | None:
     get_group = getattr(process_group, "get_group", None)
     if process_group is None or isinstance(process_group, dist.ProcessGroup) or not callable(get_group):
         return process_group

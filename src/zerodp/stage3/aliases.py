@@ -30,7 +30,8 @@ parent). Every tensor that shares such a storage is one of:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
 
-def storage_key(t: torch.Tensor) -> Optional[int]:
+def storage_key(t: torch.Tensor) -> int | None:
     """The identity of ``t``'s storage (its ``StorageImpl`` address), or None for a tensor without one
     (wrapper subclasses, sparse tensors)."""
     try:
@@ -111,7 +112,7 @@ class SavedAliasHooks:
     :class:`_SavedAlias`; other tensors go to the hooks that were active before (or are saved as they
     are). One instance per push (:func:`push_saved_alias_hooks`)."""
 
-    def __init__(self, table: AliasTable, outer: Optional[tuple[Callable, Callable]]) -> None:
+    def __init__(self, table: AliasTable, outer: tuple[Callable, Callable] | None) -> None:
         self.table = table
         self.outer = outer
 

@@ -30,17 +30,16 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from typing import Optional
 
 #: the value pinned at stage 3 (bytes): blocks of 4 MiB or more are mmapped and returned on free
 STAGE3_MMAP_THRESHOLD = 4 * 1024 * 1024
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers
 _M_TRIM_THRESHOLD = -1
-_pinned: Optional[int] = None
+_pinned: int | None = None
 
 
-def pin_mmap_threshold(nbytes: int = STAGE3_MMAP_THRESHOLD) -> Optional[int]:
+def pin_mmap_threshold(nbytes: int = STAGE3_MMAP_THRESHOLD) -> int | None:
     """Set glibc's ``M_MMAP_THRESHOLD`` to ``nbytes`` (once per process). Returns the value in force
     after the call as far as zerodp knows (None: not glibc, turned off with
     ``ZERODP_STAGE3_MMAP_THRESHOLD=0``, or left to ``MALLOC_MMAP_THRESHOLD_``).

@@ -24,18 +24,18 @@ from __future__ import annotations
 import contextlib
 import enum
 import zlib
-from typing import Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
 
 from zerodp.runtime import comm
-from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.coalesce import coalesced, dtype_device, runs_of_same_kind
+from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.streams import SideStream
 from zerodp.stage3.units import ShardedUnit, ShardState, UnitIndex
-
 
 #: the prefetch of one pass (forward or backward) over the sharded units goes in about this many
 #: coalesced all-gathers (see [Note: coalesced prefetch])
@@ -81,9 +81,9 @@ class ParameterCoordinator:
     """Gathers and releases stage-3 units around each module's forward and backward."""
 
     def __init__(
-        self, index: UnitIndex, module_positions: dict[int, int], pg: Optional[ProcessGroup],
+        self, index: UnitIndex, module_positions: dict[int, int], pg: ProcessGroup | None,
         ledger: CommLedger, prefetch_bucket_size: int, max_live_parameters: int,
-        max_reuse_distance: int = 0, fetch_check: Optional[FetchCheck] = None,
+        max_reuse_distance: int = 0, fetch_check: FetchCheck | None = None,
     ) -> None:
         self.index = index
         self.positions = module_positions  # id(module) -> position in named_modules() (rank-independent)
@@ -112,10 +112,10 @@ class ParameterCoordinator:
         self.fetch_check = fetch_check
         #: offload_param: called after each fetch (recorded trace only) with the units of the modules
         #: still to come, in trace order, to read their shards ahead; None: no read-ahead
-        self.read_ahead: Optional[Callable[[list[list[ShardedUnit]]], None]] = None
+        self.read_ahead: Callable[[list[list[ShardedUnit]]], None] | None = None
         #: the all-gather stream (see [Note: comm streams] in :mod:`zerodp.runtime.streams`); None: the
         #: current stream
-        self.stream: Optional[SideStream] = None
+        self.stream: SideStream | None = None
 
     # ---- iteration boundaries -----------------------------------------------------------------------
     def begin_iteration(self) -> None:
@@ -182,7 +182,7 @@ class ParameterCoordinator:
         finally:
             self.busy = False
 
-    def release(self, module: nn.Module, held: Optional[dict[int, int]] = None) -> None:
+    def release(self, module: nn.Module, held: dict[int, int] | None = None) -> None:
         """``module`` is done with its units; those no other module holds are released. ``held``:
         storage key -> views of it the caller still holds, about to be dropped (see
         :meth:`ShardedUnit.release`)."""

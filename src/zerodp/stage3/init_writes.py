@@ -19,7 +19,8 @@ was flushed (after ``Init`` exits): its memory is gone.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ class InitTouchMode(TorchFunctionMode):
     included) run as they would without ``Init``; the flush casts the result down once.
     """
 
-    def __init__(self, pg: Optional[ProcessGroup], budget_elements: int) -> None:
+    def __init__(self, pg: ProcessGroup | None, budget_elements: int) -> None:
         super().__init__()
         self.pg = pg
         self.budget = budget_elements
@@ -86,7 +87,7 @@ class InitTouchMode(TorchFunctionMode):
         finally:
             self.busy = False
 
-    def forget(self, u: ShardedUnit) -> Optional[torch.dtype]:
+    def forget(self, u: ShardedUnit) -> torch.dtype | None:
         """Stop tracking ``u`` (Init replaces it); its parameters keep whatever values they hold now.
         Returns the dtype its parameters were built in, if it differs from the unit's."""
         if self.open.pop(id(u), None) is not None:

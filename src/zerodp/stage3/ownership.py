@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,9 @@ from zerodp.stage3.units import ShardedUnit, ShardState
 @dataclass(frozen=True)
 class Owner:
     unit: ShardedUnit
-    pg: Optional[dist.ProcessGroup]
+    pg: dist.ProcessGroup | None
     ledger: CommLedger
-    coordinator: Optional[ParameterCoordinator]  # None while only zero.Init has partitioned it
+    coordinator: ParameterCoordinator | None  # None while only zero.Init has partitioned it
 
 
 class OwnerRegistry:
@@ -55,7 +55,7 @@ class OwnerRegistry:
         if holder is not None:
             holder.__dict__.get(_HELD, {}).pop((id(self), id(param)), None)
 
-    def get(self, param: torch.Tensor) -> Optional[object]:
+    def get(self, param: torch.Tensor) -> object | None:
         entry = self._entries.get(id(param))
         if entry is None or entry[0]() is not param:
             return None
@@ -138,7 +138,7 @@ def coordinator_busy(owner: Owner) -> Iterator[None]:
         c.busy = False
 
 
-def pre_sharded_unit(params: list[nn.Parameter]) -> Optional[ShardedUnit]:
+def pre_sharded_unit(params: list[nn.Parameter]) -> ShardedUnit | None:
     """The unit built by :class:`Init` holding exactly ``params`` in this order, if there is one."""
     owners = [OWNERS.get(p) for p in params]
     if not owners or any(o is None for o in owners):

@@ -23,7 +23,8 @@ and costs nothing extra.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -183,7 +184,7 @@ class ShardedData(torch.Tensor):
     _zerodp_name: str
 
     @staticmethod
-    def __new__(cls, name: str, like: torch.Tensor) -> "ShardedData":
+    def __new__(cls, name: str, like: torch.Tensor) -> ShardedData:
         with torch._C.DisableTorchFunctionSubclass():
             shape, stride, dtype, device = like.shape, like.stride(), like.dtype, like.device
         t = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, dtype=dtype, device=device,
@@ -192,7 +193,7 @@ class ShardedData(torch.Tensor):
         return t
 
     @classmethod
-    def of(cls, param: "ShardedParameter") -> "ShardedData":
+    def of(cls, param: ShardedParameter) -> ShardedData:
         return cls(_name(param), param)
 
     @classmethod
@@ -225,7 +226,7 @@ class ShardedData(torch.Tensor):
                 "partitioned: no values on this rank)")
 
 
-def _name(p: Optional[torch.Tensor]) -> str:
+def _name(p: torch.Tensor | None) -> str:
     return getattr(p, NAME_ATTR, "?") if p is not None else "?"
 
 

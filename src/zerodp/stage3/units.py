@@ -35,8 +35,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -93,19 +94,19 @@ class ShardedUnit:
     state: ShardState = ShardState.SHARDED
     # 1-D, padded numel; its storage has 0 bytes while SHARDED (so not in repr: torch's tensor repr of a
     # 0-byte storage reads freed memory, e.g. in pytest's report of a failed assertion on a unit)
-    full: Optional[torch.Tensor] = field(default=None, repr=False)
-    work: Optional[Work] = None
+    full: torch.Tensor | None = field(default=None, repr=False)
+    work: Work | None = None
     # (slot position, dtype) -> cast of that parameter; storage re-filled on gather, emptied on release
     casts: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
     users: int = 0  # modules currently holding it gathered (forward or backward)
     prefetched: bool = False  # gathered ahead of use by the coordinator
     #: lends the memory of ``full`` and of the cast buffers while gathered (see [Note: gather pool] in
     #: :mod:`zerodp.stage3.pool`); None: each gather allocates and each release frees
-    pool: Optional[GatherPool] = None
-    home: Optional[ShardHome] = None  # offload_param: where the shard lives between uses; None: here
+    pool: GatherPool | None = None
+    home: ShardHome | None = None  # offload_param: where the shard lives between uses; None: here
     #: the stage-3 alias table this unit's buffers are registered in (see [Note: escaping views] in
     #: :mod:`zerodp.stage3.aliases`); None: not registered (views saved by autograd keep the storage)
-    aliases: Optional[AliasTable] = None
+    aliases: AliasTable | None = None
     #: buffer key (None: full, (slot position, dtype): a cast buffer) -> its storage's use count when the
     #: unit became UNSHARDED; a release finding more keeps that storage for the extra views
     refs: dict = field(default_factory=dict)
@@ -114,7 +115,7 @@ class ShardedUnit:
     ds_id_base: int = -1
     #: the all-gather stream (see [Note: comm streams] in :mod:`zerodp.runtime.streams`); None: the
     #: collective is issued on, and waited for by, the stream current then
-    stream: Optional[SideStream] = field(default=None, repr=False)
+    stream: SideStream | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.ds_id_base < 0:
@@ -144,7 +145,7 @@ class ShardedUnit:
     def slots(self) -> list[ParamSlot]:
         return self.group.slots
 
-    def start_gather(self, pg: Optional[ProcessGroup], ledger: CommLedger, purpose: str) -> None:
+    def start_gather(self, pg: ProcessGroup | None, ledger: CommLedger, purpose: str) -> None:
         """SHARDED -> GATHERING: re-allocate the full buffer's storage and launch the all-gather of
         every rank's shard into it (on :attr:`stream` when set, after it waited for the compute
         stream: a use on demand, where the shard may just have been written)."""
@@ -170,7 +171,7 @@ class ShardedUnit:
             if self.stream is not None:
                 self.stream.stale = True  # the shard may just have been read back on the compute stream
 
-    def launch_gather(self, pg: Optional[ProcessGroup], ledger: CommLedger, purpose: str) -> None:
+    def launch_gather(self, pg: ProcessGroup | None, ledger: CommLedger, purpose: str) -> None:
         """Issue the all-gather of a prepared unit (on the stream current now) -> GATHERING."""
         # into a non-owning alias of the full buffer's memory: the Work (kept by gloo's thread for a while
         # after wait() returns) then holds no reference to the buffer's storage, whose use count tells
@@ -219,7 +220,7 @@ class ShardedUnit:
         for key, buf in self.casts.items():
             self.refs[key] = storage_refs(buf)
 
-    def release(self, allow: Optional[dict[int, int]] = None) -> None:
+    def release(self, allow: dict[int, int] | None = None) -> None:
         """UNSHARDED -> SHARDED: the memory of the full buffer and of the cast buffers is freed (their
         storages are resized to 0 bytes); the parameters stay views of the full buffer (full shape, no
         storage) and become :class:`~zerodp.stage3.sharded_param.ShardedParameter`.
@@ -388,7 +389,7 @@ def _row_major(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _free(t: Optional[torch.Tensor], pool: Optional[GatherPool] = None) -> None:
+def _free(t: torch.Tensor | None, pool: GatherPool | None = None) -> None:
     """Empty ``t``'s storage (0 bytes): its slab goes back to ``pool``, or its memory is freed."""
     if t is None or (pool is not None and pool.take_back(t)):
         return
@@ -396,7 +397,7 @@ def _free(t: Optional[torch.Tensor], pool: Optional[GatherPool] = None) -> None:
         t.untyped_storage().resize_(0)
 
 
-def _allocate(t: torch.Tensor, pool: Optional[GatherPool] = None, waiter: Optional[SideStream] = None) -> None:
+def _allocate(t: torch.Tensor, pool: GatherPool | None = None, waiter: SideStream | None = None) -> None:
     """Give ``t``'s (same) storage object memory again: a slab of ``pool``, or a fresh allocation.
     ``waiter``: the side stream that writes it first (see [Note: gather pool])."""
     nbytes = (t.storage_offset() + t.numel()) * t.element_size()
@@ -408,8 +409,8 @@ def _allocate(t: torch.Tensor, pool: Optional[GatherPool] = None, waiter: Option
             waiter.after_compute()
 
 
-def _empty(numel: int, dtype: torch.dtype, device: torch.device, pool: Optional[GatherPool],
-           waiter: Optional[SideStream] = None) -> torch.Tensor:
+def _empty(numel: int, dtype: torch.dtype, device: torch.device, pool: GatherPool | None,
+           waiter: SideStream | None = None) -> torch.Tensor:
     if pool is not None:
         return pool.empty_tensor(numel, dtype, device, waiter)
     out = torch.empty(numel, dtype=dtype, device=device)
@@ -418,7 +419,7 @@ def _empty(numel: int, dtype: torch.dtype, device: torch.device, pool: Optional[
     return out
 
 
-def _issuing(stream: Optional[SideStream]):
+def _issuing(stream: SideStream | None):
     """``stream.issuing()``, or nothing (the current stream) without one."""
     return stream.issuing() if stream is not None else contextlib.nullcontext()
 
@@ -426,7 +427,7 @@ def _issuing(stream: Optional[SideStream]):
 def shard_unit(
     name: str, named: list[tuple[str, nn.Parameter]], first_index: int, group_indices: list[int],
     rank: int, world_size: int, persistent: bool = False,
-    sync: Optional[Callable[[torch.Tensor], None]] = None, pin_memory: bool = False,
+    sync: Callable[[torch.Tensor], None] | None = None, pin_memory: bool = False,
 ) -> ShardedUnit:
     """Lay out ``named`` (full, identical on every rank) as one unit and keep only shard ``rank``.
     ``pin_memory``: allocate the shard page-locked (host parameters only; the caller checks CUDA).

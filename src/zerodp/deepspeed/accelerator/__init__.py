@@ -17,7 +17,7 @@ import torch
 
 from zerodp.deepspeed.accelerator.devices import CPU_Accelerator, CUDA_Accelerator, DeviceAccelerator
 
-_accelerator: Optional[DeviceAccelerator] = None
+_accelerator: DeviceAccelerator | None = None
 
 
 def get_accelerator() -> DeviceAccelerator:

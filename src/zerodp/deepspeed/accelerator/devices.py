@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Iterator, Optional, Union
+from collections.abc import Callable
+from typing import Any, Union
 
 import torch
 
@@ -333,7 +334,7 @@ class _NoEvent:
         return True
 
 
-def _index(device_index: DeviceIndex) -> Optional[int]:
+def _index(device_index: DeviceIndex) -> int | None:
     if isinstance(device_index, torch.device):
         return device_index.index
     return device_index
