@@ -303,7 +303,7 @@ def offload_round_trip() -> dict:
                 out["states_equal"] = len(after) == len(before) and all(
                     any(torch.equal(a, b) for b in before.values()) for a in after)
                 out["masters_equal"] = all(torch.equal(m, p.master) for m, p in
-                                           zip(masters, [p for gr in engine.engine.groups for p in gr.pieces]))
+                                           zip(masters, [p for gr in engine.engine.groups for p in gr.pieces], strict=True))
                 try:
                     engine.offload_states(device="nvme")
                     out["nvme"] = ""

@@ -158,7 +158,7 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 
 def _disjoint(tensors: list[torch.Tensor]) -> bool:
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
-    return all(a_hi <= b_lo for (_, a_hi), (b_lo, _) in zip(spans, spans[1:]))
+    return all(a_hi <= b_lo for (_, a_hi), (b_lo, _) in zip(spans, spans[1:], strict=False))
 
 
 @scenario

@@ -205,7 +205,7 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
 
 def _equal(a, b) -> bool:
     """Bitwise equality of two state dicts or two lists of tensors."""
-    pairs = [(a[k], b[k]) for k in a] if isinstance(a, dict) else list(zip(a, b))
+    pairs = [(a[k], b[k]) for k in a] if isinstance(a, dict) else list(zip(a, b, strict=False))
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in pairs)
 
 

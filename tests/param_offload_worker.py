@@ -223,7 +223,7 @@ def mixed_nvme_step() -> dict:
                 pairs = [need[k] | (need[k + 1] if k + 1 < len(need) else set()) for k in range(len(need))]
                 facts = {"peaks": peaks, "total": sum(home.values()), "subgroups": len(need),
                          "bound": max(sum(home.get(gid, 0) for gid in p) for p in pairs) + 4096,
-                         "spans": any(len(a & b) for a, b in zip(need, need[1:])),
+                         "spans": any(len(a & b) for a, b in zip(need, need[1:], strict=False)),
                          "grad_buffer_max": max(t.numel() for t in off.grad_buffers),
                          "grad_host": off.host_bytes(engine.optimizer)["gradients"],
                          "owned": sum(p.hi - p.lo for gr in engine.groups for p in gr.pieces),
@@ -362,7 +362,7 @@ def overlap_step() -> dict:
         engine.close()
 
     def eq(a: tuple, b: tuple) -> bool:
-        return (a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1])) and len(a[1]) == len(b[1])
+        return (a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=False)) and len(a[1]) == len(b[1])
                 and same(a[2], b[2]) and a[3] == b[3])
 
     return {"equal": {"nvme": eq(runs["nvme"], runs["none"]), "overlap": eq(runs["overlap"], runs["none"])},

@@ -161,13 +161,13 @@ def edit_between_steps_bf16(stage: int) -> dict:
             _edit(model)
             _edit(ref.model)
             with torch.no_grad():  # the reference's master follows its edited module value
-                for p, m in zip(ref.params, ref.masters):
+                for p, m in zip(ref.params, ref.masters, strict=True):
                     m.copy_(p)
         x, y = batch(step, 8, 2, MICRO * world())
         ref.step(((ref.model(x.bfloat16()).float() - y) ** 2).mean())
         engine.backward(((engine(local(x).bfloat16()).float() - local(y)) ** 2).mean())
         engine.step()
-    for (name, p), m in zip(model.named_parameters(), ref.masters):
+    for (name, p), m in zip(model.named_parameters(), ref.masters, strict=True):
         full = zerodp.zero.safe_get_full_fp32_param(p)
         rel.append(((full - m).abs() / (m.abs() + 1e-2)).max().item())
     return {"master_rel_err": max(rel)}
@@ -187,7 +187,7 @@ def accessors(stage: int) -> dict:
         ((ref(x) - y) ** 2).mean().backward()
         ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
         engine.backward(((engine(local(x)) - local(y)) ** 2).mean())
-        for n, p, rp in zip(names, model.parameters(), ref.parameters()):
+        for n, p, rp in zip(names, model.parameters(), ref.parameters(), strict=True):
             errs["grad"] = max(errs["grad"], err(zerodp.zero.safe_get_full_grad(p), rp.grad))
             if is_hidden_gradient(p.grad):  # a placeholder that raises on use
                 hidden += 1
@@ -197,7 +197,7 @@ def accessors(stage: int) -> dict:
         ref_opt.step()
         engine.step()
         errs["norm"] = max(errs["norm"], abs(engine.get_global_grad_norm() - ref_norm) / ref_norm)
-        for p, rp in zip(model.parameters(), ref.parameters()):
+        for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
             errs["param"] = max(errs["param"], err(zerodp.zero.safe_get_full_fp32_param(p), rp))
             errs["exp_avg"] = max(errs["exp_avg"], err(zerodp.zero.safe_get_full_optimizer_state(p, "exp_avg"),
                                                        ref_opt.state[rp]["exp_avg"]))
@@ -236,7 +236,7 @@ def p_grad_with_accumulation(stage: int) -> dict:
         for j in range(2):
             lo = (j * n + r) * MICRO
             engine.backward(((engine(x[lo : lo + MICRO]) - y[lo : lo + MICRO]) ** 2).mean())
-            for p, rp in zip(model.parameters(), ref.parameters()):
+            for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
                 hidden += is_hidden_gradient(p.grad)
                 none += p.grad is None
                 if p.grad is not None and not is_hidden_gradient(p.grad) and p.grad.numel() == rp.numel():
@@ -525,7 +525,7 @@ def nanogpt_groups_after_init(stage: int) -> dict:
     with zerodp.zero.Init(config=cfg, enabled=stage == 3):
         model = Nano()
     shapes_ok = all(p.shape == rp.shape and p.dim() == rp.dim()
-                    for p, rp in zip(model.parameters(), ref.parameters()))
+                    for p, rp in zip(model.parameters(), ref.parameters(), strict=True))
     groups, names, numel = nano_groups(model)
     ref_groups, ref_names, ref_numel = nano_groups(ref)
     engine = zerodp.initialize(model, cfg, model_parameters=groups)
@@ -543,7 +543,7 @@ def nanogpt_groups_after_init(stage: int) -> dict:
     # after training: full metadata, while the partitioned ones hold no storage (read from the storage)
     params = list(model.parameters())
     out["shapes_ok"] = shapes_ok and all(p.shape == rp.shape and p.numel() == rp.numel()
-                                         for p, rp in zip(params, ref.parameters()))
+                                         for p, rp in zip(params, ref.parameters(), strict=True))
     out["storage_free"] = sum(p.untyped_storage().nbytes() == 0 for p in params)
     out["partitioned"] = sum(zerodp.zero.is_partitioned(p) for p in params)
     out["param_err"] = state_err(engine, ref)

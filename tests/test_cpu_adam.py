@@ -58,7 +58,7 @@ def _masters(e: zerodp.Engine) -> list[torch.Tensor]:
 def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     """Every tensor within 1e-6 relative (of its largest magnitude) of the reference."""
     assert len(got) == len(want) > 0
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         err = (a.double() - b.double()).abs().max().item()
         assert err <= REL * b.abs().max().item(), (err, b.abs().max().item())
 
@@ -125,7 +125,7 @@ def test_other_kernels_kept(optimizer, tmp_path, fused_calls):
     for e in (plain, off):
         _train(e, range(STEPS))
     assert fused_calls == []
-    for a, b in zip(_masters(off), _masters(plain)):
+    for a, b in zip(_masters(off), _masters(plain), strict=True):
         assert torch.equal(a, b)
     off.close()
 

@@ -193,7 +193,7 @@ def test_gradients_stream_to_host_during_backward(device, tmp_path, monkeypatch)
     # zerodp.runtime.reducer); afterwards buckets stream while backward is still running
     assert streamed_before_last_grad[0] == 0
     assert all(0 < n < n_pieces for n in streamed_before_last_grad[1:]), streamed_before_last_grad
-    for a, b in zip(plain.module.parameters(), off.module.parameters()):
+    for a, b in zip(plain.module.parameters(), off.module.parameters(), strict=True):
         assert torch.equal(a, b)
     off.close()
 
@@ -242,7 +242,7 @@ def test_edit_of_parameter_without_gradient_reaches_offloaded_master(device, thr
         assert torch.equal(states[0][k], states[1][k]), k
         compared += 1
     assert compared == 6
-    for a, b in zip(engines[0].module.parameters(), engines[1].module.parameters()):
+    for a, b in zip(engines[0].module.parameters(), engines[1].module.parameters(), strict=True):
         assert torch.equal(safe_get_full_fp32_param(a), safe_get_full_fp32_param(b))
         assert torch.equal(safe_get_full_optimizer_state(a, "exp_avg"), safe_get_full_optimizer_state(b, "exp_avg"))
     if device == "nvme":
@@ -300,12 +300,12 @@ def test_edit_folding_with_parameters_on_another_device(device, tmp_path, monkey
             for p in e.optimizer_offload.pieces:
                 p.tensor = torch.Tensor._make_subclass(ElsewhereTensor, p.tensor)
         e.optimizer_offload.fold_edits() if device == "cpu" else e.optimizer_offload.skipped_step()
-        for p, t in zip(e.optimizer_offload.pieces, originals):
+        for p, t in zip(e.optimizer_offload.pieces, originals, strict=True):
             p.tensor = t
         return e
 
     plain, moved = build(False), build(True)
-    for a, b in zip(plain.module.parameters(), moved.module.parameters()):
+    for a, b in zip(plain.module.parameters(), moved.module.parameters(), strict=True):
         assert torch.equal(safe_get_full_fp32_param(a), safe_get_full_fp32_param(b))
     assert safe_get_full_fp32_param(moved.module.bias)[0] == 3.0  # the edit reached the master
     plain.close()

@@ -6,6 +6,7 @@ breakdown").
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone \\
         --nproc-per-node 2 tools/cprofile_steps.py "zerodp stage 3" [SORT]
 """
+
 import cProfile
 import pstats
 import sys
@@ -23,11 +24,17 @@ n_layer, n_head, d_model, seq_len, micro = PRESETS["small"]
 cfg = GPTConfig(n_layer=n_layer, n_head=n_head, d_model=d_model, seq_len=seq_len)
 batches = _batches(cfg, micro, 11, rank, world)
 s = SYSTEMS[sys.argv[1]](cfg, 1e-3, False)
-for x, y in batches[:2]: s.forward_backward(x, y); s.step()
-pr = cProfile.Profile(); pr.enable()
+for x, y in batches[:2]:
+    s.forward_backward(x, y)
+    s.step()
+pr = cProfile.Profile()
+pr.enable()
 for x, y in batches[2:]:
-    s.forward_backward(x, y); s.step()
+    s.forward_backward(x, y)
+    s.step()
 pr.disable()
 if rank == 0:
-    st = pstats.Stats(pr); st.sort_stats(sys.argv[2] if len(sys.argv) > 2 else "tottime"); st.print_stats(35)
+    st = pstats.Stats(pr)
+    st.sort_stats(sys.argv[2] if len(sys.argv) > 2 else "tottime")
+    st.print_stats(35)
 zerodp.shutdown_distributed()

@@ -210,7 +210,7 @@ def test_collectives_are_ordered_against_the_compute_stream(world1, monkeypatch,
     # the compute stream waited for it (one _complete per bucket, in launch order)
     completes = [e for e in log if e[:2] == ("op", "complete")]
     assert len(completes) == len(reductions) > 0
-    for r, c in zip(reductions, completes):
+    for r, c in zip(reductions, completes, strict=True):
         issued_compute_clock, reduce_tick = r[5], r[6]
         assert reduce_tick.get("compute", 0) >= issued_compute_clock.get("compute", 0), r
         assert c[-1].get("reduce", 0) >= reduce_tick["reduce"], (r, c)

@@ -356,11 +356,11 @@ def _assemble(args: argparse.Namespace, cfg: GPTConfig, micro: int, psi: int, wo
                        if c in CATEGORIES}
             formula["buffers"] = float(p["measured"]["buffers"])  # not model state in the paper
         ratios, all_times = [], [t for rnd in times[name] for t in rnd]
-        for rnd, base in zip(times[name], times.get("DDP", [])):
+        for rnd, base in zip(times[name], times.get("DDP", []), strict=False):  # no DDP row: no ratios
             ratios.append(statistics.median(rnd) / statistics.median(base))
         steps = len(p["losses"])
         counted = p["traffic_countable"] and (p["traffic_elements"] > 0 or world == 1)
-        diffs = [abs(a - b) for a, b in zip(p["losses"], ddp_losses)]
+        diffs = [abs(a - b) for a, b in zip(p["losses"], ddp_losses, strict=False)]  # DDP skipped: []
         systems.append(SystemResult(
             name=name, family=p["family"], stage=p["stage"], status="ran",
             step_time=_quartiles(all_times) if all_times else None,

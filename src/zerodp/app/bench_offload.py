@@ -39,18 +39,18 @@ def raw_direct_io(directory: str, nbytes: int, cfg: AioConfig | None = None, rep
     files = [SwapFile(tempfile.mktemp(prefix="zerodp_raw_", dir=directory)) for _ in range(streams)]
     writes, reads = [], []
     try:
-        for buf, f in zip(bufs, files):
+        for buf, f in zip(bufs, files, strict=True):
             buf.fill_(7)
             os.posix_fallocate(f.fd, 0, buf.numel())
         for _ in range(repeats):
             t0 = time.perf_counter()
-            for h in [io.write(f, buf, 0) for io, f, buf in zip(ios, files, bufs)]:
+            for h in [io.write(f, buf, 0) for io, f, buf in zip(ios, files, bufs, strict=True)]:
                 h.wait()
             for f in files:
                 os.fsync(f.fd)
             writes.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            for h in [io.read(f, buf, 0) for io, f, buf in zip(ios, files, bufs)]:
+            for h in [io.read(f, buf, 0) for io, f, buf in zip(ios, files, bufs, strict=True)]:
                 h.wait()
             reads.append(time.perf_counter() - t0)
     finally:

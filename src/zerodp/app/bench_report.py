@@ -181,7 +181,7 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
     # (a) model state per rank by category, measured and formula side by side
     mem = [s for s in ran if s.memory and s.formula is not None]
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(mem)), 4.5))
-    colors = dict(zip(CATEGORIES, ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3")))
+    colors = dict(zip(CATEGORIES, ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3"), strict=True))
     for i, s in enumerate(mem):
         for j, (label, values) in enumerate((("measured", s.memory[0].measured), ("formula", s.formula))):
             bottom = 0.0

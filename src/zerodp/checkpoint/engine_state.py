@@ -189,7 +189,7 @@ def group_hyperparameters(meta: CheckpointMeta, names: list[str]) -> dict[str, A
 
 def group_records(engine: Engine) -> list[GroupRecord]:
     out = []
-    for i, (pg, names) in enumerate(zip(engine.optimizer.param_groups, optimizer_group_names(engine))):
+    for i, (pg, names) in enumerate(zip(engine.optimizer.param_groups, optimizer_group_names(engine), strict=True)):
         hp = {}
         for k, v in pg.items():
             if k == "params":

@@ -258,7 +258,7 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None) 
         if st is not None:
             opt.state[param] = st
     same_optimizer = staged.meta.optimizer == type(opt).__name__
-    for pg, hp in zip(opt.param_groups, staged.hyperparameters):
+    for pg, hp in zip(opt.param_groups, staged.hyperparameters, strict=True):
         if hp is not None:
             _restore_hyperparameters(pg, hp, same_optimizer)
     if staged.lr_scheduler is not None:

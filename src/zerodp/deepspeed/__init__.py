@@ -198,7 +198,7 @@ def _scheduler_factory(sched: Any, client_opt: torch.optim.Optimizer | None) -> 
                                   "passed to initialize() is not implemented; pass a callable f(optimizer)")
 
     def rebind(opt: torch.optim.Optimizer) -> LRScheduler:
-        for g, cg in zip(opt.param_groups, client_opt.param_groups):
+        for g, cg in zip(opt.param_groups, client_opt.param_groups, strict=True):
             g["lr"] = cg["lr"]
             if "initial_lr" in cg:
                 g["initial_lr"] = cg["initial_lr"]

@@ -83,7 +83,7 @@ class DelayedHostOffload(HostOptimizerOffload):
         self.wait_update()
         if self.launched is None:
             return super().fold_edits()
-        for piece, before in zip(self.pieces, self.launched):
+        for piece, before in zip(self.pieces, self.launched, strict=True):
             _keep_edits(piece.tensor, before, piece.master)
             self.copies.copy(piece.tensor, piece.master)
         self.copies.wait()

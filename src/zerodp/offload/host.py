@@ -164,7 +164,7 @@ class HostOptimizerOffload:
     def grads(self) -> list[torch.Tensor]:
         """The host gradients staged this step (for loss unscaling and clipping, in place)."""
         self._sync_copies()
-        return [b for b, present in zip(self.grad_buffers, self._present) if present]
+        return [b for b, present in zip(self.grad_buffers, self._present, strict=True) if present]
 
     def scale_grads(self, factor: float) -> None:
         """Multiply this step's staged gradients by ``factor`` in place (fp32, ``Tensor.mul_``): loss

@@ -60,7 +60,7 @@ class NoOffload:
         other elements. One host sync per device (:func:`zerodp.runtime.device.host_flags`)."""
         pieces = [p for p in self.pieces if p.master is not None]
         flags = [(p.tensor != p.master.to(p.tensor.dtype)).any() for p in pieces]
-        for piece, edited_any in zip(pieces, host_flags("master_edits", flags)):
+        for piece, edited_any in zip(pieces, host_flags("master_edits", flags), strict=True):
             if edited_any:  # keep the fp32 value of every element that was not edited
                 edited = piece.tensor != piece.master.to(piece.tensor.dtype)
                 piece.master[edited] = piece.tensor[edited].to(piece.master.dtype)

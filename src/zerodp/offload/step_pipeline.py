@@ -94,7 +94,7 @@ class _Hyper:
     def swap(self, optimizer: torch.optim.Optimizer) -> _Hyper:
         """Put these values in place; return the ones they replaced."""
         old = _Hyper.of(optimizer)
-        for g, v in zip(optimizer.param_groups, self.values):
+        for g, v in zip(optimizer.param_groups, self.values, strict=True):
             g.update(v)
         return old
 

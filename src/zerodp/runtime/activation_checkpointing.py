@@ -202,7 +202,7 @@ class _CheckpointFunction(torch.autograd.Function):
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if isinstance(o, torch.Tensor) and o.requires_grad
                  and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

@@ -212,7 +212,7 @@ def host_flags(reason: str, flags: list[torch.Tensor]) -> list[bool]:
     out = [False] * len(flags)
     for positions in by_device.values():
         values = synchronize(reason, torch.stack([flags[i].reshape(()) for i in positions])).tolist()
-        for i, v in zip(positions, values):
+        for i, v in zip(positions, values, strict=True):
             out[i] = bool(v)
     return out
 

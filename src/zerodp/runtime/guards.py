@@ -166,7 +166,7 @@ class TrainingGuards:
         self._versions = [p._version for _, p, _ in self._partitioned]
 
     def _check_partitioned_edits(self) -> None:
-        for (name, p, unit), v in zip(self._partitioned, self._versions):
+        for (name, p, unit), v in zip(self._partitioned, self._versions, strict=True):
             if (p._version != v and unit.sharded
                     and getattr(p, ACK_ATTR, None) != p._version):
                 raise RefusedError(

@@ -63,7 +63,7 @@ def memory_stride(p: torch.Tensor) -> tuple[int, ...] | None:
     if p.dim() < 2 or p.is_contiguous():
         return None
     expected = 1
-    for st, size in sorted((st, size) for st, size in zip(p.stride(), p.shape) if size != 1):
+    for st, size in sorted((st, size) for st, size in zip(p.stride(), p.shape, strict=True) if size != 1):
         if st != expected:
             return None
         expected *= size
@@ -206,7 +206,7 @@ def zero_unwritten(buf: torch.Tensor, b: Bucket, written: list[bool]) -> None:
             ranges.append([lo, hi])
 
     pos = 0
-    for s, w in sorted(zip(b.slots, written), key=lambda x: x[0].offset):
+    for s, w in sorted(zip(b.slots, written, strict=True), key=lambda x: x[0].offset):
         rel = s.offset - b.start
         add(pos, rel)
         if not w:

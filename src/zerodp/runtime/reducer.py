@@ -512,12 +512,12 @@ class PartitionedGradReducer(GradientReducer):
             scratch = [self._receive_buffer(buf) if apart else None for _, _, buf, _, _ in run]
             launches = [lambda buf=buf, out=out, rx=rx: comm.reduce_scatter(
                             out, buf, self.pg, self.ledger, self.collective_purpose, async_op=True, received=rx)
-                        for (_, _, buf, out, _), rx in zip(run, scratch)]
+                        for (_, _, buf, out, _), rx in zip(run, scratch, strict=True)]
             self.stream.after_compute()  # the buckets' staging buffers are written on the compute stream
             with self.stream.issuing():
                 work = comm.AllOf([launch() for launch in launches]) if apart else coalesced(self.pg, launches)
             self.reduce_collectives += 1
-            self._track(work, [(b, g, (buf, recv, rx)) for (g, b, buf, _, recv), rx in zip(run, scratch)])
+            self._track(work, [(b, g, (buf, recv, rx)) for (g, b, buf, _, recv), rx in zip(run, scratch, strict=True)])
 
     def _receive_buffer(self, buf: torch.Tensor) -> torch.Tensor | None:
         """A buffer like ``buf`` from the staging pool for an all-to-all's received chunks (None

@@ -75,7 +75,7 @@ def _wrap(action: Callable[[nn.Module], None], module: nn.Module, obj: Any) -> A
         return obj
     unique = list({id(t): t for t in tensors}.values())
     wrapped = _BackwardHook.apply(action, module, *unique)
-    return _replace(obj, {id(t): w for t, w in zip(unique, wrapped)})
+    return _replace(obj, {id(t): w for t, w in zip(unique, wrapped, strict=True)})
 
 
 class ModuleStack:

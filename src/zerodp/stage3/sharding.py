@@ -117,7 +117,7 @@ class Stage3:
         u = None if persistent else pre_sharded_unit([p for _, p in named])
         if u is not None:  # built by zero.Init with this exact layout: adopt it as is
             u.name = name
-            for i, (s, (pname, _), gi) in enumerate(zip(u.slots, named, groups)):
+            for i, (s, (pname, _), gi) in enumerate(zip(u.slots, named, groups, strict=True)):
                 s.name, s.index, s.group_index = pname, first + i, gi
         else:
             materialize([p for _, p in named])

@@ -437,7 +437,7 @@ def shard_unit(
     """
     slots: list[ParamSlot] = []
     cursor = 0
-    for i, ((pname, p), gi) in enumerate(zip(named, group_indices)):
+    for i, ((pname, p), gi) in enumerate(zip(named, group_indices, strict=True)):
         slots.append(ParamSlot(pname, p, first_index + i, cursor, p.numel(), p.shape, gi, memory_stride(p)))
         cursor += p.numel()
     padded = max(-(-cursor // world_size) * world_size, world_size)
