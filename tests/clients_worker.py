@@ -162,7 +162,7 @@ def cifar_run(stage: int, dtype: str) -> dict[str, Any]:
     target_dtype = {"bf16": torch.bfloat16, "fp16": torch.half}.get(dtype)
     criterion = nn.CrossEntropyLoss()
     losses = []
-    for epoch in range(2):
+    for _epoch in range(2):
         for inputs, labels in loader:
             inputs, labels = inputs.to(local_device), labels.to(local_device)
             if target_dtype is not None:

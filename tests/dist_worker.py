@@ -662,7 +662,7 @@ def warmup_decay_lr(stage: int) -> dict:
     out = compare_training(stage, opt="Adam", zero={"reduce_bucket_size": 40}, steps=T,
                            scheduler_ref=formula, config_extra={"scheduler": sched}, between=record)
     # lrs[k] is the lr after k+1 steps, i.e. the one the (k+2)-th step uses
-    out["lr_err"] = max(abs(l - formula(k + 1)) for k, ls in enumerate(lrs) for l in ls)
+    out["lr_err"] = max(abs(lr - formula(k + 1)) for k, lrs_k in enumerate(lrs) for lr in lrs_k)
     return out
 
 

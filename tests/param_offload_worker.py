@@ -203,8 +203,8 @@ def mixed_nvme_step() -> dict:
             if dev == "nvme":
                 off, sw = engine.optimizer_offload, engine.param_offload.swapper
                 real = off._update
-                off._update = lambda sg, buf, opt: (peaks.append(sum(s.storage_bytes() for s in sw.shards)),
-                                                   real(sg, buf, opt))[1]
+                off._update = lambda sg, buf, opt, peaks=peaks, sw=sw, real=real: (
+                    peaks.append(sum(s.storage_bytes() for s in sw.shards)), real(sg, buf, opt))[1]
             losses, norms = [], []
             for step in range(3):
                 for micro in range(2):
@@ -283,7 +283,7 @@ def reads_beyond_gathers() -> dict:
     torch.manual_seed(0)
     engine = zerodp.initialize(Chain(12), cfg)
     sw = engine.param_offload.swapper
-    for step in range(3):
+    for _step in range(3):
         d0, a0 = sw.counters.demand_reads, sw.counters.reads_ahead
         out = engine(torch.randn(MICRO, 32))
         demand, ahead = sw.counters.demand_reads - d0, sw.counters.reads_ahead - a0
@@ -305,7 +305,7 @@ def prefetch_order() -> dict:
     engine.param_offload.swapper.events = events
     for i, layer in enumerate(model.layers):
         layer.register_forward_hook(lambda m, a, o, i=i: events.append(("done", f"layers.{i}")))
-    for step in range(3):
+    for _step in range(3):
         events.clear()
         x = torch.randn(MICRO, 32)
         engine.backward(engine(x).square().mean())

@@ -167,7 +167,7 @@ def edit_between_steps_bf16(stage: int) -> dict:
         ref.step(((ref.model(x.bfloat16()).float() - y) ** 2).mean())
         engine.backward(((engine(local(x).bfloat16()).float() - local(y)) ** 2).mean())
         engine.step()
-    for (name, p), m in zip(model.named_parameters(), ref.masters, strict=True):
+    for (_name, p), m in zip(model.named_parameters(), ref.masters, strict=True):
         full = zerodp.zero.safe_get_full_fp32_param(p)
         rel.append(((full - m).abs() / (m.abs() + 1e-2)).max().item())
     return {"master_rel_err": max(rel)}
@@ -187,7 +187,7 @@ def accessors(stage: int) -> dict:
         ((ref(x) - y) ** 2).mean().backward()
         ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
         engine.backward(((engine(local(x)) - local(y)) ** 2).mean())
-        for n, p, rp in zip(names, model.parameters(), ref.parameters(), strict=True):
+        for _name, p, rp in zip(names, model.parameters(), ref.parameters(), strict=True):
             errs["grad"] = max(errs["grad"], err(zerodp.zero.safe_get_full_grad(p), rp.grad))
             if is_hidden_gradient(p.grad):  # a placeholder that raises on use
                 hidden += 1

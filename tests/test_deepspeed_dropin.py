@@ -48,7 +48,7 @@ def test_deepspeed_script_matches_reference(stage: int, variant: str) -> None:
 
 
 def test_stage3_max_reuse_distance_keeps_a_reused_unit_gathered() -> None:
-    for rank, res in enumerate(results()):
+    for res in results():
         off, on = res["reuse0"], res["reuse100"]
         assert "error" not in off and "error" not in on, (off.get("error"), on.get("error"))
         assert off["compared"] == on["compared"] == 6

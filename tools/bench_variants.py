@@ -24,6 +24,7 @@ import zerodp
 from zerodp.app.bench import PRESETS, _batches
 from zerodp.app.bench_systems import SYSTEMS
 from zerodp.app.model import GPTConfig
+from zerodp.runtime import comm
 
 zerodp.init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -64,8 +65,6 @@ def build(v):
     finally:
         zerodp.initialize = orig
 
-
-from zerodp.runtime import comm
 
 _WATCHED = comm._watched
 

@@ -12,6 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 import zerodp
 from zerodp.app.bench_systems import loss_of
@@ -42,7 +43,6 @@ def step():
 
 for _ in range(2):
     step()
-from torch.profiler import ProfilerActivity, profile
 
 pr = cProfile.Profile()
 dist.barrier()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -234,7 +234,7 @@ class Engine(CheckpointMethods):
             comm.broadcast(t, src, self.process_group, self.ledger, "init")
 
     # ---- training loop -----------------------------------------------------------------------------
-    def collective_call(self, name: str) -> ContextManager[None]:
+    def collective_call(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Context of one collective engine call: every rank agrees on it first (see
         :mod:`zerodp.runtime.collective_guard`); raises CollectiveError subclasses otherwise. Any
         call but forward first finishes an optimizer step still updating (``overlap_step``)."""
@@ -468,7 +468,7 @@ class Engine(CheckpointMethods):
     def reset_comm_report(self) -> None:
         self.ledger.reset()
 
-    def shards_resident(self, groups: Sequence[FlatGroup] | None = None, write: bool = False) -> ContextManager:
+    def shards_resident(self, groups: Sequence[FlatGroup] | None = None, write: bool = False) -> contextlib.AbstractContextManager:
         """Stage 3 with ``offload_param``: this rank's shards (all, or those of ``groups``) hold their
         values for the block, written home afterwards with ``write`` (see
         :mod:`zerodp.offload.param_swap`); otherwise a no-op."""

@@ -95,7 +95,7 @@ class TiledLinear(nn.Module):
         self.out_parts = [0, *_cumsum(self.out_sizes)]
         bound = 1.0 / math.sqrt(in_features)
         self.linears = nn.ModuleList()
-        for o, rows in enumerate(self.out_sizes):
+        for rows in self.out_sizes:
             row = nn.ModuleList()
             self.linears.append(row)  # registered first: under Init each tile is partitioned on append
             for i, cols in enumerate(self.in_sizes):

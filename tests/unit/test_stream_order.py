@@ -219,7 +219,7 @@ def test_collectives_are_ordered_against_the_compute_stream(world1, monkeypatch,
     if stage < 3:
         return
     # a layer's forward runs after the compute stream waited past its unit's last all-gather
-    weight_ptr = {id(p): l.tag for l in layers for p in (l.weight, l.bias)}
+    weight_ptr = {id(p): layer.tag for layer in layers for p in (layer.weight, layer.bias)}
     last_gather: dict[str, dict] = {}
     forwards = 0
     for e in log:

@@ -46,7 +46,7 @@ def _at_least(lo: int) -> Callable[[str], int]:
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}")
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}") from None
         if v < lo:
             raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {v}")
         return v
@@ -96,7 +96,7 @@ def _build(name: str, layers: int, width: int) -> StepFn:
         try:
             import deepspeed  # noqa: F401
         except ImportError as exc:
-            raise RuntimeError(f"deepspeed does not import here ({exc})")
+            raise RuntimeError(f"deepspeed does not import here ({exc})") from exc
         raise RuntimeError("deepspeed imports, but this benchmark does not build it yet")
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel

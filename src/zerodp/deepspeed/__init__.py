@@ -21,7 +21,7 @@ import argparse
 import functools
 import inspect
 from collections.abc import Callable, Iterable
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -10,7 +10,7 @@ zerodp's internal :mod:`zerodp.runtime.comm`.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as _dist
@@ -18,7 +18,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from zerodp.runtime import comm as _runtime_comm
 
-Group = Optional[ProcessGroup]
+Group = ProcessGroup | None
 
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,

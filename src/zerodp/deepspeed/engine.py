@@ -442,7 +442,7 @@ class DeepSpeedEngine:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not implemented")
         d = Path(load_dir)
         if tag is None and not (d / "latest").is_file() and not (d / "meta.json").is_file():
-            warnings.warn(f"load_checkpoint: no 'latest' file in {d}; nothing loaded")
+            warnings.warn(f"load_checkpoint: no 'latest' file in {d}; nothing loaded", stacklevel=2)
             return None, None
         e = self.engine
         keep_opt = load_module_only or not load_optimizer_states

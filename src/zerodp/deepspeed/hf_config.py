@@ -69,7 +69,7 @@ class HfDeepSpeedConfig:
         config: Any = self.config
         *parents, last = ds_key_long.split(".")
         for node in parents:
-            parent, config = config, config.get(node) if isinstance(config, dict) else None
+            config = config.get(node) if isinstance(config, dict) else None
             if config is None:
                 if must_exist:
                     raise ValueError(f"Can't find {ds_key_long} entry in the config: {self.config}")

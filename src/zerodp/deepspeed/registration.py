@@ -45,6 +45,7 @@ DECIDED_AT_IMPORT = ("accelerate.accelerator", "accelerate.utils.deepspeed", "tr
 EAGER_SUBMODULES = ("comm",)
 
 _NAME = "deepspeed"
+_ANY_CONTEXT = importlib.metadata.DistributionFinder.Context()  # no name: every distribution, as importlib's default
 _TARGET = "zerodp.deepspeed"
 
 
@@ -114,7 +115,7 @@ class ZerodpDeepSpeedFinder(importlib.abc.MetaPathFinder):
             spec.submodule_search_locations = list(module.__path__)
         return spec
 
-    def find_distributions(self, context: Any = importlib.metadata.DistributionFinder.Context()) -> Iterator[Any]:
+    def find_distributions(self, context: Any = _ANY_CONTEXT) -> Iterator[Any]:
         name = getattr(context, "name", None)
         if name is not None and name.replace("_", "-").lower() == _NAME:
             yield _Distribution()

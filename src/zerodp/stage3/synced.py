@@ -11,7 +11,8 @@ collectives and the loop only costs that all-reduce).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ContextManager, Protocol
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ class _GuardedEngine(Protocol):
     process_group: dist.ProcessGroup | None
     world_size: int
 
-    def collective_call(self, name: str) -> ContextManager[None]: ...
+    def collective_call(self, name: str) -> AbstractContextManager[None]: ...
 
 
 def synced_generate(engine: _GuardedEngine, step_fn: Callable[[int, bool], bool], max_steps: int) -> int:

@@ -11,7 +11,6 @@ objects; other accelerators (XPU, HPU, NPU, MPS) are not implemented.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Union
 
 import torch
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 import torch
 
-DeviceIndex = Union[int, torch.device, None]
+DeviceIndex = int | torch.device | None
 
 
 class DeviceAccelerator:
