@@ -3,7 +3,8 @@ style ZeRO-2 and ZeRO-3 config ("auto" values) on zerodp registered as ``deepspe
 (``import zerodp.deepspeed.as_deepspeed``, the first import), and the same Trainer without DeepSpeed
 (DDP). Each run trains 6 steps saving at step 3; a fresh Trainer then resumes from step 3's checkpoint.
 With ``--via-launcher`` the
-opt-in line is skipped: the worker runs under ``zerodp run``. Run by tests/test_hf_trainer.py; writes ``rank{r}.json``: {run: {"ok", "losses", "resumed", ...}}."""
+opt-in line is skipped: the worker runs under ``zerodp run``. Run by tests/test_hf_trainer.py; writes ``rank{r}.json``:
+{run: {"ok", "losses", "resumed", ...}}."""
 
 import sys
 

@@ -7,8 +7,9 @@ its gathered storage at save time, or have its full shape or the transposed one:
 kept, and after forward the bytes of their distinct storages (``untyped_storage().nbytes()``) are
 summed. Views of a partitioned parameter's gathered buffers are saved by zerodp's own hooks, innermost
 (see [Note: escaping views] in zerodp.stage3.aliases), as descriptors that never reach an enclosing
-hook: those are captured where zerodp creates them, and measured from the buffer they name. Then backward and one optimizer step run and the parameters are compared with plain PyTorch on
-the same global batch (so saved views re-filled by the re-gather are checked to be the right values).
+hook: those are captured where zerodp creates them, and measured from the buffer they name. Then backward and one
+optimizer step run and the parameters are compared with plain PyTorch on the same global batch (so saved views re-filled
+by the re-gather are checked to be the right values).
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def test_twice_the_ram_of_a_24_gib_machine_fits_in_what_is_available(tmp_path: P
     plan = infinity.plan_run(machine, nproc=1, micro_batch=4)
     assert plan.state_bytes >= 2 * machine.ram_total and plan.params > 3_000_000_000
     assert infinity.problems(plan, machine) == [], infinity.problems(plan, machine)
-    # measured peaks of this model: 14.9 GB with the loop inside step() (plan 16.0 GB), see docs/benchmarks/2026-12-01-infinity.md
+    # measured peaks of this model: 14.9 GB with the loop inside step() (plan 16.0 GB), see
+    # docs/benchmarks/2026-12-01-infinity.md
     assert plan.ram_total < 0.8 * machine.ram_total
     assert max(plan.ram_needed.values()) == 2 * plan.params
 

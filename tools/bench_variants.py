@@ -1,8 +1,8 @@
 """Step time of config variants of zerodp against DDP on the bench's GPT (2 ranks), interleaved over
 rounds (reversed every other round), median wall time per step between barriers and median process
 CPU time (all threads) per step; rank 0 prints each variant's medians, their ratios to DDP's, and the
-quartiles over rounds of the ratio of a round's median to DDP's median in the same round. Used for docs/benchmarks/2026-12-01-bench.md ("Stage 3 against DDP: the
-breakdown").
+quartiles over rounds of the ratio of a round's median to DDP's median in the same round. Used for
+docs/benchmarks/2026-12-01-bench.md ("Stage 3 against DDP: the breakdown").
 
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone \
         --nproc-per-node 2 tools/bench_variants.py PRESET VARIANTS ROUNDS

@@ -1,7 +1,7 @@
 """Python-level profile (cProfile, rank 0) of 9 training steps after 2 warm-up ones of one bench system on
 the small GPT (2 ranks), sorted by SORT (default tottime): where the training thread blocks in
-``Work.wait`` and what zerodp's own Python costs. Used for docs/benchmarks/2026-12-01-bench.md ("Stage 3 against DDP: the
-breakdown").
+``Work.wait`` and what zerodp's own Python costs. Used for docs/benchmarks/2026-12-01-bench.md ("Stage 3 against DDP:
+the breakdown").
 
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone \\
         --nproc-per-node 2 tools/cprofile_steps.py "zerodp stage 3" [SORT]

@@ -3,8 +3,8 @@ prints wall and process CPU ms per call, 20 calls after one warm-up, each case t
 coalesced ``all_gather_into_tensor`` (what stage 3 issues), one ``all_to_all_single`` whose send buffer
 holds this rank's shards once per destination rank and whose receive rows are copied into each unit's
 full buffer, with the send and receive buffers reused between calls, and the same with fresh ones.
-Checks that the all-to-all's results equal the all-gather's. Used for docs/benchmarks/2026-12-01-bench.md ("All-gather by
-all-to-all on gloo").
+Checks that the all-to-all's results equal the all-gather's. Used for docs/benchmarks/2026-12-01-bench.md ("All-gather
+by all-to-all on gloo").
 
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone \\
         --nproc-per-node 2 tools/gloo_allgather.py

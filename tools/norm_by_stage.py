@@ -1,7 +1,7 @@
 """Global gradient norm (``engine.get_global_grad_norm()``) of the first 3 steps at stages 2 and 3, on
 the same seeded 4-layer d_model-128 GPT, data and ``gradient_clipping`` 1.0 (2 ranks); rank 0 prints
-both lists (10 decimals). Used for docs/benchmarks/2026-12-01-train-demo.md ("Stage 3"): the fp32 chunk norms follow each
-stage's partition layout, so the norms differ in the last digits.
+both lists (10 decimals). Used for docs/benchmarks/2026-12-01-train-demo.md ("Stage 3"): the fp32 chunk norms follow
+each stage's partition layout, so the norms differ in the last digits.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 tools/norm_by_stage.py
 """

@@ -1,7 +1,7 @@
 """torch.profiler self-CPU table (rank 0, 5 steps after one) of each named bench system on the small
 GPT (2 ranks), e.g. ``"zerodp stage 0,zerodp stage 3"``, ROWS rows; the per-operator differences
-between two systems are read from the two tables. Used for docs/benchmarks/2026-12-01-bench.md ("Stage 3 against DDP: the
-breakdown").
+between two systems are read from the two tables. Used for docs/benchmarks/2026-12-01-bench.md ("Stage 3 against DDP:
+the breakdown").
 
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone \\
         --nproc-per-node 2 tools/profile_ops.py "zerodp stage 0,zerodp stage 3" 60

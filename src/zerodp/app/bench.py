@@ -2,8 +2,8 @@
 and DeepSpeed, in one run, on the same GPT, batches and seed.
 
 First, unless ``--no-fresh-rss``, each rank forks one child process per system, which builds and
-trains it alone for ``max(--probe-steps, 3)`` steps and reports its peak RSS (:mod:`zerodp.app.bench_rss`); the comparable per-system
-peak, reported beside DDP's. Then each rank runs every system of
+trains it alone for ``max(--probe-steps, 3)`` steps and reports its peak RSS (:mod:`zerodp.app.bench_rss`); the
+comparable per-system peak, reported beside DDP's. Then each rank runs every system of
 :data:`zerodp.app.bench_systems.SYSTEMS` in two phases:
 
 1. probe (``--probe-steps`` steps, untimed): per-step losses (compared with DDP's), model-state bytes
@@ -20,8 +20,9 @@ is reported as skipped with the reason. Rank 0 prints a table and writes ``OUT/b
 three PNG charts. With ``--offload`` the rows ``zerodp stage 2 + offload cpu|nvme`` run (swap files in
 ``--nvme-path``, default a temporary directory removed afterwards), and rank 0 also prints the NVMe
 swap bandwidth beside raw direct I/O on the same disk and the CPU AdamW kernels
-(:mod:`zerodp.app.bench_offload`); the offload rows carry no paper formula (their state is off it). ``--sweep-ranks 1,2,3,4`` (launcher side) first runs the probe of DDP and zerodp at
-each of those world sizes for the memory-vs-ranks chart.
+(:mod:`zerodp.app.bench_offload`); the offload rows carry no paper formula (their state is off it).
+``--sweep-ranks 1,2,3,4`` (launcher side) first runs the probe of DDP and zerodp at each of those world sizes for the
+memory-vs-ranks chart.
 """
 
 from __future__ import annotations

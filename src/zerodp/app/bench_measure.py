@@ -224,8 +224,9 @@ class TrafficCounter:
 
 
 def counting_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses string annotations
-    """``(state: ProcessGroup | None, bucket: dist.GradBucket) -> Future[Tensor]``: DDP comm hook equal to DDP's default (all-reduce, then divide by the world size) issued through
-    ``dist.all_reduce`` so that :class:`TrafficCounter` sees it."""
+    """``(state: ProcessGroup | None, bucket: dist.GradBucket) -> Future[Tensor]``: DDP comm hook equal to DDP's default
+    (all-reduce, then divide by the world size) issued through ``dist.all_reduce`` so that :class:`TrafficCounter` sees
+    it."""
     group = state if state is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     buf = bucket.buffer()

@@ -10,7 +10,8 @@ one prefix per system), builds the system, trains ``--probe-steps`` steps on the
 mark of its resident set (``VmHWM`` in ``/proc/self/status``: exact, not sampled) before exiting.
 
 The ratio of a system's peak to DDP's (highest rank of each) is what the issue's target
-"zerodp peak RSS per rank <= DDP's" is checked against (``fresh_rss_vs_ddp`` in :class:`zerodp.app.bench_report.SystemResult`).
+"zerodp peak RSS per rank <= DDP's" is checked against (``fresh_rss_vs_ddp`` in
+:class:`zerodp.app.bench_report.SystemResult`).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ one line each); inside one (``RANK`` or ``LOCAL_RANK`` set) it runs :func:`zerod
 
 ``zerodp consolidate CHECKPOINT_DIR OUT`` writes a checkpoint's full state dict to one file
 (:func:`zerodp.checkpoint.consolidate`) or, when OUT is a directory, streams it into HF-style shards
-(:func:`zerodp.checkpoint.sharded_export.export_sharded_safetensors`). ``zerodp verify CHECKPOINT_DIR`` checks a checkpoint's files
-and per-tensor checksums without loading it into a job (:mod:`zerodp.checkpoint.integrity`).
+(:func:`zerodp.checkpoint.sharded_export.export_sharded_safetensors`). ``zerodp verify CHECKPOINT_DIR`` checks a
+checkpoint's files and per-tensor checksums without loading it into a job (:mod:`zerodp.checkpoint.integrity`).
 
 ``zerodp estimate --params P --dp N`` prints the ZeRO paper's per-rank model-state memory and per-step
 traffic for stages 0-3 (:func:`zerodp.runtime.accounting.estimate_table`).

@@ -234,8 +234,8 @@ def ram_accounting(p: int, model: GPTConfig, micro_batch: int, largest_layer: in
            "parameter swap pool + read-ahead per rank": nproc * (k.param_buffer_count * k.param_buffer_size
                                                                 + k.max_in_cpu),
            f"transients per rank, {'larger phase (' + larger + ')' if not k.overlap_step else larger}": transient}
-    # 30%: the 3.2B runs (docs/benchmarks/2026-12-01-infinity.md) peaked 2.5-2.6 GB (20-21%) above the attributed rows; the
-    # cause is not found, so the margin is a measured one
+    # 30%: the 3.2B runs (docs/benchmarks/2026-12-01-infinity.md) peaked 2.5-2.6 GB (20-21%) above the attributed rows;
+    # the cause is not found, so the margin is a measured one
     ram["slack (30%)"] = math.ceil(0.3 * sum(ram.values()))
     return ram, phases
 

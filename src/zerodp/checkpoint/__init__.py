@@ -55,8 +55,8 @@ left gathered but unused (e.g. prefetched) first, and afterwards re-gathers the 
 unit still in use, so no gathered copy is stale. The format is the same at every stage.
 
 [Note: optimizer parameter] The value saved for a piece, and the tensor its optimizer state is keyed
-by, is :func:`~zerodp.checkpoint.engine_state.piece_value` (an fp32 ``master`` when the piece has one, else the piece's view of the
-flat buffer). Loading writes it and, separately, the flat buffer (cast with ``copy_``), so a bf16/fp16
+by, is :func:`~zerodp.checkpoint.engine_state.piece_value` (an fp32 ``master`` when the piece has one, else the piece's
+view of the flat buffer). Loading writes it and, separately, the flat buffer (cast with ``copy_``), so a bf16/fp16
 module's parameters are its masters rounded, as after an optimizer step. Full values
 (:func:`module_state_dict`) of trained parameters are the masters, assembled across ranks.
 

@@ -23,9 +23,9 @@ The kernel is torch's fused CPU Adam/AdamW by default (``offload_optimizer.cpu_a
 :mod:`zerodp.offload.cpu_adam`): same formula, different rounding order, so the result equals the
 non-offloaded engine's within about 1e-6 relative. With ``cpu_adam = "same"`` the arithmetic is the
 non-offloaded engine's: same torch optimizer, same kernel, per-parameter updates (a chunk is a subset
-of whole optimizer tensors), fp32 masters, exact copies, so the result is bitwise equal. In-place edits of the module's parameters between steps are folded into the masters
-before the update (:meth:`HostOptimizerOffload.fold_edits`, as :mod:`zerodp.runtime.guards` does for
-non-offloaded masters).
+of whole optimizer tensors), fp32 masters, exact copies, so the result is bitwise equal. In-place edits of the module's
+parameters between steps are folded into the masters before the update (:meth:`HostOptimizerOffload.fold_edits`, as
+:mod:`zerodp.runtime.guards` does for non-offloaded masters).
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ stage-3 fetches into the detail; see :mod:`zerodp.runtime.backward_roots`).
 
 Everything here is ``torch.distributed``: an extra gloo group, ``all_gather_single``,
 ``all_gather_object`` on the error path only, and the job's existing rendezvous store for the
-post-mortem. The cost is measured by ``python -m zerodp.app.guard_bench`` (docs/benchmarks/2026-12-01-collective-guard.md).
+post-mortem. The cost is measured by ``python -m zerodp.app.guard_bench``
+(docs/benchmarks/2026-12-01-collective-guard.md).
 """
 
 from __future__ import annotations

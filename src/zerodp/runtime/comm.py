@@ -87,9 +87,9 @@ def _reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Reduce
     [Note: gloo reduce-scatter] gloo's own reduce-scatter copies its input and costs more than its
     all-reduce of the same buffer: with 2 ranks and 3.26 M fp32 elements, 18-22 ms per call against
     11-13 ms for an all-reduce and 7.5-8 ms for the all-to-all plus the sum; a coalesced group of
-    four stage-3 units (787 K elements) 9-10.5 ms against 5.1-5.6 ms for four all-to-alls (docs/benchmarks/2026-12-01-bench.md,
-    "Reduce-scatter on gloo"). Each rank sends and receives the (N-1)/N of the buffer that a
-    reduce-scatter moves, so the traffic is the same. The received chunks are summed in rank order;
+    four stage-3 units (787 K elements) 9-10.5 ms against 5.1-5.6 ms for four all-to-alls
+    (docs/benchmarks/2026-12-01-bench.md, "Reduce-scatter on gloo"). Each rank sends and receives the (N-1)/N of the
+    buffer that a reduce-scatter moves, so the traffic is the same. The received chunks are summed in rank order;
     with 2 ranks the result equals the reduce-scatter's bit for bit (a + b = b + a). The receive
     buffer (``received``, or a new tensor like ``input``) is held until the wait, as gloo's own copy of
     the input was; ``received`` is ignored on the other path.
@@ -129,9 +129,9 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
 
     Uses NCCL for CUDA tensors and gloo for host tensors when CUDA is available (``"cpu:gloo,cuda:nccl"``:
     the engine's flags, norms and guards, and offloaded partitions, are host tensors), gloo otherwise
-    (``backend`` overrides). Does nothing when the default group is already initialised. ``timeout_s`` bounds how long a collective waits for the
-    other ranks (torch's default when None). Without ``RANK``/``WORLD_SIZE`` in the environment (a plain
-    ``python script.py``), initialises a world of one rank on a free local port.
+    (``backend`` overrides). Does nothing when the default group is already initialised. ``timeout_s`` bounds how long a
+    collective waits for the other ranks (torch's default when None). Without ``RANK``/``WORLD_SIZE`` in the environment
+    (a plain ``python script.py``), initialises a world of one rank on a free local port.
 
     Raises:
         RuntimeError: torch.distributed is not available in this build.

@@ -19,8 +19,8 @@ Which parameters get one (trained parameters only; frozen ones keep ``grad`` Non
 
 - stages 1-3, at every world size: always (one behaviour at world size 1 and N).
 - stage 0: everywhere when gradients accumulate in an fp32 buffer under bf16/fp16 (the module's
-  16-bit ``.grad`` cannot hold it); otherwise where ``param.grad`` is None (on a micro-step that does not reduce, world size > 1, the
-  local sum is hidden), and everywhere under fp16 loss scaling (the gradient buffer holds the
+  16-bit ``.grad`` cannot hold it); otherwise where ``param.grad`` is None (on a micro-step that does not reduce, world
+  size > 1, the local sum is hidden), and everywhere under fp16 loss scaling (the gradient buffer holds the
   *scaled* gradient until ``engine.step`` unscales it). Otherwise ``param.grad`` views the averaged
   gradient that the step uses, and ``torch.nn.utils.clip_grad_norm_`` on it works as in DDP.
 

@@ -1,8 +1,9 @@
 """Param groups and the torch optimizer that updates this rank's partition.
 
-The optimizer is torch's own (``Adam``, ``AdamW``, ``SGD``, ... see :data:`zerodp.config_keys.OPTIMIZERS`); its "parameters" are the 1-D pieces of the flat
-buffers this rank owns (:class:`zerodp.runtime.partition.Piece`), one per (parameter, owned range), so its
-per-parameter state and skipping of ``grad is None`` match torch on the unpartitioned model.
+The optimizer is torch's own (``Adam``, ``AdamW``, ``SGD``, ... see :data:`zerodp.config_keys.OPTIMIZERS`); its
+"parameters" are the 1-D pieces of the flat buffers this rank owns (:class:`zerodp.runtime.partition.Piece`), one per
+(parameter, owned range), so its per-parameter state and skipping of ``grad is None`` match torch on the unpartitioned
+model.
 """
 
 from __future__ import annotations

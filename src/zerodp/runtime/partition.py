@@ -1,9 +1,9 @@
 """Flat-buffer layout and partitioning of trainable parameters (stages 0-2).
 
 [Note: layout] The trainable parameters of one optimizer param group (and one dtype/device) are packed
-into a single 1-D *flat buffer*; each parameter's ``.data`` becomes a view into it. A parameter with a dense non-row-major memory format
-(``channels_last``) keeps it: its elements are stored in its own memory order and its view has its
-strides (:meth:`ParamSlot.view`); every conversion between a slot's flat range and a full-shape tensor
+into a single 1-D *flat buffer*; each parameter's ``.data`` becomes a view into it. A parameter with a dense
+non-row-major memory format (``channels_last``) keeps it: its elements are stored in its own memory order and its view
+has its strides (:meth:`ParamSlot.view`); every conversion between a slot's flat range and a full-shape tensor
 goes through :meth:`ParamSlot.view` / :meth:`ParamSlot.flat_values`, so gradients, accessors and
 checkpoints use the same order. The flat buffer is
 cut into *buckets* of at most ``reduce_bucket_size`` elements along parameter boundaries (a parameter

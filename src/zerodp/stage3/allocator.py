@@ -8,8 +8,8 @@ hold: gloo's all-gather allocates a flat copy of its output per call (its reduce
 input, which the reducer avoids on gloo, see [Note: gloo reduce-scatter] in zerodp.runtime.reducer),
 autograd allocates each weight's gradient before the reducer copies it into a (pooled) staging buffer.
 With the dynamic threshold these end up as a fragmented heap, and a rank's resident set grows above
-stage 0's although it holds less (see docs/benchmarks/2026-12-01-stage3-memory.md). Pinning the threshold (which also turns
-its dynamic adjustment off, as setting ``MALLOC_MMAP_THRESHOLD_`` does) keeps such blocks out of the
+stage 0's although it holds less (see docs/benchmarks/2026-12-01-stage3-memory.md). Pinning the threshold (which also
+turns its dynamic adjustment off, as setting ``MALLOC_MMAP_THRESHOLD_`` does) keeps such blocks out of the
 heap. Smaller blocks (activations of typical layers) are unaffected.
 
 glibc's own adjustment also keeps its trim threshold at twice the mmap threshold; a threshold set

@@ -6,8 +6,8 @@ N, of which rank r keeps only shard r (1-D, ``numel / N`` elements). Gathering a
 all-gather into the unit's full flat buffer, whose views are the parameters' ``.data``; releasing
 it frees the buffer's memory by resizing its storage to 0 bytes (FSDP2's approach): the parameters keep
 their full shape, dtype and numel, hold no storage, and refuse compute until re-gathered (they are
-:class:`~zerodp.stage3.sharded_param.ShardedParameter` while SHARDED, see the note there). The buffer *object* and its storage
-object live on: views that autograd saved during forward (``weight.t()`` in ``linear``, a transposed
+:class:`~zerodp.stage3.sharded_param.ShardedParameter` while SHARDED, see the note there). The buffer *object* and its
+storage object live on: views that autograd saved during forward (``weight.t()`` in ``linear``, a transposed
 weight in ``matmul``) point at that storage, hold no memory while the unit is released, and become
 valid again when the unit is re-gathered (into the same storage, re-allocated) before the module's
 backward. Casts of a gathered parameter made inside the engine's forward (``weight.float()``,
