@@ -128,7 +128,8 @@ def compare(spec: dict) -> dict:
         losses, state, facts = engine_run(spec, stage)
         weights = all(torch.allclose(state[k], stale_state[k], rtol=RTOL, atol=ATOL) for k in stale_state)
         out[str(stage)] = {"stale": close(losses, stale_losses) and weights,
-                           "fresh_gap": max(abs(a - b) / abs(b) for a, b in zip(losses, fresh_losses, strict=True)), **facts}
+                           "fresh_gap": max(abs(a - b) / abs(b) for a, b in zip(losses, fresh_losses, strict=True)),
+                           **facts}
     return out
 
 

@@ -187,7 +187,8 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
                                "max_grad_buffer": max(t.numel() for t in engine.optimizer_offload.grad_buffers),
                                "owned": sum(p.hi - p.lo for g in engine.groups for p in g.pieces)}
             if device == "nvme":
-                reports[device]["swap"] = [engine.optimizer_offload.stats.bytes_read, engine.optimizer_offload.stats.bytes_written]
+                stats = engine.optimizer_offload.stats
+                reports[device]["swap"] = [stats.bytes_read, stats.bytes_written]
                 reports[device]["subgroups"] = len(engine.optimizer_offload.subgroups)
         engine.close()
     out = {"steps": STEPS, "equal": {d: _equal(runs["none"], runs[d]) for d in ("cpu", "nvme")},

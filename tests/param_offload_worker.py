@@ -211,7 +211,8 @@ def mixed_nvme_step() -> dict:
                     g = torch.Generator().manual_seed(100 * step + micro)
                     x, y = torch.randn(MICRO * n, 48, generator=g), torch.randn(MICRO * n, 48, generator=g)
                     sl = slice(r * MICRO, (r + 1) * MICRO)
-                    loss = nn.functional.mse_loss(engine(x[sl].to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[prec]))).float(), y[sl])
+                    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[prec])
+                    loss = nn.functional.mse_loss(engine(x[sl].to(dtype)).float(), y[sl])
                     engine.backward(loss)
                     engine.step()
                     losses.append(loss.item())
@@ -349,7 +350,8 @@ def overlap_step() -> dict:
             engine.step()
             losses.append(loss.item())
             off = engine.optimizer_offload
-            left = (off.pending is not None, off.stats.updated_in_step, off.stats.subgroups) if off.device != "none" else None
+            left = ((off.pending is not None, off.stats.updated_in_step, off.stats.subgroups)
+                    if off.device != "none" else None)
             if step == 1:
                 with zerodp.zero.GatheredParameters([model.layers[3].weight]):
                     seen.append(model.layers[3].weight.detach().clone())
@@ -362,7 +364,8 @@ def overlap_step() -> dict:
         engine.close()
 
     def eq(a: tuple, b: tuple) -> bool:
-        return (a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=False)) and len(a[1]) == len(b[1])
+        return (a[0] == b[0] and len(a[1]) == len(b[1])
+                and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
                 and same(a[2], b[2]) and a[3] == b[3])
 
     return {"equal": {"nvme": eq(runs["nvme"], runs["none"]), "overlap": eq(runs["overlap"], runs["none"])},

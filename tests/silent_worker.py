@@ -176,7 +176,8 @@ def edit_between_steps_bf16(stage: int) -> dict:
 # ---- 3: full gradients, parameters and optimizer states ----------------------------------------------
 @scenario
 def accessors(stage: int) -> dict:
-    engine, model, ref, ref_opt = setup(stage, model_fn=lambda: nn.Sequential(nn.Linear(8, 9), nn.Tanh(), nn.Linear(9, 3)))
+    engine, model, ref, ref_opt = setup(stage,
+                                        model_fn=lambda: nn.Sequential(nn.Linear(8, 9), nn.Tanh(), nn.Linear(9, 3)))
     names = [n for n, _ in ref.named_parameters()]
     errs: dict[str, float] = {"grad": 0.0, "p_grad": 0.0, "param": 0.0, "exp_avg": 0.0, "norm": 0.0, "set": 0.0}
     compared = hidden = 0

@@ -151,9 +151,11 @@ def test_unresolvable_auto_is_refused(raw: dict, model: nn.Module, fragments: li
 
 
 def test_deepspeed_adam_spellings() -> None:
-    wmode = resolve_deepspeed_config({"optimizer": {"type": "Adam", "params": {"adam_w_mode": True, "torch_adam": True}}})
+    wmode = resolve_deepspeed_config(
+        {"optimizer": {"type": "Adam", "params": {"adam_w_mode": True, "torch_adam": True}}})
     assert wmode["optimizer"] == {"type": "AdamW", "params": {"weight_decay": 0.0}}  # DeepSpeed's default decay
-    l2 = resolve_deepspeed_config({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}})
+    l2 = resolve_deepspeed_config(
+        {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}})
     assert l2["optimizer"] == {"type": "Adam", "params": {"weight_decay": 0.1}}
     # DeepSpeed's adam_w_mode defaults to true: a config 'Adam' with weight decay is AdamW (cifar10_deepspeed.py)
     default = resolve_deepspeed_config({"optimizer": {"type": "Adam", "params": {"lr": 0.001, "weight_decay": 3e-7}}})
@@ -198,7 +200,8 @@ def test_single_process_engine_api_and_refusals(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"mesh_param": (2, 1)}, "mesh_param"), ({"optimizer": "client", "config": {"optimizer": {"type": "SGD"}}}, "one of them"),
+    ({"mesh_param": (2, 1)}, "mesh_param"),
+    ({"optimizer": "client", "config": {"optimizer": {"type": "SGD"}}}, "one of them"),
     ({"config": {}, "config_params": {}}, "not both"),
 ])
 def test_initialize_refusals(kwargs: dict, match: str) -> None:
@@ -288,12 +291,14 @@ def test_real_deepspeed_accepts_the_same_tutorial_config() -> None:
 
 def test_steps_per_print_and_wall_clock_breakdown_print(capsys) -> None:
     engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config={
-        "train_micro_batch_size_per_gpu": 1, "steps_per_print": 2, "wall_clock_breakdown": True, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        "train_micro_batch_size_per_gpu": 1, "steps_per_print": 2, "wall_clock_breakdown": True,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     for _ in range(4):
         engine.backward(engine(torch.randn(1, 3)).sum())
         engine.step()
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[zerodp]")]
-    assert [ln.split(",")[0] for ln in lines if ln.startswith("[zerodp] step=")] == ["[zerodp] step=2", "[zerodp] step=4"]
+    steps = [ln.split(",")[0] for ln in lines if ln.startswith("[zerodp] step=")]
+    assert steps == ["[zerodp] step=2", "[zerodp] step=4"]
     assert sum("forward=" in ln and "backward=" in ln for ln in lines) == 2
 
 

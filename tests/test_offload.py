@@ -174,7 +174,8 @@ def test_gradients_stream_to_host_during_backward(device, tmp_path, monkeypatch)
     plain, off = build(False), build(True)
     real = off.optimizer_offload.stream_grad
     calls = []
-    monkeypatch.setattr(off.optimizer_offload, "stream_grad", lambda piece, grad: (calls.append(piece), real(piece, grad)))
+    monkeypatch.setattr(off.optimizer_offload, "stream_grad",
+                        lambda piece, grad: (calls.append(piece), real(piece, grad)))
     off.module[0].weight.register_post_accumulate_grad_hook(
         lambda p: streamed_before_last_grad.append(len(calls)))
     x = torch.randn(5, 6)
@@ -186,7 +187,8 @@ def test_gradients_stream_to_host_during_backward(device, tmp_path, monkeypatch)
         submitted = off.optimizer_offload.copies.copies
         for e in (plain, off):
             e.step()
-        assert off.optimizer_offload.copies.copies - submitted == (n_pieces if device == "cpu" else 0)  # parameters back
+        # parameters back
+        assert off.optimizer_offload.copies.copies - submitted == (n_pieces if device == "cpu" else 0)
         calls.clear()
     assert len(off.reducer.groups[0].buckets) >= 3
     # the first micro-step calibrates (every bucket is launched when backward returns, see

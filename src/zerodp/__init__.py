@@ -18,5 +18,5 @@ from zerodp.runtime.collective_guard import (
 from zerodp.runtime.comm import init_distributed, shutdown_distributed
 
 __version__ = "0.1.0"
-__all__ = ["zero", "initialize", "init_distributed", "shutdown_distributed", "Engine", "ConfigError", "ZeroDPConfig", "load_config",
-           "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError", "RankLostError"]
+__all__ = ["zero", "initialize", "init_distributed", "shutdown_distributed", "Engine", "ConfigError", "ZeroDPConfig",
+           "load_config", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError", "RankLostError"]

@@ -188,7 +188,8 @@ class ZeroConfig(_Strict):
     )
 
     offload_param: OffloadParamConfig = Field(
-        default_factory=OffloadParamConfig, description="ZeRO-Infinity parameter offload, stage 3 (zerodp.offload.config)"
+        default_factory=OffloadParamConfig,
+        description="ZeRO-Infinity parameter offload, stage 3 (zerodp.offload.config)",
     )
 
     @model_validator(mode="after")

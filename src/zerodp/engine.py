@@ -468,7 +468,8 @@ class Engine(CheckpointMethods):
     def reset_comm_report(self) -> None:
         self.ledger.reset()
 
-    def shards_resident(self, groups: Sequence[FlatGroup] | None = None, write: bool = False) -> contextlib.AbstractContextManager:
+    def shards_resident(self, groups: Sequence[FlatGroup] | None = None,
+                        write: bool = False) -> contextlib.AbstractContextManager:
         """Stage 3 with ``offload_param``: this rank's shards (all, or those of ``groups``) hold their
         values for the block, written home afterwards with ``write`` (see
         :mod:`zerodp.offload.param_swap`); otherwise a no-op."""

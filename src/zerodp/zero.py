@@ -342,6 +342,7 @@ def _constructing(module: nn.Module) -> bool:
     return False
 
 
-__all__ = ["GatheredParameters", "Init", "REMOTE_DEVICES", "resolve_remote_device", "TiledLinear", "register_external_parameter", "full_numel", "is_partitioned",
+__all__ = ["GatheredParameters", "Init", "REMOTE_DEVICES", "resolve_remote_device", "TiledLinear",
+           "register_external_parameter", "full_numel", "is_partitioned",
            "safe_get_full_grad", "safe_get_full_fp32_param", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "synced_generate"]

@@ -16,7 +16,10 @@ from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, mem
 
 def _params(sizes: list[int], requires_grad: list[bool] | None = None) -> list[tuple[str, nn.Parameter]]:
     flags = requires_grad or [True] * len(sizes)
-    return [(f"p{i}", nn.Parameter(torch.randn(n), requires_grad=g)) for i, (n, g) in enumerate(zip(sizes, flags, strict=True))]
+    return [
+        (f"p{i}", nn.Parameter(torch.randn(n), requires_grad=g))
+        for i, (n, g) in enumerate(zip(sizes, flags, strict=True))
+    ]
 
 
 def _random_case(seed: int) -> tuple[list[int], int, int]:

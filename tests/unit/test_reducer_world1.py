@@ -97,7 +97,7 @@ def test_reduced_gradient_equals_autograd(world1, stage: int, kwargs: dict, step
     ref(batches[0]).backward()
     piece = next(p for p in group.pieces if p.slot.name == "a.weight")
     torch.testing.assert_close(reducer.piece_grad(group, piece.lo, piece.hi),
-                               ref.a.weight.grad.reshape(-1)[piece.lo - piece.slot.offset : piece.hi - piece.slot.offset])
+                               ref.a.weight.grad.reshape(-1)[piece.lo - piece.slot.offset:piece.hi - piece.slot.offset])
 
 
 @pytest.mark.parametrize("stage", [0, 2])

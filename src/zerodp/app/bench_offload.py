@@ -96,7 +96,8 @@ def swap_report(directory: str) -> str:
              f" ms, on writes {st.write_wait_seconds * 1e3:.1f} ms; disk busy {st.io_busy_seconds * 1e3:.1f} ms"
              f" ({busy / 1e6:.0f} MB/s while busy)"]
     for name, (w, r, together) in raws.items():
-        lines.append(f"  raw sequential direct I/O, {ranks} stream(s) of {st.bytes_read / 1e6:.1f} MB at once ({name}): "
+        lines.append(f"  raw sequential direct I/O, {ranks} stream(s) of {st.bytes_read / 1e6:.1f} MB at once "
+                     f"({name}): "
                      f"write {st.bytes_read / w / 1e6:.0f} MB/s, read {st.bytes_read / r / 1e6:.0f} MB/s, together "
                      f"{together / 1e6:.0f} MB/s per stream")
     ideal = max(st.update_seconds, moved / raw)  # perfect overlap: the slower of arithmetic and raw I/O

@@ -195,8 +195,8 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
     tallest = max((sum(v.values()) for s in mem for v in (s.memory[0].measured, s.formula)), default=0.0)
     ax.set_ylim(0, 1.35 * tallest / 2**20 or 1.0)  # room for the legend above the tallest bar
     ax.set_ylabel("MiB per rank (rank 0)")
-    ax.set_title(f"Model state per rank, {res.world_size} ranks, Psi = {res.psi:,} (left measured, right formula, hatched)",
-                 fontsize=8)
+    ax.set_title(f"Model state per rank, {res.world_size} ranks, Psi = {res.psi:,} "
+                 "(left measured, right formula, hatched)", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(out_dir / "memory_by_category.png")

@@ -76,7 +76,8 @@ class System:
 Builder = Callable[[GPTConfig, float, bool], System]  # (model config, learning rate, probe?) -> System
 
 
-def _torch_sources(module: nn.Module, opt: Any, opt_params: Callable[[], list[Any]]) -> Callable[[], dict[str, Tensors]]:
+def _torch_sources(module: nn.Module, opt: Any,
+                   opt_params: Callable[[], list[Any]]) -> Callable[[], dict[str, Tensors]]:
     def sources() -> dict[str, Tensors]:
         params = list(module.parameters())
         own = {id(p) for p in params}
@@ -186,7 +187,8 @@ def zerodp_builder(stage: int, offload: dict[str, Any] | None = None,
             for attr in ("grad_buffers", "owned", "_staging"):
                 grads += list(getattr(red, attr, {}).values())
             if engine.optimizer_offload.streams_grads:  # host fp32 gradient partition
-                grads += list(engine.optimizer_offload.grad_buffers) + [getattr(engine.optimizer_offload, "grad_scratch", None)]
+                grads += list(engine.optimizer_offload.grad_buffers)
+                grads += [getattr(engine.optimizer_offload, "grad_scratch", None)]
                 grads = [t for t in grads if t is not None]
             shards = [g.buffer for g in engine.groups]
             gathered = []

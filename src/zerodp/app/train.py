@@ -386,7 +386,8 @@ def _run(s: RunSettings, t_start: float) -> None:
     tokens_per_step = micro * accum * world * mcfg.seq_len
     if rank == 0:
         schedule = f", {ecfg.scheduler.type} schedule" if ecfg.scheduler is not None else ""
-        print(f"zerodp train: {world} rank{'s' if world != 1 else ''}, ZeRO stage {ecfg.zero_optimization.stage}, {_precision_text(s)}{schedule}, "
+        print(f"zerodp train: {world} rank{'s' if world != 1 else ''}, ZeRO stage {ecfg.zero_optimization.stage}, "
+              f"{_precision_text(s)}{schedule}, "
               f"GPT {mcfg.n_layer} layers x d_model {mcfg.d_model} ({count_parameters(mcfg):,} params), "
               f"corpus {len(train_tokens):,} train + {len(heldout_tokens):,} held-out bytes, "
               f"{s.steps} steps x {tokens_per_step:,} tokens", flush=True)

@@ -106,4 +106,5 @@ def set_ds_attributes(p: nn.Parameter, shape: tuple[int, ...] | None) -> None:
         p.__dict__["ds_status"] = ZeroParamStatus.AVAILABLE  # read while gathered (own class)
 
 
-__all__ = ["Init", "ZeroParamStatus", "GatheredParameters", "TiledLinear", "register_external_parameter", "full_numel", "is_partitioned"]
+__all__ = ["Init", "ZeroParamStatus", "GatheredParameters", "TiledLinear", "register_external_parameter", "full_numel",
+           "is_partitioned"]

@@ -313,4 +313,5 @@ def _chunks(pieces: list[Piece], present: list[bool]) -> list[set[int]]:
     return chunks
 
 
-__all__ = ["FOLD_CHUNK_NUMEL", "HostOptimizerOffload", "MIN_CHUNK_NUMEL", "fold_edit", "STEP_CHUNKS", "host_empty", "storage_bytes"]
+__all__ = ["FOLD_CHUNK_NUMEL", "HostOptimizerOffload", "MIN_CHUNK_NUMEL", "fold_edit", "STEP_CHUNKS", "host_empty",
+           "storage_bytes"]

@@ -43,7 +43,9 @@ class WarmupLR(_ClosedForm):
 
     def lr_at(self, t: int, base_lr: float) -> float:
         p = self.p
-        return p.warmup_min_lr + (p.warmup_max_lr - p.warmup_min_lr) * warmup_gamma(t, p.warmup_num_steps, p.warmup_type)
+        return p.warmup_min_lr + (p.warmup_max_lr - p.warmup_min_lr) * warmup_gamma(
+            t, p.warmup_num_steps, p.warmup_type
+        )
 
 
 class WarmupDecayLR(WarmupLR):

@@ -88,7 +88,8 @@ class _SavedAlias:
         u = self.unit
         buf = u.full if self.key is None else u.casts.get(self.key)
         storage = buf.untyped_storage() if buf is not None else None
-        need = (self.offset + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True)) + 1) * self.dtype.itemsize
+        last = self.offset + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True))
+        need = (last + 1) * self.dtype.itemsize
         if storage is None or (storage.nbytes() < need and all(self.size)):
             raise PartitionedParameterError(
                 f"a view of a parameter of module '{u.name or '<root>'}' ({u.param_names()}) saved by autograd "
