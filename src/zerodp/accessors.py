@@ -41,16 +41,21 @@ class AccessedEngine(Protocol):
     """What the accessors read from the engine (a Protocol: no import of the engine module)."""
 
     module: nn.Module
-    stage: int
     world_size: int
     process_group: dist.ProcessGroup | None
     ledger: CommLedger
     groups: list[FlatGroup]
     optimizer: torch.optim.Optimizer
     global_steps: int
-    grads_ready: bool
-    reducer: object
-    loss_scaler: object
+
+    @property  # read-only members: the engine's may be narrower (Literal stages, concrete classes)
+    def stage(self) -> int: ...
+    @property
+    def grads_ready(self) -> bool: ...
+    @property
+    def reducer(self) -> object: ...
+    @property
+    def loss_scaler(self) -> object: ...
     optimizer_offload: Any  # zerodp.offload.build.OptimizerOffload (NoOffload without offload)
     grad_clip: Any  # zerodp.runtime.grad_norm.ClipState
 
@@ -94,7 +99,8 @@ def _locate(param: nn.Parameter) -> tuple[AccessedEngine, FlatGroup | None, Para
                              "states went with it; keep a reference to the engine while you use these accessors")
         raise ValueError(f"this parameter (shape {tuple(param.shape)}) does not belong to a module passed "
                          "to zerodp.initialize")
-    if entry[2] is None:
+    assert entry is not None  # the engine was found through it
+    if entry[2] is None or entry[3] is None:
         return engine, None, None
     g, s = entry[2](), entry[3]()
     if g is None or s is None:  # the engine no longer holds the group it registered: never guess

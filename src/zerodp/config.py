@@ -12,16 +12,20 @@ Python's JSON reader accepts) in every field (``allow_inf_nan=False``).
 
 from __future__ import annotations
 
+import builtins
 import inspect
 import json
 import os
 from collections.abc import Mapping
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from zerodp.config_keys import OPTIMIZERS, REFUSED_OPTIMIZERS, canonical_optimizer, screen_keys
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ConfigError(ValueError):
@@ -36,6 +40,7 @@ class _Strict(BaseModel):
     def _no_lax_coercion(cls, v: Any, info: ValidationInfo) -> Any:
         """Refuse what pydantic's lax mode would silently convert: "yes"/"off" for a bool, a string
         for a number, true/false for a number or a stage."""
+        assert info.field_name is not None  # a field validator ("*"): always called for one field
         kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
         if not kinds:
             return v
@@ -131,7 +136,7 @@ class OptimizerConfig(_Strict):
                              f"allowed keys here: {', '.join(allowed)}")
         return self
 
-    def torch_class(self) -> type:
+    def torch_class(self) -> builtins.type[torch.optim.Optimizer]:  # builtins: ``type`` is a field here
         return OPTIMIZERS[self.type]
 
 
@@ -486,7 +491,8 @@ def _format_errors(err: ValidationError, model: type[BaseModel], prefix: str = "
 def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     current: Any = model
     for part in loc:
-        field = current.model_fields.get(part) if isinstance(current, type) else None
+        field = (current.model_fields.get(part)
+                 if isinstance(current, type) and issubclass(current, BaseModel) else None)
         if field is None:
             return []
         ann = field.annotation
@@ -505,13 +511,14 @@ def read_config_mapping(config: str | os.PathLike | Mapping[str, Any] | None) ->
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
         try:
-            with open(config, encoding="utf-8") as f:
+            with open(path, encoding="utf-8") as f:
                 config = json.load(f)
         except OSError as exc:
-            raise ConfigError(f"cannot read config file {os.fspath(config)!r}: {exc}") from None
+            raise ConfigError(f"cannot read config file {path!r}: {exc}") from None
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {os.fspath(config)!r} is not valid JSON: {exc}") from None
+            raise ConfigError(f"config file {path!r} is not valid JSON: {exc}") from None
     if not isinstance(config, Mapping):
         raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
     return config

@@ -127,9 +127,9 @@ OWN_KEYS: dict[str, str] = {
 }
 
 
-def _lookup(config: Mapping[str, Any], path: str) -> tuple[bool, Any, dict | None]:
+def _lookup(config: Mapping[str, Any], path: str) -> tuple[bool, Any, Any]:
     node: Any = config
-    parent = None
+    parent: Any = None
     for part in path.split("."):
         if not isinstance(node, Mapping) or part not in node:
             return False, None, None

@@ -112,7 +112,7 @@ class TiledLinear(nn.Module):
     def forward(self, input_: torch.Tensor | Sequence[torch.Tensor]
                 ) -> torch.Tensor | list[torch.Tensor]:
         if self.input_is_already_split:
-            inputs = list(input_)  # type: ignore[arg-type]
+            inputs = list(input_)
             if len(inputs) != self.in_splits:
                 raise ValueError(f"TiledLinear: input_is_already_split expects {self.in_splits} chunks, "
                                  f"got {len(inputs)}")

@@ -223,7 +223,7 @@ class TrafficCounter:
         self._saved.clear()
 
 
-def counting_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses string annotations
+def counting_allreduce_hook(state, bucket):  # DDP refuses string annotations
     """``(state: ProcessGroup | None, bucket: dist.GradBucket) -> Future[Tensor]``: DDP comm hook equal to DDP's default
     (all-reduce, then divide by the world size) issued through ``dist.all_reduce`` so that :class:`TrafficCounter` sees
     it."""

@@ -77,7 +77,7 @@ def _child(index: int, train: Callable[[], str | None], wfd: int) -> None:
 
 
 def _read_all(fd: int) -> bytes:
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         b = os.read(fd, 65536)
         if not b:

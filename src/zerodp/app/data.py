@@ -197,7 +197,7 @@ def rank_slice(global_batch: T_, rank: int, world_size: int) -> T_:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     if isinstance(global_batch, tuple):
-        return tuple(rank_slice(t, rank, world_size) for t in global_batch)  # type: ignore[return-value]
+        return tuple(rank_slice(t, rank, world_size) for t in global_batch)
     n = global_batch.shape[0]
     if n % world_size:
         raise ValueError(f"global batch of {n} rows does not split evenly over {world_size} ranks")

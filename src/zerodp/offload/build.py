@@ -29,7 +29,9 @@ class OptimizerOffload(Protocol):
 
     device: str
     streams_grads: bool
-    shard_access: object | None
+
+    @property  # read-only: an implementation's is narrower (ShardAccess | None)
+    def shard_access(self) -> object | None: ...
 
     def attach(self, groups: list[FlatGroup]) -> None: ...
     def holds_master(self, piece: Piece) -> bool: ...

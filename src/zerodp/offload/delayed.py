@@ -84,8 +84,8 @@ class DelayedHostOffload(HostOptimizerOffload):
         if self.launched is None:
             return super().fold_edits()
         for piece, before in zip(self.pieces, self.launched, strict=True):
-            _keep_edits(piece.tensor, before, piece.master)
-            self.copies.copy(piece.tensor, piece.master)
+            _keep_edits(piece.tensor, before, piece.master_copy)
+            self.copies.copy(piece.tensor, piece.master_copy)
         self.copies.wait()
         self.launched = None
 
@@ -111,7 +111,7 @@ class DelayedHostOffload(HostOptimizerOffload):
         self.launched = [p.tensor.detach().to("cpu", copy=True) for p in self.pieces]
         shadow = copy.copy(optimizer)  # same state dict; param groups copied: hyperparameters as of now
         shadow.param_groups = [dict(g) for g in optimizer.param_groups]
-        optimizer._opt_called = True  # what optimizer.step() records for an LR scheduler's check
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # what optimizer.step() records for an LR scheduler's check
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerodp-delayed-update")
         self._job = self._worker.submit(self._update, shadow, set(present))
@@ -121,12 +121,12 @@ class DelayedHostOffload(HostOptimizerOffload):
         """On the worker thread: one optimizer step over the masters with the staged gradients."""
         try:
             for i, piece in enumerate(self.pieces):
-                piece.master.grad = self.grad_buffers[i] if i in present else None
+                piece.master_copy.grad = self.grad_buffers[i] if i in present else None
             with cpu_adam_kernel(shadow, self.cpu_adam):
                 type(shadow).step(shadow)
         finally:
             for piece in self.pieces:
-                piece.master.grad = None
+                piece.master_copy.grad = None
 
     def finish_step(self) -> None:
         """Return without waiting for the update; forget this step's gradient marks."""

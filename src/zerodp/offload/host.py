@@ -124,7 +124,7 @@ class HostOptimizerOffload:
 
     def refresh_master(self, piece: Piece) -> None:
         """The module's value of ``piece`` was edited (GatheredParameters): copy it into the master."""
-        piece.master.copy_(piece.tensor)
+        piece.master_copy.copy_(piece.tensor)
 
     def fold_edits(self) -> None:
         """Before the update: every element of a module parameter that no longer equals its master's
@@ -132,7 +132,7 @@ class HostOptimizerOffload:
         ``w.data``); copy it into the fp32 master, keeping the fp32 value of the other elements
         (the rule :meth:`zerodp.runtime.guards.TrainingGuards.before_update` applies without offload)."""
         for piece in self.pieces:
-            fold_edit(piece.tensor, piece.master)
+            fold_edit(piece.tensor, piece.master_copy)
 
     def skipped_step(self) -> None:
         """The update was skipped (fp16 overflow); :meth:`fold_edits` already folded every edit."""
@@ -195,11 +195,11 @@ class HostOptimizerOffload:
         self._sync_copies()
         for chunk in _chunks(self.pieces, self._present):
             for i, piece in enumerate(self.pieces):
-                piece.master.grad = self.grad_buffers[i] if i in chunk else None
+                piece.master_copy.grad = self.grad_buffers[i] if i in chunk else None
             with cpu_adam_kernel(optimizer, self.cpu_adam):
                 optimizer.step()
             for i in chunk:
-                self.copies.copy(self.pieces[i].tensor, self.pieces[i].master)
+                self.copies.copy(self.pieces[i].tensor, self.pieces[i].master_copy)
 
     def settle(self) -> None:
         """Nothing to finish: :meth:`step` updates everything before it returns."""
@@ -212,7 +212,7 @@ class HostOptimizerOffload:
         """Wait until the module's parameters hold the updated masters; forget this step's gradients."""
         self.copies.wait()
         for i, piece in enumerate(self.pieces):
-            piece.master.grad = None
+            piece.master_copy.grad = None
             self._present[i] = False
             self._streamed[i] = False
 
@@ -235,7 +235,7 @@ class HostOptimizerOffload:
         states = [t for st in optimizer.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0]
         return {
-            "master_weights": storage_bytes([p.master for p in self.pieces if p.master.numel()]),
+            "master_weights": storage_bytes([p.master_copy for p in self.pieces if p.master_copy.numel()]),
             "optimizer_states": storage_bytes(states),
             "gradients": storage_bytes(self.grad_buffers),
             "swap_buffers": 0,

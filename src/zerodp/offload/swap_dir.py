@@ -177,7 +177,7 @@ def find_stale(base: str) -> list[StaleDir]:
             ranks = [e.path for e in os.scandir(job_dir) if e.is_dir()]
         except OSError:
             continue
-        owners = []
+        owners: list[str] = []
         for rank_dir in ranks:
             try:
                 with open(os.path.join(rank_dir, OWNER_FILE)) as f:

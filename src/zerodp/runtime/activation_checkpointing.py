@@ -166,7 +166,7 @@ def _sync(opts: CheckpointingOptions) -> None:
 
 class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, run_function: Callable[..., Any], opts: CheckpointingOptions,  # type: ignore[override]
+    def forward(ctx: Any, run_function: Callable[..., Any], opts: CheckpointingOptions,
                 dummy: torch.Tensor, *args: Any) -> Any:
         ctx.run_function, ctx.opts = run_function, opts
         ctx.cpu_rng = torch.get_rng_state()
@@ -183,7 +183,7 @@ class _CheckpointFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         opts: CheckpointingOptions = ctx.opts
         inputs = [_restore(k, opts) if isinstance(k, _Kept) else k for k in ctx.kept]
         ctx.kept = None  # the checkpoint is used once

@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -205,7 +205,7 @@ def _watched(work: Work | None, async_op: bool, tensor: torch.Tensor | None = No
         return work
     watched = WatchedWork(work, WORK_WATCH[-1], tensor is not None and tensor.device.type != "cpu")
     if async_op:
-        return watched
+        return cast(Work, watched)  # duck-typed: wait() here, every other member via __getattr__
     watched.wait()
     return None
 
@@ -215,7 +215,7 @@ def watch(work: Work | None, device: torch.device | None = None) -> Work | None:
     are, the CPU when None) routed through the active watch."""
     if not WORK_WATCH or work is None:
         return work
-    return WatchedWork(work, WORK_WATCH[-1], device is not None and device.type != "cpu")
+    return cast(Work, WatchedWork(work, WORK_WATCH[-1], device is not None and device.type != "cpu"))  # duck-typed
 
 
 #: seconds between two looks at the agreements completed meanwhile, while a watched host wait goes on

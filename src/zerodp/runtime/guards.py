@@ -33,7 +33,7 @@ The engine calls :meth:`TrainingGuards.before_forward`, :meth:`TrainingGuards.be
 from __future__ import annotations
 
 import warnings
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -83,10 +83,14 @@ class GuardedEngine(Protocol):
     """What the guards read from the engine (a Protocol, so this module does not import it)."""
 
     module: nn.Module
-    stage: int
     groups: list[FlatGroup]
     optimizer: torch.optim.Optimizer
-    sharding: GuardedUnits | None  # stage 3 only
+    optimizer_offload: Any  # zerodp.offload.build.OptimizerOffload (a higher rank): fold_edits()
+
+    @property  # read-only members: the engine's are narrower (a Literal stage, Stage3)
+    def stage(self) -> int: ...
+    @property
+    def sharding(self) -> GuardedUnits | None: ...  # stage 3 only
 
 
 def _names(module: nn.Module) -> dict[int, str]:

@@ -106,6 +106,16 @@ class Piece:
         """What the optimizer updates: the fp32 master copy if there is one, else the view itself."""
         return self.master if self.master is not None else self.tensor
 
+    @property
+    def master_copy(self) -> torch.Tensor:
+        """The fp32 master, where the caller's setting guarantees one (offload, mixed precision).
+
+        Raises:
+            RuntimeError: the piece has no master (a bug in the caller, never bad user input)."""
+        if self.master is None:
+            raise RuntimeError(f"piece [{self.lo}, {self.hi}) of '{self.slot.name}' has no fp32 master")
+        return self.master
+
 
 @dataclass(eq=False)
 class FlatGroup:

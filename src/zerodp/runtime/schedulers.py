@@ -33,7 +33,7 @@ class _ClosedForm(LRScheduler):
         raise NotImplementedError
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
-        return [self.lr_at(self.last_epoch, base) for base in self.base_lrs]
+        return [self.lr_at(self.last_epoch, float(base)) for base in self.base_lrs]
 
 
 class WarmupLR(_ClosedForm):
@@ -49,6 +49,8 @@ class WarmupLR(_ClosedForm):
 
 
 class WarmupDecayLR(WarmupLR):
+    p: WarmupDecayLRParams
+
     def __init__(self, optimizer: Optimizer, p: WarmupDecayLRParams, last_epoch: int = -1) -> None:
         super().__init__(optimizer, p, last_epoch)
 

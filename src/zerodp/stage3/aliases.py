@@ -123,7 +123,7 @@ class SavedAliasHooks:
             key = storage_key(t)
             hit = by_storage.get(key) if key is not None else None
             if hit is not None:
-                return _SavedAlias(hit[0], hit[1], t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+                return _SavedAlias(hit[0], hit[1], t.dtype, int(t.storage_offset()), tuple(t.shape), t.stride())
         if self.outer is not None:
             return _OuterPacked(self.outer[0](t))
         return t
@@ -132,6 +132,7 @@ class SavedAliasHooks:
         if type(packed) is _SavedAlias:
             return packed.unpack()
         if type(packed) is _OuterPacked:
+            assert self.outer is not None  # packed by self.outer
             return self.outer[1](packed.packed)
         return packed
 
@@ -178,7 +179,7 @@ def aliasing_copies(output: Any, units: list, table: AliasTable) -> tuple[dict[i
             continue
         key = storage_key(t)
         hit = table.by_storage.get(key) if key is not None else None
-        if hit is None or not any(hit[0] is u for u in units):
+        if key is None or hit is None or not any(hit[0] is u for u in units):
             continue
         mapping[id(t)] = t.clone()
         counts[key] = counts.get(key, 0) + 1

@@ -80,7 +80,7 @@ class GatherPool:
         Raises:
             RuntimeError: ``t``'s storage is not empty or already holds a slab.
         """
-        self._lend_to(t.untyped_storage(), (t.storage_offset() + t.numel()) * t.element_size(), t.device, waiter)
+        self._lend_to(t.untyped_storage(), int(t.storage_offset() + t.numel()) * t.element_size(), t.device, waiter)
 
     def _lend_to(self, storage: torch.UntypedStorage, need: int, device: torch.device,
                  waiter: Waiter | None = None) -> None:
@@ -99,7 +99,7 @@ class GatherPool:
         else:
             self._released.pop(id(slab), None)
         size = slab.nbytes()
-        storage._swap_data_ptr_(slab)
+        storage._swap_data_ptr_(slab)  # type: ignore[attr-defined]  # torch-internal, not in the stubs
         self._lent[key] = slab
         self._lent_sizes[key] = size
         self.peak_bytes = max(self.peak_bytes, self.held_bytes())
@@ -112,7 +112,7 @@ class GatherPool:
         if slab is None:
             return False
         self._lent_sizes.pop(storage._cdata)
-        storage._swap_data_ptr_(slab)
+        storage._swap_data_ptr_(slab)  # type: ignore[attr-defined]  # torch-internal, not in the stubs
         if self.held_bytes() + slab.nbytes() <= self.limit_bytes:
             self._free.append(slab)
             if self.release_event is not None:

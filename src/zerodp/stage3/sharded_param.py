@@ -93,8 +93,8 @@ SAVE_HINT = ("; to save the model at stage 3 use engine.save_16bit_model(save_di
              "engine.module_state_dict() (full fp32 values, collective), zerodp.zero.GatheredParameters "
              "around module.state_dict(), or `zerodp consolidate CHECKPOINT_DIR OUT` on a checkpoint "
              "written by engine.save_checkpoint")
-_DATA_GET = torch.Tensor.data.__get__
-_DATA_SET = torch.Tensor.data.__set__
+_DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]  # a C property; its stub types it as a Tensor
+_DATA_SET = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # idem
 _DETACH = torch.Tensor.detach
 #: conversions that return the tensor itself when they change nothing (``module.to(device)`` on a
 #: module already there, ``module.float()`` on an fp32 one): a partitioned parameter allows those
@@ -159,7 +159,7 @@ class ShardedParameter(nn.Parameter):
         sharded = next((a for a in _flat(args, kwargs) if isinstance(a, ShardedParameter)), None)
         raise PartitionedParameterError(_message(_name(sharded), _func_name(func)))
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # Tensor.__repr__ takes a keyword tensor_contents
         return (f"ShardedParameter('{_name(self)}', shape={tuple(self.shape)}, dtype={self.dtype}, "
                 "partitioned: gather it with zerodp.zero.GatheredParameters to read its values)")
 
@@ -205,7 +205,7 @@ class ShardedData(torch.Tensor):
                                         + SAVE_HINT)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None):  # type: ignore[override]  # torch's stub is an instance method
         src = args[0] if args else None
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) and isinstance(src, ShardedData):
             return ShardedData(src._zerodp_name, src)
@@ -261,7 +261,8 @@ def mark_sharded(param: nn.Parameter, name: str) -> None:
 def mark_unsharded(param: nn.Parameter) -> None:
     """Give ``param`` its own class back (call before its ``.data`` is pointed at gathered values)."""
     if isinstance(param, ShardedParameter):
-        param.__class__ = getattr(param, CLASS_ATTR, nn.Parameter)
+        own: type = getattr(param, CLASS_ATTR, nn.Parameter)
+        param.__class__ = own
 
 
 def is_sharded(param: torch.Tensor) -> bool:

@@ -400,7 +400,7 @@ def _free(t: torch.Tensor | None, pool: GatherPool | None = None) -> None:
 def _allocate(t: torch.Tensor, pool: GatherPool | None = None, waiter: SideStream | None = None) -> None:
     """Give ``t``'s (same) storage object memory again: a slab of ``pool``, or a fresh allocation.
     ``waiter``: the side stream that writes it first (see [Note: gather pool])."""
-    nbytes = (t.storage_offset() + t.numel()) * t.element_size()
+    nbytes = int(t.storage_offset() + t.numel()) * t.element_size()
     if pool is not None and t.untyped_storage().nbytes() == 0:
         pool.lend(t, waiter)
     elif t.untyped_storage().nbytes() < nbytes:

@@ -27,6 +27,12 @@ class DeviceAccelerator:
             return self._name
         return f"{self._name}:{_index(device_index)}"
 
+    def current_device(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__}.current_device")  # each accelerator defines it
+
+    def is_bf16_supported(self) -> bool:
+        raise NotImplementedError(f"{type(self).__name__}.is_bf16_supported")  # each accelerator defines it
+
     def current_device_name(self) -> str:
         return self.device_name(self.current_device()) if self._name != "cpu" else "cpu"
 
