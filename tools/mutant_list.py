@@ -144,7 +144,7 @@ MUTANTS: list[Mutant] = [
            "                if True:\n",
            [f"{STAGES}::test_matches_reference[2-2-no_grad_some_steps]"]),
     Mutant("skip_stage3_persistent_regather_after_step", SHARDING,
-           '                comm.all_gather(u.full, u.shard, self.pg, self.ledger, "parameters")\n',
+           '                comm.all_gather(u.full_buffer, u.shard, self.pg, self.ledger, "parameters")\n',
            "                pass\n",
            [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-3]"]),
     Mutant("init_touch_in_partition_dtype", INIT,

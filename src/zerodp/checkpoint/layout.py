@@ -174,7 +174,7 @@ class ShardedParamsLayout:
             if not u.persistent and u.state is not ShardState.SHARDED:
                 if u.state is ShardState.GATHERING:
                     u.finish_gather()
-                comm.all_gather(u.full, u.shard, sharding.pg, sharding.ledger, "parameters")
+                comm.all_gather(u.full_buffer, u.shard, sharding.pg, sharding.ledger, "parameters")
 
 #: layout per ZeRO stage.
 LAYOUTS: dict[int, CheckpointLayout] = {0: ReplicatedParamsLayout(), 1: ReplicatedParamsLayout(),

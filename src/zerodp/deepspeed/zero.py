@@ -98,8 +98,8 @@ def set_ds_attributes(p: nn.Parameter, shape: tuple[int, ...] | None) -> None:
     and ``ds_status`` (:class:`ZeroParamStatus`: ``NOT_AVAILABLE`` while only the shard exists, a
     property of the sharded class; ``AVAILABLE`` while gathered)."""
     if shape is not None:
-        p.ds_shape = torch.Size(shape)
-    p.ds_numel = full_numel(p)
+        p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]  # DeepSpeed's attribute on a Parameter
+    p.ds_numel = full_numel(p)  # type: ignore[attr-defined]  # idem
     owner = OWNERS.get(p)
     if owner is not None:
         p.__dict__["ds_id"] = owner.unit.ds_id(p)

@@ -47,7 +47,7 @@ from zerodp.runtime.refusal import RefusedError
 ACK_ATTR = "_zerodp_acknowledged_version"
 
 
-def acknowledge_edit(param: nn.Parameter) -> None:
+def acknowledge_edit(param: torch.Tensor) -> None:
     """Mark ``param``'s current in-place edits as made while gathered (not a lost edit)."""
     setattr(param, ACK_ATTR, param._version)
 

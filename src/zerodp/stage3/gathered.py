@@ -87,9 +87,10 @@ class GatheredParameters:
                 u.collect_rebound()
         if modify and dist.is_initialized() and dist.get_world_size() > 1:
             partitioned = {id(s.param) for u, _ in self._units for s in u.slots}
+            assert self.modifier_rank is not None  # modify
             for u, owner in self._units:
                 src = dist.get_global_rank(owner.pg, self.modifier_rank) if owner.pg else self.modifier_rank
-                comm.broadcast(u.full, src, owner.pg, owner.ledger, "gathered_parameters")
+                comm.broadcast(u.full_buffer, src, owner.pg, owner.ledger, "gathered_parameters")
             plain = list({id(p): p for p in self.params if id(p) not in partitioned}.values())
             if plain:
                 _agree([f"{tuple(p.shape)}:{p.dtype}" for p in plain], None, plain[0].device,

@@ -73,8 +73,8 @@ class InitTouchMode(TorchFunctionMode):
             self.gathers += 1
             built = self.built_dtype.get(id(u))
             if built is not None:  # edit in the dtype the parameters were built in
-                self._narrow[id(u)] = u.full
-                u.full = u.full.to(built)
+                self._narrow[id(u)] = u.full_buffer
+                u.full = u.full_buffer.to(built)
                 for s in u.slots:
                     s.param.data = u._view(s)
             u.users += 1  # held open: a GatheredParameters block inside Init does not release it
@@ -110,11 +110,11 @@ class InitTouchMode(TorchFunctionMode):
         u.collect_rebound()  # p.set_(t), a parametrization's original.set_: kept, not dropped
         if narrow is not None:  # the one cast down, as without Init
             with torch.no_grad():
-                narrow.copy_(u.full)
+                narrow.copy_(u.full_buffer)
             u.full = narrow
         if dist.get_world_size(owner.pg) > 1:
             src = dist.get_global_rank(owner.pg, 0) if owner.pg is not None else 0
-            comm.broadcast(u.full, src, owner.pg, owner.ledger, "init")
+            comm.broadcast(u.full_buffer, src, owner.pg, owner.ledger, "init")
         u.write_back()
         u.release()
 

@@ -159,7 +159,7 @@ class Stage3:
         """Re-gather the persistent unit (the only one kept gathered) from the updated shards."""
         for u in self.units:
             if u.persistent:
-                comm.all_gather(u.full, u.shard, self.pg, self.ledger, "parameters")
+                comm.all_gather(u.full_buffer, u.shard, self.pg, self.ledger, "parameters")
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of the shards, of the gathered buffers (live storages) and of the pool's idle slabs."""

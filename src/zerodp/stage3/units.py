@@ -176,7 +176,7 @@ class ShardedUnit:
         # into a non-owning alias of the full buffer's memory: the Work (kept by gloo's thread for a while
         # after wait() returns) then holds no reference to the buffer's storage, whose use count tells
         # escaping views (see [Note: escaping views]); the unit waits for the Work before any release
-        self.work = comm.all_gather(_unowned_alias(self.full), self.shard, pg, ledger, purpose, async_op=True)
+        self.work = comm.all_gather(_unowned_alias(self.full_buffer), self.shard, pg, ledger, purpose, async_op=True)
         self.state = ShardState.GATHERING
 
     def finish_gather(self) -> None:
@@ -184,6 +184,7 @@ class ShardedUnit:
         streams]), then each parameter's ``.data`` points at its full view and the cast buffers are
         re-filled."""
         assert self.state is ShardState.GATHERING, f"unit '{self.name}' finished while {self.state}"
+        assert self.work is not None, f"unit '{self.name}' is GATHERING without a Work"
         if self.stream is not None:
             self.stream.done(self.work)
         else:
@@ -324,8 +325,18 @@ class ShardedUnit:
     def _param_name(self, s: ParamSlot) -> str:
         return s.name if not self.name or s.name.startswith(self.name + ".") else f"{self.name}.{s.name}"
 
+    @property
+    def full_buffer(self) -> torch.Tensor:
+        """``full`` where the state guarantees one (GATHERING, UNSHARDED).
+
+        Raises:
+            RuntimeError: the unit holds no full buffer (a bug in the caller, never bad user input)."""
+        if self.full is None:
+            raise RuntimeError(f"unit '{self.name}' holds no full buffer ({self.state})")
+        return self.full
+
     def _view(self, s: ParamSlot) -> torch.Tensor:
-        return s.view(self.full[s.offset : s.offset + s.numel])
+        return s.view(self.full_buffer[s.offset : s.offset + s.numel])
 
     def collect_rebound(self) -> None:
         """UNSHARDED, before the full values are kept (``GatheredParameters(modifier_rank=...)`` exit,
