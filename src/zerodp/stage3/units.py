@@ -183,8 +183,7 @@ class ShardedUnit:
         """GATHERING -> UNSHARDED: the compute stream waits for the all-gather (see [Note: comm
         streams]), then each parameter's ``.data`` points at its full view and the cast buffers are
         re-filled."""
-        assert self.state is ShardState.GATHERING, f"unit '{self.name}' finished while {self.state}"
-        assert self.work is not None, f"unit '{self.name}' is GATHERING without a Work"
+        assert self.state is ShardState.GATHERING and self.work, f"unit '{self.name}' finished while {self.state}"
         if self.stream is not None:
             self.stream.done(self.work)
         else:
@@ -251,7 +250,8 @@ class ShardedUnit:
         """Give each buffer whose storage has more references than :attr:`refs` (+ ``allow``) a new
         empty storage, leaving the old one, memory and values, to the tensors that view it."""
         def escaped(key: object, buf: torch.Tensor) -> bool:
-            return storage_refs(buf) > self.refs.get(key, 1 << 62) + allow.get(storage_key(buf), 0)
+            sk = storage_key(buf)
+            return storage_refs(buf) > self.refs.get(key, 1 << 62) + (allow.get(sk, 0) if sk is not None else 0)
 
         kept = []
         if self.full is not None and escaped(None, self.full):
@@ -327,10 +327,7 @@ class ShardedUnit:
 
     @property
     def full_buffer(self) -> torch.Tensor:
-        """``full`` where the state guarantees one (GATHERING, UNSHARDED).
-
-        Raises:
-            RuntimeError: the unit holds no full buffer (a bug in the caller, never bad user input)."""
+        """``full`` where the state guarantees one (GATHERING, UNSHARDED); else RuntimeError (a bug)."""
         if self.full is None:
             raise RuntimeError(f"unit '{self.name}' holds no full buffer ({self.state})")
         return self.full
@@ -435,11 +432,9 @@ def _issuing(stream: SideStream | None):
     return stream.issuing() if stream is not None else contextlib.nullcontext()
 
 
-def shard_unit(
-    name: str, named: list[tuple[str, nn.Parameter]], first_index: int, group_indices: list[int],
-    rank: int, world_size: int, persistent: bool = False,
-    sync: Callable[[torch.Tensor], None] | None = None, pin_memory: bool = False,
-) -> ShardedUnit:
+def shard_unit(name: str, named: list[tuple[str, nn.Parameter]], first_index: int, group_indices: list[int],
+               rank: int, world_size: int, persistent: bool = False,
+               sync: Callable[[torch.Tensor], None] | None = None, pin_memory: bool = False) -> ShardedUnit:
     """Lay out ``named`` (full, identical on every rank) as one unit and keep only shard ``rank``.
     ``pin_memory``: allocate the shard page-locked (host parameters only; the caller checks CUDA).
 
