@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -254,10 +255,11 @@ class Init:
         if before:  # parameters registered after the module was partitioned: one unit for all of them
             mine = {id(s.param) for u in before for s in u.slots}
             again = [p for p in params if id(p) in mine]
+            assert self._touch is not None  # entered: set in __enter__
             widen = [self._touch.forget(u) for u in before]
             for u in before:
                 if u.home is not None:
-                    u.home.swapper.forget(u.home)
+                    u.home.swapper.forget(u.home)  # type: ignore[attr-defined]  # Init's homes are param_swap's
                     u.home = None
             materialize(again)
             built_as = next((d for d in widen if d is not None), None)
@@ -286,6 +288,7 @@ class Init:
         pin = self.remote.device == "cpu" and self.remote.pin_memory and torch.cuda.is_available()
         unit = shard_unit(name, named, 0, [-1] * len(named), rank, world, sync=sync, pin_memory=pin)
         if built.is_floating_point and built != unit.shard.dtype:
+            assert self._touch is not None  # entered: set in __enter__
             self._touch.built_dtype[id(unit)] = built  # touched later: gathered in this dtype
         if self.swapper is not None:  # offload_param nvme: straight to the swap file
             unit.home = self.swapper.add(name, unit.shard)
@@ -334,7 +337,7 @@ def resolve_remote_device(po: OffloadParamConfig, remote_device: str | None,
 
 def _constructing(module: nn.Module) -> bool:
     """Whether an ``__init__`` of ``module`` is on the call stack (its construction is not over)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is module:
             return True

@@ -129,7 +129,8 @@ def describe_model(engine: Engine) -> tuple[list[TensorRecord], list[TensorRecor
     for k, v in sd.items():
         aliases.setdefault(id(v), []).append(k)
         first.setdefault(id(v), v)
-    params, buffers = [], []
+    params: list[TensorRecord] = []
+    buffers: list[TensorRecord] = []
     for i, names in aliases.items():
         t = first[i]
         s = slots.get(i)  # a slot's parameter may be a placeholder (stage 3): take the slot's shape
@@ -173,7 +174,7 @@ def group_hyperparameters(meta: CheckpointMeta, names: list[str]) -> dict[str, A
     """
     canonical = {a: r.name for r in meta.params for a in r.aliases}
     saved_group = {canonical.get(n, n): g for g in meta.groups for n in g.names}
-    found = {}
+    found: dict[int, tuple[GroupRecord, str]] = {}
     for n in names:
         g = saved_group.get(canonical.get(n, n))
         if g is not None:

@@ -130,12 +130,12 @@ class ShardedParamsLayout:
         trained = {id(s.param) for s in trained_slots(engine)}
         out: dict[str, torch.Tensor] = {}
         for u in units(engine) if frozen else ():
-            frozen = [s for s in u.slots if id(s.param) not in trained]
-            if not frozen:
+            held = [s for s in u.slots if id(s.param) not in trained]
+            if not held:
                 continue
-            with torch.no_grad(), GatheredParameters([s.param for s in frozen]):
+            with torch.no_grad(), GatheredParameters([s.param for s in held]):
                 if engine.rank == 0:
-                    for s in frozen:
+                    for s in held:
                         out[s.name] = s.param.detach().to("cpu", copy=True)
         out.update(outside_slots(engine))
         return out
@@ -165,10 +165,12 @@ class ShardedParamsLayout:
     def before_load(self, engine: Engine) -> None:
         # Units gathered ahead of use (prefetched, then not used) would keep the old values: drop them
         # now (finishing any all-gather in flight, so none reads a shard while it is overwritten).
+        assert engine.sharding is not None  # the stage-3 layout
         engine.sharding.coordinator.release_idle()
 
     def after_load(self, engine: Engine) -> None:
         sharding = engine.sharding
+        assert sharding is not None  # the stage-3 layout
         sharding.after_step()  # the persistent unit, from the new shards
         for u in sharding.units:  # units held gathered right now (e.g. inside GatheredParameters)
             if not u.persistent and u.state is not ShardState.SHARDED:

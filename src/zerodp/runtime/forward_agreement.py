@@ -271,6 +271,7 @@ class ForwardAgreement(TagWaits):
         what = (describe_row(row, self.calls, self.names, self.details).split(" at step")[0]
                 if row is not None else "forward")
         self.guard.fail_at(f"{what}, fetch tag #{i}", self.step, self.micro_step, exc)
+        raise AssertionError("unreachable")  # fail_at always raises
 
 
 def mismatch_message(table: torch.Tensor, rank: int, calls: Sequence[str], names: dict[int, str],

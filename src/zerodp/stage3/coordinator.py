@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import zlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed import ProcessGroup, ReduceOp, Work
 
 from zerodp.runtime import comm
 from zerodp.runtime.coalesce import coalesced, dtype_device, runs_of_same_kind
@@ -54,6 +55,12 @@ class FetchCheck(Protocol):
 
     def before_launch(self) -> None:
         """Before any all-gather is launched (a fetch's own, a prefetch group, an external one)."""
+
+
+def _launch_gather(u: ShardedUnit, pg: ProcessGroup | None, ledger: CommLedger) -> Work | None:
+    """Issue ``u``'s all-gather; its Work (one launch of a coalesced group)."""
+    u.launch_gather(pg, ledger, "parameters")
+    return u.work
 
 
 class _SharedWork:
@@ -332,15 +339,14 @@ class ParameterCoordinator:
             stream.after_compute()
         for run in runs_of_same_kind(units, lambda u: dtype_device(u.shard)):
             with stream.issuing() if stream is not None else contextlib.nullcontext():
-                work = coalesced(self.pg, [lambda u=u: u.launch_gather(self.pg, self.ledger, "parameters") or u.work
-                                           for u in run])
+                work = coalesced(self.pg, [functools.partial(_launch_gather, u, self.pg, self.ledger) for u in run])
             if len(run) > 1:
                 # a group's own Work: waited through the agreements' watch too, and dropped by the first
                 # unit that waits for it (a Work references the buffers it wrote: one kept alive by the
                 # units still GATHERING would look like a view escaping, see [Note: escaping views])
                 shared = _SharedWork(comm.watch(work, run[0].shard.device))
                 for u in run:
-                    u.work = shared
+                    u.work = cast(Work, shared)  # duck-typed: wait() is all a unit calls
             self.gather_collectives += 1
 
     def _read_ahead(self) -> None:
