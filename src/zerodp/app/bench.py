@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import shutil
 import statistics
@@ -314,7 +315,7 @@ def _fresh_rss(args: argparse.Namespace, cfg: GPTConfig, micro: int, systems: di
     # steps, 1027 MiB after 3; docs/benchmarks/2026-12-01-bench.md)
     steps = max(args.probe_steps, FRESH_RSS_STEPS)
     batches = lambda: make_batches(cfg, micro, steps, rank, world)  # noqa: E731
-    return {name: bench_rss.measure(k, lambda b=systems[name]: _build(b, cfg, probe=False), batches)
+    return {name: bench_rss.measure(k, functools.partial(_build, systems[name], cfg, probe=False), batches)
             for k, name in enumerate(names)}
 
 

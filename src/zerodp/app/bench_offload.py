@@ -109,7 +109,9 @@ def swap_report(directory: str) -> str:
 def adam_kernels(numel: int, repeats: int = 5) -> str:
     """Median time of one torch AdamW step on ``numel`` fp32 CPU elements per implementation."""
     rows = []
-    for name, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
+    variants: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("for-loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True}))
+    for name, kw in variants:
         torch.manual_seed(0)
         ps = [torch.zeros(n, requires_grad=True) for n in _split(numel)]
         for p in ps:

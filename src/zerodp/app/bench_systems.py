@@ -187,7 +187,7 @@ def zerodp_builder(stage: int, offload: dict[str, Any] | None = None,
             for attr in ("grad_buffers", "owned", "_staging"):
                 grads += list(getattr(red, attr, {}).values())
             if engine.optimizer_offload.streams_grads:  # host fp32 gradient partition
-                grads += list(engine.optimizer_offload.grad_buffers)
+                grads += list(engine.optimizer_offload.grad_buffers)  # type: ignore[attr-defined]  # host/NVMe offload
                 grads += [getattr(engine.optimizer_offload, "grad_scratch", None)]
                 grads = [t for t in grads if t is not None]
             shards = [g.buffer for g in engine.groups]

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -88,10 +89,10 @@ def _build(name: str, layers: int, width: int) -> StepFn:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "device": "cpu",
             "zero_optimization": {"stage": int(name[-1]), "stage3_param_persistence_threshold": 0}})
 
-        def step(x: torch.Tensor) -> None:
+        def engine_step(x: torch.Tensor) -> None:
             engine.backward(engine(x).square().mean())
             engine.step()
-        return step
+        return engine_step
     if name == "deepspeed":
         try:
             import deepspeed  # noqa: F401
@@ -107,7 +108,7 @@ def _build(name: str, layers: int, width: int) -> StepFn:
 
         for layer in model:
             fully_shard(layer)
-        module = fully_shard(model)
+        module = cast(nn.Module, fully_shard(model))  # the same module, its class now also an FSDPModule
     else:
         module = model
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)

@@ -257,7 +257,7 @@ def check_resume(s: RunSettings, corpus: dict[str, int] | None = None) -> tuple[
     saved_model = cs.get("model")
     if saved_model != asdict(s.model):
         try:
-            shown = str(GPTConfig.from_dict(saved_model))
+            shown = str(GPTConfig.from_dict(saved_model)) if isinstance(saved_model, dict) else repr(saved_model)
         except (TypeError, ValueError):
             shown = repr(saved_model)
         diffs.append(f"model {shown} (this run: {s.model})")

@@ -9,11 +9,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from zerodp.checkpoint import layout, load, save
+from zerodp.checkpoint.protocol import CheckpointableEngine
 from zerodp.runtime.module_state import GatheredCopy, LoadResult, load_module_state
 
 
@@ -41,14 +42,14 @@ class CheckpointMethods:
         point ``save_dir/latest`` at it; returns that directory. ``exclude_frozen_parameters``: only trained
         parameters and their optimizer states. See :func:`zerodp.checkpoint.save_checkpoint`."""
         with self.collective_call("save_checkpoint"), self._states_resident():
-            return save.save_checkpoint(self, self._checkpoint_dir(save_dir), tag, client_state,
-                                        exclude_frozen_parameters)
+            return save.save_checkpoint(cast(CheckpointableEngine, self), self._checkpoint_dir(save_dir), tag,
+                                        client_state, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: Any, tag: str | None = None) -> tuple[Any, Any]:
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;
         returns (checkpoint directory, client_state). See :func:`zerodp.checkpoint.load_checkpoint`."""
         with self.collective_call("load_checkpoint"), self._states_resident(write=True):
-            return load.load_checkpoint(self, self._checkpoint_dir(load_dir), tag)
+            return load.load_checkpoint(cast(CheckpointableEngine, self), self._checkpoint_dir(load_dir), tag)
 
     def _checkpoint_dir(self, d: Any) -> Any:
         """``d``, or with model parallelism ``d/mp_rank_XX``: each model-parallel rank's DP group
@@ -78,7 +79,7 @@ class CheckpointMethods:
         collective): trained parameters in fp32 (the fp32 masters under bf16/fp16), frozen parameters
         and buffers in the module's dtype."""
         with self.collective_call("module_state_dict"), self._states_resident():
-            return layout.module_state_dict(self)
+            return layout.module_state_dict(cast(CheckpointableEngine, self))  # the Engine this is mixed into
 
     @contextlib.contextmanager
     def _states_resident(self, write: bool = False) -> Iterator[None]:

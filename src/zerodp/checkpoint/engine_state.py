@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from zerodp.checkpoint.format import IMPLEMENTATION_OPTIONS, CheckpointError, dtype_name, prod
-from zerodp.checkpoint.meta import CheckpointMeta, GroupRecord, TensorRecord
+from zerodp.checkpoint.meta import CheckpointMeta, GroupRecord, LossScalerRecord, SchedulerRecord, TensorRecord
 from zerodp.checkpoint.protocol import CheckpointableEngine as Engine
 from zerodp.runtime import comm
 from zerodp.runtime.partition import ParamSlot, Piece
@@ -101,20 +101,20 @@ def _json_part(v: Any) -> Any:
     return _NOT_JSON
 
 
-def loss_scaler_state(engine: Engine) -> dict[str, Any] | None:
+def loss_scaler_state(engine: Engine) -> LossScalerRecord | None:
     scaler = getattr(engine, "loss_scaler", None)
     if scaler is None:
         return None
-    return {"dynamic": bool(scaler.dynamic), **scaler.state_dict()}
+    return LossScalerRecord.model_validate({"dynamic": bool(scaler.dynamic), **scaler.state_dict()})
 
 
-def scheduler_state(engine: Engine) -> dict[str, Any] | None:
+def scheduler_state(engine: Engine) -> SchedulerRecord | None:
     """The engine's LR scheduler: class name and the JSON-serialisable part of its ``state_dict()``
     (a DeepSpeed schedule's parameters come from the config, a LambdaLR's functions from the code)."""
     scheduler = getattr(engine, "lr_scheduler", None)
     if scheduler is None:
         return None
-    return {"type": type(scheduler).__name__, "state": _json_part(scheduler.state_dict())}
+    return SchedulerRecord(type=type(scheduler).__name__, state=_json_part(scheduler.state_dict()))
 
 
 

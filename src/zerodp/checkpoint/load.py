@@ -262,8 +262,10 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None) 
         if hp is not None:
             _restore_hyperparameters(pg, hp, same_optimizer)
     if staged.lr_scheduler is not None:
+        assert engine.lr_scheduler is not None  # staged only for an engine with a scheduler
         engine.lr_scheduler.load_state_dict(staged.lr_scheduler)
     if staged.loss_scaler is not None:
+        assert engine.loss_scaler is not None  # staged only for an engine with a dynamic scaler
         engine.loss_scaler.load_state_dict(staged.loss_scaler)
     if hasattr(engine, "skipped_steps"):
         engine.skipped_steps = staged.meta.skipped_steps

@@ -134,7 +134,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     loader = None
     if training_data is not None:
         world, rank = dist.get_world_size(engine.process_group), dist.get_rank(engine.process_group)
-        sampler = DistributedSampler(training_data, num_replicas=world, rank=rank)
+        sampler: DistributedSampler = DistributedSampler(training_data, num_replicas=world, rank=rank)
         loader = DataLoader(training_data, batch_size=engine.config.train_micro_batch_size_per_gpu,
                             sampler=sampler, collate_fn=collate_fn)
     ds_engine = DeepSpeedEngine(engine, loader, ds_config=raw_resolved)

@@ -54,7 +54,7 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def get_world_group() -> ProcessGroup:
+def get_world_group() -> ProcessGroup | None:
     return _dist.group.WORLD
 
 

@@ -304,7 +304,7 @@ class DeepSpeedEngine:
         return int(os.environ.get("LOCAL_RANK", 0))
 
     @property
-    def device(self) -> torch.device:
+    def device(self) -> torch.device | None:
         """The engine's device (``cuda:LOCAL_RANK`` on a CUDA machine with NCCL, else the CPU; config
         key ``device``): where a script puts its batches (``batch.to(engine.device)``)."""
         return self.engine.device
@@ -456,6 +456,7 @@ class DeepSpeedEngine:
         if opt_state is not None:
             e.optimizer.load_state_dict(opt_state)
         if sched_state is not None:
+            assert e.lr_scheduler is not None  # kept only from the engine's scheduler
             e.lr_scheduler.load_state_dict(sched_state)
         if load_module_only:
             e.global_steps, e.micro_steps, e.skipped_steps, e.ledger.steps = counters

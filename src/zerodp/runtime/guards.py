@@ -33,6 +33,7 @@ The engine calls :meth:`TrainingGuards.before_forward`, :meth:`TrainingGuards.be
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -76,7 +77,7 @@ class GuardedUnits(Protocol):
     """The engine's stage-3 units (implemented by :class:`zerodp.stage3.sharding.Stage3`)."""
 
     @property
-    def units(self) -> list[GuardedUnit]: ...
+    def units(self) -> Sequence[GuardedUnit]: ...
 
 
 class GuardedEngine(Protocol):
