@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -123,7 +123,7 @@ class TiledLinear(nn.Module):
                 raise ValueError(f"TiledLinear: input must be (*, {self.in_features}), got {got}")
             inputs = list(torch.split(x, self.in_sizes, dim=-1)) if self.in_splits > 1 else [x]
         outputs: list[torch.Tensor] = []
-        for row in self.linears:
+        for row in cast(Sequence[nn.ModuleList], self.linears):  # rows of tiles, as built in __init__
             acc = row[0](inputs[0])
             for i in range(1, self.in_splits):
                 acc = acc + row[i](inputs[i])
@@ -161,14 +161,15 @@ class TiledLinear(nn.Module):
             if src_bias is not None and tuple(src_bias.shape) != (self.out_features,):
                 raise ValueError(f"copy_params_from: bias has shape {tuple(src_bias.shape)}, needs "
                                  f"({self.out_features},)")
-            for o, row in enumerate(self.linears):
+            for o, row in enumerate(cast(Sequence[nn.ModuleList], self.linears)):  # rows of tiles
                 r0, r1 = self.out_parts[o], self.out_parts[o + 1]
-                for i, tile in enumerate(row):
+                for i, tile in enumerate(cast(Sequence[nn.Linear], row)):  # Linear-like: weight, bias
                     c0, c1 = self.in_parts[i], self.in_parts[i + 1]
                     params = [tile.weight] + ([tile.bias] if tile.bias is not None else [])
                     with GatheredParameters(params, modifier_rank=0):
                         tile.weight.copy_(weight[r0:r1, c0:c1])
                         if tile.bias is not None:
+                            assert src_bias is not None  # checked above: a bias on both sides or neither
                             tile.bias.copy_(src_bias[r0:r1])
 
     def extra_repr(self) -> str:

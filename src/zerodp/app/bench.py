@@ -333,7 +333,7 @@ def _add_fresh_rss(result: BenchResult, fresh_all: list[dict[str, dict[str, Any]
             s.fresh_rss_note = (bad or {}).get("error") or (bad or {}).get("reason") or "not measured"
         else:
             s.fresh_rss = [FreshRank(rank=p["rank"], rss_start=p["rss_start"], peak_rss=p["peak_rss"])
-                           for p in per_rank]
+                           for p in per_rank if p is not None]  # none is None here
     ddp = next((s for s in result.systems if s.name == "DDP" and s.fresh_rss), None)
     if ddp is not None:
         base = max(m.peak_rss for m in ddp.fresh_rss)

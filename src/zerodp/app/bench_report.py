@@ -184,6 +184,7 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
     colors = dict(zip(CATEGORIES, ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3"), strict=True))
     for i, s in enumerate(mem):
         for j, (label, values) in enumerate((("measured", s.memory[0].measured), ("formula", s.formula))):
+            assert values is not None  # mem: systems with a formula
             bottom = 0.0
             for c in CATEGORIES:
                 v = values.get(c, 0) / 2**20
@@ -192,7 +193,8 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
                        label=c if (i == 0 and j == 0) else None)
                 bottom += v
     ax.set_xticks(range(len(mem)), [_tick(s.name) for s in mem], fontsize=7)
-    tallest = max((sum(v.values()) for s in mem for v in (s.memory[0].measured, s.formula)), default=0.0)
+    tallest = max((sum(v.values()) for s in mem for v in (s.memory[0].measured, s.formula) if v is not None),
+                  default=0.0)
     ax.set_ylim(0, 1.35 * tallest / 2**20 or 1.0)  # room for the legend above the tallest bar
     ax.set_ylabel("MiB per rank (rank 0)")
     ax.set_title(f"Model state per rank, {res.world_size} ranks, Psi = {res.psi:,} "
@@ -208,6 +210,7 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(timed)), 4))
     for i, s in enumerate(timed):
         lo, hi = min(s.ratio_per_round), max(s.ratio_per_round)
+        assert s.ratio_to_ddp is not None  # timed
         ax.bar(i, s.ratio_to_ddp, color="#4C72B0" if s.family == "zerodp" else "#999999")
         ax.errorbar(i, s.ratio_to_ddp, yerr=[[s.ratio_to_ddp - lo], [hi - s.ratio_to_ddp]], color="k", capsize=3)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
@@ -233,7 +236,8 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
                         marker="osD^v<>p"[k % 8], markersize=4 + 2 * (len(names) - k),
                         markerfacecolor="none" if k < len(names) - 1 else None, label=name)
         if all(p.formula_total is not None for p in ps):
-            ax.plot([p.world_size for p in ps], [p.formula_total / 2**20 for p in ps], ":", color=line.get_color())
+            formula = [p.formula_total / 2**20 for p in ps if p.formula_total is not None]
+            ax.plot([p.world_size for p in ps], formula, ":", color=line.get_color())
     ax.set_xlabel("ranks")
     ax.set_xticks(sorted({p.world_size for p in points}))
     ax.set_ylabel("model state MiB per rank (dotted: formula)")

@@ -140,7 +140,7 @@ def _write_shard(reader: CheckpointReader, shard: Shard, path: Path) -> None:
             data = values.reshape(-1).view(torch.uint8)
             if data.numel() != t.end - t.begin:
                 raise CheckpointError(f"{t.key}: read {data.numel()} bytes, meta.json implies {t.end - t.begin}")
-            f.write(memoryview(data.numpy()))
+            f.write(memoryview(data.numpy()))  # type: ignore[arg-type]  # numpy arrays are buffers; typeshed's Buffer misses it
             del values, data
     fsync(tmp)
     os.replace(tmp, path)

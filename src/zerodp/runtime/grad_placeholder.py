@@ -60,15 +60,15 @@ class HiddenGradient(torch.Tensor):
         t.message = message
         return t
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's documented idiom
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]  # torch's stub is an instance method
         hidden = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, HiddenGradient)), None)
         what = hidden.message if hidden is not None else ALTERNATIVES
         raise RuntimeError(f"{func} on a parameter's .grad: {what}")
 
-    def __repr__(self) -> str:  # no values to print; a debugger listing locals must not raise
+    def __repr__(self) -> str:  # type: ignore[override]  # no values to print; a debugger listing locals must not raise
         return f"HiddenGradient(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 
 

@@ -13,7 +13,6 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from zerodp.runtime import comm
 from zerodp.runtime.guards import acknowledge_edit
@@ -45,7 +44,7 @@ class GatheredParameters:
             units, or (with ``modifier_rank``) differently shaped non-partitioned parameters in order.
     """
 
-    def __init__(self, params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None,
+    def __init__(self, params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None,
                  enabled: bool = True) -> None:
         self.params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank = modifier_rank
