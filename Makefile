@@ -5,8 +5,9 @@
 #   make gpu-check  on an NVIDIA GPU machine: tools/gpu_check.sh (installs a CUDA torch into .venv-gpu,
 #                runs the CUDA checks, writes gpu_check_out/gpu_check.json; see docs/gpu.md)
 #   make test-unit  the in-process tier alone (tests/unit: no torchrun, under a minute); make test runs it too
-#   make lint   ruff check on src, tests and tools (configured in pyproject.toml); .ci/run runs it before make test.
-#                mypy and ruff format are configured there too but not enforced yet (see CONTRIBUTING.md)
+#   make lint   ruff check on src, tests and tools, then mypy on src/zerodp (both configured in pyproject.toml);
+#                .ci/run runs it before make test. ruff format is configured but not enforced (see CONTRIBUTING.md)
+#   make typecheck  mypy alone
 #   make mutants applies named faults to a copy of src/ one at a time; each must fail its tests (slow,
 #                not part of make test); prints "N/N mutants killed" last
 # Both install the torch pinned in constraints.txt (`pip install -c constraints.txt`), so the demo and the
@@ -41,8 +42,8 @@ test: $(VENV)/.installed-dev
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src tests tools
+	$(BIN)/mypy
 
-# not part of lint or CI yet: findings remain (see CONTRIBUTING.md)
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
 
