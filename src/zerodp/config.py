@@ -16,6 +16,7 @@ import builtins
 import inspect
 import json
 import os
+import types
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
@@ -58,7 +59,7 @@ def _scalar_kinds(annotation: Any) -> set[type]:
     origin = get_origin(annotation)
     if origin is Literal:
         return {type(a) for a in get_args(annotation)}
-    if origin is Union:
+    if origin is Union or origin is types.UnionType:  # Optional[X] and X | None
         kinds: set[type] = set()
         for a in get_args(annotation):
             if a is type(None):
