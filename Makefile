@@ -5,6 +5,9 @@
 #   make gpu-check  on an NVIDIA GPU machine: tools/gpu_check.sh (installs a CUDA torch into .venv-gpu,
 #                runs the CUDA checks, writes gpu_check_out/gpu_check.json; see docs/gpu.md)
 #   make test-unit  the in-process tier alone (tests/unit: no torchrun, under a minute); make test runs it too
+#   make lint   ruff check on src, tests and tools (configured in pyproject.toml); .ci/run runs it before
+#                make test. make typecheck: mypy on src/zerodp (not in CI yet: findings remain, CONTRIBUTING.md). ruff format is configured but not enforced (see CONTRIBUTING.md)
+#   make typecheck  mypy alone
 #   make mutants applies named faults to a copy of src/ one at a time; each must fail its tests (slow,
 #                not part of make test); prints "N/N mutants killed" last
 # Both install the torch pinned in constraints.txt (`pip install -c constraints.txt`), so the demo and the
@@ -28,7 +31,7 @@ $(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP_INSTALL) -e '.[dev]'
 	touch $@
 
-.PHONY: install train test test-unit mutants gpu-check
+.PHONY: install train test test-unit lint typecheck mutants gpu-check
 install: $(VENV)/.installed-dev
 
 train: $(VENV)/.installed
@@ -36,6 +39,12 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q tests
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check src tests tools
+
+typecheck: $(VENV)/.installed-dev
+	$(BIN)/mypy
 
 test-unit: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q tests/unit

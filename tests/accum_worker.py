@@ -25,17 +25,16 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed import run_scenarios, worker_args  # noqa: E402
-from dist_worker import err  # noqa: E402
-
 import zerodp  # noqa: E402
+from dist_worker import err  # noqa: E402
+from distributed import run_scenarios, worker_args  # noqa: E402
 from zerodp import deepspeed  # noqa: E402
 
 GAS = 8
@@ -76,9 +75,9 @@ def recipe_reference(w0: torch.Tensor, precision: str, scale: float, accumulate:
     return w0.float() - acc.float() / scale
 
 
-def recipe_variants(stage: int) -> list[tuple[str, Optional[str], dict]]:
+def recipe_variants(stage: int) -> list[tuple[str, str | None, dict]]:
     """(name, data_types.grad_accum_dtype, zero_optimization extras) to run at ``stage``."""
-    out: list[tuple[str, Optional[str], dict]] = [("default", None, {}), ("fp32", "fp32", {}), ("low", "low", {})]
+    out: list[tuple[str, str | None, dict]] = [("default", None, {}), ("fp32", "fp32", {}), ("low", "low", {})]
     if stage >= 1:
         out += [("cpu", None, {"offload_optimizer": {"device": "cpu"}}),
                 ("cpu_low", "low", {"offload_optimizer": {"device": "cpu"}}),

@@ -11,7 +11,8 @@ across a 2-rank model-parallel group, each rank a data-parallel group of one).
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -23,9 +23,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dist_worker  # noqa: E402  (shared helpers and the main loop)
-from dist_worker import compare_training, err, rank, token_xent  # noqa: E402
-
 import zerodp  # noqa: E402
+from dist_worker import compare_training, err, rank, token_xent  # noqa: E402
 
 SCENARIOS = dist_worker.SCENARIOS
 SCENARIOS.clear()

@@ -13,18 +13,18 @@ import copy
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed import run_scenarios  # noqa: E402
-
 import zerodp  # noqa: E402
+from distributed import run_scenarios  # noqa: E402
 
 TIMEOUT_S = 20.0  # the guard's timeout here (default 60 s)
 SHORT_TIMEOUT_S = 3.0  # the slow-peer scenario's

@@ -24,9 +24,9 @@ import os
 import shutil
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,11 +34,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 import zerodp
-from zerodp import checkpoint
-from zerodp.checkpoint import save as checkpoint_save
-from zerodp.checkpoint import consolidate, load_full_state_dict
-
 from dist_worker import Zoo, err, rank, world  # this file's folder is on sys.path when run as a script
+from zerodp import checkpoint
+from zerodp.checkpoint import consolidate, load_full_state_dict
+from zerodp.checkpoint import save as checkpoint_save
 
 GLOBAL_ROWS = 12  # global batch of the resharding scenarios: the same at world sizes 2, 3 and 4
 
@@ -46,7 +45,7 @@ GLOBAL_ROWS = 12  # global batch of the resharding scenarios: the same at world 
 @dataclass
 class Context:
     ckpt_dir: Path
-    arg: Optional[str]
+    arg: str | None
 
 
 SCENARIOS: dict[str, Callable[[int, Context], dict]] = {}
@@ -224,7 +223,7 @@ def piece_states(engine: zerodp.Engine) -> list[tuple[str, int, int, dict]]:
             for g in engine.groups for p in g.pieces]
 
 
-def piece_values(engine: zerodp.Engine) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+def piece_values(engine: zerodp.Engine) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(module-dtype value, fp32 master or None) of this rank's pieces, copied."""
     return [(p.tensor.clone(), None if p.master is None else p.master.clone())
             for g in engine.groups for p in g.pieces]
@@ -235,7 +234,7 @@ def same_piece_values(a: list, b: list) -> bool:
         x[0].dtype == y[0].dtype and torch.equal(x[0], y[0])
         and (x[1] is None) == (y[1] is None) and (x[1] is None or (x[1].dtype == y[1].dtype
                                                                       and torch.equal(x[1], y[1])))
-        for x, y in zip(a, b))
+        for x, y in zip(a, b, strict=True))
 
 
 def gathered_masters(engine: zerodp.Engine) -> dict[str, torch.Tensor]:
@@ -355,15 +354,15 @@ def exact_resume(stage: int, ctx: Context) -> dict:
         "param_dtypes": sorted({str(p.dtype) for p in final2_params}),
         "path": str(path), "saved_at": str(saved_at), "latest": (d / "latest").read_text(),
         "client_state": client_state, "rng_restored": rng_restored, "steps_after_load": list(steps_after_load),
-        "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, losses2)),
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, losses2, strict=True)),
         "params_equal": same_state_dict(final, engine2.module_state_dict()),
         "model_params_equal": len(final_params) == len(final2_params) and all(
-            a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(final_params, final2_params)),
+            a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(final_params, final2_params, strict=True)),
         "state_dict_like_plain": {k: (list(v.shape), v.dtype) for k, v in final.items()} == plain,
         "gathered_after_state_dict": gathered_after_state_dict, "gathered_end": gathered_report(engine2),
         "states_equal": [s[:3] for s in states] == [s[:3] for s in states2] and all(
             a[3].keys() == b[3].keys() and all(torch.equal(a[3][k], b[3][k]) for k in a[3])
-            for a, b in zip(states, states2)),
+            for a, b in zip(states, states2, strict=True)),
         "pieces_without_state": sum(1 for s in states2 if not s[3]),
         "pieces_with_state": sum(1 for s in states2 if s[3]),
         "lrs_equal": lrs == [g["lr"] for g in engine2.optimizer.param_groups],
@@ -383,7 +382,7 @@ def reshard_save(stage: int, ctx: Context) -> dict:
         local = engine_step(engine, step, micro, 1, noise=False)
         loss_errs.append(err(global_loss(local), ref_step(ref, ref_opt, step)))
     engine.save_checkpoint(ctx.ckpt_dir / f"reshard-w{n}-s{stage}", client_state={"world": n, "stage": stage})
-    param_err = max(err(a, b) for a, b in zip(full_params(model), ref.parameters()))
+    param_err = max(err(a, b) for a, b in zip(full_params(model), ref.parameters(), strict=True))
     return {"loss_err": max(loss_errs), "param_err": param_err}
 
 
@@ -402,7 +401,7 @@ def reshard_load(stage: int, ctx: Context) -> dict:
     # exactly what the files hold (bit-identical), and close to the reference
     gathered_after_load = gathered_report(engine)
     exact = same_state_dict(load_full_state_dict(src), engine.module_state_dict())
-    load_param_err = max(err(a, b) for a, b in zip(full_params(model), ref.parameters()))
+    load_param_err = max(err(a, b) for a, b in zip(full_params(model), ref.parameters(), strict=True))
     ref_params = dict(ref.named_parameters())
     state_errs, state_presence_ok, step_ok = [0.0], True, True
     for name, start, end, st in piece_states(engine):
@@ -418,7 +417,7 @@ def reshard_load(stage: int, ctx: Context) -> dict:
     for step in range(3, 6):
         local = engine_step(engine, step, micro, 1, noise=False)
         loss_errs.append(err(global_loss(local), ref_step(ref, ref_opt, step)))
-    param_err = max(err(a, b) for a, b in zip(full_params(model), ref.parameters()))
+    param_err = max(err(a, b) for a, b in zip(full_params(model), ref.parameters(), strict=True))
     return {"client_state": client_state, "exact": exact, "load_param_err": load_param_err,
             "gathered_after_load": gathered_after_load,
             "state_err": max(state_errs), "state_presence_ok": state_presence_ok, "step_ok": step_ok,
@@ -484,11 +483,11 @@ def model_snapshot(engine: zerodp.Engine, model: nn.Module) -> tuple:
 
 def same_snapshot(a: tuple, b: tuple) -> bool:
     def same(x: list, y: list) -> bool:
-        return len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
+        return len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y, strict=True))
 
     return (same(a[0], b[0]) and same(a[1], b[1]) and [s[:3] for s in a[2]] == [s[:3] for s in b[2]]
             and all(u[3].keys() == v[3].keys() and all(torch.equal(u[3][k], v[3][k]) for k in u[3])
-                    for u, v in zip(a[2], b[2]))
+                    for u, v in zip(a[2], b[2], strict=True))
             and a[3:] == b[3:])
 
 
@@ -624,7 +623,7 @@ def freeze_midrun(stage: int, ctx: Context) -> dict:
     meta = json.loads((d / "global_step3" / "meta.json").read_text())
     records = {r["name"]: [r["trained"], r["requires_grad"]] for r in meta["params"]}
 
-    def rest(m: Zoo, e: zerodp.Engine, r: Optional[Zoo] = None) -> list[torch.Tensor]:
+    def rest(m: Zoo, e: zerodp.Engine, r: Zoo | None = None) -> list[torch.Tensor]:
         out = []
         for step in range(3, 6):
             if step == 4:
@@ -640,8 +639,8 @@ def freeze_midrun(stage: int, ctx: Context) -> dict:
     final = engine.module_state_dict()
     with resident(engine):
         states, values = piece_states(engine), piece_values(engine)
-    ref_err = max([err(a, b) for a, b in zip(losses, ref_losses)]
-                  + [err(a, b) for a, b in zip(full_params(model), ref.parameters())])
+    ref_err = max([err(a, b) for a, b in zip(losses, ref_losses, strict=True)]
+                  + [err(a, b) for a, b in zip(full_params(model), ref.parameters(), strict=True)])
 
     model2, engine2 = make(999)  # every parameter trains, as in the saving engine at initialize
     engine2.load_checkpoint(d)
@@ -655,16 +654,16 @@ def freeze_midrun(stage: int, ctx: Context) -> dict:
     engine2.close()
     return {
         "records": records, "ref_err": ref_err, "loaded_equal": loaded_equal,
-        "losses_equal": all(torch.equal(a, b) for a, b in zip(losses[3:], losses2)),
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(losses[3:], losses2, strict=True)),
         "params_equal": params_equal, "pieces_equal": same_piece_values(values, values2),
         "states_equal": [s[:3] for s in states] == [s[:3] for s in states2] and all(
             a[3].keys() == b[3].keys() and all(torch.equal(a[3][k], b[3][k]) for k in a[3])
-            for a, b in zip(states, states2)),
+            for a, b in zip(states, states2, strict=True)),
         "pieces_with_state": sum(1 for s in states2 if s[3]),
     }
 
 
-def parse_spec(spec: str, stages: list[int]) -> list[tuple[str, str, int, Optional[str]]]:
+def parse_spec(spec: str, stages: list[int]) -> list[tuple[str, str, int, str | None]]:
     """``name`` | ``name@S`` | ``name@S:arg`` -> [(result key, name, stage, arg)]."""
     name, _, rest = spec.partition("@")
     if not rest:

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zerodp.deepspeed as deepspeed  # was: import deepspeed
-from zerodp.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # was: from deepspeed...
 from distributed import run_selected, worker_args
+from zerodp.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # was: from deepspeed...
 
 
 def stage3_config(**extra: Any) -> dict[str, Any]:
@@ -153,16 +153,18 @@ def cifar_run(stage: int, dtype: str) -> dict[str, Any]:
     torch.manual_seed(0)
     net = CifarNet()
     parameters = filter(lambda p: p.requires_grad, net.parameters())
-    parameters = split_params_into_different_moe_groups_for_optimizer({"params": list(parameters), "name": "parameters"})
+    parameters = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(parameters), "name": "parameters"})
     g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(64, 3, 8, 8, generator=g), torch.randint(0, 10, (64,), generator=g))
+    data = torch.utils.data.TensorDataset(torch.randn(64, 3, 8, 8, generator=g),
+                                          torch.randint(0, 10, (64,), generator=g))
     engine, optimizer, loader, _ = deepspeed.initialize(args=args, model=net, model_parameters=[parameters],
                                                         training_data=data, config=cifar_ds_config(stage, dtype))
     local_device = get_accelerator().device_name(engine.local_rank)
     target_dtype = {"bf16": torch.bfloat16, "fp16": torch.half}.get(dtype)
     criterion = nn.CrossEntropyLoss()
     losses = []
-    for epoch in range(2):
+    for _epoch in range(2):
         for inputs, labels in loader:
             inputs, labels = inputs.to(local_device), labels.to(local_device)
             if target_dtype is not None:
@@ -181,8 +183,8 @@ def cifar() -> dict:
 
 
 # ---- DeepSpeed-Chat step 1 / an HF config with "auto" values -----------------------------------------
-from zerodp.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam  # noqa: E402
 from zerodp.deepspeed.compression.helper import recursive_getattr  # noqa: E402
+from zerodp.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam  # noqa: E402
 
 
 class TinyCausalLM(nn.Module):
@@ -238,7 +240,8 @@ def chat_run(stage: int, opt_cls: Any) -> dict[str, Any]:
         losses.append(float(loss))
     out = {"losses": losses, "optimizer": type(engine.optimizer).__name__,
            "decoupled": bool(engine.optimizer.defaults.get("decoupled_weight_decay")),
-           "model_attr": engine.model is model.model, "head_attr": recursive_getattr(engine, "module.lm_head") is model.lm_head,
+           "model_attr": engine.model is model.model,
+           "head_attr": recursive_getattr(engine, "module.lm_head") is model.lm_head,
            "tput_steps": engine.tput_timer.global_step_count, "config_is_dict": isinstance(engine.config, dict),
            "hidden_auto": engine.engine.config.zero_optimization.stage3_param_persistence_threshold}
     # DeepSpeed-Chat's save_zero_three_model: fetch what ds_status says is not here, one parameter at a time
@@ -280,8 +283,8 @@ def offload_round_trip() -> dict:
     out = {}
     for offload in (False, True):
         cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
-               "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 3,
-                                                                                         "stage3_param_persistence_threshold": 10}}
+               "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10}}
         torch.manual_seed(0)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = Tower()
@@ -299,11 +302,12 @@ def offload_round_trip() -> dict:
                 out["on_host"] = all(t.device.type == "cpu" for st in engine.optimizer.state.values()
                                      for t in st.values() if isinstance(t, torch.Tensor))
                 engine.reload_states()
-                after = [t for st in engine.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+                after = [t for st in engine.optimizer.state.values() for t in st.values()
+                         if isinstance(t, torch.Tensor)]
                 out["states_equal"] = len(after) == len(before) and all(
                     any(torch.equal(a, b) for b in before.values()) for a in after)
-                out["masters_equal"] = all(torch.equal(m, p.master) for m, p in
-                                           zip(masters, [p for gr in engine.engine.groups for p in gr.pieces]))
+                pieces = [p for gr in engine.engine.groups for p in gr.pieces]
+                out["masters_equal"] = all(torch.equal(m, p.master) for m, p in zip(masters, pieces, strict=True))
                 try:
                     engine.offload_states(device="nvme")
                     out["nvme"] = ""

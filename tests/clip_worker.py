@@ -29,10 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed import run_scenarios, worker_args  # noqa: E402
-
 import zerodp  # noqa: E402
 import zerodp.zero  # noqa: E402
+from distributed import run_scenarios, worker_args  # noqa: E402
 from zerodp.runtime.grad_placeholder import is_hidden_gradient  # noqa: E402
 
 MICRO, GAS, LR = 2, 2, 0.5
@@ -57,7 +56,7 @@ class Reference:
         for p in self.params:
             p.grad = None
         (loss * scale).backward()
-        for m, p in zip(self.masters, self.params):
+        for m, p in zip(self.masters, self.params, strict=True):
             m.grad = p.grad.float() / scale
 
     def norm(self, norm_type: float = 2.0) -> float:
@@ -69,7 +68,7 @@ class Reference:
     def step(self) -> None:
         self.opt.step()
         with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
+            for p, m in zip(self.params, self.masters, strict=True):
                 p.copy_(m)
 
 
@@ -137,7 +136,7 @@ def clip_job(stage: int, precision: str, offload: str, nvme: str) -> dict:
             out["inf_norm_err"] = rel(inf_norm, ref.clip(max_inf, math.inf))
             second = engine.clip_grad_norm_(max_norm).item()  # the inf-norm clipping is already applied
             out["second_norm_err"] = rel(second, ref.clip(max_norm))
-            for p, m in zip(model.parameters(), ref.masters):
+            for p, m in zip(model.parameters(), ref.masters, strict=True):
                 full = zerodp.zero.safe_get_full_grad(p)
                 out["full_grad_err"] = max(out["full_grad_err"],
                                            ((full - m.grad).abs().max() / m.grad.abs().max()).item())
@@ -148,7 +147,7 @@ def clip_job(stage: int, precision: str, offload: str, nvme: str) -> dict:
         out["hidden_after_step"] += sum(is_hidden_gradient(p.grad) for p in model.parameters())
     # parameters: the update of every element against the reference's (a missing clipping: 5x too large)
     worst = 0.0
-    for p, m, b in zip(model.parameters(), ref.masters, base.parameters()):
+    for p, m, b in zip(model.parameters(), ref.masters, base.parameters(), strict=True):
         full = zerodp.zero.safe_get_full_fp32_param(p)
         worst = max(worst, ((full - m).abs().max() / (m - b.detach()).abs().max()).item())
     out["update_err"] = worst

@@ -35,7 +35,8 @@ for dtype in (torch.float32, torch.bfloat16, torch.float64):
                 "dtype": str(dtype), "chunk": chunk, "kind": kind,
                 "input_unchanged": bool(torch.equal(x, before)),
                 "equal": [bool(torch.equal(o, ref)) for o in (out_sync, out_async, out_scratch)],
-                "max_err": max(float((o.double() - ref.double()).abs().max()) for o in (out_sync, out_async, out_scratch)),
+                "max_err": max(float((o.double() - ref.double()).abs().max())
+                               for o in (out_sync, out_async, out_scratch)),
                 "scale": float(ref.double().abs().max())})
 try:
     comm.reduce_scatter(torch.empty(2), torch.zeros(2 * world), None, ledger, "test", received=torch.empty(3))

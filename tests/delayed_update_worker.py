@@ -63,7 +63,7 @@ def reference(spec: dict, delayed: bool) -> tuple[list[float], dict]:
         if todo is not None:
             edited_before = step == spec.get("edit_at", -10) + 1  # the edit was made after the last step
             kept = params[0].detach().clone() if edited_before else None
-            for p, g in zip(params, todo[0]):
+            for p, g in zip(params, todo[0], strict=True):
                 p.grad = g
             for group in opt.param_groups:
                 group["lr"] = todo[1]
@@ -128,7 +128,8 @@ def compare(spec: dict) -> dict:
         losses, state, facts = engine_run(spec, stage)
         weights = all(torch.allclose(state[k], stale_state[k], rtol=RTOL, atol=ATOL) for k in stale_state)
         out[str(stage)] = {"stale": close(losses, stale_losses) and weights,
-                           "fresh_gap": max(abs(a - b) / abs(b) for a, b in zip(losses, fresh_losses)), **facts}
+                           "fresh_gap": max(abs(a - b) / abs(b) for a, b in zip(losses, fresh_losses, strict=True)),
+                           **facts}
     return out
 
 

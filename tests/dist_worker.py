@@ -12,12 +12,13 @@ Tolerance metric ("err"): max over elements of |a - b| / (ATOL + RTOL |b|); <= 1
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import copy
+import dataclasses
 import json
 import os
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -216,13 +217,13 @@ def compare_training(
     stage: int, *, model_fn: Callable[[], nn.Module] = lambda: Zoo(), kind: str = "zoo",
     forward: Callable[[Any, torch.Tensor, int], Any] = lambda m, x, step: m(x),
     loss: Callable[[Any, torch.Tensor], torch.Tensor] = mse, vocab: int = 11,
-    opt: str = "Adam", opt_params: Optional[dict] = None,
-    zero: Optional[dict] = None, steps: int = 5, micro: int = 3, accum: int = 1, clip: float = 0.0,
-    groups: Optional[Callable[[nn.Module], list]] = None, torch_groups: Optional[Callable[[nn.Module], list]] = None,
-    freeze: Optional[Callable[[nn.Module], None]] = None,
-    between: Optional[Callable[[int, Any, nn.Module, nn.Module], Optional[dict]]] = None,
-    build_under_init: bool = False, config_extra: Optional[dict] = None,
-    scheduler_ref: Optional[Callable[[int], float]] = None, rank_seed: bool = False,
+    opt: str = "Adam", opt_params: dict | None = None,
+    zero: dict | None = None, steps: int = 5, micro: int = 3, accum: int = 1, clip: float = 0.0,
+    groups: Callable[[nn.Module], list] | None = None, torch_groups: Callable[[nn.Module], list] | None = None,
+    freeze: Callable[[nn.Module], None] | None = None,
+    between: Callable[[int, Any, nn.Module, nn.Module], dict | None] | None = None,
+    build_under_init: bool = False, config_extra: dict | None = None,
+    scheduler_ref: Callable[[int], float] | None = None, rank_seed: bool = False,
 ) -> dict:
     """Train with zerodp and with plain torch on the same global batches; return error metrics.
 
@@ -429,7 +430,7 @@ def gathered_edit_modifier_rank0(stage: int) -> dict:
     """After step 1, rank 0 edits a weight inside GatheredParameters(modifier_rank=0); the other ranks
     write garbage that must be discarded. Training continues from rank 0's edit."""
 
-    def edit(step: int, engine, model, ref) -> Optional[dict]:
+    def edit(step: int, engine, model, ref) -> dict | None:
         if step != 1:
             return None
         with zerodp.zero.GatheredParameters([model.fc1.weight, model.fc2.bias], modifier_rank=0):
@@ -452,7 +453,7 @@ def gathered_edit_modifier_rank0(stage: int) -> dict:
 def eval_generation_between_steps(stage: int) -> dict:
     """A no_grad generation loop in eval mode between training steps; nothing stays gathered."""
 
-    def generate(step: int, engine, model, ref) -> Optional[dict]:
+    def generate(step: int, engine, model, ref) -> dict | None:
         from zerodp.app.model import generate as gen
 
         engine.eval()
@@ -515,7 +516,7 @@ class MixedReference:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.masters = [p.detach().float().clone() for p in self.params]
         self.opt = opt_cls(self.masters, **opt_params)
-        self.last_norm: Optional[float] = None  # global gradient norm before clipping (clip > 0)
+        self.last_norm: float | None = None  # global gradient norm before clipping (clip > 0)
 
     def step(self, loss: torch.Tensor, scale: float = 1.0, clip: float = 0.0) -> bool:
         """Backward + update on the global batch; returns False (and changes nothing) on overflow."""
@@ -553,7 +554,7 @@ def optimizer_state_by_name(engine: zerodp.Engine) -> dict[tuple[str, str], torc
 
 
 def compare_mixed(stage: int, dtype: torch.dtype, steps: int, config_extra: dict,
-                  inf_step: Optional[int] = None) -> dict:
+                  inf_step: int | None = None) -> dict:
     """Train Zoo in ``dtype`` with zerodp and with MixedReference on the same global batches.
     ``inf_step``: on that step the last rank's input holds an inf (its gradients overflow)."""
     r, n = rank(), world()
@@ -661,7 +662,7 @@ def warmup_decay_lr(stage: int) -> dict:
     out = compare_training(stage, opt="Adam", zero={"reduce_bucket_size": 40}, steps=T,
                            scheduler_ref=formula, config_extra={"scheduler": sched}, between=record)
     # lrs[k] is the lr after k+1 steps, i.e. the one the (k+2)-th step uses
-    out["lr_err"] = max(abs(l - formula(k + 1)) for k, ls in enumerate(lrs) for l in ls)
+    out["lr_err"] = max(abs(lr - formula(k + 1)) for k, lrs_k in enumerate(lrs) for lr in lrs_k)
     return out
 
 

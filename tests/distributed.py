@@ -12,8 +12,9 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 TIMEOUT_S = 600
@@ -42,7 +43,7 @@ def run_worker(world_size: int, stages: str = "0,1,2,3", scenarios: str = "all",
             # process group was torn down (seen rarely, only with more ranks than cores). The results
             # are asserted on as usual; the abort is reported, not hidden.
             warnings.warn(f"world {world_size}: a rank aborted during process-group teardown after "
-                          f"writing its results ({TEARDOWN_ABORT!r})")
+                          f"writing its results ({TEARDOWN_ABORT!r})", stacklevel=2)
         return [json.loads(f.read_text()) for f in files]
 
 

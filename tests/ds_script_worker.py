@@ -117,7 +117,8 @@ def ds_train(deepspeed: Any, stage: int, ckpt_dir: str, client_optimizer: bool) 
     steps_before = engine.global_steps
     engine.load_checkpoint(ckpt_dir, tag="2", load_module_only=True)
     out["module_only_keeps_steps"] = engine.global_steps == steps_before
-    out["module_only_keeps_optimizer"] = all(torch.equal(v, _opt_tensors(optimizer)[k]) for k, v in state_before.items())
+    out["module_only_keeps_optimizer"] = all(torch.equal(v, _opt_tensors(optimizer)[k])
+                                             for k, v in state_before.items())
     engine.load_checkpoint(ckpt_dir, tag=2, load_optimizer_states=False, load_lr_scheduler_states=False)
     out["no_opt_keeps_optimizer"] = all(torch.equal(v, _opt_tensors(optimizer)[k]) for k, v in state_before.items())
     out["no_opt_loads_steps"] = engine.global_steps == 2

@@ -14,7 +14,6 @@ One job per (stage, precision, offload), LoRA-like model (frozen base, trained a
 
 from __future__ import annotations
 
-import copy
 import sys
 import warnings
 from pathlib import Path
@@ -25,9 +24,8 @@ from safetensors import safe_open
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed import run_scenarios, worker_args  # noqa: E402
-
 import zerodp  # noqa: E402
+from distributed import run_scenarios, worker_args  # noqa: E402
 from zerodp import checkpoint  # noqa: E402
 from zerodp.checkpoint.reader import AbsentParametersWarning  # noqa: E402
 

@@ -19,16 +19,25 @@ Each scenario targets faults the scenarios in dist_worker.py cannot see:
 from __future__ import annotations
 
 import copy
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import zerodp
+from dist_worker import (
+    STAGE3_DEFAULTS,
+    MixedReference,
+    Zoo,
+    compare_training,
+    main,
+    make_batch,
+    mse,
+    rank,
+    scenario,
+    world,
+)
 from zerodp.runtime.grad_placeholder import is_hidden_gradient
-from dist_worker import (STAGE3_DEFAULTS, MixedReference, Zoo, compare_training, main, make_batch, mse, rank,
-                         scenario, world)
 
 #: Adam whose update is proportional to the gradient's scale (see the module docstring).
 SCALE_ADAM = {"lr": 0.05, "eps": 1.0, "weight_decay": 0.01}
@@ -149,7 +158,7 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 
 def _disjoint(tensors: list[torch.Tensor]) -> bool:
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
-    return all(a_hi <= b_lo for (_, a_hi), (b_lo, _) in zip(spans, spans[1:]))
+    return all(a_hi <= b_lo for (_, a_hi), (b_lo, _) in zip(spans, spans[1:], strict=False))
 
 
 @scenario
@@ -170,7 +179,7 @@ def storage(stage: int) -> dict:
     storages = {_storage(p) for p in params}
     out["param_storages"], out["param_storage_bytes"] = len(storages), sum(b for _, b in storages)
     out["params_disjoint"] = _disjoint(params)
-    grad_seen: list[Optional[tuple[int, int]]] = []
+    grad_seen: list[tuple[int, int] | None] = []
 
     def after_engine_hook(p: torch.Tensor) -> None:  # registered after the engine's: runs after it
         grad_seen.append(None if p.grad is None else _storage(p.grad))

@@ -11,15 +11,15 @@ rank 0 records what it raised and how long it took.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

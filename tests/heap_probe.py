@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import sys
-from typing import Any, Optional
+from typing import Any
 
 
 class _MallInfo2(ctypes.Structure):
@@ -21,7 +21,7 @@ class _MallInfo2(ctypes.Structure):
                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-_LIBC: Optional[Any] = None
+_LIBC: Any | None = None
 
 
 def available() -> bool:
@@ -59,7 +59,7 @@ class HeapPeak:
         if used > self.peak:
             self.peak = used
 
-    def __enter__(self) -> "HeapPeak":
+    def __enter__(self) -> HeapPeak:
         gc.collect()  # garbage of earlier code freed inside the block would lower the heap below the base
         self.base = heap_bytes()
         sys.setprofile(self._sample)

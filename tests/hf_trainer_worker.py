@@ -3,7 +3,8 @@ style ZeRO-2 and ZeRO-3 config ("auto" values) on zerodp registered as ``deepspe
 (``import zerodp.deepspeed.as_deepspeed``, the first import), and the same Trainer without DeepSpeed
 (DDP). Each run trains 6 steps saving at step 3; a fresh Trainer then resumes from step 3's checkpoint.
 With ``--via-launcher`` the
-opt-in line is skipped: the worker runs under ``zerodp run``. Run by tests/test_hf_trainer.py; writes ``rank{r}.json``: {run: {"ok", "losses", "resumed", ...}}."""
+opt-in line is skipped: the worker runs under ``zerodp run``. Run by tests/test_hf_trainer.py; writes ``rank{r}.json``:
+{run: {"ok", "losses", "resumed", ...}}."""
 
 import sys
 
@@ -17,7 +18,7 @@ import math  # noqa: E402
 import os  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
-from typing import Any, Optional  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -88,7 +89,7 @@ def build_model() -> GPT2LMHeadModel:
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
-def training_args(out: str, ds_config: Optional[dict], weight_decay: float) -> TrainingArguments:
+def training_args(out: str, ds_config: dict | None, weight_decay: float) -> TrainingArguments:
     """One Trainer's arguments. DeepSpeed on a machine without an accelerator: accelerate (1.x) gives
     DeepSpeed ranks a process-group backend only for a device (its CPU path disables DeepSpeed), so the
     state is made here with gloo and passed in (``use_configured_state``)."""
@@ -126,7 +127,7 @@ class LossLog(TrainerCallback):
     def __init__(self) -> None:
         self.losses: dict[str, float] = {}
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict] = None, **kwargs: Any) -> None:
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if logs and "loss" in logs:
             self.losses[str(state.global_step)] = logs["loss"]
 
@@ -147,7 +148,7 @@ def make_model(name: str, out: str) -> GPT2LMHeadModel:
     return model
 
 
-def run(out: str, name: str, ds_config: Optional[dict], warmup_lr: bool) -> dict:
+def run(out: str, name: str, ds_config: dict | None, warmup_lr: bool) -> dict:
     """Train STEPS steps (checkpoint at SAVE_AT), then resume a fresh Trainer from that checkpoint."""
     weight_decay = 0.1
     d = os.path.join(out, name)

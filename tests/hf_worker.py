@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 import zerodp
 from distributed import run_scenarios
 from zerodp.checkpoint import consolidate, load_safetensors_weights
-from safetensors.torch import load_file
 
 ROWS, SEQ, VOCAB, STEPS = 2, 12, 64, 2
 # AdamW eps 1e-3: with the default 1e-8, elements whose gradient is at rounding level get updates of

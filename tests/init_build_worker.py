@@ -16,7 +16,7 @@ Scenarios (one launch per world size, every rank runs each):
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -149,7 +149,8 @@ def weights_case(model: str, bf16: bool) -> dict:
     return {"keys": sorted(expected), "identical": sorted(k for k in expected if torch.equal(got[k], expected[k])),
             "dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
             "weight_std_max": max(std.values()), "touch_gathers": init._touch_gathers,
-            "big": len(big), "partitioned": partitioned, "init_units": units, "adopted": adopted, "held_after_init": held,
+            "big": len(big), "partitioned": partitioned, "init_units": units, "adopted": adopted,
+            "held_after_init": held,
             "full_elements": sum(v.numel() for v in expected.values())}
 
 

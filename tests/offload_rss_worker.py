@@ -2,8 +2,8 @@
 ``LAYERS`` x Linear(WIDTH, WIDTH), AdamW, DeepSpeed's keys at their defaults (``sub_group_size`` not
 set). For each configuration, in turn in this process: RSS (``VmRSS`` of ``/proc/self/status``, after
 ``gc.collect`` and glibc's ``malloc_trim``) before the model is built and after ``STEPS`` steps and one more
-backward (gradients held); the growth is what the configuration holds, measured by the kernel. Beside it, the engine's own figure:
-``memory_report().total`` plus the offloads' host buffers (:func:`zerodp.offload.report.host_total`).
+backward (gradients held); the growth is what the configuration holds, measured by the kernel. Beside it, the engine's
+own figure: ``memory_report().total`` plus the offloads' host buffers (:func:`zerodp.offload.report.host_total`).
 Run with ``MALLOC_MMAP_THRESHOLD_`` set so freed large blocks go back to the OS between configurations.
 """
 

@@ -10,7 +10,6 @@ Checkpoints cross between offloaded and non-offloaded engines. Results: ``OUT/ra
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import traceback
@@ -188,7 +187,8 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
                                "max_grad_buffer": max(t.numel() for t in engine.optimizer_offload.grad_buffers),
                                "owned": sum(p.hi - p.lo for g in engine.groups for p in g.pieces)}
             if device == "nvme":
-                reports[device]["swap"] = [engine.optimizer_offload.stats.bytes_read, engine.optimizer_offload.stats.bytes_written]
+                stats = engine.optimizer_offload.stats
+                reports[device]["swap"] = [stats.bytes_read, stats.bytes_written]
                 reports[device]["subgroups"] = len(engine.optimizer_offload.subgroups)
         engine.close()
     out = {"steps": STEPS, "equal": {d: _equal(runs["none"], runs[d]) for d in ("cpu", "nvme")},
@@ -206,7 +206,7 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
 
 def _equal(a, b) -> bool:
     """Bitwise equality of two state dicts or two lists of tensors."""
-    pairs = [(a[k], b[k]) for k in a] if isinstance(a, dict) else list(zip(a, b))
+    pairs = [(a[k], b[k]) for k in a] if isinstance(a, dict) else list(zip(a, b, strict=False))
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in pairs)
 
 

@@ -9,11 +9,11 @@ read and forward-done events. Results: ``OUT/rank{r}.json``.
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import tempfile
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ NVME = ""  # set from --nvme
 CKPT = ""
 
 
-def place(device: str) -> Optional[dict]:
+def place(device: str) -> dict | None:
     if device == "none":
         return None
     if device == "cpu":
@@ -59,8 +59,8 @@ class Spec:
 
     def __init__(self, model_fn: Callable[[], nn.Module], kind: str = "zoo", vocab: int = 11,
                  forward: Callable[[Any, torch.Tensor, int], Any] = lambda m, x, step: m(x),
-                 loss: Callable = mse, prepare: Optional[Callable[[nn.Module], None]] = None,
-                 between: Optional[Callable[[int, nn.Module], dict]] = None) -> None:
+                 loss: Callable = mse, prepare: Callable[[nn.Module], None] | None = None,
+                 between: Callable[[int, nn.Module], dict] | None = None) -> None:
         self.model_fn, self.kind, self.vocab = model_fn, kind, vocab
         self.forward, self.loss, self.prepare, self.between = forward, loss, prepare, between
 
@@ -99,7 +99,7 @@ SPECS = {
 }
 
 
-def train(engine: Any, spec: Spec, steps: range, seen: Optional[dict] = None) -> list[float]:
+def train(engine: Any, spec: Spec, steps: range, seen: dict | None = None) -> list[float]:
     """Train on ``steps``; values returned by ``spec.between`` go into ``seen`` (by step and name)."""
     r, n = dist.get_rank(), dist.get_world_size()
     losses = []
@@ -203,15 +203,16 @@ def mixed_nvme_step() -> dict:
             if dev == "nvme":
                 off, sw = engine.optimizer_offload, engine.param_offload.swapper
                 real = off._update
-                off._update = lambda sg, buf, opt: (peaks.append(sum(s.storage_bytes() for s in sw.shards)),
-                                                   real(sg, buf, opt))[1]
+                off._update = lambda sg, buf, opt, peaks=peaks, sw=sw, real=real: (
+                    peaks.append(sum(s.storage_bytes() for s in sw.shards)), real(sg, buf, opt))[1]
             losses, norms = [], []
             for step in range(3):
                 for micro in range(2):
                     g = torch.Generator().manual_seed(100 * step + micro)
                     x, y = torch.randn(MICRO * n, 48, generator=g), torch.randn(MICRO * n, 48, generator=g)
                     sl = slice(r * MICRO, (r + 1) * MICRO)
-                    loss = nn.functional.mse_loss(engine(x[sl].to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[prec]))).float(), y[sl])
+                    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[prec])
+                    loss = nn.functional.mse_loss(engine(x[sl].to(dtype)).float(), y[sl])
                     engine.backward(loss)
                     engine.step()
                     losses.append(loss.item())
@@ -223,7 +224,7 @@ def mixed_nvme_step() -> dict:
                 pairs = [need[k] | (need[k + 1] if k + 1 < len(need) else set()) for k in range(len(need))]
                 facts = {"peaks": peaks, "total": sum(home.values()), "subgroups": len(need),
                          "bound": max(sum(home.get(gid, 0) for gid in p) for p in pairs) + 4096,
-                         "spans": any(len(a & b) for a, b in zip(need, need[1:])),
+                         "spans": any(len(a & b) for a, b in zip(need, need[1:], strict=False)),
                          "grad_buffer_max": max(t.numel() for t in off.grad_buffers),
                          "grad_host": off.host_bytes(engine.optimizer)["gradients"],
                          # the gradient swap file's read buffers (zerodp.offload.grad_swap), page-sized here
@@ -286,7 +287,7 @@ def reads_beyond_gathers() -> dict:
     torch.manual_seed(0)
     engine = zerodp.initialize(Chain(12), cfg)
     sw = engine.param_offload.swapper
-    for step in range(3):
+    for _step in range(3):
         d0, a0 = sw.counters.demand_reads, sw.counters.reads_ahead
         out = engine(torch.randn(MICRO, 32))
         demand, ahead = sw.counters.demand_reads - d0, sw.counters.reads_ahead - a0
@@ -308,7 +309,7 @@ def prefetch_order() -> dict:
     engine.param_offload.swapper.events = events
     for i, layer in enumerate(model.layers):
         layer.register_forward_hook(lambda m, a, o, i=i: events.append(("done", f"layers.{i}")))
-    for step in range(3):
+    for _step in range(3):
         events.clear()
         x = torch.randn(MICRO, 32)
         engine.backward(engine(x).square().mean())
@@ -352,7 +353,8 @@ def overlap_step() -> dict:
             engine.step()
             losses.append(loss.item())
             off = engine.optimizer_offload
-            left = (off.pending is not None, off.stats.updated_in_step, off.stats.subgroups) if off.device != "none" else None
+            left = ((off.pending is not None, off.stats.updated_in_step, off.stats.subgroups)
+                    if off.device != "none" else None)
             if step == 1:
                 with zerodp.zero.GatheredParameters([model.layers[3].weight]):
                     seen.append(model.layers[3].weight.detach().clone())
@@ -365,7 +367,8 @@ def overlap_step() -> dict:
         engine.close()
 
     def eq(a: tuple, b: tuple) -> bool:
-        return (a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1])) and len(a[1]) == len(b[1])
+        return (a[0] == b[0] and len(a[1]) == len(b[1])
+                and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
                 and same(a[2], b[2]) and a[3] == b[3])
 
     return {"equal": {"nvme": eq(runs["nvme"], runs["none"]), "overlap": eq(runs["overlap"], runs["none"])},

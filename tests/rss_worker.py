@@ -2,8 +2,8 @@
 2 ranks. Each rank records its resident set (``/proc/self/statm``) before building the model and after
 two Adam steps and a third backward (gradients are held then: stages 0-1 give their gradient buffer's
 pages back to the kernel at each step, see zerodp.runtime.zero_pages); the growth is what the engine
-really holds (plus small activations), measured by the kernel, not by the engine. Run with ``MALLOC_MMAP_THRESHOLD_`` set so freed large blocks go back to the
-OS instead of staying in glibc's heap."""
+really holds (plus small activations), measured by the kernel, not by the engine. Run with ``MALLOC_MMAP_THRESHOLD_``
+set so freed large blocks go back to the OS instead of staying in glibc's heap."""
 
 from __future__ import annotations
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import copy
 import sys
-import zlib
 import warnings
+import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,12 +21,11 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dist_worker  # noqa: E402  (shared helpers and the main loop)
-from dist_worker import STAGE3_DEFAULTS, MixedReference, err, rank, world  # noqa: E402
-
 import zerodp  # noqa: E402
 import zerodp.checkpoint  # noqa: E402
-from zerodp.runtime.guards import RefusedError  # noqa: E402
+from dist_worker import STAGE3_DEFAULTS, MixedReference, err, rank, world  # noqa: E402
 from zerodp.runtime.grad_placeholder import is_hidden_gradient  # noqa: E402
+from zerodp.runtime.guards import RefusedError  # noqa: E402
 
 SCENARIOS = dist_worker.SCENARIOS
 SCENARIOS.clear()
@@ -79,7 +79,7 @@ def refusal(fn: Callable[[], Any]) -> dict:
     return {"refused": False, "message": ""}
 
 
-def setup(stage: int, model_fn: Callable[[], nn.Module] = mlp, prepare: Optional[Callable] = None, **cfg: Any):
+def setup(stage: int, model_fn: Callable[[], nn.Module] = mlp, prepare: Callable | None = None, **cfg: Any):
     torch.manual_seed(11)
     ref = model_fn()
     if prepare is not None:
@@ -161,13 +161,13 @@ def edit_between_steps_bf16(stage: int) -> dict:
             _edit(model)
             _edit(ref.model)
             with torch.no_grad():  # the reference's master follows its edited module value
-                for p, m in zip(ref.params, ref.masters):
+                for p, m in zip(ref.params, ref.masters, strict=True):
                     m.copy_(p)
         x, y = batch(step, 8, 2, MICRO * world())
         ref.step(((ref.model(x.bfloat16()).float() - y) ** 2).mean())
         engine.backward(((engine(local(x).bfloat16()).float() - local(y)) ** 2).mean())
         engine.step()
-    for (name, p), m in zip(model.named_parameters(), ref.masters):
+    for (_name, p), m in zip(model.named_parameters(), ref.masters, strict=True):
         full = zerodp.zero.safe_get_full_fp32_param(p)
         rel.append(((full - m).abs() / (m.abs() + 1e-2)).max().item())
     return {"master_rel_err": max(rel)}
@@ -176,7 +176,8 @@ def edit_between_steps_bf16(stage: int) -> dict:
 # ---- 3: full gradients, parameters and optimizer states ----------------------------------------------
 @scenario
 def accessors(stage: int) -> dict:
-    engine, model, ref, ref_opt = setup(stage, model_fn=lambda: nn.Sequential(nn.Linear(8, 9), nn.Tanh(), nn.Linear(9, 3)))
+    engine, model, ref, ref_opt = setup(stage,
+                                        model_fn=lambda: nn.Sequential(nn.Linear(8, 9), nn.Tanh(), nn.Linear(9, 3)))
     names = [n for n, _ in ref.named_parameters()]
     errs: dict[str, float] = {"grad": 0.0, "p_grad": 0.0, "param": 0.0, "exp_avg": 0.0, "norm": 0.0, "set": 0.0}
     compared = hidden = 0
@@ -187,7 +188,7 @@ def accessors(stage: int) -> dict:
         ((ref(x) - y) ** 2).mean().backward()
         ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
         engine.backward(((engine(local(x)) - local(y)) ** 2).mean())
-        for n, p, rp in zip(names, model.parameters(), ref.parameters()):
+        for _name, p, rp in zip(names, model.parameters(), ref.parameters(), strict=True):
             errs["grad"] = max(errs["grad"], err(zerodp.zero.safe_get_full_grad(p), rp.grad))
             if is_hidden_gradient(p.grad):  # a placeholder that raises on use
                 hidden += 1
@@ -197,7 +198,7 @@ def accessors(stage: int) -> dict:
         ref_opt.step()
         engine.step()
         errs["norm"] = max(errs["norm"], abs(engine.get_global_grad_norm() - ref_norm) / ref_norm)
-        for p, rp in zip(model.parameters(), ref.parameters()):
+        for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
             errs["param"] = max(errs["param"], err(zerodp.zero.safe_get_full_fp32_param(p), rp))
             errs["exp_avg"] = max(errs["exp_avg"], err(zerodp.zero.safe_get_full_optimizer_state(p, "exp_avg"),
                                                        ref_opt.state[rp]["exp_avg"]))
@@ -236,7 +237,7 @@ def p_grad_with_accumulation(stage: int) -> dict:
         for j in range(2):
             lo = (j * n + r) * MICRO
             engine.backward(((engine(x[lo : lo + MICRO]) - y[lo : lo + MICRO]) ** 2).mean())
-            for p, rp in zip(model.parameters(), ref.parameters()):
+            for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
                 hidden += is_hidden_gradient(p.grad)
                 none += p.grad is None
                 if p.grad is not None and not is_hidden_gradient(p.grad) and p.grad.numel() == rp.numel():
@@ -282,7 +283,7 @@ def add_param_group_after_initialize(stage: int) -> dict:
 
 # ---- 5: a parameter accumulated more than once per backward (checkpointed reuse) ---------------------
 class Reused(nn.Module):
-    def __init__(self, reentrant: Optional[bool]) -> None:
+    def __init__(self, reentrant: bool | None) -> None:
         super().__init__()
         self.inp, self.blk, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
         self.reentrant = reentrant
@@ -525,7 +526,7 @@ def nanogpt_groups_after_init(stage: int) -> dict:
     with zerodp.zero.Init(config=cfg, enabled=stage == 3):
         model = Nano()
     shapes_ok = all(p.shape == rp.shape and p.dim() == rp.dim()
-                    for p, rp in zip(model.parameters(), ref.parameters()))
+                    for p, rp in zip(model.parameters(), ref.parameters(), strict=True))
     groups, names, numel = nano_groups(model)
     ref_groups, ref_names, ref_numel = nano_groups(ref)
     engine = zerodp.initialize(model, cfg, model_parameters=groups)
@@ -543,7 +544,7 @@ def nanogpt_groups_after_init(stage: int) -> dict:
     # after training: full metadata, while the partitioned ones hold no storage (read from the storage)
     params = list(model.parameters())
     out["shapes_ok"] = shapes_ok and all(p.shape == rp.shape and p.numel() == rp.numel()
-                                         for p, rp in zip(params, ref.parameters()))
+                                         for p, rp in zip(params, ref.parameters(), strict=True))
     out["storage_free"] = sum(p.untyped_storage().nbytes() == 0 for p in params)
     out["partitioned"] = sum(zerodp.zero.is_partitioned(p) for p in params)
     out["param_err"] = state_err(engine, ref)

@@ -7,16 +7,16 @@ its gathered storage at save time, or have its full shape or the transposed one:
 kept, and after forward the bytes of their distinct storages (``untyped_storage().nbytes()``) are
 summed. Views of a partitioned parameter's gathered buffers are saved by zerodp's own hooks, innermost
 (see [Note: escaping views] in zerodp.stage3.aliases), as descriptors that never reach an enclosing
-hook: those are captured where zerodp creates them, and measured from the buffer they name. Then backward and one optimizer step run and the parameters are compared with plain PyTorch on
-the same global batch (so saved views re-filled by the re-gather are checked to be the right values).
+hook: those are captured where zerodp creates them, and measured from the buffer they name. Then backward and one
+optimizer step run and the parameters are compared with plain PyTorch on the same global batch (so saved views re-filled
+by the re-gather are checked to be the right values).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import zerodp
@@ -32,7 +32,7 @@ def scenario(fn: Callable[[], dict]) -> Callable[[], dict]:
     return fn
 
 
-_ACTIVE: list["SavedParamTensors"] = []
+_ACTIVE: list[SavedParamTensors] = []
 _alias_init = aliases._SavedAlias.__init__
 
 
@@ -73,7 +73,7 @@ class SavedParamTensors:
             self.saved.append(t)
         return t
 
-    def __enter__(self) -> "SavedParamTensors":
+    def __enter__(self) -> SavedParamTensors:
         self.hooks.__enter__()
         _ACTIVE.append(self)
         return self

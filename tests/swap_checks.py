@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
-from zerodp.offload.nvme import OffloadError
-
 from distributed import run_python
+from zerodp.offload.nvme import OffloadError
 
 
 def assert_nvme_path_errors(build: Callable[[str], Any], tmp_path: Path, key: str) -> None:

@@ -9,7 +9,6 @@ step at stages 0-2.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -225,8 +224,8 @@ def test_untimed_rows_show_no_ratio(tiny_run) -> None:
 
 
 def test_only_and_exclude_select_by_name_parts(tmp_path) -> None:
-    names, excluded = bench.selected_systems(_bench_args(tmp_path, "--only", "zerodp stage 2,", "--exclude", " FSDP2 ,"),
-                                             list(SYSTEMS))
+    args = _bench_args(tmp_path, "--only", "zerodp stage 2,", "--exclude", " FSDP2 ,")
+    names, excluded = bench.selected_systems(args, list(SYSTEMS))
     # an empty entry selects nothing (it used to select every system); DDP is always first
     assert names == ["DDP", "zerodp stage 2", "zerodp stage 2 + offload cpu", "zerodp stage 2 + offload nvme"]
     assert excluded == ["FSDP2"]

@@ -152,7 +152,7 @@ def test_zerodp_builders_get_the_cuda_device_and_offload_is_skipped(fake_cuda, r
         with pytest.raises(_Stop):
             SYSTEMS[f"zerodp stage {stage}"](CFG, 1e-3, False, device=CUDA1)
     assert [c["device"] for c in configs] == ["cuda"] * 4 and recorded_to == [CUDA1] * 4
-    for name, build in [*offload_systems("/tmp/nvme", 4096).items(),
+    for _name, build in [*offload_systems("/tmp/nvme", 4096).items(),
                         *((n, SYSTEMS[n]) for n in SYSTEMS if "offload" in n and n.startswith("zerodp"))]:
         with pytest.raises(Skipped, match="offload is refused on a GPU.*--device cpu"):
             build(CFG, 1e-3, False, device=CUDA1)

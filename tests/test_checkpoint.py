@@ -20,8 +20,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -290,7 +290,7 @@ def assert_unchanged(engine: zerodp.Engine, before: tuple) -> None:
     assert list(before[0]) == list(after[0])
     assert all(torch.equal(before[0][k], after[0][k]) for k in before[0]), "parameters changed by a refused load"
     assert [id(k) for k, _ in before[1]] == [id(k) for k, _ in after[1]], "optimizer state changed"
-    assert all(torch.equal(a[n], b[n]) for (_, a), (_, b) in zip(before[1], after[1]) for n in a)
+    assert all(torch.equal(a[n], b[n]) for (_, a), (_, b) in zip(before[1], after[1], strict=True) for n in a)
     assert before[2:] == after[2:], "steps or hyperparameters changed by a refused load"
 
 

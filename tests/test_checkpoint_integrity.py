@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 import zerodp
+from test_checkpoint import process_group, refused, train, zoo_engine  # noqa: F401 (fixture)
 from zerodp.app import cli
 from zerodp.checkpoint import CheckpointError, consolidate
-
-from test_checkpoint import process_group, refused, train, zoo_engine  # noqa: F401 (fixture)
 
 TAG = "global_step2"
 

@@ -15,7 +15,7 @@ from distributed import run_worker
 WORKER = Path(__file__).with_name("clients_worker.py")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def scenario(name: str) -> list[dict]:
     results = run_worker(2, stages="3", scenarios=name, worker=WORKER)
     for rank, r in enumerate(results):

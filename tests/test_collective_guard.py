@@ -7,16 +7,15 @@ Each launch runs real rank processes (gloo, CPU) under a wall-clock limit: a han
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
-
 
 import pytest
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tests.distributed import run_worker
+
 from zerodp.runtime import comm
 
 WORKER = Path(__file__).with_name("comm_worker.py")

@@ -143,8 +143,8 @@ def test_torch_scheduler_callable() -> None:
 def test_warmup_cosine_formula() -> None:
     import math
 
-    from zerodp.runtime.schedulers import WarmupCosineLR
     from zerodp.config import WarmupCosineLRParams
+    from zerodp.runtime.schedulers import WarmupCosineLR
 
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([p], lr=0.2)
@@ -186,6 +186,7 @@ def test_scheduler_warmup_longer_than_total_refused() -> None:
 
 def _numeric_leaves(model: type, prefix: tuple = ()) -> list[tuple[tuple, object]]:
     """(key path, a valid base value) for every int/float field of ``model``, nested models included."""
+    import types
     from typing import Union, get_args, get_origin
 
     from pydantic import BaseModel
@@ -196,7 +197,7 @@ def _numeric_leaves(model: type, prefix: tuple = ()) -> list[tuple[tuple, object
         subs = [a for a in (ann, *get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)]
         if subs:
             out += _numeric_leaves(subs[0], prefix + (name,))
-        elif ann in (int, float) or (get_origin(ann) is Union and {int, float} & set(get_args(ann))):
+        elif ann in (int, float) or (get_origin(ann) in (Union, types.UnionType) and {int, float} & set(get_args(ann))):
             out.append((prefix + (name,), None))
     return out
 

@@ -12,7 +12,7 @@ values are refused naming the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -29,8 +29,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3))
 
 
-def _engine(stage: int, device: Optional[str], nvme: Path, bf16: bool = False,
-            optimizer: Optional[dict] = None, **offload: Any) -> zerodp.Engine:
+def _engine(stage: int, device: str | None, nvme: Path, bf16: bool = False,
+            optimizer: dict | None = None, **offload: Any) -> zerodp.Engine:
     torch.manual_seed(0)
     zc: dict = {"stage": stage, "reduce_bucket_size": 200, "stage3_param_persistence_threshold": 4}
     if device:
@@ -58,7 +58,7 @@ def _masters(e: zerodp.Engine) -> list[torch.Tensor]:
 def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     """Every tensor within 1e-6 relative (of its largest magnitude) of the reference."""
     assert len(got) == len(want) > 0
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         err = (a.double() - b.double()).abs().max().item()
         assert err <= REL * b.abs().max().item(), (err, b.abs().max().item())
 
@@ -125,7 +125,7 @@ def test_other_kernels_kept(optimizer, tmp_path, fused_calls):
     for e in (plain, off):
         _train(e, range(STEPS))
     assert fused_calls == []
-    for a, b in zip(_masters(off), _masters(plain)):
+    for a, b in zip(_masters(off), _masters(plain), strict=True):
         assert torch.equal(a, b)
     off.close()
 

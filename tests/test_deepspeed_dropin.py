@@ -15,13 +15,13 @@ from torch import nn
 import zerodp
 import zerodp.checkpointing
 import zerodp.deepspeed as deepspeed
-from zerodp.deepspeed.config import fill_auto, resolve_deepspeed_config
 from distributed import run_worker
+from zerodp.deepspeed.config import fill_auto, resolve_deepspeed_config
 
 WORKER = Path(__file__).with_name("ds_script_worker.py")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results() -> list[dict]:
     return run_worker(2, worker=WORKER)
 
@@ -48,7 +48,7 @@ def test_deepspeed_script_matches_reference(stage: int, variant: str) -> None:
 
 
 def test_stage3_max_reuse_distance_keeps_a_reused_unit_gathered() -> None:
-    for rank, res in enumerate(results()):
+    for res in results():
         off, on = res["reuse0"], res["reuse100"]
         assert "error" not in off and "error" not in on, (off.get("error"), on.get("error"))
         assert off["compared"] == on["compared"] == 6
@@ -151,9 +151,11 @@ def test_unresolvable_auto_is_refused(raw: dict, model: nn.Module, fragments: li
 
 
 def test_deepspeed_adam_spellings() -> None:
-    wmode = resolve_deepspeed_config({"optimizer": {"type": "Adam", "params": {"adam_w_mode": True, "torch_adam": True}}})
+    wmode = resolve_deepspeed_config(
+        {"optimizer": {"type": "Adam", "params": {"adam_w_mode": True, "torch_adam": True}}})
     assert wmode["optimizer"] == {"type": "AdamW", "params": {"weight_decay": 0.0}}  # DeepSpeed's default decay
-    l2 = resolve_deepspeed_config({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}})
+    l2 = resolve_deepspeed_config(
+        {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}})
     assert l2["optimizer"] == {"type": "Adam", "params": {"weight_decay": 0.1}}
     # DeepSpeed's adam_w_mode defaults to true: a config 'Adam' with weight decay is AdamW (cifar10_deepspeed.py)
     default = resolve_deepspeed_config({"optimizer": {"type": "Adam", "params": {"lr": 0.001, "weight_decay": 3e-7}}})
@@ -198,7 +200,8 @@ def test_single_process_engine_api_and_refusals(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"mesh_param": (2, 1)}, "mesh_param"), ({"optimizer": "client", "config": {"optimizer": {"type": "SGD"}}}, "one of them"),
+    ({"mesh_param": (2, 1)}, "mesh_param"),
+    ({"optimizer": "client", "config": {"optimizer": {"type": "SGD"}}}, "one of them"),
     ({"config": {}, "config_params": {}}, "not both"),
 ])
 def test_initialize_refusals(kwargs: dict, match: str) -> None:
@@ -274,9 +277,9 @@ def test_checkpointing_module_is_zerodps() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 def test_real_deepspeed_accepts_the_same_tutorial_config() -> None:
     """Interop: the tutorial configs zerodp loads are valid for DeepSpeed's own config parser."""
-    from deepspeed.runtime.config import DeepSpeedConfig  # type: ignore
-
     import inspect
+
+    from deepspeed.runtime.config import DeepSpeedConfig  # type: ignore
 
     # the DeepSpeed version this test was written against took world_size=; 0.19.8 has no such
     # parameter (it reads the world size from torch.distributed, 1 without a process group)
@@ -288,12 +291,14 @@ def test_real_deepspeed_accepts_the_same_tutorial_config() -> None:
 
 def test_steps_per_print_and_wall_clock_breakdown_print(capsys) -> None:
     engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config={
-        "train_micro_batch_size_per_gpu": 1, "steps_per_print": 2, "wall_clock_breakdown": True, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        "train_micro_batch_size_per_gpu": 1, "steps_per_print": 2, "wall_clock_breakdown": True,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     for _ in range(4):
         engine.backward(engine(torch.randn(1, 3)).sum())
         engine.step()
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[zerodp]")]
-    assert [ln.split(",")[0] for ln in lines if ln.startswith("[zerodp] step=")] == ["[zerodp] step=2", "[zerodp] step=4"]
+    steps = [ln.split(",")[0] for ln in lines if ln.startswith("[zerodp] step=")]
+    assert steps == ["[zerodp] step=2", "[zerodp] step=4"]
     assert sum("forward=" in ln and "backward=" in ln for ln in lines) == 2
 
 

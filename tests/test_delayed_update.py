@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 import zerodp
-from zerodp.config import load_config
-
 from distributed import run_worker
+from zerodp.config import load_config
 
 WORKER = Path(__file__).with_name("delayed_update_worker.py")
 

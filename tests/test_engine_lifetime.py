@@ -67,7 +67,9 @@ def test_dropped_engine_is_collected(stage: int, variant) -> None:
     refs = _train_and_drop(stage, variant)
     gc.collect()
     alive = [r() for r in refs if r() is not None]
-    assert not alive, f"{len(alive)} of {len(refs)} objects outlived their engine: {[type(a).__name__ for a in alive][:8]}"
+    assert not alive, (
+        f"{len(alive)} of {len(refs)} objects outlived their engine: {[type(a).__name__ for a in alive][:8]}"
+    )
     # what autograd and the allocator really hold: back to where it was before the engine was built
     assert _live_bytes() <= before
 

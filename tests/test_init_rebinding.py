@@ -100,7 +100,9 @@ def test_init_built_model_below_stage_3_is_refused_by_name() -> None:
         m = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 4))
     cfg = _cfg()
     cfg["zero_optimization"]["stage"] = 2
-    with pytest.raises(ConfigError, match=r"stage is 2, but the model was built under zerodp.zero.Init \(parameter '0.weight'"):
+    with pytest.raises(
+        ConfigError, match=r"stage is 2, but the model was built under zerodp.zero.Init \(parameter '0.weight'"
+    ):
         zerodp.initialize(m, cfg)
 
 

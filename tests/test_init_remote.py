@@ -14,9 +14,8 @@ from torch import nn
 
 import zerodp
 import zerodp.deepspeed as deepspeed
-from zerodp.runtime.device import DeviceError
-
 from distributed import run_offload_worker
+from zerodp.runtime.device import DeviceError
 
 WORKER = Path(__file__).with_name("init_remote_worker.py")
 

@@ -267,7 +267,8 @@ def test_no_module_imports_another_modules_private_names(tmp_path):
     assert [line.split(": ", 1)[1] for line in private_imports("zerodp.probe", probe)] == [
         "zerodp.probe imports _cleanup from zerodp.offload.nvme"]
     found = [v for name, path in all_modules().items() for v in private_imports(name, path)]
-    assert not found, "private names imported across modules (make them public in a shared module):\n" + "\n".join(found)
+    assert not found, ("private names imported across modules (make them public in a shared module):\n"
+                       + "\n".join(found))
 
 
 def test_library_never_imports_the_application():

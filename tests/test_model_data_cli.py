@@ -13,11 +13,9 @@ import pytest
 import torch
 
 import zerodp
-from zerodp.app import cli
-from zerodp.runtime import accounting
-
-from zerodp.app import data
+from zerodp.app import cli, data
 from zerodp.app.model import GPT, GPTConfig, count_parameters, generate
+from zerodp.runtime import accounting
 
 CONFIGS = [
     GPTConfig(),
@@ -163,7 +161,7 @@ def test_heldout_batches_deterministic() -> None:
     b1 = data.heldout_batches(held, 32, 4, 3)
     b2 = data.heldout_batches(held, 32, 4, 3)
     assert len(b1) == 3 and all(x.shape == (4, 32) for x, _ in b1)
-    assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(b1, b2))
+    assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(b1, b2, strict=True))
     with pytest.raises(ValueError, match="seq_len"):
         data.heldout_batches(held[:10], 32, 1, 1)
 
@@ -559,7 +557,7 @@ def test_progress_log_at_most_one_line_per_interval() -> None:
     lines = out.getvalue().splitlines()
     assert lines[0] == "train: 7/400 steps, 0 s"  # the start (a resumed run: its first step)
     assert len(lines) == len(times) >= 4, lines  # the run lasted long enough for several lines
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     assert min(gaps) >= LOG_INTERVAL_S == 10.0, gaps
     assert isinstance(progress_bar(5, enabled=True, stream=io.StringIO()), ProgressLog)  # not a TTY
 

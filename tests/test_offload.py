@@ -14,11 +14,10 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 import zerodp
-from zerodp.offload.aio import AsyncIO, SwapFile, aligned_buffer
-from zerodp.offload.config import AioConfig
-
 from distributed import run_offload_worker
 from swap_checks import assert_nvme_path_errors, assert_swap_removed_after_exception, full_disk_error
+from zerodp.offload.aio import AsyncIO, SwapFile, aligned_buffer
+from zerodp.offload.config import AioConfig
 
 WORKER = Path(__file__).with_name("offload_worker.py")
 #: the non-offloaded engine's Adam kernel in the offloaded step, for the tests that compare bitwise
@@ -184,7 +183,8 @@ def test_gradients_stream_to_host_during_backward(device, tmp_path, monkeypatch)
     plain, off = build(False), build(True)
     real = off.optimizer_offload.stream_grad
     calls = []
-    monkeypatch.setattr(off.optimizer_offload, "stream_grad", lambda piece, grad: (calls.append(piece), real(piece, grad)))
+    monkeypatch.setattr(off.optimizer_offload, "stream_grad",
+                        lambda piece, grad: (calls.append(piece), real(piece, grad)))
     off.module[0].weight.register_post_accumulate_grad_hook(
         lambda p: streamed_before_last_grad.append(len(calls)))
     x = torch.randn(5, 6)
@@ -196,14 +196,15 @@ def test_gradients_stream_to_host_during_backward(device, tmp_path, monkeypatch)
         submitted = off.optimizer_offload.copies.copies
         for e in (plain, off):
             e.step()
-        assert off.optimizer_offload.copies.copies - submitted == (n_pieces if device == "cpu" else 0)  # parameters back
+        # parameters back
+        assert off.optimizer_offload.copies.copies - submitted == (n_pieces if device == "cpu" else 0)
         calls.clear()
     assert len(off.reducer.groups[0].buckets) >= 3
     # the first micro-step calibrates (every bucket is launched when backward returns, see
     # zerodp.runtime.reducer); afterwards buckets stream while backward is still running
     assert streamed_before_last_grad[0] == 0
     assert all(0 < n < n_pieces for n in streamed_before_last_grad[1:]), streamed_before_last_grad
-    for a, b in zip(plain.module.parameters(), off.module.parameters()):
+    for a, b in zip(plain.module.parameters(), off.module.parameters(), strict=True):
         assert torch.equal(a, b)
     off.close()
 
@@ -252,7 +253,7 @@ def test_edit_of_parameter_without_gradient_reaches_offloaded_master(device, thr
         assert torch.equal(states[0][k], states[1][k]), k
         compared += 1
     assert compared == 6
-    for a, b in zip(engines[0].module.parameters(), engines[1].module.parameters()):
+    for a, b in zip(engines[0].module.parameters(), engines[1].module.parameters(), strict=True):
         assert torch.equal(safe_get_full_fp32_param(a), safe_get_full_fp32_param(b))
         assert torch.equal(safe_get_full_optimizer_state(a, "exp_avg"), safe_get_full_optimizer_state(b, "exp_avg"))
     if device == "nvme":
@@ -310,12 +311,12 @@ def test_edit_folding_with_parameters_on_another_device(device, tmp_path, monkey
             for p in e.optimizer_offload.pieces:
                 p.tensor = torch.Tensor._make_subclass(ElsewhereTensor, p.tensor)
         e.optimizer_offload.fold_edits() if device == "cpu" else e.optimizer_offload.skipped_step()
-        for p, t in zip(e.optimizer_offload.pieces, originals):
+        for p, t in zip(e.optimizer_offload.pieces, originals, strict=True):
             p.tensor = t
         return e
 
     plain, moved = build(False), build(True)
-    for a, b in zip(plain.module.parameters(), moved.module.parameters()):
+    for a, b in zip(plain.module.parameters(), moved.module.parameters(), strict=True):
         assert torch.equal(safe_get_full_fp32_param(a), safe_get_full_fp32_param(b))
     assert safe_get_full_fp32_param(moved.module.bias)[0] == 3.0  # the edit reached the master
     plain.close()

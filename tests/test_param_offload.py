@@ -14,10 +14,9 @@ import torch
 from torch import nn
 
 import zerodp
-from zerodp.offload.nvme import OffloadError
-
 from distributed import run_offload_worker
 from swap_checks import assert_nvme_path_errors, assert_swap_removed_after_exception, full_disk_error
+from zerodp.offload.nvme import OffloadError
 
 WORKER = Path(__file__).with_name("param_offload_worker.py")
 

@@ -47,7 +47,7 @@ def test_in_place_edit_between_steps_fp32(stage: int) -> None:
         assert res["param_err"] <= 1.0, f"edit lost or training differs from torch ({res['param_err']})"
         if stage == 3:  # item 2 / 10: refused when attempted, before anything changes
             assert set(res["attempts"]) == {"rebind", "in_place", "data_in_place", "compute", "init", "detach_copy"}
-            for what, attempt in res["attempts"].items():
+            for attempt in res["attempts"].values():
                 assert_refused(attempt, "'0.weight'", "partitioned", "GatheredParameters", "safe_get_full_fp32_param")
             assert "re-binding '.data'" in res["attempts"]["rebind"]["message"]
             assert res["unchanged"], "a refused attempt changed the engine's parameters"

@@ -193,7 +193,7 @@ def test_stage3_comm_is_three_psi(launches: dict, world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_stage3_built_under_init_holds_only_its_partition(launches: dict, world_size: int) -> None:
-    for r, res in enumerate(per_rank(launches, world_size, 3, "built_under_init")):
+    for res in per_rank(launches, world_size, 3, "built_under_init"):
         assert res["loss_err"] <= 1.0 and res["param_err"] <= 1.0, res
         assert res["moved"] > 1e-3
         # right after construction under Init only the small (persistent-size) parameters are held:

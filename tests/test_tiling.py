@@ -3,8 +3,8 @@
 Single process: outputs and gradients equal nn.Linear's with the same weights (fp64, several split
 shapes including sizes the splits do not divide), DeepSpeed's arguments, clear errors. Stage 3 on two
 gloo ranks (tests/tiling_worker.py, one launch): training equals plain PyTorch (also with
-offload_optimizer cpu and offload_param nvme), only one tile is gathered at a time (live storage), ``copy_params_from`` is a
-collective that leaves rank 0's weights everywhere (also from a partitioned nn.Linear under Init), and
+offload_optimizer cpu and offload_param nvme), only one tile is gathered at a time (live storage), ``copy_params_from``
+is a collective that leaves rank 0's weights everywhere (also from a partitioned nn.Linear under Init), and
 a TiledLinear larger than the gather budget is built under Init without the whole weight ever being
 allocated (peak live heap measured by glibc, tests/heap_probe.py).
 """

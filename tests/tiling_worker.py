@@ -168,7 +168,8 @@ def init_copy() -> dict:
 
 
 SCENARIOS = {"train": train, "train_offload": lambda: train(offload=True),
-             "train_offload_param": lambda: train(offload=True, offload_param=True), "copy_under_engine": copy_under_engine,
+             "train_offload_param": lambda: train(offload=True, offload_param=True),
+             "copy_under_engine": copy_under_engine,
              "init_build": init_build, "init_copy": init_copy}
 
 

@@ -6,6 +6,7 @@ asynchronous all_to_all_single + sums. Used for docs/benchmarks/2026-12-01-bench
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 tools/gloo_collectives.py
 """
+
 import time
 
 import torch
@@ -17,25 +18,37 @@ r, W = dist.get_rank(), dist.get_world_size()
 
 def timed(f, reps):
     for _ in range(2):
-        dist.barrier(); f()
+        dist.barrier()
+        f()
         t, c = time.perf_counter(), time.process_time()
         for _ in range(reps):
             f()
         if r == 0:
-            print(f"{f.__name__:>10} {(time.perf_counter() - t) / reps * 1e3:.2f} ms wall "
-                  f"{(time.process_time() - c) / reps * 1e3:.2f} ms cpu")
+            print(
+                f"{f.__name__:>10} {(time.perf_counter() - t) / reps * 1e3:.2f} ms wall "
+                f"{(time.process_time() - c) / reps * 1e3:.2f} ms cpu"
+            )
 
 
 n = 3_257_856 // W * W
 x, out, tmp = torch.randn(n), torch.empty(n // W), torch.empty(n)
 
 
-def ar(): dist.all_reduce(x)
-def rs(): dist.reduce_scatter_tensor(out, x)
+def ar():
+    dist.all_reduce(x)
+
+
+def rs():
+    dist.reduce_scatter_tensor(out, x)
+
+
 def a2a():
     dist.all_to_all_single(tmp, x)
     torch.sum(tmp.view(W, -1), dim=0, out=out)
-def ag(): dist.all_gather_into_tensor(x, out)
+
+
+def ag():
+    dist.all_gather_into_tensor(x, out)
 
 
 for f in (ar, rs, a2a, ag):
@@ -46,18 +59,19 @@ bufs, outs = [torch.randn(s) for s in sizes], [torch.empty(s // W) for s in size
 
 def rs_coal():
     with dist._coalescing_manager(async_ops=True) as cm:
-        for b, o in zip(bufs, outs):
+        for b, o in zip(bufs, outs, strict=True):
             dist.reduce_scatter_tensor(o, b)
     cm.works[-1].wait()
 
 
 def a2a_each():
     ws = []
-    for b, o in zip(bufs, outs):
+    for b, o in zip(bufs, outs, strict=True):
         t = torch.empty_like(b)
         ws.append((dist.all_to_all_single(t, b, async_op=True), t, o))
     for w, t, o in ws:
-        w.wait(); torch.sum(t.view(W, -1), dim=0, out=o)
+        w.wait()
+        torch.sum(t.view(W, -1), dim=0, out=o)
 
 
 for f in (rs_coal, a2a_each):

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             result["stages"][str(stage)] = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
             ok = False
             continue
-        rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref))
+        rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref, strict=True))
         entry = {"pass": rel <= args.rtol, "max_rel_loss_diff": rel, "first_last": [losses[0], losses[-1]],
                  "seconds": time.perf_counter() - t0, "engine_device": engine_device}
         if device.type == "cuda":

@@ -144,7 +144,7 @@ MUTANTS: list[Mutant] = [
            "                if True:\n",
            [f"{STAGES}::test_matches_reference[2-2-no_grad_some_steps]"]),
     Mutant("skip_stage3_persistent_regather_after_step", SHARDING,
-           '                comm.all_gather(u.full, u.shard, self.pg, self.ledger, "parameters")\n',
+           '                comm.all_gather(u.full_buffer, u.shard, self.pg, self.ledger, "parameters")\n',
            "                pass\n",
            [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-3]"]),
     Mutant("init_touch_in_partition_dtype", INIT,
@@ -193,7 +193,8 @@ MUTANTS: list[Mutant] = [
            "            self._output.copy_(received.view(-1, self._output.numel())[0])\n",
            ["tests/test_comm.py::test_reduce_scatter_by_all_to_all_matches_torch[2]"]),
     Mutant("grad_norm_sums_norms_not_squares", TOPOLOGY,
-           "        total += synchronize(\"grad_norm\", torch.cat(per_device).double().pow(2).sum())  # one per device\n",
+           "        total += synchronize(\"grad_norm\", torch.cat(per_device).double().pow(2).sum())"
+           "  # one per device\n",
            "        total += synchronize(\"grad_norm\", torch.cat(per_device).double().sum())  # one per device\n",
            ["tests/test_silent_wrong.py::test_full_state_accessors[2]"]),
     Mutant("backward_end_tag_without_fetch_digest", BACKWARD_AGREEMENT,

@@ -20,7 +20,8 @@ gs = [torch.randn_like(p) for p in m.parameters()]
 
 
 def fp64(): return sum((g.double().pow(2).sum() for g in gs), torch.zeros((), dtype=torch.float64))
-def per_tensor(): return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in gs]).double().pow(2).sum()
+def per_tensor():
+    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in gs]).double().pow(2).sum()
 def chunked(): return _sum_of_squares(gs)
 
 

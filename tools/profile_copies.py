@@ -8,7 +8,6 @@ a backend's or autograd's own threads), calls per step, bytes per step and self 
 import collections
 import sys
 
-import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
@@ -62,7 +61,8 @@ if r == 0:
         calls[key] += 1
         nbytes[key] += numel * _SIZES.get(dtype, 4)
         cpu[key] += e.self_cpu_time_total
-    print(f"stage {stage}: aten::copy_ {sum(calls.values()) / N:.0f} calls, {sum(nbytes.values()) / N / 2**20:.1f} MiB, "
+    print(f"stage {stage}: aten::copy_ {sum(calls.values()) / N:.0f} calls, "
+          f"{sum(nbytes.values()) / N / 2**20:.1f} MiB, "
           f"{sum(cpu.values()) / N / 1e3:.1f} ms self CPU per step")
     for key, c in calls.most_common():
         print(f"  {c / N:7.1f} calls {nbytes[key] / N / 2**20:8.2f} MiB {cpu[key] / N / 1e3:7.2f} ms  {key}")

@@ -1,11 +1,12 @@
 """torch.profiler self-CPU table (rank 0, 5 steps after one) of each named bench system on the small
 GPT (2 ranks), e.g. ``"zerodp stage 0,zerodp stage 3"``, ROWS rows; the per-operator differences
-between two systems are read from the two tables. Used for docs/benchmarks/2026-12-01-bench.md ("Stage 3 against DDP: the
-breakdown").
+between two systems are read from the two tables. Used for docs/benchmarks/2026-12-01-bench.md ("Stage 3 against DDP:
+the breakdown").
 
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone \\
         --nproc-per-node 2 tools/profile_ops.py "zerodp stage 0,zerodp stage 3" 60
 """
+
 import sys
 
 import torch.distributed as dist
@@ -22,10 +23,12 @@ def print_profiles(names: list, cfg: GPTConfig, batches: list, rows: int, rank: 
     table of the remaining steps, ``rows`` rows, printed by rank 0 (also used by profile_stage12.py)."""
     for name in names:
         s = SYSTEMS[name](cfg, 1e-3, False)
-        s.forward_backward(*batches[0]); s.step()
+        s.forward_backward(*batches[0])
+        s.step()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for x, y in batches[1:]:
-                s.forward_backward(x, y); s.step()
+                s.forward_backward(x, y)
+                s.step()
         if rank == 0:
             print(name)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))

@@ -1,5 +1,6 @@
 """Step time and CPU time of DDP and zerodp stages 1-2 on the bench's GPT (2 ranks), interleaved
-(ABAB...), and a torch.profiler self-CPU table per system; printed by rank 0. Used for docs/benchmarks/2026-12-01-bench.md.
+(ABAB...), and a torch.profiler self-CPU table per system; printed by rank 0. Used for
+docs/benchmarks/2026-12-01-bench.md.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 \
         tools/profile_stage12.py [--preset small|medium] [--rounds 4] [--steps 4] [--profile]
@@ -8,9 +9,10 @@ Process CPU time (all threads, ``time.process_time``) is reported beside wall ti
 shared, loaded machine it is far less sensitive to other jobs: the extra work a system does shows up
 in it even when wall-clock medians are too noisy to rank the systems.
 """
-import argparse, statistics, time
+import argparse
+import statistics
+import time
 
-import torch
 import torch.distributed as dist
 
 import zerodp

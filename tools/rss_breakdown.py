@@ -5,8 +5,8 @@ steps. At the end of every block's forward and backward, after each backward and
 child records (MiB) ``VmRSS``, ``VmHWM``, ``RssAnon``, ``RssFile`` (``/proc/self/status``) and glibc's
 in-use bytes (``mallinfo2()``: ``uordblks + hblkhd``, all arenas). Rank 0 prints the systems side by
 side; ``OUT=dir`` also keeps each child's rows (JSON) and ``/proc/self/smaps`` after its last step.
-Systems: ``ddp`` or a zerodp stage, comma-separated (docs/benchmarks/2026-12-01-bench.md, "Where stage 0's extra peak RSS
-came from").
+Systems: ``ddp`` or a zerodp stage, comma-separated (docs/benchmarks/2026-12-01-bench.md, "Where stage 0's extra peak
+RSS came from").
 
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone \
         --nproc-per-node 2 tools/rss_breakdown.py ddp,0

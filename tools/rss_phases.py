@@ -36,7 +36,10 @@ if system == "ddp":
 else:
     eng = zerodp.initialize(m, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                                 "zero_optimization": {"stage": int(system),
-                                                      **({"reduce_bucket_size": int(sys.argv[2])} if len(sys.argv) > 2 else {}), **({"stage3_param_persistence_threshold": 1000} if system == "3" else {})}})
+                                                      **({"reduce_bucket_size": int(sys.argv[2])}
+                                                         if len(sys.argv) > 2 else {}),
+                                                      **({"stage3_param_persistence_threshold": 1000}
+                                                         if system == "3" else {})}})
 marks["built"] = hwm()
 x = torch.randint(0, 256, (8, 129), generator=torch.Generator().manual_seed(r))
 for i in range(4):

@@ -3,7 +3,7 @@ the bench's small GPT on 2 ranks, and collective counters installed by patching 
 all-gather / reduce-scatter entry points and its coalescing manager (a coalesced group counts once, as
 the backend sees it; the single collectives inside it are not counted)."""
 import collections
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Iterator, Optional, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,23 +41,28 @@ class AccessedEngine(Protocol):
     """What the accessors read from the engine (a Protocol: no import of the engine module)."""
 
     module: nn.Module
-    stage: int
     world_size: int
-    process_group: Optional[dist.ProcessGroup]
+    process_group: dist.ProcessGroup | None
     ledger: CommLedger
     groups: list[FlatGroup]
     optimizer: torch.optim.Optimizer
     global_steps: int
-    grads_ready: bool
-    reducer: object
-    loss_scaler: object
+
+    @property  # read-only members: the engine's may be narrower (Literal stages, concrete classes)
+    def stage(self) -> int: ...
+    @property
+    def grads_ready(self) -> bool: ...
+    @property
+    def reducer(self) -> object: ...
+    @property
+    def loss_scaler(self) -> object: ...
     optimizer_offload: Any  # zerodp.offload.build.OptimizerOffload (NoOffload without offload)
     grad_clip: Any  # zerodp.runtime.grad_norm.ClipState
 
     @property
     def loss_scale(self) -> float: ...
 
-    def shards_resident(self, groups: Optional[list[FlatGroup]] = None, write: bool = False) -> Any: ...
+    def shards_resident(self, groups: list[FlatGroup] | None = None, write: bool = False) -> Any: ...
 
 
 #: id(parameter) -> weak references to (the parameter, its engine, its flat group, its slot); the group
@@ -64,7 +70,7 @@ class AccessedEngine(Protocol):
 #: references: the engine owns its groups and slots, and an entry must not keep a parameter (which a
 #: slot references) or a group's flat buffers alive after the engine and module are gone; the
 #: parameter's own reference removes the entry when the parameter dies.
-_ENGINES: dict[int, tuple[weakref.ref, weakref.ref, Optional[weakref.ref], Optional[weakref.ref]]] = {}
+_ENGINES: dict[int, tuple[weakref.ref, weakref.ref, weakref.ref | None, weakref.ref | None]] = {}
 
 
 def register_engine(engine: AccessedEngine) -> None:
@@ -82,7 +88,7 @@ def _param_ref(p: nn.Parameter) -> weakref.ref:
     return weakref.ref(p, lambda r: _ENGINES.pop(key, None) if _ENGINES.get(key, (None,))[0] is r else None)
 
 
-def _locate(param: nn.Parameter) -> tuple[AccessedEngine, Optional[FlatGroup], Optional[ParamSlot]]:
+def _locate(param: nn.Parameter) -> tuple[AccessedEngine, FlatGroup | None, ParamSlot | None]:
     entry = _ENGINES.get(id(param))
     engine = entry[1]() if entry is not None and entry[0]() is param else None
     if engine is None:
@@ -93,7 +99,8 @@ def _locate(param: nn.Parameter) -> tuple[AccessedEngine, Optional[FlatGroup], O
                              "states went with it; keep a reference to the engine while you use these accessors")
         raise ValueError(f"this parameter (shape {tuple(param.shape)}) does not belong to a module passed "
                          "to zerodp.initialize")
-    if entry[2] is None:
+    assert entry is not None  # the engine was found through it
+    if entry[2] is None or entry[3] is None:
         return engine, None, None
     g, s = entry[2](), entry[3]()
     if g is None or s is None:  # the engine no longer holds the group it registered: never guess
@@ -116,7 +123,7 @@ def _pieces(g: FlatGroup, s: ParamSlot) -> list[Piece]:
 
 
 def _assemble(engine: AccessedEngine, s: ParamSlot, fill: Callable[[torch.Tensor], bool],
-              device: torch.device) -> Optional[torch.Tensor]:
+              device: torch.device) -> torch.Tensor | None:
     """Sum every rank's contribution (``fill(full)`` writes this rank's elements, returns whether it
     had any) into a full fp32 tensor on ``device`` (the flat group's: NCCL reduces only device
     tensors); None if no rank had any. ``fill`` writes with ``copy_``, which takes host (offloaded)
@@ -136,7 +143,7 @@ def _assemble(engine: AccessedEngine, s: ParamSlot, fill: Callable[[torch.Tensor
 
 
 def _copy_pieces(s: ParamSlot, pieces: list[Piece], full: torch.Tensor,
-                 value: Callable[[Piece], Optional[torch.Tensor]]) -> bool:
+                 value: Callable[[Piece], torch.Tensor | None]) -> bool:
     any_ = False
     for pc in pieces:
         v = value(pc)
@@ -146,7 +153,7 @@ def _copy_pieces(s: ParamSlot, pieces: list[Piece], full: torch.Tensor,
     return any_
 
 
-def safe_get_full_grad(param: nn.Parameter) -> Optional[torch.Tensor]:
+def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     """Collective: the full averaged gradient of ``param`` (fp32, ``param``'s shape), or None if no rank
     produced one (unused or frozen parameter).
 
@@ -178,7 +185,7 @@ def safe_get_full_grad(param: nn.Parameter) -> Optional[torch.Tensor]:
     return out
 
 
-def _shard_range(g: FlatGroup, s: ParamSlot) -> Optional[tuple[int, int]]:
+def _shard_range(g: FlatGroup, s: ParamSlot) -> tuple[int, int] | None:
     """Stage 3: [lo, hi) of slot ``s`` (flat coordinates) held in this rank's shard ``g.buffer``."""
     lo, hi = max(g.shard_offset, s.offset), min(g.shard_offset + g.buffer.numel(), s.offset + s.numel)
     return (lo, hi) if lo < hi else None
@@ -217,7 +224,7 @@ def _check_state_key(engine: AccessedEngine, key: str) -> None:
         raise ValueError(f"optimizer state key {key!r} is not per-element; allowed: {', '.join(ELEMENTWISE_STATE)}")
 
 
-def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
+def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """Collective: the full optimizer state ``optim_state_key`` (``exp_avg``, ``exp_avg_sq``) of
     ``param`` (fp32, ``param``'s shape); None before the first optimizer step or for untrained parameters.
 

@@ -12,15 +12,21 @@ Python's JSON reader accepts) in every field (``allow_inf_nan=False``).
 
 from __future__ import annotations
 
+import builtins
 import inspect
 import json
 import os
-from typing import Any, Literal, Mapping, Optional, Tuple, Union, get_args, get_origin
+import types
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from zerodp.config_keys import OPTIMIZERS, REFUSED_OPTIMIZERS, canonical_optimizer, screen_keys
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ConfigError(ValueError):
@@ -35,6 +41,7 @@ class _Strict(BaseModel):
     def _no_lax_coercion(cls, v: Any, info: ValidationInfo) -> Any:
         """Refuse what pydantic's lax mode would silently convert: "yes"/"off" for a bool, a string
         for a number, true/false for a number or a stage."""
+        assert info.field_name is not None  # a field validator ("*"): always called for one field
         kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
         if not kinds:
             return v
@@ -52,7 +59,7 @@ def _scalar_kinds(annotation: Any) -> set[type]:
     origin = get_origin(annotation)
     if origin is Literal:
         return {type(a) for a in get_args(annotation)}
-    if origin is Union:
+    if origin is Union or origin is types.UnionType:  # Optional[X] and X | None
         kinds: set[type] = set()
         for a in get_args(annotation):
             if a is type(None):
@@ -77,16 +84,16 @@ class OptimizerParams(_Strict):
 
     model_config = ConfigDict(extra="allow", validate_assignment=True, frozen=True)
 
-    lr: Optional[float] = Field(None, ge=0.0, description="learning rate; None = torch's default")
-    betas: Optional[Tuple[float, float]] = Field(None, description="(beta1, beta2), each in [0, 1)")
-    eps: Optional[float] = Field(None, gt=0.0, description="denominator epsilon")
-    weight_decay: Optional[float] = Field(
+    lr: float | None = Field(None, ge=0.0, description="learning rate; None = torch's default")
+    betas: tuple[float, float] | None = Field(None, description="(beta1, beta2), each in [0, 1)")
+    eps: float | None = Field(None, gt=0.0, description="denominator epsilon")
+    weight_decay: float | None = Field(
         None, ge=0.0, description="L2 (Adam) or decoupled (AdamW) decay; None = torch's default"
     )
 
     @field_validator("betas")
     @classmethod
-    def _betas_in_range(cls, v: Optional[Tuple[float, float]]) -> Optional[Tuple[float, float]]:
+    def _betas_in_range(cls, v: tuple[float, float] | None) -> tuple[float, float] | None:
         for b in v or ():
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"each beta must be in [0, 1), got {v}")
@@ -122,7 +129,7 @@ class OptimizerConfig(_Strict):
         return name
 
     @model_validator(mode="after")
-    def _params_fit_type(self) -> "OptimizerConfig":
+    def _params_fit_type(self) -> OptimizerConfig:
         allowed = optimizer_options(self.type)
         unknown = sorted(set(self.params.torch_kwargs()) - set(allowed))
         if unknown:
@@ -130,7 +137,7 @@ class OptimizerConfig(_Strict):
                              f"allowed keys here: {', '.join(allowed)}")
         return self
 
-    def torch_class(self) -> type:
+    def torch_class(self) -> builtins.type[torch.optim.Optimizer]:  # builtins: ``type`` is a field here
         return OPTIMIZERS[self.type]
 
 
@@ -187,11 +194,12 @@ class ZeroConfig(_Strict):
     )
 
     offload_param: OffloadParamConfig = Field(
-        default_factory=OffloadParamConfig, description="ZeRO-Infinity parameter offload, stage 3 (zerodp.offload.config)"
+        default_factory=OffloadParamConfig,
+        description="ZeRO-Infinity parameter offload, stage 3 (zerodp.offload.config)",
     )
 
     @model_validator(mode="after")
-    def _offload_param_needs_stage3(self) -> "ZeroConfig":
+    def _offload_param_needs_stage3(self) -> ZeroConfig:
         if self.offload_param.enabled and self.stage != 3:
             raise ValueError(f"'zero_optimization.offload_param' (device {self.offload_param.device!r}) needs "
                              f"zero_optimization.stage 3 (it offloads each rank's shard of the partitioned "
@@ -246,7 +254,7 @@ class DataTypesConfig(_Strict):
     sum, so small micro-steps can be lost); only the training dtype is accepted (see
     :mod:`zerodp.runtime.precision`)."""
 
-    grad_accum_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = Field(
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
         None, description="gradient accumulation dtype; default fp32 under bf16/fp16 with accumulation")
 
 
@@ -313,7 +321,7 @@ class SchedulerConfig(_Strict):
     params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _params_match_type(self) -> "SchedulerConfig":
+    def _params_match_type(self) -> SchedulerConfig:
         try:
             SCHEDULER_PARAMS[self.type].model_validate(self.params)
         except ValidationError as err:
@@ -332,7 +340,7 @@ class ActivationCheckpointingConfig(_Strict):
     cpu_checkpointing: bool = Field(False, description="keep the checkpointed inputs in CPU memory")
     contiguous_memory_optimization: bool = Field(
         False, description="not implemented (a CUDA fragmentation remedy); must be false")
-    number_checkpoints: Optional[int] = Field(None, gt=0, description="only used with contiguous memory")
+    number_checkpoints: int | None = Field(None, gt=0, description="only used with contiguous memory")
     synchronize_checkpoint_boundary: bool = Field(False, description="cuda.synchronize() around segments")
     profile: bool = Field(False, description="time checkpointed forwards and recomputations")
 
@@ -348,7 +356,7 @@ class ActivationCheckpointingConfig(_Strict):
 class ZeroDPConfig(_Strict):
     """Top-level config, DeepSpeed key names. See the README for an example file."""
 
-    train_batch_size: Optional[int] = Field(
+    train_batch_size: int | None = Field(
         None, gt=0, description="global batch = micro batch x accumulation steps x world size"
     )
     train_micro_batch_size_per_gpu: int = Field(1, gt=0, description="samples per rank per micro-step")
@@ -364,13 +372,13 @@ class ZeroDPConfig(_Strict):
     bf16: BF16Config = Field(default_factory=BF16Config)
     fp16: FP16Config = Field(default_factory=FP16Config)
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
-    scheduler: Optional[SchedulerConfig] = None
-    seed: Optional[int] = Field(None, ge=0, description="torch.manual_seed applied by initialize()")
+    scheduler: SchedulerConfig | None = None
+    seed: int | None = Field(None, ge=0, description="torch.manual_seed applied by initialize()")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="zerodp's own key: where the engine puts the module, its shards and batches; "
                             "auto = cuda:LOCAL_RANK when CUDA is available and the group takes CUDA tensors "
                             "(NCCL), else cpu (zerodp.runtime.device.resolve_device)")
-    steps_per_print: Optional[int] = Field(
+    steps_per_print: int | None = Field(
         10, gt=0, description="zerodp.deepspeed engines: rank 0 prints step, lr and loss scale every N steps; "
                               "None (or +inf, as accelerate sets it): never")
     wall_clock_breakdown: bool = Field(
@@ -379,7 +387,7 @@ class ZeroDPConfig(_Strict):
     zero_allow_untested_optimizer: bool = Field(
         False, description="accepted for DeepSpeed configs; every optimizer zerodp builds is element-wise")
     collective_guard: CollectiveGuardConfig = Field(default_factory=CollectiveGuardConfig)
-    activation_checkpointing: Optional[ActivationCheckpointingConfig] = None
+    activation_checkpointing: ActivationCheckpointingConfig | None = None
 
     @field_validator("steps_per_print", mode="before")
     @classmethod
@@ -392,7 +400,7 @@ class ZeroDPConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _one_precision(self) -> "ZeroDPConfig":
+    def _one_precision(self) -> ZeroDPConfig:
         if self.bf16.enabled and self.fp16.enabled:
             raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
         accum = self.data_types.grad_accum_dtype
@@ -403,7 +411,7 @@ class ZeroDPConfig(_Strict):
                              + (f" or {trained!r}" if trained != "fp32" else ""))
         return self
 
-    def for_world_size(self, world_size: int) -> "ZeroDPConfig":
+    def for_world_size(self, world_size: int) -> ZeroDPConfig:
         """Resolve the batch keys as DeepSpeed does: train_batch_size = micro x accumulation x world.
 
         Given ``train_batch_size`` and one of the other two, the missing one is derived; given only
@@ -435,7 +443,7 @@ class ZeroDPConfig(_Strict):
                 f"gradient_accumulation_steps ({gas}) x world size ({world_size}) = {implied}")
         return self.model_copy(update=update) if update else self
 
-    def require_batch_size(self, source: str) -> "ZeroDPConfig":
+    def require_batch_size(self, source: str) -> ZeroDPConfig:
         """Refuse a config that gives no batch size, as DeepSpeed does: it needs ``train_batch_size``
         or ``train_micro_batch_size_per_gpu`` (``gradient_accumulation_steps`` alone is not enough).
 
@@ -484,7 +492,8 @@ def _format_errors(err: ValidationError, model: type[BaseModel], prefix: str = "
 def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     current: Any = model
     for part in loc:
-        field = current.model_fields.get(part) if isinstance(current, type) else None
+        field = (current.model_fields.get(part)
+                 if isinstance(current, type) and issubclass(current, BaseModel) else None)
         if field is None:
             return []
         ann = field.annotation
@@ -494,7 +503,7 @@ def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     return sorted(current.model_fields)
 
 
-def read_config_mapping(config: Union[str, os.PathLike, Mapping[str, Any], None]) -> Mapping[str, Any]:
+def read_config_mapping(config: str | os.PathLike | Mapping[str, Any] | None) -> Mapping[str, Any]:
     """The raw config: ``config`` itself, the parsed JSON file it names, or ``{}`` for None (unchecked).
 
     Raises:
@@ -503,19 +512,20 @@ def read_config_mapping(config: Union[str, os.PathLike, Mapping[str, Any], None]
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
         try:
-            with open(config, encoding="utf-8") as f:
+            with open(path, encoding="utf-8") as f:
                 config = json.load(f)
         except OSError as exc:
-            raise ConfigError(f"cannot read config file {os.fspath(config)!r}: {exc}") from None
+            raise ConfigError(f"cannot read config file {path!r}: {exc}") from None
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {os.fspath(config)!r} is not valid JSON: {exc}") from None
+            raise ConfigError(f"config file {path!r} is not valid JSON: {exc}") from None
     if not isinstance(config, Mapping):
         raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
     return config
 
 
-def load_config(config: Union[str, os.PathLike, Mapping[str, Any], ZeroDPConfig, None]) -> ZeroDPConfig:
+def load_config(config: str | os.PathLike | Mapping[str, Any] | ZeroDPConfig | None) -> ZeroDPConfig:
     """Parse a config dict, JSON file path or :class:`ZeroDPConfig`.
 
     Raises:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ REFUSED_OPTIMIZERS: dict[str, str] = {
 }
 
 
-def canonical_optimizer(name: str) -> Optional[str]:
+def canonical_optimizer(name: str) -> str | None:
     """The canonical spelling of ``name`` (case-insensitive) in :data:`OPTIMIZERS` or
     :data:`REFUSED_OPTIMIZERS`; None if neither knows it."""
     for known in (*OPTIMIZERS, *REFUSED_OPTIMIZERS):
@@ -126,9 +127,9 @@ OWN_KEYS: dict[str, str] = {
 }
 
 
-def _lookup(config: Mapping[str, Any], path: str) -> tuple[bool, Any, Optional[dict]]:
+def _lookup(config: Mapping[str, Any], path: str) -> tuple[bool, Any, Any]:
     node: Any = config
-    parent = None
+    parent: Any = None
     for part in path.split("."):
         if not isinstance(node, Mapping) or part not in node:
             return False, None, None

@@ -14,42 +14,43 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from zerodp.runtime import comm, grad_norm
+from zerodp import accessors
+from zerodp.checkpoint.engine_methods import CheckpointMethods
+from zerodp.config import ConfigError, ZeroDPConfig
+from zerodp.offload.build import OptimizerOffload, build_offload
+from zerodp.offload.param_swap import ParamOffload, build_param_offload
+from zerodp.offload.report import OffloadReport, offload_report
+from zerodp.runtime import accounting, comm, grad_norm
+from zerodp.runtime.accounting import CATEGORIES, CommReport, MemoryReport
 from zerodp.runtime.backward_agreement import BackwardAgreement, build_backward_agreement
 from zerodp.runtime.backward_roots import OutputRoots
 from zerodp.runtime.collective_guard import CollectiveGuard
-from zerodp.runtime import accounting
-from zerodp.runtime.accounting import CATEGORIES, CommReport, MemoryReport
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.device import all_finite
-from zerodp.config import ConfigError, ZeroDPConfig
-from zerodp.runtime.optim import ParamGroupSpec, build_optimizer
+from zerodp.runtime.grad_placeholder import GradPlaceholders
+from zerodp.runtime.grad_spill import partitioned_reducer
+from zerodp.runtime.guards import TrainingGuards, refuse_add_param_group
 from zerodp.runtime.module_state import guard_module_load_state_dict
-from zerodp.checkpoint.engine_methods import CheckpointMethods
+from zerodp.runtime.optim import ParamGroupSpec, build_optimizer
 from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
 from zerodp.runtime.precision import LossScaler, PrecisionPolicy, cast_module
+from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer
 from zerodp.runtime.schedulers import build_scheduler
-from zerodp.offload.build import OptimizerOffload, build_offload
-from zerodp.offload.report import OffloadReport, offload_report
-from zerodp.offload.param_swap import ParamOffload, build_param_offload
-from zerodp.runtime.guards import TrainingGuards, refuse_add_param_group
-from zerodp.runtime.grad_placeholder import GradPlaceholders
-from zerodp import accessors
 from zerodp.runtime.topology import Topology
 from zerodp.runtime.training_state import TrainingPhase, TrainingState
+from zerodp.runtime.wrapped import WRAPPED
+from zerodp.stage3.ownership import register_master_refresh
 from zerodp.stage3.sharded_param import is_sharded
 from zerodp.stage3.sharding import Stage3
-from zerodp.stage3.ownership import register_master_refresh
-from zerodp.runtime.wrapped import WRAPPED
-from zerodp.runtime.grad_spill import partitioned_reducer
-from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer
 
 
 class Engine(CheckpointMethods):
@@ -62,9 +63,9 @@ class Engine(CheckpointMethods):
 
     def __init__(
         self, module: nn.Module, config: ZeroDPConfig, param_groups: list[ParamGroupSpec],
-        process_group: Optional[dist.ProcessGroup] = None, *, topology: Optional[Topology] = None,
-        lr_scheduler: Optional[Callable[[torch.optim.Optimizer], LRScheduler]] = None,
-        device: Optional[torch.device] = None,
+        process_group: dist.ProcessGroup | None = None, *, topology: Topology | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], LRScheduler] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """``topology``: the data- and model-parallel groups (default: data parallel over
         ``process_group``); ``lr_scheduler``: ``f(optimizer) -> LRScheduler`` (else the config's
@@ -86,10 +87,10 @@ class Engine(CheckpointMethods):
         self.micro_steps = 0  # micro-batches seen
         self.skipped_steps = 0  # optimizer steps skipped because some rank's gradients overflowed
         self.ledger = CommLedger()
-        self._global_grad_norm: Optional[float] = None
+        self._global_grad_norm: float | None = None
         self.grad_clip = grad_norm.ClipState()  # what engine.clip_grad_norm_ left for the step
         self.precision = PrecisionPolicy.from_config(config)
-        self.loss_scaler: Optional[LossScaler] = LossScaler.from_config(config)
+        self.loss_scaler: LossScaler | None = LossScaler.from_config(config)
         self.phase = TrainingPhase()  # IDLE, BACKWARD, GRADS_READY (until step()), STEP
         gc = config.collective_guard
         self.collective_guard = CollectiveGuard(process_group, gc.timeout_s, gc.check_gathers, gc.enabled)
@@ -104,7 +105,7 @@ class Engine(CheckpointMethods):
         self.training_guards = TrainingGuards(self)
         accessors.register_engine(self)
         self.collective_guard.install_shutdown_check()
-        self.backward_tags: Optional[BackwardAgreement] = None
+        self.backward_tags: BackwardAgreement | None = None
         if self.collective_guard.enabled:
             self.backward_tags = build_backward_agreement(self.collective_guard, module, self.groups,
                                                           self.sharding is not None)
@@ -119,7 +120,7 @@ class Engine(CheckpointMethods):
         """Flat groups (stages 0-2) or stage-3 units, the parameter offload, the frozen parameters, and
         rank 0's values on every rank."""
         zc = self.config.zero_optimization
-        self.sharding: Optional[Stage3] = None
+        self.sharding: Stage3 | None = None
         if self.stage == 3:
             self.sharding = Stage3(self.module, param_groups, self.rank, self.world_size, self.process_group,
                                    self.ledger, zc, fetch_check=self.collective_guard.gather_check(self.module))
@@ -127,7 +128,7 @@ class Engine(CheckpointMethods):
         else:
             self.groups = self._flatten(param_groups, zc.reduce_bucket_size)
         # offload_param (stage 3): from here on every shard lives in its home between uses
-        self.param_offload: Optional[ParamOffload] = build_param_offload(
+        self.param_offload: ParamOffload | None = build_param_offload(
             zc.offload_param, self.config.aio, self.sharding, self.rank, self.process_group)
         in_groups = {id(s.param) for g in self.groups for s in g.slots}
         self.frozen = [p for p in _unique_params(self.module) if id(p) not in in_groups]
@@ -180,8 +181,8 @@ class Engine(CheckpointMethods):
         self.grad_placeholders = GradPlaceholders(self.reducer.slots, self.stage, self.loss_scaler is not None,
                                                   folded=self.reducer.folds)
 
-    def _build_scheduler(self, factory: Optional[Callable[[torch.optim.Optimizer], LRScheduler]]
-                         ) -> Optional[LRScheduler]:
+    def _build_scheduler(self, factory: Callable[[torch.optim.Optimizer], LRScheduler] | None
+                         ) -> LRScheduler | None:
         if factory is None:
             return build_scheduler(self.config.scheduler, self.optimizer) if self.config.scheduler is not None else None
         scheduler = factory(self.optimizer)
@@ -236,7 +237,7 @@ class Engine(CheckpointMethods):
             comm.broadcast(t, src, self.process_group, self.ledger, "init")
 
     # ---- training loop -----------------------------------------------------------------------------
-    def collective_call(self, name: str) -> ContextManager[None]:
+    def collective_call(self, name: str) -> AbstractContextManager[None]:
         """Context of one collective engine call: every rank agrees on it first (see
         :mod:`zerodp.runtime.collective_guard`); raises CollectiveError subclasses otherwise. Any
         call but forward first finishes an optimizer step still updating (``overlap_step``)."""
@@ -257,11 +258,11 @@ class Engine(CheckpointMethods):
 
     forward = __call__
 
-    def train(self, mode: bool = True) -> "Engine":
+    def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
         return self
 
-    def eval(self) -> "Engine":
+    def eval(self) -> Engine:
         self.module.eval()
         return self
 
@@ -425,7 +426,7 @@ class Engine(CheckpointMethods):
             comm.all_reduce(flag, None, self.ledger, "checkpoint", op=dist.ReduceOp.MAX)
         return not bool(flag)
 
-    def get_global_grad_norm(self) -> Optional[float]:
+    def get_global_grad_norm(self) -> float | None:
         """L2 norm of the full (averaged, unscaled) gradient at the last optimizer step, before the
         ``gradient_clipping`` of the config (after the user's own, e.g. :meth:`clip_grad_norm_`); None
         before the first step. Computed at every step, with or without clipping."""
@@ -459,7 +460,7 @@ class Engine(CheckpointMethods):
         paper's formula for this stage (see :func:`zerodp.runtime.accounting.memory_report`)."""
         return accounting.memory_report(self)
 
-    def offload_report(self) -> Optional[OffloadReport]:
+    def offload_report(self) -> OffloadReport | None:
         """Host and NVMe bytes of this rank's offloaded optimizer partition (None without offload)."""
         return offload_report(self)
 
@@ -470,7 +471,7 @@ class Engine(CheckpointMethods):
     def reset_comm_report(self) -> None:
         self.ledger.reset()
 
-    def shards_resident(self, groups: Optional[Sequence[FlatGroup]] = None, write: bool = False) -> ContextManager:
+    def shards_resident(self, groups: Sequence[FlatGroup] | None = None, write: bool = False) -> AbstractContextManager:
         """Stage 3 with ``offload_param``: this rank's shards (all, or those of ``groups``) hold their
         values for the block, written home afterwards with ``write`` (see
         :mod:`zerodp.offload.param_swap`); otherwise a no-op."""

@@ -4,7 +4,8 @@ groups, the engine, and the optional LR scheduler and activation-checkpointing c
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -12,22 +13,22 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from zerodp.config import ZeroDPConfig, load_config
-from zerodp.runtime.config_agreement import agree_on_settings, flat_settings
 from zerodp.engine import Engine
-from zerodp.runtime.wrapped import refuse_wrapped
 from zerodp.runtime import activation_checkpointing, comm, control
+from zerodp.runtime.config_agreement import agree_on_settings, flat_settings
 from zerodp.runtime.device import check_module_device, resolve_device
 from zerodp.runtime.guards import check_model_at_initialize
 from zerodp.runtime.optim import normalize_param_groups
 from zerodp.runtime.topology import resolve_topology
+from zerodp.runtime.wrapped import refuse_wrapped
 
 
 def initialize(
     model: nn.Module,
-    config: Union[str, Mapping[str, Any], ZeroDPConfig, None] = None,
-    model_parameters: Optional[Iterable[Any]] = None,
-    process_group: Optional[dist.ProcessGroup] = None,
-    lr_scheduler: Optional[Callable[[torch.optim.Optimizer], LRScheduler]] = None,
+    config: str | Mapping[str, Any] | ZeroDPConfig | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], LRScheduler] | None = None,
     mpu: Any = None,
 ) -> Engine:
     """Wrap ``model`` in a ZeRO engine.
@@ -89,7 +90,7 @@ def initialize(
 __all__ = ["initialize"]
 
 
-def place_on_engine_device(model: nn.Module, cfg: ZeroDPConfig, group: Optional[dist.ProcessGroup]) -> torch.device:
+def place_on_engine_device(model: nn.Module, cfg: ZeroDPConfig, group: dist.ProcessGroup | None) -> torch.device:
     """Resolve the engine's device (config key ``device``, :func:`zerodp.runtime.device.resolve_device`)
     and move ``model`` there, as DeepSpeed's engine moves the module to ``cuda:LOCAL_RANK``; a model
     already there stays. Returns the device (``engine.device``).

@@ -13,7 +13,8 @@ appended to its row, before the next tile is allocated, so the whole weight neve
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -78,7 +79,7 @@ class TiledLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, in_splits: int = 1,
                  out_splits: int = 1, input_is_already_split: bool = False, combine_out_splits: bool = True,
-                 linear_cls: type = nn.Linear, init_linear: Optional[nn.Module] = None, **kwargs: Any) -> None:
+                 linear_cls: type = nn.Linear, init_linear: nn.Module | None = None, **kwargs: Any) -> None:
         super().__init__()
         _check_splits("in_splits", in_splits, in_features, "in_features")
         _check_splits("out_splits", out_splits, out_features, "out_features")
@@ -94,7 +95,7 @@ class TiledLinear(nn.Module):
         self.out_parts = [0, *_cumsum(self.out_sizes)]
         bound = 1.0 / math.sqrt(in_features)
         self.linears = nn.ModuleList()
-        for o, rows in enumerate(self.out_sizes):
+        for rows in self.out_sizes:
             row = nn.ModuleList()
             self.linears.append(row)  # registered first: under Init each tile is partitioned on append
             for i, cols in enumerate(self.in_sizes):
@@ -108,10 +109,10 @@ class TiledLinear(nn.Module):
         if init_linear is not None:
             self.copy_params_from(init_linear)
 
-    def forward(self, input_: Union[torch.Tensor, Sequence[torch.Tensor]]
-                ) -> Union[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, input_: torch.Tensor | Sequence[torch.Tensor]
+                ) -> torch.Tensor | list[torch.Tensor]:
         if self.input_is_already_split:
-            inputs = list(input_)  # type: ignore[arg-type]
+            inputs = list(input_)
             if len(inputs) != self.in_splits:
                 raise ValueError(f"TiledLinear: input_is_already_split expects {self.in_splits} chunks, "
                                  f"got {len(inputs)}")
@@ -122,7 +123,7 @@ class TiledLinear(nn.Module):
                 raise ValueError(f"TiledLinear: input must be (*, {self.in_features}), got {got}")
             inputs = list(torch.split(x, self.in_sizes, dim=-1)) if self.in_splits > 1 else [x]
         outputs: list[torch.Tensor] = []
-        for row in self.linears:
+        for row in cast(Sequence[nn.ModuleList], self.linears):  # rows of tiles, as built in __init__
             acc = row[0](inputs[0])
             for i in range(1, self.in_splits):
                 acc = acc + row[i](inputs[i])
@@ -160,14 +161,15 @@ class TiledLinear(nn.Module):
             if src_bias is not None and tuple(src_bias.shape) != (self.out_features,):
                 raise ValueError(f"copy_params_from: bias has shape {tuple(src_bias.shape)}, needs "
                                  f"({self.out_features},)")
-            for o, row in enumerate(self.linears):
+            for o, row in enumerate(cast(Sequence[nn.ModuleList], self.linears)):  # rows of tiles
                 r0, r1 = self.out_parts[o], self.out_parts[o + 1]
-                for i, tile in enumerate(row):
+                for i, tile in enumerate(cast(Sequence[nn.Linear], row)):  # Linear-like: weight, bias
                     c0, c1 = self.in_parts[i], self.in_parts[i + 1]
                     params = [tile.weight] + ([tile.bias] if tile.bias is not None else [])
                     with GatheredParameters(params, modifier_rank=0):
                         tile.weight.copy_(weight[r0:r1, c0:c1])
                         if tile.bias is not None:
+                            assert src_bias is not None  # checked above: a bias on both sides or neither
                             tile.bias.copy_(src_bias[r0:r1])
 
     def extra_repr(self) -> str:

@@ -20,26 +20,30 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Optional
+from types import FrameType
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from zerodp.runtime import comm
-from zerodp.runtime.comm import CommLedger
-from zerodp.runtime.device import DeviceError, resolve_device
-from zerodp.accessors import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                              safe_set_full_fp32_param, safe_set_full_optimizer_state)
+from zerodp.accessors import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
 from zerodp.config import ConfigError, load_config
 from zerodp.offload.config import OffloadParamConfig
 from zerodp.offload.param_swap import ParamSwapper
-from zerodp.stage3.ownership import (OWNERS, Owner, add_pending_external, full_numel, is_partitioned,
-                                     materialize)
+from zerodp.runtime import comm
+from zerodp.runtime.comm import CommLedger
+from zerodp.runtime.device import DeviceError, resolve_device
 from zerodp.stage3.allocator import pin_mmap_threshold
 from zerodp.stage3.gathered import GatheredParameters
 from zerodp.stage3.init_writes import InitTouchMode
+from zerodp.stage3.ownership import OWNERS, Owner, add_pending_external, full_numel, is_partitioned, materialize
 from zerodp.stage3.synced import synced_generate
 from zerodp.stage3.units import ShardedUnit, shard_unit
 from zerodp.tiling import TiledLinear
@@ -139,8 +143,8 @@ class Init:
     """
 
     def __init__(self, config: object = None, enabled: bool = True,
-                 process_group: Optional[dist.ProcessGroup] = None, remote_device: Optional[str] = None,
-                 pin_memory: Optional[bool] = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, remote_device: str | None = None,
+                 pin_memory: bool | None = None) -> None:
         self.config = load_config(config)  # type: ignore[arg-type]
         self.enabled = enabled
         if enabled and self.config.zero_optimization.stage != 3:
@@ -155,22 +159,24 @@ class Init:
         self.ledger = CommLedger()
         self.units: list[ShardedUnit] = []
         self._handles: list = []
-        self._touch: Optional[InitTouchMode] = None
+        self._touch: InitTouchMode | None = None
         self._touch_gathers = 0
         #: modules that registered parameters and are not partitioned yet (id -> weak reference)
         self._pending: dict[int, weakref.ref] = {}
         #: the units Init built for each module (a module registering parameters after its partition
         #: gets one unit holding all of them, as the engine lays it out)
-        self._units_of: "weakref.WeakKeyDictionary[nn.Module, list[ShardedUnit]]" = weakref.WeakKeyDictionary()
+        self._units_of: weakref.WeakKeyDictionary[nn.Module, list[ShardedUnit]] = weakref.WeakKeyDictionary()
         #: offload_param nvme: the swap file each new unit's shard is written to at once (the engine
         #: moves the shards into its own swap file when it adopts the units)
-        self.swapper: Optional[ParamSwapper] = None
+        self.swapper: ParamSwapper | None = None
 
-    def __enter__(self) -> "Init":
+    def __enter__(self) -> Init:
         if not self.enabled:
             return self
-        from torch.nn.modules.module import (register_module_module_registration_hook,
-                                             register_module_parameter_registration_hook)
+        from torch.nn.modules.module import (
+            register_module_module_registration_hook,
+            register_module_parameter_registration_hook,
+        )
 
         comm.init_distributed()
         self.device = resolve_device(self.config.device, self.pg)  # each shard is allocated there
@@ -206,7 +212,7 @@ class Init:
                 touch.__exit__(None, None, None)
         self._pending.clear()
 
-    def _on_parameter(self, module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+    def _on_parameter(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         """A parameter is registered on ``module``: the construction of every other pending module is
         over (partition them); ``module`` is pending until its own construction is."""
         if param is None or self._touch is None or self._touch.busy:
@@ -215,13 +221,13 @@ class Init:
         self._pending[id(module)] = weakref.ref(module)
         return None
 
-    def _on_register(self, parent: nn.Module, name: str, child: Optional[nn.Module]) -> None:
+    def _on_register(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
         if child is None or self._touch is None or self._touch.busy:
             return
         self._pending.pop(id(child), None)
         self._seal(child, name)
 
-    def _seal_pending(self, keep: Optional[nn.Module] = None) -> None:
+    def _seal_pending(self, keep: nn.Module | None = None) -> None:
         """Partition the pending modules but ``keep`` and those whose ``__init__`` is still running (a
         parent that registered a parameter and now builds a child); on exit (``keep`` None), all."""
         for key in [k for k in self._pending if keep is None or k != id(keep)]:
@@ -249,10 +255,11 @@ class Init:
         if before:  # parameters registered after the module was partitioned: one unit for all of them
             mine = {id(s.param) for u in before for s in u.slots}
             again = [p for p in params if id(p) in mine]
+            assert self._touch is not None  # entered: set in __enter__
             widen = [self._touch.forget(u) for u in before]
             for u in before:
                 if u.home is not None:
-                    u.home.swapper.forget(u.home)
+                    u.home.swapper.forget(u.home)  # type: ignore[attr-defined]  # Init's homes are param_swap's
                     u.home = None
             materialize(again)
             built_as = next((d for d in widen if d is not None), None)
@@ -281,6 +288,7 @@ class Init:
         pin = self.remote.device == "cpu" and self.remote.pin_memory and torch.cuda.is_available()
         unit = shard_unit(name, named, 0, [-1] * len(named), rank, world, sync=sync, pin_memory=pin)
         if built.is_floating_point and built != unit.shard.dtype:
+            assert self._touch is not None  # entered: set in __enter__
             self._touch.built_dtype[id(unit)] = built  # touched later: gathered in this dtype
         if self.swapper is not None:  # offload_param nvme: straight to the swap file
             unit.home = self.swapper.add(name, unit.shard)
@@ -298,8 +306,8 @@ class Init:
 REMOTE_DEVICES = ("none", "cpu", "nvme")
 
 
-def resolve_remote_device(po: OffloadParamConfig, remote_device: Optional[str],
-                          pin_memory: Optional[bool]) -> OffloadParamConfig:
+def resolve_remote_device(po: OffloadParamConfig, remote_device: str | None,
+                          pin_memory: bool | None) -> OffloadParamConfig:
     """The ``offload_param`` section :class:`Init` builds with: the config's, with ``remote_device``
     (None or "none": the config's device, as DeepSpeed reads an unset one) and ``pin_memory`` (None:
     the config's) applied. A ``str`` enum (DeepSpeed's ``OffloadDeviceEnum``) is read by its value.
@@ -329,7 +337,7 @@ def resolve_remote_device(po: OffloadParamConfig, remote_device: Optional[str],
 
 def _constructing(module: nn.Module) -> bool:
     """Whether an ``__init__`` of ``module`` is on the call stack (its construction is not over)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is module:
             return True
@@ -337,6 +345,7 @@ def _constructing(module: nn.Module) -> bool:
     return False
 
 
-__all__ = ["GatheredParameters", "Init", "REMOTE_DEVICES", "resolve_remote_device", "TiledLinear", "register_external_parameter", "full_numel", "is_partitioned",
+__all__ = ["GatheredParameters", "Init", "REMOTE_DEVICES", "resolve_remote_device", "TiledLinear",
+           "register_external_parameter", "full_numel", "is_partitioned",
            "safe_get_full_grad", "safe_get_full_fp32_param", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "synced_generate"]

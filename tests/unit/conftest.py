@@ -16,7 +16,7 @@ destroyed first; a later ``zerodp.init_distributed()`` creates a fresh one.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from zerodp.runtime.accounting import (
-    FP32_ADAM, MIXED_PRECISION_ADAM, BytesPerElement, comm_elements_per_step, estimate_table, human_bytes,
+    FP32_ADAM,
+    MIXED_PRECISION_ADAM,
+    BytesPerElement,
+    comm_elements_per_step,
+    estimate_table,
+    human_bytes,
     model_state_bytes,
 )
 from zerodp.runtime.comm import CommLedger

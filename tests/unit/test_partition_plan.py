@@ -16,7 +16,10 @@ from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, mem
 
 def _params(sizes: list[int], requires_grad: list[bool] | None = None) -> list[tuple[str, nn.Parameter]]:
     flags = requires_grad or [True] * len(sizes)
-    return [(f"p{i}", nn.Parameter(torch.randn(n), requires_grad=g)) for i, (n, g) in enumerate(zip(sizes, flags))]
+    return [
+        (f"p{i}", nn.Parameter(torch.randn(n), requires_grad=g))
+        for i, (n, g) in enumerate(zip(sizes, flags, strict=True))
+    ]
 
 
 def _random_case(seed: int) -> tuple[list[int], int, int]:
@@ -129,7 +132,7 @@ def test_flatten_keeps_values_views_and_zero_padding() -> None:
     strides = [p.stride() for _, p in named]
     slots, buckets, total = plan_buckets(named, 0, bucket_size=1000, world_size=4)
     buffer = flatten_into(slots, total)
-    for (_, p), want, stride in zip(named, before, strides):
+    for (_, p), want, stride in zip(named, before, strides, strict=True):
         assert torch.equal(p.detach(), want) and p.stride() == stride  # channels_last kept
         assert buffer.data_ptr() <= p.data_ptr() < buffer.data_ptr() + total * buffer.element_size()
     used = sum(s.numel for s in slots)

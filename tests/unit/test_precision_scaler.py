@@ -21,8 +21,8 @@ def test_dynamic_schedule_follows_hysteresis_and_window() -> None:
     """2**4 = 16 at first; hysteresis 2: the first overflow after a (re)start only spends the budget,
     the next ones halve; 3 clean steps in a row double and restore the budget; never below 2."""
     s = _scaler(initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=2.0)
-    O, C = True, False
-    events = [O, O, O, C, C, C, O, C, C, O, O, O, C, C, C]
+    X, C = True, False  # X: an overflow, C: a clean step
+    events = [X, X, X, C, C, C, X, C, C, X, X, X, C, C, C]
     want = [16, 8, 4, 4, 4, 8, 8, 8, 8, 4, 2, 2, 2, 2, 4]
     got = []
     for overflow in events:

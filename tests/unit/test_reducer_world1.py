@@ -17,7 +17,10 @@ from torch import nn
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
 from zerodp.runtime.reducer import (
-    DIRECT_BACKWARD_MESSAGE, AllReduceReducer, FullGradReduceScatter, PartitionedGradReducer,
+    DIRECT_BACKWARD_MESSAGE,
+    AllReduceReducer,
+    FullGradReduceScatter,
+    PartitionedGradReducer,
 )
 
 
@@ -94,7 +97,7 @@ def test_reduced_gradient_equals_autograd(world1, stage: int, kwargs: dict, step
     ref(batches[0]).backward()
     piece = next(p for p in group.pieces if p.slot.name == "a.weight")
     torch.testing.assert_close(reducer.piece_grad(group, piece.lo, piece.hi),
-                               ref.a.weight.grad.reshape(-1)[piece.lo - piece.slot.offset : piece.hi - piece.slot.offset])
+                               ref.a.weight.grad.reshape(-1)[piece.lo - piece.slot.offset:piece.hi - piece.slot.offset])
 
 
 @pytest.mark.parametrize("stage", [0, 2])

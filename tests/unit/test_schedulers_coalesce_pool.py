@@ -70,11 +70,11 @@ def test_coalesced_all_gathers_fill_every_output(world1) -> None:
     inputs = [torch.randn(n) for n in (3, 5, 2)]
     outputs = [torch.full((n,), float("nan")) for n in (3, 5, 2)]
     launches = [lambda i=i, o=o: _ALL_GATHER(o, i, async_op=True)
-                for i, o in zip(inputs, outputs)]
+                for i, o in zip(inputs, outputs, strict=True)]
     work = coalesced(None, launches)
     assert work is not None
     work.wait()
-    for i, o in zip(inputs, outputs):
+    for i, o in zip(inputs, outputs, strict=True):
         assert torch.equal(i, o)
     single = torch.zeros(3)
     coalesced(None, [lambda: _ALL_GATHER(single, inputs[0], async_op=True)]).wait()

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -42,7 +42,7 @@ def _merge(into: dict[str, int], other: dict[str, int]) -> None:
 
 
 class FakeStream:
-    def __init__(self, world: "FakeDeviceModule", name: Optional[str] = None) -> None:
+    def __init__(self, world: FakeDeviceModule, name: str | None = None) -> None:
         self.world = world
         self.name = name or f"side{next(world.ids)}"
         self.clock: dict[str, int] = {}
@@ -51,32 +51,32 @@ class FakeStream:
         self.clock[self.name] = self.clock.get(self.name, 0) + 1
         return dict(self.clock)
 
-    def wait_event(self, event: "FakeEvent") -> None:
+    def wait_event(self, event: FakeEvent) -> None:
         self.world.log.append(("wait", self.name, event))
         _merge(self.clock, event.clock)
 
-    def wait_stream(self, other: "FakeStream") -> None:
+    def wait_stream(self, other: FakeStream) -> None:
         self.world.log.append(("wait_stream", self.name, other.name))
         _merge(self.clock, other.clock)
 
-    def record_event(self) -> "FakeEvent":
+    def record_event(self) -> FakeEvent:
         event = FakeEvent(self.world)
         event.record(self)
         return event
 
 
 class FakeEvent:
-    def __init__(self, world: "FakeDeviceModule", **_: Any) -> None:
+    def __init__(self, world: FakeDeviceModule, **_: Any) -> None:
         self.world = world
         self.clock: dict[str, int] = {}
-        self.stream: Optional[str] = None
+        self.stream: str | None = None
 
-    def record(self, stream: Optional[FakeStream] = None) -> None:
+    def record(self, stream: FakeStream | None = None) -> None:
         stream = stream or self.world.current
         self.clock, self.stream = stream.tick(), stream.name
         self.world.log.append(("record", stream.name, self))
 
-    def wait(self, stream: Optional[FakeStream] = None) -> None:
+    def wait(self, stream: FakeStream | None = None) -> None:
         (stream or self.world.current).wait_event(self)
 
     def query(self) -> bool:
@@ -210,7 +210,7 @@ def test_collectives_are_ordered_against_the_compute_stream(world1, monkeypatch,
     # the compute stream waited for it (one _complete per bucket, in launch order)
     completes = [e for e in log if e[:2] == ("op", "complete")]
     assert len(completes) == len(reductions) > 0
-    for r, c in zip(reductions, completes):
+    for r, c in zip(reductions, completes, strict=True):
         issued_compute_clock, reduce_tick = r[5], r[6]
         assert reduce_tick.get("compute", 0) >= issued_compute_clock.get("compute", 0), r
         assert c[-1].get("reduce", 0) >= reduce_tick["reduce"], (r, c)
@@ -219,7 +219,7 @@ def test_collectives_are_ordered_against_the_compute_stream(world1, monkeypatch,
     if stage < 3:
         return
     # a layer's forward runs after the compute stream waited past its unit's last all-gather
-    weight_ptr = {id(p): l.tag for l in layers for p in (l.weight, l.bias)}
+    weight_ptr = {id(p): layer.tag for layer in layers for p in (layer.weight, layer.bias)}
     last_gather: dict[str, dict] = {}
     forwards = 0
     for e in log:

@@ -30,27 +30,41 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
-import tempfile
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import zerodp
 from zerodp.app import bench_device, bench_offload, bench_rss
-from zerodp.app.bench_measure import (CATEGORIES, RssSampler, TrafficCounter, live_storage_bytes,
-                                      live_storages, release_free_memory)
-from zerodp.app.bench_report import (BenchResult, FreshRank, RankMemory, StepTimes, SweepPoint, SystemResult,
-                                     Traffic, format_table, plot_all)
 from zerodp.app.bench_device import FRESH_RSS_ON_GPU
+from zerodp.app.bench_measure import (
+    CATEGORIES,
+    RssSampler,
+    TrafficCounter,
+    live_storage_bytes,
+    live_storages,
+    release_free_memory,
+)
+from zerodp.app.bench_report import (
+    BenchResult,
+    FreshRank,
+    RankMemory,
+    StepTimes,
+    SweepPoint,
+    SystemResult,
+    Traffic,
+    format_table,
+    plot_all,
+)
 from zerodp.app.bench_systems import SYSTEMS, Builder, Skipped, System, offload_systems
 from zerodp.app.model import GPTConfig, count_parameters
 from zerodp.runtime.accounting import FP32_ADAM, comm_elements_per_step, model_state_bytes
@@ -92,7 +106,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[GPTConfig, int]:
     return cfg, pick(args.micro_batch, micro)
 
 
-def _names_matching(flag: str, value: Optional[str]) -> list[str]:
+def _names_matching(flag: str, value: str | None) -> list[str]:
     """The comma-separated names of ``--only`` / ``--exclude``, each of which must be part of a
     system's name (as they are matched)."""
     names = [o.strip() for o in (value or "").split(",") if o.strip()]
@@ -160,15 +174,15 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--out {args.out!r} is not a writable directory (bench.json and the charts go there)")
 
 
-def _agree_skip(reason: Optional[str]) -> Optional[str]:
+def _agree_skip(reason: str | None) -> str | None:
     """Every rank's skip reason; a system skipped on any rank is skipped on all."""
-    reasons: list[Optional[str]] = [None] * dist.get_world_size()
+    reasons: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(reasons, reason)
     return next((r for r in reasons if r), None)
 
 
 def _build(build: Builder, cfg: GPTConfig, probe: bool,
-           device: torch.device = bench_device.CPU) -> tuple[Optional[System], Optional[str]]:
+           device: torch.device = bench_device.CPU) -> tuple[System | None, str | None]:
     system, reason = None, None
     try:
         system = build(cfg, LR, probe, device=device)
@@ -231,7 +245,7 @@ def _quartiles(ts: list[float]) -> StepTimes:
     return StepTimes(n=len(ts), median=statistics.median(ts), q1=q[0], q3=q[2], min=min(ts), max=max(ts))
 
 
-def _deepspeed_version() -> Optional[str]:
+def _deepspeed_version() -> str | None:
     try:
         from importlib.metadata import version
         return version("deepspeed")
@@ -239,7 +253,7 @@ def _deepspeed_version() -> Optional[str]:
         return None
 
 
-def run(args: argparse.Namespace) -> Optional[BenchResult]:
+def run(args: argparse.Namespace) -> BenchResult | None:
     """Run the benchmark on this rank (inside torchrun); returns the result on rank 0, else None.
 
     Raises:
@@ -352,11 +366,11 @@ def _assemble(args: argparse.Namespace, cfg: GPTConfig, micro: int, psi: int, wo
                        if c in CATEGORIES}
             formula["buffers"] = float(p["measured"]["buffers"])  # not model state in the paper
         ratios, all_times = [], [t for rnd in times[name] for t in rnd]
-        for rnd, base in zip(times[name], times.get("DDP", [])):
+        for rnd, base in zip(times[name], times.get("DDP", []), strict=False):
             ratios.append(statistics.median(rnd) / statistics.median(base))
         steps = len(p["losses"])
         counted = p["traffic_countable"] and (p["traffic_elements"] > 0 or world == 1)
-        diffs = [abs(a - b) for a, b in zip(p["losses"], ddp_losses)]
+        diffs = [abs(a - b) for a, b in zip(p["losses"], ddp_losses, strict=False)]
         systems.append(SystemResult(
             name=name, family=p["family"], stage=p["stage"], status="ran",
             step_time=_quartiles(all_times) if all_times else None,
@@ -440,7 +454,7 @@ def launch_env(device: str = "cpu") -> dict[str, str]:
     return env
 
 
-def run_sweep(args: argparse.Namespace, prefix: list[str]) -> Optional[str]:
+def run_sweep(args: argparse.Namespace, prefix: list[str]) -> str | None:
     """Run the ``--sweep-ranks`` probes; returns the comma-joined JSON files, or None when none ran.
 
     Raises:

@@ -18,8 +18,6 @@ patched.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from zerodp.runtime.device import device_handle, resolve_device
@@ -87,7 +85,7 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_memory(device: torch.device) -> Optional[int]:
+def peak_memory(device: torch.device) -> int | None:
     """Bytes of ``device`` memory allocated at the peak since :func:`reset_peak_memory`
     (``torch.cuda.max_memory_allocated``); None on the CPU (its memory is the RSS columns')."""
     if device.type != "cuda":

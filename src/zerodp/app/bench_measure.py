@@ -23,7 +23,8 @@ import threading
 import time
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Mapping, Optional
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
-def _storage_key(t: torch.Tensor) -> Optional[tuple[int, int]]:
+def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
     try:
         s = _local(t).untyped_storage()
         key = (s.data_ptr(), s.nbytes())
@@ -48,7 +49,7 @@ def _storage_key(t: torch.Tensor) -> Optional[tuple[int, int]]:
     return None if key[0] == 0 or key[1] == 0 else key
 
 
-def live_storage_bytes(sources: Mapping[str, Iterable[torch.Tensor]],
+def live_storage_bytes(sources: Mapping[str, Iterable[torch.Tensor | None]],
                        baseline: frozenset[tuple[int, int]] = frozenset()) -> dict[str, int]:
     """Bytes of live storage per category of ``sources``; a storage shared by two categories counts in
     the first one (order of ``sources``). ``unattributed`` adds every other storage reachable from a
@@ -119,7 +120,7 @@ class RssSampler:
         self.start = 0
         self.peak = 0
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -130,7 +131,7 @@ class RssSampler:
         """Take one sample now (call it at points known to be high, e.g. after backward)."""
         self.peak = max(self.peak, current_rss())
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self.start = self.peak = current_rss()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -200,7 +201,7 @@ class TrafficCounter:
         counted.__wrapped__ = fn  # type: ignore[attr-defined]
         return counted
 
-    def __enter__(self) -> "TrafficCounter":
+    def __enter__(self) -> TrafficCounter:
         originals: dict[int, tuple[str, Callable]] = {}
         for name, (op, count) in _COLLECTIVES.items():
             fn = getattr(dist, name, None)
@@ -222,9 +223,10 @@ class TrafficCounter:
         self._saved.clear()
 
 
-def counting_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses string annotations
-    """``(state: ProcessGroup | None, bucket: dist.GradBucket) -> Future[Tensor]``: DDP comm hook equal to DDP's default (all-reduce, then divide by the world size) issued through
-    ``dist.all_reduce`` so that :class:`TrafficCounter` sees it."""
+def counting_allreduce_hook(state, bucket):  # DDP refuses string annotations
+    """``(state: ProcessGroup | None, bucket: dist.GradBucket) -> Future[Tensor]``: DDP comm hook equal to DDP's default
+    (all-reduce, then divide by the world size) issued through ``dist.all_reduce`` so that :class:`TrafficCounter` sees
+    it."""
     group = state if state is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     buf = bucket.buffer()

@@ -15,7 +15,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from zerodp.offload.config import AioConfig
 NVME_ENGINES: list[Any] = []
 
 
-def raw_direct_io(directory: str, nbytes: int, cfg: Optional[AioConfig] = None, repeats: int = 3,
+def raw_direct_io(directory: str, nbytes: int, cfg: AioConfig | None = None, repeats: int = 3,
                   streams: int = 1) -> tuple[float, float]:
     """Median seconds to write then read ``nbytes`` sequentially with direct I/O in ``directory``
     (the same thread pool and block size as the swapper); returns (write s, read s). ``streams``
@@ -39,18 +39,18 @@ def raw_direct_io(directory: str, nbytes: int, cfg: Optional[AioConfig] = None, 
     files = [SwapFile(tempfile.mktemp(prefix="zerodp_raw_", dir=directory)) for _ in range(streams)]
     writes, reads = [], []
     try:
-        for buf, f in zip(bufs, files):
+        for buf, f in zip(bufs, files, strict=True):
             buf.fill_(7)
             os.posix_fallocate(f.fd, 0, buf.numel())
         for _ in range(repeats):
             t0 = time.perf_counter()
-            for h in [io.write(f, buf, 0) for io, f, buf in zip(ios, files, bufs)]:
+            for h in [io.write(f, buf, 0) for io, f, buf in zip(ios, files, bufs, strict=True)]:
                 h.wait()
             for f in files:
                 os.fsync(f.fd)
             writes.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            for h in [io.read(f, buf, 0) for io, f, buf in zip(ios, files, bufs)]:
+            for h in [io.read(f, buf, 0) for io, f, buf in zip(ios, files, bufs, strict=True)]:
                 h.wait()
             reads.append(time.perf_counter() - t0)
     finally:
@@ -96,7 +96,8 @@ def swap_report(directory: str) -> str:
              f" ms, on writes {st.write_wait_seconds * 1e3:.1f} ms; disk busy {st.io_busy_seconds * 1e3:.1f} ms"
              f" ({busy / 1e6:.0f} MB/s while busy)"]
     for name, (w, r, together) in raws.items():
-        lines.append(f"  raw sequential direct I/O, {ranks} stream(s) of {st.bytes_read / 1e6:.1f} MB at once ({name}): "
+        lines.append(f"  raw sequential direct I/O, {ranks} stream(s) of {st.bytes_read / 1e6:.1f} MB at once "
+                     f"({name}): "
                      f"write {st.bytes_read / w / 1e6:.0f} MB/s, read {st.bytes_read / r / 1e6:.0f} MB/s, together "
                      f"{together / 1e6:.0f} MB/s per stream")
     ideal = max(st.update_seconds, moved / raw)  # perfect overlap: the slower of arithmetic and raw I/O
@@ -108,7 +109,9 @@ def swap_report(directory: str) -> str:
 def adam_kernels(numel: int, repeats: int = 5) -> str:
     """Median time of one torch AdamW step on ``numel`` fp32 CPU elements per implementation."""
     rows = []
-    for name, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
+    variants: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("for-loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True}))
+    for name, kw in variants:
         torch.manual_seed(0)
         ps = [torch.zeros(n, requires_grad=True) for n in _split(numel)]
         for p in ps:
@@ -133,7 +136,7 @@ def _split(numel: int, parts: int = 16) -> list[int]:
 
 
 def swapper_only(numel: int, nvme_path: str, sub_group_size: int, steps: int = 3,
-                 thread_count: int = 1, aio: Optional[dict[str, Any]] = None, buffer_count: int = 4,
+                 thread_count: int = 1, aio: dict[str, Any] | None = None, buffer_count: int = 4,
                  cpu_adam: str = "fused") -> str:
     """One rank, stage 1, a ``numel``-element stack of 1000 x 1000 linear layers with the optimizer on NVMe: the swap
     report after ``steps`` steps (``python -m zerodp.app.bench_offload``). ``aio``: more ``aio`` keys;

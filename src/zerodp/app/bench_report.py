@@ -12,7 +12,7 @@ DDP's in the same round, whiskers from the lowest to the highest round) and ``me
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,7 +48,7 @@ class RankMemory(_Strict):
     rss_before: int
     #: ``torch.cuda.max_memory_allocated`` bytes from the system's build to its last probe step
     #: (``--device cuda``); None on the CPU
-    peak_device: Optional[int] = None
+    peak_device: int | None = None
 
 
 class FreshRank(_Strict):
@@ -65,7 +65,7 @@ class Traffic(_Strict):
 
     elements_per_step: float
     psi_per_step: float
-    formula_psi: Optional[int] = None  # 2 (stages 0-2) or 3 (stage 3) per the paper, section 7
+    formula_psi: int | None = None  # 2 (stages 0-2) or 3 (stage 3) per the paper, section 7
     by_op: dict[str, list[int]] = Field(default_factory=dict)  # op -> [calls, elements] per step x steps
 
 
@@ -74,21 +74,21 @@ class SystemResult(_Strict):
 
     name: str
     family: str
-    stage: Optional[int] = None
+    stage: int | None = None
     status: Literal["ran", "skipped"]
-    reason: Optional[str] = None
-    step_time: Optional[StepTimes] = None
-    ratio_to_ddp: Optional[float] = None  # median over rounds of (system median / DDP median)
+    reason: str | None = None
+    step_time: StepTimes | None = None
+    ratio_to_ddp: float | None = None  # median over rounds of (system median / DDP median)
     ratio_per_round: list[float] = Field(default_factory=list)
     losses: list[float] = Field(default_factory=list)  # rank 0, every probe step
-    max_loss_diff_vs_ddp: Optional[float] = None  # max |loss - DDP's loss| over the probe steps
-    formula: Optional[dict[str, float]] = None  # bytes per rank, paper's table, fp32 AdamW
+    max_loss_diff_vs_ddp: float | None = None  # max |loss - DDP's loss| over the probe steps
+    formula: dict[str, float] | None = None  # bytes per rank, paper's table, fp32 AdamW
     memory: list[RankMemory] = Field(default_factory=list)
-    traffic: Optional[Traffic] = None  # None: no collective seen at torch.distributed's Python calls
+    traffic: Traffic | None = None  # None: no collective seen at torch.distributed's Python calls
     #                                   (DeepSpeed stage 3 issues its gathers below them)
     fresh_rss: list[FreshRank] = Field(default_factory=list)  # per rank, a process of its own
-    fresh_rss_vs_ddp: Optional[float] = None  # highest rank's peak / DDP's highest rank's peak
-    fresh_rss_note: Optional[str] = None  # why fresh_rss is empty (not requested, failed: the error)
+    fresh_rss_vs_ddp: float | None = None  # highest rank's peak / DDP's highest rank's peak
+    fresh_rss_note: str | None = None  # why fresh_rss is empty (not requested, failed: the error)
 
 
 class SweepPoint(_Strict):
@@ -97,7 +97,7 @@ class SweepPoint(_Strict):
     system: str
     world_size: int
     measured_total: int
-    formula_total: Optional[float] = None
+    formula_total: float | None = None
 
 
 class BenchResult(_Strict):
@@ -117,7 +117,7 @@ class BenchResult(_Strict):
     rounds: int
     probe_steps: int
     torch_version: str
-    deepspeed_version: Optional[str] = None
+    deepspeed_version: str | None = None
     cpu_count: int
     load_average_start: list[float]
     load_average_end: list[float]
@@ -193,9 +193,10 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
     # (a) model state per rank by category, measured and formula side by side
     mem = [s for s in ran if s.memory and s.formula is not None]
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(mem)), 4.5))
-    colors = dict(zip(CATEGORIES, ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3")))
+    colors = dict(zip(CATEGORIES, ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3"), strict=True))
     for i, s in enumerate(mem):
         for j, (label, values) in enumerate((("measured", s.memory[0].measured), ("formula", s.formula))):
+            assert values is not None  # mem: systems with a formula
             bottom = 0.0
             for c in CATEGORIES:
                 v = values.get(c, 0) / 2**20
@@ -204,11 +205,12 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
                        label=c if (i == 0 and j == 0) else None)
                 bottom += v
     ax.set_xticks(range(len(mem)), [_tick(s.name) for s in mem], fontsize=7)
-    tallest = max((sum(v.values()) for s in mem for v in (s.memory[0].measured, s.formula)), default=0.0)
+    tallest = max((sum(v.values()) for s in mem for v in (s.memory[0].measured, s.formula) if v is not None),
+                  default=0.0)
     ax.set_ylim(0, 1.35 * tallest / 2**20 or 1.0)  # room for the legend above the tallest bar
     ax.set_ylabel("MiB per rank (rank 0)")
-    ax.set_title(f"Model state per rank, {res.world_size} ranks, Psi = {res.psi:,} (left measured, right formula, hatched)",
-                 fontsize=8)
+    ax.set_title(f"Model state per rank, {res.world_size} ranks, Psi = {res.psi:,} "
+                 "(left measured, right formula, hatched)", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(out_dir / "memory_by_category.png")
@@ -220,6 +222,7 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(timed)), 4))
     for i, s in enumerate(timed):
         lo, hi = min(s.ratio_per_round), max(s.ratio_per_round)
+        assert s.ratio_to_ddp is not None  # timed
         ax.bar(i, s.ratio_to_ddp, color="#4C72B0" if s.family == "zerodp" else "#999999")
         ax.errorbar(i, s.ratio_to_ddp, yerr=[[s.ratio_to_ddp - lo], [hi - s.ratio_to_ddp]], color="k", capsize=3)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
@@ -245,7 +248,8 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
                         marker="osD^v<>p"[k % 8], markersize=4 + 2 * (len(names) - k),
                         markerfacecolor="none" if k < len(names) - 1 else None, label=name)
         if all(p.formula_total is not None for p in ps):
-            ax.plot([p.world_size for p in ps], [p.formula_total / 2**20 for p in ps], ":", color=line.get_color())
+            formula = [p.formula_total / 2**20 for p in ps if p.formula_total is not None]
+            ax.plot([p.world_size for p in ps], formula, ":", color=line.get_color())
     ax.set_xlabel("ranks")
     ax.set_xticks(sorted({p.world_size for p in points}))
     ax.set_ylabel("model state MiB per rank (dotted: formula)")

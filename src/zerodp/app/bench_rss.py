@@ -10,7 +10,8 @@ one prefix per system), builds the system, trains ``--probe-steps`` steps on the
 mark of its resident set (``VmHWM`` in ``/proc/self/status``: exact, not sampled) before exiting.
 
 The ratio of a system's peak to DDP's (highest rank of each) is what the issue's target
-"zerodp peak RSS per rank <= DDP's" is checked against (``fresh_rss_vs_ddp`` in :class:`zerodp.app.bench_report.SystemResult`).
+"zerodp peak RSS per rank <= DDP's" is checked against (``fresh_rss_vs_ddp`` in
+:class:`zerodp.app.bench_report.SystemResult`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from __future__ import annotations
 import json
 import os
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any
 
 from zerodp.app.bench_measure import current_rss
 
 #: (name, build) -> (system or None, skip reason); ``build`` runs inside the child's process group.
-BuildFn = Callable[[], tuple[Optional[Any], Optional[str]]]
+BuildFn = Callable[[], tuple[Any | None, str | None]]
 
 
 def peak_rss() -> int:
@@ -40,7 +42,7 @@ def peak_rss() -> int:
     raise RuntimeError("/proc/self/status has no VmHWM line; fresh-process RSS needs Linux")
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     """Why the fresh-process measurement cannot run here, or None."""
     if not hasattr(os, "fork") or not os.path.exists("/proc/self/status"):
         return "needs Linux (fork and /proc/self/status)"
@@ -49,7 +51,7 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
-def _child(index: int, train: Callable[[], Optional[str]], wfd: int) -> None:
+def _child(index: int, train: Callable[[], str | None], wfd: int) -> None:
     """Body of the forked child: own process group, train, report, exit (never returns)."""
     out: dict[str, Any]
     try:
@@ -75,7 +77,7 @@ def _child(index: int, train: Callable[[], Optional[str]], wfd: int) -> None:
 
 
 def _read_all(fd: int) -> bytes:
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         b = os.read(fd, 65536)
         if not b:
@@ -89,7 +91,7 @@ def measure(index: int, build: BuildFn, make_batches: Callable[[], list]) -> dic
     skipped (same reason on every rank), or ``{"error": ...}`` when the child failed. Must be called in
     the same order with the same ``index`` on every rank, before the parent joins a process group.
     """
-    def train() -> Optional[str]:
+    def train() -> str | None:
         batches = make_batches()
         system, reason = build()
         if system is None:

@@ -22,8 +22,9 @@ DeepSpeed's accelerator, which must be of the same type (else the row is skipped
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ import zerodp
 from zerodp.app.bench_measure import counting_allreduce_hook
 from zerodp.app.model import GPT, GPTConfig
 
-Tensors = Iterable[Optional[torch.Tensor]]
+Tensors = Iterable[torch.Tensor | None]
 
 
 class Skipped(Exception):
@@ -66,13 +67,13 @@ class System:
 
     name: str
     family: str
-    stage: Optional[int]
+    stage: int | None
     module: nn.Module
     forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     step: Callable[[], None]
     sources: Callable[[], dict[str, Tensors]]
     traffic_targets: list[tuple[Any, str]] = field(default_factory=list)
-    offload: Optional[str] = None  # offload_optimizer.device ("cpu", "nvme") or None
+    offload: str | None = None  # offload_optimizer.device ("cpu", "nvme") or None
     #: False: its collectives are issued below ``torch.distributed``'s Python functions (DeepSpeed
     #: stage 3's parameter gathers), so the counted traffic would be a fraction: reported as not measured
     traffic_countable: bool = True
@@ -84,7 +85,8 @@ Builder = Callable[..., System]
 CPU = torch.device("cpu")
 
 
-def _torch_sources(module: nn.Module, opt: Any, opt_params: Callable[[], list[Any]]) -> Callable[[], dict[str, Tensors]]:
+def _torch_sources(module: nn.Module, opt: Any,
+                   opt_params: Callable[[], list[Any]]) -> Callable[[], dict[str, Tensors]]:
     def sources() -> dict[str, Tensors]:
         params = list(module.parameters())
         own = {id(p) for p in params}
@@ -96,7 +98,7 @@ def _torch_sources(module: nn.Module, opt: Any, opt_params: Callable[[], list[An
     return sources
 
 
-def _plain(name: str, stage: Optional[int], module: nn.Module, model: nn.Module, opt: Any) -> System:
+def _plain(name: str, stage: int | None, module: nn.Module, model: nn.Module, opt: Any) -> System:
     def fb(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = loss_of(model(x)[0], y)
         loss.backward()
@@ -156,7 +158,7 @@ def build_fsdp2(cfg: GPTConfig, lr: float, probe: bool, device: torch.device = C
     return _plain("FSDP2", 3, module, module, torch.optim.AdamW(module.parameters(), lr=lr))
 
 
-def _engine_system(name: str, family: str, stage: Optional[int], module: nn.Module, engine: Any,
+def _engine_system(name: str, family: str, stage: int | None, module: nn.Module, engine: Any,
                    sources: Callable[[], dict[str, Tensors]], targets: list[tuple[Any, str]]) -> System:
     def fb(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = loss_of(engine(x)[0], y)
@@ -166,8 +168,8 @@ def _engine_system(name: str, family: str, stage: Optional[int], module: nn.Modu
     return System(name, family, stage, module, fb, engine.step, sources, targets)
 
 
-def zerodp_builder(stage: int, offload: Optional[dict[str, Any]] = None,
-                   sub_group_size: Optional[int] = None) -> Builder:
+def zerodp_builder(stage: int, offload: dict[str, Any] | None = None,
+                   sub_group_size: int | None = None) -> Builder:
     """Builder of zerodp at ``stage`` (fp32 AdamW, DeepSpeed's defaults otherwise, persistence
     threshold 1000 elements at stage 3 so LayerNorms and biases stay gathered); with ``offload``
     (the ``zero_optimization.offload_optimizer`` section) and ``sub_group_size``, ZeRO-Offload.
@@ -203,7 +205,8 @@ def zerodp_builder(stage: int, offload: Optional[dict[str, Any]] = None,
             for attr in ("grad_buffers", "owned", "_staging"):
                 grads += list(getattr(red, attr, {}).values())
             if engine.optimizer_offload.streams_grads:  # host fp32 gradient partition
-                grads += list(engine.optimizer_offload.grad_buffers) + [getattr(engine.optimizer_offload, "grad_scratch", None)]
+                grads += list(engine.optimizer_offload.grad_buffers)  # type: ignore[attr-defined]  # host/NVMe offload
+                grads += [getattr(engine.optimizer_offload, "grad_scratch", None)]
                 grads = [t for t in grads if t is not None]
             shards = [g.buffer for g in engine.groups]
             gathered = []

@@ -28,15 +28,15 @@ import re
 import subprocess
 import sys
 import warnings
-from typing import Any, Callable, Optional, Sequence, get_args
+from collections.abc import Callable, Sequence
+from typing import Any, get_args
 
-from zerodp.runtime import accounting
-from zerodp.app import clean_swap
-from zerodp.offload.report import configured_offload_table, offload_estimate_table
-from zerodp.app import launch, run_script
-from zerodp.config import ZeroConfig
+from zerodp.app import clean_swap, launch, run_script
 from zerodp.app.model import GPTConfig, count_parameters
 from zerodp.app.train import DEFAULTS
+from zerodp.config import ZeroConfig
+from zerodp.offload.report import configured_offload_table, offload_estimate_table
+from zerodp.runtime import accounting
 
 #: ZeRO stages the engine accepts (``zero_optimization.stage`` of :mod:`zerodp.config`).
 STAGES: tuple[int, ...] = tuple(get_args(ZeroConfig.model_fields["stage"].annotation))
@@ -136,7 +136,7 @@ class _Recorder:
     values can be forwarded to the workers."""
 
     def __init__(self, group: Any, add_arguments: Callable[[Any], None],
-                 helps: Optional[dict[str, str]] = None) -> None:
+                 helps: dict[str, str] | None = None) -> None:
         self.group = group
         self.helps = helps or {}
         self.flags: dict[str, str] = {}
@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
 _NUMBER = re.compile(r"^[+]?(\d[\d_]*(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
-def parse_params(spec: str) -> tuple[int, Optional[GPTConfig]]:
+def parse_params(spec: str) -> tuple[int, GPTConfig | None]:
     """Resolve ``--params`` to ``(Psi, GPTConfig or None)``.
 
     Accepts a positive count (``7.5e9``, ``7500000000``, ``7_500_000_000``), a path to a JSON object of
@@ -509,7 +509,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_consolidate(args: argparse.Namespace) -> int:
     from zerodp import checkpoint
-
     from zerodp.checkpoint import sharded_export
     from zerodp.checkpoint.reader import AbsentParametersWarning, absent_message
 
@@ -567,7 +566,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``zerodp`` command; returns the process exit code.
 
     Raises:

@@ -16,15 +16,16 @@ each global batch, and a single process can rebuild exactly what all ranks train
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple, TypeVar, Union
+from typing import TypeVar
 
 import torch
 
 #: fewest bytes a corpus may have (anything smaller cannot hold a useful train/held-out split).
 MIN_CORPUS_BYTES = 1024
 
-Batch = Tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def default_text() -> str:
@@ -34,7 +35,7 @@ def default_text() -> str:
     return "".join(topics[k] for k in sorted(topics))
 
 
-def load_text(path: Optional[Union[str, os.PathLike]] = None, min_bytes: int = MIN_CORPUS_BYTES) -> str:
+def load_text(path: str | os.PathLike | None = None, min_bytes: int = MIN_CORPUS_BYTES) -> str:
     """Read the corpus: ``path`` (any UTF-8 text file) or, when ``None``, :func:`default_text`.
 
     Args:
@@ -89,7 +90,7 @@ def decode(tokens: torch.Tensor) -> str:
     return bytes(flat.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
 
 
-def split(tokens: torch.Tensor, heldout_fraction: float = 0.1) -> Tuple[torch.Tensor, torch.Tensor]:
+def split(tokens: torch.Tensor, heldout_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
     """Contiguous split: the first ``1 - heldout_fraction`` of ``tokens`` trains, the rest is held out.
 
     Returns:
@@ -183,7 +184,7 @@ class GlobalBatches:
             step += 1
 
 
-T_ = TypeVar("T_", torch.Tensor, Tuple[torch.Tensor, ...])
+T_ = TypeVar("T_", torch.Tensor, tuple[torch.Tensor, ...])
 
 
 def rank_slice(global_batch: T_, rank: int, world_size: int) -> T_:
@@ -196,7 +197,7 @@ def rank_slice(global_batch: T_, rank: int, world_size: int) -> T_:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     if isinstance(global_batch, tuple):
-        return tuple(rank_slice(t, rank, world_size) for t in global_batch)  # type: ignore[return-value]
+        return tuple(rank_slice(t, rank, world_size) for t in global_batch)
     n = global_batch.shape[0]
     if n % world_size:
         raise ValueError(f"global batch of {n} rows does not split evenly over {world_size} ranks")

@@ -46,7 +46,6 @@ import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 from zerodp.app.model import GPTConfig, count_parameters
 from zerodp.runtime.accounting import human_bytes
@@ -123,7 +122,7 @@ class Plan:
         return sum(self.ram_needed.values())
 
 
-def read_machine(nvme_path: str, assume_ram: Optional[int] = None, assume_disk_free: Optional[int] = None) -> Machine:
+def read_machine(nvme_path: str, assume_ram: int | None = None, assume_disk_free: int | None = None) -> Machine:
     """RAM from ``/proc/meminfo`` and free bytes at ``nvme_path`` (``shutil.disk_usage``).
 
     Raises:
@@ -170,7 +169,7 @@ def size_gpt(min_params: int, seq_len: int) -> GPTConfig:
 
 
 def plan_run(machine: Machine, nproc: int = 1, states_ratio: float = 2.0, seq_len: int = 128,
-             micro_batch: int = 1, steps: int = 3, lr: Optional[float] = None, overlap_step: bool = True) -> Plan:
+             micro_batch: int = 1, steps: int = 3, lr: float | None = None, overlap_step: bool = True) -> Plan:
     """Size the model (states >= ``states_ratio`` x RAM) and the disk and RAM it needs (module docstring)."""
     target = math.ceil(states_ratio * machine.ram_total / STATE_BYTES)
     model = size_gpt(target, seq_len)

@@ -24,8 +24,8 @@ import os
 import resource
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -80,7 +80,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def disk_device(path: str) -> Optional[str]:
+def disk_device(path: str) -> str | None:
     """The /proc/diskstats name of the block device holding ``path``, or None (not a block device)."""
     st = os.stat(path)
     major, minor = os.major(st.st_dev), os.minor(st.st_dev)
@@ -95,7 +95,7 @@ def disk_device(path: str) -> Optional[str]:
     return None
 
 
-def disk_busy_ms(device: Optional[str]) -> Optional[int]:
+def disk_busy_ms(device: str | None) -> int | None:
     if device is None:
         return None
     with open("/proc/diskstats", encoding="ascii") as f:
@@ -114,7 +114,7 @@ class IOWaitClock:
         self.thread = threading.get_ident()
 
     @contextlib.contextmanager
-    def active(self) -> Iterator["IOWaitClock"]:
+    def active(self) -> Iterator[IOWaitClock]:
         original = aio.IOHandle.wait
         clock = self
 
@@ -127,7 +127,7 @@ class IOWaitClock:
             finally:
                 clock.seconds += time.perf_counter() - t0
 
-        aio.IOHandle.wait = timed_wait  # type: ignore[method-assign]
+        aio.IOHandle.wait = timed_wait  # type: ignore[method-assign,assignment]  # timing patch, restored below
         try:
             yield self
         finally:
@@ -141,7 +141,7 @@ class StepRecord:
     seconds: float
     read: int
     written: int
-    busy_s: Optional[float]
+    busy_s: float | None
     wait_s: float
 
 
@@ -211,7 +211,7 @@ def run_worker(plan: dict, nvme_path: str) -> None:
 SLOW_DISK_SHARE = 0.5
 
 
-def disk_throughput(read: int, written: int, busy_s: Optional[float], seconds: float, raw_read: float,
+def disk_throughput(read: int, written: int, busy_s: float | None, seconds: float, raw_read: float,
                     raw_write: float) -> tuple[float, float, str]:
     """(achieved, raw, over) in bytes/s for one step: ``achieved`` = bytes moved (``/proc/self/io`` of
     every rank) / seconds the disk was busy (``io_ticks``; without it the step's wall time, a lower
@@ -224,7 +224,7 @@ def disk_throughput(read: int, written: int, busy_s: Optional[float], seconds: f
     return (moved / t if t > 0 else 0.0), (moved / ideal if ideal > 0 else 0.0), over
 
 
-def slow_disk_warning(step: int, achieved: float, raw: float, over: str, share: float = SLOW_DISK_SHARE) -> Optional[str]:
+def slow_disk_warning(step: int, achieved: float, raw: float, over: str, share: float = SLOW_DISK_SHARE) -> str | None:
     """The line that attributes a slow step to the disk (None when ``achieved >= share x raw``, or
     nothing was moved)."""
     if raw <= 0 or achieved >= share * raw:
@@ -235,7 +235,7 @@ def slow_disk_warning(step: int, achieved: float, raw: float, over: str, share: 
 
 
 def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, build_s: float,
-           device: Optional[str]) -> str:
+           device: str | None) -> str:
     m = plan["model"]
     lines = ["-" * 100,
              f"raw sequential direct I/O on this disk ({human_bytes(plan['probe_bytes'])}): write "

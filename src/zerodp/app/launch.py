@@ -23,8 +23,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence, TextIO
+from typing import TextIO
 
 #: environment variable turning on full tracebacks (any value but "", "0", "false", "no").
 DEBUG_ENV = "ZERODP_DEBUG"
@@ -33,7 +34,7 @@ ERROR_DIR_ENV = "ZERODP_ERROR_DIR"
 PREFIX = "zerodp train"
 
 
-def debug_enabled(flag: Optional[bool] = None) -> bool:
+def debug_enabled(flag: bool | None = None) -> bool:
     """True with ``--debug`` (``flag``) or ``ZERODP_DEBUG`` set to a true value."""
     return bool(flag) or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
 

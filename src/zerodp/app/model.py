@@ -12,8 +12,9 @@ model (``zerodp estimate`` uses it), and :func:`generate` samples from any calla
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -65,7 +66,7 @@ class GPTConfig:
         self.dropout = float(self.dropout)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GPTConfig":
+    def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
         """Build from a mapping of field names (e.g. a JSON model config).
 
         Raises:
@@ -168,8 +169,8 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(
-        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
-    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next-token logits and, given targets, their mean cross-entropy.
 
         Args:
@@ -216,13 +217,13 @@ def count_parameters(cfg: GPTConfig) -> int:
 
 @torch.no_grad()
 def generate(
-    model_callable: Callable[[torch.Tensor], Tuple[torch.Tensor, Any]],
+    model_callable: Callable[[torch.Tensor], tuple[torch.Tensor, Any]],
     idx: torch.Tensor,
     max_new_tokens: int,
     temperature: float = 1.0,
-    top_k: Optional[int] = None,
-    generator: Optional[torch.Generator] = None,
-    seq_len: Optional[int] = None,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    seq_len: int | None = None,
 ) -> torch.Tensor:
     """Autoregressively extend ``idx`` by sampling from ``model_callable``.
 

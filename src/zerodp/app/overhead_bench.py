@@ -32,7 +32,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ def _at_least(lo: int) -> Callable[[str], int]:
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}")
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}") from None
         if v < lo:
             raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {v}")
         return v
@@ -88,15 +89,15 @@ def _build(name: str, layers: int, width: int) -> StepFn:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "device": "cpu",
             "zero_optimization": {"stage": int(name[-1]), "stage3_param_persistence_threshold": 0}})
 
-        def step(x: torch.Tensor) -> None:
+        def engine_step(x: torch.Tensor) -> None:
             engine.backward(engine(x).square().mean())
             engine.step()
-        return step
+        return engine_step
     if name == "deepspeed":
         try:
             import deepspeed  # noqa: F401
         except ImportError as exc:
-            raise RuntimeError(f"deepspeed does not import here ({exc})")
+            raise RuntimeError(f"deepspeed does not import here ({exc})") from exc
         raise RuntimeError("deepspeed imports, but this benchmark does not build it yet")
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -107,7 +108,7 @@ def _build(name: str, layers: int, width: int) -> StepFn:
 
         for layer in model:
             fully_shard(layer)
-        module = fully_shard(model)
+        module = cast(nn.Module, fully_shard(model))  # the same module, its class now also an FSDPModule
     else:
         module = model
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
@@ -195,7 +196,7 @@ def run(args: argparse.Namespace) -> None:
     zerodp.shutdown_distributed()
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ:  # launch the ranks
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",

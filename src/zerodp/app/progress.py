@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, Mapping, Optional, TextIO, Union
+from collections.abc import Callable, Mapping
+from typing import TextIO
 
 from tqdm import tqdm
 
@@ -58,7 +59,7 @@ class ProgressLog:
 
 
 def progress_bar(total: int, enabled: bool, initial: int = 0,
-                 stream: Optional[TextIO] = None) -> Union[tqdm, ProgressLog]:
+                 stream: TextIO | None = None) -> tqdm | ProgressLog:
     """tqdm on a terminal (``stream``, default stderr), else a :class:`ProgressLog`; disabled: a
     tqdm that prints nothing."""
     stream = stream if stream is not None else sys.stderr

@@ -16,7 +16,8 @@ import os
 import runpy
 import subprocess
 import sys
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def add_parser(sub: Any, add_launcher_arguments: Callable[[Any], None],
@@ -60,7 +61,7 @@ def run_worker(script: str, script_args: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m zerodp.app.run_script SCRIPT [ARGS...]`` (what ``zerodp run`` starts on each rank)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:

@@ -25,22 +25,21 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import zerodp
-from zerodp.runtime import accounting
 from zerodp.app import data
+from zerodp.app.model import GPT, GPTConfig, count_parameters, generate
 from zerodp.app.progress import progress_bar
 from zerodp.config import ZeroDPConfig, load_config
-from zerodp.app.model import GPT, GPTConfig, count_parameters, generate
+from zerodp.runtime import accounting
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ class RunSettings:
 
     engine_config: ZeroDPConfig
     model: GPTConfig
-    data: Optional[str]
+    data: str | None
     steps: int
     seed: int
     eval_batches: int
@@ -105,7 +104,7 @@ class RunSettings:
     save_dir: str = DEFAULTS.save_dir
     save_every: int = DEFAULTS.save_every
     resume: bool = False
-    resume_tag: Optional[str] = None  # --resume-tag: this checkpoint instead of 'latest' (implies resume)
+    resume_tag: str | None = None  # --resume-tag: this checkpoint instead of 'latest' (implies resume)
 
     @property
     def precision(self) -> str:
@@ -225,7 +224,7 @@ def client_state(s: RunSettings, corpus: dict[str, int], world: int, loss_before
     }
 
 
-def check_resume(s: RunSettings, corpus: Optional[dict[str, int]] = None) -> tuple[Path, dict[str, Any], int]:
+def check_resume(s: RunSettings, corpus: dict[str, int] | None = None) -> tuple[Path, dict[str, Any], int]:
     """Find the checkpoint ``--resume`` loads (``latest`` in ``--save-dir``) and check that it fits.
 
     Args:
@@ -258,7 +257,7 @@ def check_resume(s: RunSettings, corpus: Optional[dict[str, int]] = None) -> tup
     saved_model = cs.get("model")
     if saved_model != asdict(s.model):
         try:
-            shown = str(GPTConfig.from_dict(saved_model))
+            shown = str(GPTConfig.from_dict(saved_model)) if isinstance(saved_model, dict) else repr(saved_model)
         except (TypeError, ValueError):
             shown = repr(saved_model)
         diffs.append(f"model {shown} (this run: {s.model})")
@@ -313,7 +312,7 @@ def _step_losses(value: float) -> list[float]:
     return [float(x) for x in out]
 
 
-def _diverged(what: str, step: int, last_saved: Optional[Path]) -> TrainingDiverged:
+def _diverged(what: str, step: int, last_saved: Path | None) -> TrainingDiverged:
     kept = (f"the last checkpoint, {last_saved}, was kept" if last_saved is not None
             else "no checkpoint was written")
     return TrainingDiverged(f"{what} at step {step}; training stopped and {kept}. Lower the learning rate "
@@ -387,7 +386,8 @@ def _run(s: RunSettings, t_start: float) -> None:
     tokens_per_step = micro * accum * world * mcfg.seq_len
     if rank == 0:
         schedule = f", {ecfg.scheduler.type} schedule" if ecfg.scheduler is not None else ""
-        print(f"zerodp train: {world} rank{'s' if world != 1 else ''}, ZeRO stage {ecfg.zero_optimization.stage}, {_precision_text(s)}{schedule}, "
+        print(f"zerodp train: {world} rank{'s' if world != 1 else ''}, ZeRO stage {ecfg.zero_optimization.stage}, "
+              f"{_precision_text(s)}{schedule}, "
               f"GPT {mcfg.n_layer} layers x d_model {mcfg.d_model} ({count_parameters(mcfg):,} params), "
               f"corpus {len(train_tokens):,} train + {len(heldout_tokens):,} held-out bytes, "
               f"{s.steps} steps x {tokens_per_step:,} tokens", flush=True)
@@ -454,7 +454,7 @@ def _run(s: RunSettings, t_start: float) -> None:
         memory += "\n" + offload.format()
     if engine.param_offload is not None:
         memory += "\n" + engine.param_offload.format(engine.rank, n_steps)
-    gathered: Optional[list] = [None] * world if rank == 0 else None
+    gathered: list | None = [None] * world if rank == 0 else None
     dist.gather_object(memory, gathered, dst=0)
 
     engine.eval()

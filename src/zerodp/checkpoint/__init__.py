@@ -55,8 +55,8 @@ left gathered but unused (e.g. prefetched) first, and afterwards re-gathers the 
 unit still in use, so no gathered copy is stale. The format is the same at every stage.
 
 [Note: optimizer parameter] The value saved for a piece, and the tensor its optimizer state is keyed
-by, is :func:`~zerodp.checkpoint.engine_state.piece_value` (an fp32 ``master`` when the piece has one, else the piece's view of the
-flat buffer). Loading writes it and, separately, the flat buffer (cast with ``copy_``), so a bf16/fp16
+by, is :func:`~zerodp.checkpoint.engine_state.piece_value` (an fp32 ``master`` when the piece has one, else the piece's
+view of the flat buffer). Loading writes it and, separately, the flat buffer (cast with ``copy_``), so a bf16/fp16
 module's parameters are its masters rounded, as after an optimizer step. Full values
 (:func:`module_state_dict`) of trained parameters are the masters, assembled across ranks.
 
@@ -71,8 +71,13 @@ restored either way).
 
 from zerodp.checkpoint.consolidation import consolidate, load_full_state_dict
 from zerodp.checkpoint.format import EXTRA_FILE, LATEST_FILE, META_FILE, CheckpointError, check_tag
-from zerodp.checkpoint.layout import (LAYOUTS, CheckpointLayout, ReplicatedParamsLayout, ShardedParamsLayout,
-                                      module_state_dict)
+from zerodp.checkpoint.layout import (
+                                      LAYOUTS,
+                                      CheckpointLayout,
+                                      ReplicatedParamsLayout,
+                                      ShardedParamsLayout,
+                                      module_state_dict,
+)
 from zerodp.checkpoint.load import load_checkpoint
 from zerodp.checkpoint.meta import CheckpointMeta, read_meta
 from zerodp.checkpoint.reader import CheckpointReader, resolve_checkpoint

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ def collectively(engine: Engine, what: str, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on every rank, then synchronise: if it raised on any rank, raise on every rank
     (the failing rank re-raises its own error, the others a :class:`CheckpointError`). Acts as a
     barrier, so no rank hangs in a later collective when another failed."""
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     result = None
     try:
         result = fn()

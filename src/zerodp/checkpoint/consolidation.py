@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -15,7 +14,7 @@ from zerodp.checkpoint.reader import CheckpointReader, resolve_checkpoint
 from zerodp.checkpoint.sharded_export import write_safetensors_streaming
 
 
-def load_full_state_dict(checkpoint_dir: PathLike, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
+def load_full_state_dict(checkpoint_dir: PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:
     """The full state dict stored in a checkpoint (see :meth:`CheckpointReader.full_state_dict`); needs
     no process group. Frozen parameters saved with ``exclude_frozen_parameters=True`` are absent, with an
     :class:`~zerodp.checkpoint.reader.AbsentParametersWarning` naming them.
@@ -30,7 +29,7 @@ def load_full_state_dict(checkpoint_dir: PathLike, tag: Optional[str] = None) ->
         return reader.full_state_dict()
 
 
-def consolidate(checkpoint_dir: PathLike, out_path: PathLike, tag: Optional[str] = None) -> Path:
+def consolidate(checkpoint_dir: PathLike, out_path: PathLike, tag: str | None = None) -> Path:
     """Write a checkpoint's full state dict, keyed like ``model.state_dict()`` (every tied name, as its
     own tensor; buffers included; floating tensors fp32 (fp64 stays fp64): trained parameters are the
     fp32 master values of a bf16/fp16 run, its frozen parameters and buffers are cast up), to one file

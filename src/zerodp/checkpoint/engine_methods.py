@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator, Mapping, Optional
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
 
 import torch
 
 from zerodp.checkpoint import layout, load, save
+from zerodp.checkpoint.protocol import CheckpointableEngine
 from zerodp.runtime.module_state import GatheredCopy, LoadResult, load_module_state
 
 
@@ -34,20 +36,20 @@ class CheckpointMethods:
     process_group: Any
     ledger: Any
 
-    def save_checkpoint(self, save_dir: Any, tag: Optional[str] = None, client_state: Optional[Mapping[str, Any]] = None,
+    def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Mapping[str, Any] | None = None,
                         exclude_frozen_parameters: bool = False) -> Any:
         """Collective: write a sharded checkpoint to ``save_dir/<tag>`` (default ``global_step{N}``) and
         point ``save_dir/latest`` at it; returns that directory. ``exclude_frozen_parameters``: only trained
         parameters and their optimizer states. See :func:`zerodp.checkpoint.save_checkpoint`."""
         with self.collective_call("save_checkpoint"), self._states_resident():
-            return save.save_checkpoint(self, self._checkpoint_dir(save_dir), tag, client_state,
-                                        exclude_frozen_parameters)
+            return save.save_checkpoint(cast(CheckpointableEngine, self), self._checkpoint_dir(save_dir), tag,
+                                        client_state, exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir: Any, tag: Optional[str] = None) -> tuple[Any, Any]:
+    def load_checkpoint(self, load_dir: Any, tag: str | None = None) -> tuple[Any, Any]:
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;
         returns (checkpoint directory, client_state). See :func:`zerodp.checkpoint.load_checkpoint`."""
         with self.collective_call("load_checkpoint"), self._states_resident(write=True):
-            return load.load_checkpoint(self, self._checkpoint_dir(load_dir), tag)
+            return load.load_checkpoint(cast(CheckpointableEngine, self), self._checkpoint_dir(load_dir), tag)
 
     def _checkpoint_dir(self, d: Any) -> Any:
         """``d``, or with model parallelism ``d/mp_rank_XX``: each model-parallel rank's DP group
@@ -77,7 +79,7 @@ class CheckpointMethods:
         collective): trained parameters in fp32 (the fp32 masters under bf16/fp16), frozen parameters
         and buffers in the module's dtype."""
         with self.collective_call("module_state_dict"), self._states_resident():
-            return layout.module_state_dict(self)
+            return layout.module_state_dict(cast(CheckpointableEngine, self))  # the Engine this is mixed into
 
     @contextlib.contextmanager
     def _states_resident(self, write: bool = False) -> Iterator[None]:

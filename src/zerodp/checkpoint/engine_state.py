@@ -5,12 +5,13 @@ fp32 master values, loss-scaler and scheduler state. Stage-independent (the stag
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from zerodp.checkpoint.format import IMPLEMENTATION_OPTIONS, CheckpointError, dtype_name, prod
-from zerodp.checkpoint.meta import CheckpointMeta, GroupRecord, TensorRecord
+from zerodp.checkpoint.meta import CheckpointMeta, GroupRecord, LossScalerRecord, SchedulerRecord, TensorRecord
 from zerodp.checkpoint.protocol import CheckpointableEngine as Engine
 from zerodp.runtime import comm
 from zerodp.runtime.partition import ParamSlot, Piece
@@ -100,20 +101,20 @@ def _json_part(v: Any) -> Any:
     return _NOT_JSON
 
 
-def loss_scaler_state(engine: Engine) -> Optional[dict[str, Any]]:
+def loss_scaler_state(engine: Engine) -> LossScalerRecord | None:
     scaler = getattr(engine, "loss_scaler", None)
     if scaler is None:
         return None
-    return {"dynamic": bool(scaler.dynamic), **scaler.state_dict()}
+    return LossScalerRecord.model_validate({"dynamic": bool(scaler.dynamic), **scaler.state_dict()})
 
 
-def scheduler_state(engine: Engine) -> Optional[dict[str, Any]]:
+def scheduler_state(engine: Engine) -> SchedulerRecord | None:
     """The engine's LR scheduler: class name and the JSON-serialisable part of its ``state_dict()``
     (a DeepSpeed schedule's parameters come from the config, a LambdaLR's functions from the code)."""
     scheduler = getattr(engine, "lr_scheduler", None)
     if scheduler is None:
         return None
-    return {"type": type(scheduler).__name__, "state": _json_part(scheduler.state_dict())}
+    return SchedulerRecord(type=type(scheduler).__name__, state=_json_part(scheduler.state_dict()))
 
 
 
@@ -128,7 +129,8 @@ def describe_model(engine: Engine) -> tuple[list[TensorRecord], list[TensorRecor
     for k, v in sd.items():
         aliases.setdefault(id(v), []).append(k)
         first.setdefault(id(v), v)
-    params, buffers = [], []
+    params: list[TensorRecord] = []
+    buffers: list[TensorRecord] = []
     for i, names in aliases.items():
         t = first[i]
         s = slots.get(i)  # a slot's parameter may be a placeholder (stage 3): take the slot's shape
@@ -162,7 +164,7 @@ def trained_slots(engine: Engine) -> list[ParamSlot]:
     return [s for g in engine.groups for s in g.slots if s.group_index >= 0]
 
 
-def group_hyperparameters(meta: CheckpointMeta, names: list[str]) -> Optional[dict[str, Any]]:
+def group_hyperparameters(meta: CheckpointMeta, names: list[str]) -> dict[str, Any] | None:
     """The saved hyperparameters of the optimizer group that held parameters ``names`` (any alias), matched
     by name, so param groups may be split or numbered differently (other dtype split, stage 3 units);
     None when no saved group held any of them.
@@ -172,7 +174,7 @@ def group_hyperparameters(meta: CheckpointMeta, names: list[str]) -> Optional[di
     """
     canonical = {a: r.name for r in meta.params for a in r.aliases}
     saved_group = {canonical.get(n, n): g for g in meta.groups for n in g.names}
-    found = {}
+    found: dict[int, tuple[GroupRecord, str]] = {}
     for n in names:
         g = saved_group.get(canonical.get(n, n))
         if g is not None:
@@ -188,7 +190,7 @@ def group_hyperparameters(meta: CheckpointMeta, names: list[str]) -> Optional[di
 
 def group_records(engine: Engine) -> list[GroupRecord]:
     out = []
-    for i, (pg, names) in enumerate(zip(engine.optimizer.param_groups, optimizer_group_names(engine))):
+    for i, (pg, names) in enumerate(zip(engine.optimizer.param_groups, optimizer_group_names(engine), strict=True)):
         hp = {}
         for k, v in pg.items():
             if k == "params":

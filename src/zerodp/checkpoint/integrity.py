@@ -11,15 +11,15 @@ read and refused with :class:`~zerodp.checkpoint.format.CheckpointError` naming 
 damaged safetensors header is refused when the file is opened. Version-1 checkpoints (no checksums)
 still load, unverified.
 
-Cost: one pass of ``zlib.crc32`` over the bytes written (see ``docs/benchmarks/2026-12-01-checkpoint-integrity.md`` for the
-measured rate and the command) and, on reading, each tensor read whole once.
+Cost: one pass of ``zlib.crc32`` over the bytes written (see ``docs/benchmarks/2026-12-01-checkpoint-integrity.md`` for
+the measured rate and the command) and, on reading, each tensor read whole once.
 """
 
 from __future__ import annotations
 
 import json
 import zlib
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

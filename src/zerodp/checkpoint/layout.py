@@ -7,12 +7,17 @@ Stages 0-2 share :class:`ReplicatedParamsLayout`; stage 3 uses :class:`ShardedPa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 
-from zerodp.checkpoint.engine_state import (full_master_values, keyed_like_state_dict, outside_slots,
-                                            trained_slots, units)
+from zerodp.checkpoint.engine_state import (
+    full_master_values,
+    keyed_like_state_dict,
+    outside_slots,
+    trained_slots,
+    units,
+)
 from zerodp.checkpoint.format import value_dtype
 from zerodp.checkpoint.protocol import CheckpointableEngine as Engine
 from zerodp.runtime import comm
@@ -32,7 +37,7 @@ class Target:
     tensor: torch.Tensor
     #: set when the stored values are row-major but ``tensor`` holds them in this slot's memory order
     #: (a frozen ``channels_last`` parameter at stage 3): the range is taken after reordering
-    reorder: Optional[ParamSlot] = None
+    reorder: ParamSlot | None = None
 
 
 class CheckpointLayout(Protocol):
@@ -125,12 +130,12 @@ class ShardedParamsLayout:
         trained = {id(s.param) for s in trained_slots(engine)}
         out: dict[str, torch.Tensor] = {}
         for u in units(engine) if frozen else ():
-            frozen = [s for s in u.slots if id(s.param) not in trained]
-            if not frozen:
+            held = [s for s in u.slots if id(s.param) not in trained]
+            if not held:
                 continue
-            with torch.no_grad(), GatheredParameters([s.param for s in frozen]):
+            with torch.no_grad(), GatheredParameters([s.param for s in held]):
                 if engine.rank == 0:
-                    for s in frozen:
+                    for s in held:
                         out[s.name] = s.param.detach().to("cpu", copy=True)
         out.update(outside_slots(engine))
         return out
@@ -160,16 +165,18 @@ class ShardedParamsLayout:
     def before_load(self, engine: Engine) -> None:
         # Units gathered ahead of use (prefetched, then not used) would keep the old values: drop them
         # now (finishing any all-gather in flight, so none reads a shard while it is overwritten).
+        assert engine.sharding is not None  # the stage-3 layout
         engine.sharding.coordinator.release_idle()
 
     def after_load(self, engine: Engine) -> None:
         sharding = engine.sharding
+        assert sharding is not None  # the stage-3 layout
         sharding.after_step()  # the persistent unit, from the new shards
         for u in sharding.units:  # units held gathered right now (e.g. inside GatheredParameters)
             if not u.persistent and u.state is not ShardState.SHARDED:
                 if u.state is ShardState.GATHERING:
                     u.finish_gather()
-                comm.all_gather(u.full, u.shard, sharding.pg, sharding.ledger, "parameters")
+                comm.all_gather(u.full_buffer, u.shard, sharding.pg, sharding.ledger, "parameters")
 
 #: layout per ZeRO stage.
 LAYOUTS: dict[int, CheckpointLayout] = {0: ReplicatedParamsLayout(), 1: ReplicatedParamsLayout(),

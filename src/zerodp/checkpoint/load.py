@@ -5,17 +5,22 @@ loss scaler, counters and RNG states in (see :mod:`zerodp.checkpoint`, [Note: pr
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 
 from zerodp.checkpoint.collective import check_same_on_ranks, collectively
-from zerodp.checkpoint.engine_state import (describe_model, engine_precision, group_hyperparameters,
-                                            optimizer_group_names, piece_value)
-from zerodp.checkpoint.format import (IMPLEMENTATION_OPTIONS, SCHEDULED_OPTIONS, CheckpointError, PathLike,
-                                      dtype_name)
+from zerodp.checkpoint.engine_state import (
+    describe_model,
+    engine_precision,
+    group_hyperparameters,
+    optimizer_group_names,
+    piece_value,
+)
+from zerodp.checkpoint.format import IMPLEMENTATION_OPTIONS, SCHEDULED_OPTIONS, CheckpointError, PathLike, dtype_name
 from zerodp.checkpoint.layout import CheckpointLayout, layout_for
 from zerodp.checkpoint.meta import CheckpointMeta, TensorRecord
 from zerodp.checkpoint.protocol import CheckpointableEngine as Engine
@@ -108,11 +113,11 @@ class _StagedLoad:
     path: Path
     meta: CheckpointMeta
     values: list[tuple[torch.Tensor, torch.Tensor]]  # (live tensor, new values)
-    states: list[tuple[torch.Tensor, Optional[dict[str, torch.Tensor]]]]  # (optimizer param, new state)
+    states: list[tuple[torch.Tensor, dict[str, torch.Tensor] | None]]  # (optimizer param, new state)
     rng: dict[str, torch.Tensor]
-    hyperparameters: list[Optional[dict[str, Any]]]  # per optimizer param group; None: leave as is
-    loss_scaler: Optional[dict[str, Any]] = None  # None: leave the engine's as is
-    lr_scheduler: Optional[dict[str, Any]] = None  # state_dict() entries to load; None: leave as is
+    hyperparameters: list[dict[str, Any] | None]  # per optimizer param group; None: leave as is
+    loss_scaler: dict[str, Any] | None = None  # None: leave the engine's as is
+    lr_scheduler: dict[str, Any] | None = None  # state_dict() entries to load; None: leave as is
 
 
 def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointReader) -> _StagedLoad:
@@ -138,7 +143,7 @@ def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointRead
     for pg in engine.optimizer.param_groups:
         for p in pg["params"]:
             groups_by_piece[id(p)] = pg
-    states: list[tuple[torch.Tensor, Optional[dict[str, torch.Tensor]]]] = []
+    states: list[tuple[torch.Tensor, dict[str, torch.Tensor] | None]] = []
     for g in engine.groups:
         for piece in g.pieces:
             rec = reader.record(piece.slot.name)
@@ -198,7 +203,7 @@ def _check_representable(path: Path, named: list[tuple[str, torch.Tensor, torch.
             f"({torch.finfo(dtype).max:g}) and would become inf; load it into an engine with {theirs} or fp32")
 
 
-def load_checkpoint(engine: Engine, load_dir: PathLike, tag: Optional[str] = None) -> tuple[Path, Any]:
+def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None) -> tuple[Path, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` into ``engine``, any world size or stage.
 
     Collective: every rank calls it. Every rank reads ``meta.json``, checks it against the engine and
@@ -253,12 +258,14 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: Optional[str] = Non
         if st is not None:
             opt.state[param] = st
     same_optimizer = staged.meta.optimizer == type(opt).__name__
-    for pg, hp in zip(opt.param_groups, staged.hyperparameters):
+    for pg, hp in zip(opt.param_groups, staged.hyperparameters, strict=True):
         if hp is not None:
             _restore_hyperparameters(pg, hp, same_optimizer)
     if staged.lr_scheduler is not None:
+        assert engine.lr_scheduler is not None  # staged only for an engine with a scheduler
         engine.lr_scheduler.load_state_dict(staged.lr_scheduler)
     if staged.loss_scaler is not None:
+        assert engine.loss_scaler is not None  # staged only for an engine with a dynamic scaler
         engine.loss_scaler.load_state_dict(staged.loss_scaler)
     if hasattr(engine, "skipped_steps"):
         engine.skipped_steps = staged.meta.skipped_steps

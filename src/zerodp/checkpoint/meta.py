@@ -12,13 +12,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from zerodp.checkpoint.format import (FORMAT, META_FILE, PRECISIONS, READABLE_VERSIONS, RNG_PREFIX,
-                                      CheckpointError, piece_key, prod)
+from zerodp.checkpoint.format import (
+    FORMAT,
+    META_FILE,
+    PRECISIONS,
+    READABLE_VERSIONS,
+    RNG_PREFIX,
+    CheckpointError,
+    piece_key,
+    prod,
+)
 
 
 class _Record(BaseModel):
@@ -57,7 +65,7 @@ class RankRecord(_Record):
     file: str
     pieces: list[PieceRecord]
     rng: list[str]
-    crc32: Optional[dict[str, int]] = None  # tensor name -> CRC-32 of its bytes (version >= 2)
+    crc32: dict[str, int] | None = None  # tensor name -> CRC-32 of its bytes (version >= 2)
 
     def tensor_names(self) -> list[str]:
         """Every tensor the rank file holds: each piece's values and state entries, the RNG states."""
@@ -92,7 +100,7 @@ class TensorRecord(_Record):
     trained: bool
     #: element order of the stored values: the parameter's strides when it is dense but not row-major
     #: (``channels_last``, see ParamSlot.view); None (and in older checkpoints): row-major
-    strides: Optional[list[int]] = None
+    strides: list[int] | None = None
 
     def unflatten(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` (1-D, ``numel``, in stored order) as a tensor of ``shape`` (in its memory format)."""
@@ -145,9 +153,9 @@ class CheckpointMeta(_Record):
     # mixed precision and schedules (absent from older checkpoints: these defaults)
     precision: str = ""  # "fp32", "bf16" or "fp16"; "" when not recorded (see :meth:`effective_precision`)
     skipped_steps: int = 0  # optimizer steps skipped because gradients overflowed (fp16)
-    loss_scaler: Optional[LossScalerRecord] = None
-    lr_scheduler: Optional[SchedulerRecord] = None
-    extra_crc32: Optional[dict[str, int]] = None  # model_extra tensor name -> CRC-32 (version >= 2)
+    loss_scaler: LossScalerRecord | None = None
+    lr_scheduler: SchedulerRecord | None = None
+    extra_crc32: dict[str, int] | None = None  # model_extra tensor name -> CRC-32 (version >= 2)
     #: frozen parameters (first names) whose values are not in model_extra: saved with
     #: ``exclude_frozen_parameters=True`` (DeepSpeed PR 3953, LoRA checkpoints); loading keeps the engine's
     excluded_frozen: list[str] = Field(default_factory=list)
@@ -158,7 +166,7 @@ class CheckpointMeta(_Record):
         return _dump_json(self.model_dump(), "") + "\n"
 
     @classmethod
-    def from_json(cls, obj: Any) -> "CheckpointMeta":
+    def from_json(cls, obj: Any) -> CheckpointMeta:
         """Parse and check ``meta.json``'s content.
 
         Raises:
@@ -308,7 +316,7 @@ def _describe(error: ValidationError) -> str:
     return f"{where}: {what}: {e['msg']} (got {e['input']!r})"
 
 
-def _first_gap(pieces: list[PieceRecord], numel: int) -> Optional[int]:
+def _first_gap(pieces: list[PieceRecord], numel: int) -> int | None:
     """First element of ``[0, numel)`` no piece covers, or None."""
     reach = 0
     for p in sorted(pieces, key=lambda p: p.start):

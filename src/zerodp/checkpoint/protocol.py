@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -31,9 +31,9 @@ class CheckpointableEngine(Protocol):
     groups: list[FlatGroup]
     optimizer: torch.optim.Optimizer
     precision: PrecisionPolicy
-    loss_scaler: Optional[LossScaler]
+    loss_scaler: LossScaler | None
     lr_scheduler: Any
-    sharding: Optional[Stage3]
+    sharding: Stage3 | None
     reducer: Any
     global_steps: int
     micro_steps: int

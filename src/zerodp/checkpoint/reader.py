@@ -4,20 +4,32 @@ mid-rename), checking every file against ``meta.json``, and reading ranges of sa
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from zerodp.checkpoint import integrity
-from zerodp.checkpoint.format import (EXTRA_FILE, LATEST_FILE, META_FILE, OLD_PREFIX, PARAM_KEY, RNG_PREFIX,
-                                      TMP_PREFIX, CheckpointError, PathLike, check_tag, parse_dtype,
-                                      value_dtype)
+from zerodp.checkpoint.format import (
+    EXTRA_FILE,
+    LATEST_FILE,
+    META_FILE,
+    OLD_PREFIX,
+    PARAM_KEY,
+    RNG_PREFIX,
+    TMP_PREFIX,
+    CheckpointError,
+    PathLike,
+    check_tag,
+    parse_dtype,
+    value_dtype,
+)
 from zerodp.checkpoint.meta import PieceRecord, RankRecord, TensorRecord, read_meta
 
 
-def resolve_checkpoint(checkpoint_dir: PathLike, tag: Optional[str] = None) -> Path:
+def resolve_checkpoint(checkpoint_dir: PathLike, tag: str | None = None) -> Path:
     """The checkpoint directory for ``tag`` in ``checkpoint_dir`` (``latest``'s tag when None).
 
     ``checkpoint_dir`` may also be a checkpoint directory itself (one holding ``meta.json``) when
@@ -108,7 +120,7 @@ class CheckpointReader:
     def _in_extra(self, rec: TensorRecord) -> bool:
         return not rec.trained and rec.name not in self.excluded
 
-    def __enter__(self) -> "CheckpointReader":
+    def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -132,15 +144,15 @@ class CheckpointReader:
             CheckpointError: a file is missing, truncated or corrupt, or holds other tensors than listed.
         """
         for rr in self.meta.ranks:
-            expected: dict[str, Optional[list[int]]] = {RNG_PREFIX + k: None for k in rr.rng}
+            expected: dict[str, list[int] | None] = {RNG_PREFIX + k: None for k in rr.rng}
             for p in rr.pieces:
                 expected[p.key(PARAM_KEY)] = [p.numel]
                 expected.update({p.key(k): shape for k, shape in p.state.items()})
             self._check_file(rr.file, expected)
-        extras: dict[str, Optional[list[int]]] = {r.name: r.shape for r in self.records.values() if self._in_extra(r)}
+        extras: dict[str, list[int] | None] = {r.name: r.shape for r in self.records.values() if self._in_extra(r)}
         self._check_file(EXTRA_FILE, extras)
 
-    def _check_file(self, name: str, expected: Mapping[str, Optional[list[int]]]) -> None:
+    def _check_file(self, name: str, expected: Mapping[str, list[int] | None]) -> None:
         f = self._open(name)
         try:
             actual = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -155,7 +167,7 @@ class CheckpointReader:
                 raise CheckpointError(f"checkpoint file {self.path / name}: tensor {k!r} has shape {actual[k]}, "
                                       f"{META_FILE} says {shape}")
 
-    def _read(self, file: str, key: str, lo: Optional[int] = None, hi: Optional[int] = None) -> torch.Tensor:
+    def _read(self, file: str, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         try:
             f = self._open(file)
             expected = self._crc32.get((file, key))

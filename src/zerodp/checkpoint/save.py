@@ -8,28 +8,50 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from zerodp.checkpoint import integrity
 from zerodp.checkpoint.collective import check_same_on_ranks, collectively
 from zerodp.checkpoint.durable import fsync, fsync_dir, write_text
-from zerodp.checkpoint import integrity
-from zerodp.checkpoint.engine_state import (describe_model, engine_precision, group_records, loss_scaler_state,
-                                            piece_value, scheduler_state)
-from zerodp.checkpoint.format import (EXTRA_FILE, FORMAT, LATEST_FILE, META_FILE, OLD_PREFIX, PARAM_KEY,
-                                      RNG_PREFIX, TMP_PREFIX, VERSION, CheckpointError, PathLike, check_tag,
-                                      dtype_name, parse_key, rank_file, value_dtype)
+from zerodp.checkpoint.engine_state import (
+    describe_model,
+    engine_precision,
+    group_records,
+    loss_scaler_state,
+    piece_value,
+    scheduler_state,
+)
+from zerodp.checkpoint.format import (
+    EXTRA_FILE,
+    FORMAT,
+    LATEST_FILE,
+    META_FILE,
+    OLD_PREFIX,
+    PARAM_KEY,
+    RNG_PREFIX,
+    TMP_PREFIX,
+    VERSION,
+    CheckpointError,
+    PathLike,
+    check_tag,
+    dtype_name,
+    parse_key,
+    rank_file,
+    value_dtype,
+)
 from zerodp.checkpoint.layout import CheckpointLayout, layout_for
 from zerodp.checkpoint.meta import CheckpointMeta, PieceRecord, RankRecord
 from zerodp.checkpoint.protocol import CheckpointableEngine as Engine
 
 
-def save_checkpoint(engine: Engine, save_dir: PathLike, tag: Optional[str] = None,
-                    client_state: Optional[Mapping[str, Any]] = None, exclude_frozen_parameters: bool = False) -> Path:
+def save_checkpoint(engine: Engine, save_dir: PathLike, tag: str | None = None,
+                    client_state: Mapping[str, Any] | None = None, exclude_frozen_parameters: bool = False) -> Path:
     """Write a checkpoint of ``engine`` to ``save_dir/<tag>`` and point ``save_dir/latest`` at it.
 
     Collective: every rank of the engine's group must call it with the same ``save_dir`` and ``tag``.

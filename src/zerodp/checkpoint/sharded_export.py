@@ -25,7 +25,6 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
 
 import torch
 
@@ -45,7 +44,7 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def parse_size(size: Union[int, str]) -> int:
+def parse_size(size: int | str) -> int:
     """Bytes in ``size``: an int, or a string like HF's ``"5GB"`` (10^9), ``"500MiB"`` (2^20), ``"40KB"``.
 
     Raises:
@@ -141,7 +140,7 @@ def _write_shard(reader: CheckpointReader, shard: Shard, path: Path) -> None:
             data = values.reshape(-1).view(torch.uint8)
             if data.numel() != t.end - t.begin:
                 raise CheckpointError(f"{t.key}: read {data.numel()} bytes, meta.json implies {t.end - t.begin}")
-            f.write(memoryview(data.numpy()))
+            f.write(memoryview(data.numpy()))  # type: ignore[arg-type]  # numpy arrays are buffers; typeshed's Buffer misses it
             del values, data
     fsync(tmp)
     os.replace(tmp, path)
@@ -157,8 +156,8 @@ def write_safetensors_streaming(reader: CheckpointReader, out_path: Path) -> Non
     _write_shard(reader, whole, out_path)
 
 
-def export_sharded_safetensors(checkpoint_dir: PathLike, out_dir: PathLike, tag: Optional[str] = None,
-                               max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+def export_sharded_safetensors(checkpoint_dir: PathLike, out_dir: PathLike, tag: str | None = None,
+                               max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
                                verify: bool = True) -> Path:
     """Write a checkpoint's full state dict as HF-style sharded safetensors in ``out_dir``, streaming.
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
-from typing import Any, Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,26 +31,26 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from zerodp.config import ConfigError, OptimizerConfig, load_config, optimizer_options
 from zerodp.config_keys import OPTIMIZERS
-from zerodp.deepspeed import checkpointing, zero
+
 # what DeepSpeed's own __init__ imports, so that attribute paths such as
 # ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`` (accelerate) resolve without an import
 # (``comm`` too, imported by registration.install: it imports this package back, lazily)
-from zerodp.deepspeed import accelerator, ops, runtime, utils  # noqa: F401
-from zerodp.deepspeed.runtime import lr_schedules as _lr_schedules  # noqa: F401
-from zerodp.deepspeed.runtime.zero import partition_parameters as _partition_parameters  # noqa: F401
+from zerodp.deepspeed import accelerator, checkpointing, ops, runtime, utils, zero  # noqa: F401
 from zerodp.deepspeed.config import read_config, resolve_deepspeed_config
 from zerodp.deepspeed.engine import DeepSpeedEngine
 from zerodp.deepspeed.hf_config import HfDeepSpeedConfig
 from zerodp.deepspeed.ops.adam import FusedAdam
+from zerodp.deepspeed.runtime import lr_schedules as _lr_schedules  # noqa: F401
+from zerodp.deepspeed.runtime.zero import partition_parameters as _partition_parameters  # noqa: F401
 from zerodp.entry import initialize as _zerodp_initialize
 from zerodp.runtime import comm as _runtime_comm  # not zerodp.deepspeed.comm (DeepSpeed's API)
 
 __version__ = "0.0.0+zerodp"  # not DeepSpeed: scripts that check deepspeed.__version__ see this
 
 
-def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
                      distributed_port: int = 29500, verbose: bool = True, timeout: Any = None,
-                     init_method: Optional[str] = None, dist_init_required: Optional[bool] = None,
+                     init_method: str | None = None, dist_init_required: bool | None = None,
                      config: Any = None, rank: int = -1, world_size: int = -1) -> None:
     """Initialise the default process group from torchrun's environment (:func:`zerodp.init_distributed`).
 
@@ -63,13 +64,13 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     _runtime_comm.init_distributed(backend=dist_backend, timeout_s=timeout_s)
 
 
-def initialize(args: Any = None, model: Optional[nn.Module] = None,
-               optimizer: Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer], None] = None,
-               model_parameters: Optional[Iterable[Any]] = None, training_data: Optional[Dataset] = None,
-               lr_scheduler: Union[LRScheduler, Callable[[torch.optim.Optimizer], Any], None] = None,
-               distributed_port: int = 29500, mpu: Any = None, dist_init_required: Optional[bool] = None,
-               collate_fn: Optional[Callable] = None, config: Any = None, mesh_param: Any = None,
-               config_params: Any = None) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, Optional[DataLoader], Any]:
+def initialize(args: Any = None, model: nn.Module | None = None,
+               optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
+               model_parameters: Iterable[Any] | None = None, training_data: Dataset | None = None,
+               lr_scheduler: LRScheduler | Callable[[torch.optim.Optimizer], Any] | None = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable | None = None, config: Any = None, mesh_param: Any = None,
+               config_params: Any = None) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, DataLoader | None, Any]:
     """``deepspeed.initialize``: wrap ``model`` in a ZeRO engine.
 
     Args:
@@ -133,7 +134,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
     loader = None
     if training_data is not None:
         world, rank = dist.get_world_size(engine.process_group), dist.get_rank(engine.process_group)
-        sampler = DistributedSampler(training_data, num_replicas=world, rank=rank)
+        sampler: DistributedSampler = DistributedSampler(training_data, num_replicas=world, rank=rank)
         loader = DataLoader(training_data, batch_size=engine.config.train_micro_batch_size_per_gpu,
                             sampler=sampler, collate_fn=collate_fn)
     ds_engine = DeepSpeedEngine(engine, loader, ds_config=raw_resolved)
@@ -184,7 +185,7 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def _scheduler_factory(sched: Any, client_opt: Optional[torch.optim.Optimizer]) -> Optional[Callable]:
+def _scheduler_factory(sched: Any, client_opt: torch.optim.Optimizer | None) -> Callable | None:
     """A callable ``f(engine optimizer) -> scheduler`` for :func:`zerodp.initialize`."""
     if sched is None:
         return None
@@ -197,7 +198,7 @@ def _scheduler_factory(sched: Any, client_opt: Optional[torch.optim.Optimizer]) 
                                   "passed to initialize() is not implemented; pass a callable f(optimizer)")
 
     def rebind(opt: torch.optim.Optimizer) -> LRScheduler:
-        for g, cg in zip(opt.param_groups, client_opt.param_groups):
+        for g, cg in zip(opt.param_groups, client_opt.param_groups, strict=True):
             g["lr"] = cg["lr"]
             if "initial_lr" in cg:
                 g["initial_lr"] = cg["initial_lr"]

@@ -10,7 +10,7 @@ zerodp's internal :mod:`zerodp.runtime.comm`.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as _dist
@@ -18,12 +18,12 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from zerodp.runtime import comm as _runtime_comm
 
-Group = Optional[ProcessGroup]
+Group = ProcessGroup | None
 
 
-def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
                      distributed_port: int = 29500, verbose: bool = True, timeout: Any = None,
-                     init_method: Optional[str] = None, dist_init_required: Optional[bool] = None,
+                     init_method: str | None = None, dist_init_required: bool | None = None,
                      config: Any = None, rank: int = -1, world_size: int = -1) -> None:
     """``deepspeed.comm.init_distributed``: the same as :func:`zerodp.deepspeed.init_distributed`."""
     from zerodp.deepspeed import init_distributed as _init
@@ -54,7 +54,7 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def get_world_group() -> ProcessGroup:
+def get_world_group() -> ProcessGroup | None:
     return _dist.group.WORLD
 
 
@@ -173,7 +173,7 @@ def send(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0, prof
     _dist.send(tensor, dst, group=group, tag=tag)
 
 
-def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Group = None, tag: int = 0, prof: bool = False,
+def recv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0, prof: bool = False,
          log_name: str = "recv", debug: Any = None) -> int:
     return _dist.recv(tensor, src=src, group=group, tag=tag)
 
@@ -183,7 +183,7 @@ def isend(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0, pro
     return _dist.isend(tensor, dst, group=group, tag=tag)
 
 
-def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Group = None, tag: int = 0, prof: bool = False,
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0, prof: bool = False,
           log_name: str = "irecv", debug: Any = None) -> Any:
     return _dist.irecv(tensor, src=src, group=group, tag=tag)
 

@@ -37,7 +37,8 @@ Errors: :class:`zerodp.ConfigError` naming the key path.
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,7 +76,7 @@ def read_config(config: Any) -> dict[str, Any]:
     return copy.deepcopy(dict(read_config_mapping(config)))
 
 
-def hidden_size_of(model: Optional[nn.Module]) -> Optional[int]:
+def hidden_size_of(model: nn.Module | None) -> int | None:
     """``model.config.hidden_size`` or ``max(model.config.hidden_sizes)`` (HF models); else None."""
     mc = getattr(model, "config", None)
     h = getattr(mc, "hidden_size", None)
@@ -87,7 +88,7 @@ def hidden_size_of(model: Optional[nn.Module]) -> Optional[int]:
     return None
 
 
-def _floating_dtype(model: Optional[nn.Module]) -> Optional[torch.dtype]:
+def _floating_dtype(model: nn.Module | None) -> torch.dtype | None:
     if model is None:
         return None
     for p in model.parameters():
@@ -96,8 +97,8 @@ def _floating_dtype(model: Optional[nn.Module]) -> Optional[torch.dtype]:
     return None
 
 
-def resolve_deepspeed_config(raw: Mapping[str, Any], model: Optional[nn.Module] = None,
-                             optimizer_lr: Optional[float] = None, translate_optimizer: bool = True) -> dict[str, Any]:
+def resolve_deepspeed_config(raw: Mapping[str, Any], model: nn.Module | None = None,
+                             optimizer_lr: float | None = None, translate_optimizer: bool = True) -> dict[str, Any]:
     """Resolve ``"auto"`` values and DeepSpeed optimizer spellings in ``raw`` (not modified).
 
     Args:
@@ -153,7 +154,7 @@ def _resolve_batch(cfg: dict[str, Any]) -> None:
         del cfg[k]  # derived from the others by ZeroDPConfig.for_world_size, as DeepSpeed does
 
 
-def _resolve_hidden_size_keys(cfg: dict[str, Any], model: Optional[nn.Module]) -> None:
+def _resolve_hidden_size_keys(cfg: dict[str, Any], model: nn.Module | None) -> None:
     zo = cfg.get("zero_optimization")
     if not isinstance(zo, dict):
         return
@@ -193,7 +194,7 @@ def _translate_optimizer(cfg: dict[str, Any]) -> None:
         opt["type"] = "Adam"
 
 
-def _resolve_scheduler(cfg: dict[str, Any], optimizer_lr: Optional[float]) -> None:
+def _resolve_scheduler(cfg: dict[str, Any], optimizer_lr: float | None) -> None:
     sched = cfg.get("scheduler")
     params = sched.get("params") if isinstance(sched, dict) else None
     if not isinstance(params, dict):

@@ -18,8 +18,9 @@ import copy
 import os
 import time
 import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,7 @@ class DeepSpeedEngine:
     """
 
     def __init__(self, engine: Engine, training_dataloader: Any = None,
-                 ds_config: Optional[Mapping[str, Any]] = None) -> None:
+                 ds_config: Mapping[str, Any] | None = None) -> None:
         self.engine = engine
         self.training_dataloader = training_dataloader
         #: DeepSpeed's ``engine.config``: the config dict given to initialize ("auto" resolved)
@@ -101,11 +102,11 @@ class DeepSpeedEngine:
 
     forward = __call__
 
-    def train(self, mode: bool = True) -> "DeepSpeedEngine":
+    def train(self, mode: bool = True) -> DeepSpeedEngine:
         self.engine.train(mode)
         return self
 
-    def eval(self) -> "DeepSpeedEngine":
+    def eval(self) -> DeepSpeedEngine:
         self.engine.eval()
         return self
 
@@ -140,7 +141,7 @@ class DeepSpeedEngine:
         self._backward_unstepped = True
         return loss
 
-    def step(self, lr_kwargs: Optional[Mapping[str, Any]] = None) -> None:
+    def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """End a micro-step; at a boundary, update the parameters and step the LR scheduler.
 
         Raises:
@@ -303,7 +304,7 @@ class DeepSpeedEngine:
         return int(os.environ.get("LOCAL_RANK", 0))
 
     @property
-    def device(self) -> torch.device:
+    def device(self) -> torch.device | None:
         """The engine's device (``cuda:LOCAL_RANK`` on a CUDA machine with NCCL, else the CPU; config
         key ``device``): where a script puts its batches (``batch.to(engine.device)``)."""
         return self.engine.device
@@ -322,7 +323,7 @@ class DeepSpeedEngine:
         """``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (accelerate asks before saving)."""
         return bool(self.engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
 
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[dict]:
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """Collective: the full module state dict in the module's dtype on rank 0 (None on the other
         ranks), as DeepSpeed's (accelerate's ``get_state_dict`` calls it at stage 3; the HF Trainer
         with ``exclude_frozen_parameters=True`` for a PEFT model: without the parameters whose
@@ -395,7 +396,7 @@ class DeepSpeedEngine:
             dist.barrier(self.engine.process_group)  # the file exists on return, on every rank
         return True
 
-    def save_checkpoint(self, save_dir: Any, tag: Any = None, client_state: Optional[Mapping[str, Any]] = None,
+    def save_checkpoint(self, save_dir: Any, tag: Any = None, client_state: Mapping[str, Any] | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Collective: DeepSpeed's signature over :meth:`zerodp.Engine.save_checkpoint`. ``tag`` may be
         an int; ``client_state`` may hold tensors and any picklable object (stored with torch.save in the
@@ -441,7 +442,7 @@ class DeepSpeedEngine:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not implemented")
         d = Path(load_dir)
         if tag is None and not (d / "latest").is_file() and not (d / "meta.json").is_file():
-            warnings.warn(f"load_checkpoint: no 'latest' file in {d}; nothing loaded")
+            warnings.warn(f"load_checkpoint: no 'latest' file in {d}; nothing loaded", stacklevel=2)
             return None, None
         e = self.engine
         keep_opt = load_module_only or not load_optimizer_states
@@ -455,6 +456,7 @@ class DeepSpeedEngine:
         if opt_state is not None:
             e.optimizer.load_state_dict(opt_state)
         if sched_state is not None:
+            assert e.lr_scheduler is not None  # kept only from the engine's scheduler
             e.lr_scheduler.load_state_dict(sched_state)
         if load_module_only:
             e.global_steps, e.micro_steps, e.skipped_steps, e.ledger.steps = counters

@@ -19,7 +19,8 @@ As in DeepSpeed, only ``device=cpu`` is accepted, and an engine with ``offload_o
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ def _flat_buffers(engine: Any) -> list[torch.Tensor]:
     return [g.buffer for g in engine.groups]
 
 
-def offload_states(ds_engine: Any, include: Optional[Iterable[Any]] = None,
+def offload_states(ds_engine: Any, include: Iterable[Any] | None = None,
                    device: Any = OffloadDeviceEnum.cpu, pin_memory: bool = True, non_blocking: bool = False) -> None:
     """Move the ``include``d states (default: all) to the host; see the module docstring.
 
@@ -110,7 +111,7 @@ class ThroughputTimer:
         self.global_step_count = 0
         self.total_elapsed_time = 0.0
         self.step_elapsed_time = 0.0
-        self._started: Optional[float] = None
+        self._started: float | None = None
 
     def update_epoch_count(self) -> None:
         self.epoch_count += 1

@@ -14,7 +14,7 @@ import base64
 import copy
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 
 class HfDeepSpeedConfig:
@@ -47,7 +47,7 @@ class HfDeepSpeedConfig:
                        self.get_value("zero_optimization.offload_param.device")}
             self._offload = bool(devices & {"cpu", "nvme"})
 
-    def find_config_node(self, ds_key_long: str) -> tuple[Optional[dict], str]:
+    def find_config_node(self, ds_key_long: str) -> tuple[dict | None, str]:
         """``(the dict holding the last key of the dotted path, that key)``; ``(None, key)`` if a parent
         is missing."""
         config: Any = self.config
@@ -69,7 +69,7 @@ class HfDeepSpeedConfig:
         config: Any = self.config
         *parents, last = ds_key_long.split(".")
         for node in parents:
-            parent, config = config, config.get(node) if isinstance(config, dict) else None
+            config = config.get(node) if isinstance(config, dict) else None
             if config is None:
                 if must_exist:
                     raise ValueError(f"Can't find {ds_key_long} entry in the config: {self.config}")

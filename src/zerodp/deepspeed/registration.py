@@ -27,9 +27,10 @@ import importlib.machinery
 import importlib.metadata
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator, Optional
+from typing import Any
 
 #: The DeepSpeed release whose Python API zerodp.deepspeed follows (the one the bench compares with).
 DEEPSPEED_API_VERSION = "0.19.8"
@@ -44,6 +45,7 @@ DECIDED_AT_IMPORT = ("accelerate.accelerator", "accelerate.utils.deepspeed", "tr
 EAGER_SUBMODULES = ("comm",)
 
 _NAME = "deepspeed"
+_ANY_CONTEXT = importlib.metadata.DistributionFinder.Context()  # no name: every distribution, as importlib's default
 _TARGET = "zerodp.deepspeed"
 
 
@@ -84,7 +86,7 @@ class _AliasLoader(importlib.abc.Loader):
 class _Distribution(importlib.metadata.Distribution):
     """The metadata of the ``deepspeed`` name while zerodp is registered (``METADATA`` only)."""
 
-    def read_text(self, filename: str) -> Optional[str]:
+    def read_text(self, filename: str) -> str | None:
         if filename == "METADATA":
             return (f"Metadata-Version: 2.1\nName: {_NAME}\nVersion: {version()}\n"
                     "Summary: zerodp.deepspeed registered as deepspeed (zerodp.deepspeed.registration); "
@@ -98,7 +100,7 @@ class _Distribution(importlib.metadata.Distribution):
 class ZerodpDeepSpeedFinder(importlib.abc.MetaPathFinder):
     """``sys.meta_path`` entry: module specs for ``deepspeed.*`` and metadata for ``deepspeed``."""
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname != _NAME and not fullname.startswith(_NAME + "."):
             return None
         real = _TARGET + fullname[len(_NAME):]
@@ -113,13 +115,13 @@ class ZerodpDeepSpeedFinder(importlib.abc.MetaPathFinder):
             spec.submodule_search_locations = list(module.__path__)
         return spec
 
-    def find_distributions(self, context: Any = importlib.metadata.DistributionFinder.Context()) -> Iterator[Any]:
+    def find_distributions(self, context: Any = _ANY_CONTEXT) -> Iterator[Any]:
         name = getattr(context, "name", None)
         if name is not None and name.replace("_", "-").lower() == _NAME:
             yield _Distribution()
 
 
-def _finder() -> Optional[ZerodpDeepSpeedFinder]:
+def _finder() -> ZerodpDeepSpeedFinder | None:
     return next((f for f in sys.meta_path if isinstance(f, ZerodpDeepSpeedFinder)), None)
 
 

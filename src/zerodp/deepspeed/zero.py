@@ -11,7 +11,7 @@ not do (model parallelism, quantized weights, partitioning an already-built modu
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,10 +52,10 @@ class Init(_zero.Init):
             disagreeing with the config's ``offload_param`` (or "nvme" without its ``nvme_path``).
     """
 
-    def __init__(self, module: Optional[nn.Module] = None, data_parallel_group: Any = None,
-                 mem_efficient_linear: bool = True, remote_device: Optional[str] = None,
+    def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
+                 mem_efficient_linear: bool = True, remote_device: str | None = None,
                  pin_memory: bool = False, config_dict_or_path: Any = None, config: Any = None,
-                 enabled: bool = True, dtype: Optional[torch.dtype] = None, mpu: Any = None,
+                 enabled: bool = True, dtype: torch.dtype | None = None, mpu: Any = None,
                  zero_param_parallel_group: Any = None, zero_quantized_weights: bool = False,
                  zero_quantized_nontrainable_weights: bool = False, sequence_data_parallel_group: Any = None,
                  param_swapper: Any = None) -> None:
@@ -92,18 +92,19 @@ class Init(_zero.Init):
             set_ds_attributes(s.param, tuple(s.shape))
 
 
-def set_ds_attributes(p: nn.Parameter, shape: Optional[tuple[int, ...]]) -> None:
+def set_ds_attributes(p: nn.Parameter, shape: tuple[int, ...] | None) -> None:
     """DeepSpeed's ``ds_shape``/``ds_numel`` on a (possibly partitioned) parameter and, when a stage-3
     unit owns it, ``ds_id`` (the same on every rank, see :meth:`zerodp.stage3.units.ShardedUnit.ds_id`)
     and ``ds_status`` (:class:`ZeroParamStatus`: ``NOT_AVAILABLE`` while only the shard exists, a
     property of the sharded class; ``AVAILABLE`` while gathered)."""
     if shape is not None:
-        p.ds_shape = torch.Size(shape)
-    p.ds_numel = full_numel(p)
+        p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]  # DeepSpeed's attribute on a Parameter
+    p.ds_numel = full_numel(p)  # type: ignore[attr-defined]  # idem
     owner = OWNERS.get(p)
     if owner is not None:
         p.__dict__["ds_id"] = owner.unit.ds_id(p)
         p.__dict__["ds_status"] = ZeroParamStatus.AVAILABLE  # read while gathered (own class)
 
 
-__all__ = ["Init", "ZeroParamStatus", "GatheredParameters", "TiledLinear", "register_external_parameter", "full_numel", "is_partitioned"]
+__all__ = ["Init", "ZeroParamStatus", "GatheredParameters", "TiledLinear", "register_external_parameter", "full_numel",
+           "is_partitioned"]

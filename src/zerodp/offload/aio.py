@@ -122,7 +122,7 @@ class AsyncIO:
         if offset % ALIGN or buf.numel() % ALIGN or buf.data_ptr() % ALIGN:
             raise ValueError(f"direct I/O needs {ALIGN}-byte alignment: offset {offset}, "
                              f"{buf.numel()} bytes at address {buf.data_ptr():#x}")
-        mv = memoryview(buf.numpy())
+        mv = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers; typeshed's Buffer misses it
         handle = IOHandle(nbytes=buf.numel())
         span = self.block * self.per_call
         for start in range(0, buf.numel(), span):
@@ -155,7 +155,7 @@ def _transfer(f: SwapFile, views: list[memoryview], offset: int, write: bool) ->
             n = os.pwritev(f.fd, views, offset) if write else os.preadv(f.fd, views, offset)
         except OSError as exc:
             raise OSError(exc.errno, f"{'writing' if write else 'reading'} {want} bytes at offset "
-                                     f"{offset} of swap file {f.path}: {os.strerror(exc.errno)}") from None
+                                     f"{offset} of swap file {f.path}: {os.strerror(exc.errno or 0)}") from None
         if n == 0:
             raise OSError(errno.EIO, f"{'writing' if write else 'reading'} swap file {f.path} at offset "
                                      f"{offset}: end of file ({want} bytes wanted; was it truncated?)")

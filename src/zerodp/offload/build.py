@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Callable, Iterable, Optional, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from zerodp.config import ConfigError, ZeroConfig
-from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
+from zerodp.offload.config import AioConfig
 from zerodp.offload.delayed import DelayedHostOffload
 from zerodp.offload.host import HostOptimizerOffload
 from zerodp.offload.no_offload import NoOffload
@@ -28,7 +29,9 @@ class OptimizerOffload(Protocol):
 
     device: str
     streams_grads: bool
-    shard_access: Optional[object]
+
+    @property  # read-only: an implementation's is narrower (ShardAccess | None)
+    def shard_access(self) -> object | None: ...
 
     def attach(self, groups: list[FlatGroup]) -> None: ...
     def holds_master(self, piece: Piece) -> bool: ...
@@ -38,8 +41,8 @@ class OptimizerOffload(Protocol):
     def check_health(self) -> None: ...
     def begin_grads(self) -> None: ...
     def stream_grad(self, piece: Piece, grad: torch.Tensor) -> None: ...
-    def stage_grad(self, piece: Piece, grad: Optional[torch.Tensor]) -> None: ...
-    def gradient_spill(self, reducer: object) -> Optional[object]: ...
+    def stage_grad(self, piece: Piece, grad: torch.Tensor | None) -> None: ...
+    def gradient_spill(self, reducer: object) -> object | None: ...
     def scale_grads(self, factor: float) -> None: ...
     def norm_grads(self, pieces: list[Piece]) -> Iterable[torch.Tensor]: ...
     def set_shard_access(self, access: object) -> None: ...
@@ -60,7 +63,7 @@ class OptimizerOffload(Protocol):
 HOST_PIPELINE_ON_CPU_ENV = "ZERODP_HOST_OFFLOAD_ON_CPU"
 
 
-def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int, process_group: Optional[dist.ProcessGroup],
+def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int, process_group: dist.ProcessGroup | None,
                   groups: list[FlatGroup], has_master: bool) -> OptimizerOffload:
     """:class:`~zerodp.offload.no_offload.NoOffload` for ``device: none`` (fp32 masters on the
     training device when ``has_master``); else the host or NVMe offload (not yet attached).

@@ -10,7 +10,7 @@ accepts but zerodp does not implement (``ratio`` below 1) is refused with the ke
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -36,14 +36,14 @@ class _OffloadTarget(_StrictModel):
     """What both offload sections share: the device and, for ``nvme``, the swap directory."""
 
     device: OffloadDevice = Field("none", description="none | cpu | nvme")
-    nvme_path: Optional[str] = Field(None, description="directory for swap files (device nvme)")
+    nvme_path: str | None = Field(None, description="directory for swap files (device nvme)")
     remove_stale_swap: bool = Field(False, description="zerodp's own key: remove swap directories under "
                                                        "nvme_path left by jobs whose processes are gone "
                                                        "(else they are named in a warning; see "
                                                        "zerodp.offload.swap_dir)")
 
     @model_validator(mode="after")
-    def _nvme_needs_path(self) -> "_OffloadTarget":
+    def _nvme_needs_path(self) -> _OffloadTarget:
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError("device 'nvme' needs nvme_path (a directory on the NVMe disk)")
         return self
@@ -88,7 +88,7 @@ class OffloadOptimizerConfig(_OffloadTarget):
                                                                  "set (see zerodp.offload.sizing)")
 
     @model_validator(mode="after")
-    def _delayed_needs_cpu(self) -> "OffloadOptimizerConfig":
+    def _delayed_needs_cpu(self) -> OffloadOptimizerConfig:
         if self.delayed_update and self.device != "cpu":
             raise ValueError(f"delayed_update needs offload_optimizer.device 'cpu' (the update runs on the host "
                              f"while the next forward runs); got device {self.device!r}. Set device 'cpu' or "

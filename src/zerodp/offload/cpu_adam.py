@@ -24,7 +24,7 @@ Left alone (the configured kernel runs): optimizers other than ``torch.optim.Ada
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterator, Optional
 
 import torch
 
@@ -58,9 +58,9 @@ class DelayedHostOffload(HostOptimizerOffload):
 
     def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused") -> None:
         super().__init__(pin_memory, cpu_adam)
-        self._worker: Optional[ThreadPoolExecutor] = None
-        self._job: Optional[Future] = None
-        self.launched: Optional[list[torch.Tensor]] = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._job: Future | None = None
+        self.launched: list[torch.Tensor] | None = None
         self.updates_launched = 0
         self.updates_overlapped = 0  # not finished when step() returned
 
@@ -83,9 +83,9 @@ class DelayedHostOffload(HostOptimizerOffload):
         self.wait_update()
         if self.launched is None:
             return super().fold_edits()
-        for piece, before in zip(self.pieces, self.launched):
-            _keep_edits(piece.tensor, before, piece.master)
-            self.copies.copy(piece.tensor, piece.master)
+        for piece, before in zip(self.pieces, self.launched, strict=True):
+            _keep_edits(piece.tensor, before, piece.master_copy)
+            self.copies.copy(piece.tensor, piece.master_copy)
         self.copies.wait()
         self.launched = None
 
@@ -111,7 +111,7 @@ class DelayedHostOffload(HostOptimizerOffload):
         self.launched = [p.tensor.detach().to("cpu", copy=True) for p in self.pieces]
         shadow = copy.copy(optimizer)  # same state dict; param groups copied: hyperparameters as of now
         shadow.param_groups = [dict(g) for g in optimizer.param_groups]
-        optimizer._opt_called = True  # what optimizer.step() records for an LR scheduler's check
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # what optimizer.step() records for an LR scheduler's check
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerodp-delayed-update")
         self._job = self._worker.submit(self._update, shadow, set(present))
@@ -121,12 +121,12 @@ class DelayedHostOffload(HostOptimizerOffload):
         """On the worker thread: one optimizer step over the masters with the staged gradients."""
         try:
             for i, piece in enumerate(self.pieces):
-                piece.master.grad = self.grad_buffers[i] if i in present else None
+                piece.master_copy.grad = self.grad_buffers[i] if i in present else None
             with cpu_adam_kernel(shadow, self.cpu_adam):
                 type(shadow).step(shadow)
         finally:
             for piece in self.pieces:
-                piece.master.grad = None
+                piece.master_copy.grad = None
 
     def finish_step(self) -> None:
         """Return without waiting for the update; forget this step's gradient marks."""

@@ -22,8 +22,8 @@ flight (a unit each) and the two read buffers (a sub-group each, plus 8 KiB per 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -156,7 +156,7 @@ class GradSwap:
             raise IndexError(f"elements [{lo}, {hi}) outside group {index}'s gradient partition of {e.numel}")
         return e.offset + lo * e.dtype.itemsize, e.offset + hi * e.dtype.itemsize
 
-    def read_ranges(self, spans: list[tuple[int, int, int]], slot: Optional[int]) -> tuple[IOHandle, list[torch.Tensor]]:
+    def read_ranges(self, spans: list[tuple[int, int, int]], slot: int | None) -> tuple[IOHandle, list[torch.Tensor]]:
         """Start reading ``spans`` (group index, lo, hi elements) into read buffer ``slot`` (None: a
         buffer of their own); returns the handle and one view per span, valid once it is waited for."""
         for index, _, _ in spans:
@@ -186,8 +186,8 @@ class GradSwap:
             at += n
         self.bytes_read += at
         views = []
-        for (index, lo, hi), (b0, b1) in zip(spans, byte):
-            start, at = next((s, a) for (s, a), (rlo, rhi) in zip(where, runs) if rlo <= b0 and b1 <= rhi)
+        for (index, _lo, _hi), (b0, b1) in zip(spans, byte, strict=False):
+            start, at = next((s, a) for (s, a), (rlo, rhi) in zip(where, runs, strict=False) if rlo <= b0 and b1 <= rhi)
             dtype = self.extents[index].dtype
             views.append(buf[at + b0 - start: at + b1 - start].view(dtype))
         return handle, views
@@ -251,7 +251,7 @@ class StepGradReads:
         self.swap, self.at, self.order, self.spans_of = swap, at, order, spans_of
         self.reads: dict[int, tuple[IOHandle, list[int], list[torch.Tensor]]] = {}
 
-    def _issue(self, index: int, slot: Optional[int]) -> None:
+    def _issue(self, index: int, slot: int | None) -> None:
         spans = self.spans_of(index)
         handle, views = self.swap.read_ranges([(self.at[i][0], self.at[i][1] + lo, self.at[i][1] + hi)
                                                for i, lo, hi in spans], slot)
@@ -266,7 +266,7 @@ class StepGradReads:
         handle.wait()
         if 0 <= pos < len(self.order) - 1:
             self._issue(self.order[pos + 1], (pos + 1) % 2)
-        return dict(zip(pieces, views))
+        return dict(zip(pieces, views, strict=False))
 
     def close(self) -> None:
         for h, _, _ in self.reads.values():

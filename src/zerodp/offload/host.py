@@ -23,15 +23,15 @@ The kernel is torch's fused CPU Adam/AdamW by default (``offload_optimizer.cpu_a
 :mod:`zerodp.offload.cpu_adam`): same formula, different rounding order, so the result equals the
 non-offloaded engine's within about 1e-6 relative. With ``cpu_adam = "same"`` the arithmetic is the
 non-offloaded engine's: same torch optimizer, same kernel, per-parameter updates (a chunk is a subset
-of whole optimizer tensors), fp32 masters, exact copies, so the result is bitwise equal. In-place edits of the module's parameters between steps are folded into the masters
-before the update (:meth:`HostOptimizerOffload.fold_edits`, as :mod:`zerodp.runtime.guards` does for
-non-offloaded masters).
+of whole optimizer tensors), fp32 masters, exact copies, so the result is bitwise equal. In-place edits of the module's
+parameters between steps are folded into the masters before the update (:meth:`HostOptimizerOffload.fold_edits`, as
+:mod:`zerodp.runtime.guards` does for non-offloaded masters).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -80,7 +80,7 @@ class HostOptimizerOffload:
     streams_grads = True
     #: the engine's parameter offload when the step makes shards resident itself (NVMe subclass only);
     #: None: the engine keeps every shard resident for the whole step
-    shard_access: Optional[object] = None
+    shard_access: object | None = None
 
     def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused") -> None:
         self.pin = pin_memory
@@ -124,7 +124,7 @@ class HostOptimizerOffload:
 
     def refresh_master(self, piece: Piece) -> None:
         """The module's value of ``piece`` was edited (GatheredParameters): copy it into the master."""
-        piece.master.copy_(piece.tensor)
+        piece.master_copy.copy_(piece.tensor)
 
     def fold_edits(self) -> None:
         """Before the update: every element of a module parameter that no longer equals its master's
@@ -132,7 +132,7 @@ class HostOptimizerOffload:
         ``w.data``); copy it into the fp32 master, keeping the fp32 value of the other elements
         (the rule :meth:`zerodp.runtime.guards.TrainingGuards.before_update` applies without offload)."""
         for piece in self.pieces:
-            fold_edit(piece.tensor, piece.master)
+            fold_edit(piece.tensor, piece.master_copy)
 
     def skipped_step(self) -> None:
         """The update was skipped (fp16 overflow); :meth:`fold_edits` already folded every edit."""
@@ -168,7 +168,7 @@ class HostOptimizerOffload:
     def grads(self) -> list[torch.Tensor]:
         """The host gradients staged this step (for loss unscaling and clipping, in place)."""
         self._sync_copies()
-        return [b for b, present in zip(self.grad_buffers, self._present) if present]
+        return [b for b, present in zip(self.grad_buffers, self._present, strict=True) if present]
 
     def scale_grads(self, factor: float) -> None:
         """Multiply this step's staged gradients by ``factor`` in place (fp32, ``Tensor.mul_``): loss
@@ -186,7 +186,7 @@ class HostOptimizerOffload:
         """The engine's parameter offload (stage 3, ``offload_param``). Host memory updates every piece
         at once, so the engine keeps the shards resident for the step: nothing to do here."""
 
-    def grad_of(self, piece: Piece) -> Optional[torch.Tensor]:
+    def grad_of(self, piece: Piece) -> torch.Tensor | None:
         """``piece``'s host gradient staged this step, or None if it has none."""
         i = self._index[id(piece)]
         self._sync_copies()
@@ -199,11 +199,11 @@ class HostOptimizerOffload:
         self._sync_copies()
         for chunk in _chunks(self.pieces, self._present):
             for i, piece in enumerate(self.pieces):
-                piece.master.grad = self.grad_buffers[i] if i in chunk else None
+                piece.master_copy.grad = self.grad_buffers[i] if i in chunk else None
             with cpu_adam_kernel(optimizer, self.cpu_adam):
                 optimizer.step()
             for i in chunk:
-                self.copies.copy(self.pieces[i].tensor, self.pieces[i].master)
+                self.copies.copy(self.pieces[i].tensor, self.pieces[i].master_copy)
 
     def settle(self) -> None:
         """Nothing to finish: :meth:`step` updates everything before it returns."""
@@ -216,7 +216,7 @@ class HostOptimizerOffload:
         """Wait until the module's parameters hold the updated masters; forget this step's gradients."""
         self.copies.wait()
         for i, piece in enumerate(self.pieces):
-            piece.master.grad = None
+            piece.master_copy.grad = None
             self._present[i] = False
             self._streamed[i] = False
 
@@ -239,7 +239,7 @@ class HostOptimizerOffload:
         states = [t for st in optimizer.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0]
         return {
-            "master_weights": storage_bytes([p.master for p in self.pieces if p.master.numel()]),
+            "master_weights": storage_bytes([p.master_copy for p in self.pieces if p.master_copy.numel()]),
             "optimizer_states": storage_bytes(states),
             "gradients": storage_bytes(self.grad_buffers),
             "swap_buffers": 0,
@@ -317,4 +317,5 @@ def _chunks(pieces: list[Piece], present: list[bool]) -> list[set[int]]:
     return chunks
 
 
-__all__ = ["FOLD_CHUNK_NUMEL", "HostOptimizerOffload", "MIN_CHUNK_NUMEL", "fold_edit", "STEP_CHUNKS", "host_empty", "storage_bytes"]
+__all__ = ["FOLD_CHUNK_NUMEL", "HostOptimizerOffload", "MIN_CHUNK_NUMEL", "fold_edit", "STEP_CHUNKS", "host_empty",
+           "storage_bytes"]

@@ -10,7 +10,7 @@ into the pieces by :meth:`NoOffload.finish_step`.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -27,7 +27,7 @@ class NoOffload:
     #: so a ``clip_grad_norm_`` factor scales them at once)
     streams_grads = False
     #: the engine keeps every shard resident for the whole step
-    shard_access: Optional[object] = None
+    shard_access: object | None = None
 
     def __init__(self, has_master: bool) -> None:
         """``has_master``: bf16/fp16 training keeps an fp32 master copy of every owned piece."""
@@ -52,18 +52,18 @@ class NoOffload:
 
     def refresh_master(self, piece: Piece) -> None:
         """The module's value of ``piece`` was edited (GatheredParameters): copy it into the master."""
-        piece.master.copy_(piece.tensor)
+        piece.master_copy.copy_(piece.tensor)
 
     def fold_edits(self) -> None:
         """Before the update: copy every element of a piece that no longer equals its master's cast
         (an in-place edit since the last step) into the fp32 master, keeping the fp32 value of the
         other elements. One host sync per device (:func:`zerodp.runtime.device.host_flags`)."""
         pieces = [p for p in self.pieces if p.master is not None]
-        flags = [(p.tensor != p.master.to(p.tensor.dtype)).any() for p in pieces]
-        for piece, edited_any in zip(pieces, host_flags("master_edits", flags)):
+        flags = [(p.tensor != p.master_copy.to(p.tensor.dtype)).any() for p in pieces]
+        for piece, edited_any in zip(pieces, host_flags("master_edits", flags), strict=True):
             if edited_any:  # keep the fp32 value of every element that was not edited
-                edited = piece.tensor != piece.master.to(piece.tensor.dtype)
-                piece.master[edited] = piece.tensor[edited].to(piece.master.dtype)
+                edited = piece.tensor != piece.master_copy.to(piece.tensor.dtype)
+                piece.master_copy[edited] = piece.tensor[edited].to(piece.master_copy.dtype)
 
     def skipped_step(self) -> None:
         """The update was skipped (fp16 overflow): nothing was staged."""

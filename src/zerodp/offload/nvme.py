@@ -47,23 +47,24 @@ import os
 import shutil
 import warnings
 import weakref
-from typing import Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from zerodp.offload.aio import AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
+from zerodp.offload.aio import AsyncIO, IOHandle, SwapFile, aligned_buffer
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
 from zerodp.offload.cpu_adam import cpu_adam_kernel
 from zerodp.offload.grad_swap import GradSwap, StepGradReads, open_grad_swap
 from zerodp.offload.host import HostOptimizerOffload, fold_edit, storage_bytes
 from zerodp.offload.report import offload_formula
 from zerodp.offload.shard_window import ShardAccess, unique_groups
+from zerodp.offload.sizing import BufferLayout, configured_buffers, oversize_warning
+from zerodp.offload.step_pipeline import SubGroupPipeline, SwapStats
+from zerodp.offload.subgroups import SubGroup
+from zerodp.offload.subgroups import plan_subgroups as _plan
 from zerodp.offload.swap_dir import check_stale, make_rank_dir
 from zerodp.offload.swap_job import OffloadError, agree_job_id, raise_if_any_rank_failed, remove_swap_dir
-from zerodp.offload.sizing import BufferLayout, configured_buffers, oversize_warning
-from zerodp.offload.subgroups import SubGroup, plan_subgroups as _plan
-from zerodp.offload.step_pipeline import SubGroupPipeline, SwapStats
 from zerodp.runtime.partition import FlatGroup, Piece
 
 
@@ -72,37 +73,37 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
 
     device = "nvme"
 
-    def __init__(self, cfg: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: Optional[int],
-                 rank: int, process_group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, cfg: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: int | None,
+                 rank: int, process_group: dist.ProcessGroup | None) -> None:
         super().__init__(cfg.pin_memory, cfg.cpu_adam)
         self.cfg = cfg
         self.aio_cfg = aio
         self.user_sub_group_size = sub_group_size  # None: chosen at attach (zerodp.offload.sizing)
         self.sub_group_size = 0
         self.in_place = False  # the module's fp32 CPU tensors are the masters (no masters segment)
-        self.layout: Optional[BufferLayout] = None
+        self.layout: BufferLayout | None = None
         self.rank = rank
         self.pg = process_group
         self.subgroups: list[SubGroup] = []
         self.steps: dict[tuple[int, int], torch.Tensor] = {}  # (piece position, span lo) -> Adam's step
         self.buffers: list[torch.Tensor] = []
-        self.io: Optional[AsyncIO] = None
-        self.file: Optional[SwapFile] = None
-        self.dir: Optional[str] = None
+        self.io: AsyncIO | None = None
+        self.file: SwapFile | None = None
+        self.dir: str | None = None
         self.stats = SwapStats()
-        self._finalizer: Optional[weakref.finalize] = None
+        self._finalizer: weakref.finalize | None = None
         self.deferred = False  # gradients read from the reducer's host partition (module docstring)
         self.grad_scratch = torch.empty(0, dtype=torch.float32)  # fp32, largest sub-group (deferred, not fp32)
-        self._norm_scratch: Optional[torch.Tensor] = None  # fp32, largest piece, during a step's norm only
-        self._grad_refs: list[Optional[torch.Tensor]] = []  # per piece: the reducer's partition view
+        self._norm_scratch: torch.Tensor | None = None  # fp32, largest piece, during a step's norm only
+        self._grad_refs: list[torch.Tensor | None] = []  # per piece: the reducer's partition view
         self._factors: list[float] = []  # scale factors applied this step, in order (deferred)
         self._group_of: list[FlatGroup] = []  # per piece: its flat group (= stage-3 unit)
-        self.shard_access: Optional[ShardAccess] = None
-        self.pending: Optional[SubGroupPipeline] = None  # a step's loop still running (overlap_step)
-        self.spill: Optional[GradSwap] = None  # the reduced gradients on NVMe (gradient_spill)
+        self.shard_access: ShardAccess | None = None
+        self.pending: SubGroupPipeline | None = None  # a step's loop still running (overlap_step)
+        self.spill: GradSwap | None = None  # the reduced gradients on NVMe (gradient_spill)
         self._grad_at: list[tuple[int, int]] = []  # per piece: (group index, offset in its owned partition)
-        self._grad_reads: Optional[StepGradReads] = None  # this step's reads of the gradient swap file
-        self._files: list[Optional[SwapFile]] = []
+        self._grad_reads: StepGradReads | None = None  # this step's reads of the gradient swap file
+        self._files: list[SwapFile | None] = []
         self._after: list[Callable[[], None]] = []  # to run once the pending loop has finished
 
     # ---- construction --------------------------------------------------------------------------
@@ -184,13 +185,13 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                                f"{os.strerror(exc.errno or 0)}") from None
         self.io = AsyncIO(self.aio_cfg)
 
-    def gradient_spill(self, reducer: object) -> Optional[GradSwap]:
+    def gradient_spill(self, reducer: object) -> GradSwap | None:
         """Collective: the gradient swap file for ``reducer``
         (:class:`zerodp.runtime.grad_spill.SpillingGradReducer`), or None when the gradients are not
         in host memory (:func:`zerodp.offload.grad_swap.open_grad_swap`; raises its errors)."""
         if not self.deferred or self.file is None:
             return None
-        self._grad_at = [(g.index, reducer.owned_offset(g, p.lo, p.hi)) for p, g in zip(self.pieces, self._group_of)]
+        self._grad_at = [(g.index, reducer.owned_offset(g, p.lo, p.hi)) for p, g in zip(self.pieces, self._group_of, strict=False)]
         self.spill = open_grad_swap(self.dir, self.cfg.nvme_path, self.cfg.fast_init, self.io, self._files,
                                     reducer.owned_sizes, self._grad_at, [sg.spans for sg in self.subgroups],
                                     self.rank, self.pg)
@@ -340,7 +341,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             self._grad_refs[i] = grad
         self._streamed[i] = True
 
-    def stage_grad(self, piece: Piece, grad: Optional[torch.Tensor]) -> None:
+    def stage_grad(self, piece: Piece, grad: torch.Tensor | None) -> None:
         """Deferred: ``grad`` the reducer's partition view (unchanged until the step), or None: in :attr:`spill`."""
         if not self.deferred:
             return super().stage_grad(piece, grad)
@@ -359,7 +360,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             raise RuntimeError("NvmeOptimizerOffload: gradients are made one piece at a time (norm_grads)")
         return super().grads()
 
-    def grad_of(self, piece: Piece) -> Optional[torch.Tensor]:
+    def grad_of(self, piece: Piece) -> torch.Tensor | None:
         """Deferred: ``piece``'s fp32 gradient: the reducer's partition itself when it is fp32 and no
         factor is recorded yet, else made in a norm scratch of the largest piece (allocated for the
         step, freed after it), valid until the next call."""
@@ -384,8 +385,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             return super().norm_grads(pieces)
         return (g for g in (self.grad_of(p) for p in pieces) if g is not None)
 
-    def _materialise(self, i: int, lo: int, hi: int, out: Optional[torch.Tensor],
-                     ref: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _materialise(self, i: int, lo: int, hi: int, out: torch.Tensor | None,
+                     ref: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``lo:hi`` of piece ``i``'s fp32 gradient in ``out``: the eager path's copy, then its
         in-place scalings. ``out`` None (the reducer's partition is fp32, as the eager path's gradient
         is then): scaled in place there, as the eager path scales it. ``ref``: those elements read

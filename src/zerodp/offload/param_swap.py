@@ -43,16 +43,16 @@ import os
 import shutil
 import weakref
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from zerodp.offload.aio import ALIGN, AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
 from zerodp.offload.config import AioConfig, OffloadParamConfig
-from zerodp.offload.swap_job import OffloadError, agree_job_id, raise_if_any_rank_failed, remove_swap_dir
 from zerodp.offload.swap_dir import check_stale, make_rank_dir
+from zerodp.offload.swap_job import OffloadError, agree_job_id, raise_if_any_rank_failed, remove_swap_dir
 from zerodp.runtime.partition import FlatGroup
 from zerodp.stage3.sharding import Stage3
 from zerodp.stage3.units import ShardedUnit
@@ -68,19 +68,19 @@ class Residency(enum.Enum):
 class _Op:
     """One chunk transfer between a pool buffer and a shard's region of the swap file."""
 
-    shard: "SwappedShard"
+    shard: SwappedShard
     start: int  # byte offset inside the shard
     nbytes: int  # valid bytes (the transfer is rounded up to ALIGN)
     write: bool
-    buf: Optional[torch.Tensor] = None
-    handle: Optional[IOHandle] = None
+    buf: torch.Tensor | None = None
+    handle: IOHandle | None = None
 
 
 @dataclass(eq=False)
 class SwappedShard:
     """One unit's shard in the swap file (implements :class:`zerodp.stage3.units.ShardHome`)."""
 
-    swapper: "ParamSwapper"
+    swapper: ParamSwapper
     name: str
     shard: torch.Tensor  # 1-D, contiguous, storage offset 0, storage exactly its bytes
     offset: int  # byte offset of its region in the swap file (a multiple of ALIGN)
@@ -122,16 +122,16 @@ class ParamSwapper:
     """This rank's parameter swap file, its buffer pool and the residency of its shards."""
 
     def __init__(self, cfg: OffloadParamConfig, aio: AioConfig, rank: int,
-                 process_group: Optional[dist.ProcessGroup]) -> None:
+                 process_group: dist.ProcessGroup | None) -> None:
         self.cfg = cfg
         self.aio_cfg = aio
         self.rank = rank
         self.pg = process_group
         self.chunk = max(ALIGN, cfg.buffer_size // ALIGN * ALIGN)
         self.shards: list[SwappedShard] = []
-        self.file: Optional[SwapFile] = None
-        self.io: Optional[AsyncIO] = None
-        self.dir: Optional[str] = None
+        self.file: SwapFile | None = None
+        self.io: AsyncIO | None = None
+        self.dir: str | None = None
         self.end = 0  # bytes of the file assigned to shards
         self.largest = 0  # bytes of the largest shard (pool buffers need not be larger)
         self.pool: list[torch.Tensor] = []  # every buffer ever allocated (at most buffer_count)
@@ -141,11 +141,11 @@ class ParamSwapper:
         self.counters = SwapCounters()
         #: when a list: ("read", shard name) as each shard's first chunk read is submitted,
         #: ("evict", shard name) as its storage is freed (tests record the order of events here)
-        self.events: Optional[list[tuple[str, str]]] = None
-        self._finalizer: Optional[weakref.finalize] = None
+        self.events: list[tuple[str, str]] | None = None
+        self._finalizer: weakref.finalize | None = None
         #: called with a shard before each use (:meth:`SwappedShard.acquire`), not before the optimizer
         #: step's own pins (:meth:`ParamOffload.pin`)
-        self.before_use: Optional[Callable[[SwappedShard], None]] = None
+        self.before_use: Callable[[SwappedShard], None] | None = None
 
     # ---- the swap file -------------------------------------------------------------------------
     def open(self) -> None:
@@ -167,7 +167,7 @@ class ParamSwapper:
         if not os.access(base, os.W_OK | os.X_OK):
             raise OffloadError(f"offload_param.nvme_path {base!r} is not writable")
         check_stale(base, self.cfg.remove_stale_swap, "offload_param.nvme_path", self.rank)
-        files: list[Optional[SwapFile]] = []
+        files: list[SwapFile | None] = []
         self.dir = make_rank_dir(base, job, self.rank, files)  # owner record; unlinked on SIGTERM/SIGINT
         self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir, files)
         self.file = SwapFile(os.path.join(self.dir, "params.swp"))
@@ -376,13 +376,13 @@ class ParamOffload:
     trace, and residency for the engine calls that touch shards (step, checkpoints, accessors)."""
 
     def __init__(self, cfg: OffloadParamConfig, aio: AioConfig, rank: int,
-                 process_group: Optional[dist.ProcessGroup]) -> None:
+                 process_group: dist.ProcessGroup | None) -> None:
         self.cfg = cfg
         self.aio = aio
         self.rank = rank
         self.pg = process_group
         self.device = cfg.device
-        self.swapper: Optional[ParamSwapper] = None
+        self.swapper: ParamSwapper | None = None
         self.units: list[ShardedUnit] = []
         self._by_group: dict[int, ShardedUnit] = {}
         self._pending: Callable[[FlatGroup], bool] = lambda group: False
@@ -417,7 +417,7 @@ class ParamOffload:
                 u.home = self.swapper.add(u.name, u.shard)
 
     @contextlib.contextmanager
-    def resident(self, groups: Optional[Sequence[FlatGroup]] = None, write: bool = False) -> Iterator[None]:
+    def resident(self, groups: Sequence[FlatGroup] | None = None, write: bool = False) -> Iterator[None]:
         """Every offloaded shard (or those of ``groups``) holds its values for the block; with
         ``write``, changed values are written home afterwards. All reads are queued first, so they
         pipeline through the buffer pool."""
@@ -519,8 +519,8 @@ class ParamOffload:
             self.swapper.close()
 
 
-def build_param_offload(cfg: OffloadParamConfig, aio: AioConfig, sharding: Optional[Stage3], rank: int,
-                        process_group: Optional[dist.ProcessGroup]) -> Optional[ParamOffload]:
+def build_param_offload(cfg: OffloadParamConfig, aio: AioConfig, sharding: Stage3 | None, rank: int,
+                        process_group: dist.ProcessGroup | None) -> ParamOffload | None:
     """None for ``offload_param.device: none`` (shards ``zero.Init`` wrote to its swap file are read
     back into memory first); else the engine's parameter offload, attached to the stage-3 units (their
     shards sent home) and wired to the coordinator's read-ahead hook.

@@ -9,13 +9,13 @@ master 4, Adam moments 8, fp32 gradient 4 bytes per element; NVMe moves master a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from zerodp.runtime.accounting import STAGE_NAMES, BytesPerElement, MemoryReport, human_bytes, model_state_bytes
 
 
 def offload_formula(device: str, numel_per_rank: float, buffer_bytes: int = 0,
-                    grad_numel: Optional[float] = None, masters_in_file: bool = True,
+                    grad_numel: float | None = None, masters_in_file: bool = True,
                     grad_read_bytes: int = 0) -> dict[str, dict[str, float]]:
     """Expected host / NVMe bytes for one rank with ``numel_per_rank`` = Psi / N_d owned elements:
     fp32 master 4, Adam moments 8 and fp32 gradient 4 bytes per element (ZeRO-Offload section 4);
@@ -58,8 +58,8 @@ class OffloadReport:
         return "\n".join(lines)
 
 
-def host_total(memory: MemoryReport, offload: Optional[OffloadReport],
-               param_host: Optional[dict[str, int]] = None) -> int:
+def host_total(memory: MemoryReport, offload: OffloadReport | None,
+               param_host: dict[str, int] | None = None) -> int:
     """Host bytes of this rank's model states, measured: ``engine.memory_report().total`` (parameters,
     gradients, optimizer states, masters and communication buffers in memory) plus what only the
     offload holds (``engine.offload_report()``: the NVMe swapper's buffers and the fp32 host
@@ -97,7 +97,7 @@ def offload_estimate_table(numel: int, world_size: int, b: BytesPerElement) -> s
     return "\n".join(rows)
 
 
-def offload_report(engine: Any) -> Optional[OffloadReport]:
+def offload_report(engine: Any) -> OffloadReport | None:
     """Host and NVMe bytes of ``engine``'s offloaded optimizer partition on this rank, beside
     :func:`offload_formula` (None without optimizer offload)."""
     offload = engine.optimizer_offload
@@ -109,7 +109,7 @@ def offload_report(engine: Any) -> Optional[OffloadReport]:
                          offload.formula(engine.numel / engine.world_size, host))
 
 
-def configured_offload_table(numel: int, world_size: int, cfg: "ZeroDPConfig") -> str:  # noqa: F821
+def configured_offload_table(numel: int, world_size: int, cfg: ZeroDPConfig) -> str:  # noqa: F821
     """``zerodp estimate --config``: host and NVMe bytes per rank of the offload buffers as ``cfg``
     configures them on a CPU-only machine, sized by the engine's own code
     (:func:`zerodp.offload.sizing.estimate_offload_bytes`); no padding to 4096 bytes per segment."""

@@ -15,7 +15,8 @@ bounded buffers.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Protocol, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from zerodp.runtime.partition import FlatGroup
 
@@ -36,7 +37,7 @@ class ShardWindow:
     shards sub-group k writes. :meth:`enter` pins k's (reads queued at k-1) and queues k+1's reads;
     :meth:`leave` unpins, dirty, those k+1 does not need. No-op without an access."""
 
-    def __init__(self, access: Optional[ShardAccess], need: list[list[FlatGroup]]) -> None:
+    def __init__(self, access: ShardAccess | None, need: list[list[FlatGroup]]) -> None:
         self.access = access
         self.need = need
         self.held: list[FlatGroup] = []

@@ -20,7 +20,6 @@ ZeRO-Infinity (Rajbhandari et al., SC21) section 5.2 (the pipelined optimizer sw
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 #: a piece cut between two sub-groups is cut at a multiple of this many elements from its start
 #: (the elementwise optimizer kernels then process each element as in one call over the whole piece)
@@ -74,7 +73,7 @@ def auto_sub_group_size(owned_numel: int, layout: BufferLayout, budget_bytes: in
 
 
 def oversize_warning(sub_group_size: int, largest_numel: int, layout: BufferLayout, owned_numel: int,
-                     masters_moved: bool) -> Optional[str]:
+                     masters_moved: bool) -> str | None:
     """The warning for a ``sub_group_size`` the user set whose buffers take more host memory than the
     offload moves off (None when they take less)."""
     buffers = layout.host_bytes(largest_numel)
@@ -90,7 +89,7 @@ def oversize_warning(sub_group_size: int, largest_numel: int, layout: BufferLayo
             f"set it below {max(1, moved // layout.bytes_per_element):,}")
 
 
-def configured_buffers(owned_numel: int, user_sub_group_size: Optional[int], buffer_count: int, budget_bytes: int,
+def configured_buffers(owned_numel: int, user_sub_group_size: int | None, buffer_count: int, budget_bytes: int,
                        in_place: bool, deferred: bool) -> tuple[int, BufferLayout]:
     """(``sub_group_size``, buffer layout) the NVMe swapper uses for ``owned_numel`` elements: the
     user's size or :func:`auto_sub_group_size`; ``in_place``: the module's fp32 CPU tensors are the
@@ -102,7 +101,7 @@ def configured_buffers(owned_numel: int, user_sub_group_size: Optional[int], buf
     return size, BufferLayout(plan.segments, max(1, min(buffer_count, subgroups)), 0 if in_place or not deferred else 1)
 
 
-def estimate_offload_bytes(owned_numel: int, user_sub_group_size: Optional[int], buffer_count: int,
+def estimate_offload_bytes(owned_numel: int, user_sub_group_size: int | None, buffer_count: int,
                            budget_bytes: int, in_place: bool, grad_itemsize: int, spill: bool) -> dict[str, int]:
     """Host and NVMe bytes of one rank's NVMe optimizer offload as configured (CPU training), before
     padding to 4096 bytes per segment: ``host_buffers`` (the sub-group pool and gradient scratch, as

@@ -29,8 +29,9 @@ the update inside the step only.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -56,9 +57,9 @@ class SwapOwner(Protocol):
 
     buffers: list[torch.Tensor]
     aio_cfg: AioConfig
-    io: Optional[AsyncIO]
-    file: Optional[SwapFile]
-    shard_access: Optional[ShardAccess]
+    io: AsyncIO | None
+    file: SwapFile | None
+    shard_access: ShardAccess | None
 
     def group_of(self, i: int) -> FlatGroup: ...
 
@@ -87,13 +88,13 @@ class _Hyper:
     values: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, optimizer: torch.optim.Optimizer) -> "_Hyper":
+    def of(cls, optimizer: torch.optim.Optimizer) -> _Hyper:
         return cls([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
 
-    def swap(self, optimizer: torch.optim.Optimizer) -> "_Hyper":
+    def swap(self, optimizer: torch.optim.Optimizer) -> _Hyper:
         """Put these values in place; return the ones they replaced."""
         old = _Hyper.of(optimizer)
-        for g, v in zip(optimizer.param_groups, self.values):
+        for g, v in zip(optimizer.param_groups, self.values, strict=True):
             g.update(v)
         return old
 

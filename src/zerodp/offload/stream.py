@@ -26,7 +26,7 @@ depend on whether or when it ran asynchronously. Errors raised by a copy are re-
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -35,10 +35,10 @@ class CopyStream:
     """Ordered asynchronous ``dst.copy_(src)`` (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool: ThreadPoolExecutor | None = None
         self._futures: list[Future] = []
         self._events: list[Any] = []
-        self._side: Optional[Any] = None  # torch.cuda.Stream, created on the first CUDA copy
+        self._side: Any | None = None  # torch.cuda.Stream, created on the first CUDA copy
         self.copies = 0  # submitted so far (tests and reports read it)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ import socket
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 OWNER_FILE = "owner.json"
 JOB_PREFIX = "zerodp_"
@@ -46,7 +46,7 @@ _lock = threading.Lock()
 _announced: set[str] = set()  # nvme paths already checked by this process
 
 
-def _start_ticks(pid: int) -> Optional[int]:
+def _start_ticks(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks after boot (``/proc/<pid>/stat`` field 22), None if gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -69,7 +69,7 @@ def owner_record() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": pid, "start": _start_ticks(pid), "boot": _boot_id()}
 
 
-def owner_alive(rec: dict[str, Any]) -> Optional[bool]:
+def owner_alive(rec: dict[str, Any]) -> bool | None:
     """True if the process of owner record ``rec`` runs, False if it is gone, None if that cannot be
     told here (another host)."""
     if rec.get("host") != socket.gethostname():
@@ -177,7 +177,7 @@ def find_stale(base: str) -> list[StaleDir]:
             ranks = [e.path for e in os.scandir(job_dir) if e.is_dir()]
         except OSError:
             continue
-        owners = []
+        owners: list[str] = []
         for rank_dir in ranks:
             try:
                 with open(os.path.join(rank_dir, OWNER_FILE)) as f:

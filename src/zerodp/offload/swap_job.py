@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,7 @@ class OffloadError(RuntimeError):
     """The NVMe swap space is unusable (path, permissions, free space, a deleted swap file)."""
 
 
-def remove_swap_dir(directory: str, files: list[Optional[SwapFile]]) -> None:
+def remove_swap_dir(directory: str, files: list[SwapFile | None]) -> None:
     """Close and delete ``files`` (None entries skipped), then ``directory`` (:func:`.swap_dir.release`)."""
     for f in files:
         if f is not None:
@@ -38,7 +37,7 @@ def remove_swap_dir(directory: str, files: list[Optional[SwapFile]]) -> None:
     release(directory)
 
 
-def agree_job_id(pg: Optional[dist.ProcessGroup]) -> str:
+def agree_job_id(pg: dist.ProcessGroup | None) -> str:
     """Collective: one id for the whole job, rank 0's random value, broadcast (16 hex digits)."""
     t = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
     if dist.is_initialized() and dist.get_world_size(pg) > 1:
@@ -47,7 +46,7 @@ def agree_job_id(pg: Optional[dist.ProcessGroup]) -> str:
     return f"{int(t.item()):016x}"
 
 
-def raise_if_any_rank_failed(error: Optional[str], pg: Optional[dist.ProcessGroup]) -> None:
+def raise_if_any_rank_failed(error: str | None, pg: dist.ProcessGroup | None) -> None:
     """Collective: if any rank has an error, every rank raises :class:`OffloadError` with all of them.
 
     Raises:
@@ -60,7 +59,7 @@ def raise_if_any_rank_failed(error: Optional[str], pg: Optional[dist.ProcessGrou
     flag = torch.tensor([1 if error else 0], dtype=torch.int64)
     dist.all_reduce(flag, group=control.route(flag, pg))
     if flag.item():
-        errors: list[Optional[str]] = [None] * dist.get_world_size(pg)
+        errors: list[str | None] = [None] * dist.get_world_size(pg)
         dist.all_gather_object(errors, error, group=pg)
         raise OffloadError("; ".join(e for e in errors if e))
 

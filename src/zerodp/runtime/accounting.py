@@ -25,8 +25,9 @@ With gradient accumulation under bf16/fp16, zerodp accumulates gradients in an f
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -178,7 +179,6 @@ class CommReport:
 class ReportedEngine(Protocol):
     """What :func:`memory_report` reads off an engine (a Protocol: no import of the engine module)."""
 
-    stage: int
     rank: int
     world_size: int
     groups: list  # list[zerodp.runtime.partition.FlatGroup]
@@ -186,8 +186,11 @@ class ReportedEngine(Protocol):
     reducer: Any  # zerodp.runtime.reducer.GradientReducer
     optimizer: torch.optim.Optimizer
     optimizer_offload: Any  # zerodp.offload.build.OptimizerOffload
-    param_offload: Optional[Any]  # zerodp.offload.param_swap.ParamOffload
-    sharding: Optional[Any]  # zerodp.stage3.sharding.Stage3
+
+    @property  # read-only: the engine's is a Literal[0, 1, 2, 3]
+    def stage(self) -> int: ...
+    param_offload: Any | None  # zerodp.offload.param_swap.ParamOffload
+    sharding: Any | None  # zerodp.stage3.sharding.Stage3
     precision: Any  # zerodp.runtime.precision.PrecisionPolicy
 
 

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ class CheckpointingOptions:
     cpu_checkpointing: bool = False
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
-    mp_group: Optional[dist.ProcessGroup] = None  # None: no model parallelism
+    mp_group: dist.ProcessGroup | None = None  # None: no model parallelism
     timings: dict[str, list[float]] = field(default_factory=lambda: {"forward": [], "recompute": []})
 
     @property
@@ -58,13 +59,13 @@ class CheckpointingOptions:
         return dist.get_world_size(self.mp_group) if self.mp_group is not None else 1
 
 
-_options: Optional[CheckpointingOptions] = None
+_options: CheckpointingOptions | None = None
 
 
-def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: Optional[bool] = None,
-              contiguous_checkpointing: Optional[bool] = None, num_checkpoints: Optional[int] = None,
-              checkpoint_in_cpu: Optional[bool] = None, synchronize: Optional[bool] = None,
-              profile: Optional[bool] = None) -> None:
+def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
+              contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
+              checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
+              profile: bool | None = None) -> None:
     """Set how :func:`checkpoint` keeps activations (``deepspeed.checkpointing.configure``'s signature).
 
     Args:
@@ -84,7 +85,7 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
     section = load_config(deepspeed_config).activation_checkpointing if deepspeed_config is not None else None
     base = section.model_dump() if section is not None else {}
 
-    def pick(value: Optional[Any], key: str, default: Any) -> Any:
+    def pick(value: Any | None, key: str, default: Any) -> Any:
         return value if value is not None else base.get(key, default)
 
     if pick(contiguous_checkpointing, "contiguous_memory_optimization", False):
@@ -165,7 +166,7 @@ def _sync(opts: CheckpointingOptions) -> None:
 
 class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, run_function: Callable[..., Any], opts: CheckpointingOptions,  # type: ignore[override]
+    def forward(ctx: Any, run_function: Callable[..., Any], opts: CheckpointingOptions,
                 dummy: torch.Tensor, *args: Any) -> Any:
         ctx.run_function, ctx.opts = run_function, opts
         ctx.cpu_rng = torch.get_rng_state()
@@ -182,7 +183,7 @@ class _CheckpointFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         opts: CheckpointingOptions = ctx.opts
         inputs = [_restore(k, opts) if isinstance(k, _Kept) else k for k in ctx.kept]
         ctx.kept = None  # the checkpoint is used once
@@ -201,7 +202,7 @@ class _CheckpointFunction(torch.autograd.Function):
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if isinstance(o, torch.Tensor) and o.requires_grad
                  and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

@@ -61,9 +61,10 @@ from __future__ import annotations
 import hashlib
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, NoReturn, Optional, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -81,17 +82,17 @@ KINDS: tuple[str, ...] = ("end", "gather", "reduce")
 class _Guard(Protocol):
     """What the agreement needs of a :class:`~zerodp.runtime.collective_guard.CollectiveGuard`."""
 
-    group: Optional[dist.ProcessGroup]
+    group: dist.ProcessGroup | None
     rank: int
     world_size: int
     timeout_s: float
-    broken: Optional[CollectiveError]
-    backward_gather: Optional[Callable[[int], None]]
-    backward_launch: Optional[Callable[[], None]]
+    broken: CollectiveError | None
+    backward_gather: Callable[[int], None] | None
+    backward_launch: Callable[[], None] | None
 
     def _fail(self, site: CallSite, exc: BaseException) -> None: ...
 
-    def _raise(self, err: CollectiveError, cause: Optional[BaseException] = None) -> None: ...
+    def _raise(self, err: CollectiveError, cause: BaseException | None = None) -> None: ...
 
 
 @dataclass

@@ -8,10 +8,10 @@ outputs of the same forward) makes the ranks' graphs differ, and their collectiv
 :class:`OutputRoots` keeps weak references to the tensors that the engine's forwards (grad enabled)
 returned since the last ``engine.backward`` (tensors with a ``grad_fn``, found by
 :func:`zerodp.runtime.tensor_walk.tensors_in`): an output the script dropped (``aux = engine(x)[1]``)
-is gone, and the engine never keeps a graph alive. At ``backward`` it walks the loss's graph once (:meth:`OutputRoots.plan`); every recorded
-output still alive that the loss does not reach (a *phantom* output on this rank) becomes an extra
-root of the same ``torch.autograd.backward`` call with a zero gradient (``torch.zeros(()).expand(shape)``:
-no memory). Every rank then runs the backward of
+is gone, and the engine never keeps a graph alive. At ``backward`` it walks the loss's graph once
+(:meth:`OutputRoots.plan`); every recorded output still alive that the loss does not reach (a *phantom* output on this
+rank) becomes an extra root of the same ``torch.autograd.backward`` call with a zero gradient
+(``torch.zeros(()).expand(shape)``: no memory). Every rank then runs the backward of
 every module of its forward, in the same order (autograd orders nodes by creation; the forwards are the
 same), so the collectives pair up; the zero gradient adds exactly nothing (``g + 0 == g``), so the
 reduced gradients equal the single-process reference on the same global batch.
@@ -37,7 +37,8 @@ import dataclasses
 import time
 import weakref
 import zlib
-from typing import Any, Iterable, Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 

@@ -12,7 +12,8 @@ the same per-rank values). Only collectives of one kind, dtype and device are co
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ def runs_of_same_kind(items: Iterable[T], key: Callable[[T], object]) -> list[li
     return runs
 
 
-def coalesced(pg: Optional[ProcessGroup], launches: Sequence[Callable[[], Optional[Work]]]) -> Optional[Work]:
+def coalesced(pg: ProcessGroup | None, launches: Sequence[Callable[[], Work | None]]) -> Work | None:
     """Run ``launches`` (each issues exactly one async collective of the same kind, dtype and device)
     as one coalesced collective; returns its ``Work`` (or the single launch's own for one)."""
     if len(launches) == 1:

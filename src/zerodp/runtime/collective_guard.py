@@ -26,7 +26,8 @@ stage-3 fetches into the detail; see :mod:`zerodp.runtime.backward_roots`).
 
 Everything here is ``torch.distributed``: an extra gloo group, ``all_gather_single``,
 ``all_gather_object`` on the error path only, and the job's existing rendezvous store for the
-post-mortem. The cost is measured by ``python -m zerodp.app.guard_bench`` (docs/benchmarks/2026-12-01-collective-guard.md).
+post-mortem. The cost is measured by ``python -m zerodp.app.guard_bench``
+(docs/benchmarks/2026-12-01-collective-guard.md).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from __future__ import annotations
 import contextlib
 import time
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Iterator, NoReturn, Optional
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -83,7 +85,7 @@ class CallSite:
     step: int
     micro_step: int
     aux: int = 0
-    reach: Optional[Callable[[], list[str]]] = field(default=None, compare=False)
+    reach: Callable[[], list[str]] | None = field(default=None, compare=False)
 
     def describe(self) -> str:
         what = f"{self.call}({self.detail})" if self.detail else self.call
@@ -107,7 +109,7 @@ class CollectiveGuard:
 
     _instances = 0
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup], timeout_s: float,
+    def __init__(self, process_group: dist.ProcessGroup | None, timeout_s: float,
                  check_gathers: bool = True, enabled: bool = True) -> None:
         if timeout_s <= 0:
             raise ValueError(f"collective guard timeout_s must be > 0 seconds, got {timeout_s}")
@@ -118,16 +120,16 @@ class CollectiveGuard:
         self.check_gathers = check_gathers and self.enabled
         self.agreements = 0  # agreements completed (for the cost report)
         self.seconds = 0.0  # wall time spent in agreements on this rank (includes waiting for peers)
-        self.current: Optional[CallSite] = None
-        self.broken: Optional[CollectiveError] = None
+        self.current: CallSite | None = None
+        self.broken: CollectiveError | None = None
         #: called with the module's position for each stage-3 fetch inside backward (the asynchronous
         #: tag of :mod:`zerodp.runtime.backward_agreement`); None: backward fetches are not checked
-        self.backward_gather: Optional[Callable[[int], None]] = None
+        self.backward_gather: Callable[[int], None] | None = None
         #: inside backward, called before the coordinator launches all-gathers (the tag that pairs
         #: with them, :meth:`zerodp.runtime.backward_agreement.BackwardAgreement.before_launch`)
-        self.backward_launch: Optional[Callable[[], None]] = None
+        self.backward_launch: Callable[[], None] | None = None
         #: the asynchronous fetch tags of a training forward (built by :meth:`gather_check`)
-        self.forward_tags: Optional[ForwardAgreement] = None
+        self.forward_tags: ForwardAgreement | None = None
         self._names: dict[int, str] = {}  # module position -> name (messages from a table alone)
         self._details: dict[int, str] = {}  # crc32(module name) -> module name
         CollectiveGuard._instances += 1
@@ -135,7 +137,7 @@ class CollectiveGuard:
                  else list(range(dist.get_world_size())))
         # post-mortem keys: per guard (same count on every rank of a group) and per group of ranks
         self._key = f"zerodp/guard{CollectiveGuard._instances}/{'-'.join(map(str, ranks))}"
-        self.group: Optional[dist.ProcessGroup] = None
+        self.group: dist.ProcessGroup | None = None
         if self.enabled:
             # only this group's ranks build it (a data-parallel subgroup of a larger world)
             self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
@@ -190,7 +192,7 @@ class CollectiveGuard:
 
     @contextlib.contextmanager
     def call(self, name: str, step: int, micro_step: int, detail: str = "", aux: int = 0,
-             reach: Optional[Callable[[], list[str]]] = None) -> Iterator[None]:
+             reach: Callable[[], list[str]] | None = None) -> Iterator[None]:
         """Agree on entry; inside, a failure of a real collective is diagnosed the same way."""
         self.aux_differs = False
         if not self.enabled or self.current is not None:  # nested: the outer call already agreed
@@ -217,7 +219,7 @@ class CollectiveGuard:
             if tags is not None:
                 tags.end()
 
-    def gather_check(self, root: nn.Module) -> Optional["_FetchCheck"]:
+    def gather_check(self, root: nn.Module) -> _FetchCheck | None:
         """The hooks the stage-3 coordinator calls before fetching a submodule of ``root`` and before
         launching any all-gather (None when ``check_gathers`` is off): agree on ``gather(<module
         name>)`` within the current call; inside a top-level forward, when the coordinator says the
@@ -262,7 +264,7 @@ class CollectiveGuard:
         if not self.enabled:
             return
 
-        def check(guard: "CollectiveGuard" = self) -> None:
+        def check(guard: CollectiveGuard = self) -> None:
             guard.agree(CallSite("shutdown_distributed", "", -1, -1))
         comm.SHUTDOWN_CHECK[:] = [check]
 
@@ -309,7 +311,7 @@ class CollectiveGuard:
                 f"time and the waiting ones gave up ({seen}, after the wait). {advice}")
         self._raise(err, cause=exc)
 
-    def _raise(self, err: CollectiveError, cause: Optional[BaseException] = None) -> None:
+    def _raise(self, err: CollectiveError, cause: BaseException | None = None) -> None:
         self.broken = err
         raise err from cause
 
@@ -350,7 +352,7 @@ class _FetchCheck:
         self.check(module, on_trace)
 
 
-def _default_store() -> Optional[dist.Store]:
+def _default_store() -> dist.Store | None:
     get = getattr(dist.distributed_c10d, "_get_default_store", None)
     try:
         return get() if get is not None else None

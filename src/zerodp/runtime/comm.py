@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NoReturn, Optional
+from datetime import timedelta
+from typing import NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -35,9 +36,9 @@ class _SumOnWait:
 
     def __init__(self, work: Work, received: torch.Tensor, output: torch.Tensor) -> None:
         self.work, self._output = work, output
-        self._received: Optional[torch.Tensor] = received
+        self._received: torch.Tensor | None = received
 
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         if self._received is not None:
             if timeout is None:
                 self.work.wait()
@@ -57,7 +58,7 @@ class AllOf:
     def __init__(self, works: list[Work]) -> None:
         self.works = works
 
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         while self.works:
             if timeout is None:
                 self.works[0].wait()
@@ -70,7 +71,7 @@ class AllOf:
         return all(w.is_completed() for w in self.works)
 
 
-def sums_by_all_to_all(tensor: torch.Tensor, group: Optional[ProcessGroup]) -> bool:
+def sums_by_all_to_all(tensor: torch.Tensor, group: ProcessGroup | None) -> bool:
     """Whether :func:`reduce_scatter` of ``tensor`` runs as an all-to-all and a local sum (host
     tensors on gloo; see [Note: gloo reduce-scatter]). Such calls cannot be coalesced by torch's
     ``_coalescing_manager``: launch them one by one (their ``Work``s together: :class:`AllOf`)."""
@@ -78,17 +79,17 @@ def sums_by_all_to_all(tensor: torch.Tensor, group: Optional[ProcessGroup]) -> b
 
 
 def _reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM,
-                           group: Optional[ProcessGroup] = None, async_op: bool = False, *,
-                           received: Optional[torch.Tensor] = None) -> Optional[Work]:
+                           group: ProcessGroup | None = None, async_op: bool = False, *,
+                           received: torch.Tensor | None = None) -> Work | None:
     """torch's ``reduce_scatter_single``, except for a SUM of host tensors on gloo: there it is an
     all-to-all (rank r receives every rank's chunk r) followed by a local sum of the received chunks.
 
     [Note: gloo reduce-scatter] gloo's own reduce-scatter copies its input and costs more than its
     all-reduce of the same buffer: with 2 ranks and 3.26 M fp32 elements, 18-22 ms per call against
     11-13 ms for an all-reduce and 7.5-8 ms for the all-to-all plus the sum; a coalesced group of
-    four stage-3 units (787 K elements) 9-10.5 ms against 5.1-5.6 ms for four all-to-alls (docs/benchmarks/2026-12-01-bench.md,
-    "Reduce-scatter on gloo"). Each rank sends and receives the (N-1)/N of the buffer that a
-    reduce-scatter moves, so the traffic is the same. The received chunks are summed in rank order;
+    four stage-3 units (787 K elements) 9-10.5 ms against 5.1-5.6 ms for four all-to-alls
+    (docs/benchmarks/2026-12-01-bench.md, "Reduce-scatter on gloo"). Each rank sends and receives the (N-1)/N of the
+    buffer that a reduce-scatter moves, so the traffic is the same. The received chunks are summed in rank order;
     with 2 ranks the result equals the reduce-scatter's bit for bit (a + b = b + a). The receive
     buffer (``received``, or a new tensor like ``input``) is held until the wait, as gloo's own copy of
     the input was; ``received`` is ignored on the other path.
@@ -123,14 +124,14 @@ def _reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Reduce
 TRAFFIC_FACTOR: dict[str, int] = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
     """Initialise the default process group from torchrun's environment variables.
 
     Uses NCCL for CUDA tensors and gloo for host tensors when CUDA is available (``"cpu:gloo,cuda:nccl"``:
     the engine's flags, norms and guards, and offloaded partitions, are host tensors), gloo otherwise
-    (``backend`` overrides). Does nothing when the default group is already initialised. ``timeout_s`` bounds how long a collective waits for the
-    other ranks (torch's default when None). Without ``RANK``/``WORLD_SIZE`` in the environment (a plain
-    ``python script.py``), initialises a world of one rank on a free local port.
+    (``backend`` overrides). Does nothing when the default group is already initialised. ``timeout_s`` bounds how long a
+    collective waits for the other ranks (torch's default when None). Without ``RANK``/``WORLD_SIZE`` in the environment
+    (a plain ``python script.py``), initialises a world of one rank on a free local port.
 
     Raises:
         RuntimeError: torch.distributed is not available in this build.
@@ -186,10 +187,10 @@ class WatchedWork:
     ``on_device``: the collective's tensors are on an accelerator (its ``wait()`` orders streams and
     does not block the host; see [Note: guard waits])."""
 
-    def __init__(self, work: Work, wait: "Callable[[Work, bool], None]", on_device: bool = False) -> None:
+    def __init__(self, work: Work, wait: Callable[[Work, bool], None], on_device: bool = False) -> None:
         self.work, self._wait, self.on_device = work, wait, on_device
 
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         self._wait(self.work, self.on_device)
         return True
 
@@ -197,24 +198,24 @@ class WatchedWork:
         return getattr(self.work, name)
 
 
-def _watched(work: Optional[Work], async_op: bool, tensor: Optional[torch.Tensor] = None) -> Optional[Work]:
+def _watched(work: Work | None, async_op: bool, tensor: torch.Tensor | None = None) -> Work | None:
     """Route ``work`` through the active watch (see :data:`WORK_WATCH`); a synchronous call waits.
     ``tensor``: one of the collective's tensors (where it lives decides how it is waited for)."""
     if not WORK_WATCH or work is None:
         return work
     watched = WatchedWork(work, WORK_WATCH[-1], tensor is not None and tensor.device.type != "cpu")
     if async_op:
-        return watched
+        return cast(Work, watched)  # duck-typed: wait() here, every other member via __getattr__
     watched.wait()
     return None
 
 
-def watch(work: Optional[Work], device: Optional[torch.device] = None) -> Optional[Work]:
+def watch(work: Work | None, device: torch.device | None = None) -> Work | None:
     """``work`` (issued outside this module, e.g. a coalesced group's, on ``device``: where its tensors
     are, the CPU when None) routed through the active watch."""
     if not WORK_WATCH or work is None:
         return work
-    return WatchedWork(work, WORK_WATCH[-1], device is not None and device.type != "cpu")
+    return cast(Work, WatchedWork(work, WORK_WATCH[-1], device is not None and device.type != "cpu"))  # duck-typed
 
 
 #: seconds between two looks at the agreements completed meanwhile, while a watched host wait goes on
@@ -310,7 +311,7 @@ class CommLedger:
             for (op, p), (c, e, b) in sorted(self._totals.items())
         ]
 
-    def traffic_elements(self, purpose: Optional[str] = None) -> int:
+    def traffic_elements(self, purpose: str | None = None) -> int:
         """Psi-equivalent element traffic per rank (all-reduce counted twice), optionally one purpose."""
         return sum(
             TRAFFIC_FACTOR[op] * e
@@ -320,9 +321,9 @@ class CommLedger:
 
 
 def all_reduce(
-    tensor: torch.Tensor, group: Optional[ProcessGroup], ledger: CommLedger, purpose: str,
+    tensor: torch.Tensor, group: ProcessGroup | None, ledger: CommLedger, purpose: str,
     op: ReduceOp.RedOpType = ReduceOp.SUM, async_op: bool = False,
-) -> Optional[Work]:
+) -> Work | None:
     """In-place all-reduce of ``tensor`` (any shape) across ``group`` (a host tensor on an NCCL-only
     group: over its gloo side group, see [Note: control group])."""
     ledger.record("all_reduce", tensor.numel(), tensor.element_size(), purpose)
@@ -332,9 +333,9 @@ def all_reduce(
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: Optional[ProcessGroup], ledger: CommLedger,
-    purpose: str, async_op: bool = False, received: Optional[torch.Tensor] = None,
-) -> Optional[Work]:
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, ledger: CommLedger,
+    purpose: str, async_op: bool = False, received: torch.Tensor | None = None,
+) -> Work | None:
     """Sum ``input`` (1-D, N x ``output.numel()`` elements) across ranks; rank r gets chunk r in ``output``.
     ``received``: scratch like ``input`` for the all-to-all of host tensors on gloo (see
     [Note: gloo reduce-scatter]); unused otherwise."""
@@ -347,9 +348,9 @@ def reduce_scatter(
 
 
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: Optional[ProcessGroup], ledger: CommLedger,
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, ledger: CommLedger,
     purpose: str, async_op: bool = False,
-) -> Optional[Work]:
+) -> Work | None:
     """Concatenate every rank's 1-D ``input`` into ``output`` (N x ``input.numel()``); may be in place."""
     ledger.record("all_gather", output.numel(), output.element_size(), purpose)
     group = control.route(output, group)
@@ -358,7 +359,7 @@ def all_gather(
 
 
 def broadcast(
-    tensor: torch.Tensor, src: int, group: Optional[ProcessGroup], ledger: CommLedger, purpose: str
+    tensor: torch.Tensor, src: int, group: ProcessGroup | None, ledger: CommLedger, purpose: str
 ) -> None:
     """Overwrite ``tensor`` on every rank with global rank ``src``'s copy."""
     ledger.record("broadcast", tensor.numel(), tensor.element_size(), purpose)

@@ -11,7 +11,8 @@ rank by design (:data:`PER_RANK_KEYS`) are left out.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -55,7 +56,7 @@ def differences(per_rank: Sequence[dict[str, str]], limit: int = 8) -> list[str]
     return lines[:limit] + ([f"... and {len(lines) - limit} more"] if len(lines) > limit else [])
 
 
-def agree_on_settings(settings: dict[str, str], group: Optional[dist.ProcessGroup]) -> None:
+def agree_on_settings(settings: dict[str, str], group: dist.ProcessGroup | None) -> None:
     """Collective over ``group``: raise :class:`ConfigError` on every rank when ranks differ.
 
     Raises:

@@ -16,7 +16,7 @@ in the same order, which is all a pairing needs.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,13 +25,13 @@ from zerodp.runtime.device import group_takes
 
 #: id(group) -> (group, the group its host tensors go on); the default group is keyed by its object
 #: (dist.group.WORLD), so a destroyed and re-initialised world gets a new entry
-_CONTROL: dict[int, tuple[Any, Optional[dist.ProcessGroup]]] = {}
+_CONTROL: dict[int, tuple[Any, dist.ProcessGroup | None]] = {}
 
 #: gloo side groups built (a test reads it)
 SIDE_GROUPS_BUILT: list[dist.ProcessGroup] = []
 
 
-def control_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The group host (CPU) tensors of a collective over ``group`` travel on: ``group`` itself when
     its backend takes CPU tensors, else a gloo side group over the same ranks (built on the first call
     for that group: every rank of ``group`` must make that first call, as for any collective).
@@ -52,7 +52,7 @@ def control_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGr
     return chosen
 
 
-def route(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+def route(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The group a collective of ``tensor`` over ``group`` is issued on: :func:`control_group` for a
     host tensor, ``group`` for a device tensor. The one place this choice is made."""
     if tensor.device.type != "cpu":

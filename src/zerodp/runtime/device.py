@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import Any, Iterable, Optional, overload
+from collections.abc import Iterable
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ class DeviceError(ValueError):
     another GPU); the message names both sides."""
 
 
-def group_device_backends(group: Optional[dist.ProcessGroup] = None) -> dict[str, str]:
+def group_device_backends(group: dist.ProcessGroup | None = None) -> dict[str, str]:
     """Device type -> backend name of ``group`` (default: the world), e.g. ``{"cpu": "gloo", "cuda":
     "nccl"}`` for ``"cpu:gloo,cuda:nccl"``, ``{"cuda": "nccl"}`` for ``"nccl"`` (torch's
     ``get_backend_config``; a plain backend name takes the devices torch says it supports)."""
@@ -58,7 +59,7 @@ def group_device_backends(group: Optional[dist.ProcessGroup] = None) -> dict[str
     return out
 
 
-def group_takes(device_type: str, group: Optional[dist.ProcessGroup] = None) -> bool:
+def group_takes(device_type: str, group: dist.ProcessGroup | None = None) -> bool:
     """Whether ``group``'s backend takes tensors of ``device_type`` ("cpu", "cuda")."""
     return device_type in group_device_backends(group)
 
@@ -81,7 +82,7 @@ def _local_cuda_index() -> int:
     return index
 
 
-def resolve_device(choice: str = "auto", group: Optional[dist.ProcessGroup] = None) -> torch.device:
+def resolve_device(choice: str = "auto", group: dist.ProcessGroup | None = None) -> torch.device:
     """The engine's device for the config key ``device`` (see [Note: device]).
 
     Args:
@@ -178,11 +179,11 @@ def use_stream(device: torch.device, stream: Any) -> Any:
 @overload
 def synchronize(reason: str, value: torch.Tensor) -> torch.Tensor: ...
 @overload
-def synchronize(reason: str, value: None = None, device: Optional[torch.device] = None) -> None: ...
+def synchronize(reason: str, value: None = None, device: torch.device | None = None) -> None: ...
 
 
-def synchronize(reason: str, value: Optional[torch.Tensor] = None,
-                device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
+def synchronize(reason: str, value: torch.Tensor | None = None,
+                device: torch.device | None = None) -> torch.Tensor | None:
     """The one host sync of the runtime (see [Note: host syncs]), counted in :data:`HOST_SYNCS`.
 
     Args:
@@ -211,7 +212,7 @@ def host_flags(reason: str, flags: list[torch.Tensor]) -> list[bool]:
     out = [False] * len(flags)
     for positions in by_device.values():
         values = synchronize(reason, torch.stack([flags[i].reshape(()) for i in positions])).tolist()
-        for i, v in zip(positions, values):
+        for i, v in zip(positions, values, strict=True):
             out[i] = bool(v)
     return out
 

@@ -61,9 +61,10 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn, Optional, Protocol, Sequence
+from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -81,7 +82,7 @@ END_DETAIL = "end"
 class _Guard(Protocol):
     """What the tags need of a :class:`~zerodp.runtime.collective_guard.CollectiveGuard`."""
 
-    group: Optional[dist.ProcessGroup]
+    group: dist.ProcessGroup | None
     rank: int
     world_size: int
     timeout_s: float
@@ -176,7 +177,7 @@ class ForwardAgreement(TagWaits):
         self.posted = 0  # tags posted in this forward
         self.fetches = 0  # on-trace fetches noted in this forward
         self.digest = 0  # crc32 of their module positions, in order
-        self.pending: Optional[tuple[int, str]] = None  # the last noted fetch, not yet tagged
+        self.pending: tuple[int, str] | None = None  # the last noted fetch, not yet tagged
         self.tags_total = 0  # tags posted over the engine's life (for the cost report)
         self.sync_waits = 0  # blocking waits for tags (forward ends and MAX_IN_FLIGHT), engine's life
         self._tags: list[_Tag] = []
@@ -265,15 +266,16 @@ class ForwardAgreement(TagWaits):
             return
         self.guard.mismatch(mismatch_message(table, self.guard.rank, self.calls, self.names, self.details))
 
-    def _fail(self, i: int, exc: BaseException, send: Optional[torch.Tensor] = None) -> NoReturn:
+    def _fail(self, i: int, exc: BaseException, send: torch.Tensor | None = None) -> NoReturn:
         row = send if send is not None else (self._tags[i].send if i < len(self._tags) else None)
         what = (describe_row(row, self.calls, self.names, self.details).split(" at step")[0]
                 if row is not None else "forward")
         self.guard.fail_at(f"{what}, fetch tag #{i}", self.step, self.micro_step, exc)
+        raise AssertionError("unreachable")  # fail_at always raises
 
 
 def mismatch_message(table: torch.Tensor, rank: int, calls: Sequence[str], names: dict[int, str],
-                     details: dict[int, str], mine: Optional[str] = None) -> str:
+                     details: dict[int, str], mine: str | None = None) -> str:
     """The guard's mismatch message from an agreement table (int64[world, WIDTH]) alone, used when a
     row is a tag (its rank is not in a synchronous exchange of descriptions). ``mine``: this rank's
     own description when it is in a synchronous agreement."""

@@ -26,8 +26,9 @@ for the L2 norm). Two entry points:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ class ClipState:
     window: int = -1
     pending: float = 1.0  # factor not yet applied to the offloaded gradient copies (offload only)
 
-    def current(self, global_steps: int) -> "ClipState":
+    def current(self, global_steps: int) -> ClipState:
         """This window's state (a fresh one if this is stale)."""
         if self.window != global_steps:
             self.window, self.pending = global_steps, 1.0
@@ -104,7 +105,7 @@ def norm_of(grads_by_kind: tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]]
     return float(total)
 
 
-def _owned_grads(engine: Any, read: Callable[[Any, Any], Optional[torch.Tensor]]) -> tuple[list, list]:
+def _owned_grads(engine: Any, read: Callable[[Any, Any], torch.Tensor | None]) -> tuple[list, list]:
     """(MP-partitioned, replicated) gradients ``read(group, piece)`` of this rank's pieces."""
     by_kind: tuple[list, list] = ([], [])
     for g in engine.groups:

@@ -19,8 +19,8 @@ Which parameters get one (trained parameters only; frozen ones keep ``grad`` Non
 
 - stages 1-3, at every world size: always (one behaviour at world size 1 and N).
 - stage 0: everywhere when gradients accumulate in an fp32 buffer under bf16/fp16 (the module's
-  16-bit ``.grad`` cannot hold it); otherwise where ``param.grad`` is None (on a micro-step that does not reduce, world size > 1, the
-  local sum is hidden), and everywhere under fp16 loss scaling (the gradient buffer holds the
+  16-bit ``.grad`` cannot hold it); otherwise where ``param.grad`` is None (on a micro-step that does not reduce, world
+  size > 1, the local sum is hidden), and everywhere under fp16 loss scaling (the gradient buffer holds the
   *scaled* gradient until ``engine.step`` unscales it). Otherwise ``param.grad`` views the averaged
   gradient that the step uses, and ``torch.nn.utils.clip_grad_norm_`` on it works as in DDP.
 
@@ -31,7 +31,8 @@ stage-0/1 view of the flat gradient buffer) before the next backward and at ``en
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -53,25 +54,25 @@ class HiddenGradient(torch.Tensor):
     message: str
 
     @staticmethod
-    def __new__(cls, param: torch.Tensor, message: str) -> "HiddenGradient":
+    def __new__(cls, param: torch.Tensor, message: str) -> HiddenGradient:
         t = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device,
                                                  requires_grad=False)
         t.message = message
         return t
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's documented idiom
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]  # torch's stub is an instance method
         hidden = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, HiddenGradient)), None)
         what = hidden.message if hidden is not None else ALTERNATIVES
         raise RuntimeError(f"{func} on a parameter's .grad: {what}")
 
-    def __repr__(self) -> str:  # no values to print; a debugger listing locals must not raise
+    def __repr__(self) -> str:  # type: ignore[override]  # no values to print; a debugger listing locals must not raise
         return f"HiddenGradient(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 
 
-def is_hidden_gradient(t: Optional[torch.Tensor]) -> bool:
+def is_hidden_gradient(t: torch.Tensor | None) -> bool:
     """True for a :class:`HiddenGradient` placeholder."""
     return isinstance(t, HiddenGradient)
 
@@ -93,7 +94,7 @@ class GradPlaceholders:
         self.loss_scaled = loss_scaled
         self.folded = folded
         self._cache: dict[int, HiddenGradient] = {}  # slot index -> placeholder (same shape: reused)
-        self._displaced: dict[int, tuple[HiddenGradient, Optional[torch.Tensor]]] = {}
+        self._displaced: dict[int, tuple[HiddenGradient, torch.Tensor | None]] = {}
 
     def _reason(self) -> str:
         if self.stage >= 1:
@@ -110,7 +111,7 @@ class GradPlaceholders:
         return ("gradients are averaged across ranks only by the engine.backward of the last micro-step of "
                 "an accumulation, so param.grad holds no value after the others")
 
-    def _hides(self, current: Optional[torch.Tensor], reduced: bool) -> bool:
+    def _hides(self, current: torch.Tensor | None, reduced: bool) -> bool:
         if self.stage >= 1 or self.loss_scaled or self.folded:
             return True
         # stage 0: a view of the averaged gradient, which the step reads, stays; None after a reduced

@@ -19,7 +19,8 @@ ZeRO-Infinity (Rajbhandari et al., SC21) section 5; DeepSpeed stage 3 with ``off
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -41,7 +42,7 @@ class GradSpill(Protocol):
 
 
 #: makes the spill for a reducer (its ``owned_sizes`` and :meth:`SpillingGradReducer.owned_offset`), or None
-SpillFactory = Callable[["SpillingGradReducer"], Optional[GradSpill]]
+SpillFactory = Callable[["SpillingGradReducer"], GradSpill | None]
 
 
 class SpillingGradReducer(PartitionedGradReducer):
@@ -49,7 +50,7 @@ class SpillingGradReducer(PartitionedGradReducer):
 
     def __init__(self, *args, spill: SpillFactory, **kwargs) -> None:
         self._make_spill = spill
-        self.spill: Optional[GradSpill] = None
+        self.spill: GradSpill | None = None
         self._reduced_in_group: dict[int, int] = {}  # group index -> buckets reduced this micro-step
         super().__init__(*args, **kwargs)
 
@@ -70,7 +71,7 @@ class SpillingGradReducer(PartitionedGradReducer):
                 return self._owned_offsets[(g.index, b.index)] + (lo - b_lo)
         raise KeyError(f"flat range [{lo}, {hi}) of group {g.index} is not owned by rank {self.rank}")
 
-    def _owned_of(self, g: FlatGroup, first: bool) -> Optional[torch.Tensor]:
+    def _owned_of(self, g: FlatGroup, first: bool) -> torch.Tensor | None:
         t = self.owned.get(g.index)
         if t is None and self.spill is not None and (first or g.index in self.spill.on_disk):
             t = self.spill.get(g.index) if g.index in self.spill.on_disk else self.spill.empty(g.index)
@@ -105,7 +106,7 @@ class SpillingGradReducer(PartitionedGradReducer):
             return self.spill.read_elements(g.index, off, off + (hi - lo))
         return torch.zeros(hi - lo, dtype=self.accumulate_dtype or g.buffer.dtype, device=g.buffer.device)
 
-    def held_grad(self, g: FlatGroup, lo: int, hi: int) -> Optional[torch.Tensor]:
+    def held_grad(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor | None:
         if self.spill is not None and g.index not in self.owned:
             return None
         return super().held_grad(g, lo, hi)
@@ -117,7 +118,7 @@ class SpillingGradReducer(PartitionedGradReducer):
         super().zero_grads()
 
 
-def partitioned_reducer(*args, spill: Optional[SpillFactory] = None, **kwargs) -> PartitionedGradReducer:
+def partitioned_reducer(*args, spill: SpillFactory | None = None, **kwargs) -> PartitionedGradReducer:
     """The stage-2/3 reducer: :class:`SpillingGradReducer` with ``spill``, else the plain one."""
     if spill is None:
         return PartitionedGradReducer(*args, **kwargs)

@@ -33,22 +33,22 @@ The engine calls :meth:`TrainingGuards.before_forward`, :meth:`TrainingGuards.be
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from zerodp.runtime.device import synchronize
 from zerodp.runtime.partition import FlatGroup, memory_stride
-from zerodp.runtime.device import host_flags, synchronize
 from zerodp.runtime.refusal import RefusedError
-
 
 #: attribute set on a parameter by :func:`acknowledge_edit`: the version counter of its last legitimate
 #: in-place edit (made inside ``GatheredParameters``).
 ACK_ATTR = "_zerodp_acknowledged_version"
 
 
-def acknowledge_edit(param: nn.Parameter) -> None:
+def acknowledge_edit(param: torch.Tensor) -> None:
     """Mark ``param``'s current in-place edits as made while gathered (not a lost edit)."""
     setattr(param, ACK_ATTR, param._version)
 
@@ -60,7 +60,7 @@ class GuardedUnit(Protocol):
     group: FlatGroup  # its ``slots`` are the unit's parameters
     persistent: bool  # always gathered (small parameters), else gathered around each use
     rank: int
-    full: Optional[torch.Tensor]  # 1-D, the gathered (padded) parameters; None or 0 bytes while sharded
+    full: torch.Tensor | None  # 1-D, the gathered (padded) parameters; None or 0 bytes while sharded
 
     @property
     def shard(self) -> torch.Tensor: ...
@@ -77,17 +77,21 @@ class GuardedUnits(Protocol):
     """The engine's stage-3 units (implemented by :class:`zerodp.stage3.sharding.Stage3`)."""
 
     @property
-    def units(self) -> list[GuardedUnit]: ...
+    def units(self) -> Sequence[GuardedUnit]: ...
 
 
 class GuardedEngine(Protocol):
     """What the guards read from the engine (a Protocol, so this module does not import it)."""
 
     module: nn.Module
-    stage: int
     groups: list[FlatGroup]
     optimizer: torch.optim.Optimizer
-    sharding: Optional[GuardedUnits]  # stage 3 only
+    optimizer_offload: Any  # zerodp.offload.build.OptimizerOffload (a higher rank): fold_edits()
+
+    @property  # read-only members: the engine's are narrower (a Literal stage, Stage3)
+    def stage(self) -> int: ...
+    @property
+    def sharding(self) -> GuardedUnits | None: ...  # stage 3 only
 
 
 def _names(module: nn.Module) -> dict[int, str]:
@@ -167,7 +171,7 @@ class TrainingGuards:
         self._versions = [p._version for _, p, _ in self._partitioned]
 
     def _check_partitioned_edits(self) -> None:
-        for (name, p, unit), v in zip(self._partitioned, self._versions):
+        for (name, p, unit), v in zip(self._partitioned, self._versions, strict=True):
             if (p._version != v and unit.sharded
                     and getattr(p, ACK_ATTR, None) != p._version):
                 raise RefusedError(

@@ -12,7 +12,8 @@ parameters and persistent buffers. :func:`guard_module_load_state_dict` makes th
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ class GatheredCopy(NamedTuple):
 def load_module_state(
     module: nn.Module, groups: Sequence[FlatGroup], frozen: Sequence[nn.Parameter],
     gathered: Sequence[GatheredCopy], state_dict: Mapping[str, torch.Tensor], strict: bool,
-    pg: Optional[ProcessGroup], ledger: CommLedger,
+    pg: ProcessGroup | None, ledger: CommLedger,
 ) -> LoadResult:
     """Collective: load ``state_dict`` (keys and shapes as ``module.state_dict()`` before ``initialize``)
     into the engine's parameters, fp32 masters and buffers. Every rank must pass the same values.
@@ -69,7 +70,7 @@ def load_module_state(
         raise RuntimeError(f"load_module_state_dict(strict=True): missing keys {missing}, unexpected keys "
                            f"{unexpected} (the keys are those of module.state_dict() before initialize)")
 
-    def value_of(param: nn.Parameter, shape: torch.Size, flat=lambda v: v.reshape(-1)) -> Optional[torch.Tensor]:
+    def value_of(param: nn.Parameter, shape: torch.Size, flat=lambda v: v.reshape(-1)) -> torch.Tensor | None:
         for n in names.get(id(param), ()):
             if n in state_dict:
                 v = state_dict[n].detach()

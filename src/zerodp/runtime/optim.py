@@ -1,14 +1,16 @@
 """Param groups and the torch optimizer that updates this rank's partition.
 
-The optimizer is torch's own (``Adam``, ``AdamW``, ``SGD``, ... see :data:`zerodp.config_keys.OPTIMIZERS`); its "parameters" are the 1-D pieces of the flat
-buffers this rank owns (:class:`zerodp.runtime.partition.Piece`), one per (parameter, owned range), so its
-per-parameter state and skipping of ``grad is None`` match torch on the unpartitioned model.
+The optimizer is torch's own (``Adam``, ``AdamW``, ``SGD``, ... see :data:`zerodp.config_keys.OPTIMIZERS`); its
+"parameters" are the 1-D pieces of the flat buffers this rank owns (:class:`zerodp.runtime.partition.Piece`), one per
+(parameter, owned range), so its per-parameter state and skipping of ``grad is None`` match torch on the unpartitioned
+model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +34,7 @@ class ParamGroupSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-def normalize_param_groups(module: nn.Module, model_parameters: Optional[Iterable[Any]]) -> list[ParamGroupSpec]:
+def normalize_param_groups(module: nn.Module, model_parameters: Iterable[Any] | None) -> list[ParamGroupSpec]:
     """Turn ``model_parameters`` (None, parameters, or param-group dicts) into named groups.
 
     Frozen parameters (``requires_grad=False``) are dropped from the groups; they stay in the module,

@@ -1,9 +1,9 @@
 """Flat-buffer layout and partitioning of trainable parameters (stages 0-2).
 
 [Note: layout] The trainable parameters of one optimizer param group (and one dtype/device) are packed
-into a single 1-D *flat buffer*; each parameter's ``.data`` becomes a view into it. A parameter with a dense non-row-major memory format
-(``channels_last``) keeps it: its elements are stored in its own memory order and its view has its
-strides (:meth:`ParamSlot.view`); every conversion between a slot's flat range and a full-shape tensor
+into a single 1-D *flat buffer*; each parameter's ``.data`` becomes a view into it. A parameter with a dense
+non-row-major memory format (``channels_last``) keeps it: its elements are stored in its own memory order and its view
+has its strides (:meth:`ParamSlot.view`); every conversion between a slot's flat range and a full-shape tensor
 goes through :meth:`ParamSlot.view` / :meth:`ParamSlot.flat_values`, so gradients, accessors and
 checkpoints use the same order. The flat buffer is
 cut into *buckets* of at most ``reduce_bucket_size`` elements along parameter boundaries (a parameter
@@ -23,7 +23,6 @@ received no gradient is skipped exactly as torch skips a parameter whose ``.grad
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -40,7 +39,7 @@ class ParamSlot:
     numel: int
     shape: torch.Size
     group_index: int = 0  # which user param group (optimizer options) it belongs to
-    stride: Optional[tuple[int, ...]] = None  # the parameter's strides if dense but not row-major, else None
+    stride: tuple[int, ...] | None = None  # the parameter's strides if dense but not row-major, else None
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` (1-D, ``numel`` contiguous elements in this slot's order) as a tensor of the
@@ -58,13 +57,13 @@ class ParamSlot:
         return out
 
 
-def memory_stride(p: torch.Tensor) -> Optional[tuple[int, ...]]:
+def memory_stride(p: torch.Tensor) -> tuple[int, ...] | None:
     """``p``'s strides if it is dense and non-overlapping but not row-major (e.g. ``channels_last``), so
     that a view with these strides over ``numel`` contiguous elements holds it; else None."""
     if p.dim() < 2 or p.is_contiguous():
         return None
     expected = 1
-    for st, size in sorted((st, size) for st, size in zip(p.stride(), p.shape) if size != 1):
+    for st, size in sorted((st, size) for st, size in zip(p.stride(), p.shape, strict=True) if size != 1):
         if st != expected:
             return None
         expected *= size
@@ -100,12 +99,22 @@ class Piece:
     lo: int  # flat-buffer coordinates, [lo, hi)
     hi: int
     tensor: torch.Tensor  # 1-D view of the flat buffer (or shard), (hi - lo) elements, module dtype
-    master: Optional[torch.Tensor] = None  # fp32 copy of ``tensor`` in mixed precision, else None
+    master: torch.Tensor | None = None  # fp32 copy of ``tensor`` in mixed precision, else None
 
     @property
     def opt_tensor(self) -> torch.Tensor:
         """What the optimizer updates: the fp32 master copy if there is one, else the view itself."""
         return self.master if self.master is not None else self.tensor
+
+    @property
+    def master_copy(self) -> torch.Tensor:
+        """The fp32 master, where the caller's setting guarantees one (offload, mixed precision).
+
+        Raises:
+            RuntimeError: the piece has no master (a bug in the caller, never bad user input)."""
+        if self.master is None:
+            raise RuntimeError(f"piece [{self.lo}, {self.hi}) of '{self.slot.name}' has no fp32 master")
+        return self.master
 
 
 @dataclass(eq=False)
@@ -207,7 +216,7 @@ def zero_unwritten(buf: torch.Tensor, b: Bucket, written: list[bool]) -> None:
             ranges.append([lo, hi])
 
     pos = 0
-    for s, w in sorted(zip(b.slots, written), key=lambda x: x[0].offset):
+    for s, w in sorted(zip(b.slots, written, strict=True), key=lambda x: x[0].offset):
         rel = s.offset - b.start
         add(pos, rel)
         if not w:

@@ -22,14 +22,14 @@ fp32): 4 bytes per gradient element instead of 2 (:attr:`PrecisionPolicy.bytes_p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from zerodp.runtime.accounting import FP32_ADAM, MIXED_PRECISION_ADAM, BytesPerElement
 from zerodp.config import ConfigError, ZeroDPConfig
+from zerodp.runtime.accounting import FP32_ADAM, MIXED_PRECISION_ADAM, BytesPerElement
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class PrecisionPolicy:
         return replace(b, grad=self.grad_accum_dtype.itemsize)
 
     @staticmethod
-    def from_config(cfg: ZeroDPConfig) -> "PrecisionPolicy":
+    def from_config(cfg: ZeroDPConfig) -> PrecisionPolicy:
         dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
         return PrecisionPolicy(dtype, loss_scaling=cfg.fp16.enabled,
                                grad_accum_dtype=grad_accum_dtype(dtype, cfg.gradient_accumulation_steps,
@@ -62,7 +62,7 @@ class PrecisionPolicy:
 _ACCUM_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def grad_accum_dtype(param_dtype: torch.dtype, accumulation_steps: int, configured: Optional[str]) -> torch.dtype:
+def grad_accum_dtype(param_dtype: torch.dtype, accumulation_steps: int, configured: str | None) -> torch.dtype:
     """The dtype gradients accumulate in: ``configured`` ("fp32", "bf16", "fp16": DeepSpeed's
     ``data_types.grad_accum_dtype``, already checked against the precision by the config) if given;
     else fp32 when ``param_dtype`` is 16-bit and ``accumulation_steps`` > 1, else ``param_dtype``."""
@@ -138,7 +138,7 @@ class LossScaler:
         self.clean_steps = int(state["clean_steps"])
 
     @staticmethod
-    def from_config(cfg: ZeroDPConfig) -> Optional["LossScaler"]:
+    def from_config(cfg: ZeroDPConfig) -> LossScaler | None:
         if not cfg.fp16.enabled:
             return None
         f = cfg.fp16

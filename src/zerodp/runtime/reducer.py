@@ -37,15 +37,16 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
-from typing import Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch.distributed import ProcessGroup, ReduceOp, Work
 from torch.utils.hooks import RemovableHandle
 
 from zerodp.runtime import comm
-from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.coalesce import coalesced, runs_of_same_kind
+from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot, zero_unwritten
 from zerodp.runtime.streams import SideStream
 from zerodp.runtime.zero_pages import ZeroPageBuffer
@@ -84,9 +85,9 @@ class GradientReducer:
     folds = False  # param.grad is added into a buffer of another dtype (stages 0-1, see _FullGradBuffer)
 
     def __init__(
-        self, groups: list[FlatGroup], rank: int, world_size: int, group: Optional[ProcessGroup],
-        ledger: CommLedger, overlap_comm: bool, accumulate_dtype: Optional[torch.dtype] = None,
-        on_reduced: Optional[Callable[[FlatGroup, Bucket], None]] = None) -> None:
+        self, groups: list[FlatGroup], rank: int, world_size: int, group: ProcessGroup | None,
+        ledger: CommLedger, overlap_comm: bool, accumulate_dtype: torch.dtype | None = None,
+        on_reduced: Callable[[FlatGroup, Bucket], None] | None = None) -> None:
         self.groups = groups
         #: dtype gradients accumulate in across micro-steps (None: each group's parameter dtype)
         self.accumulate_dtype = accumulate_dtype
@@ -129,7 +130,7 @@ class GradientReducer:
         #: called with the (group index, bucket index) list of the buckets one collective reduces (one
         #: bucket, or a coalesced stage-3 group) just before it is launched (the backward agreement's
         #: tag, :mod:`zerodp.runtime.backward_agreement`); None: no check
-        self.launch_check: Optional[Callable[[list[tuple[int, int]]], None]] = None
+        self.launch_check: Callable[[list[tuple[int, int]]], None] | None = None
         #: this micro-step only: launch every bucket when backward returns (set after begin_micro_step
         #: when the ranks' backward graphs reach different parameters, see engine.backward)
         self.defer_once = False
@@ -251,7 +252,7 @@ class GradientReducer:
         """The averaged gradient of flat range [lo, hi) of ``g`` (which this rank owns)."""
         raise NotImplementedError
 
-    def held_grad(self, g: FlatGroup, lo: int, hi: int) -> Optional[torch.Tensor]:
+    def held_grad(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor | None:
         return self.piece_grad(g, lo, hi)  # None where a spill holds it (zerodp.runtime.grad_spill)
 
     def held_bytes(self) -> dict[str, int]:
@@ -441,7 +442,7 @@ class PartitionedGradReducer(GradientReducer):
     """
 
     def __init__(self, *args, contiguous_gradients: bool = True,
-                 staging_pool: Optional[StagingPool] = None, coalesce_elements: int = 0, **kwargs) -> None:
+                 staging_pool: StagingPool | None = None, coalesce_elements: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.contiguous = contiguous_gradients
         # stage 3 (one bucket per unit): complete buckets are held until they reach this many elements,
@@ -469,10 +470,10 @@ class PartitionedGradReducer(GradientReducer):
 
     def _allocate_owned(self) -> None:
         """Every group's owned partition, zeroed, held from now on (:mod:`zerodp.runtime.grad_spill`: not)."""
-        for (index, numel, dtype), g in zip(self.owned_sizes, self.groups):
+        for (index, numel, dtype), g in zip(self.owned_sizes, self.groups, strict=False):
             self.owned[index] = torch.zeros(numel, dtype=dtype, device=g.buffer.device)
 
-    def _owned_of(self, g: FlatGroup, first: bool) -> Optional[torch.Tensor]:
+    def _owned_of(self, g: FlatGroup, first: bool) -> torch.Tensor | None:
         """``g``'s owned partition (``first``: first reduction since zero_grads; else a spill may give None)."""
         return self.owned[g.index]
 
@@ -529,21 +530,21 @@ class PartitionedGradReducer(GradientReducer):
             scratch = [self._receive_buffer(buf) if apart else None for _, _, buf, _, _ in run]
             launches = [lambda buf=buf, out=out, rx=rx: comm.reduce_scatter(
                             out, buf, self.pg, self.ledger, self.collective_purpose, async_op=True, received=rx)
-                        for (_, _, buf, out, _), rx in zip(run, scratch)]
+                        for (_, _, buf, out, _), rx in zip(run, scratch, strict=True)]
             self.stream.after_compute()  # the buckets' staging buffers are written on the compute stream
             with self.stream.issuing():
                 work = comm.AllOf([launch() for launch in launches]) if apart else coalesced(self.pg, launches)
             self.reduce_collectives += 1
-            self._track(work, [(b, g, (buf, recv, rx)) for (g, b, buf, _, recv), rx in zip(run, scratch)])
+            self._track(work, [(b, g, (buf, recv, rx)) for (g, b, buf, _, recv), rx in zip(run, scratch, strict=True)])
 
-    def _receive_buffer(self, buf: torch.Tensor) -> Optional[torch.Tensor]:
+    def _receive_buffer(self, buf: torch.Tensor) -> torch.Tensor | None:
         """A buffer like ``buf`` from the staging pool for an all-to-all's received chunks (None
         without a pool: the collective allocates its own)."""
         if self.staging_pool is None:
             return None
         return self.staging_pool.empty_tensor(buf.numel(), buf.dtype, buf.device)
 
-    def _prepare(self, g: FlatGroup, b: Bucket) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    def _prepare(self, g: FlatGroup, b: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(staging buffer divided by N, reduce-scatter output, separate receive buffer or None)."""
         buf = self._staging_for(b, g)
         if self.contiguous:  # _on_grad copied each gradient that arrived this micro-step

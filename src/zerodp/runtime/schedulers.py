@@ -33,7 +33,7 @@ class _ClosedForm(LRScheduler):
         raise NotImplementedError
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
-        return [self.lr_at(self.last_epoch, base) for base in self.base_lrs]
+        return [self.lr_at(self.last_epoch, float(base)) for base in self.base_lrs]
 
 
 class WarmupLR(_ClosedForm):
@@ -43,10 +43,14 @@ class WarmupLR(_ClosedForm):
 
     def lr_at(self, t: int, base_lr: float) -> float:
         p = self.p
-        return p.warmup_min_lr + (p.warmup_max_lr - p.warmup_min_lr) * warmup_gamma(t, p.warmup_num_steps, p.warmup_type)
+        return p.warmup_min_lr + (p.warmup_max_lr - p.warmup_min_lr) * warmup_gamma(
+            t, p.warmup_num_steps, p.warmup_type
+        )
 
 
 class WarmupDecayLR(WarmupLR):
+    p: WarmupDecayLRParams
+
     def __init__(self, optimizer: Optimizer, p: WarmupDecayLRParams, last_epoch: int = -1) -> None:
         super().__init__(optimizer, p, last_epoch)
 

@@ -25,7 +25,7 @@ the order). Never run on a GPU (docs/gpu.md).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -62,7 +62,7 @@ class SideStream:
         self.stream.wait_event(self.compute_event())
         self.stale = False
 
-    def wait_for(self, event: Optional[Any]) -> None:
+    def wait_for(self, event: Any | None) -> None:
         """This stream waits for ``event`` (e.g. a pooled buffer's release event); None: nothing."""
         if event is not None:
             self.stream.wait_event(event)
@@ -72,7 +72,7 @@ class SideStream:
         stream."""
         return devices.use_stream(self.device, self.stream)
 
-    def done(self, work: Optional[Any]) -> None:
+    def done(self, work: Any | None) -> None:
         """The compute stream waits for ``work`` (a collective issued on this stream): ``work.wait()``
         on this stream, an event recorded after it, the compute stream waits for that event."""
         with self.issuing():

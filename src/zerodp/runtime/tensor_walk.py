@@ -15,9 +15,11 @@ containers are not supported (unbounded recursion), as in torch's own pytree uti
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
+
 
 def tensors_in(obj: Any, keep: Callable[[torch.Tensor], bool]) -> list[torch.Tensor]:
     """Every tensor ``t`` inside ``obj`` (see the module docstring) with ``keep(t)``, depth first, in

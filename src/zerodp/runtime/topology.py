@@ -18,8 +18,9 @@ group for gradient clipping; every other parameter is replicated across MP ranks
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,8 @@ class Topology:
     """Where this rank sits. ``dp_group`` None means the whole world; ``mp_group`` None: no model
     parallelism (``mp_world_size`` 1)."""
 
-    dp_group: Optional[dist.ProcessGroup]
-    mp_group: Optional[dist.ProcessGroup] = None
+    dp_group: dist.ProcessGroup | None
+    mp_group: dist.ProcessGroup | None = None
     mp_rank: int = 0
     mp_world_size: int = 1
 
@@ -86,7 +87,7 @@ def resolve_topology(process_group: Any = None, mpu: Any = None) -> Topology:
     return Topology(dp_group=dp, mp_group=mp, mp_rank=mp_rank, mp_world_size=mp_world)
 
 
-def _as_group(process_group: Any) -> Optional[dist.ProcessGroup]:
+def _as_group(process_group: Any) -> dist.ProcessGroup | None:
     get_group = getattr(process_group, "get_group", None)
     if process_group is None or isinstance(process_group, dist.ProcessGroup) or not callable(get_group):
         return process_group
@@ -118,8 +119,8 @@ def _sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     gradients, relative error 2e-5 in the sum of squares at 1 M elements, 1.6e-4 at 4 M, 8e-3 at 50 M,
     against 3e-7 in chunks at the same cost (24 ms for 50 M). On the bench's 3.3M-parameter GPT with
     random gradients, one norm per tensor took 0.7 ms per call against 18-20 ms for an fp64 sum
-    (docs/benchmarks/2026-12-01-bench.md, "Gradient norm"); on 94 tensors of 5.3 M elements in all, 1.3 ms with one norm per tensor,
-    1.8 ms in chunks (one thread). One device-to-host copy per device, not one per gradient."""
+    (docs/benchmarks/2026-12-01-bench.md, "Gradient norm"); on 94 tensors of 5.3 M elements in all, 1.3 ms with one norm
+    per tensor, 1.8 ms in chunks (one thread). One device-to-host copy per device, not one per gradient."""
     norms: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:  # read once, in order: an offload may materialise them one at a time
         acc = torch.promote_types(g.dtype, torch.float32)  # fp32, or fp64 for fp64 gradients

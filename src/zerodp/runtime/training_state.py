@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 
 class TrainingState(enum.Enum):
@@ -59,7 +59,7 @@ class TrainingPhase:
 
     @contextlib.contextmanager
     def during(self, new: TrainingState, call: str, then: TrainingState,
-               on_error: Optional[TrainingState] = None) -> Iterator[None]:
+               on_error: TrainingState | None = None) -> Iterator[None]:
         """``new`` for the block, ``then`` after it; if the block raises, ``on_error`` (default: the
         state before the block)."""
         before = self.state

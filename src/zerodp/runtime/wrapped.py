@@ -5,7 +5,6 @@ buffers (or shards) and feeds their gradient hooks to its reducer."""
 from __future__ import annotations
 
 import weakref
-from typing import Optional
 
 import torch
 from torch import nn
@@ -22,7 +21,7 @@ class _WrappedParams:
         key = id(param)
         self._entries[key] = (weakref.ref(param, lambda _r: self._entries.pop(key, None)), engine)
 
-    def get(self, param: torch.Tensor) -> Optional[str]:
+    def get(self, param: torch.Tensor) -> str | None:
         entry = self._entries.get(id(param))
         return entry[1] if entry is not None and entry[0]() is param else None
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import mmap
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -56,11 +55,11 @@ class ZeroPageBuffer:
     """
 
     tensor: torch.Tensor
-    mapping: Optional[mmap.mmap] = None
+    mapping: mmap.mmap | None = None
 
     @classmethod
-    def like(cls, t: torch.Tensor, lazy: Optional[bool] = None,
-             dtype: Optional[torch.dtype] = None) -> "ZeroPageBuffer":
+    def like(cls, t: torch.Tensor, lazy: bool | None = None,
+             dtype: torch.dtype | None = None) -> ZeroPageBuffer:
         """A zeroed 1-D buffer of ``t.numel()`` elements of ``dtype`` (default ``t``'s) on ``t``'s device.
         ``lazy`` (default: :func:`huge_pages_available`, and ``t`` on the CPU and non-empty) selects the mapping."""
         numel, dtype = t.numel(), dtype or t.dtype

@@ -30,7 +30,8 @@ parent). Every tensor that shares such a storage is one of:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
 
-def storage_key(t: torch.Tensor) -> Optional[int]:
+def storage_key(t: torch.Tensor) -> int | None:
     """The identity of ``t``'s storage (its ``StorageImpl`` address), or None for a tensor without one
     (wrapper subclasses, sparse tensors)."""
     try:
@@ -87,7 +88,8 @@ class _SavedAlias:
         u = self.unit
         buf = u.full if self.key is None else u.casts.get(self.key)
         storage = buf.untyped_storage() if buf is not None else None
-        need = (self.offset + sum((n - 1) * s for n, s in zip(self.size, self.stride)) + 1) * self.dtype.itemsize
+        last = self.offset + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True))
+        need = (last + 1) * self.dtype.itemsize
         if storage is None or (storage.nbytes() < need and all(self.size)):
             raise PartitionedParameterError(
                 f"a view of a parameter of module '{u.name or '<root>'}' ({u.param_names()}) saved by autograd "
@@ -111,7 +113,7 @@ class SavedAliasHooks:
     :class:`_SavedAlias`; other tensors go to the hooks that were active before (or are saved as they
     are). One instance per push (:func:`push_saved_alias_hooks`)."""
 
-    def __init__(self, table: AliasTable, outer: Optional[tuple[Callable, Callable]]) -> None:
+    def __init__(self, table: AliasTable, outer: tuple[Callable, Callable] | None) -> None:
         self.table = table
         self.outer = outer
 
@@ -121,7 +123,7 @@ class SavedAliasHooks:
             key = storage_key(t)
             hit = by_storage.get(key) if key is not None else None
             if hit is not None:
-                return _SavedAlias(hit[0], hit[1], t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+                return _SavedAlias(hit[0], hit[1], t.dtype, int(t.storage_offset()), tuple(t.shape), t.stride())
         if self.outer is not None:
             return _OuterPacked(self.outer[0](t))
         return t
@@ -130,6 +132,7 @@ class SavedAliasHooks:
         if type(packed) is _SavedAlias:
             return packed.unpack()
         if type(packed) is _OuterPacked:
+            assert self.outer is not None  # packed by self.outer
             return self.outer[1](packed.packed)
         return packed
 
@@ -176,7 +179,7 @@ def aliasing_copies(output: Any, units: list, table: AliasTable) -> tuple[dict[i
             continue
         key = storage_key(t)
         hit = table.by_storage.get(key) if key is not None else None
-        if hit is None or not any(hit[0] is u for u in units):
+        if key is None or hit is None or not any(hit[0] is u for u in units):
             continue
         mapping[id(t)] = t.clone()
         counts[key] = counts.get(key, 0) + 1

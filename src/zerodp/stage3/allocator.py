@@ -8,8 +8,8 @@ hold: gloo's all-gather allocates a flat copy of its output per call (its reduce
 input, which the reducer avoids on gloo, see [Note: gloo reduce-scatter] in zerodp.runtime.reducer),
 autograd allocates each weight's gradient before the reducer copies it into a (pooled) staging buffer.
 With the dynamic threshold these end up as a fragmented heap, and a rank's resident set grows above
-stage 0's although it holds less (see docs/benchmarks/2026-12-01-stage3-memory.md). Pinning the threshold (which also turns
-its dynamic adjustment off, as setting ``MALLOC_MMAP_THRESHOLD_`` does) keeps such blocks out of the
+stage 0's although it holds less (see docs/benchmarks/2026-12-01-stage3-memory.md). Pinning the threshold (which also
+turns its dynamic adjustment off, as setting ``MALLOC_MMAP_THRESHOLD_`` does) keeps such blocks out of the
 heap. Smaller blocks (activations of typical layers) are unaffected.
 
 glibc's own adjustment also keeps its trim threshold at twice the mmap threshold; a threshold set
@@ -30,17 +30,16 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from typing import Optional
 
 #: the value pinned at stage 3 (bytes): blocks of 4 MiB or more are mmapped and returned on free
 STAGE3_MMAP_THRESHOLD = 4 * 1024 * 1024
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers
 _M_TRIM_THRESHOLD = -1
-_pinned: Optional[int] = None
+_pinned: int | None = None
 
 
-def pin_mmap_threshold(nbytes: int = STAGE3_MMAP_THRESHOLD) -> Optional[int]:
+def pin_mmap_threshold(nbytes: int = STAGE3_MMAP_THRESHOLD) -> int | None:
     """Set glibc's ``M_MMAP_THRESHOLD`` to ``nbytes`` (once per process). Returns the value in force
     after the call as far as zerodp knows (None: not glibc, turned off with
     ``ZERODP_STAGE3_MMAP_THRESHOLD=0``, or left to ``MALLOC_MMAP_THRESHOLD_``).
@@ -55,7 +54,8 @@ def pin_mmap_threshold(nbytes: int = STAGE3_MMAP_THRESHOLD) -> Optional[int]:
         try:
             nbytes = int(override)
         except ValueError:
-            raise ValueError(f"ZERODP_STAGE3_MMAP_THRESHOLD must be a byte count (0: off), got {override!r}")
+            raise ValueError(
+                f"ZERODP_STAGE3_MMAP_THRESHOLD must be a byte count (0: off), got {override!r}") from None
         if nbytes == 0:
             return None
     if not 0 < nbytes <= 32 * 1024 * 1024:

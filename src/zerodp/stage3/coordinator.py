@@ -23,19 +23,20 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import zlib
-from typing import Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Protocol, cast
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed import ProcessGroup, ReduceOp, Work
 
 from zerodp.runtime import comm
-from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.coalesce import coalesced, dtype_device, runs_of_same_kind
+from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.streams import SideStream
 from zerodp.stage3.units import ShardedUnit, ShardState, UnitIndex
-
 
 #: the prefetch of one pass (forward or backward) over the sharded units goes in about this many
 #: coalesced all-gathers (see [Note: coalesced prefetch])
@@ -54,6 +55,12 @@ class FetchCheck(Protocol):
 
     def before_launch(self) -> None:
         """Before any all-gather is launched (a fetch's own, a prefetch group, an external one)."""
+
+
+def _launch_gather(u: ShardedUnit, pg: ProcessGroup | None, ledger: CommLedger) -> Work | None:
+    """Issue ``u``'s all-gather; its Work (one launch of a coalesced group)."""
+    u.launch_gather(pg, ledger, "parameters")
+    return u.work
 
 
 class _SharedWork:
@@ -81,9 +88,9 @@ class ParameterCoordinator:
     """Gathers and releases stage-3 units around each module's forward and backward."""
 
     def __init__(
-        self, index: UnitIndex, module_positions: dict[int, int], pg: Optional[ProcessGroup],
+        self, index: UnitIndex, module_positions: dict[int, int], pg: ProcessGroup | None,
         ledger: CommLedger, prefetch_bucket_size: int, max_live_parameters: int,
-        max_reuse_distance: int = 0, fetch_check: Optional[FetchCheck] = None,
+        max_reuse_distance: int = 0, fetch_check: FetchCheck | None = None,
     ) -> None:
         self.index = index
         self.positions = module_positions  # id(module) -> position in named_modules() (rank-independent)
@@ -112,10 +119,10 @@ class ParameterCoordinator:
         self.fetch_check = fetch_check
         #: offload_param: called after each fetch (recorded trace only) with the units of the modules
         #: still to come, in trace order, to read their shards ahead; None: no read-ahead
-        self.read_ahead: Optional[Callable[[list[list[ShardedUnit]]], None]] = None
+        self.read_ahead: Callable[[list[list[ShardedUnit]]], None] | None = None
         #: the all-gather stream (see [Note: comm streams] in :mod:`zerodp.runtime.streams`); None: the
         #: current stream
-        self.stream: Optional[SideStream] = None
+        self.stream: SideStream | None = None
 
     # ---- iteration boundaries -----------------------------------------------------------------------
     def begin_iteration(self) -> None:
@@ -182,7 +189,7 @@ class ParameterCoordinator:
         finally:
             self.busy = False
 
-    def release(self, module: nn.Module, held: Optional[dict[int, int]] = None) -> None:
+    def release(self, module: nn.Module, held: dict[int, int] | None = None) -> None:
         """``module`` is done with its units; those no other module holds are released. ``held``:
         storage key -> views of it the caller still holds, about to be dropped (see
         :meth:`ShardedUnit.release`)."""
@@ -332,15 +339,14 @@ class ParameterCoordinator:
             stream.after_compute()
         for run in runs_of_same_kind(units, lambda u: dtype_device(u.shard)):
             with stream.issuing() if stream is not None else contextlib.nullcontext():
-                work = coalesced(self.pg, [lambda u=u: u.launch_gather(self.pg, self.ledger, "parameters") or u.work
-                                           for u in run])
+                work = coalesced(self.pg, [functools.partial(_launch_gather, u, self.pg, self.ledger) for u in run])
             if len(run) > 1:
                 # a group's own Work: waited through the agreements' watch too, and dropped by the first
                 # unit that waits for it (a Work references the buffers it wrote: one kept alive by the
                 # units still GATHERING would look like a view escaping, see [Note: escaping views])
                 shared = _SharedWork(comm.watch(work, run[0].shard.device))
                 for u in run:
-                    u.work = shared
+                    u.work = cast(Work, shared)  # duck-typed: wait() is all a unit calls
             self.gather_collectives += 1
 
     def _read_ahead(self) -> None:

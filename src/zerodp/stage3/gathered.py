@@ -9,11 +9,10 @@ shard and the fp32 masters refreshed on exit.
 from __future__ import annotations
 
 import zlib
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from zerodp.runtime import comm
 from zerodp.runtime.guards import acknowledge_edit
@@ -45,14 +44,14 @@ class GatheredParameters:
             units, or (with ``modifier_rank``) differently shaped non-partitioned parameters in order.
     """
 
-    def __init__(self, params: Union[nn.Parameter, Iterable[nn.Parameter]], modifier_rank: Optional[int] = None,
+    def __init__(self, params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None,
                  enabled: bool = True) -> None:
         self.params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._units: list[tuple[ShardedUnit, Owner]] = []
 
-    def __enter__(self) -> "GatheredParameters":
+    def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
         if self.modifier_rank is not None and dist.is_initialized():
@@ -87,9 +86,10 @@ class GatheredParameters:
                 u.collect_rebound()
         if modify and dist.is_initialized() and dist.get_world_size() > 1:
             partitioned = {id(s.param) for u, _ in self._units for s in u.slots}
+            assert self.modifier_rank is not None  # modify
             for u, owner in self._units:
                 src = dist.get_global_rank(owner.pg, self.modifier_rank) if owner.pg else self.modifier_rank
-                comm.broadcast(u.full, src, owner.pg, owner.ledger, "gathered_parameters")
+                comm.broadcast(u.full_buffer, src, owner.pg, owner.ledger, "gathered_parameters")
             plain = list({id(p): p for p in self.params if id(p) not in partitioned}.values())
             if plain:
                 _agree([f"{tuple(p.shape)}:{p.dtype}" for p in plain], None, plain[0].device,
@@ -113,7 +113,7 @@ class GatheredParameters:
         self._units = []
 
 
-def _agree(keys: list, pg: Optional[dist.ProcessGroup], device: torch.device, what: str) -> None:
+def _agree(keys: list, pg: dist.ProcessGroup | None, device: torch.device, what: str) -> None:
     """Check that every rank of ``pg`` holds the same ``keys`` (one all-gather of two int64 per rank:
     the count and a CRC of the keys); raise ``ValueError`` naming the ranks otherwise. Nothing to do on
     one rank."""

@@ -24,7 +24,8 @@ and re-filled when the unit is gathered for backward (see :mod:`zerodp.stage3.un
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,8 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from zerodp.runtime.tensor_walk import tensors_in
-from zerodp.stage3.aliases import (aliasing_copies, no_saved_tensors_hooks, pop_saved_alias_hooks,
-                                   push_saved_alias_hooks)
+from zerodp.stage3.aliases import aliasing_copies, no_saved_tensors_hooks, pop_saved_alias_hooks, push_saved_alias_hooks
 from zerodp.stage3.coordinator import ParameterCoordinator
 from zerodp.stage3.sharded_param import METADATA
 from zerodp.stage3.units import ShardState
@@ -75,7 +75,7 @@ def _wrap(action: Callable[[nn.Module], None], module: nn.Module, obj: Any) -> A
         return obj
     unique = list({id(t): t for t in tensors}.values())
     wrapped = _BackwardHook.apply(action, module, *unique)
-    return _replace(obj, {id(t): w for t, w in zip(unique, wrapped)})
+    return _replace(obj, {id(t): w for t, w in zip(unique, wrapped, strict=True)})
 
 
 class ModuleStack:
@@ -85,7 +85,7 @@ class ModuleStack:
         self.stack: list[nn.Module] = []
         #: the outermost module whose pre-forward pushed the saved-alias hooks (a call outside the
         #: engine's forward, which pushes its own); its post-forward pops them
-        self.pushed_by: Optional[nn.Module] = None
+        self.pushed_by: nn.Module | None = None
 
 
 def register_stage3_hooks(

@@ -19,7 +19,8 @@ was flushed (after ``Init`` exits): its memory is gone.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ class InitTouchMode(TorchFunctionMode):
     included) run as they would without ``Init``; the flush casts the result down once.
     """
 
-    def __init__(self, pg: Optional[ProcessGroup], budget_elements: int) -> None:
+    def __init__(self, pg: ProcessGroup | None, budget_elements: int) -> None:
         super().__init__()
         self.pg = pg
         self.budget = budget_elements
@@ -72,8 +73,8 @@ class InitTouchMode(TorchFunctionMode):
             self.gathers += 1
             built = self.built_dtype.get(id(u))
             if built is not None:  # edit in the dtype the parameters were built in
-                self._narrow[id(u)] = u.full
-                u.full = u.full.to(built)
+                self._narrow[id(u)] = u.full_buffer
+                u.full = u.full_buffer.to(built)
                 for s in u.slots:
                     s.param.data = u._view(s)
             u.users += 1  # held open: a GatheredParameters block inside Init does not release it
@@ -86,7 +87,7 @@ class InitTouchMode(TorchFunctionMode):
         finally:
             self.busy = False
 
-    def forget(self, u: ShardedUnit) -> Optional[torch.dtype]:
+    def forget(self, u: ShardedUnit) -> torch.dtype | None:
         """Stop tracking ``u`` (Init replaces it); its parameters keep whatever values they hold now.
         Returns the dtype its parameters were built in, if it differs from the unit's."""
         if self.open.pop(id(u), None) is not None:
@@ -109,11 +110,11 @@ class InitTouchMode(TorchFunctionMode):
         u.collect_rebound()  # p.set_(t), a parametrization's original.set_: kept, not dropped
         if narrow is not None:  # the one cast down, as without Init
             with torch.no_grad():
-                narrow.copy_(u.full)
+                narrow.copy_(u.full_buffer)
             u.full = narrow
         if dist.get_world_size(owner.pg) > 1:
             src = dist.get_global_rank(owner.pg, 0) if owner.pg is not None else 0
-            comm.broadcast(u.full, src, owner.pg, owner.ledger, "init")
+            comm.broadcast(u.full_buffer, src, owner.pg, owner.ledger, "init")
         u.write_back()
         u.release()
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,12 +26,15 @@ from zerodp.stage3.units import ShardedUnit, ShardState
 @dataclass(frozen=True)
 class Owner:
     unit: ShardedUnit
-    pg: Optional[dist.ProcessGroup]
+    pg: dist.ProcessGroup | None
     ledger: CommLedger
-    coordinator: Optional[ParameterCoordinator]  # None while only zero.Init has partitioned it
+    coordinator: ParameterCoordinator | None  # None while only zero.Init has partitioned it
 
 
-class OwnerRegistry:
+V = TypeVar("V")
+
+
+class OwnerRegistry(Generic[V]):
     """id(partitioned parameter) -> a value about it (its :class:`Owner`, or a callable); an entry dies
     with its parameter. (Tensors cannot key a WeakKeyDictionary: their ``__eq__`` is elementwise.)
 
@@ -42,7 +46,7 @@ class OwnerRegistry:
     def __init__(self) -> None:
         self._entries: dict[int, tuple[weakref.ref, weakref.ref, weakref.ref]] = {}
 
-    def set(self, param: nn.Parameter, value: object, holder: object) -> None:
+    def set(self, param: nn.Parameter, value: V, holder: object) -> None:
         """Register ``value`` for ``param``; ``holder`` (an object with a ``__dict__``) keeps it alive."""
         key = id(param)
         holder.__dict__.setdefault(_HELD, {})[(id(self), key)] = value
@@ -55,7 +59,7 @@ class OwnerRegistry:
         if holder is not None:
             holder.__dict__.get(_HELD, {}).pop((id(self), id(param)), None)
 
-    def get(self, param: torch.Tensor) -> Optional[object]:
+    def get(self, param: torch.Tensor) -> V | None:
         entry = self._entries.get(id(param))
         if entry is None or entry[0]() is not param:
             return None
@@ -67,9 +71,9 @@ _HELD = "_zerodp_registered"
 
 
 #: filled by each stage-3 engine (see :class:`zerodp.stage3.sharding.Stage3`).
-OWNERS = OwnerRegistry()
+OWNERS: OwnerRegistry[Owner] = OwnerRegistry()
 #: parameter -> callable refreshing the fp32 master copies of its pieces after an edit (mixed precision)
-MASTER_REFRESH = OwnerRegistry()
+MASTER_REFRESH: OwnerRegistry[Callable[[], object]] = OwnerRegistry()
 
 
 #: (module, parameter) pairs declared by register_external_parameter before a stage-3 engine owned them
@@ -138,10 +142,10 @@ def coordinator_busy(owner: Owner) -> Iterator[None]:
         c.busy = False
 
 
-def pre_sharded_unit(params: list[nn.Parameter]) -> Optional[ShardedUnit]:
+def pre_sharded_unit(params: list[nn.Parameter]) -> ShardedUnit | None:
     """The unit built by :class:`Init` holding exactly ``params`` in this order, if there is one."""
-    owners = [OWNERS.get(p) for p in params]
-    if not owners or any(o is None for o in owners):
+    owners = [o for o in (OWNERS.get(p) for p in params) if o is not None]
+    if not owners or len(owners) != len(params):
         return None
     unit = owners[0].unit
     if any(o.unit is not unit for o in owners) or [s.param for s in unit.slots] != list(params):

@@ -37,7 +37,8 @@ the compute stream waited for every side-stream use of them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -45,7 +46,7 @@ import torch
 class Waiter(Protocol):
     """A side stream that will write a lent slab (:class:`zerodp.runtime.streams.SideStream`)."""
 
-    def wait_for(self, event: Optional[Any]) -> None: ...
+    def wait_for(self, event: Any | None) -> None: ...
 
     def after_compute(self) -> None: ...
 
@@ -59,7 +60,7 @@ class GatherPool:
             None: no events (no side streams).
     """
 
-    def __init__(self, limit_bytes: int, release_event: Optional[Callable[[], Any]] = None) -> None:
+    def __init__(self, limit_bytes: int, release_event: Callable[[], Any] | None = None) -> None:
         if limit_bytes < 0:
             raise ValueError(f"GatherPool limit_bytes must be >= 0, got {limit_bytes}")
         self.limit_bytes = limit_bytes
@@ -72,17 +73,17 @@ class GatherPool:
         self.peak_bytes = 0  # largest lent + free bytes seen
 
     # ---- lending -----------------------------------------------------------------------------------
-    def lend(self, t: torch.Tensor, waiter: Optional[Waiter] = None) -> None:
+    def lend(self, t: torch.Tensor, waiter: Waiter | None = None) -> None:
         """Give ``t``'s storage (0 bytes now) the memory of a slab big enough for ``t``; ``waiter``: the
         side stream that writes it first (waits for the slab's release event, see the note above).
 
         Raises:
             RuntimeError: ``t``'s storage is not empty or already holds a slab.
         """
-        self._lend_to(t.untyped_storage(), (t.storage_offset() + t.numel()) * t.element_size(), t.device, waiter)
+        self._lend_to(t.untyped_storage(), int(t.storage_offset() + t.numel()) * t.element_size(), t.device, waiter)
 
     def _lend_to(self, storage: torch.UntypedStorage, need: int, device: torch.device,
-                 waiter: Optional[Waiter] = None) -> None:
+                 waiter: Waiter | None = None) -> None:
         key = storage._cdata
         if key in self._lent or storage.nbytes() != 0:
             raise RuntimeError("GatherPool.lend: the tensor's storage is not empty "
@@ -98,7 +99,7 @@ class GatherPool:
         else:
             self._released.pop(id(slab), None)
         size = slab.nbytes()
-        storage._swap_data_ptr_(slab)
+        storage._swap_data_ptr_(slab)  # type: ignore[attr-defined]  # torch-internal, not in the stubs
         self._lent[key] = slab
         self._lent_sizes[key] = size
         self.peak_bytes = max(self.peak_bytes, self.held_bytes())
@@ -111,7 +112,7 @@ class GatherPool:
         if slab is None:
             return False
         self._lent_sizes.pop(storage._cdata)
-        storage._swap_data_ptr_(slab)
+        storage._swap_data_ptr_(slab)  # type: ignore[attr-defined]  # torch-internal, not in the stubs
         if self.held_bytes() + slab.nbytes() <= self.limit_bytes:
             self._free.append(slab)
             if self.release_event is not None:
@@ -127,14 +128,14 @@ class GatherPool:
             self._lent_sizes.pop(key)
 
     def empty_tensor(self, numel: int, dtype: torch.dtype, device: torch.device,
-                     waiter: Optional[Waiter] = None) -> torch.Tensor:
+                     waiter: Waiter | None = None) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements whose memory is lent from the pool (contents undefined);
         hand it back with :meth:`take_back`. ``waiter``: as in :meth:`lend`."""
         storage = torch.UntypedStorage(0, device=device)
         self._lend_to(storage, numel * torch.empty(0, dtype=dtype).element_size(), device, waiter)
         return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
 
-    def _take_free(self, need: int, device: torch.device) -> Optional[torch.UntypedStorage]:
+    def _take_free(self, need: int, device: torch.device) -> torch.UntypedStorage | None:
         best = None
         for i, slab in enumerate(self._free):
             size = slab.nbytes()

@@ -23,7 +23,8 @@ and costs nothing extra.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -92,8 +93,8 @@ SAVE_HINT = ("; to save the model at stage 3 use engine.save_16bit_model(save_di
              "engine.module_state_dict() (full fp32 values, collective), zerodp.zero.GatheredParameters "
              "around module.state_dict(), or `zerodp consolidate CHECKPOINT_DIR OUT` on a checkpoint "
              "written by engine.save_checkpoint")
-_DATA_GET = torch.Tensor.data.__get__
-_DATA_SET = torch.Tensor.data.__set__
+_DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]  # a C property; its stub types it as a Tensor
+_DATA_SET = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # idem
 _DETACH = torch.Tensor.detach
 #: conversions that return the tensor itself when they change nothing (``module.to(device)`` on a
 #: module already there, ``module.float()`` on an fp32 one): a partitioned parameter allows those
@@ -158,7 +159,7 @@ class ShardedParameter(nn.Parameter):
         sharded = next((a for a in _flat(args, kwargs) if isinstance(a, ShardedParameter)), None)
         raise PartitionedParameterError(_message(_name(sharded), _func_name(func)))
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # Tensor.__repr__ takes a keyword tensor_contents
         return (f"ShardedParameter('{_name(self)}', shape={tuple(self.shape)}, dtype={self.dtype}, "
                 "partitioned: gather it with zerodp.zero.GatheredParameters to read its values)")
 
@@ -183,7 +184,7 @@ class ShardedData(torch.Tensor):
     _zerodp_name: str
 
     @staticmethod
-    def __new__(cls, name: str, like: torch.Tensor) -> "ShardedData":
+    def __new__(cls, name: str, like: torch.Tensor) -> ShardedData:
         with torch._C.DisableTorchFunctionSubclass():
             shape, stride, dtype, device = like.shape, like.stride(), like.dtype, like.device
         t = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, dtype=dtype, device=device,
@@ -192,7 +193,7 @@ class ShardedData(torch.Tensor):
         return t
 
     @classmethod
-    def of(cls, param: "ShardedParameter") -> "ShardedData":
+    def of(cls, param: ShardedParameter) -> ShardedData:
         return cls(_name(param), param)
 
     @classmethod
@@ -204,7 +205,7 @@ class ShardedData(torch.Tensor):
                                         + SAVE_HINT)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None):  # type: ignore[override]  # torch's stub is an instance method
         src = args[0] if args else None
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) and isinstance(src, ShardedData):
             return ShardedData(src._zerodp_name, src)
@@ -225,7 +226,7 @@ class ShardedData(torch.Tensor):
                 "partitioned: no values on this rank)")
 
 
-def _name(p: Optional[torch.Tensor]) -> str:
+def _name(p: torch.Tensor | None) -> str:
     return getattr(p, NAME_ATTR, "?") if p is not None else "?"
 
 
@@ -260,7 +261,8 @@ def mark_sharded(param: nn.Parameter, name: str) -> None:
 def mark_unsharded(param: nn.Parameter) -> None:
     """Give ``param`` its own class back (call before its ``.data`` is pointed at gathered values)."""
     if isinstance(param, ShardedParameter):
-        param.__class__ = getattr(param, CLASS_ATTR, nn.Parameter)
+        own: type = getattr(param, CLASS_ATTR, nn.Parameter)
+        param.__class__ = own
 
 
 def is_sharded(param: torch.Tensor) -> bool:

@@ -9,26 +9,32 @@ Per step and rank: all-gather in forward (Psi) + all-gather in backward (Psi) + 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerodp.config import ZeroConfig
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
-from zerodp.config import ZeroConfig
+from zerodp.runtime.optim import ParamGroupSpec
+from zerodp.runtime.partition import FlatGroup
+from zerodp.runtime.streams import SideStream
 from zerodp.stage3.aliases import saved_alias_hooks
+from zerodp.stage3.allocator import pin_mmap_threshold
 from zerodp.stage3.coordinator import ParameterCoordinator
 from zerodp.stage3.hooks import ExternalParameterMode, ModuleStack, register_stage3_hooks
-from zerodp.stage3.allocator import pin_mmap_threshold
+from zerodp.stage3.ownership import (
+    Owner,
+    full_numel,
+    materialize,
+    pre_sharded_unit,
+    register_owner,
+    take_pending_external,
+)
 from zerodp.stage3.pool import GatherPool
-from zerodp.runtime.optim import ParamGroupSpec
-from zerodp.runtime.streams import SideStream
-from zerodp.runtime.partition import FlatGroup
-from zerodp.stage3.units import ShardedUnit, ShardState, UnitIndex, shard_unit
-from zerodp.stage3.ownership import (Owner, full_numel, materialize, pre_sharded_unit, register_owner,
-                                     take_pending_external)
+from zerodp.stage3.units import ShardedUnit, UnitIndex, shard_unit
 
 
 class Stage3:
@@ -36,7 +42,7 @@ class Stage3:
 
     def __init__(
         self, module: nn.Module, specs: list[ParamGroupSpec], rank: int, world_size: int,
-        pg: Optional[dist.ProcessGroup], ledger: CommLedger, zc: ZeroConfig, fetch_check: Any = None,
+        pg: dist.ProcessGroup | None, ledger: CommLedger, zc: ZeroConfig, fetch_check: Any = None,
     ) -> None:
         """``fetch_check``: the collective guard's gather agreement, called by the coordinator before
         each fetch (:meth:`zerodp.runtime.collective_guard.CollectiveGuard.gather_check`); None: none."""
@@ -111,7 +117,7 @@ class Stage3:
         u = None if persistent else pre_sharded_unit([p for _, p in named])
         if u is not None:  # built by zero.Init with this exact layout: adopt it as is
             u.name = name
-            for i, (s, (pname, _), gi) in enumerate(zip(u.slots, named, groups)):
+            for i, (s, (pname, _), gi) in enumerate(zip(u.slots, named, groups, strict=True)):
                 s.name, s.index, s.group_index = pname, first + i, gi
         else:
             materialize([p for _, p in named])
@@ -153,7 +159,7 @@ class Stage3:
         """Re-gather the persistent unit (the only one kept gathered) from the updated shards."""
         for u in self.units:
             if u.persistent:
-                comm.all_gather(u.full, u.shard, self.pg, self.ledger, "parameters")
+                comm.all_gather(u.full_buffer, u.shard, self.pg, self.ledger, "parameters")
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of the shards, of the gathered buffers (live storages) and of the pool's idle slabs."""

@@ -10,7 +10,9 @@ collectives and the loop only costs that all-reduce).
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager, Optional, Protocol
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,10 +24,10 @@ from zerodp.runtime import control
 class _GuardedEngine(Protocol):
     """What :func:`synced_generate` needs of a :class:`zerodp.Engine`."""
 
-    process_group: Optional[dist.ProcessGroup]
+    process_group: dist.ProcessGroup | None
     world_size: int
 
-    def collective_call(self, name: str) -> ContextManager[None]: ...
+    def collective_call(self, name: str) -> AbstractContextManager[None]: ...
 
 
 def synced_generate(engine: _GuardedEngine, step_fn: Callable[[int, bool], bool], max_steps: int) -> int:

@@ -6,8 +6,8 @@ N, of which rank r keeps only shard r (1-D, ``numel / N`` elements). Gathering a
 all-gather into the unit's full flat buffer, whose views are the parameters' ``.data``; releasing
 it frees the buffer's memory by resizing its storage to 0 bytes (FSDP2's approach): the parameters keep
 their full shape, dtype and numel, hold no storage, and refuse compute until re-gathered (they are
-:class:`~zerodp.stage3.sharded_param.ShardedParameter` while SHARDED, see the note there). The buffer *object* and its storage
-object live on: views that autograd saved during forward (``weight.t()`` in ``linear``, a transposed
+:class:`~zerodp.stage3.sharded_param.ShardedParameter` while SHARDED, see the note there). The buffer *object* and its
+storage object live on: views that autograd saved during forward (``weight.t()`` in ``linear``, a transposed
 weight in ``matmul``) point at that storage, hold no memory while the unit is released, and become
 valid again when the unit is re-gathered (into the same storage, re-allocated) before the module's
 backward. Casts of a gathered parameter made inside the engine's forward (``weight.float()``,
@@ -35,8 +35,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -93,19 +94,19 @@ class ShardedUnit:
     state: ShardState = ShardState.SHARDED
     # 1-D, padded numel; its storage has 0 bytes while SHARDED (so not in repr: torch's tensor repr of a
     # 0-byte storage reads freed memory, e.g. in pytest's report of a failed assertion on a unit)
-    full: Optional[torch.Tensor] = field(default=None, repr=False)
-    work: Optional[Work] = None
+    full: torch.Tensor | None = field(default=None, repr=False)
+    work: Work | None = None
     # (slot position, dtype) -> cast of that parameter; storage re-filled on gather, emptied on release
     casts: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
     users: int = 0  # modules currently holding it gathered (forward or backward)
     prefetched: bool = False  # gathered ahead of use by the coordinator
     #: lends the memory of ``full`` and of the cast buffers while gathered (see [Note: gather pool] in
     #: :mod:`zerodp.stage3.pool`); None: each gather allocates and each release frees
-    pool: Optional[GatherPool] = None
-    home: Optional[ShardHome] = None  # offload_param: where the shard lives between uses; None: here
+    pool: GatherPool | None = None
+    home: ShardHome | None = None  # offload_param: where the shard lives between uses; None: here
     #: the stage-3 alias table this unit's buffers are registered in (see [Note: escaping views] in
     #: :mod:`zerodp.stage3.aliases`); None: not registered (views saved by autograd keep the storage)
-    aliases: Optional[AliasTable] = None
+    aliases: AliasTable | None = None
     #: buffer key (None: full, (slot position, dtype): a cast buffer) -> its storage's use count when the
     #: unit became UNSHARDED; a release finding more keeps that storage for the extra views
     refs: dict = field(default_factory=dict)
@@ -114,7 +115,7 @@ class ShardedUnit:
     ds_id_base: int = -1
     #: the all-gather stream (see [Note: comm streams] in :mod:`zerodp.runtime.streams`); None: the
     #: collective is issued on, and waited for by, the stream current then
-    stream: Optional[SideStream] = field(default=None, repr=False)
+    stream: SideStream | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.ds_id_base < 0:
@@ -144,7 +145,7 @@ class ShardedUnit:
     def slots(self) -> list[ParamSlot]:
         return self.group.slots
 
-    def start_gather(self, pg: Optional[ProcessGroup], ledger: CommLedger, purpose: str) -> None:
+    def start_gather(self, pg: ProcessGroup | None, ledger: CommLedger, purpose: str) -> None:
         """SHARDED -> GATHERING: re-allocate the full buffer's storage and launch the all-gather of
         every rank's shard into it (on :attr:`stream` when set, after it waited for the compute
         stream: a use on demand, where the shard may just have been written)."""
@@ -170,19 +171,19 @@ class ShardedUnit:
             if self.stream is not None:
                 self.stream.stale = True  # the shard may just have been read back on the compute stream
 
-    def launch_gather(self, pg: Optional[ProcessGroup], ledger: CommLedger, purpose: str) -> None:
+    def launch_gather(self, pg: ProcessGroup | None, ledger: CommLedger, purpose: str) -> None:
         """Issue the all-gather of a prepared unit (on the stream current now) -> GATHERING."""
         # into a non-owning alias of the full buffer's memory: the Work (kept by gloo's thread for a while
         # after wait() returns) then holds no reference to the buffer's storage, whose use count tells
         # escaping views (see [Note: escaping views]); the unit waits for the Work before any release
-        self.work = comm.all_gather(_unowned_alias(self.full), self.shard, pg, ledger, purpose, async_op=True)
+        self.work = comm.all_gather(_unowned_alias(self.full_buffer), self.shard, pg, ledger, purpose, async_op=True)
         self.state = ShardState.GATHERING
 
     def finish_gather(self) -> None:
         """GATHERING -> UNSHARDED: the compute stream waits for the all-gather (see [Note: comm
         streams]), then each parameter's ``.data`` points at its full view and the cast buffers are
         re-filled."""
-        assert self.state is ShardState.GATHERING, f"unit '{self.name}' finished while {self.state}"
+        assert self.state is ShardState.GATHERING and self.work, f"unit '{self.name}' finished while {self.state}"
         if self.stream is not None:
             self.stream.done(self.work)
         else:
@@ -219,7 +220,7 @@ class ShardedUnit:
         for key, buf in self.casts.items():
             self.refs[key] = storage_refs(buf)
 
-    def release(self, allow: Optional[dict[int, int]] = None) -> None:
+    def release(self, allow: dict[int, int] | None = None) -> None:
         """UNSHARDED -> SHARDED: the memory of the full buffer and of the cast buffers is freed (their
         storages are resized to 0 bytes); the parameters stay views of the full buffer (full shape, no
         storage) and become :class:`~zerodp.stage3.sharded_param.ShardedParameter`.
@@ -249,7 +250,8 @@ class ShardedUnit:
         """Give each buffer whose storage has more references than :attr:`refs` (+ ``allow``) a new
         empty storage, leaving the old one, memory and values, to the tensors that view it."""
         def escaped(key: object, buf: torch.Tensor) -> bool:
-            return storage_refs(buf) > self.refs.get(key, 1 << 62) + allow.get(storage_key(buf), 0)
+            sk = storage_key(buf)
+            return storage_refs(buf) > self.refs.get(key, 1 << 62) + (allow.get(sk, 0) if sk is not None else 0)
 
         kept = []
         if self.full is not None and escaped(None, self.full):
@@ -323,8 +325,15 @@ class ShardedUnit:
     def _param_name(self, s: ParamSlot) -> str:
         return s.name if not self.name or s.name.startswith(self.name + ".") else f"{self.name}.{s.name}"
 
+    @property
+    def full_buffer(self) -> torch.Tensor:
+        """``full`` where the state guarantees one (GATHERING, UNSHARDED); else RuntimeError (a bug)."""
+        if self.full is None:
+            raise RuntimeError(f"unit '{self.name}' holds no full buffer ({self.state})")
+        return self.full
+
     def _view(self, s: ParamSlot) -> torch.Tensor:
-        return s.view(self.full[s.offset : s.offset + s.numel])
+        return s.view(self.full_buffer[s.offset : s.offset + s.numel])
 
     def collect_rebound(self) -> None:
         """UNSHARDED, before the full values are kept (``GatheredParameters(modifier_rank=...)`` exit,
@@ -388,7 +397,7 @@ def _row_major(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _free(t: Optional[torch.Tensor], pool: Optional[GatherPool] = None) -> None:
+def _free(t: torch.Tensor | None, pool: GatherPool | None = None) -> None:
     """Empty ``t``'s storage (0 bytes): its slab goes back to ``pool``, or its memory is freed."""
     if t is None or (pool is not None and pool.take_back(t)):
         return
@@ -396,10 +405,10 @@ def _free(t: Optional[torch.Tensor], pool: Optional[GatherPool] = None) -> None:
         t.untyped_storage().resize_(0)
 
 
-def _allocate(t: torch.Tensor, pool: Optional[GatherPool] = None, waiter: Optional[SideStream] = None) -> None:
+def _allocate(t: torch.Tensor, pool: GatherPool | None = None, waiter: SideStream | None = None) -> None:
     """Give ``t``'s (same) storage object memory again: a slab of ``pool``, or a fresh allocation.
     ``waiter``: the side stream that writes it first (see [Note: gather pool])."""
-    nbytes = (t.storage_offset() + t.numel()) * t.element_size()
+    nbytes = int(t.storage_offset() + t.numel()) * t.element_size()
     if pool is not None and t.untyped_storage().nbytes() == 0:
         pool.lend(t, waiter)
     elif t.untyped_storage().nbytes() < nbytes:
@@ -408,8 +417,8 @@ def _allocate(t: torch.Tensor, pool: Optional[GatherPool] = None, waiter: Option
             waiter.after_compute()
 
 
-def _empty(numel: int, dtype: torch.dtype, device: torch.device, pool: Optional[GatherPool],
-           waiter: Optional[SideStream] = None) -> torch.Tensor:
+def _empty(numel: int, dtype: torch.dtype, device: torch.device, pool: GatherPool | None,
+           waiter: SideStream | None = None) -> torch.Tensor:
     if pool is not None:
         return pool.empty_tensor(numel, dtype, device, waiter)
     out = torch.empty(numel, dtype=dtype, device=device)
@@ -418,16 +427,14 @@ def _empty(numel: int, dtype: torch.dtype, device: torch.device, pool: Optional[
     return out
 
 
-def _issuing(stream: Optional[SideStream]):
+def _issuing(stream: SideStream | None):
     """``stream.issuing()``, or nothing (the current stream) without one."""
     return stream.issuing() if stream is not None else contextlib.nullcontext()
 
 
-def shard_unit(
-    name: str, named: list[tuple[str, nn.Parameter]], first_index: int, group_indices: list[int],
-    rank: int, world_size: int, persistent: bool = False,
-    sync: Optional[Callable[[torch.Tensor], None]] = None, pin_memory: bool = False,
-) -> ShardedUnit:
+def shard_unit(name: str, named: list[tuple[str, nn.Parameter]], first_index: int, group_indices: list[int],
+               rank: int, world_size: int, persistent: bool = False,
+               sync: Callable[[torch.Tensor], None] | None = None, pin_memory: bool = False) -> ShardedUnit:
     """Lay out ``named`` (full, identical on every rank) as one unit and keep only shard ``rank``.
     ``pin_memory``: allocate the shard page-locked (host parameters only; the caller checks CUDA).
 
@@ -436,7 +443,7 @@ def shard_unit(
     """
     slots: list[ParamSlot] = []
     cursor = 0
-    for i, ((pname, p), gi) in enumerate(zip(named, group_indices)):
+    for i, ((pname, p), gi) in enumerate(zip(named, group_indices, strict=True)):
         slots.append(ParamSlot(pname, p, first_index + i, cursor, p.numel(), p.shape, gi, memory_stride(p)))
         cursor += p.numel()
     padded = max(-(-cursor // world_size) * world_size, world_size)

@@ -11,13 +11,12 @@ objects; other accelerators (XPU, HPU, NPU, MPS) are not implemented.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Union
 
 import torch
 
 from zerodp.deepspeed.accelerator.devices import CPU_Accelerator, CUDA_Accelerator, DeviceAccelerator
 
-_accelerator: Optional[DeviceAccelerator] = None
+_accelerator: DeviceAccelerator | None = None
 
 
 def get_accelerator() -> DeviceAccelerator:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Iterator, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-DeviceIndex = Union[int, torch.device, None]
+DeviceIndex = int | torch.device | None
 
 
 class DeviceAccelerator:
@@ -25,6 +26,12 @@ class DeviceAccelerator:
         if device_index is None or self._name == "cpu":
             return self._name
         return f"{self._name}:{_index(device_index)}"
+
+    def current_device(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__}.current_device")  # each accelerator defines it
+
+    def is_bf16_supported(self) -> bool:
+        raise NotImplementedError(f"{type(self).__name__}.is_bf16_supported")  # each accelerator defines it
 
     def current_device_name(self) -> str:
         return self.device_name(self.current_device()) if self._name != "cpu" else "cpu"
@@ -333,7 +340,7 @@ class _NoEvent:
         return True
 
 
-def _index(device_index: DeviceIndex) -> Optional[int]:
+def _index(device_index: DeviceIndex) -> int | None:
     if isinstance(device_index, torch.device):
         return device_index.index
     return device_index

@@ -6,8 +6,10 @@ from typing import Any
 
 import torch
 
+_CPU = torch.device("cpu")  # the default of DeepSpeed's signature, made once (a default argument is evaluated once)
 
-def clone_tensors_for_torch_save(item: Any, device: torch.device = torch.device("cpu")) -> Any:
+
+def clone_tensors_for_torch_save(item: Any, device: torch.device = _CPU) -> Any:
     """A copy of ``item`` (tensors, and lists/tuples/dicts of them, nested) whose tensors are clones on
     ``device``, so ``torch.save`` writes only their own elements (not a larger storage they view).
     Other values are returned as they are."""

@@ -4,12 +4,17 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch.distributed as dist
 
-from zerodp.zero import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                         safe_set_full_fp32_param, safe_set_full_optimizer_state)
+from zerodp.zero import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
 
 logger = logging.getLogger("DeepSpeed")
 if not logger.handlers:
@@ -21,7 +26,7 @@ if not logger.handlers:
     logger.propagate = False
 
 
-def log_dist(message: str, ranks: Optional[Iterable[int]] = None, level: int = logging.INFO) -> None:
+def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logging.INFO) -> None:
     """Log ``message`` on the listed ranks (default: rank 0; ``[-1]``: every rank)."""
     ranks = list(ranks) if ranks is not None else [0]
     rank = dist.get_rank() if dist.is_initialized() else 0

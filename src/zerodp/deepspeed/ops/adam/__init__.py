@@ -11,7 +11,8 @@ is accepted (torch's ``zero_grad`` sets gradients to None by default).
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -4,7 +4,8 @@ reads on a partitioned parameter), ``Init`` and ``GatheredParameters`` (those of
 (``prevent_arange_dtype_change``): :func:`zero_wrapper_for_fp_tensor_constructor` and
 ``_orig_torch_arange``."""
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -14,7 +15,7 @@ from zerodp.deepspeed.zero import GatheredParameters, Init, ZeroParamStatus, reg
 _orig_torch_arange = torch.arange
 
 
-def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: Optional[torch.dtype] = None,
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.dtype | None = None,
                                            target_device: Any = None) -> Callable:
     """DeepSpeed's ``zero.Init`` wraps torch's tensor constructors with this (allocate on the device,
     cast floating dtypes to the config's). zerodp's ``Init`` patches no constructor (it partitions from
