@@ -34,13 +34,12 @@ def initialize(
     """Wrap ``model`` in a ZeRO engine.
 
     Args:
-        model: the module to train; its parameters are re-laid out into flat buffers (their values are
-            kept; every rank starts from rank 0's values).
+        model: the module to train; its parameters are re-laid out into flat buffers (values kept; every
+            rank starts from rank 0's). Every rank passes the same config and groups (checked).
         config: dict, path to a JSON file with DeepSpeed key names, or a parsed config.
         model_parameters: iterable of parameters or of torch-style param-group dicts (``{"params":
             [...], "weight_decay": 0.0}``); defaults to all of ``model``'s trainable parameters.
-        process_group: data-parallel group (or a 1-D ``DeviceMesh``); default the whole world
-            (initialised from torchrun's environment by :func:`zerodp.init_distributed` if needed).
+        process_group: data-parallel group (or a 1-D ``DeviceMesh``); default the whole world.
         lr_scheduler: a callable ``f(optimizer) -> torch LRScheduler`` (e.g. ``lambda opt:
             torch.optim.lr_scheduler.StepLR(opt, 10)``), built on the engine's optimizer and stepped
             after every optimizer step; mutually exclusive with the config's ``scheduler``.
@@ -50,7 +49,7 @@ def initialize(
             rank's checkpoints go to ``save_dir/mp_rank_XX``. Mutually exclusive with ``process_group``.
 
     Raises:
-        ConfigError: invalid config (names the key and what is allowed).
+        ConfigError: invalid config (names the key and what is allowed), or the ranks' settings differ.
         ValueError: ``model`` (or a parameter of it) is already wrapped by an engine; a parameter in
             ``model_parameters`` is not part of ``model``, appears twice, or a group has an unknown
             option; or both ``lr_scheduler`` and the config's ``scheduler``.
@@ -79,8 +78,7 @@ def initialize(
     control.prepare(topology)  # a gloo side group where a group is NCCL-only (collective: every rank)
     device = place_on_engine_device(model, cfg, topology.dp_group)
     specs = normalize_param_groups(model, model_parameters)
-    agree_on_settings(flat_settings(cfg, [s.options for s in specs], [[n for n, _ in s.params] for s in specs]),
-                      topology.dp_group)  # collective: a rank given other settings would train silently wrong
+    agree_on_settings(flat_settings(cfg, specs), topology.dp_group)  # collective: all ranks, same settings
     engine = Engine(model, cfg, specs, topology=topology, lr_scheduler=lr_scheduler, device=device)
     if cfg.activation_checkpointing is not None:  # process-wide, as deepspeed.checkpointing.configure(mpu, config)
         activation_checkpointing.configure(mpu, deepspeed_config=cfg)

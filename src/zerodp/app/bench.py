@@ -1,10 +1,9 @@
 """``zerodp bench``: zerodp's stages side by side with torch DDP, torch ZeroRedundancyOptimizer, FSDP2
 and DeepSpeed, in one run, on the same GPT, batches and seed.
 
-First, unless ``--no-fresh-rss``, each rank forks one child process per system, which builds and
-trains it alone for ``max(--probe-steps, 3)`` steps and reports its peak RSS (:mod:`zerodp.app.bench_rss`); the comparable per-system
-peak, reported beside DDP's. Then each rank runs every system of
-:data:`zerodp.app.bench_systems.SYSTEMS` in two phases:
+Unless ``--no-fresh-rss``, each rank first forks one child per system that trains it alone for
+``max(--probe-steps, 3)`` steps and reports its peak RSS (:mod:`zerodp.app.bench_rss`). Then each rank
+runs every system of :data:`zerodp.app.bench_systems.SYSTEMS` in two phases:
 
 1. probe (``--probe-steps`` steps, untimed): per-step losses (compared with DDP's), model-state bytes
    by category measured from live storage after the last backward, peak RSS sampled while the system
@@ -14,18 +13,13 @@ peak, reported beside DDP's. Then each rank runs every system of
    ``--warmup`` untimed then ``--steps`` timed steps (barrier before and after each step). A system's
    ratio to DDP is the median over rounds of its median step time over DDP's in the same round.
 
-A system that cannot run here (DeepSpeed not installed; the zerodp offload rows without ``--offload``)
-is reported as skipped with the reason. Rank 0 prints a table and writes ``OUT/bench.json``
-(:class:`zerodp.app.bench_report.BenchResult`) and, with matplotlib installed (``[bench]`` extra),
-three PNG charts. With ``--offload`` the rows ``zerodp stage 2 + offload cpu|nvme`` run (swap files in
-``--nvme-path``, default a temporary directory removed afterwards), and rank 0 also prints the NVMe
-swap bandwidth beside raw direct I/O on the same disk and the CPU AdamW kernels
-(:mod:`zerodp.app.bench_offload`); the offload rows carry no paper formula (their state is off it). ``--sweep-ranks 1,2,3,4`` (launcher side) first runs the probe of DDP and zerodp at
-each of those world sizes for the memory-vs-ranks chart. ``--device cpu|cuda|auto`` (default cpu) says
-where every system, its batches and its timing run, and adds the peak device memory per rank on CUDA
-(:mod:`zerodp.app.bench_device`).
+A system that cannot run here is reported as skipped with the reason. Rank 0 prints a table, writes
+``OUT/bench.json`` (:class:`zerodp.app.bench_report.BenchResult`) and, with matplotlib, PNG charts.
+``--offload`` adds the rows ``zerodp stage 2 + offload cpu|nvme`` and the swap bandwidth and CPU AdamW
+kernels (:mod:`zerodp.app.bench_offload`). ``--sweep-ranks 1,2,3,4`` (launcher side) first probes DDP
+and zerodp at each world size. ``--device cpu|cuda|auto`` (default cpu) says where every system, its
+batches and its timing run, with peak device memory per rank on CUDA (:mod:`zerodp.app.bench_device`).
 """
-
 from __future__ import annotations
 
 import argparse

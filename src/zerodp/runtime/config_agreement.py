@@ -18,16 +18,16 @@ import torch.distributed as dist
 
 from zerodp.config import ConfigError, ZeroDPConfig
 from zerodp.runtime import control
+from zerodp.runtime.optim import ParamGroupSpec
 
 #: keys whose value may differ between ranks: a swap directory per rank or node, a seed per rank
 PER_RANK_KEYS = ("zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.nvme_path",
                  "seed")
 
 
-def flat_settings(cfg: ZeroDPConfig, group_options: Sequence[dict[str, Any]],
-                  group_params: Sequence[Sequence[str]]) -> dict[str, str]:
-    """``{dotted key: JSON value}`` of ``cfg`` and of each param group (``param_groups[i].<option>``,
-    ``param_groups[i].params``), without :data:`PER_RANK_KEYS`."""
+def flat_settings(cfg: ZeroDPConfig, specs: Sequence[ParamGroupSpec]) -> dict[str, str]:
+    """``{dotted key: JSON value}`` of ``cfg`` and of each param group of ``specs``
+    (``param_groups[i].<option>``, ``param_groups[i].params``: names), without :data:`PER_RANK_KEYS`."""
     out: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -38,10 +38,10 @@ def flat_settings(cfg: ZeroDPConfig, group_options: Sequence[dict[str, Any]],
             out[prefix] = json.dumps(value, sort_keys=True, default=repr)
 
     walk("", cfg.model_dump(mode="json"))
-    for i, (options, names) in enumerate(zip(group_options, group_params, strict=True)):
-        walk(f"param_groups[{i}]", dict(options))
-        out[f"param_groups[{i}].params"] = json.dumps(list(names))
-    out["param_groups"] = str(len(group_options))
+    for i, spec in enumerate(specs):
+        walk(f"param_groups[{i}]", dict(spec.options))
+        out[f"param_groups[{i}].params"] = json.dumps([name for name, _ in spec.params])
+    out["param_groups"] = str(len(specs))
     return out
 
 

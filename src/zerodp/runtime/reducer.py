@@ -26,10 +26,9 @@ parameters that no rank produced a gradient for, as torch's optimizer does for `
 backward per segment; so does ``torch.autograd.backward`` on several roots sharing a leaf). Its bucket
 must then be reduced once, after the last contribution. The first micro-step is a calibration step:
 every bucket is launched when backward returns, and each rank counts the hook calls per parameter;
-one all-reduce (MAX) then tells every rank whether any parameter was accumulated more than once. If so,
-buckets are always launched when backward returns (no overlap, exact and identical on all ranks);
-otherwise buckets are launched as soon as they are complete, and a later repeated accumulation into an
-already-reduced bucket raises instead of being lost.
+one all-reduce (MAX) tells every rank whether any parameter was accumulated more than once; if so,
+buckets are always launched when backward returns, otherwise as soon as they are complete (a later
+repeated accumulation into an already-reduced bucket raises instead of being lost).
 """
 
 from __future__ import annotations
