@@ -1,5 +1,5 @@
-"""The ``zerodp`` command line: ``zerodp train``, ``consolidate``, ``verify``, ``bench``, ``estimate``
-and ``run`` (a script on zerodp registered as ``deepspeed``, :mod:`zerodp.app.run_script`).
+"""The ``zerodp`` command line: ``zerodp train``, ``consolidate``, ``verify``, ``bench``, ``estimate``,
+``clean-swap`` and ``run`` (a script run with zerodp registered as ``deepspeed``).
 
 ``zerodp train`` outside a torchrun-launched process re-launches itself through torch's own launcher,
 ``torch.distributed.run --nproc-per-node N [--standalone | rendezvous flags] -m zerodp.app.cli train
@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``zerodp`` argument parser (subcommands ``train``, ``consolidate``, ``verify``, ``bench``,
     ``estimate``)."""
     parser = argparse.ArgumentParser(prog="zerodp", description=__doc__.split("\n\n")[0].replace("``", ""))
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,consolidate,verify,bench,estimate,clean-swap}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,consolidate,verify,bench,estimate,clean-swap,run}")
 
     d = DEFAULTS
     tr = sub.add_parser(
