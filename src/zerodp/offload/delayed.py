@@ -100,7 +100,7 @@ class DelayedHostOffload(HostOptimizerOffload):
         """Not streamed during backward: the running update reads the host gradients
         (:meth:`stage_grad` copies them at the step)."""
 
-    def stage_grad(self, piece: Piece, grad: torch.Tensor) -> None:
+    def stage_grad(self, piece: Piece, grad: torch.Tensor | None) -> None:
         self.wait_update()
         super().stage_grad(piece, grad)
 

@@ -158,10 +158,11 @@ class HostOptimizerOffload:
         self.copies.copy(self.grad_buffers[i], grad)
         self._streamed[i] = True
 
-    def stage_grad(self, piece: Piece, grad: torch.Tensor) -> None:
+    def stage_grad(self, piece: Piece, grad: torch.Tensor | None) -> None:
         """``piece`` has a gradient this step: use the streamed copy, or copy ``grad`` now."""
         i = self._index[id(piece)]
         if not self._streamed[i]:
+            assert grad is not None  # None only from a gradient spill, which only the NVMe offload makes
             self.copies.copy(self.grad_buffers[i], grad)
         self._present[i] = True
 

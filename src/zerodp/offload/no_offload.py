@@ -81,8 +81,9 @@ class NoOffload:
     def stream_grad(self, piece: Piece, grad: torch.Tensor) -> None:
         """Never called (:attr:`streams_grads` is False): the step reads the reducer's buffers."""
 
-    def stage_grad(self, piece: Piece, grad: torch.Tensor) -> None:
+    def stage_grad(self, piece: Piece, grad: torch.Tensor | None) -> None:
         """``piece`` has a gradient this step: hand it to the optimizer (cast to the master's fp32)."""
+        assert grad is not None  # None only from a gradient spill, which only the NVMe offload makes
         target = piece.opt_tensor
         target.grad = grad if grad.dtype == target.dtype else grad.to(target.dtype)
 
