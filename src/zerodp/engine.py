@@ -217,8 +217,11 @@ class Engine(CheckpointMethods):
             for s in g.slots:
                 pieces = by_param.get(id(s.param))
                 if pieces:
-                    register_master_refresh(s.param, lambda ps=pieces, g=g: [self._refresh_master(p, g) for p in ps],
-                                            self)
+                    def refresh(ps: list = pieces, g: FlatGroup = g) -> None:  # defaults bind this slot's values
+                        for p in ps:
+                            self._refresh_master(p, g)
+
+                    register_master_refresh(s.param, refresh, self)
 
     def _refresh_master(self, piece: Any, group: FlatGroup) -> None:
         with self.shards_resident([group]):
@@ -358,16 +361,17 @@ class Engine(CheckpointMethods):
         self.optimizer_offload.check_health()  # collective: a lost swap file stops every rank here
         self.training_guards.before_update()
         local_overflow = self.loss_scaler is not None and self._has_inf_or_nan()
-        present, overflow = self.reducer.presence(local_overflow)
+        present_flags, overflow = self.reducer.presence(local_overflow)
         if overflow:  # every rank skips: parameters and optimizer states stay exactly as they were
             self.optimizer_offload.skipped_step()  # edits still reach the masters (NVMe folds them at the step)
             self.reducer.zero_grads()
+            assert self.loss_scaler is not None  # only a loss scaler reports overflow (same config on every rank)
             self.loss_scaler.update(overflow=True)
             self.skipped_steps += 1
             self.global_steps += 1
             self.ledger.steps += 1
             return
-        present = present.tolist()  # one conversion, not one tensor index per piece
+        present = present_flags.tolist()  # one conversion, not one tensor index per piece
         for g in self.groups:
             for piece in g.pieces:
                 if present[piece.slot.index]:
