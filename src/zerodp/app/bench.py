@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import shutil
 import statistics
@@ -317,7 +318,7 @@ def _fresh_rss(args: argparse.Namespace, cfg: GPTConfig, micro: int, systems: di
     # steps, 1027 MiB after 3; docs/benchmarks/2026-12-01-bench.md)
     steps = max(args.probe_steps, FRESH_RSS_STEPS)
     batches = lambda: make_batches(cfg, micro, steps, rank, world)  # noqa: E731
-    return {name: bench_rss.measure(k, lambda b=systems[name]: _build(b, cfg, probe=False), batches)
+    return {name: bench_rss.measure(k, functools.partial(_build, systems[name], cfg, probe=False), batches)
             for k, name in enumerate(names)}
 
 
@@ -334,8 +335,9 @@ def _add_fresh_rss(result: BenchResult, fresh_all: list[dict[str, dict[str, Any]
             bad = next((p for p in per_rank if p is not None and "peak_rss" not in p), None)
             s.fresh_rss_note = (bad or {}).get("error") or (bad or {}).get("reason") or "not measured"
         else:
+            measured = [p for p in per_rank if p is not None]  # every rank's: the branch above takes a None
             s.fresh_rss = [FreshRank(rank=p["rank"], rss_start=p["rss_start"], peak_rss=p["peak_rss"])
-                           for p in per_rank]
+                           for p in measured]
     ddp = next((s for s in result.systems if s.name == "DDP" and s.fresh_rss), None)
     if ddp is not None:
         base = max(m.peak_rss for m in ddp.fresh_rss)
