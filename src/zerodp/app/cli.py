@@ -391,11 +391,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         from zerodp.config import ConfigError, load_config
 
         try:
-            cfg = load_config(args.config)
+            zdp_cfg = load_config(args.config)
         except (ConfigError, ValueError, OSError) as exc:
             args.parser.error(f"argument --config: {exc}")
         print()
-        print(configured_offload_table(numel, args.dp, cfg))
+        print(configured_offload_table(numel, args.dp, zdp_cfg))
     return 0
 
 
