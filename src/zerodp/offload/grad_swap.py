@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from zerodp.offload.aio import ALIGN, AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
 
@@ -78,7 +79,8 @@ def _pages(t: torch.Tensor, nbytes: int) -> torch.Tensor:
     raw = t.view(torch.uint8)
     if raw.data_ptr() % ALIGN or raw.untyped_storage().nbytes() < raw.storage_offset() + align_up(nbytes):
         raise ValueError("a gradient partition given to GradSwap does not come from GradSwap.empty")
-    return torch.empty(0, dtype=torch.uint8).set_(raw.untyped_storage(), raw.storage_offset(), (align_up(nbytes),))
+    return torch.empty(0, dtype=torch.uint8).set_(raw.untyped_storage(), raw.storage_offset(),
+                                                  (align_up(nbytes),), (1,))
 
 
 class GradSwap:
@@ -206,7 +208,8 @@ def span_bytes(swap_extents: dict[int, Extent], at: tuple[int, int], lo: int, hi
 
 def open_grad_swap(directory: str, nvme_path: str, fast_init: bool, io: AsyncIO, files: list,
                    sizes: list[tuple[int, int, torch.dtype]], at: list[tuple[int, int]],
-                   subgroup_spans: list[list[tuple[int, int, int]]], rank: int, pg: object) -> GradSwap:
+                   subgroup_spans: list[list[tuple[int, int, int]]], rank: int,
+                   pg: dist.ProcessGroup | None) -> GradSwap:
     """Collective: create ``directory/gradients.swp`` for partitions of ``sizes`` (group index,
     elements, dtype) and the :class:`GradSwap` reading it through two buffers of the largest
     sub-group's ranges (``subgroup_spans``: per sub-group, (piece position, lo, hi); ``at``: per piece,
@@ -238,6 +241,7 @@ def open_grad_swap(directory: str, nvme_path: str, fast_init: bool, io: AsyncIO,
     except (OSError, OffloadError) as exc:
         error = f"rank {rank}: {exc}"
     raise_if_any_rank_failed(error, pg)
+    assert file is not None  # opened unless a rank failed, and then every rank raised just above
     return GradSwap(io, file, extents, read)
 
 

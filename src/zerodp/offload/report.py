@@ -9,9 +9,12 @@ master 4, Adam moments 8, fp32 gradient 4 bytes per element; NVMe moves master a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zerodp.runtime.accounting import STAGE_NAMES, BytesPerElement, MemoryReport, human_bytes, model_state_bytes
+
+if TYPE_CHECKING:  # annotation only: zerodp.config is not imported at run time here
+    from zerodp.config import ZeroDPConfig
 
 
 def offload_formula(device: str, numel_per_rank: float, buffer_bytes: int = 0,
@@ -109,7 +112,7 @@ def offload_report(engine: Any) -> OffloadReport | None:
                          offload.formula(engine.numel / engine.world_size, host))
 
 
-def configured_offload_table(numel: int, world_size: int, cfg: ZeroDPConfig) -> str:  # noqa: F821
+def configured_offload_table(numel: int, world_size: int, cfg: ZeroDPConfig) -> str:
     """``zerodp estimate --config``: host and NVMe bytes per rank of the offload buffers as ``cfg``
     configures them on a CPU-only machine, sized by the engine's own code
     (:func:`zerodp.offload.sizing.estimate_offload_bytes`); no padding to 4096 bytes per segment."""
