@@ -65,7 +65,7 @@ WORKER_FLAGS = {
 }
 
 
-def _int_at_least(lo: int) -> Callable[[str], int]:
+def int_at_least(lo: int) -> Callable[[str], int]:
     def parse(s: str) -> int:
         try:
             v = int(s)
@@ -95,12 +95,12 @@ def _float_in(lo: float, hi: float, lo_open: bool = True) -> Callable[[str], flo
 def _add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     launch = parser.add_argument_group("launcher (passed to torch.distributed.run)")
-    launch.add_argument("--nproc", metavar="N", type=_int_at_least(1), default=d.nproc,
+    launch.add_argument("--nproc", metavar="N", type=int_at_least(1), default=d.nproc,
                         help=f"ranks (processes) per node (default {d.nproc})")
     launch.add_argument("--nnodes", metavar="N|MIN:MAX", help="number of nodes, or MIN:MAX (default 1)")
-    launch.add_argument("--node-rank", metavar="R", type=_int_at_least(0), help="this node's rank (static rendezvous)")
+    launch.add_argument("--node-rank", metavar="R", type=int_at_least(0), help="this node's rank (static rendezvous)")
     launch.add_argument("--master-addr", metavar="HOST", help="address of the node-rank-0 host")
-    launch.add_argument("--master-port", metavar="PORT", type=_int_at_least(1), help="port on the master host")
+    launch.add_argument("--master-port", metavar="PORT", type=int_at_least(1), help="port on the master host")
     launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous host:port (e.g. for --rdzv-backend c10d)")
     launch.add_argument("--rdzv-backend", metavar="NAME", help="rendezvous backend, e.g. c10d or static")
     launch.add_argument("--rdzv-id", metavar="ID", help="job id shared by all nodes")
@@ -197,19 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--nvme-path", metavar="DIR",
                      help="directory for the swap files of --offload-optimizer/--offload-param nvme "
                           "(offload_optimizer.nvme_path, offload_param.nvme_path)")
-    eng.add_argument("--micro-batch", metavar="B", type=_int_at_least(1),
+    eng.add_argument("--micro-batch", metavar="B", type=int_at_least(1),
                      help=f"sequences per rank per micro-step (default {d.micro_batch})")
-    eng.add_argument("--grad-accum", metavar="K", type=_int_at_least(1),
+    eng.add_argument("--grad-accum", metavar="K", type=int_at_least(1),
                      help=f"micro-steps per optimizer step (default {d.grad_accum})")
     eng.add_argument("--lr", metavar="LR", type=_float_in(0.0, 10.0), help=f"AdamW learning rate (default {d.lr})")
 
     run = tr.add_argument_group("run")
     run.add_argument("--data", metavar="FILE", help="UTF-8 text file to train on (default: stdlib prose)")
-    run.add_argument("--steps", metavar="N", type=_int_at_least(0), help=f"optimizer steps (default {d.steps})")
-    run.add_argument("--seed", metavar="S", type=_int_at_least(0), help=f"model/data/sample seed (default {d.seed})")
-    run.add_argument("--eval-batches", metavar="N", type=_int_at_least(1),
+    run.add_argument("--steps", metavar="N", type=int_at_least(0), help=f"optimizer steps (default {d.steps})")
+    run.add_argument("--seed", metavar="S", type=int_at_least(0), help=f"model/data/sample seed (default {d.seed})")
+    run.add_argument("--eval-batches", metavar="N", type=int_at_least(1),
                      help=f"held-out batches of (micro batch x ranks) sequences (default {d.eval_batches})")
-    run.add_argument("--sample-tokens", metavar="N", type=_int_at_least(0),
+    run.add_argument("--sample-tokens", metavar="N", type=int_at_least(0),
                      help=f"bytes to generate after training (default {d.sample_tokens})")
     run.add_argument("--prompt", metavar="TEXT", help=f"generation prompt (default {d.prompt!r})")
     run.add_argument("--temperature", metavar="T", type=_float_in(0.0, 100.0, lo_open=False),
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ck = tr.add_argument_group("checkpoints")
     ck.add_argument("--save-dir", metavar="DIR", help=f"checkpoint directory (default {d.save_dir}/)")
-    ck.add_argument("--save-every", metavar="N", type=_int_at_least(0),
+    ck.add_argument("--save-every", metavar="N", type=int_at_least(0),
                     help=f"save a checkpoint after steps N, 2N, ... and after the last step; 0 = never "
                          f"(default {d.save_every})")
     ck.add_argument("--resume", action="store_const", const=True,
@@ -228,10 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "instead of 'latest'")
 
     mdl = tr.add_argument_group("model")
-    mdl.add_argument("--n-layer", metavar="L", type=_int_at_least(1), help=f"transformer blocks (default {d.n_layer})")
-    mdl.add_argument("--n-head", metavar="H", type=_int_at_least(1), help=f"attention heads (default {d.n_head})")
-    mdl.add_argument("--d-model", metavar="D", type=_int_at_least(1), help=f"model width (default {d.d_model})")
-    mdl.add_argument("--seq-len", metavar="T", type=_int_at_least(1), help=f"context length in bytes (default {d.seq_len})")
+    mdl.add_argument("--n-layer", metavar="L", type=int_at_least(1), help=f"transformer blocks (default {d.n_layer})")
+    mdl.add_argument("--n-head", metavar="H", type=int_at_least(1), help=f"attention heads (default {d.n_head})")
+    mdl.add_argument("--d-model", metavar="D", type=int_at_least(1), help=f"model width (default {d.d_model})")
+    mdl.add_argument("--seq-len", metavar="T", type=int_at_least(1), help=f"context length in bytes (default {d.seq_len})")
     tr.add_argument("--debug", action="store_const", const=True,
                     help="on a failure, print every rank's full traceback (also: environment variable "
                          "ZERODP_DEBUG=1) instead of one line per distinct error")
@@ -285,14 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--params", required=True, metavar="P",
                     help="parameter count (7.5e9, 7500000000), a JSON file of GPTConfig fields, or "
                          "gpt:n_layer=12,d_model=768,n_head=12,seq_len=1024")
-    es.add_argument("--dp", type=_int_at_least(1), required=True, metavar="N",
+    es.add_argument("--dp", type=int_at_least(1), required=True, metavar="N",
                     help="data-parallel degree N_d (ranks)")
     prec = es.add_mutually_exclusive_group()
     prec.add_argument("--bytes-mixed", dest="fp32", action="store_false",
                       help="mixed-precision Adam: 2+2 bytes param/grad, K = 12 (default)")
     prec.add_argument("--fp32", dest="fp32", action="store_true",
                       help="fp32 Adam: 4+4 bytes param/grad, K = 8")
-    es.add_argument("--grad-accum", type=_int_at_least(1), default=1, metavar="K",
+    es.add_argument("--grad-accum", type=int_at_least(1), default=1, metavar="K",
                     help="gradient_accumulation_steps: with K > 1, mixed precision accumulates gradients "
                          "in fp32 (4 bytes/element) unless --grad-accum-dtype says otherwise (default 1)")
     es.add_argument("--grad-accum-dtype", choices=("fp32", "bf16", "fp16"), default=None,

@@ -39,32 +39,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerodp.app.cli import int_at_least
+
 SYSTEMS = ("plain", "ddp", "fsdp2", "deepspeed", "zerodp_s0", "zerodp_s1", "zerodp_s2", "zerodp_s3")
-
-
-def _at_least(lo: int) -> Callable[[str], int]:
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {v}")
-        return v
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m zerodp.app.overhead_bench",
                                 description="host CPU microseconds per module per training step, zerodp "
                                             "stages 0-3 next to DDP and FSDP2, on many tiny Linear layers")
-    p.add_argument("--layers", type=_at_least(1), default=64, help="number of Linear modules (64)")
-    p.add_argument("--width", type=_at_least(1), default=64, help="in and out features of each Linear (64)")
-    p.add_argument("--batch", type=_at_least(1), default=4, help="rows per rank and step (4)")
-    p.add_argument("--steps", type=_at_least(1), default=20, help="timed steps per round (20)")
-    p.add_argument("--warmup", type=_at_least(1), default=3, help="untimed steps before them (3)")
-    p.add_argument("--rounds", type=_at_least(1), default=3, help="rounds; the median is reported (3)")
-    p.add_argument("--ranks", type=_at_least(1), default=2, help="ranks launched without torchrun (2)")
+    p.add_argument("--layers", type=int_at_least(1), default=64, help="number of Linear modules (64)")
+    p.add_argument("--width", type=int_at_least(1), default=64, help="in and out features of each Linear (64)")
+    p.add_argument("--batch", type=int_at_least(1), default=4, help="rows per rank and step (4)")
+    p.add_argument("--steps", type=int_at_least(1), default=20, help="timed steps per round (20)")
+    p.add_argument("--warmup", type=int_at_least(1), default=3, help="untimed steps before them (3)")
+    p.add_argument("--rounds", type=int_at_least(1), default=3, help="rounds; the median is reported (3)")
+    p.add_argument("--ranks", type=int_at_least(1), default=2, help="ranks launched without torchrun (2)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), metavar="SYSTEM",
                    help=f"systems to measure, of {', '.join(SYSTEMS)} (all)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures there (rank 0)")
