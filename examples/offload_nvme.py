@@ -36,8 +36,11 @@ for step in range(args.steps):
     engine.backward(loss)
     engine.step()
     if engine.rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-        print(f"step {step} loss {loss.item():.4f}")
+        print(f"step {step} loss {loss.item():.4f}", flush=True)
 
-print(engine.offload_report().format())  # per rank: host and NVMe bytes, measured vs formula
+for rank in range(engine.world_size):  # one rank at a time, so that the reports do not interleave
+    if rank == engine.rank:
+        print(engine.offload_report().format(), flush=True)  # host and NVMe bytes, measured vs formula
+    torch.distributed.barrier()
 engine.close()  # removes this rank's swap files
 zerodp.shutdown_distributed()
