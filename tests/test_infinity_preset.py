@@ -140,7 +140,7 @@ def test_measurement_helpers_read_the_kernel(tmp_path: Path) -> None:
     assert r1 >= r0 and w1 >= w0
     assert infinity_run.rss_bytes() > 10 * MB and infinity_run.peak_rss_bytes() >= infinity_run.rss_bytes() // 2
     rec = {"step": 1, "loss": 5.0, "seconds": 10.0, "read": 4 * 10**9, "written": 2 * 10**9, "busy_s": 8.0,
-           "wait_s": 2.0}
+           "wait_s": 2.0, "tokens": 4096}
     every = [{"rank": 0, "peak_rss": 2**30, "peak_rss_build": 2**29, "rss_after_init": 2**28,
               "rss_after_initialize": 2**28, "records": [rec]}]
     text = infinity_run.report(every, {"model": {"n_layer": 2, "d_model": 128}, "probe_bytes": 2**20}, 10**9, 10**9,
@@ -149,7 +149,7 @@ def test_measurement_helpers_read_the_kernel(tmp_path: Path) -> None:
     row = next(line for line in text.splitlines() if line.startswith("     1 "))
     assert " 0.75 " in row and " 75% " in row and " 1.25 " in row
     # 6 GB over 8 s busy: 750 MB/s; at the raw figures the same bytes take 6 s: 1,000 MB/s; no warning
-    assert row.split()[-2:] == ["750", "1,000"] and "WARNING" not in text
+    assert row.split()[-3:] == ["750", "1,000", "409.6"] and "WARNING" not in text  # 4,096 tokens / 10 s
 
 
 def test_a_slow_step_is_attributed_to_the_disk() -> None:
@@ -171,3 +171,25 @@ def test_a_slow_step_is_attributed_to_the_disk() -> None:
     text = infinity_run.report(every, {"model": {"n_layer": 2, "d_model": 128}, "probe_bytes": 2**20}, 2e9, 2e9,
                                1.0, "vda")
     assert text.splitlines()[-1].startswith("WARNING step 1: the disk slowed down: 86 MB/s")
+
+
+def test_grad_accum_amortises_the_optimizer_and_swaps_fp32_gradients(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    """``--grad-accum K`` (issue 31 item 5): K micro-batches per optimizer step, the reduced gradients
+    accumulated in fp32 in ``gradients.swp`` (4 bytes/param instead of 2), the RAM rows of the gradient
+    swap doubled with them, everything else as at K = 1; the worker's config says K."""
+    machine = infinity.read_machine(str(tmp_path), assume_ram=64 * MB)
+    one, four = (infinity.plan_run(machine, nproc=1, grad_accum=k) for k in (1, 4))
+    assert one.params == four.params and four.grad_accum == 4
+    assert four.disk_needed["reduced gradient partition (fp32 accumulation, gradients.swp)"] == 4 * four.params
+    assert one.disk_needed["reduced gradient partition (bf16, gradients.swp)"] == 2 * one.params
+    row = "gradient swap: 2 read buffers + 4 reduced buckets per rank"
+    assert four.ram_needed[row] - 2 * 2**20 == 2 * (one.ram_needed[row] - 2 * 2**20)  # the 1 MiB per buffer stays
+    assert {k: v for k, v in four.ram_needed.items() if k not in (row, "slack (15%)")} == \
+        {k: v for k, v in one.ram_needed.items() if k not in (row, "slack (15%)")}
+    cfg = infinity_run.engine_config(infinity._plan_json(four), str(tmp_path), 1)
+    assert cfg["gradient_accumulation_steps"] == 4
+    assert infinity_run.engine_config(infinity._plan_json(one), str(tmp_path), 1)["gradient_accumulation_steps"] == 1
+    assert main(["train", "--preset", "infinity", "--nvme-path", str(tmp_path), "--dry-run", "--assume-ram", "64MB",
+                 "--nproc", "1", "--grad-accum", "4", "--micro-batch", "2"]) == 0
+    assert "3 steps of 4 x 2 x 128 tokens per rank" in capsys.readouterr().out

@@ -112,6 +112,7 @@ class Plan:
     ram_needed: dict[str, int]
     knobs: Knobs
     ram_phases: dict[str, dict[str, int]]  # backward / step: what the transient line is the larger of
+    grad_accum: int = 1  # micro-batches per optimizer step [gradient_accumulation_steps]
 
     @property
     def disk_total(self) -> int:
@@ -169,8 +170,14 @@ def size_gpt(min_params: int, seq_len: int) -> GPTConfig:
 
 
 def plan_run(machine: Machine, nproc: int = 1, states_ratio: float = 2.0, seq_len: int = 128,
-             micro_batch: int = 1, steps: int = 3, lr: float | None = None, overlap_step: bool = True) -> Plan:
-    """Size the model (states >= ``states_ratio`` x RAM) and the disk and RAM it needs (module docstring)."""
+             micro_batch: int = 1, steps: int = 3, lr: float | None = None, overlap_step: bool = True,
+             grad_accum: int = 1) -> Plan:
+    """Size the model (states >= ``states_ratio`` x RAM) and the disk and RAM it needs (module docstring).
+
+    ``grad_accum`` K > 1 accumulates the reduced gradients in fp32 (zerodp's default
+    ``data_types.grad_accum_dtype`` under bf16), so ``gradients.swp`` holds 4 bytes/param instead of 2,
+    and each micro-batch after the first reads and writes it once more; the optimizer's swap traffic
+    happens once per K micro-batches."""
     target = math.ceil(states_ratio * machine.ram_total / STATE_BYTES)
     model = size_gpt(target, seq_len)
     p = count_parameters(model)
@@ -179,12 +186,14 @@ def plan_run(machine: Machine, nproc: int = 1, states_ratio: float = 2.0, seq_le
     k = knobs_for(p, largest_layer, nproc, overlap_step)
     disk = {"optimizer states (fp32 master + Adam m, v)": 12 * p,
             "parameter shards (bf16)": 2 * p,
-            "reduced gradient partition (bf16, gradients.swp)": 2 * p,
+            ("reduced gradient partition (bf16, gradients.swp)" if grad_accum == 1 else
+             "reduced gradient partition (fp32 accumulation, gradients.swp)"): (2 if grad_accum == 1 else 4) * p,
             "raw-I/O probe file": k.probe_bytes}
     disk["slack (3%)"] = math.ceil(0.03 * sum(disk.values()))
-    ram, phases = ram_accounting(p, model, micro_batch, largest_layer, nproc, k)
+    ram, phases = ram_accounting(p, model, micro_batch, largest_layer, nproc, k, 2 if grad_accum == 1 else 4)
     lr = default_lr(model.d_model, model.n_layer) if lr is None else lr
-    return Plan(model, p, nproc, micro_batch, steps, lr, states_ratio, STATE_BYTES * p, disk, ram, k, phases)
+    return Plan(model, p, nproc, micro_batch, steps, lr, states_ratio, STATE_BYTES * p, disk, ram, k, phases,
+                grad_accum)
 
 
 #: the preset's default learning rate is ``min(MAX_LR, LR_SCALE / (d_model x n_layer))``
@@ -211,9 +220,10 @@ ACTIVATION_BYTES = 36
 
 
 def ram_accounting(p: int, model: GPTConfig, micro_batch: int, largest_layer: int, nproc: int,
-                   k: Knobs) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+                   k: Knobs, grad_bytes: int = 2) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
     """Host bytes the run holds at its peak, all ranks together (module docstring), and the two
-    transient phases (backward, optimizer step) of which the larger is counted.
+    transient phases (backward, optimizer step) of which the larger is counted. ``grad_bytes``: bytes
+    per element of the swapped gradient partition (2 bf16, 4 with fp32 accumulation).
 
     Per rank: ``S`` = sub_group_size, ``U`` = elements of the largest layer (the MLP's up projection,
     one stage-3 unit). Step: resident shards are those of the units whose pieces are in sub-groups k and
@@ -238,7 +248,8 @@ def ram_accounting(p: int, model: GPTConfig, micro_batch: int, largest_layer: in
         transient = sum(phases[larger].values())
     bucket = min(k.reduce_bucket_size + u, p)  # a coalesced reduce-scatter: its owned share is 1/nproc
     ram = {"runtime per rank": nproc * k.runtime_bytes,
-           "gradient swap: 2 read buffers + 4 reduced buckets per rank": nproc * 2 * (2 * s_ + 2**20) + 4 * 2 * bucket,
+           "gradient swap: 2 read buffers + 4 reduced buckets per rank": (nproc * 2 * (grad_bytes * s_ + 2**20)
+                                                                          + 4 * grad_bytes * bucket),
            "optimizer sub-group buffers per rank": nproc * k.optimizer_buffers * -(-12 * s_ // align) * align,
            "parameter swap pool + read-ahead per rank": nproc * (k.param_buffer_count * k.param_buffer_size
                                                                 + k.max_in_cpu),
@@ -278,7 +289,8 @@ def format_plan(plan: Plan, machine: Machine) -> str:
         f"(sub_group_size {plan.knobs.sub_group_size:,}, buffer_count {plan.knobs.optimizer_buffers}, overlap_step "
         f"{str(plan.knobs.overlap_step).lower()}), offload_param nvme (buffer_count "
         f"{plan.knobs.param_buffer_count} x {human_bytes(plan.knobs.param_buffer_size)}, max_in_cpu "
-        f"{human_bytes(plan.knobs.max_in_cpu)}); {plan.steps} steps of {plan.micro_batch} x {m.seq_len} tokens per rank, AdamW lr {plan.lr:.3g}",
+        f"{human_bytes(plan.knobs.max_in_cpu)}); {plan.steps} steps of {plan.grad_accum} x {plan.micro_batch} x {m.seq_len} "
+        f"tokens per rank (accumulation x micro-batch x sequence), AdamW lr {plan.lr:.3g}",
         f"disk needed {human_bytes(plan.disk_total)}:",
         *[f"  {k:<58}{human_bytes(v):>12}" for k, v in plan.disk_needed.items()],
         f"RAM needed {human_bytes(plan.ram_total)}:",
@@ -319,8 +331,8 @@ def _size(s: str) -> int:
 
 
 #: ``zerodp train`` flags the preset uses; any other flag given with it is refused (it would be ignored)
-PRESET_FLAGS = ("nvme_path", "nproc", "steps", "seq_len", "micro_batch", "lr", "dry_run", "states_ratio",
-                "assume_ram", "assume_disk_free", "no_overlap_step")
+PRESET_FLAGS = ("nvme_path", "nproc", "steps", "seq_len", "micro_batch", "grad_accum", "lr", "dry_run",
+                "states_ratio", "assume_ram", "assume_disk_free", "no_overlap_step")
 _NOT_FLAGS = ("command", "handler", "parser", "preset")
 
 
@@ -353,7 +365,7 @@ def command(args: argparse.Namespace) -> int:
         return 2
     plan = plan_run(machine, nproc=args.nproc, states_ratio=ratio, seq_len=args.seq_len or 128,
                     micro_batch=args.micro_batch or 4, steps=3 if args.steps is None else args.steps, lr=args.lr,
-                    overlap_step=not args.no_overlap_step)
+                    overlap_step=not args.no_overlap_step, grad_accum=args.grad_accum or 1)
     print(format_plan(plan, machine), flush=True)
     issues = problems(plan, machine)
     for msg in issues:
@@ -373,5 +385,6 @@ def command(args: argparse.Namespace) -> int:
 
 
 def _plan_json(plan: Plan) -> dict:
-    return {"model": asdict(plan.model), "micro_batch": plan.micro_batch, "steps": plan.steps, "lr": plan.lr,
+    return {"model": asdict(plan.model), "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum,
+            "steps": plan.steps, "lr": plan.lr,
             "knobs": asdict(plan.knobs), "probe_bytes": plan.knobs.probe_bytes}

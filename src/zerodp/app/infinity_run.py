@@ -41,7 +41,7 @@ def engine_config(plan: dict, nvme_path: str, world: int) -> dict:
     k = plan["knobs"]
     return {
         "train_micro_batch_size_per_gpu": plan["micro_batch"],
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": plan.get("grad_accum", 1),
         "optimizer": {"type": "AdamW", "params": {"lr": plan["lr"], "betas": [0.9, 0.95], "weight_decay": 0.0}},
         "bf16": {"enabled": True},
         "gradient_clipping": 1.0,
@@ -143,6 +143,7 @@ class StepRecord:
     written: int
     busy_s: float | None
     wait_s: float
+    tokens: int = 0  # tokens of all ranks in this step (accumulation x micro-batch x sequence x ranks)
 
 
 def _raw_bandwidth(nvme_path: str, nbytes: int) -> tuple[float, float]:
@@ -180,22 +181,26 @@ def run_worker(plan: dict, nvme_path: str) -> None:
     clock = IOWaitClock()
     records: list[StepRecord] = []
     engine.train()
+    accum = plan.get("grad_accum", 1)
+    tokens = accum * plan["micro_batch"] * mcfg.seq_len * world
     with clock.active():
         for step in range(plan["steps"]):
-            x, y = data.rank_slice(batches.batch(step), rank, world)
             io0, busy0, wait0, t = proc_io(), disk_busy_ms(device), clock.seconds, time.perf_counter()
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
+            for micro in range(accum):  # DeepSpeed's protocol: the optimizer steps at the K-th engine.step()
+                x, y = data.rank_slice(batches.batch(step * accum + micro), rank, world)
+                _, loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
             if step + 1 == plan["steps"]:
                 engine.optimizer_offload.settle()  # overlap_step: the last step's loop has no next forward to run in
             seconds = time.perf_counter() - t
             io1, busy1 = proc_io(), disk_busy_ms(device)
             busy = None if busy0 is None or busy1 is None else (busy1 - busy0) / 1e3
             records.append(StepRecord(step + 1, float(loss.item()), seconds, io1[0] - io0[0], io1[1] - io0[1],
-                                      busy, clock.seconds - wait0))
+                                      busy, clock.seconds - wait0, tokens))
             if rank == 0:
-                print(f"step {step + 1}: loss {records[-1].loss:.4f}, {seconds:.1f} s", flush=True)
+                print(f"step {step + 1}: loss {records[-1].loss:.4f}, {seconds:.1f} s, "
+                      f"{tokens / seconds:,.1f} tokens/s", flush=True)
     engine.close()
     mine = {"rank": rank, "peak_rss": peak_rss_bytes(), "peak_rss_build": peak_build, "rss_after_init": rss_init,
             "rss_after_initialize": rss_engine,
@@ -248,7 +253,8 @@ def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, bui
                      f"{human_bytes(r['rss_after_init'])} | {human_bytes(r['rss_after_initialize'])}")
     lines.append(f"per step (rank 0; I/O of all ranks summed; disk busy = io_ticks of {device or 'n/a'}):")
     lines.append(f"  {'step':>4} {'loss':>8} {'time s':>8} {'read':>10} {'written':>10} {'busy s':>8} "
-                 f"{'wait s':>8} {'I/O/raw':>8} {'hidden':>7} {'step/max(c,io)':>15} {'MB/s':>7} {'raw MB/s':>9}")
+                 f"{'wait s':>8} {'I/O/raw':>8} {'hidden':>7} {'step/max(c,io)':>15} {'MB/s':>7} {'raw MB/s':>9} "
+                 f"{'tokens/s':>9}")
     slow = []
     for i, rec in enumerate(every[0]["records"]):
         read = sum(r["records"][i]["read"] for r in every)
@@ -264,11 +270,13 @@ def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, bui
         achieved, raw, over = disk_throughput(read, written, busy, t, raw_read, raw_write)
         lines.append(f"  {rec['step']:>4} {rec['loss']:>8.4f} {t:>8.1f} {human_bytes(read):>10} "
                      f"{human_bytes(written):>10} {busy if busy is not None else float('nan'):>8.1f} {wait:>8.1f} "
-                     f"{eff:>8} {hidden:>7} {ratio:>15} {achieved / 1e6:>7,.0f} {raw / 1e6:>9,.0f}")
+                     f"{eff:>8} {hidden:>7} {ratio:>15} {achieved / 1e6:>7,.0f} {raw / 1e6:>9,.0f} "
+                 f"{rec.get('tokens', 0) / t if t > 0 else 0.0:>9,.1f}")
         slow += [w] if (w := slow_disk_warning(rec["step"], achieved, raw, over)) else []
     lines.append("  I/O/raw: (read / raw read + written / raw write) / busy; hidden: 1 - wait / busy; "
                  "compute c = time - wait; MB/s: (read + written) / busy; raw MB/s: the same bytes at the raw "
-                 "figures above")
+                 "figures above; tokens/s: tokens of all ranks in the step (accumulation x micro-batch x "
+                 "sequence x ranks) / step time")
     lines += ["WARNING " + w for w in slow]
     return "\n".join(lines)
 
