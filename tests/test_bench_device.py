@@ -47,7 +47,8 @@ def test_default_is_cpu_and_cuda_is_refused_without_cuda(tmp_path, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the refusal is for machines without it")
     assert bench_device.device_type("auto") == "cpu"
-    with pytest.raises(ValueError, match=r"--device cuda needs a CUDA device, but torch.cuda.is_available\(\) is False"):
+    msg = r"--device cuda needs a CUDA device, but torch.cuda.is_available\(\) is False"
+    with pytest.raises(ValueError, match=msg):
         bench.check_arguments(_args(tmp_path, "--device", "cuda"))
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     assert bench.launch_env("auto")["DS_ACCELERATOR"] == "cpu"

@@ -272,7 +272,8 @@ def run(args: argparse.Namespace) -> BenchResult | None:
     timed_batches = bench_device.to_device(make_batches(cfg, micro, args.warmup + args.steps, rank, world), device)
     baseline = frozenset(live_storages())
 
-    _probe(systems["DDP"], cfg, probe_batches, baseline, device)  # discarded: one-time costs (lazy init, gloo, allocator)
+    # discarded: one-time costs (lazy init, gloo, allocator)
+    _probe(systems["DDP"], cfg, probe_batches, baseline, device)
     release_free_memory()                       # would otherwise land on whichever system runs first
     probes = {name: ({"reason": f"excluded by --exclude {args.exclude}"} if is_excluded(name)
                      else _probe(systems[name], cfg, probe_batches, baseline, device)) for name in names}

@@ -132,8 +132,8 @@ def format_table(res: BenchResult) -> str:
     built in the shared process, marked ``*``. On CUDA a last column ``GPU MiB`` is the highest rank's
     peak device memory (``torch.cuda.max_memory_allocated``); on the CPU it is absent."""
     gpu = res.device != "cpu"
-    lines = [f"GPT {res.psi:,} parameters ({res.preset}), {res.world_size} ranks ({res.backend}, {res.device}), micro-batch "
-             f"{res.micro_batch}, {res.steps} timed steps x {res.rounds} rounds, load average "
+    lines = [f"GPT {res.psi:,} parameters ({res.preset}), {res.world_size} ranks ({res.backend}, {res.device}), "
+             f"micro-batch {res.micro_batch}, {res.steps} timed steps x {res.rounds} rounds, load average "
              f"{res.load_average_start[0]:.1f} -> {res.load_average_end[0]:.1f} on {res.cpu_count} CPUs",
              f"{'system':<34}{'median s':>9}{'IQR s':>8}{'vs DDP':>8}{'range':>13}{'model state':>13}"
              f"{'formula':>11}{'RSS MiB':>14}{'traffic':>14}{'dloss':>9}" + (f"{'GPU MiB':>9}" if gpu else "")]

@@ -9,8 +9,8 @@ one line each); inside one (``RANK`` or ``LOCAL_RANK`` set) it runs :func:`zerod
 
 ``zerodp consolidate CHECKPOINT_DIR OUT`` writes a checkpoint's full state dict to one file
 (:func:`zerodp.checkpoint.consolidate`) or, when OUT is a directory, streams it into HF-style shards
-(:func:`zerodp.checkpoint.sharded_export.export_sharded_safetensors`). ``zerodp verify CHECKPOINT_DIR`` checks a checkpoint's files
-and per-tensor checksums without loading it into a job (:mod:`zerodp.checkpoint.integrity`).
+(:func:`zerodp.checkpoint.sharded_export.export_sharded_safetensors`). ``zerodp verify CHECKPOINT_DIR``
+checks a checkpoint's files and per-tensor checksums without loading it into a job (:mod:`zerodp.checkpoint.integrity`).
 
 ``zerodp estimate --params P --dp N`` prints the ZeRO paper's per-rank model-state memory and per-step
 traffic for stages 0-3 (:func:`zerodp.runtime.accounting.estimate_table`).
@@ -58,7 +58,8 @@ WORKER_FLAGS = {
     "stage": "--stage", "config": "--config", "data": "--data", "steps": "--steps",
     "n_layer": "--n-layer", "n_head": "--n-head", "d_model": "--d-model", "seq_len": "--seq-len",
     "micro_batch": "--micro-batch", "grad_accum": "--grad-accum", "lr": "--lr", "seed": "--seed",
-    "bf16": "--bf16", "fp16": "--fp16", "offload_optimizer": "--offload-optimizer", "offload_param": "--offload-param", "nvme_path": "--nvme-path",
+    "bf16": "--bf16", "fp16": "--fp16", "offload_optimizer": "--offload-optimizer",
+    "offload_param": "--offload-param", "nvme_path": "--nvme-path",
     "eval_batches": "--eval-batches", "sample_tokens": "--sample-tokens", "prompt": "--prompt",
     "temperature": "--temperature", "save_dir": "--save-dir", "save_every": "--save-every",
     "resume": "--resume", "resume_tag": "--resume-tag", "debug": "--debug",
@@ -101,7 +102,8 @@ def _add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--node-rank", metavar="R", type=int_at_least(0), help="this node's rank (static rendezvous)")
     launch.add_argument("--master-addr", metavar="HOST", help="address of the node-rank-0 host")
     launch.add_argument("--master-port", metavar="PORT", type=int_at_least(1), help="port on the master host")
-    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous host:port (e.g. for --rdzv-backend c10d)")
+    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                        help="rendezvous host:port (e.g. for --rdzv-backend c10d)")
     launch.add_argument("--rdzv-backend", metavar="NAME", help="rendezvous backend, e.g. c10d or static")
     launch.add_argument("--rdzv-id", metavar="ID", help="job id shared by all nodes")
 
@@ -159,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``zerodp`` argument parser (subcommands ``train``, ``consolidate``, ``verify``, ``bench``,
     ``estimate``)."""
     parser = argparse.ArgumentParser(prog="zerodp", description=__doc__.split("\n\n")[0].replace("``", ""))
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,consolidate,verify,bench,estimate,clean-swap,run}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{train,consolidate,verify,bench,estimate,clean-swap,run}")
 
     d = DEFAULTS
     tr = sub.add_parser(
@@ -231,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     mdl.add_argument("--n-layer", metavar="L", type=int_at_least(1), help=f"transformer blocks (default {d.n_layer})")
     mdl.add_argument("--n-head", metavar="H", type=int_at_least(1), help=f"attention heads (default {d.n_head})")
     mdl.add_argument("--d-model", metavar="D", type=int_at_least(1), help=f"model width (default {d.d_model})")
-    mdl.add_argument("--seq-len", metavar="T", type=int_at_least(1), help=f"context length in bytes (default {d.seq_len})")
+    mdl.add_argument("--seq-len", metavar="T", type=int_at_least(1),
+                     help=f"context length in bytes (default {d.seq_len})")
     tr.add_argument("--debug", action="store_const", const=True,
                     help="on a failure, print every rank's full traceback (also: environment variable "
                          "ZERODP_DEBUG=1) instead of one line per distinct error")
@@ -269,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from zerodp.app import bench
     be = sub.add_parser(
-        "bench", help="zerodp stages 0-3 vs DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed: time, memory, traffic, losses",
+        "bench",
+        help="zerodp stages 0-3 vs DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed: time, memory, traffic, losses",
         description="zerodp's stages 0-3 against torch DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed "
                     "(when installed) on the same model, batches and seed, in one run via "
                     "torch.distributed.run running python -m zerodp.app.bench: step-time ratios to DDP, "
@@ -457,7 +462,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     if args.preset == "infinity":
         return infinity.command(args)
-    if args.dry_run or args.states_ratio is not None or args.assume_ram is not None or args.assume_disk_free is not None:
+    if (args.dry_run or args.states_ratio is not None or args.assume_ram is not None
+            or args.assume_disk_free is not None):
         args.parser.error("--dry-run, --states-ratio, --assume-ram and --assume-disk-free go with --preset infinity")
 
     # Fail fast, before any process starts, on settings that every worker would reject.

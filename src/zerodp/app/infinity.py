@@ -71,7 +71,8 @@ class Knobs:
     runtime_bytes: int = 768 * 2**20  # interpreter, torch, allocator slack per rank
     reduce_bucket_size: int = 50_000_000  # elements of unit gradients staged per reduce-scatter [same]
     max_live_parameters: int = 200_000_000  # elements gathered ahead [stage3_max_live_parameters]
-    overlap_step: bool = True  # the step's sub-group loop goes on during the next forward [offload_optimizer.overlap_step]
+    # the step's sub-group loop goes on during the next forward [offload_optimizer.overlap_step]
+    overlap_step: bool = True
 
 
 def knobs_for(params: int, largest_layer: int, nproc: int, overlap_step: bool = True) -> Knobs:
@@ -161,7 +162,8 @@ def size_gpt(min_params: int, seq_len: int) -> GPTConfig:
     of 128 (heads of 128), ``n_layer = d_model / 64`` for the width found, then as few layers as reach
     the count (at least 2)."""
     d = 128
-    while count_parameters(GPTConfig(n_layer=max(2, d // 64), n_head=d // 128, d_model=d, seq_len=seq_len)) < min_params:
+    while count_parameters(GPTConfig(n_layer=max(2, d // 64), n_head=d // 128, d_model=d,
+                                     seq_len=seq_len)) < min_params:
         d += 128
     layers = 2
     while count_parameters(GPTConfig(n_layer=layers, n_head=d // 128, d_model=d, seq_len=seq_len)) < min_params:
@@ -280,7 +282,8 @@ def format_plan(plan: Plan, machine: Machine) -> str:
     src = (" (assumed: " + ", ".join(machine.assumed) + ")") if machine.assumed else ""
     lines = [
         f"zerodp train --preset infinity: RAM {human_bytes(machine.ram_total)} (available "
-        f"{human_bytes(machine.ram_available)}), free disk at {machine.nvme_path} {human_bytes(machine.disk_free)}{src}",
+        f"{human_bytes(machine.ram_available)}), free disk at {machine.nvme_path} "
+        f"{human_bytes(machine.disk_free)}{src}",
         f"model: GPT n_layer={m.n_layer} d_model={m.d_model} n_head={m.n_head} seq_len={m.seq_len}: "
         f"{plan.params:,} parameters",
         f"model states: {STATE_BYTES} bytes/param x {plan.params:,} = {human_bytes(plan.state_bytes)} = "
@@ -289,13 +292,15 @@ def format_plan(plan: Plan, machine: Machine) -> str:
         f"(sub_group_size {plan.knobs.sub_group_size:,}, buffer_count {plan.knobs.optimizer_buffers}, overlap_step "
         f"{str(plan.knobs.overlap_step).lower()}), offload_param nvme (buffer_count "
         f"{plan.knobs.param_buffer_count} x {human_bytes(plan.knobs.param_buffer_size)}, max_in_cpu "
-        f"{human_bytes(plan.knobs.max_in_cpu)}); {plan.steps} steps of {plan.grad_accum} x {plan.micro_batch} x {m.seq_len} "
+        f"{human_bytes(plan.knobs.max_in_cpu)}); {plan.steps} steps of {plan.grad_accum} x {plan.micro_batch} x "
+        f"{m.seq_len} "
         f"tokens per rank (accumulation x micro-batch x sequence), AdamW lr {plan.lr:.3g}",
         f"disk needed {human_bytes(plan.disk_total)}:",
         *[f"  {k:<58}{human_bytes(v):>12}" for k, v in plan.disk_needed.items()],
         f"RAM needed {human_bytes(plan.ram_total)}:",
         *[f"  {k:<58}{human_bytes(v):>12}" for k, v in plan.ram_needed.items()],
-        *[f"    {ph + ': ' + k:<56}{human_bytes(v):>12}" for ph, rows in plan.ram_phases.items() for k, v in rows.items()],
+        *[f"    {ph + ': ' + k:<56}{human_bytes(v):>12}"
+          for ph, rows in plan.ram_phases.items() for k, v in rows.items()],
     ]
     return "\n".join(lines)
 

@@ -10,10 +10,10 @@ buckets in a micro-step until all its buckets are reduced (and passed to ``on_re
 then handed to the :class:`GradSpill` and dropped (its memory freed once its write lands, at the
 latest when backward returns). At stage 3 a group is one unit, so the gradient memory is bounded by
 a few units; at stage 2 a group is a whole parameter group, so during backward the partition is
-still whole, and only between backward and the next one it is not in memory. A later micro-step of the same accumulation reads
-it back to add to it. :meth:`SpillingGradReducer.piece_grad` of a spilled group reads a copy (the
-accessors, ``clip_grad_norm_``); :meth:`SpillingGradReducer.held_grad` says None, so the engine's
-step lets the optimizer offload read the gradients sub-group by sub-group itself.
+still whole, and only between backward and the next one it is not in memory. A later micro-step of
+the same accumulation reads it back to add to it. :meth:`SpillingGradReducer.piece_grad` of a spilled
+group reads a copy (the accessors, ``clip_grad_norm_``); :meth:`SpillingGradReducer.held_grad` says
+None, so the engine's step lets the optimizer offload read the gradients sub-group by sub-group itself.
 ZeRO-Infinity (Rajbhandari et al., SC21) section 5; DeepSpeed stage 3 with ``offload_optimizer: nvme``.
 """
 
