@@ -40,7 +40,7 @@ def scenario(fn: Callable[[int], dict]) -> Callable[[int], dict]:
 
 
 def err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()  # either may be on the test device
     if a.shape != b.shape:
         return float("inf")
     if a.numel() == 0:
