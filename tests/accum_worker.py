@@ -17,6 +17,8 @@ expected values are computed here from plain PyTorch on one process.
   against one plain-PyTorch backward over the whole window (fp32, SGD with momentum); with and without
   cpu optimizer offload. Also: ``backward(loss / gas, scale_wrt_gas=False)`` equals
   ``backward(loss)`` bitwise in bf16.
+
+Engines, inputs and references run on the test device (``ZERODP_TEST_DEVICE``, tests/devices.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import zerodp  # noqa: E402
+from devices import engine_config, rank_device  # noqa: E402
 from dist_worker import err  # noqa: E402
 from distributed import run_scenarios, worker_args  # noqa: E402
 from zerodp import deepspeed  # noqa: E402
@@ -54,14 +57,14 @@ def world() -> int:
 def recipe_rows(t: int, r: int, n: int, precision: str) -> torch.Tensor:
     """Rank ``r``'s (1, 4) input at micro-step ``t`` of ``n`` ranks (see the module docstring)."""
     value = (1.0 if t == 0 else SMALL[precision]) * n if t % n == r else 0.0
-    return torch.full((1, 4), value, dtype=LOW[precision])
+    return torch.full((1, 4), value, dtype=LOW[precision], device=rank_device())
 
 
 def recipe_reference(w0: torch.Tensor, precision: str, scale: float, accumulate: torch.dtype) -> torch.Tensor:
     """Plain torch, one process: the fp32 master after one SGD (lr 1) step of the recipe, with the
     16-bit micro-gradients (loss multiplied by ``scale``, the fp16 loss scale) averaged over ranks
     and accumulated in ``accumulate``."""
-    model = nn.Linear(4, 1, bias=False).to(LOW[precision])
+    model = nn.Linear(4, 1, bias=False).to(w0.device, LOW[precision])
     with torch.no_grad():
         model.weight.copy_(w0)
     acc = torch.zeros_like(w0, dtype=accumulate)
@@ -97,18 +100,18 @@ def recipe(stage: int, precision: str) -> dict:
                      # fp16: a loss scale of 2^8 (2^16 would overflow the 16-bit loss's own gradient)
                      precision: {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})},
                      "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
-                     "zero_optimization": {"stage": stage, **zero}}
+                     "zero_optimization": {"stage": stage, **zero}, **engine_config()}
         if accum is not None:
             cfg["data_types"] = {"grad_accum_dtype": precision if accum == "low" else accum}
         torch.manual_seed(3)
         model = nn.Linear(4, 1, bias=False)
-        w0 = model.weight.detach().to(LOW[precision]).clone()
+        w0 = model.weight.detach().to(rank_device(), LOW[precision]).clone()
         engine = zerodp.initialize(model, cfg)
         scale = engine.loss_scale
         for t in range(GAS):
             engine.backward(engine(recipe_rows(t, rank(), world(), precision)).sum())
             engine.step()
-        moved = engine.module_state_dict()["weight"]
+        moved = engine.module_state_dict()["weight"].to(w0.device)
         mem = engine.memory_report()
         ref32 = recipe_reference(w0, precision, scale, torch.float32)
         ref_low = recipe_reference(w0, precision, scale, LOW[precision])
@@ -153,7 +156,8 @@ def token_batch(step: int, micro: int, r: int) -> tuple[torch.Tensor, torch.Tens
     tgt = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
     mask = (torch.rand(MICRO, SEQ, generator=g) < 0.3 + 0.2 * ((micro + r) % 3)).float()
     mask[0, 0] = 1.0  # every micro-batch has a token
-    return idx, tgt, mask
+    dev = rank_device()
+    return idx.to(dev), tgt.to(dev), mask.to(dev)
 
 
 def token_losses(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -169,9 +173,10 @@ def token_weighted(stage: int) -> dict:
             continue
         cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": TOKEN_GAS,
                "optimizer": {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}},
-               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 4, **zero}}
+               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 4, **zero},
+               **engine_config()}
         torch.manual_seed(7)
-        ref = TinyLM()
+        ref = TinyLM().to(rank_device())
         torch.manual_seed(7)
         model = TinyLM()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -201,7 +206,7 @@ def scaled_by_hand_equal(stage: int) -> bool:
     for by_hand in (False, True):
         cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": TOKEN_GAS,
                "bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
-               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 4}}
+               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 4}, **engine_config()}
         torch.manual_seed(7)
         model = TinyLM()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)

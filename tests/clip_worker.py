@@ -15,6 +15,7 @@ One job per (stage, precision, offload): 3 optimizer steps of 2 micro-steps each
   norm of the gradient the step received, after the user's clipping).
 
 ``max_norm`` is a fifth of the gradient's norm, so an update made without the clipping is 5x too large.
+Engine, batches and reference run on the test device (``ZERODP_TEST_DEVICE``, tests/devices.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 import zerodp  # noqa: E402
 import zerodp.zero  # noqa: E402
+from devices import engine_config, rank_device  # noqa: E402
 from distributed import run_scenarios, worker_args  # noqa: E402
 from zerodp.runtime.grad_placeholder import is_hidden_gradient  # noqa: E402
 
@@ -74,7 +76,7 @@ class Reference:
 
 def batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(900 + step)
-    return torch.randn(rows, 5, generator=g), torch.randn(rows, 3, generator=g)
+    return torch.randn(rows, 5, generator=g).to(rank_device()), torch.randn(rows, 3, generator=g).to(rank_device())
 
 
 def config(stage: int, precision: str, offload: str, nvme: str) -> dict:
@@ -83,7 +85,7 @@ def config(stage: int, precision: str, offload: str, nvme: str) -> dict:
         zero["offload_optimizer"] = {"device": offload, "nvme_path": nvme, "buffer_count": 3}
         zero["sub_group_size"] = 20  # several sub-groups per rank
     cfg: dict = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-                 "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": zero}
+                 "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": zero, **engine_config()}
     if offload == "nvme":
         cfg["aio"] = {"block_size": 4096, "queue_depth": 2, "thread_count": 2}
     if precision == "bf16":
@@ -96,7 +98,7 @@ def config(stage: int, precision: str, offload: str, nvme: str) -> dict:
 def clip_job(stage: int, precision: str, offload: str, nvme: str) -> dict:
     dtype = DTYPES[precision]
     torch.manual_seed(5)
-    base = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    base = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(rank_device())
     ref = Reference(copy.deepcopy(base), dtype)
     model = copy.deepcopy(base)
     engine = zerodp.initialize(model, config(stage, precision, offload, nvme))
@@ -137,7 +139,7 @@ def clip_job(stage: int, precision: str, offload: str, nvme: str) -> dict:
             second = engine.clip_grad_norm_(max_norm).item()  # the inf-norm clipping is already applied
             out["second_norm_err"] = rel(second, ref.clip(max_norm))
             for p, m in zip(model.parameters(), ref.masters, strict=True):
-                full = zerodp.zero.safe_get_full_grad(p)
+                full = zerodp.zero.safe_get_full_grad(p).to(m.device)
                 out["full_grad_err"] = max(out["full_grad_err"],
                                            ((full - m.grad).abs().max() / m.grad.abs().max()).item())
         stepped_norm = ref.norm()  # what the step receives: after the user's clipping
@@ -148,7 +150,7 @@ def clip_job(stage: int, precision: str, offload: str, nvme: str) -> dict:
     # parameters: the update of every element against the reference's (a missing clipping: 5x too large)
     worst = 0.0
     for p, m, b in zip(model.parameters(), ref.masters, base.parameters(), strict=True):
-        full = zerodp.zero.safe_get_full_fp32_param(p)
+        full = zerodp.zero.safe_get_full_fp32_param(p).to(m.device)
         worst = max(worst, ((full - m).abs().max() / (m - b.detach()).abs().max()).item())
     out["update_err"] = worst
     engine.close()

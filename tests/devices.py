@@ -4,7 +4,9 @@ With ``cuda`` each rank trains on ``cuda:LOCAL_RANK`` (process group ``cpu:gloo,
 :func:`zerodp.init_distributed`) and the plain-PyTorch reference runs on the same device; a test
 needing more ranks than there are GPUs skips with the reason (:func:`skip_beyond_devices`). Tests
 that only make sense on a GPU carry the ``cuda`` marker (registered in pyproject.toml), skipped with
-a reason where CUDA is absent (tests/conftest.py). Nothing here has run on a GPU yet (docs/gpu.md).
+a reason where CUDA is absent (tests/conftest.py). ``ZERODP_TEST_WORLD_SIZES`` (e.g. ``1`` or ``1,2``;
+unset: all) skips the tests of other world sizes, so that tools/gpu_check.sh runs one world size per
+time-boxed part. Nothing here has run on a GPU yet (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -42,7 +44,18 @@ def engine_config() -> dict:
 
 
 def too_many_ranks(world_size: int) -> str | None:
-    """Why ``world_size`` ranks cannot run on the test device (None when they can)."""
+    """Why ``world_size`` ranks cannot run on the test device, or are not asked for by
+    ``ZERODP_TEST_WORLD_SIZES`` (None when they can and are).
+
+    Raises:
+        ValueError: ``ZERODP_TEST_WORLD_SIZES`` is not a comma-separated list of whole numbers.
+    """
+    sizes = os.environ.get("ZERODP_TEST_WORLD_SIZES", "").replace(" ", "")
+    if sizes:
+        if not all(s.isdigit() for s in sizes.split(",")):
+            raise ValueError(f"ZERODP_TEST_WORLD_SIZES must be whole numbers separated by commas; got {sizes!r}")
+        if world_size not in {int(s) for s in sizes.split(",")}:
+            return f"world size {world_size} is not in ZERODP_TEST_WORLD_SIZES={sizes}"
     if device_type() == "cpu":
         return None
     if not torch.cuda.is_available():

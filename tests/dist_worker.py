@@ -40,7 +40,7 @@ def scenario(fn: Callable[[int], dict]) -> Callable[[int], dict]:
 
 
 def err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()  # either may be on the test device
     if a.shape != b.shape:
         return float("inf")
     if a.numel() == 0:
@@ -556,14 +556,16 @@ def optimizer_state_by_name(engine: zerodp.Engine) -> dict[tuple[str, str], torc
 def compare_mixed(stage: int, dtype: torch.dtype, steps: int, config_extra: dict,
                   inf_step: int | None = None) -> dict:
     """Train Zoo in ``dtype`` with zerodp and with MixedReference on the same global batches.
-    ``inf_step``: on that step the last rank's input holds an inf (its gradients overflow)."""
-    r, n = rank(), world()
+    ``inf_step``: on that step the last rank's input holds an inf (its gradients overflow). Engine,
+    batches and reference on the test device (ZERODP_TEST_DEVICE)."""
+    r, n, dev = rank(), world(), rank_device()
     micro = 3
     opt_params = {"lr": 0.01, "weight_decay": 0.01}
     config = {"train_micro_batch_size_per_gpu": micro, "optimizer": {"type": "AdamW", "params": opt_params},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 50, **STAGE3_DEFAULTS}, **config_extra}
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 50, **STAGE3_DEFAULTS}, **engine_config(),
+              **config_extra}
     torch.manual_seed(7)
-    base = Zoo()
+    base = Zoo().to(dev)
     ref = MixedReference(copy.deepcopy(base), dtype, torch.optim.AdamW, opt_params)
     model = copy.deepcopy(base)
     engine = zerodp.initialize(model, config)
@@ -572,8 +574,8 @@ def compare_mixed(stage: int, dtype: torch.dtype, steps: int, config_extra: dict
     loss_errs = []
     for step in range(steps):
         x, y = make_batch(step, micro * n, "zoo")
-        x = x.to(dtype)
-        y = y.to(dtype)
+        x = x.to(dev, dtype)
+        y = y.to(dev, dtype)
         if step == inf_step:
             x[(n - 1) * micro] = float("inf")
         ref_loss = mse(ref.model(x).float(), y.float())

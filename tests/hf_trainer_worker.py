@@ -26,6 +26,8 @@ from accelerate import PartialState  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
+from zerodp.runtime.training_state import MicroStepOrderWarning  # noqa: E402
+
 VOCAB, SEQ, SAMPLES = 64, 16, 48
 STEPS, SAVE_AT, MICRO, GAS, LR, WARMUP = 6, 3, 2, 2, 1e-2, 2
 
@@ -198,6 +200,7 @@ def main() -> None:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", RuntimeWarning)
+                warnings.simplefilter("always", MicroStepOrderWarning)  # accelerate's protocol orders them right
                 res = cut_window(args.ckpt_dir) if cfg == "cut" else run(args.ckpt_dir, name, copy.deepcopy(cfg),
                                                                                warmup_lr)
             # zerodp's own warnings (e.g. a view of gathered stage-3 values outliving its release)

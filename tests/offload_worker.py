@@ -4,7 +4,8 @@ For each stage and scenario it trains the same model three times on the same bat
 offload, with ``offload_optimizer.device = "cpu"`` and with ``"nvme"`` (a tiny ``sub_group_size`` so
 several sub-groups pipeline through the buffer pool), and records whether the parameters are bitwise
 equal, plus the distance of the non-offloaded run from plain PyTorch on the whole global batch (fp32).
-Checkpoints cross between offloaded and non-offloaded engines. Results: ``OUT/rank{r}.json``.
+Checkpoints cross between offloaded and non-offloaded engines. Results: ``OUT/rank{r}.json``. The
+engines, batches and the reference run on the test device (``ZERODP_TEST_DEVICE``, tests/devices.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 import zerodp
 import zerodp.offload.host
 import zerodp.offload.nvme
+from devices import engine_config, rank_device
 
 # several step chunks even on this tiny model, so the chunked CPU step with overlapped parameter
 # copies is what the equality checks compare
@@ -44,7 +46,7 @@ class Net(nn.Module):
 
 def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + micro)
-    return torch.randn(ROWS, 9, generator=g), torch.randn(ROWS, 3, generator=g)
+    return torch.randn(ROWS, 9, generator=g).to(rank_device()), torch.randn(ROWS, 3, generator=g).to(rank_device())
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -56,7 +58,7 @@ def config(stage: int, scenario: str, device: str, nvme: str) -> dict:
     cfg: dict = {"train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(),
                  "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
                  "zero_optimization": {"stage": stage, "reduce_bucket_size": 40,
-                                       "stage3_param_persistence_threshold": 4}}
+                                       "stage3_param_persistence_threshold": 4}, **engine_config()}
     if device != "none":
         # cpu_adam "same": the non-offloaded engine's Adam kernel, so "equal" below means bitwise
         # (the default fused kernel is compared within 1e-6 relative in tests/test_cpu_adam.py)
@@ -151,7 +153,7 @@ def params(engine) -> dict[str, torch.Tensor]:
 
 def reference(scenario: str, stage: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(rank_device())
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     frozen: list[nn.Parameter] = []
     for step in range(STEPS):
@@ -198,7 +200,7 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
                          for what in ("after", "accessor", "loaded")}
     if scenario in ("fp32", "edit", "edit_frozen"):
         ref = reference(scenario, stage)
-        out["ref_maxdiff"] = max((runs["none"][k] - ref[k]).abs().max().item() for k in ref)
+        out["ref_maxdiff"] = max((runs["none"][k].to(ref[k].device) - ref[k]).abs().max().item() for k in ref)
     if scenario == "bf16":
         out["ckpt"] = checkpoints(stage, scenario, nvme, ckpt)
     return out
@@ -225,7 +227,7 @@ def deleted_swap_file(nvme: str) -> dict:
         out["raised_on"].append(True)
         out["message"] = str(exc)
     engine.reducer.zero_grads()
-    out["unchanged"] = all(torch.equal(before[k], p) for k, p in
+    out["unchanged"] = all(torch.equal(before[k], p.to(before[k].device)) for k, p in
                            {n: t for n, t in engine.module.state_dict().items()}.items()
                            if engine.stage < 3)
     engine.close()

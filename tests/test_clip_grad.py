@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from devices import skip_beyond_devices
 from distributed import run_worker
 
 WORKER = Path(__file__).with_name("clip_worker.py")
@@ -30,6 +31,7 @@ _cache: dict[int, list[dict]] = {}
 
 
 def per_rank(world_size: int, key: str) -> list[dict]:
+    skip_beyond_devices(world_size)  # ZERODP_TEST_DEVICE (tests/devices.py): engine and reference run there
     if world_size not in _cache:
         with tempfile.TemporaryDirectory() as nvme:
             _cache[world_size] = run_worker(world_size, worker=WORKER, extra_args=["--nvme", nvme])

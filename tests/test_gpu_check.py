@@ -5,6 +5,7 @@ script's GPU parts have not run here (docs/gpu.md)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
-PARTS = ["install", "versions", "cuda_marked_tests", "stage_tests_ws1", "stage_tests_ws2", "train_compare",
+PARTS = ["install", "versions", "cuda_marked_tests", "device_tests_ws1", "device_tests_ws2", "train_compare",
          "bench_ws1", "bench_ws2"]
 
 
@@ -39,11 +40,48 @@ def test_dry_run_writes_the_json(tmp_path):
         log = (tmp_path / f"bench_ws{n}.log").read_text()
         assert "zerodp.app.cli bench --device cuda --nproc " + str(n) in log, log
         assert f"--out '{tmp_path}/bench_ws{n}'" in log and f"gpu_bench_check.py '{tmp_path}/bench_ws{n}/bench.json'" in log
-        assert "time box 150s" in report["parts"][f"bench_ws{n}"]["note"]
         assert report["figures"][f"bench_ws{n}"] is None  # nothing ran
     assert report["passed"] == 0 and report["counted"] == 0
-    assert set(report["figures"]) == {"versions", "train_compare", "cuda_marked_tests", "stage_tests_ws1",
-                                      "stage_tests_ws2", "bench_ws1", "bench_ws2"}
+    assert set(report["figures"]) == {"versions", "train_compare", "cuda_marked_tests", "device_tests_ws1",
+                                      "device_tests_ws2", "bench_ws1", "bench_ws2"}
+
+
+def test_time_boxes_fit_the_budget(tmp_path):
+    """The parts' time boxes (every part a GPU machine may run, the 2-GPU ones included) sum to at most
+    450 s, inside the 480 s the whole script must take."""
+    assert run("--dry-run", "--out", str(tmp_path)).returncode == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    boxes = {n: int(re.search(r"time box (\d+)s", p["note"]).group(1)) for n, p in report["parts"].items()}
+    assert set(boxes) == set(PARTS) and sum(boxes.values()) <= 450, boxes
+    assert report["budget_s"] == 480
+
+
+def test_spent_budget_starts_no_part(tmp_path):
+    """--budget-s below a part's 10 s minimum: no part starts; each is recorded as budget_spent (the
+    2-rank parts as skipped for lack of GPUs, this machine having none) and counted as not passed."""
+    proc = run("--python", sys.executable, "--budget-s", "5", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    statuses = {n: p["status"] for n, p in report["parts"].items()}
+    two_gpu = {"device_tests_ws2", "bench_ws2"}
+    assert {statuses[n] for n in two_gpu} == {"skipped"}, statuses
+    assert all(statuses[n] == "budget_spent" for n in PARTS if n not in two_gpu), statuses
+    assert proc.stdout.strip().splitlines()[-1] == f"gpu check: 0/{len(PARTS) - 2} pass"
+    assert not (tmp_path / "device_ws1.xml").exists()  # nothing ran
+
+
+def test_device_tests_are_every_device_following_test(tmp_path):
+    """The script's test subset keeps up with the tests: every tests/test_*.py that follows
+    ZERODP_TEST_DEVICE (calls skip_beyond_devices or too_many_ranks) is in its device parts."""
+    assert run("--dry-run", "--out", str(tmp_path)).returncode == 0
+    command = (tmp_path / "device_tests_ws1.log").read_text()
+    assert "ZERODP_TEST_DEVICE=cuda ZERODP_TEST_WORLD_SIZES=1 " in command
+    assert "ZERODP_TEST_WORLD_SIZES=2 " in (tmp_path / "device_tests_ws2.log").read_text()
+    following = sorted(p.name for p in (ROOT / "tests").glob("test_*.py")
+                       if re.search(r"\b(skip_beyond_devices|too_many_ranks)\(", p.read_text()))
+    assert len(following) >= 4, following
+    for name in following:
+        assert f"tests/{name}" in command, (name, command)
 
 
 def test_dry_run_bench_command_parses(tmp_path):
@@ -89,15 +127,15 @@ def test_report_counts_failures_and_spent_budget(tmp_path):
     finally:
         sys.path.pop(0)
     (tmp_path / "parts").mkdir()
-    statuses = {"install": "pass", "versions": "fail", "cuda_marked_tests": "pass", "stage_tests_ws1": "pass",
-                "stage_tests_ws2": "skipped", "train_compare": "budget_spent",
+    statuses = {"install": "pass", "versions": "fail", "cuda_marked_tests": "pass", "device_tests_ws1": "pass",
+                "device_tests_ws2": "skipped", "train_compare": "budget_spent",
                 "bench_ws1": "pass"}  # bench_ws2: never recorded
     for name, status in statuses.items():
         (tmp_path / "parts" / f"{name}.json").write_text(json.dumps(
             {"name": name, "status": status, "rc": 0, "seconds": 1.0, "note": ""}))
     (tmp_path / "cuda_marked.xml").write_text(  # every test skipped: pytest's 0 is no pass
         '<testsuites><testsuite tests="2" failures="0" errors="0" skipped="2"/></testsuites>')
-    (tmp_path / "stages_ws1.xml").write_text(
+    (tmp_path / "device_ws1.xml").write_text(
         '<testsuites><testsuite tests="5" failures="1" errors="0" skipped="2"/></testsuites>')
     report = gpu_check_report.build(tmp_path, False, 480, 10.0)
     (tmp_path / "bench_ws1").mkdir()
@@ -109,7 +147,7 @@ def test_report_counts_failures_and_spent_budget(tmp_path):
     bench = report["figures"]["bench_ws1"]
     assert bench["problems"] == [] and bench["systems"]["FSDP2"]["peak_device_mib"] == [2.0, 4.0]
     assert report["figures"]["bench_ws2"] is None
-    assert report["figures"]["stage_tests_ws1"] == {"tests": 5, "failures": 1, "errors": 0, "skipped": 2,
+    assert report["figures"]["device_tests_ws1"] == {"tests": 5, "failures": 1, "errors": 0, "skipped": 2,
                                                     "passed": 2}
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import zerodp
+from devices import skip_beyond_devices
 from distributed import run_worker
 from zerodp.runtime.precision import PrecisionPolicy
 
@@ -27,6 +28,7 @@ _cache: dict[int, list[dict]] = {}
 
 
 def per_rank(world: int, stage: int, name: str) -> list[dict]:
+    skip_beyond_devices(world)  # ZERODP_TEST_DEVICE (tests/devices.py): engine and reference run there
     if world not in _cache:
         _cache[world] = run_worker(world, worker=WORKER)
     out = [r[f"{name}/stage{stage}"] for r in _cache[world]]

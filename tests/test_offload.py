@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 import zerodp
+from devices import skip_beyond_devices
 from distributed import run_offload_worker
 from swap_checks import assert_nvme_path_errors, assert_swap_removed_after_exception, full_disk_error
 from zerodp.offload.aio import AsyncIO, SwapFile, aligned_buffer
@@ -34,6 +35,7 @@ PLAN = [
 
 @pytest.mark.parametrize("world,stages,scenarios", PLAN)
 def test_offload_equals_non_offloaded(world, stages, scenarios):
+    skip_beyond_devices(world)  # ZERODP_TEST_DEVICE (tests/devices.py): engines and reference run there
     results, leftover = run_offload_worker(world, stages, scenarios, WORKER)
     compared = 0
     for r, res in enumerate(results):

@@ -26,7 +26,8 @@ TRAINING = ("adam_buckets", "adamw_one_bucket", "frozen", "no_grad_some_steps", 
 #: scenarios written device-generic (tests/dist_worker.py compare_training: model, batches and the
 #: reference on the test device); the rest build or read tensors on the CPU themselves
 ON_CUDA = ("adam_buckets", "adamw_one_bucket", "frozen", "param_groups", "grad_accumulation", "clipping",
-           "no_overlap_noncontiguous", "tied_weights", "gpt_tied")
+           "no_overlap_noncontiguous", "tied_weights", "gpt_tied", "bf16_twenty_steps",
+           "fp16_overflow_skips_everywhere")
 
 #: scenario each test function asserts on (test_matches_reference: its ``name`` parameter)
 SCENARIO_OF = {"test_memory_report_matches_formula": "reports", "test_comm_report_is_two_psi": "reports",

@@ -6,13 +6,14 @@
 #
 # From a fresh clone, unattended (no prompts), in at most --budget-s seconds (default 480): installs
 # zerodp with a CUDA torch into .venv-gpu, prints nvidia-smi / torch / CUDA / NCCL versions, runs the
-# tests marked cuda and the stage-equality tests with ZERODP_TEST_DEVICE=cuda (world size 1, and 2 when
-# there are 2+ GPUs), trains the default GPT at stages 0-3 on one GPU for 50 steps against plain PyTorch
+# tests marked cuda and the device-following tests ($DEVICE_TESTS: each compares with plain PyTorch on
+# ZERODP_TEST_DEVICE=cuda) at world size 1, and 2 when there are 2+ GPUs (ZERODP_TEST_WORLD_SIZES), trains the default GPT at stages 0-3 on one GPU for 50 steps against plain PyTorch
 # on the GPU (tools/gpu_train_compare.py), and runs `zerodp bench --device cuda` (tiny preset: DDP, FSDP2,
 # zerodp stages 0-3, DeepSpeed when it installed) at 1 rank, and 2 when there are 2+ GPUs, each record
 # checked by tools/gpu_bench_check.py (the rows ran, losses match DDP's, peak GPU memory per rank) and
-# kept as $OUT/bench_wsN/bench.json. Each part has its own time box and the script goes on after a failing
-# part. Everything goes to $OUT (or ./gpu_check_out, or --out): one log per part, and gpu_check.json
+# kept as $OUT/bench_wsN/bench.json. Each part has its own time box (they sum to at most 450 s, inside
+# the 480 s budget); the script goes on after a failing part, and a part that would start with less than
+# 10 s of the budget left is not started (recorded as budget_spent). Everything goes to $OUT (or ./gpu_check_out, or --out): one log per part, and gpu_check.json
 # with every figure and each part's status (tools/gpu_check_report.py). The last line is
 # `gpu check: N/M pass`.
 #
@@ -37,7 +38,7 @@ while [ $# -gt 0 ]; do
         --budget-s=*) BUDGET_S="${1#--budget-s=}" ;;
         --python) shift; PY="${1:?--python needs an interpreter}" ;;
         --python=*) PY="${1#--python=}" ;;
-        -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check: unknown argument '$1'; allowed: --dry-run, --out DIR, --budget-s SECONDS, --python PYTHON" >&2
            exit 2 ;;
     esac
@@ -100,7 +101,7 @@ part() {
 if [ -z "$PY" ]; then
     PY="$PWD/.venv-gpu/bin/python"
     # PyPI's Linux torch wheels are CUDA builds; the dev extra pins the tested torch version
-    part install 240 "
+    part install 150 "
         set -e
         [ -x '$PY' ] || '$HOST_PY' -m venv .venv-gpu
         '$PY' -m pip install -q --upgrade pip
@@ -109,11 +110,11 @@ if [ -z "$PY" ]; then
         '$PY' -c 'import torch; assert torch.cuda.is_available(), \"installed torch \" + torch.__version__ + \" sees no CUDA device\"'
     "
 else
-    part install 30 "'$PY' -c 'import torch, zerodp; assert torch.cuda.is_available(), \"no CUDA device\"'"
+    part install 15 "'$PY' -c 'import torch, zerodp; assert torch.cuda.is_available(), \"no CUDA device\"'"
 fi
 
 # ---- versions --------------------------------------------------------------------------------------
-part versions 30 "
+part versions 15 "
     set -e
     nvidia-smi
     '$PY' - <<'PYEOF'
@@ -132,42 +133,43 @@ if [ "$DRY" = 0 ]; then
 fi
 
 # ---- tests -----------------------------------------------------------------------------------------
-part cuda_marked_tests 60 "'$PY' -m pytest -q -m cuda tests --junitxml='$OUT_DIR/cuda_marked.xml'"
-STAGE_K="test_matches_reference"
-part stage_tests_ws1 90 "
-    ZERODP_TEST_DEVICE=cuda '$PY' -m pytest -q --collect-only -k '$STAGE_K' tests/test_stages.py \
-        | grep '^tests/' | grep '\[1-' > '$OUT_DIR/ws1.ids'
-    ZERODP_TEST_DEVICE=cuda '$PY' -m pytest -q \$(cat '$OUT_DIR/ws1.ids') --junitxml='$OUT_DIR/stages_ws1.xml'
-"
+# the tests that follow ZERODP_TEST_DEVICE (tests/devices.py) and compare with plain PyTorch on it; every
+# tests/test_*.py that calls skip_beyond_devices or too_many_ranks is here (tests/test_gpu_check.py)
+DEVICE_TESTS="tests/test_stages.py::test_matches_reference tests/test_stages.py::test_bf16_matches_mixed_precision_reference \
+tests/test_stages.py::test_fp16_overflow_on_one_rank_skips_on_all tests/test_grad_accumulation.py tests/test_clip_grad.py \
+tests/test_deprecations.py tests/test_offload.py::test_offload_equals_non_offloaded"
+part cuda_marked_tests 40 "'$PY' -m pytest -q -m cuda tests --junitxml='$OUT_DIR/cuda_marked.xml'"
+# device_part N BOX: the device-following tests at world size N only (the others skip, naming why)
+device_part() {
+    part "device_tests_ws$1" "$2" "ZERODP_TEST_DEVICE=cuda ZERODP_TEST_WORLD_SIZES=$1 '$PY' -m pytest -q $DEVICE_TESTS \
+        --junitxml='$OUT_DIR/device_ws$1.xml'"
+}
+device_part 1 75
 if [ "$DRY" = 1 ] || [ "$GPUS" -ge 2 ]; then
-    part stage_tests_ws2 90 "
-        ZERODP_TEST_DEVICE=cuda '$PY' -m pytest -q --collect-only -k '$STAGE_K' tests/test_stages.py \
-            | grep '^tests/' | grep '\[2-' > '$OUT_DIR/ws2.ids'
-        ZERODP_TEST_DEVICE=cuda '$PY' -m pytest -q \$(cat '$OUT_DIR/ws2.ids') --junitxml='$OUT_DIR/stages_ws2.xml'
-    "
+    device_part 2 50
 else
-    echo "== stage_tests_ws2: skipped, $GPUS GPU(s) (2 needed)" | tee "$OUT_DIR/stage_tests_ws2.log"
-    record stage_tests_ws2 skipped 0 0 "$GPUS GPU(s); 2 ranks need 2 GPUs"
+    echo "== device_tests_ws2: skipped, $GPUS GPU(s) (2 needed)" | tee "$OUT_DIR/device_tests_ws2.log"
+    record device_tests_ws2 skipped 0 0 "$GPUS GPU(s); 2 ranks need 2 GPUs"
 fi
 
 # ---- training against plain PyTorch ------------------------------------------------------------------
-part train_compare 120 "'$PY' tools/gpu_train_compare.py --device cuda --steps 50 --out '$OUT_DIR/train_compare.json'"
+part train_compare 45 "'$PY' tools/gpu_train_compare.py --device cuda --steps 50 --out '$OUT_DIR/train_compare.json'"
 
 # ---- bench -----------------------------------------------------------------------------------------
 # zerodp bench --device cuda at N ranks (cuda:LOCAL_RANK each, NCCL); its JSON lands in $OUT/bench_wsN/;
 # pass: the bench exits 0 and gpu_bench_check.py finds the required rows ran with peak GPU memory
 bench_part() {
     local n="$1"
-    part "bench_ws$n" 150 "
+    part "bench_ws$n" "$2" "
         set -e
         '$PY' -m zerodp.app.cli bench --device cuda --nproc $n --preset tiny --steps 3 --warmup 1 \
             --rounds 1 --probe-steps 2 --no-fresh-rss --no-plots --out '$OUT_DIR/bench_ws$n'
         '$PY' tools/gpu_bench_check.py '$OUT_DIR/bench_ws$n/bench.json'
     "
 }
-bench_part 1
+bench_part 1 45
 if [ "$DRY" = 1 ] || [ "$GPUS" -ge 2 ]; then
-    bench_part 2
+    bench_part 2 30
 else
     echo "== bench_ws2: skipped, $GPUS GPU(s) (2 needed)" | tee "$OUT_DIR/bench_ws2.log"
     record bench_ws2 skipped 0 0 "$GPUS GPU(s); 2 ranks need 2 GPUs"

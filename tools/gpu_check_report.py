@@ -25,7 +25,7 @@ import gpu_bench_check  # noqa: E402  (tools/, next to this file)
 #: statuses counted in M (the denominator); "dry", "not_supported" and lack-of-GPU skips are not
 COUNTED = ("pass", "fail", "timeout", "budget_spent")
 #: the parts gpu_check.sh records, in order (the report names any that is missing)
-PARTS = ("install", "versions", "cuda_marked_tests", "stage_tests_ws1", "stage_tests_ws2", "train_compare",
+PARTS = ("install", "versions", "cuda_marked_tests", "device_tests_ws1", "device_tests_ws2", "train_compare",
          "bench_ws1", "bench_ws2")
 
 
@@ -56,8 +56,8 @@ def build(out: Path, dry: bool, budget_s: int, seconds: float) -> dict[str, Any]
                                                    "note": "the script recorded nothing for this part"}
     figures: dict[str, Any] = {"versions": read_json(out / "versions.json"),
                                "train_compare": read_json(out / "train_compare.json")}
-    for key, xml in (("cuda_marked_tests", "cuda_marked.xml"), ("stage_tests_ws1", "stages_ws1.xml"),
-                     ("stage_tests_ws2", "stages_ws2.xml")):
+    for key, xml in (("cuda_marked_tests", "cuda_marked.xml"), ("device_tests_ws1", "device_ws1.xml"),
+                     ("device_tests_ws2", "device_ws2.xml")):
         figures[key] = junit_counts(out / xml)
         part = parts[key]
         if part["status"] == "pass" and not (figures[key] or {}).get("passed"):

@@ -91,7 +91,7 @@ class Engine(CheckpointMethods):
         self.grad_clip = grad_norm.ClipState()  # what engine.clip_grad_norm_ left for the step
         self.precision = PrecisionPolicy.from_config(config)
         self.loss_scaler: LossScaler | None = LossScaler.from_config(config)
-        self.phase = TrainingPhase()  # IDLE, BACKWARD, GRADS_READY (until step()), STEP
+        self.phase = TrainingPhase(self.gradient_accumulation_steps)  # IDLE, BACKWARD, ..., STEP
         gc = config.collective_guard
         self.collective_guard = CollectiveGuard(process_group, gc.timeout_s, gc.check_gathers, gc.enabled)
         if self.precision.has_master:
@@ -281,8 +281,8 @@ class Engine(CheckpointMethods):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """Back-propagate ``loss`` (a scalar) divided by ``gradient_accumulation_steps``, or as given with
         ``scale_wrt_gas=False`` (DeepSpeed's: a loss already normalised over the accumulation window).
-        ``retain_graph``: as in ``torch.Tensor.backward``; several ``backward`` calls before one
-        ``step()`` add up their gradients, as in torch.
+        ``retain_graph``: as in ``torch.Tensor.backward``; several ``backward`` calls before one ``step()``
+        add up into one micro-step (warned once if gradient_accumulation_steps > 1: runtime.training_state).
 
         Gradient collectives are launched during backward (stage 2: every micro-step; stages 0-1: on
         the boundary micro-step only) and have completed when this returns.
@@ -294,7 +294,7 @@ class Engine(CheckpointMethods):
             raise ValueError("engine.backward(loss) needs a scalar tensor that requires grad, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
         boundary = self.is_gradient_accumulation_boundary()
-        after = TrainingState.GRADS_READY if boundary else TrainingState.IDLE
+        after = TrainingState.GRADS_READY if boundary else TrainingState.ACCUMULATING
         with self.phase.during(TrainingState.BACKWARD, "engine.backward", then=after):
             self._backward(loss, boundary, retain_graph, scale_wrt_gas)
 

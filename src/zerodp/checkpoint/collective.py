@@ -50,7 +50,7 @@ def check_same_on_ranks(engine: Engine, what: str, values: Mapping[str, Any]) ->
     mine = torch.tensor([zlib.crc32(t.encode()) for t in texts.values()], dtype=torch.int64,
                         device=_comm_device(engine))
     table = torch.empty(engine.world_size * len(texts), dtype=torch.int64, device=mine.device)
-    dist.all_gather_into_tensor(table, mine, group=engine.process_group)
+    comm.all_gather_single(table, mine, group=engine.process_group)
     rows = table.view(engine.world_size, len(texts))
     if bool((rows == rows[0]).all()):
         return

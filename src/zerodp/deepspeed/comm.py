@@ -113,7 +113,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Gro
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group: Group = None,
                            async_op: bool = False, debug: Any = None) -> Any:
-    return _dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+    return _runtime_comm.all_gather_single(output_tensor, tensor, group=group, async_op=async_op)
 
 
 def allgather_fn(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group = None,
@@ -132,7 +132,7 @@ def broadcast_object_list(object_list: list[Any], src: int, group: Group = None,
 def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
                           group: Group = None, async_op: bool = False, prof: bool = False,
                           log_name: str = "reduce_scatter_tensor", debug: Any = None) -> Any:
-    return _dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+    return _runtime_comm.reduce_scatter_single(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
 def reduce_scatter_fn(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,

@@ -74,8 +74,6 @@ from zerodp.runtime import comm
 from zerodp.runtime.collective_guard import CallSite, CollectiveError, CollectiveMismatchError
 from zerodp.runtime.forward_agreement import TagWaits
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 KINDS: tuple[str, ...] = ("end", "gather", "reduce")
 
 
@@ -212,7 +210,7 @@ class BackwardAgreement(TagWaits):
         send = torch.tensor([kind, ident, self.posted, self.step], dtype=torch.int64)
         recv = torch.empty(g.world_size * 4, dtype=torch.int64)
         try:
-            work = _all_gather_single(recv, send, group=g.group, async_op=True)
+            work = comm.all_gather_single(recv, send, group=g.group, async_op=True)
         except Exception as exc:
             self._fail(self.posted, exc)
         self._tags.append(_Tag(send, recv, work))

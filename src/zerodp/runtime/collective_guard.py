@@ -47,9 +47,6 @@ from torch import nn
 from zerodp.runtime import comm
 from zerodp.runtime.forward_agreement import ForwardAgreement, build_names, crc, is_tag, mismatch_message
 
-# torch >= 2.13 name (the old one warns FutureWarning); not recorded in any ledger: not model traffic
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 #: calls the guard knows; the index is the code exchanged between ranks (same on every rank).
 CALLS: tuple[str, ...] = ("forward", "backward", "step", "gather", "save_checkpoint", "load_checkpoint",
                           "module_state_dict", "shutdown_distributed", "synced_generate", "clip_grad_norm_")
@@ -161,7 +158,7 @@ class CollectiveGuard:
         t0 = time.perf_counter()
         self._send.copy_(site.encode())
         try:
-            _all_gather_single(self._recv, self._send, group=self.group)
+            comm.all_gather_single(self._recv, self._send, group=self.group)
         except Exception as exc:  # gloo timeout or a peer's connection closed
             self._fail(site, exc)
         self.agreements += 1

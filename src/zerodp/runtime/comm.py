@@ -25,9 +25,13 @@ from torch.distributed import ProcessGroup, ReduceOp, Work
 
 from zerodp.runtime import control
 
-# torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
-_torch_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch >= 2.13 renamed the tensor-in/tensor-out collectives and the old names warn FutureWarning on every
+# call; older releases only have the old names. The public names are for the rest of zerodp (control
+# tensors, the DeepSpeed comm facade); the private ones carry the model traffic (zerodp bench patches them).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_torch_reduce_scatter_single = reduce_scatter_single
+_all_gather_single = all_gather_single
 
 
 class _SumOnWait:

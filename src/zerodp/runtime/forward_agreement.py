@@ -72,8 +72,6 @@ from torch.distributed import Work
 
 from zerodp.runtime import comm
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 WIDTH = 5  # int64 per rank: the synchronous agreement's row (see collective_guard._WIDTH)
 MAX_IN_FLIGHT = 64  # tags outstanding before the oldest is waited for
 END_DETAIL = "end"
@@ -230,7 +228,7 @@ class ForwardAgreement(TagWaits):
         send = torch.tensor([code, crc(detail), self.step, self.micro_step, aux], dtype=torch.int64)
         recv = torch.empty(g.world_size * WIDTH, dtype=torch.int64)
         try:
-            work = _all_gather_single(recv, send, group=g.group, async_op=True)
+            work = comm.all_gather_single(recv, send, group=g.group, async_op=True)
         except Exception as exc:
             self._fail(len(self._tags), exc, send)
         self._tags.append(_Tag(send, recv, work))

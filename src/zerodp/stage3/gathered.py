@@ -122,7 +122,7 @@ def _agree(keys: list, pg: dist.ProcessGroup | None, device: torch.device, what:
     digest = zlib.crc32(",".join(str(k) for k in keys).encode())
     mine = torch.tensor([len(keys), digest], dtype=torch.int64, device=device)
     table = torch.empty(dist.get_world_size(pg) * 2, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(table, mine, group=pg)
+    comm.all_gather_single(table, mine, group=pg)
     rows = table.view(-1, 2).tolist()
     if any(r != rows[0] for r in rows):
         counts = ", ".join(f"rank {i}: {r[0]}" for i, r in enumerate(rows))
