@@ -56,8 +56,8 @@ class DelayedHostOffload(HostOptimizerOffload):
     running when the engine returned from ``step()`` (tests and reports read it).
     """
 
-    def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused") -> None:
-        super().__init__(pin_memory, cpu_adam)
+    def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused", train_device: torch.device | str = "cpu") -> None:
+        super().__init__(pin_memory, cpu_adam, train_device)
         self._worker: ThreadPoolExecutor | None = None
         self._job: Future | None = None
         self.launched: list[torch.Tensor] | None = None
