@@ -39,6 +39,7 @@ from zerodp.offload.config import OffloadParamConfig
 from zerodp.offload.param_home import HostShards
 from zerodp.offload.param_swap import ParamSwapper
 from zerodp.runtime import comm
+from zerodp.runtime import device as devices
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.device import pinning_available, resolve_device, resolve_pin_memory
 from zerodp.stage3.allocator import pin_mmap_threshold
@@ -187,7 +188,7 @@ class Init:
         self.device = resolve_device(self.config.device, self.pg)  # each shard is allocated there
         self.remote = po = self.remote.model_copy(
             update={"pin_memory": resolve_pin_memory(self.remote.pin_memory, self.device)})
-        if po.device == "cpu" and self.device.type != "cpu" and self.host_shards is None:
+        if po.device == "cpu" and devices.is_accelerator(self.device) and self.host_shards is None:
             self.host_shards = HostShards(self.device, bool(po.pin_memory))  # the shards' host homes
         pin_mmap_threshold()  # each module's full values are freed once partitioned: return them
         if po.device == "nvme" and self.swapper is None:
@@ -290,7 +291,7 @@ class Init:
             if p.device != self.device or cast != p.dtype:
                 p.data = p.data.to(self.device, cast)
         # a host shard (CPU engine) is page-locked where asked and possible; a device shard's host home is
-        pin = self.remote.device == "cpu" and bool(self.remote.pin_memory) and self.device.type == "cpu" \
+        pin = self.remote.device == "cpu" and bool(self.remote.pin_memory) and self.host_shards is None \
             and pinning_available()
         unit = shard_unit(name, named, 0, [-1] * len(named), rank, world, sync=sync, pin_memory=pin)
         if built.is_floating_point and built != unit.shard.dtype:

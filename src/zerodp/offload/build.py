@@ -95,7 +95,7 @@ def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int, process
     if cfg.device == "cpu" and cfg.delayed_update:  # host memory, the update one step late
         return DelayedHostOffload(bool(cfg.pin_memory), cfg.cpu_adam, device)
     if cfg.device == "cpu":
-        on_cpu = device.type == "cpu"
+        on_cpu = not devices.is_accelerator(device)
         if on_cpu and os.environ.get(HOST_PIPELINE_ON_CPU_ENV) != "1":
             if rank == 0:
                 warnings.warn("zero_optimization.offload_optimizer.device 'cpu': training runs on the CPU, so the "

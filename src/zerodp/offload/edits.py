@@ -32,7 +32,8 @@ FOLD_CHUNK_NUMEL = 1 << 22
 #: elements fingerprinted per pass (bounds the device scratch: three int64 tensors, 24 MiB)
 FINGERPRINT_CHUNK_NUMEL = 1 << 20
 #: twice an odd 64-bit constant (the golden ratio's), as a signed int64: weights ``i * _STEP + 1`` are odd
-_STEP = (2 * 0x9E3779B97F4A7C15) % (1 << 64) - (1 << 64)
+_STEP = (2 * 0x9E3779B97F4A7C15) % (1 << 64)
+_STEP -= (1 << 64) if _STEP >= (1 << 63) else 0
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -39,6 +39,7 @@ from zerodp.offload.cpu_adam import CpuAdam, cpu_adam_kernel
 from zerodp.offload.edits import EditWatch, fold_edit
 from zerodp.offload.report import offload_formula
 from zerodp.offload.stream import CopyStream
+from zerodp.runtime import device as devices
 from zerodp.runtime.device import host_empty
 from zerodp.runtime.partition import FlatGroup, Piece
 
@@ -86,7 +87,7 @@ class HostOptimizerOffload:
         #: where the module's pieces live (the engine's device); not the CPU: the copy stream's device
         #: mode, edits found by fingerprints, module-dtype staging buffers (see the module docstring)
         self.train_device = torch.device(train_device)
-        self.on_device = self.train_device.type != "cpu"
+        self.on_device = devices.is_accelerator(self.train_device)
         self.pieces: list[Piece] = []
         self.grad_buffers: list[torch.Tensor] = []  # host fp32, one per piece
         #: per piece, on a device with a module dtype other than fp32: the pinned host buffer the updated

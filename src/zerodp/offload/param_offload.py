@@ -64,7 +64,7 @@ class ParamOffload:
         """
         mine = [u for u in units if not u.persistent]
         device = devices.device_of(u.shard for u in mine)
-        if self.device == "cpu" and device.type != "cpu":
+        if self.device == "cpu" and devices.is_accelerator(device):
             built_host = [u.home.owner for u in mine if isinstance(u.home, HostShard)]
             self.host_shards = built_host[0] if built_host else HostShards(device, bool(self.cfg.pin_memory))
         if self.device == "nvme":

@@ -56,7 +56,7 @@ class CopyStream:
 
     def __init__(self, device: torch.device | str = "cpu", threaded: bool = True) -> None:
         self.device = torch.device(device)
-        self.on_device = self.device.type != "cpu"
+        self.on_device = devices.is_accelerator(self.device)
         self.threaded = threaded and not self.on_device
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Any] = []  # tickets not yet waited for by the host (futures or events)

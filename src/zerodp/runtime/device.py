@@ -238,6 +238,13 @@ def device_of(tensors: Iterable[torch.Tensor]) -> torch.device:
     return torch.device("cpu")
 
 
+def is_accelerator(device: torch.device) -> bool:
+    """Whether ``device`` is not the host: the offloads then copy between it and host memory (copy
+    stream, pinned buffers, host homes of shards). The one place that decision is read from (tests on a
+    CPU-only machine make it True to run the device code path with CPU tensors and no-op streams)."""
+    return device.type != "cpu"
+
+
 def pinning_available() -> bool:
     """Whether page-locked host memory can be allocated: a CUDA runtime is present (torch pins through
     it; on a CPU-only build ``pin_memory=True`` raises)."""
@@ -246,9 +253,9 @@ def pinning_available() -> bool:
 
 def resolve_pin_memory(value: bool | None, device: torch.device) -> bool:
     """The ``pin_memory`` of an offload section (``offload_optimizer``, ``offload_param``) or of
-    ``zero.Init``: None (unset) is True when the engine's ``device`` is CUDA, as DeepSpeed's docs
-    recommend pinned host buffers there, and False on the CPU; a bool is kept."""
-    return device.type == "cuda" if value is None else bool(value)
+    ``zero.Init``: None (unset) is True when the engine's ``device`` is an accelerator (CUDA), as
+    DeepSpeed's docs recommend pinned host buffers there, and False on the CPU; a bool is kept."""
+    return is_accelerator(device) if value is None else bool(value)
 
 
 def _page_locked_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
