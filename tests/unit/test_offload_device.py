@@ -225,3 +225,31 @@ def test_pin_memory_unset_is_resolved_from_the_engine_device():
     assert cfg.zero_optimization.offload_param.pin_memory is None
     # no CUDA (this machine): a pinned request gives pageable memory, silently
     assert not device.host_empty(8, torch.float32, pin=True).is_pinned()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_delayed_update_on_a_device_equals_the_cpu_path(world1, monkeypatch, stage):
+    """``delayed_update`` through the device branches (launch value from the masters' cast, edits found
+    by fingerprints, copies on the copy stream) gives the CPU path's stale trajectory bitwise, an edit
+    through ``.data`` included; test_delayed_update.py checks the CPU path against plain PyTorch."""
+    def run(device_path: bool) -> tuple[list[float], list[torch.Tensor], dict]:
+        with pytest.MonkeyPatch.context() as mp:
+            if device_path:
+                mp.setattr(device, "is_accelerator", lambda d: True)
+            cfg = _config(stage, True, False)
+            cfg["zero_optimization"]["offload_optimizer"]["delayed_update"] = True
+            engine = zerodp.initialize(_model(None), cfg)
+            assert engine.optimizer_offload.on_device is device_path
+            device.reset_host_syncs()
+            losses = _train(engine, None, steps=4)
+            syncs = dict(device.HOST_SYNCS)
+            weights = _weights(engine)
+            engine.close()
+        return losses, weights, syncs
+
+    cpu_losses, cpu_weights, _ = run(False)
+    dev_losses, dev_weights, syncs = run(True)
+    assert dev_losses == cpu_losses and len(set(cpu_losses)) == 4
+    for a, b in zip(cpu_weights, dev_weights, strict=True):
+        assert torch.equal(a, b)
+    assert syncs["offload_edits"] == 4  # one fingerprint check per boundary
