@@ -267,6 +267,8 @@ class HostOptimizerOffload:
         self.copies.device_wait()
         if self.edits is not None:
             self.edits.take([p.tensor for p in self.pieces])
+        for i in range(len(self.pieces)):  # copies of gradients not read (no gradient this step) done
+            self._grad_arrived(i)  # before the reducer reuses their memory
         for i, piece in enumerate(self.pieces):
             piece.master_copy.grad = None
             self._present[i] = False
