@@ -145,11 +145,17 @@ def test_initialize_moves_the_module_to_the_chosen_device(monkeypatch, cuda_mach
     moved.assert_not_called()  # already on the CPU
 
 
-def test_offload_on_a_gpu_is_refused(monkeypatch, cuda_machine):
+@pytest.mark.parametrize("zc", [{"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                                {"stage": 3, "offload_param": {"device": "cpu"}}])
+def test_offload_on_a_gpu_places_the_module_there(monkeypatch, cuda_machine, zc):
+    """Offload with the engine on a GPU is no longer refused: the module goes to cuda:LOCAL_RANK (its
+    host partition / shard homes are made by the offloads, tests/unit/test_offload_device.py)."""
     backend(monkeypatch, "cpu:gloo,cuda:nccl")
-    cfg = zerodp.load_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
-    with pytest.raises(DeviceError, match="offload on a GPU is not implemented yet.*'cpu'"):
-        place_on_engine_device(nn.Linear(2, 2), cfg, None)
+    model = nn.Linear(2, 2)
+    moved = mock.Mock()
+    monkeypatch.setattr(model, "to", moved)
+    assert place_on_engine_device(model, zerodp.load_config({"zero_optimization": zc}), None) == torch.device("cuda", 0)
+    moved.assert_called_once_with(torch.device("cuda", 0))
 
 
 # ---- control group ---------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from torch import nn
 import zerodp
 import zerodp.deepspeed as deepspeed
 from distributed import run_offload_worker
-from zerodp.runtime.device import DeviceError
 
 WORKER = Path(__file__).with_name("init_remote_worker.py")
 
@@ -79,11 +78,29 @@ def test_dropin_takes_remote_device_and_pin_memory(tmp_path):
     assert init.remote.device == "cpu" and init.swapper is None and zerodp.zero.is_partitioned(model[0].weight)
 
 
-def test_remote_device_on_gpu_engine_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(zerodp.zero, "resolve_device", lambda choice, group=None: torch.device("cuda", 0))
-    with pytest.raises(DeviceError, match="parameter offload on a GPU is not implemented"):
-        with zerodp.zero.Init(config=_cfg(tmp_path), remote_device="cpu"):
-            pass
+def test_remote_cpu_on_a_device_engine_sends_shards_to_pinned_host_homes(tmp_path, monkeypatch):
+    """The engine's device treated as an accelerator (``zerodp.runtime.device.is_accelerator``; the
+    tensors stay on the CPU, streams are torch.cpu's no-ops): each shard is copied into a host home as
+    it is built, page-locked (pin_memory unset: on a device) with CUDA patched in, and its own storage is
+    freed; the shard comes back on use with its values."""
+    zerodp.init_distributed()  # before CUDA is patched in (it would pick NCCL)
+    monkeypatch.setattr("zerodp.runtime.device.is_accelerator", lambda d: True)
+    pinned = _record_pinned(monkeypatch)
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 4))
+    torch.manual_seed(0)
+    with zerodp.zero.Init(config=_cfg(tmp_path), remote_device="cpu") as init:
+        model = nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 4))
+    assert init.remote.pin_memory is True and init.host_shards is not None
+    assert pinned == [32 * 16 + 16, 16 * 4 + 4], pinned  # the two host homes, nothing else pinned
+    units = init.units
+    assert [u.home.owner for u in units] == [init.host_shards] * 2
+    assert all(u.shard.untyped_storage().nbytes() == 0 for u in units)  # only the host copy remains
+    with units[0].resident() as shard:
+        assert torch.equal(shard[: 32 * 16], reference[0].weight.detach().reshape(-1))
+    assert units[0].shard.untyped_storage().nbytes() == 0
+    assert init.host_shards.counters.to_device == 1 and init.host_shards.counters.to_host == 0
+    assert zerodp.zero.is_partitioned(model[0].weight)
 
 
 def _record_pinned(monkeypatch) -> list[int]:

@@ -24,7 +24,6 @@ OVER_MAX_LINES = {
     "zerodp.runtime.reducer": "the reducer base and its three stage strategies (all-reduce, reduce-scatter "
                               "at the boundary, partitioned buckets): one module per strategy",
     "zerodp.offload.nvme": "the NVMe optimizer offload and its sub-group swap-in/out pipeline",
-    "zerodp.offload.param_swap": "parameter offload: the swapper, the shard homes and the read-ahead",
     "zerodp.config": "the top-level config schema beside the batch-size arithmetic and DeepSpeed key handling",
     "zerodp.app.cli": "the argument parser of every subcommand beside their dispatch",
     "zerodp.app.train": "the demo training loop beside its reporting",

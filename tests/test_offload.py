@@ -295,7 +295,7 @@ def test_edit_folding_with_parameters_on_another_device(device, tmp_path, monkey
     piece). The parameter pieces are :class:`ElsewhereTensor` views of the engine's buffers."""
     from zerodp.accessors import safe_get_full_fp32_param
 
-    monkeypatch.setattr("zerodp.offload.host.FOLD_CHUNK_NUMEL", 4)
+    monkeypatch.setattr("zerodp.offload.edits.FOLD_CHUNK_NUMEL", 4)
 
     def build(elsewhere: bool) -> zerodp.Engine:
         torch.manual_seed(0)

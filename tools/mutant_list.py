@@ -26,6 +26,7 @@ NVME = "src/zerodp/offload/nvme.py"
 NO_OFFLOAD = "src/zerodp/offload/no_offload.py"
 CPU_ADAM = "src/zerodp/offload/cpu_adam.py"
 PARAM_SWAP = "src/zerodp/offload/param_swap.py"
+PARAM_OFFLOAD_SRC = "src/zerodp/offload/param_offload.py"
 STEP_PIPELINE = "src/zerodp/offload/step_pipeline.py"
 ZERO_PAGES = "src/zerodp/runtime/zero_pages.py"
 COMM = "src/zerodp/runtime/comm.py"
@@ -184,7 +185,7 @@ MUTANTS: list[Mutant] = [
            "            g.update(v)\n",
            "            pass\n",
            [f"{PARAM_OFFLOAD}::test_param_offload_equals_stage3[1-reused,prefetch,init,overlap,beyond]"]),
-    Mutant("shard_reads_counted_inside_the_all_gather_window", PARAM_SWAP,
+    Mutant("shard_reads_counted_inside_the_all_gather_window", PARAM_OFFLOAD_SRC,
            "            if not any(h.state is Residency.SWAPPED for h in homes):\n                continue\n",
            "",
            [f"{PARAM_OFFLOAD}::test_param_offload_equals_stage3[1-reused,prefetch,init,overlap,beyond]"]),

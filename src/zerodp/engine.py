@@ -27,7 +27,7 @@ from zerodp import accessors
 from zerodp.checkpoint.engine_methods import CheckpointMethods
 from zerodp.config import ConfigError, ZeroDPConfig
 from zerodp.offload.build import OptimizerOffload, build_offload
-from zerodp.offload.param_swap import ParamOffload, build_param_offload
+from zerodp.offload.param_offload import ParamOffload, build_param_offload
 from zerodp.offload.report import OffloadReport, offload_report
 from zerodp.runtime import accounting, comm, grad_norm
 from zerodp.runtime.accounting import CATEGORIES, CommReport, MemoryReport
@@ -478,7 +478,7 @@ class Engine(CheckpointMethods):
     def shards_resident(self, groups: Sequence[FlatGroup] | None = None, write: bool = False) -> AbstractContextManager:
         """Stage 3 with ``offload_param``: this rank's shards (all, or those of ``groups``) hold their
         values for the block, written home afterwards with ``write`` (see
-        :mod:`zerodp.offload.param_swap`); otherwise a no-op."""
+        :mod:`zerodp.offload.param_offload`); otherwise a no-op."""
         if self.param_offload is None:
             return contextlib.nullcontext()
         self.optimizer_offload.settle()  # an optimizer step still updating shards (overlap_step) ends first

@@ -94,19 +94,13 @@ def place_on_engine_device(model: nn.Module, cfg: ZeroDPConfig, group: dist.Proc
     already there stays. Returns the device (``engine.device``).
 
     Raises:
-        DeviceError: the device cannot be used; the model is on another GPU (names both); the model
-            was built under ``zero.Init`` on another device (its shards cannot move); or an offload is
-            configured on a CUDA device (not implemented yet: set ``device`` to ``"cpu"``).
+        DeviceError: the device cannot be used; the model is on another GPU (names both); or the model
+            was built under ``zero.Init`` on another device (its shards cannot move).
     """
     from zerodp.runtime.device import DeviceError
     from zerodp.stage3.sharded_param import is_sharded
 
     device = resolve_device(cfg.device, group)
-    zc = cfg.zero_optimization
-    if device.type != "cpu" and (zc.offload_optimizer.enabled or zc.offload_param.enabled):
-        raise DeviceError(f"the engine's device is {device}, and offload on a GPU is not implemented yet "
-                          "(offload_optimizer/offload_param train on the CPU only); set the config key "
-                          "device to 'cpu'")
     if check_module_device(model, device):
         for name, p in model.named_parameters():
             if is_sharded(p) and p.device != device:

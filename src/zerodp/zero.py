@@ -36,10 +36,12 @@ from zerodp.accessors import (
 )
 from zerodp.config import ConfigError, load_config
 from zerodp.offload.config import OffloadParamConfig
+from zerodp.offload.param_home import HostShards
 from zerodp.offload.param_swap import ParamSwapper
 from zerodp.runtime import comm
+from zerodp.runtime import device as devices
 from zerodp.runtime.comm import CommLedger
-from zerodp.runtime.device import DeviceError, resolve_device
+from zerodp.runtime.device import pinning_available, resolve_device, resolve_pin_memory
 from zerodp.stage3.allocator import pin_mmap_threshold
 from zerodp.stage3.gathered import GatheredParameters
 from zerodp.stage3.init_writes import InitTouchMode
@@ -112,7 +114,9 @@ class Init:
     has a remote home (``remote_device``, else the config's ``offload_param.device``; DeepSpeed's
     ``zero.Init(remote_device=...)``): ``"nvme"`` writes each new shard to this rank's parameter swap
     file as soon as it is built and frees its memory (the engine adopts the file), ``"cpu"`` keeps it in
-    host memory, page-locked when ``pin_memory`` and CUDA is available. Only the module being built
+    host memory: on a CPU engine the shard is allocated there (page-locked when ``pin_memory`` and CUDA
+    is available), on a device it is copied to a host home (:mod:`zerodp.offload.param_home`,
+    page-locked when ``pin_memory``, unset: on CUDA) and its device memory freed at once. Only the module being built
     exists in full at any time, so peak memory is about one module's parameters, not the model's.
 
     Code that changes a module's weights after it was partitioned (HF's ``post_init()``,
@@ -132,14 +136,14 @@ class Init:
             ``offload_param.device``), ``"cpu"`` or ``"nvme"`` (needs the config's
             ``offload_param.nvme_path``); see :func:`resolve_remote_device`.
         pin_memory: page-lock host shards (``"cpu"``) and swap buffers (``"nvme"``) where CUDA is
-            available; None takes the config's ``offload_param.pin_memory``.
+            available; None takes the config's ``offload_param.pin_memory`` (unset: true when the
+            engine's device is CUDA).
 
     Raises:
         ConfigError: invalid config, a stage other than 3 with ``enabled=True``, or a ``remote_device``
             that disagrees with the config's ``offload_param.device`` or lacks its ``nvme_path``.
         ValueError: ``remote_device`` is none of None, "none", "cpu", "nvme".
-        DeviceError: (on enter) a remote device with the engine's device on a GPU (parameter offload
-            on a GPU is not implemented yet).
+        DeviceError: (on enter) the config key ``device`` cannot be used here.
     """
 
     def __init__(self, config: object = None, enabled: bool = True,
@@ -169,6 +173,8 @@ class Init:
         #: offload_param nvme: the swap file each new unit's shard is written to at once (the engine
         #: moves the shards into its own swap file when it adopts the units)
         self.swapper: ParamSwapper | None = None
+        #: offload_param cpu with the engine on a device: the host homes of the shards (the engine adopts them)
+        self.host_shards: HostShards | None = None
 
     def __enter__(self) -> Init:
         if not self.enabled:
@@ -180,11 +186,10 @@ class Init:
 
         comm.init_distributed()
         self.device = resolve_device(self.config.device, self.pg)  # each shard is allocated there
-        po = self.remote
-        if po.enabled and self.device.type != "cpu":
-            raise DeviceError(f"zero.Init(remote_device={po.device!r}): the engine's device is {self.device}, and "
-                              "parameter offload on a GPU is not implemented yet; set the config key device to "
-                              "'cpu' or build without a remote device")
+        self.remote = po = self.remote.model_copy(
+            update={"pin_memory": resolve_pin_memory(self.remote.pin_memory, self.device)})
+        if po.device == "cpu" and devices.is_accelerator(self.device) and self.host_shards is None:
+            self.host_shards = HostShards(self.device, bool(po.pin_memory))  # the shards' host homes
         pin_mmap_threshold()  # each module's full values are freed once partitioned: return them
         if po.device == "nvme" and self.swapper is None:
             self.swapper = ParamSwapper(po, self.config.aio, dist.get_rank(self.pg), self.pg)
@@ -285,13 +290,17 @@ class Init:
             cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
             if p.device != self.device or cast != p.dtype:
                 p.data = p.data.to(self.device, cast)
-        pin = self.remote.device == "cpu" and self.remote.pin_memory and torch.cuda.is_available()
+        # a host shard (CPU engine) is page-locked where asked and possible; a device shard's host home is
+        pin = self.remote.device == "cpu" and bool(self.remote.pin_memory) and self.host_shards is None \
+            and pinning_available()
         unit = shard_unit(name, named, 0, [-1] * len(named), rank, world, sync=sync, pin_memory=pin)
         if built.is_floating_point and built != unit.shard.dtype:
             assert self._touch is not None  # entered: set in __enter__
             self._touch.built_dtype[id(unit)] = built  # touched later: gathered in this dtype
         if self.swapper is not None:  # offload_param nvme: straight to the swap file
             unit.home = self.swapper.add(name, unit.shard)
+        elif self.host_shards is not None:  # offload_param cpu, the engine on a device: to host memory
+            unit.home = self.host_shards.add(name, unit.shard)
         self.units.append(unit)
         self._units_of[module] = [unit]
         for s in unit.slots:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from zerodp.deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+from zerodp.runtime.device import host_empty
 
 ALL_STATES = tuple(OffloadStateTypeEnum)
 #: states zerodp moves; the others must already be on the host
@@ -61,7 +62,7 @@ def offload_states(ds_engine: Any, include: Iterable[Any] | None = None,
                                   "engines (the parameters and gradients view these flat buffers); include "
                                   "optim_states and hp_params")
     moved: list[tuple[str, Any, Any, torch.device]] = []
-    pin = pin_memory and torch.cuda.is_available()
+    pin = bool(pin_memory)  # host_empty pins only where CUDA is present
     if OffloadStateTypeEnum.optim_states in wanted:
         for state in engine.optimizer.state.values():
             for k, v in state.items():
@@ -92,7 +93,7 @@ def reload_states(ds_engine: Any, non_blocking: bool = False) -> None:
 
 
 def _to_host(t: torch.Tensor, pin: bool, non_blocking: bool) -> torch.Tensor:
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    out = host_empty(tuple(t.shape), t.dtype, pin)
     out.copy_(t, non_blocking=non_blocking)
     return out
 

@@ -42,7 +42,8 @@ class Init(_zero.Init):
             ``"nvme"`` (each shard to host memory or the swap file as it is built; see
             :func:`zerodp.zero.resolve_remote_device`).
         pin_memory: True page-locks the host shards / swap buffers where CUDA is available; False
-            (DeepSpeed's default) takes the config's ``offload_param.pin_memory``.
+            (DeepSpeed's default) takes the config's ``offload_param.pin_memory`` (unset: true when the
+            engine's device is CUDA).
         mem_efficient_linear: accepted (no effect on results).
 
     Raises:

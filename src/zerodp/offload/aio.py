@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zerodp.offload.config import AioConfig
+from zerodp.runtime.device import host_empty
 
 ALIGN = 4096
 
@@ -34,9 +35,10 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 
 def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """A uint8 host tensor of ``nbytes`` (rounded up to :data:`ALIGN`) whose address is aligned."""
+    """A uint8 host tensor of ``nbytes`` (rounded up to :data:`ALIGN`) whose address is aligned;
+    page-locked when ``pin`` and CUDA is present (:func:`zerodp.runtime.device.host_empty`)."""
     n = align_up(nbytes)
-    raw = torch.empty(n + ALIGN, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    raw = host_empty(n + ALIGN, torch.uint8, pin)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip: skip + n]
 

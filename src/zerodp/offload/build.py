@@ -21,6 +21,7 @@ from zerodp.offload.delayed import DelayedHostOffload
 from zerodp.offload.host import HostOptimizerOffload
 from zerodp.offload.no_offload import NoOffload
 from zerodp.offload.nvme import NvmeOptimizerOffload
+from zerodp.runtime import device as devices
 from zerodp.runtime.grad_spill import GradSpill, SpillingGradReducer
 from zerodp.runtime.partition import FlatGroup, Piece
 
@@ -77,6 +78,8 @@ def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int, process
     and rank 0 warns once (unless :data:`HOST_PIPELINE_ON_CPU_ENV` is "1").
     ``zero_optimization.sub_group_size``: honoured when the user set it, else chosen by the NVMe
     offload from ``offload_optimizer.host_buffer_bytes`` (:mod:`zerodp.offload.sizing`).
+    ``offload_optimizer.pin_memory`` unset is resolved here from the engine's device (the groups'):
+    page-locked host buffers on CUDA, pageable on the CPU.
 
     Raises:
         ConfigError: offload asked for at stage 0 (DeepSpeed offloads partitioned states: stages 1-3).
@@ -87,10 +90,12 @@ def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int, process
     if stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer needs zero_optimization.stage 1, 2 or 3 "
                          "(it offloads this rank's partition of the optimizer states); got stage 0")
+    device = devices.device_of(g.buffer for g in groups)  # the engine's device
+    cfg = cfg.model_copy(update={"pin_memory": devices.resolve_pin_memory(cfg.pin_memory, device)})
     if cfg.device == "cpu" and cfg.delayed_update:  # host memory, the update one step late
-        return DelayedHostOffload(cfg.pin_memory, cfg.cpu_adam)
+        return DelayedHostOffload(bool(cfg.pin_memory), cfg.cpu_adam, device)
     if cfg.device == "cpu":
-        on_cpu = all(g.buffer.device.type == "cpu" for g in groups)
+        on_cpu = not devices.is_accelerator(device)
         if on_cpu and os.environ.get(HOST_PIPELINE_ON_CPU_ENV) != "1":
             if rank == 0:
                 warnings.warn("zero_optimization.offload_optimizer.device 'cpu': training runs on the CPU, so the "
@@ -98,7 +103,7 @@ def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int, process
                               "is added (the engine runs as without offload). Use device 'nvme' to take them "
                               "out of RAM", stacklevel=3)
             return NoOffload(has_master)
-        return HostOptimizerOffload(cfg.pin_memory, cfg.cpu_adam)
+        return HostOptimizerOffload(bool(cfg.pin_memory), cfg.cpu_adam, device)
     user_size = zc.sub_group_size if "sub_group_size" in zc.model_fields_set else None
     return NvmeOptimizerOffload(cfg, aio, user_size, rank, process_group)
 

@@ -57,7 +57,9 @@ class OffloadOptimizerConfig(_OffloadTarget):
     """``zero_optimization.offload_optimizer``: where each rank's fp32 master partition, Adam moments
     and gradient partition live (ZeRO-Offload, Ren et al. 2021; NVMe: ZeRO-Infinity section 5).
 
-    - ``cpu``: host memory (pinned when CUDA is present); the Adam step runs on the CPU.
+    - ``cpu``: host memory; the Adam step runs on the CPU. ``pin_memory`` unset (None) is resolved when
+      the engine is built (:func:`zerodp.runtime.device.resolve_pin_memory`): page-locked when the
+      engine's device is CUDA, as DeepSpeed's docs recommend, pageable on the CPU.
     - ``nvme``: swap files under ``nvme_path/zerodp_<job>/rank<r>/``, read and written with
       asynchronous direct I/O through ``buffer_count`` aligned buffers, sub-group by sub-group.
 
@@ -66,7 +68,8 @@ class OffloadOptimizerConfig(_OffloadTarget):
     own key, ``cpu`` only) applies each step's update one step late (:mod:`zerodp.offload.delayed`).
     """
 
-    pin_memory: bool = Field(False, description="page-lock the host buffers (only with CUDA present)")
+    pin_memory: bool | None = Field(None, description="page-lock the host buffers; unset: true when the engine's "
+                                                      "device is CUDA, false on the CPU")
     buffer_count: int = Field(4, ge=3, description="nvme: aligned sub-group buffers (>= 3: read, update, write)")
     fast_init: bool = Field(False, description="nvme: sparse swap files instead of preallocating them")
     ratio: float = Field(1.0, gt=0.0, le=1.0, description="fraction offloaded; only 1.0 is implemented")
@@ -138,7 +141,7 @@ class OffloadParamConfig(_OffloadTarget):
     """``zero_optimization.offload_param``: where each rank's shard of every stage-3 parameter unit lives
     between uses (ZeRO-Infinity, Rajbhandari et al. SC21, sections 5.1-5.2 and 6; stage 3 only).
 
-    - ``cpu``: host memory (page-locked with ``pin_memory`` when CUDA is present).
+    - ``cpu``: host memory (page-locked with ``pin_memory``, unset: when the engine's device is CUDA).
     - ``nvme``: one swap file per rank under ``nvme_path/zerodp_<job>/rank<r>/params.swp``; a shard is
       read (asynchronous direct I/O, through ``buffer_count`` buffers of ``buffer_size`` bytes) when its
       module is about to run, then the ranks all-gather; read-ahead along the stage-3 trace keeps at
@@ -146,7 +149,8 @@ class OffloadParamConfig(_OffloadTarget):
       already being all-gathered.
     """
 
-    pin_memory: bool = Field(False, description="page-lock the host shards and buffers (only with CUDA present)")
+    pin_memory: bool | None = Field(None, description="page-lock the host shards and buffers; unset: true when the "
+                                                      "engine's device is CUDA, false on the CPU")
     buffer_count: int = Field(5, ge=1, description="nvme: aligned I/O buffers in the pool")
     buffer_size: int = Field(100_000_000, ge=4096, description="nvme: bytes per I/O buffer (rounded down to 4096)")
     max_in_cpu: int = Field(1_000_000_000, ge=0, description="nvme: bytes of shards read ahead of use, at most")

@@ -21,7 +21,10 @@ as without the delay; the optimizer's own step hooks are not called. The gradien
 to the host at the step, not streamed during backward (the worker reads the host gradients until it
 ends). torch's CPU optimizer kernels release the GIL, so on a CPU-only machine the update runs beside
 the next micro-steps' forward and backward on other cores; on a GPU it would run beside the device's
-work (not run yet: docs/gpu.md).
+work (not run yet: docs/gpu.md). There the value at launch is the masters' cast made on the host (no
+device -> host copy of the partition), the edit check reads the module's pieces only where their
+fingerprints moved (:mod:`zerodp.offload.edits`), and the masters reach the module through the copy
+stream, the compute stream waiting for them (no host wait).
 
 Edits of the module's parameters between steps (in place, or through ``GatheredParameters`` /
 ``safe_set_full_fp32_param``) are kept: an element whose module value differs both from the value the
@@ -56,8 +59,8 @@ class DelayedHostOffload(HostOptimizerOffload):
     running when the engine returned from ``step()`` (tests and reports read it).
     """
 
-    def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused") -> None:
-        super().__init__(pin_memory, cpu_adam)
+    def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused", train_device: torch.device | str = "cpu") -> None:
+        super().__init__(pin_memory, cpu_adam, train_device)
         self._worker: ThreadPoolExecutor | None = None
         self._job: Future | None = None
         self.launched: list[torch.Tensor] | None = None
@@ -83,10 +86,16 @@ class DelayedHostOffload(HostOptimizerOffload):
         self.wait_update()
         if self.launched is None:
             return super().fold_edits()
-        for piece, before in zip(self.pieces, self.launched, strict=True):
-            _keep_edits(piece.tensor, before, piece.master_copy)
-            self.copies.copy(piece.tensor, piece.master_copy)
-        self.copies.wait()
+        # on a device only the pieces whose fingerprint moved are copied to the host and compared
+        changed = self.edits.changed([p.tensor for p in self.pieces]) if self.edits is not None \
+            else [True] * len(self.pieces)
+        for i, (piece, before) in enumerate(zip(self.pieces, self.launched, strict=True)):
+            if changed[i]:
+                _keep_edits(piece.tensor, before, piece.master_copy)
+            self._copy_to_module(i)
+        self.copies.device_wait()  # on a device an event wait of the compute stream; on the CPU the host's
+        if self.edits is not None:
+            self.edits.take([p.tensor for p in self.pieces])
         self.launched = None
 
     def refresh_master(self, piece: Piece) -> None:
@@ -108,7 +117,10 @@ class DelayedHostOffload(HostOptimizerOffload):
         """Launch the update with this step's host gradients on the worker thread and return."""
         self._sync_copies()
         present = [i for i, p in enumerate(self._present) if p]
-        self.launched = [p.tensor.detach().to("cpu", copy=True) for p in self.pieces]
+        # the module's values now: on a device the masters' cast (the pieces hold it since fold_edits),
+        # made on the host instead of copying the partition from the device
+        self.launched = [p.master_copy.to(p.tensor.dtype, copy=True) if self.on_device
+                         else p.tensor.detach().to("cpu", copy=True) for p in self.pieces]
         shadow = copy.copy(optimizer)  # same state dict; param groups copied: hyperparameters as of now
         shadow.param_groups = [dict(g) for g in optimizer.param_groups]
         optimizer._opt_called = True  # type: ignore[attr-defined]  # what optimizer.step() records for an LR scheduler's check

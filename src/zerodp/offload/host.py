@@ -36,14 +36,12 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from zerodp.offload.cpu_adam import CpuAdam, cpu_adam_kernel
+from zerodp.offload.edits import EditWatch, fold_edit
 from zerodp.offload.report import offload_formula
 from zerodp.offload.stream import CopyStream
+from zerodp.runtime import device as devices
+from zerodp.runtime.device import host_empty
 from zerodp.runtime.partition import FlatGroup, Piece
-
-
-def host_empty(numel: int, pin: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An uninitialised 1-D host tensor; page-locked when ``pin`` and CUDA is present."""
-    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin and torch.cuda.is_available())
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -82,15 +80,26 @@ class HostOptimizerOffload:
     #: None: the engine keeps every shard resident for the whole step
     shard_access: object | None = None
 
-    def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused") -> None:
-        self.pin = pin_memory
+    def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused",
+                 train_device: torch.device | str = "cpu") -> None:
+        self.pin = pin_memory  # page-locked host buffers (masters, gradients, staging)
         self.cpu_adam = cpu_adam  # the Adam/AdamW kernel of the CPU step (zerodp.offload.cpu_adam)
+        #: where the module's pieces live (the engine's device); not the CPU: the copy stream's device
+        #: mode, edits found by fingerprints, module-dtype staging buffers (see the module docstring)
+        self.train_device = torch.device(train_device)
+        self.on_device = devices.is_accelerator(self.train_device)
         self.pieces: list[Piece] = []
         self.grad_buffers: list[torch.Tensor] = []  # host fp32, one per piece
+        #: per piece, on a device with a module dtype other than fp32: the pinned host buffer the updated
+        #: master is cast into before its host -> device copy (a non_blocking copy cannot cast)
+        self.staging: list[torch.Tensor | None] = []
         self._index: dict[int, int] = {}  # id(piece) -> position in self.pieces
         self._present: list[bool] = []
         self._streamed: list[bool] = []  # gradient copy submitted during this step's backward
-        self.copies = CopyStream()
+        self._grad_ticket: list[object | None] = []  # per piece: its gradient copy, until the host waited
+        self._param_tickets: list[object] = []  # the last step's host -> device copies (read masters, staging)
+        self.copies = CopyStream(self.train_device)
+        self.edits: EditWatch | None = EditWatch() if self.on_device else None
 
     # ---- construction --------------------------------------------------------------------------
     def attach(self, groups: list[FlatGroup]) -> None:
@@ -100,6 +109,8 @@ class HostOptimizerOffload:
             for piece in g.pieces:
                 self._add_piece(piece)
                 self._make_master(piece)
+        if self.edits is not None:
+            self.edits.take([p.tensor for p in self.pieces])
 
     def _add_piece(self, piece: Piece) -> None:
         self._index[id(piece)] = len(self.pieces)
@@ -107,14 +118,18 @@ class HostOptimizerOffload:
         self.grad_buffers.append(self._grad_buffer(piece))
         self._present.append(False)
         self._streamed.append(False)
+        self._grad_ticket.append(None)
+        fp32 = piece.tensor.dtype == torch.float32
+        self.staging.append(None if fp32 or not self.on_device else
+                            host_empty(piece.hi - piece.lo, piece.tensor.dtype, self.pin))
 
     def _grad_buffer(self, piece: Piece) -> torch.Tensor:
         """``piece``'s host fp32 gradient buffer (ZeRO-Offload's host gradient)."""
-        return host_empty(piece.hi - piece.lo, self.pin)
+        return host_empty(piece.hi - piece.lo, torch.float32, self.pin)
 
     def _make_master(self, piece: Piece) -> None:
         source = piece.master if piece.master is not None else piece.tensor
-        master = host_empty(piece.hi - piece.lo, self.pin)
+        master = host_empty(piece.hi - piece.lo, torch.float32, self.pin)
         master.copy_(source.detach())
         piece.master = master
 
@@ -125,14 +140,25 @@ class HostOptimizerOffload:
     def refresh_master(self, piece: Piece) -> None:
         """The module's value of ``piece`` was edited (GatheredParameters): copy it into the master."""
         piece.master_copy.copy_(piece.tensor)
+        if self.edits is not None:
+            self.edits.retake(self._index[id(piece)], piece.tensor)
 
     def fold_edits(self) -> None:
         """Before the update: every element of a module parameter that no longer equals its master's
         cast was edited in place since the last step (``w.mul_(0.5)`` under ``no_grad``, also through
         ``w.data``); copy it into the fp32 master, keeping the fp32 value of the other elements
-        (the rule :meth:`zerodp.runtime.guards.TrainingGuards.before_update` applies without offload)."""
-        for piece in self.pieces:
-            fold_edit(piece.tensor, piece.master_copy)
+        (the rule :meth:`zerodp.runtime.guards.TrainingGuards.before_update` applies without offload).
+        On a device only the pieces whose fingerprint changed are compared (see [Note: edit
+        fingerprints] in :mod:`zerodp.offload.edits`): no copy of the partition to the host per step."""
+        if self.edits is None:
+            for piece in self.pieces:
+                fold_edit(piece.tensor, piece.master_copy)
+            return
+        changed = self.edits.changed([p.tensor for p in self.pieces])
+        for i, (piece, edited) in enumerate(zip(self.pieces, changed, strict=True)):
+            if edited:
+                fold_edit(piece.tensor, piece.master_copy)
+                self.edits.retake(i, piece.tensor)
 
     def skipped_step(self) -> None:
         """The update was skipped (fp16 overflow); :meth:`fold_edits` already folded every edit."""
@@ -142,8 +168,10 @@ class HostOptimizerOffload:
         """Collective in subclasses that can fail between steps; host memory cannot."""
 
     def begin_grads(self) -> None:
-        """Before a boundary backward: finish copies still in flight and forget what was streamed."""
-        self.copies.wait()
+        """Before a boundary backward: forget what was streamed (on the CPU, finish the copies still
+        in flight first; on a device the last step's copies are waited for where they matter)."""
+        if not self.on_device:
+            self.copies.wait()
         self._streamed = [False] * len(self.pieces)
 
     def gradient_spill(self, reducer: object) -> None:
@@ -155,7 +183,7 @@ class HostOptimizerOffload:
         fp32 buffer; called as its bucket's reduction completes. ``grad`` must stay unchanged until
         the step (a later reduction of the same bucket streams it again, in order)."""
         i = self._index[id(piece)]
-        self.copies.copy(self.grad_buffers[i], grad)
+        self._grad_ticket[i] = self.copies.copy(self.grad_buffers[i], grad)
         self._streamed[i] = True
 
     def stage_grad(self, piece: Piece, grad: torch.Tensor | None) -> None:
@@ -163,7 +191,7 @@ class HostOptimizerOffload:
         i = self._index[id(piece)]
         if not self._streamed[i]:
             assert grad is not None  # None only from a gradient spill, which only the NVMe offload makes
-            self.copies.copy(self.grad_buffers[i], grad)
+            self._grad_ticket[i] = self.copies.copy(self.grad_buffers[i], grad)
         self._present[i] = True
 
     def grads(self) -> list[torch.Tensor]:
@@ -190,21 +218,39 @@ class HostOptimizerOffload:
     def grad_of(self, piece: Piece) -> torch.Tensor | None:
         """``piece``'s host gradient staged this step, or None if it has none."""
         i = self._index[id(piece)]
-        self._sync_copies()
+        self._grad_arrived(i)
         return self.grad_buffers[i] if self._present[i] else None
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Run ``optimizer`` (whose parameters are the masters) on the staged host gradients, chunk
-        by chunk; each chunk's updated masters start streaming into the module's parameters while the
-        next chunk is updated."""
-        self._sync_copies()
+        by chunk, each chunk once its gradients have arrived (the later ones may still be on their way);
+        each chunk's updated masters start streaming into the module's parameters while the next chunk
+        is updated (on a device, cast into the pinned staging buffer first)."""
+        for ticket in self._param_tickets:  # the last step's copies still reading masters / staging
+            self.copies.host_wait(ticket)
+        self._param_tickets = []
         for chunk in _chunks(self.pieces, self._present):
             for i, piece in enumerate(self.pieces):
+                if i in chunk:
+                    self._grad_arrived(i)
                 piece.master_copy.grad = self.grad_buffers[i] if i in chunk else None
             with cpu_adam_kernel(optimizer, self.cpu_adam):
                 optimizer.step()
-            for i in chunk:
-                self.copies.copy(self.pieces[i].tensor, self.pieces[i].master_copy)
+            for i in sorted(chunk):
+                self._param_tickets.append(self._copy_to_module(i))
+
+    def _copy_to_module(self, i: int) -> object | None:
+        """Start the copy of piece ``i``'s master into the module's piece; returns its ticket."""
+        src, staging = self.pieces[i].master_copy, self.staging[i]
+        if staging is not None:
+            staging.copy_(src)  # the cast, on the host, into pinned memory
+            src = staging
+        return self.copies.copy(self.pieces[i].tensor, src)
+
+    def _grad_arrived(self, i: int) -> None:
+        """The host waits for piece ``i``'s gradient copy (if one is in flight)."""
+        ticket, self._grad_ticket[i] = self._grad_ticket[i], None
+        self.copies.host_wait(ticket)
 
     def settle(self) -> None:
         """Nothing to finish: :meth:`step` updates everything before it returns."""
@@ -214,15 +260,24 @@ class HostOptimizerOffload:
         fn()
 
     def finish_step(self) -> None:
-        """Wait until the module's parameters hold the updated masters; forget this step's gradients."""
-        self.copies.wait()
+        """The module's parameters hold the updated masters for any later use: on a device the compute
+        stream waits for the copies (an event wait: the host goes on, and the next forward's kernels run
+        after the copies) and the pieces' fingerprints are taken after them; on the CPU the host waits.
+        Forget this step's gradients."""
+        self.copies.device_wait()
+        if self.edits is not None:
+            self.edits.take([p.tensor for p in self.pieces])
+        for i in range(len(self.pieces)):  # copies of gradients not read (no gradient this step) done
+            self._grad_arrived(i)  # before the reducer reuses their memory
         for i, piece in enumerate(self.pieces):
             piece.master_copy.grad = None
             self._present[i] = False
             self._streamed[i] = False
 
     def _sync_copies(self) -> None:
+        """The host waits for every copy in flight (all gradients have arrived)."""
         self.copies.wait()
+        self._grad_ticket = [None] * len(self.pieces)
 
     # ---- checkpoints and reports ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -259,45 +314,6 @@ class HostOptimizerOffload:
         self.copies.close()
 
 
-#: elements of a device parameter copied into host memory at a time by :func:`fold_edit` (bounds its
-#: host scratch: 8 MiB in bf16)
-FOLD_CHUNK_NUMEL = 1 << 22
-
-
-def fold_edit(tensor: torch.Tensor, master: torch.Tensor) -> bool:
-    """Copy the elements of ``tensor`` (module dtype) that differ from ``master``'s cast into
-    ``master`` (fp32), in place; True if any did.
-
-    Shapes: both 1-D with the same number of elements. ``tensor`` may live on another device than
-    ``master`` (a CUDA parameter piece, a host master): it is then copied into a host scratch of at most
-    :data:`FOLD_CHUNK_NUMEL` elements at a time (``copy_``, exact) and compared there, since comparisons
-    and indexing need both operands on one device. Same device (CPU-only machine): compared in place.
-    """
-    if tensor.device == master.device:
-        return _fold_edit_here(tensor, master)
-    n = tensor.numel()
-    scratch = torch.empty(min(n, FOLD_CHUNK_NUMEL), dtype=tensor.dtype, device=master.device)
-    changed = False
-    for lo in range(0, n, FOLD_CHUNK_NUMEL):
-        hi = min(n, lo + FOLD_CHUNK_NUMEL)
-        local = scratch[: hi - lo]
-        local.copy_(tensor[lo:hi])  # waits for the device (a blocking device -> host copy)
-        changed |= _fold_edit_here(local, master[lo:hi])
-    return changed
-
-
-def _fold_edit_here(tensor: torch.Tensor, master: torch.Tensor) -> bool:
-    """:func:`fold_edit` for ``tensor`` and ``master`` on the same device."""
-    cast = master.to(tensor.dtype)
-    if torch.equal(tensor, cast):  # the common case: one pass, no allocation in fp32
-        return False
-    edited = tensor != cast
-    if not bool(edited.any()):
-        return False
-    master[edited] = tensor[edited].to(master.dtype)
-    return True
-
-
 def _chunks(pieces: list[Piece], present: list[bool]) -> list[set[int]]:
     """Positions of the present pieces, in order, cut into at most :data:`STEP_CHUNKS` chunks of at
     least :data:`MIN_CHUNK_NUMEL` elements (the last may be smaller)."""
@@ -318,5 +334,4 @@ def _chunks(pieces: list[Piece], present: list[bool]) -> list[set[int]]:
     return chunks
 
 
-__all__ = ["FOLD_CHUNK_NUMEL", "HostOptimizerOffload", "MIN_CHUNK_NUMEL", "fold_edit", "STEP_CHUNKS", "host_empty",
-           "storage_bytes"]
+__all__ = ["HostOptimizerOffload", "MIN_CHUNK_NUMEL", "STEP_CHUNKS", "storage_bytes"]

@@ -31,8 +31,13 @@ the current module runs and the next one is all-gathered; shards read ahead of u
 hold at most ``max_in_cpu`` bytes, and the reads in flight at most the pool
 (``buffer_count * buffer_size`` bytes).
 
-``device: cpu`` keeps shards in host memory; on a CPU-only machine that is where they already are, so
-it changes nothing. Parameters on CUDA with ``offload_param`` are refused (not implemented).
+A shard on a device (the engine on a GPU): pool buffers are page-locked (``pin_memory``, unset: on
+CUDA), each read chunk is copied buffer -> shard on a copy stream (:class:`zerodp.offload.stream.CopyStream`;
+the buffer is reused only after that copy is done), and :meth:`ParamSwapper.acquire` makes the compute
+stream wait for the copies (no host sync); a write copies the shard into a buffer with a blocking
+device -> host copy (the I/O thread reads the buffer at once). On the CPU the copies run inline, as before.
+``device: cpu`` homes are :mod:`zerodp.offload.param_home`'s; the engine's offload is
+:mod:`zerodp.offload.param_offload`.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import os
 import shutil
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,11 +56,9 @@ import torch.distributed as dist
 
 from zerodp.offload.aio import ALIGN, AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
 from zerodp.offload.config import AioConfig, OffloadParamConfig
+from zerodp.offload.stream import CopyStream
 from zerodp.offload.swap_dir import check_stale, make_rank_dir
 from zerodp.offload.swap_job import OffloadError, agree_job_id, raise_if_any_rank_failed, remove_swap_dir
-from zerodp.runtime.partition import FlatGroup
-from zerodp.stage3.sharding import Stage3
-from zerodp.stage3.units import ShardedUnit
 
 
 class Residency(enum.Enum):
@@ -136,6 +139,10 @@ class ParamSwapper:
         self.largest = 0  # bytes of the largest shard (pool buffers need not be larger)
         self.pool: list[torch.Tensor] = []  # every buffer ever allocated (at most buffer_count)
         self.free: list[torch.Tensor] = []
+        #: chunk copies pool buffer -> shard (on the shards' device: the copy stream; CPU: inline), and
+        #: id(buffer) -> the ticket of the copy still reading it (waited for before the buffer is reused)
+        self.copies: CopyStream | None = None
+        self._reading: dict[int, object] = {}
         self.queue: deque[_Op] = deque()  # reads waiting for a buffer
         self.inflight: deque[_Op] = deque()
         self.counters = SwapCounters()
@@ -184,6 +191,8 @@ class ParamSwapper:
                 shard.untyped_storage().nbytes() != shard.numel() * shard.element_size():
             raise ValueError(f"unit '{name}': a swappable shard must own exactly its storage")
         nbytes = shard.numel() * shard.element_size()
+        if self.copies is None:
+            self.copies = CopyStream(shard.device, threaded=False)
         s = SwappedShard(self, name, shard, self.end, nbytes)
         self.largest = max(self.largest, nbytes)
         self.end += align_up(nbytes)
@@ -214,6 +223,8 @@ class ParamSwapper:
                 self._pump()
                 if s.ops:
                     self._complete(self.inflight.popleft())
+        if self.copies is not None:  # the compute stream waits for the chunk copies (no host sync)
+            self.copies.device_wait()
         s.pins += 1
 
     def release(self, s: SwappedShard, dirty: bool, keep: bool = False) -> None:
@@ -284,7 +295,10 @@ class ParamSwapper:
         while True:
             fit = next((i for i, b in enumerate(self.free) if b.numel() >= nbytes), None)
             if fit is not None:
-                return self.free.pop(fit)
+                buf = self.free.pop(fit)
+                if self.copies is not None:  # a copy into a device shard may still read it
+                    self.copies.host_wait(self._reading.pop(id(buf), None))
+                return buf
             if self.free and len(self.pool) >= self.cfg.buffer_count:
                 small = self.free.pop()
                 self.pool = [b for b in self.pool if b is not small]
@@ -326,7 +340,10 @@ class ParamSwapper:
         op.handle.wait()
         s = op.shard
         if not op.write:
-            _bytes(s.shard)[op.start: op.start + op.nbytes].copy_(op.buf[: op.nbytes])
+            assert self.copies is not None  # made by add()
+            ticket = self.copies.copy(_bytes(s.shard)[op.start: op.start + op.nbytes], op.buf[: op.nbytes])
+            if ticket is not None:
+                self._reading[id(op.buf)] = ticket
         self.free.append(op.buf)
         op.buf = None
         s.ops.remove(op)
@@ -350,6 +367,8 @@ class ParamSwapper:
         if self.io is not None:
             self.io.close()
             self.io = None
+        if self.copies is not None:
+            self.copies.close()
         if self._finalizer is not None:
             self._finalizer()
 
@@ -359,7 +378,8 @@ class ParamSwapper:
                 "swap_buffers": sum(b.untyped_storage().nbytes() for b in self.pool)}
 
 
-def _fmt(n: float) -> str:
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes for a report line (B, KB, MB, GB; powers of 1000)."""
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -371,180 +391,4 @@ def _bytes(shard: torch.Tensor) -> torch.Tensor:
     return shard.view(torch.uint8)
 
 
-class ParamOffload:
-    """One stage-3 engine's parameter offload: the homes of its units' shards, read-ahead along the
-    trace, and residency for the engine calls that touch shards (step, checkpoints, accessors)."""
-
-    def __init__(self, cfg: OffloadParamConfig, aio: AioConfig, rank: int,
-                 process_group: dist.ProcessGroup | None) -> None:
-        self.cfg = cfg
-        self.aio = aio
-        self.rank = rank
-        self.pg = process_group
-        self.device = cfg.device
-        self.swapper: ParamSwapper | None = None
-        self.units: list[ShardedUnit] = []
-        self._by_group: dict[int, ShardedUnit] = {}
-        self._pending: Callable[[FlatGroup], bool] = lambda group: False
-
-    def attach(self, units: Sequence[ShardedUnit]) -> None:
-        """Collective: send the shard of every non-persistent unit to its home. Units built by
-        ``zero.Init`` whose shards are already in Init's swap file stay there (that swapper becomes
-        this engine's); with ``device: cpu`` such shards are read back into memory for good.
-
-        Raises:
-            NotImplementedError: a shard is on a CUDA device.
-            OffloadError: the NVMe path is unusable or the disk is full.
-        """
-        mine = [u for u in units if not u.persistent]
-        for u in mine:
-            if u.shard.device.type != "cpu":
-                raise NotImplementedError(
-                    f"zero_optimization.offload_param: unit '{u.name}' is on {u.shard.device}; parameter "
-                    "offload is implemented for CPU training only (shards already in host memory)")
-        if self.device == "nvme":
-            built = [u.home.swapper for u in mine if isinstance(u.home, SwappedShard)]
-            self.swapper = built[0] if built else ParamSwapper(self.cfg, self.aio, self.rank, self.pg)
-            if not built:
-                self.swapper.open()
-        for u in mine:
-            self.units.append(u)
-            self._by_group[id(u.group)] = u
-            if isinstance(u.home, SwappedShard) and u.home.swapper is not self.swapper:
-                old, u.home = u.home, None
-                old.swapper.forget(old)  # resident for good, unless moved into this engine's file below
-            if self.swapper is not None and u.home is None:
-                u.home = self.swapper.add(u.name, u.shard)
-
-    @contextlib.contextmanager
-    def resident(self, groups: Sequence[FlatGroup] | None = None, write: bool = False) -> Iterator[None]:
-        """Every offloaded shard (or those of ``groups``) holds its values for the block; with
-        ``write``, changed values are written home afterwards. All reads are queued first, so they
-        pipeline through the buffer pool."""
-        units = self.units if groups is None else [self._by_group[id(g)] for g in groups
-                                                    if id(g) in self._by_group]
-        homes = [u.home for u in units if u.home is not None]
-        if self.swapper is not None:
-            for h in homes:
-                if isinstance(h, SwappedShard) and h.state is Residency.SWAPPED:
-                    h.swapper._start_read(h)
-        taken = []
-        try:
-            for h in homes:
-                h.acquire()
-                taken.append(h)
-            yield
-        finally:
-            for h in taken:
-                h.release(dirty=write)
-
-    # ---- per-group residency (the NVMe optimizer step, zerodp.offload.nvme.ShardAccess) ----------
-    def _homes(self, groups: Sequence[FlatGroup]) -> list[SwappedShard]:
-        units = [self._by_group.get(id(g)) for g in groups]
-        return [u.home for u in units if u is not None and isinstance(u.home, SwappedShard)]
-
-    def prefetch(self, groups: Sequence[FlatGroup]) -> None:
-        """Queue reads of the swapped-out shards of ``groups`` (no pin; :meth:`pin` waits for them)."""
-        for h in self._homes(groups):
-            if h.state is Residency.SWAPPED:
-                h.swapper._start_read(h)
-
-    def pin(self, groups: Sequence[FlatGroup]) -> None:
-        """Acquire the shards of ``groups`` (reading them if needed; the use hook is not called: the
-        optimizer step pins them to update them); pair with :meth:`unpin`."""
-        for h in self._homes(groups):
-            h.swapper.acquire(h)
-
-    def unpin(self, groups: Sequence[FlatGroup], dirty: bool, keep: bool = False) -> None:
-        """Release the shards of ``groups``; the last release writes a ``dirty`` shard home and, with
-        ``keep``, leaves it resident within the read-ahead budget (:meth:`ParamSwapper.release`)."""
-        for h in self._homes(groups):
-            h.swapper.release(h, dirty, keep)
-
-    def swapped(self, group: FlatGroup) -> bool:
-        """True if ``group``'s shard lives in the swap file between uses."""
-        u = self._by_group.get(id(group))
-        return u is not None and isinstance(u.home, SwappedShard)
-
-    def set_use_hook(self, before_use: Callable[[FlatGroup], None], pending: Callable[[FlatGroup], bool]) -> None:
-        """``before_use(group)`` runs before each use of a swapped shard (all-gather, residency for an
-        engine call); shards of groups for which ``pending(group)`` is true are not read ahead (their
-        values are about to change: the optimizer step's loop still has to update them,
-        :mod:`zerodp.offload.step_pipeline`)."""
-        if self.swapper is None:
-            return
-        group_of = {id(u.home): u.group for u in self.units if isinstance(u.home, SwappedShard)}
-        self.swapper.before_use = lambda s: before_use(group_of[id(s)]) if id(s) in group_of else None
-        self._pending = pending
-
-    def read_ahead(self, upcoming: Sequence[Sequence[ShardedUnit]]) -> None:
-        """The coordinator's hook: ``upcoming`` are the units of the next modules of the trace, in
-        order; queue reads for the first ``prefetch_depth`` of them, within ``max_in_cpu`` (a unit
-        whose update is still pending is passed over). Modules whose shards are all resident or on
-        their way already (being all-gathered, read ahead at an earlier fetch) are not counted, so the
-        reads run ahead of the all-gather prefetch window rather than inside it."""
-        depth = 0
-        for units in upcoming:
-            if depth >= self.cfg.prefetch_depth:
-                return
-            homes = [u.home for u in units if isinstance(u.home, SwappedShard) and not self._pending(u.group)]
-            if not any(h.state is Residency.SWAPPED for h in homes):
-                continue
-            for h in homes:
-                if not h.swapper.read_ahead(h):
-                    return
-            depth += 1
-
-    def check_health(self) -> None:
-        if self.swapper is not None:
-            self.swapper.check_health()
-
-    def format(self, rank: int, steps: int) -> str:
-        """One line for ``zerodp train``: units offloaded, host bytes of shards resident now and of the
-        pool (live storages), bytes read and written per step since construction (NVMe)."""
-        line = f"rank {rank}  offload_param.device = {self.device}  units {len(self.units)}"
-        if self.swapper is None:
-            return line + f"  shards in host memory {_fmt(sum(u.shard.untyped_storage().nbytes() for u in self.units))}"
-        sw, c = self.swapper, self.swapper.counters
-        host = sw.host_bytes()
-        per = max(steps, 1)
-        return (line + f"  swap file {_fmt(sw.end)}  resident now {_fmt(host['resident_shards'])}  "
-                f"pool {_fmt(host['swap_buffers'])}\n  read {_fmt(c.bytes_read / per)}/step  "
-                f"written {_fmt(c.bytes_written / per)}/step  ({steps} steps, construction included; "
-                f"shard reads: {c.reads_ahead} issued ahead of use, {c.demand_reads} on demand; "
-                f"{c.waits} uses waited for a read in flight)")
-
-    def close(self) -> None:
-        if self.swapper is not None:
-            self.swapper.close()
-
-
-def build_param_offload(cfg: OffloadParamConfig, aio: AioConfig, sharding: Stage3 | None, rank: int,
-                        process_group: dist.ProcessGroup | None) -> ParamOffload | None:
-    """None for ``offload_param.device: none`` (shards ``zero.Init`` wrote to its swap file are read
-    back into memory first); else the engine's parameter offload, attached to the stage-3 units (their
-    shards sent home) and wired to the coordinator's read-ahead hook.
-
-    Raises:
-        ValueError: offload asked for without stage 3 (the config schema refuses that first).
-        OffloadError: the NVMe path is unusable (on every rank).
-    """
-    if not cfg.enabled:
-        built = {}
-        for u in sharding.units if sharding is not None else ():  # built by zero.Init(remote_device="nvme")
-            if isinstance(u.home, SwappedShard):
-                home, u.home = u.home, None
-                built[id(home.swapper)] = home.swapper
-                home.swapper.forget(home)  # read into memory for good: this engine does not offload
-        for swapper in built.values():
-            swapper.close()
-        return None
-    if sharding is None:
-        raise ValueError("zero_optimization.offload_param needs zero_optimization.stage 3")
-    offload = ParamOffload(cfg, aio, rank, process_group)
-    offload.attach(sharding.units)
-    sharding.coordinator.read_ahead = offload.read_ahead
-    return offload
-
-
-__all__ = ["ParamOffload", "build_param_offload", "ParamSwapper", "Residency", "SwappedShard", "SwapCounters"]
+__all__ = ["ParamSwapper", "Residency", "SwappedShard", "SwapCounters", "fmt_bytes"]

@@ -22,7 +22,7 @@ from zerodp.runtime.partition import FlatGroup
 
 
 class ShardAccess(Protocol):
-    """The parameter offload's per-group residency (:class:`zerodp.offload.param_swap.ParamOffload`)."""
+    """The parameter offload's per-group residency (:class:`zerodp.offload.param_offload.ParamOffload`)."""
 
     def prefetch(self, groups: Sequence[FlatGroup]) -> None: ...
     def pin(self, groups: Sequence[FlatGroup]) -> None: ...

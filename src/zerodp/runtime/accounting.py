@@ -189,7 +189,7 @@ class ReportedEngine(Protocol):
 
     @property  # read-only: the engine's is a Literal[0, 1, 2, 3]
     def stage(self) -> int: ...
-    param_offload: Any | None  # zerodp.offload.param_swap.ParamOffload
+    param_offload: Any | None  # zerodp.offload.param_offload.ParamOffload
     sharding: Any | None  # zerodp.stage3.sharding.Stage3
     precision: Any  # zerodp.runtime.precision.PrecisionPolicy
 

@@ -203,6 +203,13 @@ def synchronize(reason: str, value: torch.Tensor | None = None,
     return None
 
 
+def wait_event(reason: str, event: Any) -> None:
+    """Block the host until ``event`` (a device event) has completed, counted in :data:`HOST_SYNCS`
+    under ``reason`` (e.g. the CPU about to read a gradient copied from the device)."""
+    HOST_SYNCS[reason] += 1
+    event.synchronize()
+
+
 def host_flags(reason: str, flags: list[torch.Tensor]) -> list[bool]:
     """The values of ``flags`` (0-d bool tensors, e.g. ``t.isfinite().all()`` per tensor) on the host,
     in order, with one :func:`synchronize` per device they are on (not one per flag)."""
@@ -221,6 +228,49 @@ def all_finite(tensors: Iterable[torch.Tensor], reason: str) -> bool:
     """Whether every element of every tensor is finite (no inf/nan), with one :func:`synchronize` per
     device (the fp16 overflow check, ``engine.parameters_finite``). True for no tensors."""
     return all(host_flags(reason, [torch.isfinite(t).all() for t in tensors]))
+
+
+def device_of(tensors: Iterable[torch.Tensor]) -> torch.device:
+    """The device of the first of ``tensors`` (the engine's device, read from its flat groups or
+    shards: a shard whose storage is offloaded keeps its device); the CPU for none."""
+    for t in tensors:
+        return t.device
+    return torch.device("cpu")
+
+
+def is_accelerator(device: torch.device) -> bool:
+    """Whether ``device`` is not the host: the offloads then copy between it and host memory (copy
+    stream, pinned buffers, host homes of shards). The one place that decision is read from (tests on a
+    CPU-only machine make it True to run the device code path with CPU tensors and no-op streams)."""
+    return device.type != "cpu"
+
+
+def pinning_available() -> bool:
+    """Whether page-locked host memory can be allocated: a CUDA runtime is present (torch pins through
+    it; on a CPU-only build ``pin_memory=True`` raises)."""
+    return torch.cuda.is_available()
+
+
+def resolve_pin_memory(value: bool | None, device: torch.device) -> bool:
+    """The ``pin_memory`` of an offload section (``offload_optimizer``, ``offload_param``) or of
+    ``zero.Init``: None (unset) is True when the engine's ``device`` is an accelerator (CUDA), as
+    DeepSpeed's docs recommend pinned host buffers there, and False on the CPU; a bool is kept."""
+    return is_accelerator(device) if value is None else bool(value)
+
+
+def _page_locked_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(..., pin_memory=True)`` (tests on a CPU-only machine replace it to record requests)."""
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+
+
+def host_empty(shape: int | tuple[int, ...], dtype: torch.dtype = torch.float32, pin: bool = False) -> torch.Tensor:
+    """An uninitialised host tensor, page-locked when ``pin`` and :func:`pinning_available` (else
+    pageable, silently: pinning only speeds up copies to and from a device). Every pinned host buffer of
+    the offloads, ``zero.Init`` and the swap pools is allocated here."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if pin and pinning_available():
+        return _page_locked_empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device="cpu")
 
 
 def host_syncs() -> int:
