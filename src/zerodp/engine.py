@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from zerodp import accessors
 from zerodp.checkpoint.engine_methods import CheckpointMethods
 from zerodp.config import ConfigError, ZeroDPConfig
 from zerodp.offload.build import OptimizerOffload, build_offload
@@ -47,8 +46,7 @@ from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, Grad
 from zerodp.runtime.schedulers import build_scheduler
 from zerodp.runtime.topology import Topology
 from zerodp.runtime.training_state import TrainingPhase, TrainingState
-from zerodp.runtime.wrapped import WRAPPED
-from zerodp.stage3.ownership import register_master_refresh
+from zerodp.runtime.zero_state import attach_engine
 from zerodp.stage3.sharded_param import is_sharded
 from zerodp.stage3.sharding import Stage3
 
@@ -103,7 +101,6 @@ class Engine(CheckpointMethods):
         refuse_add_param_group(self.optimizer)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_guards = TrainingGuards(self)
-        accessors.register_engine(self)
         self.collective_guard.install_shutdown_check()
         self.backward_tags: BackwardAgreement | None = None
         if self.collective_guard.enabled:
@@ -112,8 +109,7 @@ class Engine(CheckpointMethods):
             self.backward_tags.attach(self.reducer)
         self.output_roots = OutputRoots(module, self.reducer.slots)  # forward outputs since the last backward
         self.ledger.reset()  # the report covers training, not the initial broadcast
-        for p in _unique_params(module):
-            WRAPPED.add(p, f"ZeRO stage {self.stage}")
+        attach_engine(module, self, self.groups, f"ZeRO stage {self.stage}")  # accessors, GatheredParameters
 
     # ---- construction ------------------------------------------------------------------------------
     def _build_layout(self, param_groups: list[ParamGroupSpec]) -> None:
@@ -147,7 +143,11 @@ class Engine(CheckpointMethods):
             self.optimizer_offload.set_shard_access(self.param_offload)
         with self.shards_resident() if self.optimizer_offload.shard_access is None else contextlib.nullcontext():
             self.optimizer_offload.attach(self.groups)
-        self._register_master_refresh()
+        self._master_pieces: dict[int, tuple[FlatGroup, list]] = {}  # id(param) -> its group, its pieces with masters
+        for g in self.groups:
+            for piece in g.pieces:
+                if self.optimizer_offload.holds_master(piece):
+                    self._master_pieces.setdefault(id(piece.slot.param), (g, []))[1].append(piece)
         if self.stage == 3 or self.precision.has_master:
             why = ("stage 3 keeps each parameter as a shard; outside forward the module's parameters hold no values"
                    if self.stage == 3 else "the next step would copy the fp32 master weights back over them")
@@ -206,26 +206,14 @@ class Engine(CheckpointMethods):
                 groups.append(FlatGroup(len(groups), buffer, buckets, slots))
         return groups
 
-    def _register_master_refresh(self) -> None:
-        """Let GatheredParameters(modifier_rank=...) edits reach the fp32 master copies."""
-        by_param: dict[int, list] = {}
-        for g in self.groups:
-            for piece in g.pieces:
-                if self.optimizer_offload.holds_master(piece):
-                    by_param.setdefault(id(piece.slot.param), []).append(piece)
-        for g in self.groups:
-            for s in g.slots:
-                pieces = by_param.get(id(s.param))
-                if pieces:
-                    def refresh(ps: list = pieces, g: FlatGroup = g) -> None:  # defaults bind this slot's values
-                        for p in ps:
-                            self._refresh_master(p, g)
-
-                    register_master_refresh(s.param, refresh, self)
-
-    def _refresh_master(self, piece: Any, group: FlatGroup) -> None:
-        with self.shards_resident([group]):
-            self.optimizer_offload.refresh_master(piece)
+    def refresh_masters(self, param: nn.Parameter) -> None:
+        """``param`` was edited under ``GatheredParameters(modifier_rank=...)``: copy its new value into
+        the fp32 masters of this rank's pieces of it (nothing without masters)."""
+        g, pieces = self._master_pieces.get(id(param), (None, []))
+        if g is not None:
+            with self.shards_resident([g]):
+                for piece in pieces:
+                    self.optimizer_offload.refresh_master(piece)
 
     def _broadcast_from_rank0(self) -> None:
         """Make every rank start from rank 0's parameters and buffers, as DDP does."""

@@ -21,6 +21,7 @@ from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.optim import ParamGroupSpec
 from zerodp.runtime.partition import FlatGroup
 from zerodp.runtime.streams import SideStream
+from zerodp.runtime.zero_state import param_holders
 from zerodp.stage3.aliases import saved_alias_hooks
 from zerodp.stage3.allocator import pin_mmap_threshold
 from zerodp.stage3.coordinator import ParameterCoordinator
@@ -30,7 +31,7 @@ from zerodp.stage3.ownership import (
     full_numel,
     materialize,
     pre_sharded_unit,
-    register_owner,
+    set_owner,
     take_pending_external,
 )
 from zerodp.stage3.pool import GatherPool
@@ -76,13 +77,13 @@ class Stage3:
             self.index, positions, pg, ledger, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
             zc.stage3_max_reuse_distance, fetch_check)
         self.coordinator.stream = self.gather_stream
-        # each owner lives as long as a module holding its parameter (the first one, as for tied
+        # each owner lives in the state of the module holding its parameter (the first one, as for tied
         # parameters), so a submodule kept alone after the engine and the root are dropped still gathers
-        holder = {id(p): m for m in reversed(list(module.modules())) for p in m._parameters.values()
-                  if p is not None}
+        holders = param_holders(module)
         for u in self.index.units:
             for s in u.slots:
-                register_owner(s.param, Owner(u, pg, ledger, self.coordinator), holder.get(id(s.param), module))
+                holder = holders[id(s.param)][1] if id(s.param) in holders else module
+                set_owner(s.param, Owner(u, pg, ledger, self.coordinator), holder)
         self.stack = ModuleStack()
         self.handles = register_stage3_hooks(module, self.coordinator, self.stack)
         self._mode = ExternalParameterMode(self.coordinator, self.stack)
