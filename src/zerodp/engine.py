@@ -91,7 +91,7 @@ class Engine(CheckpointMethods):
         self.loss_scaler: LossScaler | None = LossScaler.from_config(config)
         self.phase = TrainingPhase()  # IDLE, BACKWARD, GRADS_READY (until step()), STEP
         gc = config.collective_guard
-        self.collective_guard = CollectiveGuard(process_group, gc.timeout_s, gc.check_gathers, gc.enabled)
+        self.collective_guard = CollectiveGuard(process_group, gc.timeout_s, gc.check_gathers, gc.enabled, self.ledger)
         if self.precision.has_master:
             cast_module(module, self.precision.param_dtype, partitioned=is_sharded)  # parameters and buffers
         self._build_layout(param_groups)

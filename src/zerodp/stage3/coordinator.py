@@ -344,7 +344,7 @@ class ParameterCoordinator:
                 # a group's own Work: waited through the agreements' watch too, and dropped by the first
                 # unit that waits for it (a Work references the buffers it wrote: one kept alive by the
                 # units still GATHERING would look like a view escaping, see [Note: escaping views])
-                shared = _SharedWork(comm.watch(work, run[0].shard.device))
+                shared = _SharedWork(comm.watch(work, self.ledger, run[0].shard.device))
                 for u in run:
                     u.work = cast(Work, shared)  # duck-typed: wait() is all a unit calls
             self.gather_collectives += 1
