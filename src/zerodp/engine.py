@@ -26,7 +26,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from zerodp.checkpoint.engine_methods import CheckpointMethods
 from zerodp.config import ConfigError, ZeroDPConfig
 from zerodp.offload.build import OptimizerOffload, build_offload
-from zerodp.offload.param_swap import ParamOffload, build_param_offload
+from zerodp.offload.param_swap import ParamOffload, attach_param_offload, build_param_offload
 from zerodp.offload.report import OffloadReport, offload_report
 from zerodp.runtime import accounting, comm, grad_norm
 from zerodp.runtime.accounting import CATEGORIES, CommReport, MemoryReport
@@ -117,15 +117,17 @@ class Engine(CheckpointMethods):
         rank 0's values on every rank."""
         zc = self.config.zero_optimization
         self.sharding: Stage3 | None = None
+        self.param_offload: ParamOffload | None = build_param_offload(
+            zc.offload_param, self.config.aio, self.rank, self.process_group)
         if self.stage == 3:
             self.sharding = Stage3(self.module, param_groups, self.rank, self.world_size, self.process_group,
-                                   self.ledger, zc, fetch_check=self.collective_guard.gather_check(self.module))
+                                   self.ledger, zc, fetch_check=self.collective_guard.gather_check(self.module),
+                                   read_ahead=self.param_offload.read_ahead if self.param_offload is not None else None)
             self.groups = self.sharding.groups
         else:
             self.groups = self._flatten(param_groups, zc.reduce_bucket_size)
         # offload_param (stage 3): from here on every shard lives in its home between uses
-        self.param_offload: ParamOffload | None = build_param_offload(
-            zc.offload_param, self.config.aio, self.sharding, self.rank, self.process_group)
+        attach_param_offload(self.param_offload, self.sharding)
         in_groups = {id(s.param) for g in self.groups for s in g.slots}
         self.frozen = [p for p in _unique_params(self.module) if id(p) not in in_groups]
         self._broadcast_from_rank0()
@@ -304,9 +306,9 @@ class Engine(CheckpointMethods):
             try:
                 if boundary:
                     self.optimizer_offload.begin_grads()
-                self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
                 # the ranks reach different parameters: reduce every bucket at the end, in one order
-                self.reducer.defer_once = self.collective_guard.aux_differs
+                self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2,
+                                              defer=self.collective_guard.aux_differs)
                 self.output_roots.backward(plan, retain_graph, self.reducer)
                 self.reducer.end_micro_step()
                 if tags is not None:

@@ -519,17 +519,23 @@ class ParamOffload:
             self.swapper.close()
 
 
-def build_param_offload(cfg: OffloadParamConfig, aio: AioConfig, sharding: Stage3 | None, rank: int,
+def build_param_offload(cfg: OffloadParamConfig, aio: AioConfig, rank: int,
                         process_group: dist.ProcessGroup | None) -> ParamOffload | None:
-    """None for ``offload_param.device: none`` (shards ``zero.Init`` wrote to its swap file are read
-    back into memory first); else the engine's parameter offload, attached to the stage-3 units (their
-    shards sent home) and wired to the coordinator's read-ahead hook.
+    """None for ``offload_param.device: none``; else the engine's parameter offload, built before the
+    stage-3 units (their coordinator gets its :meth:`ParamOffload.read_ahead`) and attached to them by
+    :func:`attach_param_offload`."""
+    return ParamOffload(cfg, aio, rank, process_group) if cfg.enabled else None
+
+
+def attach_param_offload(offload: ParamOffload | None, sharding: Stage3 | None) -> None:
+    """Send the stage-3 units' shards home (``offload``); without one, read the shards ``zero.Init``
+    wrote to its swap file back into memory.
 
     Raises:
         ValueError: offload asked for without stage 3 (the config schema refuses that first).
         OffloadError: the NVMe path is unusable (on every rank).
     """
-    if not cfg.enabled:
+    if offload is None:
         built = {}
         for u in sharding.units if sharding is not None else ():  # built by zero.Init(remote_device="nvme")
             if isinstance(u.home, SwappedShard):
@@ -538,13 +544,11 @@ def build_param_offload(cfg: OffloadParamConfig, aio: AioConfig, sharding: Stage
                 home.swapper.forget(home)  # read into memory for good: this engine does not offload
         for swapper in built.values():
             swapper.close()
-        return None
+        return
     if sharding is None:
         raise ValueError("zero_optimization.offload_param needs zero_optimization.stage 3")
-    offload = ParamOffload(cfg, aio, rank, process_group)
     offload.attach(sharding.units)
-    sharding.coordinator.read_ahead = offload.read_ahead
-    return offload
 
 
-__all__ = ["ParamOffload", "build_param_offload", "ParamSwapper", "Residency", "SwappedShard", "SwapCounters"]
+__all__ = ["ParamOffload", "build_param_offload", "attach_param_offload", "ParamSwapper", "Residency", "SwappedShard",
+           "SwapCounters"]

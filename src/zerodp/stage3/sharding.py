@@ -44,9 +44,12 @@ class Stage3:
     def __init__(
         self, module: nn.Module, specs: list[ParamGroupSpec], rank: int, world_size: int,
         pg: dist.ProcessGroup | None, ledger: CommLedger, zc: ZeroConfig, fetch_check: Any = None,
+        read_ahead: Any = None,
     ) -> None:
         """``fetch_check``: the collective guard's gather agreement, called by the coordinator before
-        each fetch (:meth:`zerodp.runtime.collective_guard.CollectiveGuard.gather_check`); None: none."""
+        each fetch (:meth:`zerodp.runtime.collective_guard.CollectiveGuard.gather_check`); None: none.
+        ``read_ahead``: the parameter offload's (:meth:`zerodp.offload.param_swap.ParamOffload.read_ahead`),
+        called by the coordinator after each fetch; None: no parameter offload."""
         self.rank, self.world_size, self.pg, self.ledger = rank, world_size, pg, ledger
         spec_of = {id(p): gi for gi, spec in enumerate(specs) for _, p in spec.params}
         src = dist.get_global_rank(pg, 0) if pg is not None else 0
@@ -75,7 +78,7 @@ class Stage3:
         positions = {id(m): i for i, m in enumerate(module.modules())}
         self.coordinator = ParameterCoordinator(
             self.index, positions, pg, ledger, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
-            zc.stage3_max_reuse_distance, fetch_check)
+            zc.stage3_max_reuse_distance, fetch_check, read_ahead)
         self.coordinator.stream = self.gather_stream
         # each owner lives in the state of the module holding its parameter (the first one, as for tied
         # parameters), so a submodule kept alone after the engine and the root are dropped still gathers
