@@ -77,12 +77,11 @@ def test_device_wait_does_not_block_the_host():
 
 def test_watched_work_knows_where_its_tensors_are():
     seen = []
-    comm.WORK_WATCH[:] = [lambda work, on_device: seen.append(on_device)]
-    try:
-        comm._watched(FakeWork(0), True, torch.zeros(1)).wait()
-        comm._watched(FakeWork(0), True, torch.zeros(1, device="meta")).wait()
-        comm.watch(FakeWork(0), torch.device("meta")).wait()
-        comm.watch(FakeWork(0)).wait()
-    finally:
-        comm.WORK_WATCH.clear()
+    ledger = comm.CommLedger(watch=lambda work, on_device: seen.append(on_device))
+    comm._watched(FakeWork(0), True, ledger, torch.zeros(1)).wait()
+    comm._watched(FakeWork(0), True, ledger, torch.zeros(1, device="meta")).wait()
+    comm.watch(FakeWork(0), ledger, torch.device("meta")).wait()
+    comm.watch(FakeWork(0), ledger).wait()
     assert seen == [False, True, True, False]
+    unwatched = FakeWork(0)
+    assert comm.watch(unwatched, comm.CommLedger()) is unwatched  # another engine's ledger: plain waits

@@ -19,9 +19,8 @@ by ``gradient_accumulation_steps`` as ``engine.backward`` does, unscaled (fp16),
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,7 @@ from torch import nn
 from zerodp.runtime import comm
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.partition import FlatGroup, ParamSlot, Piece
-from zerodp.runtime.wrapped import WRAPPED
+from zerodp.runtime.zero_state import param_record, wrapped_by
 from zerodp.stage3.sharded_param import is_sharded
 
 #: optimizer-state keys that hold one value per parameter element (torch Adam/AdamW).
@@ -65,48 +64,26 @@ class AccessedEngine(Protocol):
     def shards_resident(self, groups: list[FlatGroup] | None = None, write: bool = False) -> Any: ...
 
 
-#: id(parameter) -> weak references to (the parameter, its engine, its flat group, its slot); the group
-#: and slot references are None for a parameter outside the engine's groups (frozen). Only weak
-#: references: the engine owns its groups and slots, and an entry must not keep a parameter (which a
-#: slot references) or a group's flat buffers alive after the engine and module are gone; the
-#: parameter's own reference removes the entry when the parameter dies.
-_ENGINES: dict[int, tuple[weakref.ref, weakref.ref, weakref.ref | None, weakref.ref | None]] = {}
-
-
-def register_engine(engine: AccessedEngine) -> None:
-    """Make every parameter of ``engine.module`` findable by the accessors (called by the engine)."""
-    ref = weakref.ref(engine)
-    for p in engine.module.parameters():
-        _ENGINES[id(p)] = (_param_ref(p), ref, None, None)
-    for g in engine.groups:
-        for s in g.slots:
-            _ENGINES[id(s.param)] = (_param_ref(s.param), ref, weakref.ref(g), weakref.ref(s))
-
-
-def _param_ref(p: nn.Parameter) -> weakref.ref:
-    key = id(p)
-    return weakref.ref(p, lambda r: _ENGINES.pop(key, None) if _ENGINES.get(key, (None,))[0] is r else None)
-
-
 def _locate(param: nn.Parameter) -> tuple[AccessedEngine, FlatGroup | None, ParamSlot | None]:
-    entry = _ENGINES.get(id(param))
-    engine = entry[1]() if entry is not None and entry[0]() is param else None
-    if engine is None:
-        dropped = WRAPPED.get(param)
+    """``param``'s engine, flat group and slot, from the state of the module holding it
+    (:mod:`zerodp.runtime.zero_state`, filled by :func:`zerodp.runtime.zero_state.attach_engine`)."""
+    rec = param_record(param)
+    engine = rec.live_engine() if rec is not None else None
+    if rec is None or engine is None:
+        dropped = wrapped_by(param)
         if dropped is not None:
             raise ValueError(f"this parameter (shape {tuple(param.shape)}) belonged to an engine that no longer "
                              f"exists ({dropped}; dropped and garbage-collected): its optimizer "
                              "states went with it; keep a reference to the engine while you use these accessors")
         raise ValueError(f"this parameter (shape {tuple(param.shape)}) does not belong to a module passed "
                          "to zerodp.initialize")
-    assert entry is not None  # the engine was found through it
-    if entry[2] is None or entry[3] is None:
-        return engine, None, None
-    g, s = entry[2](), entry[3]()
+    if rec.group is None or rec.slot is None:
+        return cast(AccessedEngine, engine), None, None
+    g, s = rec.group(), rec.slot()
     if g is None or s is None:  # the engine no longer holds the group it registered: never guess
         raise RuntimeError(f"this parameter (shape {tuple(param.shape)}) was registered with a flat group "
                            "its engine no longer holds")
-    return engine, g, s
+    return cast(AccessedEngine, engine), g, s
 
 
 @contextlib.contextmanager

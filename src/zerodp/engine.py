@@ -23,11 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from zerodp import accessors
 from zerodp.checkpoint.engine_methods import CheckpointMethods
 from zerodp.config import ConfigError, ZeroDPConfig
 from zerodp.offload.build import OptimizerOffload, build_offload
-from zerodp.offload.param_offload import ParamOffload, build_param_offload
+from zerodp.offload.param_offload import ParamOffload, attach_param_offload, build_param_offload
 from zerodp.offload.report import OffloadReport, offload_report
 from zerodp.runtime import accounting, comm, grad_norm
 from zerodp.runtime.accounting import CATEGORIES, CommReport, MemoryReport
@@ -35,7 +34,7 @@ from zerodp.runtime.backward_agreement import BackwardAgreement, build_backward_
 from zerodp.runtime.backward_roots import OutputRoots
 from zerodp.runtime.collective_guard import CollectiveGuard
 from zerodp.runtime.comm import CommLedger
-from zerodp.runtime.device import all_finite
+from zerodp.runtime.device import all_finite, device_of
 from zerodp.runtime.grad_placeholder import GradPlaceholders
 from zerodp.runtime.grad_spill import partitioned_reducer
 from zerodp.runtime.guards import TrainingGuards, refuse_add_param_group
@@ -47,8 +46,7 @@ from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, Grad
 from zerodp.runtime.schedulers import build_scheduler
 from zerodp.runtime.topology import Topology
 from zerodp.runtime.training_state import TrainingPhase, TrainingState
-from zerodp.runtime.wrapped import WRAPPED
-from zerodp.stage3.ownership import register_master_refresh
+from zerodp.runtime.zero_state import attach_engine
 from zerodp.stage3.sharded_param import is_sharded
 from zerodp.stage3.sharding import Stage3
 
@@ -93,7 +91,7 @@ class Engine(CheckpointMethods):
         self.loss_scaler: LossScaler | None = LossScaler.from_config(config)
         self.phase = TrainingPhase(self.gradient_accumulation_steps)  # IDLE, BACKWARD, ..., STEP
         gc = config.collective_guard
-        self.collective_guard = CollectiveGuard(process_group, gc.timeout_s, gc.check_gathers, gc.enabled)
+        self.collective_guard = CollectiveGuard(process_group, gc.timeout_s, gc.check_gathers, gc.enabled, self.ledger)
         if self.precision.has_master:
             cast_module(module, self.precision.param_dtype, partitioned=is_sharded)  # parameters and buffers
         self._build_layout(param_groups)
@@ -103,7 +101,6 @@ class Engine(CheckpointMethods):
         refuse_add_param_group(self.optimizer)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_guards = TrainingGuards(self)
-        accessors.register_engine(self)
         self.collective_guard.install_shutdown_check()
         self.backward_tags: BackwardAgreement | None = None
         if self.collective_guard.enabled:
@@ -112,8 +109,7 @@ class Engine(CheckpointMethods):
             self.backward_tags.attach(self.reducer)
         self.output_roots = OutputRoots(module, self.reducer.slots)  # forward outputs since the last backward
         self.ledger.reset()  # the report covers training, not the initial broadcast
-        for p in _unique_params(module):
-            WRAPPED.add(p, f"ZeRO stage {self.stage}")
+        attach_engine(module, self, self.groups, f"ZeRO stage {self.stage}")  # accessors, GatheredParameters
 
     # ---- construction ------------------------------------------------------------------------------
     def _build_layout(self, param_groups: list[ParamGroupSpec]) -> None:
@@ -121,15 +117,18 @@ class Engine(CheckpointMethods):
         rank 0's values on every rank."""
         zc = self.config.zero_optimization
         self.sharding: Stage3 | None = None
+        self.param_offload: ParamOffload | None = build_param_offload(
+            zc.offload_param, self.config.aio, self.rank, self.process_group,
+            self.device if self.device is not None else device_of(self.module.parameters()))
         if self.stage == 3:
             self.sharding = Stage3(self.module, param_groups, self.rank, self.world_size, self.process_group,
-                                   self.ledger, zc, fetch_check=self.collective_guard.gather_check(self.module))
+                                   self.ledger, zc, fetch_check=self.collective_guard.gather_check(self.module),
+                                   read_ahead=self.param_offload.read_ahead if self.param_offload is not None else None)
             self.groups = self.sharding.groups
         else:
             self.groups = self._flatten(param_groups, zc.reduce_bucket_size)
         # offload_param (stage 3): from here on every shard lives in its home between uses
-        self.param_offload: ParamOffload | None = build_param_offload(
-            zc.offload_param, self.config.aio, self.sharding, self.rank, self.process_group)
+        attach_param_offload(self.param_offload, self.sharding)
         in_groups = {id(s.param) for g in self.groups for s in g.slots}
         self.frozen = [p for p in _unique_params(self.module) if id(p) not in in_groups]
         self._broadcast_from_rank0()
@@ -147,7 +146,11 @@ class Engine(CheckpointMethods):
             self.optimizer_offload.set_shard_access(self.param_offload)
         with self.shards_resident() if self.optimizer_offload.shard_access is None else contextlib.nullcontext():
             self.optimizer_offload.attach(self.groups)
-        self._register_master_refresh()
+        self._master_pieces: dict[int, tuple[FlatGroup, list]] = {}  # id(param) -> its group, its pieces with masters
+        for g in self.groups:
+            for piece in g.pieces:
+                if self.optimizer_offload.holds_master(piece):
+                    self._master_pieces.setdefault(id(piece.slot.param), (g, []))[1].append(piece)
         if self.stage == 3 or self.precision.has_master:
             why = ("stage 3 keeps each parameter as a shard; outside forward the module's parameters hold no values"
                    if self.stage == 3 else "the next step would copy the fp32 master weights back over them")
@@ -206,26 +209,14 @@ class Engine(CheckpointMethods):
                 groups.append(FlatGroup(len(groups), buffer, buckets, slots))
         return groups
 
-    def _register_master_refresh(self) -> None:
-        """Let GatheredParameters(modifier_rank=...) edits reach the fp32 master copies."""
-        by_param: dict[int, list] = {}
-        for g in self.groups:
-            for piece in g.pieces:
-                if self.optimizer_offload.holds_master(piece):
-                    by_param.setdefault(id(piece.slot.param), []).append(piece)
-        for g in self.groups:
-            for s in g.slots:
-                pieces = by_param.get(id(s.param))
-                if pieces:
-                    def refresh(ps: list = pieces, g: FlatGroup = g) -> None:  # defaults bind this slot's values
-                        for p in ps:
-                            self._refresh_master(p, g)
-
-                    register_master_refresh(s.param, refresh, self)
-
-    def _refresh_master(self, piece: Any, group: FlatGroup) -> None:
-        with self.shards_resident([group]):
-            self.optimizer_offload.refresh_master(piece)
+    def refresh_masters(self, param: nn.Parameter) -> None:
+        """``param`` was edited under ``GatheredParameters(modifier_rank=...)``: copy its new value into
+        the fp32 masters of this rank's pieces of it (nothing without masters)."""
+        g, pieces = self._master_pieces.get(id(param), (None, []))
+        if g is not None:
+            with self.shards_resident([g]):
+                for piece in pieces:
+                    self.optimizer_offload.refresh_master(piece)
 
     def _broadcast_from_rank0(self) -> None:
         """Make every rank start from rank 0's parameters and buffers, as DDP does."""
@@ -316,9 +307,9 @@ class Engine(CheckpointMethods):
             try:
                 if boundary:
                     self.optimizer_offload.begin_grads()
-                self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2)
                 # the ranks reach different parameters: reduce every bucket at the end, in one order
-                self.reducer.defer_once = self.collective_guard.aux_differs
+                self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2,
+                                              defer=self.collective_guard.aux_differs)
                 self.output_roots.backward(plan, retain_graph, self.reducer)
                 self.reducer.end_micro_step()
                 if tags is not None:

@@ -20,7 +20,7 @@ from zerodp.runtime.device import check_module_device, resolve_device
 from zerodp.runtime.guards import check_model_at_initialize
 from zerodp.runtime.optim import normalize_param_groups
 from zerodp.runtime.topology import resolve_topology
-from zerodp.runtime.wrapped import refuse_wrapped
+from zerodp.runtime.zero_state import refuse_wrapped
 
 
 def initialize(

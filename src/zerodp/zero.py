@@ -45,7 +45,15 @@ from zerodp.runtime.device import pinning_available, resolve_device, resolve_pin
 from zerodp.stage3.allocator import pin_mmap_threshold
 from zerodp.stage3.gathered import GatheredParameters
 from zerodp.stage3.init_writes import InitTouchMode
-from zerodp.stage3.ownership import OWNERS, Owner, add_pending_external, full_numel, is_partitioned, materialize
+from zerodp.stage3.ownership import (
+    Owner,
+    add_pending_external,
+    full_numel,
+    is_partitioned,
+    materialize,
+    owner_of,
+    set_owner,
+)
 from zerodp.stage3.synced import synced_generate
 from zerodp.stage3.units import ShardedUnit, shard_unit
 from zerodp.tiling import TiledLinear
@@ -85,7 +93,7 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
     if not isinstance(module, nn.Module) or not isinstance(param, torch.Tensor):
         raise TypeError("register_external_parameter(module, param) takes an nn.Module and a parameter, got "
                         f"{type(module).__name__} and {type(param).__name__}")
-    owner = OWNERS.get(param)
+    owner = owner_of(param)
     if owner is None or owner.coordinator is None:
         add_pending_external(module, param)
         return
@@ -254,7 +262,7 @@ class Init:
     def _partition(self, module: nn.Module, name: str) -> None:
         threshold = self.config.zero_optimization.stage3_param_persistence_threshold
         params = [p for _, p in module.named_parameters(recurse=False) if not is_lazy(p)]
-        if not any(p.numel() > threshold and OWNERS.get(p) is None for p in params):
+        if not any(p.numel() > threshold and owner_of(p) is None for p in params):
             return
         before = self._units_of.get(module, [])
         if before:  # parameters registered after the module was partitioned: one unit for all of them
@@ -273,7 +281,7 @@ class Init:
                     p.data = p.data.to(built_as)
             self.units[:] = [u for u in self.units if all(u is not b for b in before)]
         named = [(n, p) for n, p in module.named_parameters(recurse=False)
-                 if not is_lazy(p) and p.numel() > threshold and OWNERS.get(p) is None]
+                 if not is_lazy(p) and p.numel() > threshold and owner_of(p) is None]
         rank = dist.get_rank(self.pg)
         world = dist.get_world_size(self.pg)
         src = dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
@@ -304,7 +312,7 @@ class Init:
         self.units.append(unit)
         self._units_of[module] = [unit]
         for s in unit.slots:
-            OWNERS.set(s.param, Owner(unit, self.pg, self.ledger, None), module)
+            set_owner(s.param, Owner(unit, self.pg, self.ledger, None), module)
         self._partitioned(unit)
 
     def _partitioned(self, unit: ShardedUnit) -> None:

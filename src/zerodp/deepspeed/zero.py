@@ -19,7 +19,7 @@ from torch import nn
 from zerodp import zero as _zero
 from zerodp.config import ConfigError
 from zerodp.deepspeed.config import drop_auto, read_config, resolve_deepspeed_config
-from zerodp.stage3.ownership import OWNERS
+from zerodp.stage3.ownership import owner_of
 from zerodp.stage3.sharded_param import ZeroParamStatus
 from zerodp.stage3.units import ShardedUnit
 from zerodp.zero import GatheredParameters, TiledLinear, full_numel, is_partitioned, register_external_parameter
@@ -101,7 +101,7 @@ def set_ds_attributes(p: nn.Parameter, shape: tuple[int, ...] | None) -> None:
     if shape is not None:
         p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]  # DeepSpeed's attribute on a Parameter
     p.ds_numel = full_numel(p)  # type: ignore[attr-defined]  # idem
-    owner = OWNERS.get(p)
+    owner = owner_of(p)
     if owner is not None:
         p.__dict__["ds_id"] = owner.unit.ds_id(p)
         p.__dict__["ds_status"] = ZeroParamStatus.AVAILABLE  # read while gathered (own class)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
+import torch
 import torch.distributed as dist
 
 from zerodp.offload.config import AioConfig, OffloadParamConfig
@@ -201,17 +202,26 @@ class ParamOffload:
             self.host_shards.close()
 
 
-def build_param_offload(cfg: OffloadParamConfig, aio: AioConfig, sharding: Stage3 | None, rank: int,
-                        process_group: dist.ProcessGroup | None) -> ParamOffload | None:
-    """None for ``offload_param.device: none`` (shards ``zero.Init`` sent to its swap file or host
-    homes are brought back first); else the engine's parameter offload, attached to the stage-3 units (their
-    shards sent home) and wired to the coordinator's read-ahead hook.
+def build_param_offload(cfg: OffloadParamConfig, aio: AioConfig, rank: int, process_group: dist.ProcessGroup | None,
+                        device: torch.device) -> ParamOffload | None:
+    """None for ``offload_param.device: none``; else the engine's parameter offload (``pin_memory``
+    resolved for the engine's ``device``), built before the stage-3 units (their coordinator gets its
+    :meth:`ParamOffload.read_ahead`) and attached to them by :func:`attach_param_offload`."""
+    if not cfg.enabled:
+        return None
+    cfg = cfg.model_copy(update={"pin_memory": devices.resolve_pin_memory(cfg.pin_memory, device)})
+    return ParamOffload(cfg, aio, rank, process_group)
+
+
+def attach_param_offload(offload: ParamOffload | None, sharding: Stage3 | None) -> None:
+    """Send the stage-3 units' shards home (``offload``); without one, bring the shards ``zero.Init``
+    sent to its swap file or host homes back into memory for good.
 
     Raises:
         ValueError: offload asked for without stage 3 (the config schema refuses that first).
         OffloadError: the NVMe path is unusable (on every rank).
     """
-    if not cfg.enabled:
+    if offload is None:
         built = {}
         for u in sharding.units if sharding is not None else ():  # built by zero.Init(remote_device=...)
             if u.home is not None:
@@ -220,15 +230,10 @@ def build_param_offload(cfg: OffloadParamConfig, aio: AioConfig, sharding: Stage
                 _forget(home)  # read into memory for good: this engine does not offload
         for owner in built.values():
             owner.close()
-        return None
+        return
     if sharding is None:
         raise ValueError("zero_optimization.offload_param needs zero_optimization.stage 3")
-    device = devices.device_of(u.shard for u in sharding.units)
-    cfg = cfg.model_copy(update={"pin_memory": devices.resolve_pin_memory(cfg.pin_memory, device)})
-    offload = ParamOffload(cfg, aio, rank, process_group)
     offload.attach(sharding.units)
-    sharding.coordinator.read_ahead = offload.read_ahead
-    return offload
 
 
 def _owner(home: object) -> ParamSwapper | HostShards:
@@ -248,4 +253,4 @@ def _forget(home: object) -> None:
         home.forget()
 
 
-__all__ = ["Home", "ParamOffload", "build_param_offload"]
+__all__ = ["Home", "ParamOffload", "attach_param_offload", "build_param_offload"]

@@ -35,7 +35,7 @@ On the bench's small GPT this is 7 tags per step instead of 39 (one per fetch an
 When they are checked:
 
 - While a rank waits for any data collective inside backward (every ``zerodp.runtime.comm`` wait goes
-  through :meth:`BackwardAgreement.wait_data` then, see ``comm.WORK_WATCH``), it polls the collective's
+  through :meth:`BackwardAgreement.wait_data` then, see ``comm.CommLedger.watch``), it polls the collective's
   ``is_completed()`` and checks the tags that have completed every ``comm.POLL_S`` (never a timed
   ``wait``: on NCCL that aborts the communicator; a device collective is not waited for on the host at
   all, see [Note: guard waits] in :mod:`zerodp.runtime.comm`); a rank waiting for a collective that a
@@ -84,6 +84,7 @@ class _Guard(Protocol):
     rank: int
     world_size: int
     timeout_s: float
+    ledger: comm.CommLedger  # the engine's: its ``watch`` is set while the agreement runs
     broken: CollectiveError | None
     backward_gather: Callable[[int], None] | None
     backward_launch: Callable[[], None] | None
@@ -154,7 +155,7 @@ class BackwardAgreement(TagWaits):
         self.active, self.step, self.micro_step = True, step, micro_step
         self.posted, self._tags, self._checked = 0, [], 0
         self._fetches, self._digest, self._last_position = 0, 0, -1
-        comm.WORK_WATCH[:] = [self.wait_data]
+        self.guard.ledger.watch = self.wait_data
 
     def finish(self) -> None:
         """End of backward (every gradient reduction done): post ``end``, wait for and compare every
@@ -173,7 +174,7 @@ class BackwardAgreement(TagWaits):
     def end(self) -> None:
         """Leave backward (normally or by an exception): comm waits are plain again."""
         self.active = False
-        comm.WORK_WATCH.clear()
+        self.guard.ledger.watch = None
 
     # ---- tags ----------------------------------------------------------------------------------------
     def note_gather(self, position: int) -> None:

@@ -107,12 +107,15 @@ class CollectiveGuard:
     _instances = 0
 
     def __init__(self, process_group: dist.ProcessGroup | None, timeout_s: float,
-                 check_gathers: bool = True, enabled: bool = True) -> None:
+                 check_gathers: bool = True, enabled: bool = True, ledger: comm.CommLedger | None = None) -> None:
+        """``ledger``: the engine's, passed with every collective it issues; the forward and backward
+        agreements set its ``watch`` while they run (a fresh one when None)."""
         if timeout_s <= 0:
             raise ValueError(f"collective guard timeout_s must be > 0 seconds, got {timeout_s}")
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.timeout_s = float(timeout_s)
+        self.ledger = ledger if ledger is not None else comm.CommLedger()
         self.enabled = enabled and self.world_size > 1
         self.check_gathers = check_gathers and self.enabled
         self.agreements = 0  # agreements completed (for the cost report)

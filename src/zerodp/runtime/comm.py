@@ -179,13 +179,6 @@ def shutdown_distributed() -> None:
 #: of waiting for the process-group timeout.
 SHUTDOWN_CHECK: list = []
 
-#: set by :mod:`zerodp.runtime.backward_agreement` while an engine's backward runs: a callable that
-#: waits for one ``Work`` within a bounded time (checking the ranks' agreement while it waits). Every
-#: collective below then runs asynchronously and its ``wait()`` goes through that callable, so no
-#: rank waits for a collective that a diverged peer never issues until the process-group timeout.
-WORK_WATCH: list = []
-
-
 class WatchedWork:
     """A ``Work`` whose ``wait()`` is the watch's bounded wait; everything else passes through.
     ``on_device``: the collective's tensors are on an accelerator (its ``wait()`` orders streams and
@@ -202,24 +195,24 @@ class WatchedWork:
         return getattr(self.work, name)
 
 
-def _watched(work: Work | None, async_op: bool, tensor: torch.Tensor | None = None) -> Work | None:
-    """Route ``work`` through the active watch (see :data:`WORK_WATCH`); a synchronous call waits.
-    ``tensor``: one of the collective's tensors (where it lives decides how it is waited for)."""
-    if not WORK_WATCH or work is None:
+def _watched(work: Work | None, async_op: bool, ledger: CommLedger, tensor: torch.Tensor | None = None) -> Work | None:
+    """Route ``work`` through ``ledger``'s active watch (see :attr:`CommLedger.watch`); a synchronous
+    call waits. ``tensor``: one of the collective's tensors (where it lives decides how it is waited for)."""
+    if ledger.watch is None or work is None:
         return work
-    watched = WatchedWork(work, WORK_WATCH[-1], tensor is not None and tensor.device.type != "cpu")
+    watched = WatchedWork(work, ledger.watch, tensor is not None and tensor.device.type != "cpu")
     if async_op:
         return cast(Work, watched)  # duck-typed: wait() here, every other member via __getattr__
     watched.wait()
     return None
 
 
-def watch(work: Work | None, device: torch.device | None = None) -> Work | None:
+def watch(work: Work | None, ledger: CommLedger, device: torch.device | None = None) -> Work | None:
     """``work`` (issued outside this module, e.g. a coalesced group's, on ``device``: where its tensors
-    are, the CPU when None) routed through the active watch."""
-    if not WORK_WATCH or work is None:
+    are, the CPU when None) routed through ``ledger``'s active watch."""
+    if ledger.watch is None or work is None:
         return work
-    return cast(Work, WatchedWork(work, WORK_WATCH[-1], device is not None and device.type != "cpu"))  # duck-typed
+    return cast(Work, WatchedWork(work, ledger.watch, device is not None and device.type != "cpu"))  # duck-typed
 
 
 #: seconds between two looks at the agreements completed meanwhile, while a watched host wait goes on
@@ -294,10 +287,19 @@ class CommRecord:
 
 @dataclass
 class CommLedger:
-    """Counts every collective the engine issues, per (op, purpose)."""
+    """Counts every collective the engine issues, per (op, purpose); passed with every collective, it
+    also carries the engine's active watch.
+
+    ``watch``: set by the engine's forward and backward agreements (:mod:`zerodp.runtime.forward_agreement`,
+    :mod:`zerodp.runtime.backward_agreement`) while they run: a callable that waits for one ``Work``
+    within a bounded time (checking the ranks' agreement while it waits). Every collective issued with
+    this ledger then runs asynchronously and its ``wait()`` goes through that callable, so no rank waits
+    for a collective that a diverged peer never issues until the process-group timeout. None: plain waits.
+    """
 
     _totals: dict[tuple[str, str], list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0]))
     steps: int = 0  # optimizer steps since the last reset
+    watch: Callable[[Work, bool], None] | None = field(default=None, repr=False, compare=False)
 
     def record(self, op: str, tensor_numel: int, element_size: int, purpose: str) -> None:
         t = self._totals[(op, purpose)]
@@ -332,8 +334,8 @@ def all_reduce(
     group: over its gloo side group, see [Note: control group])."""
     ledger.record("all_reduce", tensor.numel(), tensor.element_size(), purpose)
     group = control.route(tensor, group)
-    return _watched(dist.all_reduce(tensor, op=op, group=group, async_op=async_op or bool(WORK_WATCH)),
-                    async_op, tensor)
+    return _watched(dist.all_reduce(tensor, op=op, group=group, async_op=async_op or ledger.watch is not None),
+                    async_op, ledger, tensor)
 
 
 def reduce_scatter(
@@ -346,9 +348,9 @@ def reduce_scatter(
     kw = {} if received is None else {"received": received}
     group = control.route(input, group)
     work = _reduce_scatter_single(output, input, op=ReduceOp.SUM, group=group,
-                                  async_op=async_op or bool(WORK_WATCH), **kw)
+                                  async_op=async_op or ledger.watch is not None, **kw)
     ledger.record("reduce_scatter", input.numel(), input.element_size(), purpose)  # once launched
-    return _watched(work, async_op, input)
+    return _watched(work, async_op, ledger, input)
 
 
 def all_gather(
@@ -358,8 +360,8 @@ def all_gather(
     """Concatenate every rank's 1-D ``input`` into ``output`` (N x ``input.numel()``); may be in place."""
     ledger.record("all_gather", output.numel(), output.element_size(), purpose)
     group = control.route(output, group)
-    return _watched(_all_gather_single(output, input, group=group, async_op=async_op or bool(WORK_WATCH)),
-                    async_op, output)
+    return _watched(_all_gather_single(output, input, group=group, async_op=async_op or ledger.watch is not None),
+                    async_op, ledger, output)
 
 
 def broadcast(

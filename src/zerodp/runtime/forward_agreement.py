@@ -45,7 +45,7 @@ When they are checked (every rank receives the same tables, so every rank reache
 - When more than :data:`MAX_IN_FLIGHT` are outstanding (a long forward): the oldest is waited for.
 - While a rank waits for a data collective inside the forward (every ``zerodp.runtime.comm`` wait,
   coalesced prefetch groups included, then goes through :meth:`ForwardAgreement.wait_data`, see
-  ``comm.WORK_WATCH``): polling its ``is_completed()``, comparing the tags that completed every
+  ``comm.CommLedger.watch``): polling its ``is_completed()``, comparing the tags that completed every
   ``comm.POLL_S``, at most ``timeout_s`` in all (a device collective: no host wait, see [Note: guard
   waits] in :mod:`zerodp.runtime.comm`). A rank waiting for an all-gather that a diverged peer never launches therefore
   raises as soon as its tag that met the peer's agreement completes.
@@ -84,6 +84,7 @@ class _Guard(Protocol):
     rank: int
     world_size: int
     timeout_s: float
+    ledger: comm.CommLedger  # the engine's: its ``watch`` is set while the agreement runs
 
     def check_usable(self) -> None: ...
 
@@ -187,7 +188,7 @@ class ForwardAgreement(TagWaits):
         self.active, self.step, self.micro_step = True, step, micro_step
         self.posted, self._tags, self._checked = 0, [], 0
         self.fetches, self.digest, self.pending = 0, 0, None
-        comm.WORK_WATCH[:] = [self.wait_data]
+        self.guard.ledger.watch = self.wait_data
 
     def finish(self) -> None:
         """The forward's modules have run: post ``end``, wait for and compare every tag (at most the
@@ -200,7 +201,7 @@ class ForwardAgreement(TagWaits):
         """Leave the forward (normally or by an exception): comm waits are plain again."""
         if self.active:
             self.active = False
-            comm.WORK_WATCH.clear()
+            self.guard.ledger.watch = None
 
     # ---- tags ----------------------------------------------------------------------------------------
     def note_fetch(self, position: int, name: str) -> None:

@@ -78,8 +78,8 @@ class SpillingGradReducer(PartitionedGradReducer):
             self.owned[g.index] = t
         return t
 
-    def begin_micro_step(self, reduce: bool) -> None:
-        super().begin_micro_step(reduce)
+    def begin_micro_step(self, reduce: bool, defer: bool = False) -> None:
+        super().begin_micro_step(reduce, defer)
         self._reduced_in_group = {}
 
     def end_micro_step(self) -> None:

@@ -130,9 +130,7 @@ class GradientReducer:
         #: bucket, or a coalesced stage-3 group) just before it is launched (the backward agreement's
         #: tag, :mod:`zerodp.runtime.backward_agreement`); None: no check
         self.launch_check: Callable[[list[tuple[int, int]]], None] | None = None
-        #: this micro-step only: launch every bucket when backward returns (set after begin_micro_step
-        #: when the ranks' backward graphs reach different parameters, see engine.backward)
-        self.defer_once = False
+        self.defer_once = False  # this micro-step only: launch every bucket when backward returns
 
     # ---- hook wiring -------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -178,9 +176,11 @@ class GradientReducer:
         self._on_grad(slot, param)
 
     # ---- micro-step protocol -----------------------------------------------------------------------
-    def begin_micro_step(self, reduce: bool) -> None:
-        """Called before backward. ``reduce``: launch collectives during this backward."""
+    def begin_micro_step(self, reduce: bool, defer: bool = False) -> None:
+        """Called before backward. ``reduce``: launch collectives during this backward; ``defer``: only
+        when it returns, every bucket in one order (the ranks' backward graphs reach different parameters)."""
         self._reducing = reduce
+        self.defer_once = defer
         self._in_backward = True
         self._pending = {id(b): sum(map(_trainable, b.slots)) for g in self.groups for b in g.buckets}
         self._launched = set()
@@ -393,8 +393,8 @@ class FullGradReduceScatter(_FullGradBuffer):
         self._reduced = False  # a reduce-scatter happened since zero_grads()
         self._carry: dict[int, torch.Tensor] = {}  # id(bucket) -> owned average set aside
 
-    def begin_micro_step(self, reduce: bool) -> None:
-        super().begin_micro_step(reduce)
+    def begin_micro_step(self, reduce: bool, defer: bool = False) -> None:
+        super().begin_micro_step(reduce, defer)
         if reduce and self._reduced:
             for g in self.groups:
                 for b in g.buckets:

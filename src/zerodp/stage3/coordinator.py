@@ -12,9 +12,9 @@ prefetch this iteration, and the next iteration records afresh. Collective order
 ranks as long as every rank runs the same modules in the same order, which stage 3 requires (as in
 DeepSpeed and FSDP).
 
-With parameter offload, :attr:`ParameterCoordinator.read_ahead` (set by the engine, see
-:mod:`zerodp.offload.param_swap`) is called after each fetch with the units of the rest of the trace, so
-reads of offloaded shards start modules ahead of their all-gathers.
+With parameter offload, :attr:`ParameterCoordinator.read_ahead` (given by the engine at construction:
+the parameter offload's, see :mod:`zerodp.offload.param_swap`) is called after each fetch with the units
+of the rest of the trace, so reads of offloaded shards start modules ahead of their all-gathers.
 
 Trace modes (DeepSpeed's ZeRoTraceMode): RECORD -> COMPLETE -> (mismatch) INVALID -> RECORD.
 """
@@ -91,6 +91,7 @@ class ParameterCoordinator:
         self, index: UnitIndex, module_positions: dict[int, int], pg: ProcessGroup | None,
         ledger: CommLedger, prefetch_bucket_size: int, max_live_parameters: int,
         max_reuse_distance: int = 0, fetch_check: FetchCheck | None = None,
+        read_ahead: Callable[[list[list[ShardedUnit]]], None] | None = None,
     ) -> None:
         self.index = index
         self.positions = module_positions  # id(module) -> position in named_modules() (rank-independent)
@@ -119,7 +120,7 @@ class ParameterCoordinator:
         self.fetch_check = fetch_check
         #: offload_param: called after each fetch (recorded trace only) with the units of the modules
         #: still to come, in trace order, to read their shards ahead; None: no read-ahead
-        self.read_ahead: Callable[[list[list[ShardedUnit]]], None] | None = None
+        self.read_ahead = read_ahead
         #: the all-gather stream (see [Note: comm streams] in :mod:`zerodp.runtime.streams`); None: the
         #: current stream
         self.stream: SideStream | None = None
@@ -344,7 +345,7 @@ class ParameterCoordinator:
                 # a group's own Work: waited through the agreements' watch too, and dropped by the first
                 # unit that waits for it (a Work references the buffers it wrote: one kept alive by the
                 # units still GATHERING would look like a view escaping, see [Note: escaping views])
-                shared = _SharedWork(comm.watch(work, run[0].shard.device))
+                shared = _SharedWork(comm.watch(work, self.ledger, run[0].shard.device))
                 for u in run:
                     u.work = cast(Work, shared)  # duck-typed: wait() is all a unit calls
             self.gather_collectives += 1

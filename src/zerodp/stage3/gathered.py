@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from zerodp.runtime import comm
 from zerodp.runtime.guards import acknowledge_edit
-from zerodp.stage3.ownership import MASTER_REFRESH, OWNERS, Owner, coordinator_busy
+from zerodp.runtime.zero_state import refresh_masters
+from zerodp.stage3.ownership import Owner, coordinator_busy, owner_of
 from zerodp.stage3.units import ShardedUnit, ShardState
 
 
@@ -60,7 +61,7 @@ class GatheredParameters:
                 raise ValueError(f"modifier_rank must be in [0, {n}), got {self.modifier_rank}")
         seen: dict[int, tuple[ShardedUnit, Owner]] = {}
         for p in self.params:
-            owner = OWNERS.get(p)
+            owner = owner_of(p)
             if owner is not None:
                 seen.setdefault(id(owner.unit), (owner.unit, owner))
         ordered = sorted(seen.values(), key=lambda uo: uo[0].ds_id_base)
@@ -99,10 +100,8 @@ class GatheredParameters:
         if modify:
             for u, _ in self._units:
                 u.write_back()
-            for p in self.params:
-                refresh = MASTER_REFRESH.get(p)
-                if refresh is not None:
-                    refresh()
+            for p in self.params:  # the fp32 masters of the engine training p, if any
+                refresh_masters(p)
         for p in self.params:
             acknowledge_edit(p)
         for u, owner in self._units:

@@ -28,7 +28,7 @@ from torch.distributed import ProcessGroup
 from torch.overrides import TorchFunctionMode
 
 from zerodp.runtime import comm
-from zerodp.stage3.ownership import OWNERS, Owner
+from zerodp.stage3.ownership import Owner, owner_of
 from zerodp.stage3.sharded_param import METADATA
 from zerodp.stage3.units import ShardedUnit, ShardState
 
@@ -57,9 +57,9 @@ class InitTouchMode(TorchFunctionMode):
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         if not self.busy and func not in METADATA:  # shape, numel, ... need no values (no gather)
-            needed = {id(o.unit) for o in (OWNERS.get(a) for a in _tensors(args, kwargs)) if o is not None}
+            needed = {id(o.unit) for o in (owner_of(a) for a in _tensors(args, kwargs)) if o is not None}
             for a in _tensors(args, kwargs):
-                owner = OWNERS.get(a)
+                owner = owner_of(a)
                 if owner is not None and owner.coordinator is None and owner.unit.state is ShardState.SHARDED:
                     self._open(owner, keep=needed)  # a copy between two units keeps both open
         return func(*args, **kwargs)

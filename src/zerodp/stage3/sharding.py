@@ -21,6 +21,7 @@ from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.optim import ParamGroupSpec
 from zerodp.runtime.partition import FlatGroup
 from zerodp.runtime.streams import SideStream
+from zerodp.runtime.zero_state import param_holders
 from zerodp.stage3.aliases import saved_alias_hooks
 from zerodp.stage3.allocator import pin_mmap_threshold
 from zerodp.stage3.coordinator import ParameterCoordinator
@@ -30,7 +31,7 @@ from zerodp.stage3.ownership import (
     full_numel,
     materialize,
     pre_sharded_unit,
-    register_owner,
+    set_owner,
     take_pending_external,
 )
 from zerodp.stage3.pool import GatherPool
@@ -43,9 +44,12 @@ class Stage3:
     def __init__(
         self, module: nn.Module, specs: list[ParamGroupSpec], rank: int, world_size: int,
         pg: dist.ProcessGroup | None, ledger: CommLedger, zc: ZeroConfig, fetch_check: Any = None,
+        read_ahead: Any = None,
     ) -> None:
         """``fetch_check``: the collective guard's gather agreement, called by the coordinator before
-        each fetch (:meth:`zerodp.runtime.collective_guard.CollectiveGuard.gather_check`); None: none."""
+        each fetch (:meth:`zerodp.runtime.collective_guard.CollectiveGuard.gather_check`); None: none.
+        ``read_ahead``: the parameter offload's (:meth:`zerodp.offload.param_swap.ParamOffload.read_ahead`),
+        called by the coordinator after each fetch; None: no parameter offload."""
         self.rank, self.world_size, self.pg, self.ledger = rank, world_size, pg, ledger
         spec_of = {id(p): gi for gi, spec in enumerate(specs) for _, p in spec.params}
         src = dist.get_global_rank(pg, 0) if pg is not None else 0
@@ -74,15 +78,15 @@ class Stage3:
         positions = {id(m): i for i, m in enumerate(module.modules())}
         self.coordinator = ParameterCoordinator(
             self.index, positions, pg, ledger, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
-            zc.stage3_max_reuse_distance, fetch_check)
+            zc.stage3_max_reuse_distance, fetch_check, read_ahead)
         self.coordinator.stream = self.gather_stream
-        # each owner lives as long as a module holding its parameter (the first one, as for tied
+        # each owner lives in the state of the module holding its parameter (the first one, as for tied
         # parameters), so a submodule kept alone after the engine and the root are dropped still gathers
-        holder = {id(p): m for m in reversed(list(module.modules())) for p in m._parameters.values()
-                  if p is not None}
+        holders = param_holders(module)
         for u in self.index.units:
             for s in u.slots:
-                register_owner(s.param, Owner(u, pg, ledger, self.coordinator), holder.get(id(s.param), module))
+                holder = holders[id(s.param)][1] if id(s.param) in holders else module
+                set_owner(s.param, Owner(u, pg, ledger, self.coordinator), holder)
         self.stack = ModuleStack()
         self.handles = register_stage3_hooks(module, self.coordinator, self.stack)
         self._mode = ExternalParameterMode(self.coordinator, self.stack)
