@@ -69,21 +69,22 @@ class Knobs:
     optimizer_buffers: int = 4  # [offload_optimizer.buffer_count]
     param_buffer_count: int = 5  # [offload_param.buffer_count]
     runtime_bytes: int = 768 * 2**20  # interpreter, torch, allocator slack per rank
-    reduce_bucket_size: int = 50_000_000  # elements of unit gradients staged per reduce-scatter [same]
+    reduce_bucket_size: int = 25_000_000  # elements of unit gradients staged per reduce-scatter [same]
     max_live_parameters: int = 200_000_000  # elements gathered ahead [stage3_max_live_parameters]
     # the step's sub-group loop goes on during the next forward [offload_optimizer.overlap_step]
     overlap_step: bool = True
 
 
 def knobs_for(params: int, largest_layer: int, nproc: int, overlap_step: bool = True) -> Knobs:
-    """Sub-groups of at most 25M elements (at least 4 per rank down to 1M, so reads, updates and writes
-    pipeline); parameter swap buffers that hold the largest layer in bf16
+    """Sub-groups of at most 12.5M elements (150 MB of fp32 state per swap read: large sequential I/O;
+    the 3.8B run peaked at 9.0 GB RSS with 25M), at least 4 per rank down to 1M, so reads, updates and
+    writes pipeline; parameter swap buffers that hold the largest layer in bf16
     (at most DeepSpeed's default 1e8 bytes); read-ahead of at most 1 GB or a quarter of the bf16
     shards; a raw-I/O probe of a quarter of the bf16 shards, between 256 MiB and 1 GiB. With
     ``overlap_step``, 8 optimizer buffers (6 sub-groups read ahead while the forward computes), else 4."""
     align = 4096
     shard_bytes = 2 * params
-    return Knobs(sub_group_size=min(25_000_000, max(1_000_000, math.ceil(params / nproc / 4))),
+    return Knobs(sub_group_size=min(12_500_000, max(1_000_000, math.ceil(params / nproc / 4))),
                  param_buffer_size=min(100_000_000, -(-2 * largest_layer // align) * align),
                  max_in_cpu=min(1_000_000_000, max(align, shard_bytes // 4)),
                  probe_bytes=min(GIB, max(256 * 2**20, shard_bytes // 4 // align * align)),
