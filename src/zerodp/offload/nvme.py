@@ -4,11 +4,10 @@ of aligned buffers, while the next sub-group is read and the previous one writte
 pipelined optimizer swapper; ZeRO-Infinity, Rajbhandari et al. SC21, section 5.2).
 
 Layout: ``nvme_path/zerodp_<job>/rank<r>/optimizer.swp``. This rank's pieces are grouped in order into
-sub-groups of at most ``zero_optimization.sub_group_size`` elements (a piece larger than that is a
-sub-group of its own, as in DeepSpeed). Sub-group k occupies one contiguous region of the file: its
-masters, then ``exp_avg``, then ``exp_avg_sq``, each segment padded to 4096 bytes, so a sub-group is
-one direct-I/O read and one write. Host memory holds ``buffer_count`` buffers of the largest region
-(the swapper's pool), one ``step`` scalar per piece, and the gradients:
+sub-groups of at most ``zero_optimization.sub_group_size`` elements (a larger piece is a sub-group of
+its own, as in DeepSpeed). Sub-group k is one contiguous region of the file (masters, ``exp_avg``,
+``exp_avg_sq``, each padded to 4096 bytes): one direct-I/O read and one write. Host memory holds
+``buffer_count`` buffers of the largest region, one ``step`` scalar per piece, and the gradients:
 
 - CPU training, stages 2-3 without loss scaling: the reduced gradients go to ``gradients.swp`` per
   unit (:mod:`zerodp.offload.grad_swap`), read back per sub-group during the step.
@@ -16,23 +15,21 @@ one direct-I/O read and one write. Host memory holds ``buffer_count`` buffers of
   the step) and records the engine's scale factors (loss unscaling, clipping) in order; a piece's fp32
   gradient is made just in time in one scratch buffer of the largest sub-group by the same fp32
   ``copy_`` and ``mul_`` the eager path applies, so the values are bitwise the same.
-- Gradients on a CUDA device: streamed into an fp32 host buffer per piece during backward (ZeRO-Offload's
-  host gradient, :class:`zerodp.offload.host.HostOptimizerOffload`), scaled there in place.
+- Gradients on a CUDA device: streamed into an fp32 host buffer per piece during backward
+  (:class:`zerodp.offload.host.HostOptimizerOffload`), scaled there in place.
 
 With ``offload_param`` on NVMe (stage 3) the engine does not make every parameter shard resident for
 the step: the sub-group loop pins the shards of the units whose pieces are in sub-group k just
 before updating it (their reads queued while k-1 updated), and unpins them dirty (written home) once
-no later sub-group needs them (:class:`ShardAccess`), so resident shards are those of about two
-sub-groups.
+no later sub-group needs them (:class:`ShardAccess`): resident shards are those of about two sub-groups.
 
 During a step, sub-group k's masters and moments are bound to the torch optimizer's parameters and
-state (``.data`` set to views of the buffer), the optimizer runs on that sub-group only (the other
-parameters have no gradient), the masters are cast into the module's parameters, and the buffer is
-written back. The kernel is torch's fused CPU Adam/AdamW by default (``offload_optimizer.cpu_adam``,
-:mod:`zerodp.offload.cpu_adam`; equal to the non-offloaded engine within about 1e-6 relative); with
-``cpu_adam = "same"``: same optimizer, same kernel, fp32 throughout, the result is bitwise the
-non-offloaded engine's. Between steps the masters are empty placeholders and the optimizer has no state in memory;
-:meth:`NvmeOptimizerOffload.resident` materialises both for a checkpoint.
+state (views of the buffer), the optimizer runs on that sub-group only, the masters are cast into the
+module's parameters, and the buffer is written back. The kernel is torch's fused CPU Adam/AdamW
+(``offload_optimizer.cpu_adam``: within about 1e-6 relative of the non-offloaded engine; ``"same"``:
+bitwise). Between steps the masters are
+empty placeholders and the optimizer has no state in memory (:meth:`NvmeOptimizerOffload.resident`
+materialises both for a checkpoint).
 
 Errors, raised on every rank (collective) before any training state changes: a missing or
 unwritable ``nvme_path``, too little free space (bytes needed vs free), a swap file deleted or
@@ -191,7 +188,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         in host memory (:func:`zerodp.offload.grad_swap.open_grad_swap`; raises its errors)."""
         if not self.deferred or self.file is None:
             return None
-        self._grad_at = [(g.index, reducer.owned_offset(g, p.lo, p.hi)) for p, g in zip(self.pieces, self._group_of, strict=False)]
+        self._grad_at = [(g.index, reducer.owned_offset(g, p.lo, p.hi))
+                         for p, g in zip(self.pieces, self._group_of, strict=False)]
         self.spill = open_grad_swap(self.dir, self.cfg.nvme_path, self.cfg.fast_init, self.io, self._files,
                                     reducer.owned_sizes, self._grad_at, [sg.spans for sg in self.subgroups],
                                     self.rank, self.pg)
@@ -199,7 +197,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
 
     def _spilled_spans(self, index: int) -> list[tuple[int, int, int]]:
         """Spans of sub-group ``index`` whose gradient is in the gradient swap file."""
-        return [(i, lo, hi) for i, lo, hi in self.subgroups[index].spans if self._present[i] and self._grad_refs[i] is None]
+        return [(i, lo, hi) for i, lo, hi in self.subgroups[index].spans
+                if self._present[i] and self._grad_refs[i] is None]
 
     def _grad_buffer(self, piece: Piece) -> torch.Tensor:
         if not self.deferred:
@@ -567,7 +566,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         largest = float(max((sg.numel for sg in self.subgroups), default=0))
         scratch = (largest if self.layout.scratch else 0.0) if self.deferred else None
         out = offload_formula(self.device, numel_per_rank, host["swap_buffers"], scratch,
-                              masters_in_file=not self.in_place, grad_read_bytes=self.spill.host_bytes() if self.spill else 0)
+                              masters_in_file=not self.in_place,
+                              grad_read_bytes=self.spill.host_bytes() if self.spill else 0)
         if self.spill is not None:  # the reduced gradient partition, in the reducer's dtype
             out["nvme"]["gradients"] = max(e.dtype.itemsize for e in self.spill.extents.values()) * numel_per_rank
         return out

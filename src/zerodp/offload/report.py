@@ -125,7 +125,8 @@ def configured_offload_table(numel: int, world_size: int, cfg: ZeroDPConfig) -> 
     owned = -(-numel // world_size)
     low = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
     accum = grad_accum_dtype(low, cfg.gradient_accumulation_steps or 1, cfg.data_types.grad_accum_dtype)
-    rows = [f"offload as configured (stage {zc.stage}, {str(accum).replace('torch.', '')} gradients, {owned:,} owned elements per rank):"]
+    rows = [f"offload as configured (stage {zc.stage}, {str(accum).replace('torch.', '')} gradients, "
+            f"{owned:,} owned elements per rank):"]
     oo, op = zc.offload_optimizer, zc.offload_param
     if oo.device == "nvme":
         user = zc.sub_group_size if "sub_group_size" in zc.model_fields_set else None
@@ -133,7 +134,8 @@ def configured_offload_table(numel: int, world_size: int, cfg: ZeroDPConfig) -> 
         spill = zc.stage >= 2 and not cfg.fp16.enabled  # zerodp.runtime.grad_spill
         e = estimate_offload_bytes(owned, user, oo.buffer_count, oo.host_buffer_bytes, in_place, accum.itemsize, spill)
         how = "set" if user else f"chosen from host_buffer_bytes {oo.host_buffer_bytes:,}"
-        rows += [f"  offload_optimizer nvme: sub_group_size {e['sub_group_size']:,} ({how}), {e['buffer_count']} buffers",
+        rows += [f"  offload_optimizer nvme: sub_group_size {e['sub_group_size']:,} ({how}), "
+                 f"{e['buffer_count']} buffers",
                  f"    host  sub-group buffers + gradient scratch  {human_bytes(e['host_buffers']):>12}",
                  f"    host  gradient swap read buffers            {human_bytes(e['host_gradient_reads']):>12}",
                  f"    nvme  {'Adam moments' if in_place else 'fp32 masters + Adam moments':<38}"
