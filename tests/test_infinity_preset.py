@@ -140,7 +140,7 @@ def test_measurement_helpers_read_the_kernel(tmp_path: Path) -> None:
     assert r1 >= r0 and w1 >= w0
     assert infinity_run.rss_bytes() > 10 * MB and infinity_run.peak_rss_bytes() >= infinity_run.rss_bytes() // 2
     rec = {"step": 1, "loss": 5.0, "seconds": 10.0, "read": 4 * 10**9, "written": 2 * 10**9, "busy_s": 8.0,
-           "wait_s": 2.0, "tokens": 4096}
+           "wait_s": 2.0, "tokens": 4096, "hwm_growth": [0, 10**6, 0]}
     every = [{"rank": 0, "peak_rss": 2**30, "peak_rss_build": 2**29, "rss_after_init": 2**28,
               "rss_after_initialize": 2**28, "records": [rec]}]
     text = infinity_run.report(every, {"model": {"n_layer": 2, "d_model": 128}, "probe_bytes": 2**20}, 10**9, 10**9,
@@ -150,6 +150,7 @@ def test_measurement_helpers_read_the_kernel(tmp_path: Path) -> None:
     assert " 0.75 " in row and " 75% " in row and " 1.25 " in row
     # 6 GB over 8 s busy: 750 MB/s; at the raw figures the same bytes take 6 s: 1,000 MB/s; no warning
     assert row.split()[-3:] == ["750", "1,000", "409.6"] and "WARNING" not in text  # 4,096 tokens / 10 s
+    assert "  rank 0: step 1 0 B / 1.00 MB / 0 B" in text  # where the peak RSS grew: backward
 
 
 def test_a_slow_step_is_attributed_to_the_disk() -> None:

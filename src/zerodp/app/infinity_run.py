@@ -144,6 +144,7 @@ class StepRecord:
     busy_s: float | None
     wait_s: float
     tokens: int = 0  # tokens of all ranks in this step (accumulation x micro-batch x sequence x ranks)
+    hwm_growth: tuple[int, int, int] = (0, 0, 0)  # bytes the peak RSS grew by in forward, backward, step()
 
 
 def _raw_bandwidth(nvme_path: str, nbytes: int) -> tuple[float, float]:
@@ -186,18 +187,25 @@ def run_worker(plan: dict, nvme_path: str) -> None:
     with clock.active():
         for step in range(plan["steps"]):
             io0, busy0, wait0, t = proc_io(), disk_busy_ms(device), clock.seconds, time.perf_counter()
+            growth = [0, 0, 0]  # where the peak RSS rises: forward, backward, step() (with overlap_step the
+            # previous step's sub-group loop runs inside the forward)
             for micro in range(accum):  # DeepSpeed's protocol: the optimizer steps at the K-th engine.step()
                 x, y = data.rank_slice(batches.batch(step * accum + micro), rank, world)
+                h0 = peak_rss_bytes()
                 _, loss = engine(x, y)
+                h1 = peak_rss_bytes()
                 engine.backward(loss)
+                h2 = peak_rss_bytes()
                 engine.step()
+                h3 = peak_rss_bytes()
+                growth = [growth[0] + h1 - h0, growth[1] + h2 - h1, growth[2] + h3 - h2]
             if step + 1 == plan["steps"]:
                 engine.optimizer_offload.settle()  # overlap_step: the last step's loop has no next forward to run in
             seconds = time.perf_counter() - t
             io1, busy1 = proc_io(), disk_busy_ms(device)
             busy = None if busy0 is None or busy1 is None else (busy1 - busy0) / 1e3
             records.append(StepRecord(step + 1, float(loss.item()), seconds, io1[0] - io0[0], io1[1] - io0[1],
-                                      busy, clock.seconds - wait0, tokens))
+                                      busy, clock.seconds - wait0, tokens, (growth[0], growth[1], growth[2])))
             if rank == 0:
                 print(f"step {step + 1}: loss {records[-1].loss:.4f}, {seconds:.1f} s, "
                       f"{tokens / seconds:,.1f} tokens/s", flush=True)
@@ -277,6 +285,12 @@ def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, bui
                  "compute c = time - wait; MB/s: (read + written) / busy; raw MB/s: the same bytes at the raw "
                  "figures above; tokens/s: tokens of all ranks in the step (accumulation x micro-batch x "
                  "sequence x ranks) / step time")
+    lines.append("peak RSS growth per step and phase (rank: forward / backward / step(); the peak was reached in "
+                 "the last phase that grew):")
+    for r in every:
+        lines.append(f"  rank {r['rank']}: " + ", ".join(
+            f"step {rec['step']} " + " / ".join(human_bytes(b) for b in rec.get("hwm_growth", (0, 0, 0)))
+            for rec in r["records"]))
     lines += ["WARNING " + w for w in slow]
     return "\n".join(lines)
 
