@@ -73,6 +73,8 @@ class Run:
     register: bool = False
     ref: str | None = None  # label of the run of the same client whose losses this one must match
     resume_of: str | None = None  # label of the run whose last save this one loads
+    paths: list[str] = field(default_factory=list)  # put on PYTHONPATH after the harness folder
+    fresh: list[Path] = field(default_factory=list)  # folders removed before each attempt
     result: dict = field(default_factory=dict)
 
 
@@ -132,14 +134,15 @@ def cifar_runs(root: Path, quick: bool) -> list[Run]:
         for stage in (0, 3) if quick else (0, 1, 2, 3):
             runs.append(Run("cifar", f"s{stage}-{dtype}", str(stage), dtype, script,
                             ["--epochs", "2", "--log-interval", "1", "--stage", str(stage), "--dtype", dtype],
-                            dict(env), ref=None if stage == 0 else f"s0-{dtype}"))
+                            dict(env), ref=None if stage == 0 else f"s0-{dtype}",
+                            paths=[str(root.parent / "harness" / "vision")]))
     return runs
 
 
 def bert_runs(root: Path, quick: bool) -> list[Run]:
     """training/HelloDeepSpeed/train_bert_ds.py (its config: ZeRO-1 + CPU optimizer offload) in bf16
-    and fp16: 5 steps with a checkpoint every 3, then a second run loading the experiment folder and
-    going on to step 8 (its own --load_checkpoint_dir)."""
+    and fp16: 6 steps with a checkpoint every 3 (it saves again at exit, labelled 7), then a second run
+    loading the experiment folder and going on to step 10 (its own --load_checkpoint_dir)."""
     from run_clients_fixtures import roberta_like_tokenizer
 
     folder = root / "training/HelloDeepSpeed"
@@ -151,9 +154,10 @@ def bert_runs(root: Path, quick: bool) -> list[Run]:
     for dtype in ("bf16",) if quick else ("bf16", "fp16"):
         ck = folder / f"experiments_{dtype}"
         runs.append(Run("bert", f"train-{dtype}", "1", dtype, folder / "train_bert_ds.py",
-                        ["--checkpoint_dir", str(ck), "--num_iterations", "6", "--dtype", dtype, *small], dict(env)))
+                        ["--checkpoint_dir", str(ck), "--num_iterations", "7", "--dtype", dtype, *small], dict(env),
+                        fresh=[ck]))
         runs.append(Run("bert", f"resume-{dtype}", "1", dtype, folder / "train_bert_ds.py",
-                        ["--load_checkpoint_dir", f"{{exp:{ck}}}", "--num_iterations", "9", "--dtype", dtype,
+                        ["--load_checkpoint_dir", f"{{exp:{ck}}}", "--num_iterations", "11", "--dtype", dtype,
                          "--log_every", "1"], dict(env), resume_of=f"train-{dtype}"))
     return runs
 
@@ -196,7 +200,7 @@ def chat_runs(root: Path, quick: bool) -> list[Run]:
                     "--dtype", dtype, "--print_loss", "--output_dir", str(step1 / f"out_{label}"),
                     "--data_output_path", str(step1 / f"data_files_{label}"), *extra]
             runs.append(Run("chat", label, str(stage), dtype, step1 / "main.py", args,
-                            {"PYTHONPATH_EXTRA": str(chat)}, register=True,
+                            {}, register=True, paths=[str(chat)],
                             ref=None if stage == 0 and not extra else f"s0-{dtype}"))
     return runs
 
@@ -219,14 +223,15 @@ def _resolve_args(run: Run) -> list[str]:
     return out
 
 
-def launch(run: Run, work: Path) -> tuple[int, str, Path]:
+def launch(run: Run, work: Path, attempt: int = 1) -> tuple[int, str, Path]:
     """Run ``run`` on 2 gloo ranks; returns (exit code, log text, folder of the rank records)."""
+    for folder in run.fresh:
+        shutil.rmtree(folder, ignore_errors=True)
     out = work / "records" / f"{run.client}-{run.label}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", ZERODP_CLIENT_OUT=str(out), **run.env)
-    extra = env.pop("PYTHONPATH_EXTRA", None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(work / "harness"), extra, os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join([str(work / "harness"), *run.paths, *filter(None, [os.environ.get("PYTHONPATH")])])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(work / "harness" / "ds_launch.py"), *(["--register"] if run.register else []), str(run.script),
            *_resolve_args(run)]
@@ -236,7 +241,8 @@ def launch(run: Run, work: Path) -> tuple[int, str, Path]:
     except subprocess.TimeoutExpired as e:
         rc, log = 124, f"{e.stdout or ''}{e.stderr or ''}\nTIMEOUT after {TIMEOUT_S} s"
     (work / "logs").mkdir(exist_ok=True)
-    (work / "logs" / f"{run.client}-{run.label}.log").write_text(" ".join(cmd) + "\n\n" + log)
+    suffix = "" if attempt == 1 else f".attempt{attempt}"
+    (work / "logs" / f"{run.client}-{run.label}{suffix}.log").write_text(" ".join(cmd) + "\n\n" + log)
     return rc, log, out
 
 
@@ -252,14 +258,14 @@ def first_error(log: str) -> str:
 def execute(run: Run, work: Path) -> None:
     rc, log, out = launch(run, work)
     if rc != 0 and "the ranks passed different arguments" in log:  # bert names its folder from each clock
-        rc, log, out = launch(run, work)
-        run.result["retried"] = True
+        run.result["retried"] = first_error(log)
+        rc, log, out = launch(run, work, attempt=2)
     records = []
     for r in range(2):
         f = out / f"rank{r}.json"
         records.append(json.loads(f.read_text()) if f.exists() else {"losses": [], "saves": [], "loads": []})
     run.result.update(rc=rc, records=records, losses=records[0]["losses"])
-    run.result["status"] = "ok" if rc == 0 else f"FAIL rc={rc}"
+    run.result["status"] = ("ok" if rc == 0 else f"FAIL rc={rc}") + (" (2nd try)" if "retried" in run.result else "")
     if rc != 0:
         run.result["error"] = first_error(log)
 
@@ -288,7 +294,9 @@ def saved_resumed(run: Run, by_label: dict[str, Run]) -> str:
     if not recs or not recs[0]["loads"]:
         return "NOT resumed"
     step = recs[0]["loads"][0]["client_state"].get("checkpoint_step")
-    return f"resumed step {step}, weights {'equal' if ok and all(ok) else 'DIFFER'}"
+    trained = src[0]["saves"][-1]["digest"] != src[0].get("initial_digest")  # the check can fail
+    return (f"resumed step {step}, weights {'equal' if ok and all(ok) else 'DIFFER'}"
+            + ("" if trained else " (saved = initial weights!)"))
 
 
 def table(runs: list[Run]) -> str:
@@ -305,7 +313,8 @@ def table(runs: list[Run]) -> str:
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
     out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)]
     errors = [f"- {r.client} {r.label}: {r.result['error']}" for r in runs if r.result.get("error")]
-    return "\n".join(out + (["", "Failures (first exception in the log):", *errors] if errors else []))
+    errors += [f"- {r.client} {r.label}, 1st try: {r.result['retried']}" for r in runs if r.result.get("retried")]
+    return "\n".join(out + (["", "Failures (first exception in the log) and retried first tries:", *errors] if errors else []))
 
 
 def prepare(examples: Path, work: Path, names: list[str]) -> dict[str, int]:

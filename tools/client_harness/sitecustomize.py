@@ -7,8 +7,8 @@ nothing unless ``ZERODP_CLIENT_OUT`` is set. It changes no client text; what it 
   (a ``datasets.Dataset`` with a ``text`` column, every fourth line empty as in wikitext); other
   names go to the real ``load_dataset``.
 - always: an observer on ``zerodp.deepspeed``'s engine records each ``backward(loss)``'s loss value and
-  each ``save_checkpoint`` / ``load_checkpoint`` (directory, tag, a digest of the module's weights
-  after it) and writes them to ``$ZERODP_CLIENT_OUT/rank<RANK>.json`` at exit.
+  each ``save_checkpoint`` / ``load_checkpoint`` (directory, a digest of the module's weights after
+  it; and the digest at the first backward) and writes them to ``$ZERODP_CLIENT_OUT/rank<RANK>.json`` at exit.
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ def _patch_engine() -> None:
     backward, save, load = DeepSpeedEngine.backward, DeepSpeedEngine.save_checkpoint, DeepSpeedEngine.load_checkpoint
 
     def recorded_backward(self: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
+        if not RECORD["losses"]:
+            RECORD["initial_digest"] = _digest(self)  # the weights of the first step (after initialize/load)
         RECORD["losses"].append(float(loss.detach().float().item()))
         return backward(self, loss, *args, **kwargs)
 
