@@ -124,7 +124,16 @@ def rename_tree(root: Path) -> int:
 
 
 # ---- the runs of each client -------------------------------------------------------------------------
-def cifar_runs(root: Path, quick: bool) -> list[Run]:
+def build_fixture(kind: str, out: Path, paths: list[str]) -> Path:
+    """tools/run_clients_fixtures.py ``kind`` in a subprocess with ``paths`` first on PYTHONPATH (the
+    client's own transformers writes the files it reads)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    subprocess.run([sys.executable, str(HERE / "run_clients_fixtures.py"), kind, str(out)], env=env, check=True,
+                   capture_output=True)
+    return out
+
+
+def cifar_runs(root: Path, quick: bool, paths: list[str]) -> list[Run]:
     """training/cifar/cifar10_deepspeed.py at --stage 0-3 x --dtype fp32/fp16/bf16; its own inline
     config (train_batch_size 16); 2 epochs of 96 synthetic images, loss printed every step."""
     script = root / "training/cifar/cifar10_deepspeed.py"
@@ -135,18 +144,16 @@ def cifar_runs(root: Path, quick: bool) -> list[Run]:
             runs.append(Run("cifar", f"s{stage}-{dtype}", str(stage), dtype, script,
                             ["--epochs", "2", "--log-interval", "1", "--stage", str(stage), "--dtype", dtype],
                             dict(env), ref=None if stage == 0 else f"s0-{dtype}",
-                            paths=[str(root.parent / "harness" / "vision")]))
+                            paths=[*paths, str(root.parent / "harness" / "vision")]))
     return runs
 
 
-def bert_runs(root: Path, quick: bool) -> list[Run]:
+def bert_runs(root: Path, quick: bool, paths: list[str]) -> list[Run]:
     """training/HelloDeepSpeed/train_bert_ds.py (its config: ZeRO-1 + CPU optimizer offload) in bf16
     and fp16: 6 steps with a checkpoint every 3 (it saves again at exit, labelled 7), then a second run
     loading the experiment folder and going on to step 10 (its own --load_checkpoint_dir)."""
-    from run_clients_fixtures import roberta_like_tokenizer
-
     folder = root / "training/HelloDeepSpeed"
-    tok = roberta_like_tokenizer(folder / "synthetic_tokenizer")
+    tok = build_fixture("roberta", folder / "synthetic_tokenizer", paths)
     small = ["--tokenizer", str(tok), "--num_layers", "2", "--num_heads", "2", "--h_dim", "32", "--ff_dim", "64",
              "--batch_size", "4", "--max_seq_length", "32", "--log_every", "1", "--checkpoint_every", "3"]
     env = {"ZERODP_WIKITEXT_LINES": "64"}
@@ -158,11 +165,12 @@ def bert_runs(root: Path, quick: bool) -> list[Run]:
                         fresh=[ck]))
         runs.append(Run("bert", f"resume-{dtype}", "1", dtype, folder / "train_bert_ds.py",
                         ["--load_checkpoint_dir", f"{{exp:{ck}}}", "--num_iterations", "11", "--dtype", dtype,
-                         "--log_every", "1"], dict(env), resume_of=f"train-{dtype}"))
+                         "--log_every", "1"], dict(env), resume_of=f"train-{dtype}",
+                        paths=list(paths)))
     return runs
 
 
-def offload_runs(root: Path, quick: bool) -> list[Run]:
+def offload_runs(root: Path, quick: bool, paths: list[str]) -> list[Run]:
     """training/offload_states/offload_states.py (its config: ZeRO-3, Adam) per --dtype, all states and
     pinned/non-blocking and optim_states-only variants; hidden 64, 2 layers, 4 iterations."""
     script = root / "training/offload_states/offload_states.py"
@@ -174,19 +182,20 @@ def offload_runs(root: Path, quick: bool) -> list[Run]:
         torch_dtype = {"fp32": "torch.float32", "fp16": "torch.float16", "bf16": "torch.bfloat16"}[dtype]
         for name, extra in variants.items():
             runs.append(Run("offload", f"{name}-{dtype}", "3", dtype, script, [*small, "--dtype", torch_dtype, *extra],
-                            {"ZERODP_CLIENT_SEED": "0"}, ref=None if name == "all" else f"all-{dtype}"))
+                            {"ZERODP_CLIENT_SEED": "0"}, ref=None if name == "all" else f"all-{dtype}",
+                            paths=list(paths)))
     return runs
 
 
-def chat_runs(root: Path, quick: bool) -> list[Run]:
+def chat_runs(root: Path, quick: bool, paths: list[str]) -> list[Run]:
     """DeepSpeed-Chat step1_supervised_finetuning/main.py at --zero_stage 0-3 x --dtype bf16/fp16 (and
     --offload at stage 3), unchanged, zerodp registered as deepspeed; a tiny OPT; 32 train / 8 eval
     records of its local/jsonfile format; saves with --output_dir."""
-    from run_clients_fixtures import chat_jsonfile, tiny_opt
+    from run_clients_fixtures import chat_jsonfile
 
     chat = root / "applications/DeepSpeed-Chat"
     chat_jsonfile(chat, train=32, evaluation=8)
-    model = tiny_opt(root / "synthetic_opt")
+    model = build_fixture("opt", root / "synthetic_opt", paths)
     step1 = chat / "training/step1_supervised_finetuning"
     runs = []
     for dtype in ("bf16",) if quick else ("bf16", "fp16"):
@@ -200,7 +209,7 @@ def chat_runs(root: Path, quick: bool) -> list[Run]:
                     "--dtype", dtype, "--print_loss", "--output_dir", str(step1 / f"out_{label}"),
                     "--data_output_path", str(step1 / f"data_files_{label}"), *extra]
             runs.append(Run("chat", label, str(stage), dtype, step1 / "main.py", args,
-                            {}, register=True, paths=[str(chat)],
+                            {}, register=True, paths=[*paths, str(chat)],
                             ref=None if stage == 0 and not extra else f"s0-{dtype}"))
     return runs
 
@@ -249,8 +258,8 @@ def launch(run: Run, work: Path, attempt: int = 1) -> tuple[int, str, Path]:
 def first_error(log: str) -> str:
     """The first line naming an exception in a failed run's log (what a user would read first)."""
     for line in log.splitlines():
-        if re.match(r"^\s*(\[rank\d\]: )?\w*(Error|Exception|Refused)\b.*:", line) or "AssertionError" in line:
-            return re.sub(r"^\s*\[rank\d\]:\s*", "", line).strip()[:300]
+        if re.match(r"^\s*(\[rank\d+\]:\s*)?[\w.]*(Error|Exception)(:|$)", line):
+            return re.sub(r"^\s*\[rank\d+\]:\s*", "", line).strip()[:300]
     tail = [ln for ln in log.splitlines() if ln.strip()]
     return (tail[-1] if tail else "no output")[:300]
 
@@ -334,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=",".join(CLIENTS), help="comma-separated clients (default: all)")
     p.add_argument("--work", type=Path, help="work folder (default: a new temporary one, kept)")
     p.add_argument("--quick", action="store_true", help="fewer stages/dtypes (a smoke run)")
+    p.add_argument("--path", action="append", default=[], metavar="CLIENT=DIR",
+                   help="put DIR first on CLIENT's PYTHONPATH (e.g. chat=DIR with transformers 4.x: DS-Chat imports "
+                        "transformers.modeling_utils.no_init_weights, which transformers 5 removed)")
     args = p.parse_args(argv)
     names = [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in CLIENTS]
@@ -345,7 +357,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"DeepSpeedExamples {examples_commit(args.examples)}; work folder {work}")
     print("imports renamed: " + ", ".join(f"{n} {k}" if n != "chat" else "chat 0 (unchanged, registered)"
                                           for n, k in renamed.items()), flush=True)
-    runs = [run for name in names for run in CLIENTS[name](work / "src", args.quick)]
+    paths: dict[str, list[str]] = {}
+    for item in args.path:
+        client, sep, folder = item.partition("=")
+        if not sep or client not in CLIENTS:
+            p.error(f"--path {item!r}: expected CLIENT=DIR with CLIENT one of {sorted(CLIENTS)}")
+        paths.setdefault(client, []).append(str(Path(folder).resolve()))
+    runs = [run for name in names for run in CLIENTS[name](work / "src", args.quick, paths.get(name, []))]
     for run in runs:
         execute(run, work)
         print(f"  {run.client} {run.label}: {run.result['status']} ({len(run.result['losses'])} steps)"

@@ -39,14 +39,15 @@ def tiny_opt(out: Path, seed: int = 0) -> Path:
     the tokenizer from that name)."""
     import torch
     from tokenizers import ByteLevelBPETokenizer
-    from transformers import OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast
+    from transformers import GPT2TokenizerFast, OPTConfig, OPTForCausalLM
 
     rng = random.Random(seed)
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator([synthetic_sentence(rng) for _ in range(400)], vocab_size=320,
                             special_tokens=["<s>", "<pad>", "</s>", "<unk>"])
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="</s>", eos_token="</s>",
-                                  pad_token="<pad>", unk_token="<unk>")
+    # OPT's tokenizer class (DS-Chat saves with save_vocabulary, which the generic fast class lacks)
+    tok = GPT2TokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="</s>", eos_token="</s>",
+                            pad_token="<pad>", unk_token="<unk>")
     tok.save_pretrained(out)
     torch.manual_seed(seed)
     config = OPTConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, ffn_dim=64,
@@ -69,3 +70,16 @@ def chat_jsonfile(chat_root: Path, train: int, evaluation: int, seed: int = 0) -
         rows = [{"prompt": f"Human: {synthetic_sentence(rng)} Assistant:", "chosen": synthetic_sentence(rng),
                  "rejected": synthetic_sentence(rng)} for _ in range(n)]
         (data / f"{name}.json").write_text(json.dumps(rows))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python tools/run_clients_fixtures.py opt DIR``: :func:`tiny_opt` in a separate interpreter (run
+    with the client's PYTHONPATH, so the files are written by the transformers it will read them with)."""
+    import sys
+
+    kind, out = (argv if argv is not None else sys.argv[1:])[:2]
+    {"opt": tiny_opt, "roberta": roberta_like_tokenizer}[kind](Path(out))
+
+
+if __name__ == "__main__":
+    main()
