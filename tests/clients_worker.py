@@ -100,6 +100,12 @@ def gathered_before_initialize() -> dict:
         with torch.no_grad():
             for i, p in enumerate(params):
                 p.fill_(float(i + 1) if rank == 0 else -100.0)
+    # transformers 4.57's _initialize_missing_keys passes list({v for v in state_dict().values()}): detached
+    # tensors, not parameters (DeepSpeed drops them: no ds_id); zerodp leaves them alone too
+    views = list(set(model.state_dict().values()))
+    random.Random(rank).shuffle(views)
+    with deepspeed.zero.GatheredParameters(views, modifier_rank=0):
+        pass
     plain = [n for n, p in model.named_parameters() if not hasattr(p, "ds_id")]
     with deepspeed.zero.GatheredParameters(params):
         got = [float(p.detach().float().mean()) for p in params]

@@ -50,7 +50,8 @@ class GatheredParameters:
             below ``stage3_param_persistence_threshold``, e.g. in transformers' ``from_pretrained``
             before ``initialize``), as DeepSpeed orders them by ``ds_id``; else (zerodp's addition for
             stages 0-2, where DeepSpeed leaves them alone) in the order given, which must be the same
-            on every rank, checked by their shapes).
+            on every rank, checked by their shapes). Tensors that are not parameters (``state_dict()``'s
+            detached values) are left alone, as DeepSpeed drops tensors without a ``ds_id``.
         modifier_rank: data-parallel rank whose in-place edits are kept: on exit its values are
             broadcast to every rank and re-partitioned. None: edits are discarded (read-only use).
         enabled: False makes this a no-op.
@@ -106,7 +107,10 @@ class GatheredParameters:
             for u, owner in self._units:
                 src = dist.get_global_rank(owner.pg, self.modifier_rank) if owner.pg else self.modifier_rank
                 comm.broadcast(u.full_buffer, src, owner.pg, owner.ledger, "gathered_parameters")
-            plain = list({id(p): p for p in self.params if id(p) not in partitioned}.values())
+            # tensors that are not parameters (e.g. state_dict()'s detached views, which transformers 4.x
+            # passes in set order) are left alone, as DeepSpeed keeps only tensors with a ds_id
+            plain = list({id(p): p for p in self.params if id(p) not in partitioned
+                          and (isinstance(p, torch.nn.Parameter) or INIT_SEQ in p.__dict__)}.values())
             if plain:
                 _broadcast_plain(plain, self.modifier_rank)
         if modify:
