@@ -136,13 +136,13 @@ def test_small_modules_clients_import() -> None:
     import argparse
 
     import zerodp.deepspeed as deepspeed
+    from zerodp.deepspeed import get_accelerator  # DS-Chat's main.py: from deepspeed import get_accelerator
+    from zerodp.deepspeed.accelerator import get_accelerator as from_accelerator
     from zerodp.deepspeed.checkpoint.utils import clone_tensors_for_torch_save
     from zerodp.deepspeed.compression.helper import recursive_getattr, recursive_setattr
     from zerodp.deepspeed.moe.layer import MoE
     from zerodp.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from zerodp.deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
-    from zerodp.deepspeed import get_accelerator  # DS-Chat's main.py: from deepspeed import get_accelerator
-    from zerodp.deepspeed.accelerator import get_accelerator as from_accelerator
     from zerodp.deepspeed.utils import logger
 
     assert get_accelerator is from_accelerator and get_accelerator().device_name() in ("cpu", "cuda")

@@ -240,7 +240,8 @@ def launch(run: Run, work: Path, attempt: int = 1) -> tuple[int, str, Path]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", ZERODP_CLIENT_OUT=str(out), **run.env)
-    env["PYTHONPATH"] = os.pathsep.join([str(work / "harness"), *run.paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    env["PYTHONPATH"] = os.pathsep.join([str(work / "harness"), *run.paths, *inherited])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(work / "harness" / "ds_launch.py"), *(["--register"] if run.register else []), str(run.script),
            *_resolve_args(run)]
@@ -323,7 +324,8 @@ def table(runs: list[Run]) -> str:
     out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)]
     errors = [f"- {r.client} {r.label}: {r.result['error']}" for r in runs if r.result.get("error")]
     errors += [f"- {r.client} {r.label}, 1st try: {r.result['retried']}" for r in runs if r.result.get("retried")]
-    return "\n".join(out + (["", "Failures (first exception in the log) and retried first tries:", *errors] if errors else []))
+    notes = ["", "Failures (first exception in the log) and retried first tries:", *errors] if errors else []
+    return "\n".join(out + notes)
 
 
 def prepare(examples: Path, work: Path, names: list[str]) -> dict[str, int]:

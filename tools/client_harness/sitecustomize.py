@@ -58,8 +58,12 @@ def _patch_load_dataset() -> None:
 def _digest(engine: Any) -> str:
     """sha256 of the module's state_dict tensors in name order (stage 3: its partitioned parameters
     are placeholders, so the digest covers the unpartitioned ones only)."""
+    from zerodp.zero import is_partitioned
+
     h = hashlib.sha256()
-    for name, t in sorted(engine.module.state_dict().items()):
+    for name, t in sorted(engine.module.state_dict(keep_vars=True).items()):
+        if is_partitioned(t):
+            continue
         h.update(name.encode())
         h.update(t.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
