@@ -133,10 +133,10 @@ class GatheredParameters:
 def _broadcast_plain(plain: list[torch.Tensor], src: int) -> None:
     """Broadcast the non-partitioned ``plain`` from ``src``, paired across ranks by creation number
     when every one has it (built under zero.Init), else in the order given (checked by shapes)."""
-    seqs = [p.__dict__.get(INIT_SEQ) for p in plain]
-    if all(s is not None for s in seqs):
-        plain = [p for _, p in sorted(zip(seqs, plain, strict=True), key=lambda sp: sp[0])]
-        _agree(sorted(seqs), None, plain[0].device, "non-partitioned parameters built under zero.Init")
+    known: list[int] = [p.__dict__[INIT_SEQ] for p in plain if INIT_SEQ in p.__dict__]
+    if len(known) == len(plain):
+        plain = [p for _, p in sorted(zip(known, plain, strict=True), key=lambda sp: sp[0])]
+        _agree(sorted(known), None, plain[0].device, "non-partitioned parameters built under zero.Init")
     else:
         _agree([f"{tuple(p.shape)}:{p.dtype}" for p in plain], None, plain[0].device,
                "non-partitioned parameters (their shapes, in the order given)")
