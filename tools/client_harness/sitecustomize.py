@@ -6,6 +6,9 @@ nothing unless ``ZERODP_CLIENT_OUT`` is set. It changes no client text; what it 
 - ``ZERODP_WIKITEXT_LINES``: ``datasets.load_dataset("wikitext", ...)`` returns that many synthetic lines
   (a ``datasets.Dataset`` with a ``text`` column, every fourth line empty as in wikitext); other
   names go to the real ``load_dataset``.
+- ``ZERODP_CLIENT_CLOCK`` (epoch seconds): ``datetime.datetime.now()`` returns that instant, the same on
+  every rank (HelloDeepSpeed names its run folder from each rank's clock; set only on the runner's
+  second try, after zerodp refused the ranks' different folders on the first).
 - always: an observer on ``zerodp.deepspeed``'s engine records each ``backward(loss)``'s loss value and
   each ``save_checkpoint`` / ``load_checkpoint`` (directory, a digest of the module's weights after
   it; and the digest at the first backward) and writes them to ``$ZERODP_CLIENT_OUT/rank<RANK>.json`` at exit.
@@ -98,6 +101,17 @@ def _patch_engine() -> None:
     DeepSpeedEngine.load_checkpoint = recorded_load  # type: ignore[method-assign]
 
 
+def _pin_clock() -> None:
+    import datetime
+
+    class PinnedDateTime(datetime.datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:  # type: ignore[override]
+            return cls.fromtimestamp(float(os.environ["ZERODP_CLIENT_CLOCK"]), tz)
+
+    datetime.datetime = PinnedDateTime  # type: ignore[misc]
+
+
 def _write() -> None:
     rank = os.environ.get("RANK")
     if rank is None:  # the torchrun parent, not a rank
@@ -109,6 +123,8 @@ def _write() -> None:
 if OUT and os.environ.get("RANK") is not None:
     if os.environ.get("ZERODP_CLIENT_SEED"):
         _seed()
+    if os.environ.get("ZERODP_CLIENT_CLOCK"):
+        _pin_clock()
     if os.environ.get("ZERODP_WIKITEXT_LINES"):
         _patch_load_dataset()
     _patch_engine()
