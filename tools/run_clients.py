@@ -304,7 +304,7 @@ def saved_resumed(run: Run, by_label: dict[str, Run]) -> str:
     src = by_label[run.resume_of].result.get("records", [])
     ok = [bool(r["loads"]) and bool(s["saves"]) and r["loads"][0]["digest"] == s["saves"][-1]["digest"]
           for r, s in zip(recs, src, strict=False)]
-    if not recs or not recs[0]["loads"]:
+    if not recs or not recs[0]["loads"] or not src or not src[0]["saves"]:
         return "NOT resumed"
     step = recs[0]["loads"][0]["client_state"].get("checkpoint_step")
     trained = src[0]["saves"][-1]["digest"] != src[0].get("initial_digest")  # the check can fail
@@ -371,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = [run for name in names for run in CLIENTS[name](work / "src", args.quick, paths.get(name, []))]
     for run in runs:
         execute(run, work)
+        (work / "results.json").write_text(json.dumps(  # kept when a later run or the table fails
+            [{"client": r.client, "label": r.label, **{k: v for k, v in r.result.items() if k != "records"}}
+             for r in runs if r.result], indent=1))
         print(f"  {run.client} {run.label}: {run.result['status']} ({len(run.result['losses'])} steps)"
               + (f"  {run.result['error']}" if run.result.get("error") else ""), flush=True)
     print(table(runs))
