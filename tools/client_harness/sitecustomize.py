@@ -6,8 +6,8 @@ nothing unless ``ZERODP_CLIENT_OUT`` is set. It changes no client text; what it 
 - ``ZERODP_WIKITEXT_LINES``: ``datasets.load_dataset("wikitext", ...)`` returns that many synthetic lines
   (a ``datasets.Dataset`` with a ``text`` column, every fourth line empty as in wikitext); other
   names go to the real ``load_dataset``.
-- ``ZERODP_CLIENT_CLOCK`` (epoch seconds): ``datetime.datetime.now()`` returns that instant, the same on
-  every rank (HelloDeepSpeed names its run folder from each rank's clock; set only on the runner's
+- ``ZERODP_CLIENT_CLOCK`` (epoch seconds): ``datetime.datetime.now(pytz.timezone(...))`` returns that
+  instant, the same on every rank (HelloDeepSpeed names its run folder from each rank's clock; set only on the runner's
   second try, after zerodp refused the ranks' different folders on the first).
 - always: an observer on ``zerodp.deepspeed``'s engine records each ``backward(loss)``'s loss value and
   each ``save_checkpoint`` / ``load_checkpoint`` (directory, a digest of the module's weights after
@@ -102,14 +102,22 @@ def _patch_engine() -> None:
 
 
 def _pin_clock() -> None:
+    """``pytz.timezone(zone)`` answers ``datetime.datetime.now(tz)`` with the instant in
+    ``ZERODP_CLIENT_CLOCK`` (the call HelloDeepSpeed names its folder from); nothing else changes."""
     import datetime
 
-    class PinnedDateTime(datetime.datetime):
-        @classmethod
-        def now(cls, tz: Any = None) -> Any:  # type: ignore[override]
-            return cls.fromtimestamp(float(os.environ["ZERODP_CLIENT_CLOCK"]), tz)
+    import pytz
 
-    datetime.datetime = PinnedDateTime  # type: ignore[misc]
+    real = pytz.timezone
+    instant = datetime.datetime.fromtimestamp(float(os.environ["ZERODP_CLIENT_CLOCK"]), datetime.timezone.utc)
+
+    def timezone(zone: str) -> Any:
+        tz = real(zone)
+        convert = tz.fromutc
+        tz.fromutc = lambda dt: convert(instant.replace(tzinfo=dt.tzinfo))  # now(tz) calls tz.fromutc
+        return tz
+
+    pytz.timezone = timezone
 
 
 def _write() -> None:
