@@ -267,7 +267,11 @@ def first_error(log: str) -> str:
 
 
 def execute(run: Run, work: Path) -> None:
-    rc, log, out = launch(run, work)
+    try:
+        rc, log, out = launch(run, work)
+    except RuntimeError as e:  # its arguments name what an earlier run did not make (bert's resume)
+        run.result.update(rc=-1, records=[], losses=[], status="not started", error=str(e))
+        return
     if rc != 0 and "the ranks passed different arguments" in log:  # bert names its folder from each clock
         run.result["retried"] = first_error(log)
         run.env["ZERODP_CLIENT_CLOCK"] = str(int(time.time()))  # the same instant on both ranks
