@@ -84,6 +84,35 @@ def gathered_order() -> dict:
             "state_dict_ok": all(torch.equal(sd[n], after[n]) for n in names)}
 
 
+def gathered_before_initialize() -> dict:
+    """transformers' from_pretrained between zero.Init and initialize: GatheredParameters(list(set(...)),
+    modifier_rank=0) over partitioned and persistent (below the threshold, still plain) parameters, in
+    a different order on each rank; every rank must end with rank 0's values in every parameter."""
+    rank = dist.get_rank()
+    cfg = stage3_config()
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 8  # the 8-element biases stay plain
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = Tower()
+    params = list(model.parameters())
+    order = list(range(len(params)))
+    random.Random(rank + 7).shuffle(order)
+    with deepspeed.zero.GatheredParameters([params[i] for i in order], modifier_rank=0):
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                p.fill_(float(i + 1) if rank == 0 else -100.0)
+    # transformers 4.57's _initialize_missing_keys passes list({v for v in state_dict().values()}): detached
+    # tensors, not parameters (DeepSpeed drops them: no ds_id); zerodp leaves them alone too
+    views = list(set(model.state_dict().values()))
+    random.Random(rank).shuffle(views)
+    with deepspeed.zero.GatheredParameters(views, modifier_rank=0):
+        pass
+    plain = [n for n, p in model.named_parameters() if not hasattr(p, "ds_id")]
+    with deepspeed.zero.GatheredParameters(params):
+        got = [float(p.detach().float().mean()) for p in params]
+    return {"plain": plain, "orders_differ": _all(order)[0] != _all(order)[1], "got": got,
+            "want": [float(i + 1) for i in range(len(params))]}
+
+
 def save_dir_mismatch() -> dict:
     """HelloDeepSpeed names its run folder from each rank's own clock: the ranks pass different save_dirs."""
     rank = dist.get_rank()
@@ -323,7 +352,8 @@ def offload_round_trip() -> dict:
     return out
 
 
-SCENARIOS = {"gathered_order": gathered_order, "save_dir_mismatch": save_dir_mismatch, "cifar": cifar,
+SCENARIOS = {"gathered_order": gathered_order, "gathered_before_initialize": gathered_before_initialize,
+             "save_dir_mismatch": save_dir_mismatch, "cifar": cifar,
              "chat": chat, "offload_round_trip": offload_round_trip}
 
 if __name__ == "__main__":

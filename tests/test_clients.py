@@ -36,6 +36,14 @@ def test_gathered_parameters_any_order_per_rank() -> None:
         assert "the ranks passed different partitioned units" in r["refused"], r["refused"]
 
 
+def test_gathered_parameters_before_initialize_pairs_persistent_ones_by_creation() -> None:
+    """DS-Chat's from_pretrained at ZeRO-3 (transformers 4.x _initialize_missing_keys): a set-ordered
+    list of partitioned and persistent parameters, modifier_rank=0, before initialize."""
+    for r in scenario("gathered_before_initialize"):
+        assert r["orders_differ"] and r["plain"] == [f"layers.{i}.bias" for i in range(4)] + ["head.bias"]
+        assert r["got"] == r["want"], r
+
+
 def test_ranks_passing_different_save_dirs_are_told_so() -> None:
     for r in scenario("save_dir_mismatch"):
         assert r["dir"].startswith("CheckpointError") and "the ranks passed different arguments" in r["dir"]
@@ -128,6 +136,8 @@ def test_small_modules_clients_import() -> None:
     import argparse
 
     import zerodp.deepspeed as deepspeed
+    from zerodp.deepspeed import get_accelerator  # DS-Chat's main.py: from deepspeed import get_accelerator
+    from zerodp.deepspeed.accelerator import get_accelerator as from_accelerator
     from zerodp.deepspeed.checkpoint.utils import clone_tensors_for_torch_save
     from zerodp.deepspeed.compression.helper import recursive_getattr, recursive_setattr
     from zerodp.deepspeed.moe.layer import MoE
@@ -135,6 +145,7 @@ def test_small_modules_clients_import() -> None:
     from zerodp.deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
     from zerodp.deepspeed.utils import logger
 
+    assert get_accelerator is from_accelerator and get_accelerator().device_name() in ("cpu", "cuda")
     base = torch.arange(10.0)
     cloned = clone_tensors_for_torch_save({"a": [base[2:4]], "b": 3})
     assert cloned["b"] == 3 and torch.equal(cloned["a"][0], base[2:4])

@@ -373,4 +373,12 @@ MUTANTS: list[Mutant] = [
            "    device = po.device if remote in (None, \"none\") else remote",
            "    device = po.device",
            ["tests/test_init_remote.py::test_dropin_takes_remote_device_and_pin_memory"]),
+    Mutant("gathered_plain_in_given_order", "src/zerodp/stage3/gathered.py",
+           "        plain = [p for _, p in sorted(zip(known, plain, strict=True), key=lambda sp: sp[0])]\n",
+           "",
+           ["tests/test_clients.py::test_gathered_parameters_before_initialize_pairs_persistent_ones_by_creation"]),
+    Mutant("gathered_broadcasts_state_dict_views", "src/zerodp/stage3/gathered.py",
+           "                          and (isinstance(p, torch.nn.Parameter) or INIT_SEQ in p.__dict__)}",
+           "                          }",
+           ["tests/test_clients.py::test_gathered_parameters_before_initialize_pairs_persistent_ones_by_creation"]),
 ]

@@ -43,7 +43,7 @@ from zerodp.runtime import device as devices
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.device import pinning_available, resolve_device, resolve_pin_memory
 from zerodp.stage3.allocator import pin_mmap_threshold
-from zerodp.stage3.gathered import GatheredParameters
+from zerodp.stage3.gathered import GatheredParameters, number_init_parameter
 from zerodp.stage3.init_writes import InitTouchMode
 from zerodp.stage3.ownership import (
     Owner,
@@ -228,7 +228,10 @@ class Init:
     def _on_parameter(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         """A parameter is registered on ``module``: the construction of every other pending module is
         over (partition them); ``module`` is pending until its own construction is."""
-        if param is None or self._touch is None or self._touch.busy:
+        if param is None or self._touch is None:
+            return None
+        number_init_parameter(param)  # orders GatheredParameters' broadcast of the persistent ones
+        if self._touch.busy:
             return None
         self._seal_pending(keep=module)
         self._pending[id(module)] = weakref.ref(module)

@@ -36,6 +36,7 @@ from zerodp.config_keys import OPTIMIZERS
 # ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`` (accelerate) resolve without an import
 # (``comm`` too, imported by registration.install: it imports this package back, lazily)
 from zerodp.deepspeed import accelerator, checkpointing, ops, runtime, utils, zero  # noqa: F401
+from zerodp.deepspeed.accelerator import get_accelerator  # DeepSpeed's __init__ has it (DS-Chat imports it)
 from zerodp.deepspeed.config import read_config, resolve_deepspeed_config
 from zerodp.deepspeed.engine import DeepSpeedEngine
 from zerodp.deepspeed.hf_config import HfDeepSpeedConfig
@@ -233,4 +234,4 @@ def _track_step_called(opt: torch.optim.Optimizer) -> None:
 
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "checkpointing", "DeepSpeedEngine",
-           "HfDeepSpeedConfig", "ConfigError"]
+           "HfDeepSpeedConfig", "ConfigError", "get_accelerator"]

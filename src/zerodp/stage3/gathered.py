@@ -8,6 +8,7 @@ shard and the fp32 masters refreshed on exit.
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from collections.abc import Iterable
 
@@ -19,6 +20,18 @@ from zerodp.runtime.guards import acknowledge_edit
 from zerodp.runtime.zero_state import refresh_masters
 from zerodp.stage3.ownership import Owner, coordinator_busy, owner_of
 from zerodp.stage3.units import ShardedUnit, ShardState
+
+#: attribute zero.Init sets on every parameter registered while it is active (its creation number, the same
+#: on every rank: modules are built in program order), DeepSpeed numbering every parameter it converts
+#: (``ds_id``), persistent ones included; orders the non-partitioned ones built under Init
+INIT_SEQ = "_zerodp_init_seq"
+_init_seq = itertools.count()
+
+
+def number_init_parameter(param: torch.Tensor) -> None:
+    """Give ``param`` its creation number (see :data:`INIT_SEQ`) unless it has one (zero.Init's hook)."""
+    if INIT_SEQ not in param.__dict__:
+        param.__dict__[INIT_SEQ] = next(_init_seq)
 
 
 class GatheredParameters:
@@ -34,8 +47,12 @@ class GatheredParameters:
     Args:
         params: a parameter or an iterable of parameters, in any order, duplicates allowed (of any stage;
             non-partitioned ones are already full and are only broadcast on exit when ``modifier_rank``
-            is set: zerodp's addition for stages 0-2, where DeepSpeed leaves them alone; these must be
-            listed in the same order on every rank, checked by their shapes).
+            is set: in creation order when all were built under ``zero.Init`` (its persistent ones,
+            below ``stage3_param_persistence_threshold``, e.g. in transformers' ``from_pretrained``
+            before ``initialize``), as DeepSpeed orders them by ``ds_id``; else (zerodp's addition for
+            stages 0-2, where DeepSpeed leaves them alone) in the order given, which must be the same
+            on every rank, checked by their shapes). Tensors that are not parameters (``state_dict()``'s
+            detached values) are left alone, as DeepSpeed drops tensors without a ``ds_id``.
         modifier_rank: data-parallel rank whose in-place edits are kept: on exit its values are
             broadcast to every rank and re-partitioned. None: edits are discarded (read-only use).
         enabled: False makes this a no-op.
@@ -91,12 +108,12 @@ class GatheredParameters:
             for u, owner in self._units:
                 src = dist.get_global_rank(owner.pg, self.modifier_rank) if owner.pg else self.modifier_rank
                 comm.broadcast(u.full_buffer, src, owner.pg, owner.ledger, "gathered_parameters")
-            plain = list({id(p): p for p in self.params if id(p) not in partitioned}.values())
+            # tensors that are not parameters (e.g. state_dict()'s detached views, which transformers 4.x
+            # passes in set order) are left alone, as DeepSpeed keeps only tensors with a ds_id
+            plain = list({id(p): p for p in self.params if id(p) not in partitioned
+                          and (isinstance(p, torch.nn.Parameter) or INIT_SEQ in p.__dict__)}.values())
             if plain:
-                _agree([f"{tuple(p.shape)}:{p.dtype}" for p in plain], None, plain[0].device,
-                       "non-partitioned parameters (their shapes, in the order given)")
-            for p in plain:
-                dist.broadcast(p.data, src=self.modifier_rank)
+                _broadcast_plain(plain, self.modifier_rank)
         if modify:
             for u, _ in self._units:
                 u.write_back()
@@ -110,6 +127,20 @@ class GatheredParameters:
                 with coordinator_busy(owner):
                     u.release()
         self._units = []
+
+
+def _broadcast_plain(plain: list[torch.Tensor], src: int) -> None:
+    """Broadcast the non-partitioned ``plain`` from ``src``, paired across ranks by creation number
+    when every one has it (built under zero.Init), else in the order given (checked by shapes)."""
+    known: list[int] = [p.__dict__[INIT_SEQ] for p in plain if INIT_SEQ in p.__dict__]
+    if len(known) == len(plain):
+        plain = [p for _, p in sorted(zip(known, plain, strict=True), key=lambda sp: sp[0])]
+        _agree(sorted(known), None, plain[0].device, "non-partitioned parameters built under zero.Init")
+    else:
+        _agree([f"{tuple(p.shape)}:{p.dtype}" for p in plain], None, plain[0].device,
+               "non-partitioned parameters (their shapes, in the order given)")
+    for p in plain:
+        dist.broadcast(p.data, src=src)
 
 
 def _agree(keys: list, pg: dist.ProcessGroup | None, device: torch.device, what: str) -> None:
