@@ -62,6 +62,7 @@ from zerodp.offload.subgroups import SubGroup
 from zerodp.offload.subgroups import plan_subgroups as _plan
 from zerodp.offload.swap_dir import check_stale, make_rank_dir
 from zerodp.offload.swap_job import OffloadError, agree_job_id, raise_if_any_rank_failed, remove_swap_dir
+from zerodp.runtime.grad_spill import SpillingGradReducer
 from zerodp.runtime.partition import FlatGroup, Piece
 
 
@@ -72,7 +73,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
 
     def __init__(self, cfg: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: int | None,
                  rank: int, process_group: dist.ProcessGroup | None) -> None:
-        super().__init__(cfg.pin_memory, cfg.cpu_adam)
+        super().__init__(bool(cfg.pin_memory), cfg.cpu_adam)  # resolved by build_offload
         self.cfg = cfg
         self.aio_cfg = aio
         self.user_sub_group_size = sub_group_size  # None: chosen at attach (zerodp.offload.sizing)
@@ -151,12 +152,33 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                 for i, lo, hi, view in self._views(sg, masters):
                     p = self.pieces[i]
                     view.copy_((p.master if p.master is not None else p.tensor)[lo:hi])
-            self.io.write(self.file, buf, sg.offset).wait()
+            self.write_region(buf, sg.offset).wait()
         for p in pieces:
             p.master = torch.empty(0, dtype=torch.float32)
 
+    @property
+    def swap_io(self) -> AsyncIO:
+        """The swap file's I/O threads, from :meth:`attach` until :meth:`close`."""
+        assert self.io is not None, "the swap file's I/O is opened by attach() and closed by close()"
+        return self.io
+
+    @property
+    def swap_file(self) -> SwapFile:
+        """The optimizer swap file, from :meth:`attach` on."""
+        assert self.file is not None, "the optimizer swap file is created by attach()"
+        return self.file
+
+    def read_region(self, buf: torch.Tensor, offset: int) -> IOHandle:
+        """Start reading ``buf`` (uint8, aligned) from byte ``offset`` of the swap file."""
+        return self.swap_io.read(self.swap_file, buf, offset)
+
+    def write_region(self, buf: torch.Tensor, offset: int) -> IOHandle:
+        """Start writing ``buf`` (uint8, aligned) at byte ``offset`` of the swap file."""
+        return self.swap_io.write(self.swap_file, buf, offset)
+
     def _open(self, job: str, needed: int) -> None:
         base = self.cfg.nvme_path
+        assert base is not None, "OffloadOptimizerConfig refuses device 'nvme' without nvme_path"
         if not os.path.isdir(base):
             raise OffloadError(f"offload_optimizer.nvme_path {base!r} does not exist or is not a directory")
         if not os.access(base, os.W_OK | os.X_OK):
@@ -166,23 +188,24 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             raise OffloadError(f"offload_optimizer.nvme_path {base!r}: the swap file needs {needed:,} bytes, "
                                f"{free:,} bytes are free")
         check_stale(base, self.cfg.remove_stale_swap, "offload_optimizer.nvme_path", self.rank)
-        self.dir = make_rank_dir(base, job, self.rank, self._files)  # owner record; unlinked on SIGTERM/SIGINT
-        path = os.path.join(self.dir, "optimizer.swp")
-        self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir, self._files)
-        self.file = SwapFile(path)
-        self._files.append(self.file)
+        rank_dir = make_rank_dir(base, job, self.rank, self._files)  # owner record; unlinked on SIGTERM/SIGINT
+        self.dir = rank_dir
+        path = os.path.join(rank_dir, "optimizer.swp")
+        self._finalizer = weakref.finalize(self, remove_swap_dir, rank_dir, self._files)
+        self.file = file = SwapFile(path)
+        self._files.append(file)
         try:
             if self.cfg.fast_init:
-                os.ftruncate(self.file.fd, needed)
+                os.ftruncate(file.fd, needed)
             elif needed:
-                os.posix_fallocate(self.file.fd, 0, needed)
+                os.posix_fallocate(file.fd, 0, needed)
         except OSError as exc:
             raise OffloadError(f"offload_optimizer.nvme_path {base!r}: cannot allocate the swap file "
                                f"{path} ({needed:,} bytes, {shutil.disk_usage(base).free:,} free): "
                                f"{os.strerror(exc.errno or 0)}") from None
         self.io = AsyncIO(self.aio_cfg)
 
-    def gradient_spill(self, reducer: object) -> GradSwap | None:
+    def gradient_spill(self, reducer: SpillingGradReducer) -> GradSwap | None:
         """Collective: the gradient swap file for ``reducer``
         (:class:`zerodp.runtime.grad_spill.SpillingGradReducer`), or None when the gradients are not
         in host memory (:func:`zerodp.offload.grad_swap.open_grad_swap`; raises its errors)."""
@@ -190,7 +213,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             return None
         self._grad_at = [(g.index, reducer.owned_offset(g, p.lo, p.hi))
                          for p, g in zip(self.pieces, self._group_of, strict=False)]
-        self.spill = open_grad_swap(self.dir, self.cfg.nvme_path, self.cfg.fast_init, self.io, self._files,
+        assert self.dir is not None and self.cfg.nvme_path is not None, "the swap file exists (checked above)"
+        self.spill = open_grad_swap(self.dir, self.cfg.nvme_path, self.cfg.fast_init, self.swap_io, self._files,
                                     reducer.owned_sizes, self._grad_at, [sg.spans for sg in self.subgroups],
                                     self.rank, self.pg)
         return self.spill
@@ -205,12 +229,12 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             return super()._grad_buffer(piece)
         return torch.empty(0, dtype=torch.float32)  # no host copy: see grad_scratch
 
-    def set_shard_access(self, access: object) -> None:
+    def set_shard_access(self, access: ShardAccess) -> None:
         """Pin parameter shards per sub-group during the step, if the parameters are on NVMe; with
         ``overlap_step``, a shard's first use after a step waits for its sub-groups' update."""
         if getattr(access, "swapper", None) is not None:
-            self.shard_access = access  # type: ignore[assignment]
-            self.shard_access.set_use_hook(self._before_use, self._pending_group)
+            self.shard_access = access
+            access.set_use_hook(self._before_use, self._pending_group)
 
     def group_of(self, i: int) -> FlatGroup:
         """The flat group (stage-3 unit) of the piece at position ``i``."""
@@ -256,13 +280,15 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             yield i, lo, hi, seg[at: at + hi - lo]
             at += hi - lo
 
-    def _segments(self, sg: SubGroup, buf: torch.Tensor) -> list[torch.Tensor]:
+    def _segments(self, sg: SubGroup, buf: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """[masters or None, exp_avg, exp_avg_sq]: fp32 segments of sub-group ``sg``'s buffer (masters
         None when the module's tensors are the masters)."""
         f32 = buf.view(torch.float32)
         per = sg.seg // 4
         segs = [f32[j * per: (j + 1) * per] for j in range(sg.segments)]
-        return ([None] if sg.segments == 2 else []) + segs
+        if sg.segments == 2:
+            return None, segs[0], segs[1]
+        return segs[0], segs[1], segs[2]
 
     def refresh_master(self, piece: Piece) -> None:
         """Write the module's (edited) value of ``piece`` into its master in the swap file (nothing to
@@ -273,11 +299,11 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         i = self._index[id(piece)]
         for sg in (s for s in self.subgroups if i in s.pieces):
             buf = self.buffers[0][: sg.nbytes]
-            self.io.read(self.file, buf, sg.offset).wait()
+            self.read_region(buf, sg.offset).wait()
             for j, lo, hi, view in self._views(sg, buf[: sg.seg].view(torch.float32)):
                 if j == i:
                     view.copy_(piece.tensor[lo:hi])
-            self.io.write(self.file, buf, sg.offset).wait()
+            self.write_region(buf, sg.offset).wait()
 
     def fold_edits(self) -> None:
         """Nothing before the update: the masters are in the swap file, so in-place edits of module
@@ -305,7 +331,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         def start_read(k: int) -> None:
             if k % nbuf in writes:
                 writes.pop(k % nbuf).wait()
-            reads[k] = self.io.read(self.file, self.buffers[k % nbuf][: subgroups[k].seg], subgroups[k].offset)
+            reads[k] = self.read_region(self.buffers[k % nbuf][: subgroups[k].seg], subgroups[k].offset)
 
         for k in range(min(nbuf, len(subgroups))):
             start_read(k)
@@ -316,7 +342,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                 changed = [fold_edit(self.pieces[i].tensor[lo:hi], view)
                            for i, lo, hi, view in self._views(sg, seg.view(torch.float32))]
             if any(changed):
-                writes[k % nbuf] = self.io.write(self.file, seg, sg.offset)
+                writes[k % nbuf] = self.write_region(seg, sg.offset)
             if k + nbuf < len(subgroups):
                 start_read(k + nbuf)
         for h in writes.values():
@@ -370,7 +396,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             return None
         ref, n = self._grad_refs[i], piece.hi - piece.lo
         fresh = ref is None  # in the gradient swap file: this piece read into a buffer of its own
-        if fresh:
+        if ref is None:
+            assert self.spill is not None, "a staged gradient without a partition view is in the swap file"
             ref = self.spill.read_elements(self._grad_at[i][0], self._grad_at[i][1], self._grad_at[i][1] + n)
         if ref.dtype == torch.float32 and (fresh or not self._factors):
             return self._materialise(i, 0, n, None, ref) if fresh else ref
@@ -390,7 +417,10 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         in-place scalings. ``out`` None (the reducer's partition is fp32, as the eager path's gradient
         is then): scaled in place there, as the eager path scales it. ``ref``: those elements read
         from the gradient swap file (default: the reducer's partition)."""
-        ref = self._grad_refs[i][lo:hi] if ref is None else ref
+        if ref is None:
+            partition = self._grad_refs[i]
+            assert partition is not None, "without a read from the swap file the reducer's partition is staged"
+            ref = partition[lo:hi]
         if out is None:
             out = ref
         else:
@@ -448,20 +478,21 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             masters = {i: view for i, _, _, view in self._views(sg, seg_m)}
             for i, (lo, hi) in spans.items():  # an in-place edit since the last step (fold_edits)
                 fold_edit(self.pieces[i].tensor[lo:hi], masters[i])
+        assert self.layout is not None, "attach() plans the buffers before any step"
         scratch = {i: view for i, _, _, view in self._views(sg, self.grad_scratch)} if self.layout.scratch else {}
-        spilled = self._grad_reads.take(sg.index) if self.spill is not None else {}
+        spilled = self._grad_reads.take(sg.index) if self._grad_reads is not None else {}  # set with a spill
         for i, (lo, hi) in spans.items():
             if not self._present[i]:
                 continue
-            p = self.pieces[i]
-            p.master.data = masters[i]
-            p.master.grad = self._materialise(i, lo, hi, scratch.get(i), spilled.get(i)) if self.deferred \
+            master = self.pieces[i].master_copy
+            master.data = masters[i]
+            master.grad = self._materialise(i, lo, hi, scratch.get(i), spilled.get(i)) if self.deferred \
                 else self.grad_buffers[i][lo:hi]
             if (i, lo) not in self.steps:  # fresh state, exactly what torch's lazy initialisation makes
                 m[i].zero_()
                 v[i].zero_()
                 self.steps[(i, lo)] = torch.tensor(0.0, dtype=torch.float32)
-            optimizer.state[p.master] = {"step": self.steps[(i, lo)], "exp_avg": m[i], "exp_avg_sq": v[i]}
+            optimizer.state[master] = {"step": self.steps[(i, lo)], "exp_avg": m[i], "exp_avg_sq": v[i]}
         with cpu_adam_kernel(optimizer, self.cpu_adam):
             optimizer.step()
         for i, (lo, hi) in spans.items():
@@ -472,9 +503,10 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             # device when the step reads the next sub-group into the same buffer
             if seg_m is not None:
                 p.tensor[lo:hi].copy_(masters[i])
-            self.steps[(i, lo)] = optimizer.state.pop(p.master)["step"]
-            p.master.grad = None
-            p.master.data = torch.empty(0, dtype=torch.float32)
+            master = p.master_copy
+            self.steps[(i, lo)] = optimizer.state.pop(master)["step"]
+            master.grad = None
+            master.data = torch.empty(0, dtype=torch.float32)
         self._sync_copies()
 
     def finish_step(self) -> None:
@@ -508,7 +540,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         step_of: dict[int, torch.Tensor] = {}
         for sg in self.subgroups:
             buf = self.buffers[0][: sg.nbytes]
-            self.io.read(self.file, buf, sg.offset).wait()
+            self.read_region(buf, sg.offset).wait()
             for j, seg in enumerate(self._segments(sg, buf)):
                 for i, lo, hi, view in self._views(sg, seg) if seg is not None else ():
                     full[i][j][lo:hi].copy_(view)
@@ -516,18 +548,19 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                 if (i, lo) in self.steps:
                     step_of.setdefault(i, self.steps[(i, lo)])
         for i, p in enumerate(self.pieces):
-            p.master.data = full[i][0]
+            p.master_copy.data = full[i][0]
             if i in step_of:
-                optimizer.state[p.master] = {"step": step_of[i].clone(), "exp_avg": full[i][1],
+                optimizer.state[p.master_copy] = {"step": step_of[i].clone(), "exp_avg": full[i][1],
                                              "exp_avg_sq": full[i][2]}
         try:
             yield
         finally:
             states = {}
             for i, p in enumerate(self.pieces):
-                states[i] = optimizer.state.pop(p.master, None)
-                if self.in_place and p.master.data.data_ptr() != p.tensor.data_ptr():
-                    p.tensor.copy_(p.master.data)  # a load bound a tensor of its own
+                master = p.master_copy
+                states[i] = optimizer.state.pop(master, None)
+                if self.in_place and master.data.data_ptr() != p.tensor.data_ptr():
+                    p.tensor.copy_(master.data)  # a load bound a tensor of its own
             for sg in self.subgroups:
                 buf = self.buffers[0][: sg.nbytes]
                 seg_m, seg_a, seg_v = self._segments(sg, buf)
@@ -535,7 +568,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                     for i, lo, hi, view in self._views(sg, seg) if seg is not None else ():
                         st = states[i]
                         if j == 0:
-                            view.copy_(self.pieces[i].master.data[lo:hi])
+                            view.copy_(self.pieces[i].master_copy.data[lo:hi])
                         elif st:
                             view.copy_(st["exp_avg" if j == 1 else "exp_avg_sq"][lo:hi])
                 for i, lo, _ in sg.spans:
@@ -543,9 +576,9 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
                         self.steps[(i, lo)] = states[i]["step"].clone()
                     else:
                         self.steps.pop((i, lo), None)
-                self.io.write(self.file, buf, sg.offset).wait()
+                self.write_region(buf, sg.offset).wait()
             for p in self.pieces:
-                p.master.data = torch.empty(0, dtype=torch.float32)
+                p.master_copy.data = torch.empty(0, dtype=torch.float32)
 
     def adjust_formula(self, formula: dict[str, float], numel_per_rank: float) -> None:
         """Masters and optimizer states live in the swap file: none in memory."""
@@ -564,6 +597,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
 
     def formula(self, numel_per_rank: float, host: dict[str, int]) -> dict[str, dict[str, float]]:
         largest = float(max((sg.numel for sg in self.subgroups), default=0))
+        assert self.layout is not None, "attach() plans the buffers before any report"
         scratch = (largest if self.layout.scratch else 0.0) if self.deferred else None
         out = offload_formula(self.device, numel_per_rank, host["swap_buffers"], scratch,
                               masters_in_file=not self.in_place,

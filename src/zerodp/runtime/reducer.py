@@ -37,7 +37,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch.distributed import ProcessGroup, ReduceOp, Work
@@ -77,7 +77,20 @@ def _trainable(s: ParamSlot) -> bool:
     return s.group_index >= 0 and s.param.requires_grad
 
 
-class GradientReducer:
+def _async_work(work: Work | None) -> Work:
+    """The ``Work`` of a collective issued with ``async_op=True``."""
+    assert work is not None, "a collective issued with async_op=True returns its Work"
+    return work
+
+
+#: what a strategy keeps with each bucket in flight until its collective completes (``_complete``)
+PayloadT = TypeVar("PayloadT")
+#: the partitioned strategy's payload: (staging buffer, separate receive buffer or None, all-to-all
+#: scratch or None)
+StagedPayload = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+class GradientReducer(Generic[PayloadT]):
     """Base: bookkeeping shared by the three strategies. See the module docstring."""
 
     collective_purpose = "gradients"
@@ -114,7 +127,7 @@ class GradientReducer:
         self._reducing = False
         self._in_backward = False  # between begin_micro_step and end_micro_step
         # one entry per collective: its Work and the (bucket, group, payload) of every bucket it reduces
-        self._in_flight: deque[tuple[Work, list[tuple[Bucket, FlatGroup, object]]]] = deque()
+        self._in_flight: deque[tuple[Work | comm.AllOf, list[tuple[Bucket, FlatGroup, PayloadT]]]] = deque()
         self.wait_seconds = 0.0  # time the training thread blocked in this reducer's waits (perf_counter)
         #: collectives are issued here once the compute stream's gradient-ready event is passed, and the
         #: compute stream waits for each one's completion event before using or reusing its buffers
@@ -237,7 +250,7 @@ class GradientReducer:
     def _launch(self, g: FlatGroup, b: Bucket) -> None:
         raise NotImplementedError
 
-    def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
+    def _complete(self, g: FlatGroup, b: Bucket, payload: PayloadT) -> None:
         """Runs after bucket ``b``'s collective finished."""
 
     def _flush(self) -> None:
@@ -272,7 +285,7 @@ class GradientReducer:
         if self.launch_check is not None:
             self.launch_check([(g.index, b.index) for g, b in buckets])
 
-    def _track(self, work: Work, entries: list[tuple[Bucket, FlatGroup, object]]) -> None:
+    def _track(self, work: Work | comm.AllOf, entries: list[tuple[Bucket, FlatGroup, PayloadT]]) -> None:
         """Hold ``work`` (one collective reducing the buckets of ``entries``) until it is drained."""
         self._in_flight.append((work, entries))
         self._note_peak()
@@ -297,7 +310,7 @@ class GradientReducer:
         self.peak_grad_bytes = max(self.peak_grad_bytes, sum(self.held_bytes().values()))
 
 
-class _FullGradBuffer(GradientReducer):
+class _FullGradBuffer(GradientReducer[PayloadT]):
     """Stages 0 and 1: ``param.grad`` views a full flat gradient buffer per group, or is added into it
     and dropped when the buffer is fp32 and the parameters are not (:attr:`folds`)."""
 
@@ -361,7 +374,7 @@ class _FullGradBuffer(GradientReducer):
         return self.grad_buffers[g.index][b.start : b.start + b.numel]
 
 
-class AllReduceReducer(_FullGradBuffer):
+class AllReduceReducer(_FullGradBuffer[None]):
     """Stage 0: plain data parallelism, in-place all-reduce per bucket at the boundary."""
 
     full_after_reduce = True
@@ -373,14 +386,14 @@ class AllReduceReducer(_FullGradBuffer):
         self.stream.after_compute()  # the bucket's gradients are complete on the compute stream
         with self.stream.issuing():
             work = comm.all_reduce(grad, self.pg, self.ledger, self.collective_purpose, async_op=True)
-        self._track(work, [(b, g, None)])
+        self._track(_async_work(work), [(b, g, None)])
 
     def held_bytes(self) -> dict[str, int]:
         return {"gradients": sum(t.numel() * t.element_size() for t in self.grad_buffers.values()),
                 "comm_buffers": 0}
 
 
-class FullGradReduceScatter(_FullGradBuffer):
+class FullGradReduceScatter(_FullGradBuffer[torch.Tensor]):
     """Stage 1: full gradients kept between micro-steps; reduce-scatter per bucket at the boundary.
 
     A second ``engine.backward`` on the boundary micro-step (before ``step()``) reduces again: the
@@ -410,9 +423,9 @@ class FullGradReduceScatter(_FullGradBuffer):
         self.stream.after_compute()  # the bucket's gradients are complete on the compute stream
         with self.stream.issuing():
             work = comm.reduce_scatter(recv, grad, self.pg, self.ledger, self.collective_purpose, async_op=True)
-        self._track(work, [(b, g, recv)])
+        self._track(_async_work(work), [(b, g, recv)])
 
-    def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
+    def _complete(self, g: FlatGroup, b: Bucket, payload: torch.Tensor) -> None:
         lo, hi = b.shard_range(self.rank)
         owned = self.grad_buffers[g.index][lo:hi]
         owned.copy_(payload)
@@ -432,7 +445,7 @@ class FullGradReduceScatter(_FullGradBuffer):
                 "comm_buffers": recv}
 
 
-class PartitionedGradReducer(GradientReducer):
+class PartitionedGradReducer(GradientReducer[StagedPayload]):
     """Stage 2: bucketed reduce-scatter every micro-step; only the owned gradient partition is kept.
 
     ``contiguous_gradients=True`` copies each gradient into its bucket's staging buffer as soon as it
@@ -497,10 +510,12 @@ class PartitionedGradReducer(GradientReducer):
             buf = self._staging_for(b, g)
             rel = slot.offset - b.start
             target = buf[rel : rel + slot.numel]
+            grad = param.grad
+            assert grad is not None, "a post-accumulate-grad hook runs with the gradient accumulated"
             if self._count_np[slot.index] > 1:  # repeated accumulation (see the note): add, not overwrite
-                target.add_(slot.flat_values(param.grad))
+                target.add_(slot.flat_values(grad))
             else:
-                target.copy_(slot.flat_values(param.grad))
+                target.copy_(slot.flat_values(grad))
             param.grad = None
         self._ready(slot, g, b)
 
@@ -532,7 +547,8 @@ class PartitionedGradReducer(GradientReducer):
                         for (_, _, buf, out, _), rx in zip(run, scratch, strict=True)]
             self.stream.after_compute()  # the buckets' staging buffers are written on the compute stream
             with self.stream.issuing():
-                work = comm.AllOf([launch() for launch in launches]) if apart else coalesced(self.pg, launches)
+                work = comm.AllOf([_async_work(launch()) for launch in launches]) if apart \
+                    else _async_work(coalesced(self.pg, launches))
             self.reduce_collectives += 1
             self._track(work, [(b, g, (buf, recv, rx)) for (g, b, buf, _, recv), rx in zip(run, scratch, strict=True)])
 
@@ -551,10 +567,11 @@ class PartitionedGradReducer(GradientReducer):
         else:
             written = []
             for s in b.slots:
-                written.append(_trainable(s) and s.param.grad is not None)
-                if written[-1]:
+                grad = s.param.grad if _trainable(s) else None
+                written.append(grad is not None)
+                if grad is not None:
                     rel = s.offset - b.start
-                    buf[rel : rel + s.numel].copy_(s.flat_values(s.param.grad))
+                    buf[rel : rel + s.numel].copy_(s.flat_values(grad))
                     s.param.grad = None
         zero_unwritten(buf, b, written)
         del self._staging[id(b)]
@@ -563,12 +580,14 @@ class PartitionedGradReducer(GradientReducer):
         first = id(b) not in self._owned_written
         self._owned_written.add(id(b))
         whole = self._owned_of(g, first)
-        if first and whole.dtype == buf.dtype:  # first reduction since zero_grads(): straight into the partition
-            return buf, whole[off : off + b.shard_numel], None
+        if first:  # the first reduction since zero_grads(): straight into the partition if dtypes agree
+            assert whole is not None, "the first reduction since zero_grads() makes the partition"
+            if whole.dtype == buf.dtype:
+                return buf, whole[off : off + b.shard_numel], None
         recv = torch.empty(b.shard_numel, dtype=buf.dtype, device=buf.device)
         return buf, recv, recv
 
-    def _complete(self, g: FlatGroup, b: Bucket, payload: object) -> None:
+    def _complete(self, g: FlatGroup, b: Bucket, payload: StagedPayload) -> None:
         buf, recv, received = payload  # the staging buffer is dropped with the payload here
         if self.staging_pool is not None:
             self.staging_pool.take_back(buf)
@@ -576,7 +595,9 @@ class PartitionedGradReducer(GradientReducer):
                 self.staging_pool.take_back(received)
         if recv is not None:  # accumulate (later micro-steps, or an fp32 partition of bf16 grads)
             off = self._owned_offsets[(g.index, b.index)]
-            self._owned_of(g, False)[off : off + b.shard_numel].add_(recv)
+            whole = self._owned_of(g, False)
+            assert whole is not None, "a partition accumulated into was made by an earlier reduction"
+            whole[off : off + b.shard_numel].add_(recv)
 
     def piece_grad(self, g: FlatGroup, lo: int, hi: int) -> torch.Tensor:
         for b in g.buckets:
