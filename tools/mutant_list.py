@@ -24,7 +24,7 @@ FAULTS = "tests/test_faults.py"
 STAGES = "tests/test_stages.py"
 INIT = "src/zerodp/zero.py"
 INIT_BUILD = "tests/test_init_build.py"
-NVME = "src/zerodp/offload/nvme.py"
+DEFERRED_GRADS = "src/zerodp/offload/deferred_grads.py"
 NO_OFFLOAD = "src/zerodp/offload/no_offload.py"
 CPU_ADAM = "src/zerodp/offload/cpu_adam.py"
 PARAM_SWAP = "src/zerodp/offload/param_swap.py"
@@ -171,7 +171,7 @@ MUTANTS: list[Mutant] = [
            "    cap = min(budget_bytes, AUTO_SHARE * moved_off_bytes(owned_numel, masters_moved))\n",
            "    cap = 1 << 40\n",
            ["tests/test_offload_rss.py::test_offload_lowers_rss_by_what_it_moves_off"]),
-    Mutant("nvme_deferred_gradient_keeps_only_the_first_scale_factor", NVME,
+    Mutant("nvme_deferred_gradient_keeps_only_the_first_scale_factor", DEFERRED_GRADS,
            "        for f in self._factors:\n            out.mul_(f)\n",
            "        for f in self._factors[:1]:\n            out.mul_(f)\n",
            ["tests/test_offload.py::test_offload_equals_non_offloaded[1-1,2,3-bf16,fp16_overflow,edit_bf16,fp16_accum_clip]"]),
