@@ -27,9 +27,7 @@ HARD_MAX_LINES = 600
 
 #: library functions still above MAX_FUNCTION_LINES (qualified name -> why), to be split
 LONG_FUNCTIONS = {
-    "zerodp.checkpoint.load.load_checkpoint": "reads, checks and reshards in one pass",
     "zerodp.deepspeed.initialize": "DeepSpeed's initialize signature: argument checks, then the engine",
-    "zerodp.runtime.module_state.load_module_state": "key check, gathered copies, masters and frozen in one pass",
 }
 
 #: The package ranks, lowest first. A module may import modules of its own rank or a lower one, never a
