@@ -272,8 +272,9 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         counter) are folded during :meth:`step`, with the rule of
         :meth:`zerodp.runtime.guards.TrainingGuards.before_update`: each sub-group the step updates is
         compared in its buffer (all its pieces, with or without a gradient, :meth:`_update`); the
-        masters of the other sub-groups are read and compared by :meth:`_fold_masters`; a skipped step
-        folds every sub-group (:meth:`skipped_step`)."""
+        masters of the other sub-groups are read and compared by
+        :func:`~zerodp.offload.swap_masters.fold_masters`; a skipped step folds every sub-group
+        (:meth:`skipped_step`)."""
 
     def skipped_step(self) -> None:
         """The update was skipped (fp16 overflow): fold the edits :meth:`step` would have folded."""

@@ -13,6 +13,7 @@ one all-reduce (MAX) tells every rank whether any parameter was accumulated more
 buckets are always launched when backward returns, otherwise as soon as they are complete (a later
 repeated accumulation into an already-reduced bucket raises instead of being lost).
 """
+
 from __future__ import annotations
 
 import time
@@ -54,6 +55,7 @@ class StagingPool(Protocol):
 
 
 def trainable(s: ParamSlot) -> bool:
+    """``s`` gets a hook and a gradient: in one of the user's param groups and ``requires_grad``."""
     return s.group_index >= 0 and s.param.requires_grad
 
 
@@ -65,6 +67,8 @@ def async_work(work: Work | None) -> Work:
 
 #: what a strategy keeps with each bucket in flight until its collective completes (``_complete``)
 PayloadT = TypeVar("PayloadT")
+
+
 class GradientReducer(Generic[PayloadT]):
     """Base: bookkeeping shared by the three strategies. See the module docstring."""
 
