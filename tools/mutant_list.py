@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ENGINE = "src/zerodp/engine.py"
-REDUCER = "src/zerodp/runtime/reducer.py"
+GRAD_REDUCER = "src/zerodp/runtime/grad_reducer.py"
+FULL_GRAD_REDUCERS = "src/zerodp/runtime/full_grad_reducers.py"
+PARTITIONED_REDUCER = "src/zerodp/runtime/partitioned_reducer.py"
 PARTITION = "src/zerodp/runtime/partition.py"
 PRECISION = "src/zerodp/runtime/precision.py"
 SHARDING = "src/zerodp/stage3/sharding.py"
@@ -22,7 +24,7 @@ FAULTS = "tests/test_faults.py"
 STAGES = "tests/test_stages.py"
 INIT = "src/zerodp/zero.py"
 INIT_BUILD = "tests/test_init_build.py"
-NVME = "src/zerodp/offload/nvme.py"
+DEFERRED_GRADS = "src/zerodp/offload/deferred_grads.py"
 NO_OFFLOAD = "src/zerodp/offload/no_offload.py"
 CPU_ADAM = "src/zerodp/offload/cpu_adam.py"
 PARAM_SWAP = "src/zerodp/offload/param_swap.py"
@@ -67,16 +69,16 @@ MUTANTS: list[Mutant] = [
            "            self._scale_grads(1.0 / self.loss_scaler.scale)\n",
            "            pass\n",
            [f"{FAULTS}::test_mixed_precision_scale_sensitive[2-0-fp16_loss_scale]"]),
-    Mutant("skip_a_bucket_reduce_scatter_stage2", REDUCER,
+    Mutant("skip_a_bucket_reduce_scatter_stage2", PARTITIONED_REDUCER,
            "        del self._staging[id(b)]\n        buf.div_(self.world_size)\n",
            "        del self._staging[id(b)]\n        if b.index == 0:\n            return\n"
            "        buf.div_(self.world_size)\n",
            [f"{STAGES}::test_matches_reference[2-2-adam_buckets]"]),
-    Mutant("average_over_wrong_world_size_stage0", REDUCER,
+    Mutant("average_over_wrong_world_size_stage0", FULL_GRAD_REDUCERS,
            "        grad.div_(self.world_size)\n        self.stream.after_compute()",
            "        grad.div_(max(self.world_size - 1, 1))\n        self.stream.after_compute()",
            [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-0]"]),
-    Mutant("average_over_wrong_world_size_stage2", REDUCER,
+    Mutant("average_over_wrong_world_size_stage2", PARTITIONED_REDUCER,
            "        buf.div_(self.world_size)\n",
            "        buf.div_(self.world_size + 1)\n",
            [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-2]"]),
@@ -120,13 +122,13 @@ MUTANTS: list[Mutant] = [
            "                piece.tensor.copy_(piece.master)",
            "                pass",
            [f"{FAULTS}::test_mixed_precision_scale_sensitive[2-0-bf16_accum]"]),
-    Mutant("stage2_overwrite_instead_of_accumulate", REDUCER,
-           "            self._owned_of(g, False)[off : off + b.shard_numel].add_(recv)",
-           "            self._owned_of(g, False)[off : off + b.shard_numel].copy_(recv)",
+    Mutant("stage2_overwrite_instead_of_accumulate", PARTITIONED_REDUCER,
+           "            whole[off : off + b.shard_numel].add_(recv)",
+           "            whole[off : off + b.shard_numel].copy_(recv)",
            [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-2]"]),
-    Mutant("stage2_keep_grad_after_bucketing", REDUCER,
-           "                target.copy_(slot.flat_values(param.grad))\n            param.grad = None\n",
-           "                target.copy_(slot.flat_values(param.grad))\n",
+    Mutant("stage2_keep_grad_after_bucketing", PARTITIONED_REDUCER,
+           "                target.copy_(slot.flat_values(grad))\n            param.grad = None\n",
+           "                target.copy_(slot.flat_values(grad))\n",
            [f"{FAULTS}::test_storage_held_stages_0_to_2[2-2]"]),
     Mutant("parameters_copied_not_aliasing_flat_buffer", PARTITION,
            "        s.param.data = s.view(view)\n",
@@ -136,7 +138,7 @@ MUTANTS: list[Mutant] = [
            "assign_pieces(g, self.rank, owns_everything=self.stage == 0)",
            "assign_pieces(g, self.rank, owns_everything=self.stage <= 1)",
            [f"{FAULTS}::test_storage_held_stages_0_to_2[2-1]"]),
-    Mutant("gradients_not_zeroed_after_step", REDUCER,
+    Mutant("gradients_not_zeroed_after_step", FULL_GRAD_REDUCERS,
            "        for buf in self._zero_pages.values():\n            buf.zero_()\n",
            "        for buf in self._zero_pages.values():\n            pass\n",
            [f"{FAULTS}::test_accumulation_is_scale_sensitive[2-0]"]),
@@ -169,7 +171,7 @@ MUTANTS: list[Mutant] = [
            "    cap = min(budget_bytes, AUTO_SHARE * moved_off_bytes(owned_numel, masters_moved))\n",
            "    cap = 1 << 40\n",
            ["tests/test_offload_rss.py::test_offload_lowers_rss_by_what_it_moves_off"]),
-    Mutant("nvme_deferred_gradient_keeps_only_the_first_scale_factor", NVME,
+    Mutant("nvme_deferred_gradient_keeps_only_the_first_scale_factor", DEFERRED_GRADS,
            "        for f in self._factors:\n            out.mul_(f)\n",
            "        for f in self._factors[:1]:\n            out.mul_(f)\n",
            ["tests/test_offload.py::test_offload_equals_non_offloaded[1-1,2,3-bf16,fp16_overflow,edit_bf16,fp16_accum_clip]"]),
@@ -215,7 +217,7 @@ MUTANTS: list[Mutant] = [
            "    return param_dtype\n",
            [f"{GRAD_ACCUM}::test_small_micro_steps_are_not_lost[1-0-bf16]",
             f"{GRAD_ACCUM}::test_small_micro_steps_are_not_lost[1-2-fp16]"]),
-    Mutant("fp32_fold_overwrites", REDUCER,
+    Mutant("fp32_fold_overwrites", FULL_GRAD_REDUCERS,
            "                view.add_(param.grad)\n                param.grad = None\n",
            "                view.copy_(param.grad)\n                param.grad = None\n",
            [f"{GRAD_ACCUM}::test_small_micro_steps_are_not_lost[1-1-bf16]"]),
@@ -223,7 +225,7 @@ MUTANTS: list[Mutant] = [
            "        if scale_wrt_gas and self.gradient_accumulation_steps > 1:\n",
            "        if self.gradient_accumulation_steps > 1:\n",
            [f"{GRAD_ACCUM}::test_token_weighted_loss_with_scale_wrt_gas_false[1-0]"]),
-    Mutant("gradient_hook_holds_its_reducer", REDUCER,
+    Mutant("gradient_hook_holds_its_reducer", GRAD_REDUCER,
            "        reducer = weakref.ref(self)\n",
            "        reducer = (lambda owner=self: owner)\n",
            ["tests/test_engine_lifetime.py::test_dropped_engine_is_collected[0-None]"]),
@@ -323,10 +325,10 @@ MUTANTS: list[Mutant] = [
     Mutant("demand_gather_skips_compute_wait", "src/zerodp/stage3/coordinator.py",
            "        if stream is not None and (not prefetch or stream.stale):", "        if False:",
            [f"{STREAM_ORDER}[3]"]),
-    Mutant("reduce_before_gradient_event", REDUCER,
+    Mutant("reduce_before_gradient_event", PARTITIONED_REDUCER,
            "            self.stream.after_compute()  # the buckets' staging buffers are written on the compute stream",
            "            pass", [f"{STREAM_ORDER}[2]"]),
-    Mutant("reduce_result_used_before_completion_event", REDUCER,
+    Mutant("reduce_result_used_before_completion_event", GRAD_REDUCER,
            "            self.stream.done(work)  # the buckets' buffers are read or reused only after this",
            "            work.wait()", [f"{STREAM_ORDER}[0]"]),
     Mutant("registration_shadows_real_deepspeed", "src/zerodp/deepspeed/registration.py",

@@ -11,31 +11,27 @@ one line each); inside one (``RANK`` or ``LOCAL_RANK`` set) it runs :func:`zerod
 (:func:`zerodp.checkpoint.consolidate`) or, when OUT is a directory, streams it into HF-style shards
 (:func:`zerodp.checkpoint.sharded_export.export_sharded_safetensors`). ``zerodp verify CHECKPOINT_DIR``
 checks a checkpoint's files and per-tensor checksums without loading it into a job (:mod:`zerodp.checkpoint.integrity`).
+Both run in :mod:`zerodp.app.checkpoint_cmds`.
 
 ``zerodp estimate --params P --dp N`` prints the ZeRO paper's per-rank model-state memory and per-step
-traffic for stages 0-3 (:func:`zerodp.runtime.accounting.estimate_table`).
+traffic for stages 0-3 (:mod:`zerodp.app.estimate_cmd`).
+
+This module holds the argument parser of every subcommand and the dispatch of ``train`` and ``bench``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import decimal
-import json
 import math
 import os
-import re
 import subprocess
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, get_args
 
-from zerodp.app import clean_swap, launch, run_script
-from zerodp.app.model import GPTConfig, count_parameters
-from zerodp.app.train import DEFAULTS
+from zerodp.app import checkpoint_cmds, clean_swap, estimate_cmd, launch, run_script
+from zerodp.app.train_settings import DEFAULTS
 from zerodp.config import ZeroConfig
-from zerodp.offload.report import configured_offload_table, offload_estimate_table
 from zerodp.runtime import accounting
 
 #: ZeRO stages the engine accepts (``zero_optimization.stage`` of :mod:`zerodp.config`).
@@ -260,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--max-shard-size", metavar="SIZE",
                     help="directory output only: bytes per shard at most, e.g. 5GB (default, as HF "
                          "save_pretrained), 500MB, 2GiB")
-    co.set_defaults(handler=_cmd_consolidate, parser=co)
+    co.set_defaults(handler=checkpoint_cmds.run_consolidate, parser=co)
 
     ve = sub.add_parser(
         "verify", help="check a checkpoint's files and per-tensor CRC-32 checksums without loading it",
@@ -269,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
                     help="a --save-dir (its 'latest' or --tag is used) or one checkpoint directory")
     ve.add_argument("--tag", metavar="T", help="checkpoint within CHECKPOINT_DIR (default: 'latest')")
-    ve.set_defaults(handler=_cmd_verify, parser=ve)
+    ve.set_defaults(handler=checkpoint_cmds.run_verify, parser=ve)
 
     from zerodp.app import bench
     be = sub.add_parser(
@@ -306,102 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--config", metavar="JSON",
                     help="a DeepSpeed/zerodp config: also print the host and NVMe bytes per rank of its offload "
                          "buffers as configured (sized by the engine's own code, zerodp.offload.sizing)")
-    es.set_defaults(handler=_cmd_estimate, parser=es, fp32=False)
+    es.set_defaults(handler=estimate_cmd.run_estimate, parser=es, fp32=False)
     clean_swap.add_parser(sub)
     run_script.add_parser(sub, _add_launcher_arguments, torchrun_prefix)
     return parser
-
-
-# ---- estimate --------------------------------------------------------------------------------------
-
-_NUMBER = re.compile(r"^[+]?(\d[\d_]*(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
-
-
-def parse_params(spec: str) -> tuple[int, GPTConfig | None]:
-    """Resolve ``--params`` to ``(Psi, GPTConfig or None)``.
-
-    Accepts a positive count (``7.5e9``, ``7500000000``, ``7_500_000_000``), a path to a JSON object of
-    :class:`GPTConfig` fields, or ``gpt:key=value,...`` with GPTConfig fields (omitted ones default).
-
-    Raises:
-        ValueError: none of those forms, a non-integral or non-positive count, an unreadable/invalid
-            JSON file, or invalid GPTConfig fields.
-    """
-    s = spec.strip()
-    if s.lower().startswith("gpt:"):
-        fields: dict[str, object] = {}
-        for item in filter(None, (p.strip() for p in s[4:].split(","))):
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"expected key=value in gpt: spec, got {item!r}")
-            fields[key.strip()] = _spec_value(value.strip())
-        cfg = GPTConfig.from_dict(fields)
-        return count_parameters(cfg), cfg
-    if _NUMBER.match(s):
-        v = decimal.Decimal(s.replace("_", ""))  # exact: 7.5e9 and 1e30 without float rounding
-        if not v.is_finite() or v < 1 or v != v.to_integral_value():
-            raise ValueError(f"parameter count must be a positive integer, got {spec!r}")
-        return int(v), None
-    if os.path.isfile(s) or s.lower().endswith(".json"):
-        try:
-            with open(s, encoding="utf-8") as f:
-                obj = json.load(f)
-        except OSError as exc:
-            raise ValueError(f"cannot read model config {s!r}: {exc.strerror or exc}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"model config {s!r} is not valid JSON: {exc}") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"model config {s!r} must hold a JSON object of GPTConfig fields")
-        cfg = GPTConfig.from_dict(obj)
-        return count_parameters(cfg), cfg
-    raise ValueError(f"expected a parameter count (e.g. 7.5e9), a JSON GPTConfig file or "
-                     f"gpt:n_layer=..,d_model=..,n_head=..; got {spec!r}")
-
-
-def _spec_value(v: str) -> object:
-    low = v.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    try:
-        return int(v)
-    except ValueError:
-        pass
-    try:
-        return float(v)
-    except ValueError:
-        raise ValueError(f"gpt: spec values must be numbers or true/false, got {v!r}") from None
-
-
-def _cmd_estimate(args: argparse.Namespace) -> int:
-    try:
-        numel, cfg = parse_params(args.params)
-    except ValueError as exc:
-        args.parser.error(f"argument --params: {exc}")
-    if cfg is not None:
-        print(f"{cfg}: {numel:,} parameters")
-    import torch
-
-    from zerodp.runtime.precision import grad_accum_dtype
-
-    b = accounting.FP32_ADAM if args.fp32 else accounting.MIXED_PRECISION_ADAM
-    if args.fp32 and args.grad_accum_dtype not in (None, "fp32"):
-        args.parser.error(f"argument --grad-accum-dtype: {args.grad_accum_dtype} accumulation of fp32 "
-                          "gradients is not supported; allowed with --fp32: fp32")
-    dtype = grad_accum_dtype(torch.float32 if args.fp32 else torch.bfloat16, args.grad_accum, args.grad_accum_dtype)
-    b = dataclasses.replace(b, grad=dtype.itemsize)  # the accumulation buffer holds the gradients
-    print(accounting.estimate_table(numel, args.dp, b))
-    print()
-    print(offload_estimate_table(numel, args.dp, b))
-    if args.config is not None:
-        from zerodp.config import ConfigError, load_config
-
-        try:
-            zdp_cfg = load_config(args.config)
-        except (ConfigError, ValueError, OSError) as exc:
-            args.parser.error(f"argument --config: {exc}")
-        print()
-        print(configured_offload_table(numel, args.dp, zdp_cfg))
-    return 0
 
 
 # ---- train -----------------------------------------------------------------------------------------
@@ -509,67 +413,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"zerodp bench: error: {exc}", file=sys.stderr)
         return 1
     return subprocess.run(bench_command(args), env=bench.launch_env(args.device)).returncode
-
-
-# ---- consolidate -----------------------------------------------------------------------------------
-
-def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from zerodp import checkpoint
-    from zerodp.checkpoint import sharded_export
-    from zerodp.checkpoint.reader import AbsentParametersWarning, absent_message
-
-    # a directory: an existing one, a name ending in a separator, or a name without an extension; any
-    # other name is a file (an unknown extension such as .bin is refused by consolidate)
-    single = not (os.path.isdir(args.out) or args.out.endswith(os.sep) or not os.path.splitext(args.out)[1])
-    if single and args.max_shard_size is not None:
-        print(f"zerodp consolidate: error: --max-shard-size applies to a directory OUT (sharded output); "
-              f"{args.out} names one file", file=sys.stderr)
-        return 1
-    try:
-        src = checkpoint.resolve_checkpoint(args.checkpoint_dir, args.tag)
-        with checkpoint.CheckpointReader(src) as reader:
-            absent = reader.absent_keys()  # said below, not as a warning
-        warnings.filterwarnings("ignore", category=AbsentParametersWarning)
-        if single:
-            out = checkpoint.consolidate(args.checkpoint_dir, args.out, args.tag)
-            size, what = out.stat().st_size, ""
-        else:
-            limit = args.max_shard_size or sharded_export.DEFAULT_MAX_SHARD_SIZE
-            out = sharded_export.export_sharded_safetensors(args.checkpoint_dir, args.out, args.tag, limit)
-            index = json.loads(out.read_text(encoding="utf-8"))
-            size = index["metadata"]["total_size"]
-            what = f", {len(set(index['weight_map'].values()))} shards of at most {limit}"
-        meta = checkpoint.read_meta(src)
-    except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
-        print(f"zerodp consolidate: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"wrote {out} ({len(meta.state_dict_keys) - len(absent)} tensors, {accounting.human_bytes(size)}{what}) "
-          f"from {src} (step {meta.global_steps}, saved by {meta.world_size} ranks at ZeRO stage {meta.stage})")
-    if absent:
-        print(f"absent: {absent_message(absent, src)}")
-    cs = meta.client_state
-    if isinstance(cs, dict) and isinstance(cs.get("model"), dict):
-        try:
-            print(f"model: {GPTConfig.from_dict(cs['model'])} (load it into zerodp.app.model.GPT of this config)")
-        except (TypeError, ValueError):
-            pass
-    return 0
-
-
-def _cmd_verify(args: argparse.Namespace) -> int:
-    from zerodp import checkpoint
-
-    try:
-        src = checkpoint.resolve_checkpoint(args.checkpoint_dir, args.tag)
-        with checkpoint.CheckpointReader(src) as reader:
-            files, tensors, nbytes = reader.verify_all()
-            checked = "checksums match" if reader.has_checksums else \
-                "names and shapes match (format version 1 has no checksums)"
-    except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
-        print(f"zerodp verify: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"{src}: intact: {files} files, {tensors} tensors, {accounting.human_bytes(nbytes)} read; {checked}")
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -236,6 +236,22 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None) 
     """
     check_same_on_ranks(engine, "load_checkpoint", {"load_dir": Path(load_dir), "tag": tag})
     layout = layout_for(engine)
+    staged = _stage_on_every_rank(engine, layout, load_dir, tag)
+    layout.before_load(engine)
+    with torch.no_grad():
+        for live, new in staged.values:
+            live.copy_(new)
+    _restore_optimizer(engine, staged)
+    _restore_counters_and_rng(engine, staged)
+    engine.reducer.zero_grads()
+    layout.after_load(engine)
+    return staged.path, staged.meta.client_state
+
+
+def _stage_on_every_rank(engine: Engine, layout: CheckpointLayout, load_dir: PathLike,
+                         tag: str | None) -> _StagedLoad:
+    """Collective: each rank resolves, checks and reads the checkpoint into new tensors; every rank
+    raises the first error any rank met (:func:`zerodp.checkpoint.collective.collectively`)."""
 
     def stage() -> _StagedLoad:
         path = resolve_checkpoint(load_dir, tag)
@@ -247,11 +263,11 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None) 
             reader.validate_files()
             return _stage_load(engine, layout, reader)
 
-    staged: _StagedLoad = collectively(engine, "load_checkpoint", stage)
-    layout.before_load(engine)
-    with torch.no_grad():
-        for live, new in staged.values:
-            live.copy_(new)
+    return collectively(engine, "load_checkpoint", stage)
+
+
+def _restore_optimizer(engine: Engine, staged: _StagedLoad) -> None:
+    """Optimizer state per parameter, param-group hyperparameters, the LR scheduler and the fp16 loss scaler."""
     opt = engine.optimizer
     for param, st in staged.states:
         opt.state.pop(param, None)
@@ -267,6 +283,10 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None) 
     if staged.loss_scaler is not None:
         assert engine.loss_scaler is not None  # staged only for an engine with a dynamic scaler
         engine.loss_scaler.load_state_dict(staged.loss_scaler)
+
+
+def _restore_counters_and_rng(engine: Engine, staged: _StagedLoad) -> None:
+    """``skipped_steps``, ``global_steps``, ``micro_steps`` (a full accumulation window next) and the RNG states."""
     if hasattr(engine, "skipped_steps"):
         engine.skipped_steps = staged.meta.skipped_steps
     engine.global_steps = staged.meta.global_steps
@@ -277,9 +297,6 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None) 
         torch.set_rng_state(staged.rng["torch_cpu"])
     if "torch_cuda" in staged.rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(staged.rng["torch_cuda"])
-    engine.reducer.zero_grads()
-    layout.after_load(engine)
-    return staged.path, staged.meta.client_state
 
 
 def _restore_hyperparameters(pg: dict[str, Any], hp: Mapping[str, Any], same_optimizer: bool) -> None:

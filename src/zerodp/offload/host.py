@@ -38,9 +38,11 @@ import torch
 from zerodp.offload.cpu_adam import CpuAdam, cpu_adam_kernel
 from zerodp.offload.edits import EditWatch, fold_edit
 from zerodp.offload.report import offload_formula
+from zerodp.offload.shard_window import ShardAccess
 from zerodp.offload.stream import CopyStream
 from zerodp.runtime import device as devices
 from zerodp.runtime.device import host_empty
+from zerodp.runtime.grad_spill import GradSpill, SpillingGradReducer
 from zerodp.runtime.partition import FlatGroup, Piece
 
 
@@ -174,7 +176,7 @@ class HostOptimizerOffload:
             self.copies.wait()
         self._streamed = [False] * len(self.pieces)
 
-    def gradient_spill(self, reducer: object) -> None:
+    def gradient_spill(self, reducer: SpillingGradReducer) -> GradSpill | None:
         """No gradient swap file: host offload keeps the fp32 host gradients (see the NVMe offload's)."""
         return None
 
@@ -211,7 +213,7 @@ class HostOptimizerOffload:
         is produced)."""
         return [g for g in (self.grad_of(p) for p in pieces) if g is not None]
 
-    def set_shard_access(self, access: object) -> None:
+    def set_shard_access(self, access: ShardAccess) -> None:
         """The engine's parameter offload (stage 3, ``offload_param``). Host memory updates every piece
         at once, so the engine keeps the shards resident for the step: nothing to do here."""
 

@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from zerodp.offload.shard_window import ShardAccess
 from zerodp.runtime.device import host_flags
+from zerodp.runtime.grad_spill import GradSpill, SpillingGradReducer
 from zerodp.runtime.partition import FlatGroup, Piece
 
 
@@ -43,7 +45,7 @@ class NoOffload:
                 if self.has_master:
                     piece.master = piece.tensor.detach().float().clone()
 
-    def set_shard_access(self, access: object) -> None:
+    def set_shard_access(self, access: ShardAccess) -> None:
         """Nothing to do: the engine keeps the shards resident for the whole step."""
 
     def holds_master(self, piece: Piece) -> bool:
@@ -87,7 +89,7 @@ class NoOffload:
         target = piece.opt_tensor
         target.grad = grad if grad.dtype == target.dtype else grad.to(target.dtype)
 
-    def gradient_spill(self, reducer: object) -> None:
+    def gradient_spill(self, reducer: SpillingGradReducer) -> GradSpill | None:
         """No gradient swap file: the reduced gradients stay in the reducer (see the NVMe offload's)."""
         return None
 

@@ -11,10 +11,11 @@ its own, as in DeepSpeed). Sub-group k is one contiguous region of the file (mas
 
 - CPU training, stages 2-3 without loss scaling: the reduced gradients go to ``gradients.swp`` per
   unit (:mod:`zerodp.offload.grad_swap`), read back per sub-group during the step.
-- Otherwise on the CPU: no second copy. The offload reads the reducer's partition (unchanged until
-  the step) and records the engine's scale factors (loss unscaling, clipping) in order; a piece's fp32
-  gradient is made just in time in one scratch buffer of the largest sub-group by the same fp32
-  ``copy_`` and ``mul_`` the eager path applies, so the values are bitwise the same.
+- Otherwise on the CPU: no second copy (:mod:`zerodp.offload.deferred_grads`). The offload reads the
+  reducer's partition (unchanged until the step) and records the engine's scale factors (loss
+  unscaling, clipping) in order; a piece's fp32 gradient is made just in time in one scratch buffer of
+  the largest sub-group by the same fp32 ``copy_`` and ``mul_`` the eager path applies, so the values
+  are bitwise the same.
 - Gradients on a CUDA device: streamed into an fp32 host buffer per piece during backward
   (:class:`zerodp.offload.host.HostOptimizerOffload`), scaled there in place.
 
@@ -29,7 +30,7 @@ module's parameters, and the buffer is written back. The kernel is torch's fused
 (``offload_optimizer.cpu_adam``: within about 1e-6 relative of the non-offloaded engine; ``"same"``:
 bitwise). Between steps the masters are
 empty placeholders and the optimizer has no state in memory (:meth:`NvmeOptimizerOffload.resident`
-materialises both for a checkpoint).
+materialises both for a checkpoint; the reads and writes outside a step: :mod:`zerodp.offload.swap_masters`).
 
 Errors, raised on every rank (collective) before any training state changes: a missing or
 unwritable ``nvme_path``, too little free space (bytes needed vs free), a swap file deleted or
@@ -49,11 +50,13 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from zerodp.offload import swap_masters
 from zerodp.offload.aio import AsyncIO, IOHandle, SwapFile, aligned_buffer
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
 from zerodp.offload.cpu_adam import cpu_adam_kernel
+from zerodp.offload.deferred_grads import DeferredGradOffload
 from zerodp.offload.grad_swap import GradSwap, StepGradReads, open_grad_swap
-from zerodp.offload.host import HostOptimizerOffload, fold_edit, storage_bytes
+from zerodp.offload.host import fold_edit, storage_bytes
 from zerodp.offload.report import offload_formula
 from zerodp.offload.shard_window import ShardAccess, unique_groups
 from zerodp.offload.sizing import BufferLayout, configured_buffers, oversize_warning
@@ -62,17 +65,18 @@ from zerodp.offload.subgroups import SubGroup
 from zerodp.offload.subgroups import plan_subgroups as _plan
 from zerodp.offload.swap_dir import check_stale, make_rank_dir
 from zerodp.offload.swap_job import OffloadError, agree_job_id, raise_if_any_rank_failed, remove_swap_dir
+from zerodp.runtime.grad_spill import SpillingGradReducer
 from zerodp.runtime.partition import FlatGroup, Piece
 
 
-class NvmeOptimizerOffload(HostOptimizerOffload):
+class NvmeOptimizerOffload(DeferredGradOffload):
     """Masters and Adam moments in a swap file, updated through the buffer pool (module docstring)."""
 
     device = "nvme"
 
     def __init__(self, cfg: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: int | None,
                  rank: int, process_group: dist.ProcessGroup | None) -> None:
-        super().__init__(cfg.pin_memory, cfg.cpu_adam)
+        super().__init__(bool(cfg.pin_memory), cfg.cpu_adam)  # resolved by build_offload
         self.cfg = cfg
         self.aio_cfg = aio
         self.user_sub_group_size = sub_group_size  # None: chosen at attach (zerodp.offload.sizing)
@@ -89,16 +93,10 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self.dir: str | None = None
         self.stats = SwapStats()
         self._finalizer: weakref.finalize | None = None
-        self.deferred = False  # gradients read from the reducer's host partition (module docstring)
         self.grad_scratch = torch.empty(0, dtype=torch.float32)  # fp32, largest sub-group (deferred, not fp32)
-        self._norm_scratch: torch.Tensor | None = None  # fp32, largest piece, during a step's norm only
-        self._grad_refs: list[torch.Tensor | None] = []  # per piece: the reducer's partition view
-        self._factors: list[float] = []  # scale factors applied this step, in order (deferred)
         self._group_of: list[FlatGroup] = []  # per piece: its flat group (= stage-3 unit)
         self.shard_access: ShardAccess | None = None
         self.pending: SubGroupPipeline | None = None  # a step's loop still running (overlap_step)
-        self.spill: GradSwap | None = None  # the reduced gradients on NVMe (gradient_spill)
-        self._grad_at: list[tuple[int, int]] = []  # per piece: (group index, offset in its owned partition)
         self._grad_reads: StepGradReads | None = None  # this step's reads of the gradient swap file
         self._files: list[SwapFile | None] = []
         self._after: list[Callable[[], None]] = []  # to run once the pending loop has finished
@@ -144,19 +142,34 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             self.grad_scratch = torch.empty(largest, dtype=torch.float32)
         biggest = max((sg.nbytes for sg in self.subgroups), default=0)
         self.buffers = [aligned_buffer(biggest, self.pin) for _ in range(count)]
-        for sg in self.subgroups if not self.in_place else ():  # the masters go to the file
-            buf = self.buffers[0][: sg.nbytes]
-            masters = buf[: sg.seg].view(torch.float32)
-            with self._pinned(sg.pieces, dirty=False):  # with shard_access: only this sub-group's shards
-                for i, lo, hi, view in self._views(sg, masters):
-                    p = self.pieces[i]
-                    view.copy_((p.master if p.master is not None else p.tensor)[lo:hi])
-            self.io.write(self.file, buf, sg.offset).wait()
+        if not self.in_place:  # the masters go to the file
+            swap_masters.write_masters(self)
         for p in pieces:
             p.master = torch.empty(0, dtype=torch.float32)
 
+    @property
+    def swap_io(self) -> AsyncIO:
+        """The swap file's I/O threads, from :meth:`attach` until :meth:`close`."""
+        assert self.io is not None, "the swap file's I/O is opened by attach() and closed by close()"
+        return self.io
+
+    @property
+    def swap_file(self) -> SwapFile:
+        """The optimizer swap file, from :meth:`attach` on."""
+        assert self.file is not None, "the optimizer swap file is created by attach()"
+        return self.file
+
+    def read_region(self, buf: torch.Tensor, offset: int) -> IOHandle:
+        """Start reading ``buf`` (uint8, aligned) from byte ``offset`` of the swap file."""
+        return self.swap_io.read(self.swap_file, buf, offset)
+
+    def write_region(self, buf: torch.Tensor, offset: int) -> IOHandle:
+        """Start writing ``buf`` (uint8, aligned) at byte ``offset`` of the swap file."""
+        return self.swap_io.write(self.swap_file, buf, offset)
+
     def _open(self, job: str, needed: int) -> None:
         base = self.cfg.nvme_path
+        assert base is not None, "OffloadOptimizerConfig refuses device 'nvme' without nvme_path"
         if not os.path.isdir(base):
             raise OffloadError(f"offload_optimizer.nvme_path {base!r} does not exist or is not a directory")
         if not os.access(base, os.W_OK | os.X_OK):
@@ -166,23 +179,24 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             raise OffloadError(f"offload_optimizer.nvme_path {base!r}: the swap file needs {needed:,} bytes, "
                                f"{free:,} bytes are free")
         check_stale(base, self.cfg.remove_stale_swap, "offload_optimizer.nvme_path", self.rank)
-        self.dir = make_rank_dir(base, job, self.rank, self._files)  # owner record; unlinked on SIGTERM/SIGINT
-        path = os.path.join(self.dir, "optimizer.swp")
-        self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir, self._files)
-        self.file = SwapFile(path)
-        self._files.append(self.file)
+        rank_dir = make_rank_dir(base, job, self.rank, self._files)  # owner record; unlinked on SIGTERM/SIGINT
+        self.dir = rank_dir
+        path = os.path.join(rank_dir, "optimizer.swp")
+        self._finalizer = weakref.finalize(self, remove_swap_dir, rank_dir, self._files)
+        self.file = file = SwapFile(path)
+        self._files.append(file)
         try:
             if self.cfg.fast_init:
-                os.ftruncate(self.file.fd, needed)
+                os.ftruncate(file.fd, needed)
             elif needed:
-                os.posix_fallocate(self.file.fd, 0, needed)
+                os.posix_fallocate(file.fd, 0, needed)
         except OSError as exc:
             raise OffloadError(f"offload_optimizer.nvme_path {base!r}: cannot allocate the swap file "
                                f"{path} ({needed:,} bytes, {shutil.disk_usage(base).free:,} free): "
                                f"{os.strerror(exc.errno or 0)}") from None
         self.io = AsyncIO(self.aio_cfg)
 
-    def gradient_spill(self, reducer: object) -> GradSwap | None:
+    def gradient_spill(self, reducer: SpillingGradReducer) -> GradSwap | None:
         """Collective: the gradient swap file for ``reducer``
         (:class:`zerodp.runtime.grad_spill.SpillingGradReducer`), or None when the gradients are not
         in host memory (:func:`zerodp.offload.grad_swap.open_grad_swap`; raises its errors)."""
@@ -190,7 +204,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             return None
         self._grad_at = [(g.index, reducer.owned_offset(g, p.lo, p.hi))
                          for p, g in zip(self.pieces, self._group_of, strict=False)]
-        self.spill = open_grad_swap(self.dir, self.cfg.nvme_path, self.cfg.fast_init, self.io, self._files,
+        assert self.dir is not None and self.cfg.nvme_path is not None, "the swap file exists (checked above)"
+        self.spill = open_grad_swap(self.dir, self.cfg.nvme_path, self.cfg.fast_init, self.swap_io, self._files,
                                     reducer.owned_sizes, self._grad_at, [sg.spans for sg in self.subgroups],
                                     self.rank, self.pg)
         return self.spill
@@ -200,17 +215,12 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         return [(i, lo, hi) for i, lo, hi in self.subgroups[index].spans
                 if self._present[i] and self._grad_refs[i] is None]
 
-    def _grad_buffer(self, piece: Piece) -> torch.Tensor:
-        if not self.deferred:
-            return super()._grad_buffer(piece)
-        return torch.empty(0, dtype=torch.float32)  # no host copy: see grad_scratch
-
-    def set_shard_access(self, access: object) -> None:
+    def set_shard_access(self, access: ShardAccess) -> None:
         """Pin parameter shards per sub-group during the step, if the parameters are on NVMe; with
         ``overlap_step``, a shard's first use after a step waits for its sub-groups' update."""
         if getattr(access, "swapper", None) is not None:
-            self.shard_access = access  # type: ignore[assignment]
-            self.shard_access.set_use_hook(self._before_use, self._pending_group)
+            self.shard_access = access
+            access.set_use_hook(self._before_use, self._pending_group)
 
     def group_of(self, i: int) -> FlatGroup:
         """The flat group (stage-3 unit) of the piece at position ``i``."""
@@ -236,7 +246,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             self._after.append(fn)
 
     @contextlib.contextmanager
-    def _pinned(self, positions: Iterable[int], dirty: bool) -> Iterator[None]:
+    def pinned(self, positions: Iterable[int], dirty: bool) -> Iterator[None]:
         """The shards of the pieces at ``positions`` resident for the block (no-op without access)."""
         groups = unique_groups(self._group_of[i] for i in positions)
         if self.shard_access is None:
@@ -248,36 +258,13 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         finally:
             self.shard_access.unpin(groups, dirty)
 
-    @staticmethod
-    def _views(sg: SubGroup, seg: torch.Tensor) -> Iterator[tuple[int, int, int, torch.Tensor]]:
-        """(piece position, lo, hi, the span's fp32 view) inside one segment of a sub-group's buffer."""
-        at = 0
-        for i, lo, hi in sg.spans:
-            yield i, lo, hi, seg[at: at + hi - lo]
-            at += hi - lo
-
-    def _segments(self, sg: SubGroup, buf: torch.Tensor) -> list[torch.Tensor]:
-        """[masters or None, exp_avg, exp_avg_sq]: fp32 segments of sub-group ``sg``'s buffer (masters
-        None when the module's tensors are the masters)."""
-        f32 = buf.view(torch.float32)
-        per = sg.seg // 4
-        segs = [f32[j * per: (j + 1) * per] for j in range(sg.segments)]
-        return ([None] if sg.segments == 2 else []) + segs
-
     def refresh_master(self, piece: Piece) -> None:
         """Write the module's (edited) value of ``piece`` into its master in the swap file (nothing to
         do when the module's tensors are the masters)."""
         self.settle()
         if self.in_place:
             return
-        i = self._index[id(piece)]
-        for sg in (s for s in self.subgroups if i in s.pieces):
-            buf = self.buffers[0][: sg.nbytes]
-            self.io.read(self.file, buf, sg.offset).wait()
-            for j, lo, hi, view in self._views(sg, buf[: sg.seg].view(torch.float32)):
-                if j == i:
-                    view.copy_(piece.tensor[lo:hi])
-            self.io.write(self.file, buf, sg.offset).wait()
+        swap_masters.refresh_master(self, self._index[id(piece)])
 
     def fold_edits(self) -> None:
         """Nothing before the update: the masters are in the swap file, so in-place edits of module
@@ -285,42 +272,15 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         counter) are folded during :meth:`step`, with the rule of
         :meth:`zerodp.runtime.guards.TrainingGuards.before_update`: each sub-group the step updates is
         compared in its buffer (all its pieces, with or without a gradient, :meth:`_update`); the
-        masters of the other sub-groups are read and compared by :meth:`_fold_masters`; a skipped step
-        folds every sub-group (:meth:`skipped_step`)."""
+        masters of the other sub-groups are read and compared by
+        :func:`~zerodp.offload.swap_masters.fold_masters`; a skipped step folds every sub-group
+        (:meth:`skipped_step`)."""
 
     def skipped_step(self) -> None:
         """The update was skipped (fp16 overflow): fold the edits :meth:`step` would have folded."""
         self.settle()
         if not self.in_place:
-            self._fold_masters(self.subgroups)
-
-    def _fold_masters(self, subgroups: list[SubGroup]) -> None:
-        """Compare the module's values of ``subgroups``' pieces with their masters and fold edits in.
-        Only the masters segment of a sub-group is read (4 bytes per element; ``buffer_count`` reads in
-        flight) and it is written back only if an element changed."""
-        nbuf = len(self.buffers)
-        reads: dict[int, IOHandle] = {}
-        writes: dict[int, IOHandle] = {}  # buffer slot -> pending write
-
-        def start_read(k: int) -> None:
-            if k % nbuf in writes:
-                writes.pop(k % nbuf).wait()
-            reads[k] = self.io.read(self.file, self.buffers[k % nbuf][: subgroups[k].seg], subgroups[k].offset)
-
-        for k in range(min(nbuf, len(subgroups))):
-            start_read(k)
-        for k, sg in enumerate(subgroups):
-            reads.pop(k).wait()
-            seg = self.buffers[k % nbuf][: sg.seg]
-            with self._pinned(sg.pieces, dirty=False):  # with shard_access: this sub-group's shards only
-                changed = [fold_edit(self.pieces[i].tensor[lo:hi], view)
-                           for i, lo, hi, view in self._views(sg, seg.view(torch.float32))]
-            if any(changed):
-                writes[k % nbuf] = self.io.write(self.file, seg, sg.offset)
-            if k + nbuf < len(subgroups):
-                start_read(k + nbuf)
-        for h in writes.values():
-            h.wait()
+            swap_masters.fold_masters(self, self.subgroups)
 
     # ---- one step ------------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -330,74 +290,6 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             error = (f"rank {self.rank}: swap file {self.file.path if self.file else self.dir} was deleted "
                      "or replaced while training; the optimizer state in it is lost, the step is not taken")
         raise_if_any_rank_failed(error, self.pg)
-
-    # ---- gradients (deferred when they are in host memory already) ------------------------------
-    def stream_grad(self, piece: Piece, grad: torch.Tensor) -> None:
-        if not self.deferred:
-            return super().stream_grad(piece, grad)
-        i = self._index[id(piece)]
-        if self.spill is None:  # with a spill the reducer's partition goes to the file: no reference
-            self._grad_refs[i] = grad
-        self._streamed[i] = True
-
-    def stage_grad(self, piece: Piece, grad: torch.Tensor | None) -> None:
-        """Deferred: ``grad`` the reducer's partition view (unchanged until the step), or None: in :attr:`spill`."""
-        if not self.deferred:
-            return super().stage_grad(piece, grad)
-        i = self._index[id(piece)]
-        self._grad_refs[i] = grad
-        self._present[i] = True
-
-    def scale_grads(self, factor: float) -> None:
-        """Deferred: record ``factor``, applied at materialisation (:meth:`_materialise`)."""
-        if not self.deferred:
-            return super().scale_grads(factor)
-        self._factors.append(factor)
-
-    def grads(self) -> list[torch.Tensor]:
-        if self.deferred:
-            raise RuntimeError("NvmeOptimizerOffload: gradients are made one piece at a time (norm_grads)")
-        return super().grads()
-
-    def grad_of(self, piece: Piece) -> torch.Tensor | None:
-        """Deferred: ``piece``'s fp32 gradient: the reducer's partition itself when it is fp32 and no
-        factor is recorded yet, else made in a norm scratch of the largest piece (allocated for the
-        step, freed after it), valid until the next call."""
-        if not self.deferred:
-            return super().grad_of(piece)
-        i = self._index[id(piece)]
-        if not self._present[i]:
-            return None
-        ref, n = self._grad_refs[i], piece.hi - piece.lo
-        fresh = ref is None  # in the gradient swap file: this piece read into a buffer of its own
-        if fresh:
-            ref = self.spill.read_elements(self._grad_at[i][0], self._grad_at[i][1], self._grad_at[i][1] + n)
-        if ref.dtype == torch.float32 and (fresh or not self._factors):
-            return self._materialise(i, 0, n, None, ref) if fresh else ref
-        if self._norm_scratch is None:
-            self._norm_scratch = torch.empty(max(p.hi - p.lo for p in self.pieces), dtype=torch.float32)
-        return self._materialise(i, 0, n, self._norm_scratch[:n], ref)
-
-    def norm_grads(self, pieces: list[Piece]) -> Iterable[torch.Tensor]:
-        """Deferred: a generator; each piece's fp32 gradient overwrites the previous one's."""
-        if not self.deferred:
-            return super().norm_grads(pieces)
-        return (g for g in (self.grad_of(p) for p in pieces) if g is not None)
-
-    def _materialise(self, i: int, lo: int, hi: int, out: torch.Tensor | None,
-                     ref: torch.Tensor | None = None) -> torch.Tensor:
-        """Elements ``lo:hi`` of piece ``i``'s fp32 gradient in ``out``: the eager path's copy, then its
-        in-place scalings. ``out`` None (the reducer's partition is fp32, as the eager path's gradient
-        is then): scaled in place there, as the eager path scales it. ``ref``: those elements read
-        from the gradient swap file (default: the reducer's partition)."""
-        ref = self._grad_refs[i][lo:hi] if ref is None else ref
-        if out is None:
-            out = ref
-        else:
-            out.copy_(ref)
-        for f in self._factors:
-            out.mul_(f)
-        return out
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Run the sub-group loop (:class:`zerodp.offload.step_pipeline.SubGroupPipeline`): sub-group k
@@ -411,7 +303,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         if self.spill is not None:
             self._grad_reads = StepGradReads(self.spill, self._grad_at, [sg.index for sg in todo], self._spilled_spans)
         if not self.in_place:  # the module's tensors are the masters: nothing to fold
-            self._fold_masters([sg for sg in self.subgroups if not any(self._present[i] for i in sg.pieces)])
+            idle = [sg for sg in self.subgroups if not any(self._present[i] for i in sg.pieces)]
+            swap_masters.fold_masters(self, idle)
         loop = SubGroupPipeline(self, optimizer, todo, lambda sg, buf: self._update(sg, buf, optimizer),
                                 self._loop_done)
         self.stats = loop.stats
@@ -438,30 +331,31 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         """Update sub-group ``sg`` in its buffer: each span of a piece with a gradient is bound to the
         piece's optimizer parameter (a sub-group holds at most one span of a piece) and the optimizer
         runs once; the masters are then cast into the module (unless they are the module's tensors)."""
-        seg_m, seg_a, seg_v = self._segments(sg, buf)
-        m = {i: view for i, _, _, view in self._views(sg, seg_a)}
-        v = {i: view for i, _, _, view in self._views(sg, seg_v)}
+        seg_m, seg_a, seg_v = sg.buffer_segments(buf)
+        m = {i: view for i, _, _, view in sg.views(seg_a)}
+        v = {i: view for i, _, _, view in sg.views(seg_v)}
         spans = {i: (lo, hi) for i, lo, hi in sg.spans}
         if seg_m is None:
             masters = {i: self.pieces[i].tensor[lo:hi] for i, (lo, hi) in spans.items()}
         else:
-            masters = {i: view for i, _, _, view in self._views(sg, seg_m)}
+            masters = {i: view for i, _, _, view in sg.views(seg_m)}
             for i, (lo, hi) in spans.items():  # an in-place edit since the last step (fold_edits)
                 fold_edit(self.pieces[i].tensor[lo:hi], masters[i])
-        scratch = {i: view for i, _, _, view in self._views(sg, self.grad_scratch)} if self.layout.scratch else {}
-        spilled = self._grad_reads.take(sg.index) if self.spill is not None else {}
+        assert self.layout is not None, "attach() plans the buffers before any step"
+        scratch = {i: view for i, _, _, view in sg.views(self.grad_scratch)} if self.layout.scratch else {}
+        spilled = self._grad_reads.take(sg.index) if self._grad_reads is not None else {}  # set with a spill
         for i, (lo, hi) in spans.items():
             if not self._present[i]:
                 continue
-            p = self.pieces[i]
-            p.master.data = masters[i]
-            p.master.grad = self._materialise(i, lo, hi, scratch.get(i), spilled.get(i)) if self.deferred \
+            master = self.pieces[i].master_copy
+            master.data = masters[i]
+            master.grad = self._materialise(i, lo, hi, scratch.get(i), spilled.get(i)) if self.deferred \
                 else self.grad_buffers[i][lo:hi]
             if (i, lo) not in self.steps:  # fresh state, exactly what torch's lazy initialisation makes
                 m[i].zero_()
                 v[i].zero_()
                 self.steps[(i, lo)] = torch.tensor(0.0, dtype=torch.float32)
-            optimizer.state[p.master] = {"step": self.steps[(i, lo)], "exp_avg": m[i], "exp_avg_sq": v[i]}
+            optimizer.state[master] = {"step": self.steps[(i, lo)], "exp_avg": m[i], "exp_avg_sq": v[i]}
         with cpu_adam_kernel(optimizer, self.cpu_adam):
             optimizer.step()
         for i, (lo, hi) in spans.items():
@@ -472,9 +366,10 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
             # device when the step reads the next sub-group into the same buffer
             if seg_m is not None:
                 p.tensor[lo:hi].copy_(masters[i])
-            self.steps[(i, lo)] = optimizer.state.pop(p.master)["step"]
-            p.master.grad = None
-            p.master.data = torch.empty(0, dtype=torch.float32)
+            master = p.master_copy
+            self.steps[(i, lo)] = optimizer.state.pop(master)["step"]
+            master.grad = None
+            master.data = torch.empty(0, dtype=torch.float32)
         self._sync_copies()
 
     def finish_step(self) -> None:
@@ -485,9 +380,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         self.copies.wait()
         self._present = [False] * len(self.pieces)
         self._streamed = [False] * len(self.pieces)
-        self._grad_refs = [None] * len(self.pieces)
-        self._factors = []
-        self._norm_scratch = None
+        self._forget_deferred()
         if self._grad_reads is not None:  # reads issued ahead and not used (none normally)
             self._grad_reads.close()
             self._grad_reads = None
@@ -500,52 +393,8 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
         are the masters, the master is the module's tensor itself), then write back what the block
         left there and return to placeholders."""
         self.settle()
-        full: dict[int, list[torch.Tensor]] = {}
-        for i, p in enumerate(self.pieces):
-            n = p.hi - p.lo
-            full[i] = [p.tensor if self.in_place else torch.empty(n, dtype=torch.float32),
-                       torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)]
-        step_of: dict[int, torch.Tensor] = {}
-        for sg in self.subgroups:
-            buf = self.buffers[0][: sg.nbytes]
-            self.io.read(self.file, buf, sg.offset).wait()
-            for j, seg in enumerate(self._segments(sg, buf)):
-                for i, lo, hi, view in self._views(sg, seg) if seg is not None else ():
-                    full[i][j][lo:hi].copy_(view)
-            for i, lo, _ in sg.spans:
-                if (i, lo) in self.steps:
-                    step_of.setdefault(i, self.steps[(i, lo)])
-        for i, p in enumerate(self.pieces):
-            p.master.data = full[i][0]
-            if i in step_of:
-                optimizer.state[p.master] = {"step": step_of[i].clone(), "exp_avg": full[i][1],
-                                             "exp_avg_sq": full[i][2]}
-        try:
+        with swap_masters.resident(self, optimizer):
             yield
-        finally:
-            states = {}
-            for i, p in enumerate(self.pieces):
-                states[i] = optimizer.state.pop(p.master, None)
-                if self.in_place and p.master.data.data_ptr() != p.tensor.data_ptr():
-                    p.tensor.copy_(p.master.data)  # a load bound a tensor of its own
-            for sg in self.subgroups:
-                buf = self.buffers[0][: sg.nbytes]
-                seg_m, seg_a, seg_v = self._segments(sg, buf)
-                for j, seg in ((0, seg_m), (1, seg_a), (2, seg_v)):
-                    for i, lo, hi, view in self._views(sg, seg) if seg is not None else ():
-                        st = states[i]
-                        if j == 0:
-                            view.copy_(self.pieces[i].master.data[lo:hi])
-                        elif st:
-                            view.copy_(st["exp_avg" if j == 1 else "exp_avg_sq"][lo:hi])
-                for i, lo, _ in sg.spans:
-                    if states[i]:
-                        self.steps[(i, lo)] = states[i]["step"].clone()
-                    else:
-                        self.steps.pop((i, lo), None)
-                self.io.write(self.file, buf, sg.offset).wait()
-            for p in self.pieces:
-                p.master.data = torch.empty(0, dtype=torch.float32)
 
     def adjust_formula(self, formula: dict[str, float], numel_per_rank: float) -> None:
         """Masters and optimizer states live in the swap file: none in memory."""
@@ -564,6 +413,7 @@ class NvmeOptimizerOffload(HostOptimizerOffload):
 
     def formula(self, numel_per_rank: float, host: dict[str, int]) -> dict[str, dict[str, float]]:
         largest = float(max((sg.numel for sg in self.subgroups), default=0))
+        assert self.layout is not None, "attach() plans the buffers before any report"
         scratch = (largest if self.layout.scratch else 0.0) if self.deferred else None
         out = offload_formula(self.device, numel_per_rank, host["swap_buffers"], scratch,
                               masters_in_file=not self.in_place,

@@ -78,6 +78,11 @@ class _Op:
     buf: torch.Tensor | None = None
     handle: IOHandle | None = None
 
+    def landed(self) -> bool:
+        """True once the submitted transfer has finished."""
+        assert self.handle is not None, "an op is in flight only once submitted"
+        return self.handle.done()
+
 
 @dataclass(eq=False)
 class SwappedShard:
@@ -181,6 +186,18 @@ class ParamSwapper:
         files.append(self.file)
         self.io = AsyncIO(self.aio_cfg)
 
+    @property
+    def swap_io(self) -> AsyncIO:
+        """The swap file's I/O threads, from :meth:`open` until :meth:`close`."""
+        assert self.io is not None, "the swap file's I/O is opened by open() and closed by close()"
+        return self.io
+
+    @property
+    def swap_file(self) -> SwapFile:
+        """The parameter swap file, from :meth:`open` on."""
+        assert self.file is not None, "the parameter swap file is created by open()"
+        return self.file
+
     def add(self, name: str, shard: torch.Tensor) -> SwappedShard:
         """Give ``shard`` a region of the swap file, write its values there and free its storage.
 
@@ -196,10 +213,11 @@ class ParamSwapper:
         s = SwappedShard(self, name, shard, self.end, nbytes)
         self.largest = max(self.largest, nbytes)
         self.end += align_up(nbytes)
+        assert self.dir is not None, "open() makes the swap directory before any shard is added"
         free = shutil.disk_usage(self.dir).free
         if align_up(nbytes) > free:
             raise OffloadError(f"offload_param.nvme_path {self.cfg.nvme_path!r}: unit '{name}' needs "
-                               f"{align_up(nbytes):,} bytes in {self.file.path}, {free:,} bytes are free")
+                               f"{align_up(nbytes):,} bytes in {self.swap_file.path}, {free:,} bytes are free")
         self.shards.append(s)
         s.pins = 1
         self.release(s, dirty=True)
@@ -278,9 +296,10 @@ class ParamSwapper:
         data = _bytes(s.shard)
         for start in range(0, s.nbytes, self.chunk):
             n = min(self.chunk, s.nbytes - start)
-            op = _Op(s, start, n, write=True, buf=self._buffer(n))
-            op.buf[:n].copy_(data[start: start + n])
-            op.handle = self.io.write(self.file, op.buf[: align_up(n)], s.offset + start)
+            buf = self._buffer(n)
+            op = _Op(s, start, n, write=True, buf=buf)
+            buf[:n].copy_(data[start: start + n])
+            op.handle = self.swap_io.write(self.swap_file, buf[: align_up(n)], s.offset + start)
             self.counters.bytes_written += align_up(n)
             self.counters.chunk_writes += 1
             s.ops.append(op)
@@ -303,7 +322,8 @@ class ParamSwapper:
                 small = self.free.pop()
                 self.pool = [b for b in self.pool if b is not small]
             if len(self.pool) < self.cfg.buffer_count:
-                buf = aligned_buffer(max(nbytes, min(self.chunk, align_up(self.largest))), self.cfg.pin_memory)
+                pin = bool(self.cfg.pin_memory)  # resolved by build_param_offload
+                buf = aligned_buffer(max(nbytes, min(self.chunk, align_up(self.largest))), pin)
                 self.pool.append(buf)
                 return buf
             self._complete(self.inflight.popleft())
@@ -313,17 +333,17 @@ class ParamSwapper:
         self._reap()
         while self.queue and (self.free or len(self.pool) < self.cfg.buffer_count):
             op = self.queue.popleft()
-            op.buf = self._buffer(align_up(op.nbytes))
+            op.buf = buf = self._buffer(align_up(op.nbytes))
             if op.start == 0 and self.events is not None:
                 self.events.append(("read", op.shard.name))
-            op.handle = self.io.read(self.file, op.buf[: align_up(op.nbytes)], op.shard.offset + op.start)
+            op.handle = self.swap_io.read(self.swap_file, buf[: align_up(op.nbytes)], op.shard.offset + op.start)
             self.counters.bytes_read += align_up(op.nbytes)
             self.counters.chunk_reads += 1
             self.inflight.append(op)
 
     def _reap(self) -> None:
         """Complete every transfer that has finished."""
-        for op in [op for op in self.inflight if op.handle.done()]:
+        for op in [op for op in self.inflight if op.landed()]:
             self._complete(op, remove_inflight=True)
 
     def _complete(self, op: _Op, remove_inflight: bool = False) -> None:

@@ -35,21 +35,11 @@ from typing import Any, Protocol
 
 import torch
 
-from zerodp.offload.aio import AsyncIO, IOHandle, SwapFile
+from zerodp.offload.aio import AsyncIO, IOHandle
 from zerodp.offload.config import AioConfig
 from zerodp.offload.shard_window import ShardAccess, ShardWindow, unique_groups
+from zerodp.offload.subgroups import SubGroup
 from zerodp.runtime.partition import FlatGroup
-
-
-class SubGroup(Protocol):
-    """A sub-group of :mod:`zerodp.offload.nvme`: ``pieces`` (positions), ``offset`` and ``nbytes``
-    of its region of the swap file."""
-
-    pieces: list[int]
-    offset: int
-
-    @property
-    def nbytes(self) -> int: ...
 
 
 class SwapOwner(Protocol):
@@ -57,9 +47,13 @@ class SwapOwner(Protocol):
 
     buffers: list[torch.Tensor]
     aio_cfg: AioConfig
-    io: AsyncIO | None
-    file: SwapFile | None
     shard_access: ShardAccess | None
+
+    @property
+    def swap_io(self) -> AsyncIO: ...
+
+    def read_region(self, buf: torch.Tensor, offset: int) -> IOHandle: ...
+    def write_region(self, buf: torch.Tensor, offset: int) -> IOHandle: ...
 
     def group_of(self, i: int) -> FlatGroup: ...
 
@@ -124,7 +118,7 @@ class SubGroupPipeline:
         self.hyper = _Hyper.of(optimizer)
         self.stats = SwapStats(subgroups=len(todo))
         self._t0 = time.perf_counter()
-        io = offload.io
+        io = offload.swap_io
         self._r0, self._w0, self._b0 = io.bytes_read, io.bytes_written, io.busy_seconds
         # the last sub-group (position in todo) holding a piece of each flat group
         self.last_of: dict[int, int] = {}
@@ -181,7 +175,7 @@ class SubGroupPipeline:
             for h in self.writes.values():
                 self._wait(h, "write")
             self.writes.clear()
-        io = self.off.io
+        io = self.off.swap_io
         s = self.stats
         s.bytes_read, s.bytes_written = io.bytes_read - self._r0, io.bytes_written - self._w0
         s.seconds = time.perf_counter() - self._t0
@@ -210,7 +204,7 @@ class SubGroupPipeline:
                     return
                 self._wait(self.writes.pop(slot), "write")
             sg = self.todo[self.issued]
-            self.reads[self.issued] = self.off.io.read(self.off.file, self.off.buffers[slot][: sg.nbytes], sg.offset)
+            self.reads[self.issued] = self.off.read_region(self.off.buffers[slot][: sg.nbytes], sg.offset)
             self.issued += 1
 
     def _update_next(self) -> None:
@@ -231,7 +225,7 @@ class SubGroupPipeline:
             self.shards.leave(k)
         finally:
             self._busy = False
-        self.writes[k % self.nbuf] = self.off.io.write(self.off.file, buf, sg.offset)
+        self.writes[k % self.nbuf] = self.off.write_region(buf, sg.offset)
         if not self.overlap:
             self._wait(self.writes.pop(k % self.nbuf), "write")
         self.next = k + 1

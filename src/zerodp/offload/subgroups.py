@@ -5,7 +5,10 @@ rank's pieces swapped together, each one contiguous region of the swap file (Dee
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+import torch
 
 from zerodp.offload.aio import align_up
 from zerodp.offload.sizing import SPLIT_ALIGN
@@ -33,6 +36,23 @@ class SubGroup:
     @property
     def nbytes(self) -> int:
         return self.segments * self.seg
+
+    def views(self, seg: torch.Tensor) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        """(piece position, lo, hi, the span's fp32 view) inside one fp32 segment of this sub-group's buffer."""
+        at = 0
+        for i, lo, hi in self.spans:
+            yield i, lo, hi, seg[at: at + hi - lo]
+            at += hi - lo
+
+    def buffer_segments(self, buf: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(masters or None, exp_avg, exp_avg_sq): the fp32 segments of ``buf`` (uint8, :attr:`nbytes`);
+        masters None when the module's tensors are the masters (2 segments)."""
+        f32 = buf.view(torch.float32)
+        per = self.seg // 4
+        segs = [f32[j * per: (j + 1) * per] for j in range(self.segments)]
+        if self.segments == 2:
+            return None, segs[0], segs[1]
+        return segs[0], segs[1], segs[2]
 
 
 def plan_subgroups(pieces: list[Piece], order: list[int], size: int, segments: int = 3) -> list[SubGroup]:

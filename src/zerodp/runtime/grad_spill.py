@@ -2,7 +2,7 @@
 (:class:`SpillingGradReducer`; ``offload_optimizer.device = "nvme"``, see
 :mod:`zerodp.offload.grad_swap` for the store).
 
-:class:`zerodp.runtime.reducer.PartitionedGradReducer` keeps this rank's owned gradient partition in
+:class:`zerodp.runtime.partitioned_reducer.PartitionedGradReducer` keeps this rank's owned gradient partition in
 memory from construction on (2 bytes per owned element in bf16, 4 in fp32): with the optimizer
 states on NVMe it is the one host term that grows with the model. Here a group's partition (one
 stage-3 unit's shard of gradients) exists in memory only from the first reduction of one of its
@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from zerodp.runtime.partition import FlatGroup
-from zerodp.runtime.reducer import PartitionedGradReducer
+from zerodp.runtime.partitioned_reducer import PartitionedGradReducer
 
 
 class GradSpill(Protocol):

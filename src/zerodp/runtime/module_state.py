@@ -12,7 +12,7 @@ parameters and persistent buffers. :func:`guard_module_load_state_dict` makes th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -62,60 +62,103 @@ def load_module_state(
     buffers = dict(module.named_buffers(remove_duplicate=False))
     expected = {n for ns in names.values() for n in ns} | {
         n for n in buffers if n.rsplit(".", 1)[-1] not in _non_persistent(module, n)}
-    # a tied parameter needs one of its names (HF's save_pretrained writes a tied weight once)
+    missing, unexpected = _check_keys(names, expected, state_dict, strict)
+    values = _ParamValues(names, state_dict)
+    checksum = torch.zeros(1, dtype=torch.float64)  # every loaded value, summed in load order
+    with torch.no_grad():
+        _load_groups(groups, gathered, values, checksum)
+        for p in frozen:
+            v = values.of(p, p.shape)
+            if v is not None:
+                p.data.copy_(v.view(p.shape))
+                checksum += v.double().sum()
+        _load_buffers(buffers, expected, state_dict, checksum)
+    _check_same_values(checksum, pg, ledger)
+    return LoadResult(missing, unexpected)
+
+
+def _check_keys(names: dict[int, list[str]], expected: set[str], state_dict: Mapping[str, torch.Tensor],
+                strict: bool) -> tuple[list[str], list[str]]:
+    """(missing, unexpected) keys; a tied parameter needs one of its names (HF's save_pretrained writes a
+    tied weight once). Raises RuntimeError with ``strict`` if either is not empty."""
     aliases = {n: ns for ns in names.values() for n in ns}
     missing = sorted(n for n in expected - set(state_dict) if not any(a in state_dict for a in aliases.get(n, ())))
     unexpected = sorted(set(state_dict) - expected)
     if strict and (missing or unexpected):
         raise RuntimeError(f"load_module_state_dict(strict=True): missing keys {missing}, unexpected keys "
                            f"{unexpected} (the keys are those of module.state_dict() before initialize)")
+    return missing, unexpected
 
-    def value_of(param: nn.Parameter, shape: torch.Size, flat=lambda v: v.reshape(-1)) -> torch.Tensor | None:
-        for n in names.get(id(param), ()):
-            if n in state_dict:
-                v = state_dict[n].detach()
+
+def _flatten(v: torch.Tensor) -> torch.Tensor:
+    return v.reshape(-1)
+
+
+class _ParamValues:
+    """A parameter's value in the state dict under any of its names (``names``: id(param) -> names)."""
+
+    def __init__(self, names: dict[int, list[str]], state_dict: Mapping[str, torch.Tensor]) -> None:
+        self.names = names
+        self.state_dict = state_dict
+
+    def of(self, param: nn.Parameter, shape: torch.Size,
+           flat: Callable[[torch.Tensor], torch.Tensor] = _flatten) -> torch.Tensor | None:
+        """``flat(value)`` in fp32, or None if no name of ``param`` is in the state dict.
+
+        Raises:
+            RuntimeError: the value's shape is not ``shape``."""
+        for n in self.names.get(id(param), ()):
+            if n in self.state_dict:
+                v = self.state_dict[n].detach()
                 if tuple(v.shape) != tuple(shape):
                     raise RuntimeError(f"load_module_state_dict: '{n}' has shape {tuple(v.shape)}, the parameter "
                                        f"has shape {tuple(shape)}")
                 return flat(v).to(torch.float32)
         return None
 
-    checksum = torch.zeros(1, dtype=torch.float64)
+
+def _load_groups(groups: Sequence[FlatGroup], gathered: Sequence[GatheredCopy], values: _ParamValues,
+                 checksum: torch.Tensor) -> None:
+    """Each trained parameter's value into the flat buffer or this rank's shard, the gathered copy of a
+    unit kept gathered, and the fp32 master pieces (from the given values, not their rounded copies)."""
     full_of = {id(c.group): c.full for c in gathered}
-    with torch.no_grad():
-        for g in groups:
-            base, end = g.shard_offset, g.shard_offset + g.buffer.numel()
-            values: dict[int, torch.Tensor] = {}
-            for s in g.slots:
-                v = value_of(s.param, s.shape, s.flat_values)
-                if v is None:
-                    continue
-                values[id(s)] = v
+    for g in groups:
+        base, end = g.shard_offset, g.shard_offset + g.buffer.numel()
+        loaded: dict[int, torch.Tensor] = {}
+        for s in g.slots:
+            v = values.of(s.param, s.shape, s.flat_values)
+            if v is None:
+                continue
+            loaded[id(s)] = v
+            checksum += v.double().sum()
+            lo, hi = max(s.offset, base), min(s.offset + s.numel, end)
+            if lo < hi:
+                g.buffer[lo - base : hi - base].copy_(v[lo - s.offset : hi - s.offset])
+            full = full_of.get(id(g))
+            if full is not None:
+                full[s.offset : s.offset + s.numel].copy_(v)
+        for piece in g.pieces:
+            v = loaded.get(id(piece.slot))
+            if v is not None and piece.master is not None:
+                piece.master.copy_(v[piece.lo - piece.slot.offset : piece.hi - piece.slot.offset])
+
+
+def _load_buffers(buffers: dict[str, torch.Tensor], expected: set[str], state_dict: Mapping[str, torch.Tensor],
+                  checksum: torch.Tensor) -> None:
+    """The persistent buffers given in ``state_dict`` (floating ones counted in ``checksum``)."""
+    for n, b in buffers.items():
+        if n in state_dict and n in expected:
+            v = state_dict[n].detach()
+            if v.shape != b.shape:
+                raise RuntimeError(f"load_module_state_dict: buffer '{n}' has shape {tuple(v.shape)}, "
+                                   f"the module's has {tuple(b.shape)}")
+            b.copy_(v)
+            if v.is_floating_point():
                 checksum += v.double().sum()
-                lo, hi = max(s.offset, base), min(s.offset + s.numel, end)
-                if lo < hi:
-                    g.buffer[lo - base : hi - base].copy_(v[lo - s.offset : hi - s.offset])
-                full = full_of.get(id(g))
-                if full is not None:
-                    full[s.offset : s.offset + s.numel].copy_(v)
-            for piece in g.pieces:
-                v = values.get(id(piece.slot))
-                if v is not None and piece.master is not None:
-                    piece.master.copy_(v[piece.lo - piece.slot.offset : piece.hi - piece.slot.offset])
-        for p in frozen:
-            v = value_of(p, p.shape)
-            if v is not None:
-                p.data.copy_(v.view(p.shape))
-                checksum += v.double().sum()
-        for n, b in buffers.items():
-            if n in state_dict and n in expected:
-                v = state_dict[n].detach()
-                if v.shape != b.shape:
-                    raise RuntimeError(f"load_module_state_dict: buffer '{n}' has shape {tuple(v.shape)}, "
-                                       f"the module's has {tuple(b.shape)}")
-                b.copy_(v)
-                if v.is_floating_point():
-                    checksum += v.double().sum()
+
+
+def _check_same_values(checksum: torch.Tensor, pg: ProcessGroup | None, ledger: CommLedger) -> None:
+    """Collective: raise RuntimeError on every rank if the ranks' checksums differ (one MIN, one MAX all-reduce)."""
     if dist.is_initialized() and dist.get_world_size(pg) > 1:
         lo_sum, hi_sum = checksum.clone(), checksum.clone()
         comm.all_reduce(lo_sum, pg, ledger, "load_state_dict", op=ReduceOp.MIN)
@@ -123,7 +166,6 @@ def load_module_state(
         if not torch.equal(lo_sum, hi_sum):
             raise RuntimeError("load_module_state_dict: ranks passed different values (every rank must load "
                                "the same state dict; the engine's replicas would diverge)")
-    return LoadResult(missing, unexpected)
 
 
 def guard_module_load_state_dict(module: nn.Module, why: str) -> list[RemovableHandle]:
