@@ -383,4 +383,12 @@ MUTANTS: list[Mutant] = [
            "                          and (isinstance(p, torch.nn.Parameter) or INIT_SEQ in p.__dict__)}",
            "                          }",
            ["tests/test_clients.py::test_gathered_parameters_before_initialize_pairs_persistent_ones_by_creation"]),
+    Mutant("cleared_grads_applied_anyway", "src/zerodp/engine.py",
+           "            self.grad_placeholders.check_not_cleared()  # module.zero_grad() between backward and step\n",
+           "",
+           ["tests/unit/test_cleared_grads.py::test_grad_set_to_none_between_backward_and_step_is_refused"]),
+    Mutant("empty_model_parameters_train_nothing", "src/zerodp/runtime/optim.py",
+           "    if model_parameters is not None and not seen:",
+           "    if False:",
+           ["tests/unit/test_cleared_grads.py::test_model_parameters_without_any_parameter_is_refused"]),
 ]

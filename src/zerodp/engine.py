@@ -335,6 +335,7 @@ class Engine(CheckpointMethods):
         # the reduced gradients are consumed (or, off the boundary, the accumulation goes on)
         with self.phase.during(TrainingState.STEP, "engine.step", then=TrainingState.IDLE,
                                on_error=TrainingState.IDLE):
+            self.grad_placeholders.check_not_cleared()  # module.zero_grad() between backward and step
             self.grad_placeholders.remove()
             self.micro_steps += 1
             if boundary:

@@ -208,6 +208,7 @@ class DeepSpeedEngine:
         ``offload_optimizer.overlap_step`` the sub-groups of the last step still to be updated read
         the reduced gradients: they are forgotten once the loop has ended (at the latest when the next
         backward starts), as the engine itself does after a step."""
+        self.engine.grad_placeholders.forget_backward()  # gradients discarded: a cleared .grad is expected
         self.engine.optimizer_offload.when_updated(self.engine.reducer.zero_grads)
 
     @contextlib.contextmanager

@@ -95,6 +95,7 @@ class GradPlaceholders:
         self.folded = folded
         self._cache: dict[int, HiddenGradient] = {}  # slot index -> placeholder (same shape: reused)
         self._displaced: dict[int, tuple[HiddenGradient, torch.Tensor | None]] = {}
+        self._had_grad: list[bool] = []  # per slot: param.grad was set when the last backward returned
 
     def _reason(self) -> str:
         if self.stage >= 1:
@@ -133,6 +134,30 @@ class GradPlaceholders:
             ph.message = f"'{s.name}': {reason}. {ALTERNATIVES}"
             p.grad = ph
             self._displaced[s.index] = (ph, current)
+        self._had_grad = [s.param.grad is not None for s in self.slots]
+
+    def check_not_cleared(self) -> None:
+        """At ``engine.step``: refuse when ``param.grad`` of a trained parameter was set to None since
+        the last ``engine.backward`` (``module.zero_grad()``, ``optimizer.zero_grad()``, ``p.grad =
+        None``). In torch that discards the gradient; the engine keeps it in its own buffers, so the
+        step would apply it anyway (silently).
+
+        Raises:
+            RuntimeError: naming the first such parameter, how many there are, and what to do instead.
+        """
+        cleared = [s.name for s, had in zip(self.slots, self._had_grad, strict=False) if had and s.param.grad is None]
+        if cleared:
+            more = f" (and {len(cleared) - 1} more)" if len(cleared) > 1 else ""
+            raise RuntimeError(
+                f"engine.step(): param.grad of '{cleared[0]}'{more} was set to None after engine.backward "
+                "(module.zero_grad(), optimizer.zero_grad() or p.grad = None). zerodp keeps the gradients in "
+                "its own buffers, so this would not discard them and the step would apply them anyway. Zero "
+                "gradients after engine.step() (the engine does it itself), or call engine.zero_grad() of "
+                "zerodp.deepspeed's engine to discard this accumulation's gradients")
+
+    def forget_backward(self) -> None:
+        """The engine's gradients were discarded (``engine.zero_grad``): nothing to check at the step."""
+        self._had_grad = []
 
     def remove(self) -> None:
         """Before a backward and at ``engine.step``: put back what each placeholder displaced (where
@@ -144,3 +169,4 @@ class GradPlaceholders:
             if entry is not None and s.param.grad is entry[0]:
                 s.param.grad = entry[1]
         self._displaced.clear()
+        self._had_grad = []

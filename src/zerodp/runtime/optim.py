@@ -39,7 +39,8 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable[Any] | 
 
     Frozen parameters (``requires_grad=False``) are dropped from the groups; they stay in the module,
     replicated. Raises ValueError for a parameter not in ``module``, one listed twice, a group without
-    ``params`` or with an option outside :data:`GROUP_OPTIONS`.
+    ``params`` or with an option outside :data:`GROUP_OPTIONS`, and for a ``model_parameters`` that
+    lists no parameter at all (an empty list, an exhausted generator, groups with empty ``params``).
     """
     names = {id(p): n for n, p in module.named_parameters()}
     if model_parameters is None:
@@ -78,6 +79,11 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable[Any] | 
         if "betas" in options:
             options["betas"] = tuple(options["betas"])
         specs.append(ParamGroupSpec(named, options))
+    if model_parameters is not None and not seen:
+        raise ValueError(
+            "model_parameters holds no parameter (an exhausted generator? model.parameters() can be iterated "
+            "only once); torch's optimizers refuse an empty parameter list as well. Pass model.parameters() "
+            "afresh or a list of parameters, or leave model_parameters out to train every parameter")
     return [s for s in specs if s.params] or specs[:1]
 
 
