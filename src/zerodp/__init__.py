@@ -17,6 +17,6 @@ from zerodp.runtime.collective_guard import (
 )
 from zerodp.runtime.comm import init_distributed, shutdown_distributed
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["zero", "initialize", "init_distributed", "shutdown_distributed", "Engine", "ConfigError", "ZeroDPConfig",
            "load_config", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError", "RankLostError"]

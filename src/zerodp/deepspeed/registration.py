@@ -62,7 +62,7 @@ def _zerodp_version() -> str:
 
 def version() -> str:
     """The version ``importlib.metadata.version("deepspeed")`` reports once installed, e.g.
-    ``"0.19.8+zerodp.0.1.0"`` (PEP 440: greater than 0.19.8's requirements, its label is local)."""
+    ``"0.19.8+zerodp.0.2.0"`` (PEP 440: greater than 0.19.8's requirements, its label is local)."""
     return f"{DEEPSPEED_API_VERSION}+zerodp.{_zerodp_version()}"
 
 
