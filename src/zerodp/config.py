@@ -2,7 +2,10 @@
 
 Every field keeps DeepSpeed's spelling and, where DeepSpeed's default would silently change results
 compared with plain PyTorch (e.g. gradient clipping), the plain-PyTorch default instead. Each default
-lives in exactly one place: the field declaration below.
+lives in exactly one place: its field declaration, here or in the section modules this one composes
+(:mod:`zerodp.config_batch` the batch keys, :mod:`zerodp.config_optimizer` the optimizer and
+scheduler, :mod:`zerodp.offload.config` the offload sections, on the strict base of
+:mod:`zerodp.config_base`); every public name of those is importable from here.
 
 Errors: :func:`load_config` raises :class:`ConfigError` (a ``ValueError``) naming every offending key
 path, what was given and what is allowed. Unknown keys are refused (``extra="forbid"``) so a typo
@@ -12,142 +15,39 @@ Python's JSON reader accepts) in every field (``allow_inf_nan=False``).
 
 from __future__ import annotations
 
-import builtins
-import inspect
 import json
 import os
-import types
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from zerodp.config_keys import OPTIMIZERS, REFUSED_OPTIMIZERS, canonical_optimizer, screen_keys
+from zerodp.config_base import ConfigError, StrictModel, format_errors
+from zerodp.config_batch import BatchConfig
+from zerodp.config_keys import screen_keys
+from zerodp.config_optimizer import (
+    SCHEDULER_PARAMS,
+    OptimizerConfig,
+    OptimizerParams,
+    SchedulerConfig,
+    WarmupCosineLRParams,
+    WarmupDecayLRParams,
+    WarmupLRParams,
+    WarmupType,
+    optimizer_options,
+)
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 
-if TYPE_CHECKING:
-    import torch
+__all__ = [
+    "SCHEDULER_PARAMS", "ActivationCheckpointingConfig", "AioConfig", "BatchConfig", "BF16Config",
+    "CollectiveGuardConfig", "ConfigError", "DataTypesConfig", "FP16Config", "OffloadOptimizerConfig",
+    "OffloadParamConfig", "OptimizerConfig", "OptimizerParams", "SchedulerConfig", "WarmupCosineLRParams",
+    "WarmupDecayLRParams", "WarmupLRParams", "WarmupType", "ZeroConfig", "ZeroDPConfig", "load_config",
+    "optimizer_options", "read_config_mapping",
+]
 
 
-class ConfigError(ValueError):
-    """A zerodp config (dict or JSON file) has an unknown key or a value outside what is allowed."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_lax_coercion(cls, v: Any, info: ValidationInfo) -> Any:
-        """Refuse what pydantic's lax mode would silently convert: "yes"/"off" for a bool, a string
-        for a number, true/false for a number or a stage."""
-        assert info.field_name is not None  # a field validator ("*"): always called for one field
-        kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
-        if not kinds:
-            return v
-        if isinstance(v, bool) and bool not in kinds:
-            raise ValueError(f"expected {' or '.join(sorted(k.__name__ for k in kinds))}, not a boolean")
-        if isinstance(v, str) and str not in kinds:
-            raise ValueError(f"expected {' or '.join(sorted(k.__name__ for k in kinds))}, not a string")
-        if bool in kinds and not isinstance(v, bool) and v is not None:
-            raise ValueError("expected true or false")
-        return v
-
-
-def _scalar_kinds(annotation: Any) -> set[type]:
-    """The scalar types (bool, int, float, str) an annotation admits; empty for containers/models."""
-    origin = get_origin(annotation)
-    if origin is Literal:
-        return {type(a) for a in get_args(annotation)}
-    if origin is Union or origin is types.UnionType:  # Optional[X] and X | None
-        kinds: set[type] = set()
-        for a in get_args(annotation):
-            if a is type(None):
-                continue
-            sub = _scalar_kinds(a)
-            if not sub:
-                return set()
-            kinds |= sub
-        return kinds
-    if annotation in (bool, int, float, str):
-        return {annotation, float} if annotation is int else {annotation}
-    return set()
-
-
-class OptimizerParams(_Strict):
-    """``optimizer.params``: keyword arguments of the torch optimizer; omitted keys take torch's defaults.
-
-    ``lr``, ``betas``, ``eps`` and ``weight_decay`` are checked here; any other key (``momentum``,
-    ``amsgrad``, ...) must be a keyword of the chosen torch optimizer (checked by
-    :class:`OptimizerConfig`) and is passed through unchanged.
-    """
-
-    model_config = ConfigDict(extra="allow", validate_assignment=True, frozen=True)
-
-    lr: float | None = Field(None, ge=0.0, description="learning rate; None = torch's default")
-    betas: tuple[float, float] | None = Field(None, description="(beta1, beta2), each in [0, 1)")
-    eps: float | None = Field(None, gt=0.0, description="denominator epsilon")
-    weight_decay: float | None = Field(
-        None, ge=0.0, description="L2 (Adam) or decoupled (AdamW) decay; None = torch's default"
-    )
-
-    @field_validator("betas")
-    @classmethod
-    def _betas_in_range(cls, v: tuple[float, float] | None) -> tuple[float, float] | None:
-        for b in v or ():
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"each beta must be in [0, 1), got {v}")
-        return v
-
-    def torch_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments given (None = omitted), extras included."""
-        out = {k: v for k, v in self.model_dump().items() if v is not None}
-        return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
-
-
-class OptimizerConfig(_Strict):
-    """``optimizer``: ``type`` names a torch optimizer (DeepSpeed's names, case-insensitive; see
-    :data:`zerodp.config_keys.OPTIMIZERS`), ``params`` its keyword arguments.
-
-    Unlike DeepSpeed, ``Adam`` means torch's L2-regularised Adam, not AdamW: the result equals what
-    ``torch.optim.Adam`` computes on the whole model. (``zerodp.deepspeed.initialize`` maps
-    DeepSpeed's ``adam_w_mode`` to ``AdamW``.)
-    """
-
-    type: str
-    params: OptimizerParams = Field(default_factory=OptimizerParams)
-
-    @field_validator("type")
-    @classmethod
-    def _canonical_type(cls, v: str) -> str:
-        name = canonical_optimizer(v)
-        if name is None:
-            raise ValueError(f"unknown optimizer; allowed: {', '.join(OPTIMIZERS)}")
-        if name in REFUSED_OPTIMIZERS:
-            raise ValueError(f"optimizer '{name}' is not implemented: {REFUSED_OPTIMIZERS[name]}; "
-                             f"allowed: {', '.join(OPTIMIZERS)}")
-        return name
-
-    @model_validator(mode="after")
-    def _params_fit_type(self) -> OptimizerConfig:
-        allowed = optimizer_options(self.type)
-        unknown = sorted(set(self.params.torch_kwargs()) - set(allowed))
-        if unknown:
-            raise ValueError(f"optimizer.params.{unknown[0]} is not an option of torch.optim.{self.type}; "
-                             f"allowed keys here: {', '.join(allowed)}")
-        return self
-
-    def torch_class(self) -> builtins.type[torch.optim.Optimizer]:  # builtins: ``type`` is a field here
-        return OPTIMIZERS[self.type]
-
-
-def optimizer_options(name: str) -> list[str]:
-    """Keyword options of ``torch.optim.<name>`` (besides ``params``), in signature order."""
-    sig = inspect.signature(OPTIMIZERS[name].__init__)
-    return [p for p in sig.parameters if p not in ("self", "params")]
-
-
-class ZeroConfig(_Strict):
+class ZeroConfig(StrictModel):
     """``zero_optimization``: which model states are partitioned and how they are communicated."""
 
     stage: Literal[0, 1, 2, 3] = Field(
@@ -227,13 +127,13 @@ class ZeroConfig(_Strict):
         return v
 
 
-class BF16Config(_Strict):
+class BF16Config(StrictModel):
     """``bf16``: bfloat16 parameters and gradients, fp32 master weights and optimizer states."""
 
     enabled: bool = False
 
 
-class FP16Config(_Strict):
+class FP16Config(StrictModel):
     """``fp16``: float16 parameters and gradients with loss scaling; fp32 master weights."""
 
     enabled: bool = False
@@ -244,7 +144,7 @@ class FP16Config(_Strict):
     min_loss_scale: float = Field(1.0, gt=0.0, description="dynamic: the scale never goes below this")
 
 
-class DataTypesConfig(_Strict):
+class DataTypesConfig(StrictModel):
     """``data_types`` (DeepSpeed's key): the dtype gradients accumulate in across micro-steps.
 
     ``grad_accum_dtype`` None (the default): fp32 when training in bf16/fp16 with
@@ -258,7 +158,7 @@ class DataTypesConfig(_Strict):
         None, description="gradient accumulation dtype; default fp32 under bf16/fp16 with accumulation")
 
 
-class CollectiveGuardConfig(_Strict):
+class CollectiveGuardConfig(StrictModel):
     """``collective_guard`` (zerodp's own key): the agreement checks of
     :mod:`zerodp.runtime.collective_guard` before every collective engine call."""
 
@@ -268,71 +168,7 @@ class CollectiveGuardConfig(_Strict):
     check_gathers: bool = Field(True, description="stage 3: also agree before each module fetch")
 
 
-WarmupType = Literal["log", "linear"]
-
-
-def _warmup_within_total(params: Any) -> Any:
-    """Shared check of the decaying schedules: the warmup fits in the total number of steps."""
-    if params.warmup_num_steps > params.total_num_steps:
-        raise ValueError(f"warmup_num_steps ({params.warmup_num_steps}) must not exceed total_num_steps "
-                         f"({params.total_num_steps})")
-    return params
-
-
-class WarmupLRParams(_Strict):
-    """lr(t) = min + (max - min) * gamma(t); gamma = log(t+1)/log(W) or t/W while t < W, then 1."""
-
-    warmup_min_lr: float = Field(0.0, ge=0.0)
-    warmup_max_lr: float = Field(0.001, ge=0.0)
-    warmup_num_steps: int = Field(1000, gt=0)
-    warmup_type: WarmupType = "log"
-
-
-class WarmupDecayLRParams(WarmupLRParams):
-    """As WarmupLR, then linear decay: gamma(t) = max(0, (T - t) / (T - W)) for t >= W."""
-
-    total_num_steps: int = Field(..., gt=0)
-
-    _warmup_within_total = model_validator(mode="after")(lambda self: _warmup_within_total(self))
-
-
-class WarmupCosineLRParams(_Strict):
-    """Ratios of the optimizer's lr: warm up from warmup_min_ratio to 1 over W steps, then cosine
-    from 1 down to cos_min_ratio at T."""
-
-    total_num_steps: int = Field(..., gt=0)
-    warmup_min_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    warmup_num_steps: int = Field(1000, gt=0)
-    cos_min_ratio: float = Field(0.0001, ge=0.0, le=1.0)
-    warmup_type: WarmupType = "log"
-
-    _warmup_within_total = model_validator(mode="after")(lambda self: _warmup_within_total(self))
-
-
-SCHEDULER_PARAMS: dict[str, type[_Strict]] = {
-    "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams, "WarmupCosineLR": WarmupCosineLRParams,
-}
-
-
-class SchedulerConfig(_Strict):
-    """``scheduler``: one of DeepSpeed's warmup schedules, stepped after every optimizer step."""
-
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
-    params: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _params_match_type(self) -> SchedulerConfig:
-        try:
-            SCHEDULER_PARAMS[self.type].model_validate(self.params)
-        except ValidationError as err:
-            raise ValueError(_format_errors(err, SCHEDULER_PARAMS[self.type], prefix="scheduler.params")) from None
-        return self
-
-    def parsed_params(self) -> _Strict:
-        return SCHEDULER_PARAMS[self.type].model_validate(self.params)
-
-
-class ActivationCheckpointingConfig(_Strict):
+class ActivationCheckpointingConfig(StrictModel):
     """DeepSpeed's ``activation_checkpointing`` section, used by :func:`zerodp.checkpointing.checkpoint`
     (ZeRO-R partitioned activation checkpointing; see :mod:`zerodp.checkpointing`)."""
 
@@ -353,14 +189,10 @@ class ActivationCheckpointingConfig(_Strict):
         return v
 
 
-class ZeroDPConfig(_Strict):
-    """Top-level config, DeepSpeed key names. See the README for an example file."""
+class ZeroDPConfig(BatchConfig):
+    """Top-level config, DeepSpeed key names. See the README for an example file. The batch keys and
+    their arithmetic come from :class:`~zerodp.config_batch.BatchConfig`."""
 
-    train_batch_size: int | None = Field(
-        None, gt=0, description="global batch = micro batch x accumulation steps x world size"
-    )
-    train_micro_batch_size_per_gpu: int = Field(1, gt=0, description="samples per rank per micro-step")
-    gradient_accumulation_steps: int = Field(1, gt=0, description="micro-steps per optimizer step")
     optimizer: OptimizerConfig = Field(
         default_factory=lambda: OptimizerConfig(type="AdamW"), description="the torch optimizer"
     )
@@ -411,98 +243,6 @@ class ZeroDPConfig(_Strict):
                              + (f" or {trained!r}" if trained != "fp32" else ""))
         return self
 
-    def for_world_size(self, world_size: int) -> ZeroDPConfig:
-        """Resolve the batch keys as DeepSpeed does: train_batch_size = micro x accumulation x world.
-
-        Given ``train_batch_size`` and one of the other two, the missing one is derived; given only
-        ``train_batch_size``, accumulation is 1 and the micro batch is ``train_batch_size / world``.
-
-        Raises:
-            ConfigError: the three disagree, or the derived value is not a whole number.
-        """
-        tbs = self.train_batch_size
-        if tbs is None:
-            return self
-        given = self.model_fields_set
-        micro, gas = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
-        update: dict[str, int] = {}
-        if "train_micro_batch_size_per_gpu" not in given:
-            if tbs % (gas * world_size):
-                raise ConfigError(f"train_batch_size={tbs} is not divisible by gradient_accumulation_steps "
-                                  f"({gas}) x world size ({world_size}); set train_micro_batch_size_per_gpu")
-            update["train_micro_batch_size_per_gpu"] = micro = tbs // (gas * world_size)
-        elif "gradient_accumulation_steps" not in given:
-            if tbs % (micro * world_size):
-                raise ConfigError(f"train_batch_size={tbs} is not divisible by train_micro_batch_size_per_gpu "
-                                  f"({micro}) x world size ({world_size})")
-            update["gradient_accumulation_steps"] = gas = tbs // (micro * world_size)
-        implied = micro * gas * world_size
-        if implied != tbs:
-            raise ConfigError(
-                f"train_batch_size={tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "
-                f"gradient_accumulation_steps ({gas}) x world size ({world_size}) = {implied}")
-        return self.model_copy(update=update) if update else self
-
-    def require_batch_size(self, source: str) -> ZeroDPConfig:
-        """Refuse a config that gives no batch size, as DeepSpeed does: it needs ``train_batch_size``
-        or ``train_micro_batch_size_per_gpu`` (``gradient_accumulation_steps`` alone is not enough).
-
-        Used where the config decides how many samples a rank trains on (``zerodp train --config``,
-        ``zerodp.deepspeed.initialize``); plain :func:`zerodp.initialize` trains on what the script
-        feeds it and does not call this.
-
-        Args:
-            source: what gave the config (a file path, ``"initialize()"``), named in the message.
-
-        Returns:
-            ``self``.
-
-        Raises:
-            ConfigError: neither key is set.
-        """
-        if {"train_batch_size", "train_micro_batch_size_per_gpu"} & self.model_fields_set:
-            return self
-        raise ConfigError(
-            f"invalid zerodp config: {source} gives no batch size; set 'train_micro_batch_size_per_gpu' "
-            "(samples per rank per micro-step) or 'train_batch_size' (micro batch x "
-            "gradient_accumulation_steps x world size), as DeepSpeed requires")
-
-
-def _format_errors(err: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
-    lines = []
-    for e in err.errors():
-        path = ".".join([prefix] * bool(prefix) + [str(p) for p in e["loc"]]) or "<root>"
-        if e["type"] == "extra_forbidden":
-            allowed = _allowed_keys(model, e["loc"][:-1])
-            if prefix:
-                return f"unknown key '{path}'; allowed keys here: {', '.join(allowed)}"
-            lines.append(f"unknown key '{path}'; allowed keys here: {', '.join(allowed)}")
-        else:
-            given = e.get("input")
-            msg = e["msg"].removeprefix("Value error, ")
-            if msg.startswith("invalid zerodp config:\n"):  # nested (scheduler.params): already formatted
-                lines.extend(line.strip() for line in msg.splitlines()[1:])
-            elif isinstance(given, (dict, list)):
-                lines.append(f"'{path}': {msg}")
-            else:
-                lines.append(f"'{path}': {msg} (got {given!r})")
-    return "invalid zerodp config:\n  " + "\n  ".join(lines)
-
-
-def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    current: Any = model
-    for part in loc:
-        field = (current.model_fields.get(part)
-                 if isinstance(current, type) and issubclass(current, BaseModel) else None)
-        if field is None:
-            return []
-        ann = field.annotation
-        current = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-        if current is None:
-            return []
-    return sorted(current.model_fields)
-
-
 def read_config_mapping(config: str | os.PathLike | Mapping[str, Any] | None) -> Mapping[str, Any]:
     """The raw config: ``config`` itself, the parsed JSON file it names, or ``{}`` for None (unchecked).
 
@@ -541,4 +281,4 @@ def load_config(config: str | os.PathLike | Mapping[str, Any] | ZeroDPConfig | N
     try:
         return ZeroDPConfig.model_validate(dict(config))
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, ZeroDPConfig)) from None
+        raise ConfigError(format_errors(err, ZeroDPConfig)) from None
