@@ -24,9 +24,7 @@ OVER_MAX_LINES: dict[str, str] = {}
 HARD_MAX_LINES = 600
 
 #: library functions still above MAX_FUNCTION_LINES (qualified name -> why), to be split
-LONG_FUNCTIONS = {
-    "zerodp.deepspeed.initialize": "DeepSpeed's initialize signature: argument checks, then the engine",
-}
+LONG_FUNCTIONS: dict[str, str] = {}
 
 #: The package ranks, lowest first. A module may import modules of its own rank or a lower one, never a
 #: higher one (imports inside functions and under ``TYPE_CHECKING`` included); a dependency that must

@@ -104,23 +104,9 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         raise NotImplementedError("initialize(mesh_param=) is not implemented in zerodp; pass mpu=")
     if model is None:
         raise ValueError("deepspeed.initialize needs model=")
-    if config is not None and config_params is not None:
-        raise ConfigError("give config or config_params to initialize(), not both")
-    if config is None:
-        config = config_params if config_params is not None else (
-            getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None))
-    raw = read_config(config)
+    raw = read_config(_config_source(args, config, config_params))
     _runtime_comm.init_distributed()
-    client_opt = None
-    if optimizer is not None:
-        if raw.get("optimizer") is not None:
-            raise ConfigError("initialize() got a client optimizer and the config has an 'optimizer' section; "
-                              "give one of them")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-            optimizer = optimizer(params)
-        client_opt = optimizer
-        raw["optimizer"], model_parameters = _from_client_optimizer(optimizer)
+    client_opt, model_parameters = _adopt_client_optimizer(raw, optimizer, model, model_parameters)
     lr = client_opt.defaults.get("lr") if client_opt is not None else None
     raw_resolved = resolve_deepspeed_config(raw, model, optimizer_lr=float(lr) if lr is not None else None,
                                             translate_optimizer=client_opt is None)
@@ -132,14 +118,63 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     if engine.stage == 3:
         for p in model.parameters():
             zero.set_ds_attributes(p, None if hasattr(p, "ds_shape") else shapes[id(p)])
-    loader = None
-    if training_data is not None:
-        world, rank = dist.get_world_size(engine.process_group), dist.get_rank(engine.process_group)
-        sampler: DistributedSampler = DistributedSampler(training_data, num_replicas=world, rank=rank)
-        loader = DataLoader(training_data, batch_size=engine.config.train_micro_batch_size_per_gpu,
-                            sampler=sampler, collate_fn=collate_fn)
+    loader = _training_loader(engine.process_group, engine.config.train_micro_batch_size_per_gpu,
+                              training_data, collate_fn)
     ds_engine = DeepSpeedEngine(engine, loader, ds_config=raw_resolved)
     return ds_engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    """What names the DeepSpeed config: ``config``, else ``config_params``, else ``args.deepspeed_config``
+    (or DeepSpeed's former ``args.deepscale_config``); None when nothing does.
+
+    Raises:
+        ConfigError: both ``config`` and ``config_params`` given.
+    """
+    if config is not None and config_params is not None:
+        raise ConfigError("give config or config_params to initialize(), not both")
+    if config is not None:
+        return config
+    if config_params is not None:
+        return config_params
+    return getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+
+
+def _adopt_client_optimizer(raw: dict[str, Any], optimizer: Any, model: nn.Module, model_parameters: Any
+                            ) -> tuple[torch.optim.Optimizer | None, Any]:
+    """Turn a client optimizer (an object, or a callable ``f(params)`` built here over ``model_parameters``
+    or the model's parameters) into the config's ``optimizer`` section, written into ``raw``.
+
+    Returns:
+        ``(the client optimizer or None, the param groups the engine rebuilds it over)``; with no
+        client optimizer, ``(None, model_parameters)`` and ``raw`` unchanged.
+
+    Raises:
+        ConfigError: the config also has an ``optimizer`` section.
+        NotImplementedError: see :func:`_from_client_optimizer`.
+    """
+    if optimizer is None:
+        return None, model_parameters
+    if raw.get("optimizer") is not None:
+        raise ConfigError("initialize() got a client optimizer and the config has an 'optimizer' section; "
+                          "give one of them")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+        optimizer = optimizer(params)
+    raw["optimizer"], groups = _from_client_optimizer(optimizer)
+    return optimizer, groups
+
+
+def _training_loader(group: Any, micro_batch: int, training_data: Dataset | None,
+                     collate_fn: Callable | None) -> DataLoader | None:
+    """DeepSpeed's training loader: ``training_data`` in micro-batches of ``micro_batch`` samples, each
+    rank reading its share through a DistributedSampler over ``group`` (shuffled, seed 0); None
+    without ``training_data``."""
+    if training_data is None:
+        return None
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    sampler: DistributedSampler = DistributedSampler(training_data, num_replicas=world, rank=rank)
+    return DataLoader(training_data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
