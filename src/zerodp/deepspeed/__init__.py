@@ -43,6 +43,7 @@ from zerodp.deepspeed.hf_config import HfDeepSpeedConfig
 from zerodp.deepspeed.ops.adam import FusedAdam
 from zerodp.deepspeed.runtime import lr_schedules as _lr_schedules  # noqa: F401
 from zerodp.deepspeed.runtime.zero import partition_parameters as _partition_parameters  # noqa: F401
+from zerodp.engine import Engine
 from zerodp.entry import initialize as _zerodp_initialize
 from zerodp.runtime import comm as _runtime_comm  # not zerodp.deepspeed.comm (DeepSpeed's API)
 
@@ -82,8 +83,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
             defaults and param groups are rebuilt over this rank's partition. Exclusive with the
             config's ``optimizer``.
         model_parameters: parameters or param-group dicts (when ``optimizer`` is not an object).
-        training_data: a torch Dataset; the returned DataLoader reads it with a DistributedSampler
-            (shuffled, seed 0, as DeepSpeed) in micro-batches of ``train_micro_batch_size_per_gpu``.
+        training_data: a torch Dataset, read by the returned DataLoader (see :func:`_training_loader`).
         lr_scheduler: a callable ``f(optimizer) -> scheduler``, or a scheduler object bound to the
             client ``optimizer`` (rebound to the engine's optimizer with its state).
         collate_fn: for the DataLoader.
@@ -97,8 +97,8 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         ConfigError: invalid config, an unresolvable ``"auto"``, a config that gives no batch size
             (neither ``train_micro_batch_size_per_gpu`` nor ``train_batch_size``, as DeepSpeed), or
             both ``config`` and ``config_params``.
-        NotImplementedError: ``mesh_param``, an optimizer class zerodp
-            does not build, a client optimizer that has state, or a scheduler bound to another optimizer.
+        NotImplementedError: ``mesh_param``, an optimizer class zerodp does not build, a client
+            optimizer that has state, or a scheduler bound to another optimizer.
     """
     if mesh_param is not None:
         raise NotImplementedError("initialize(mesh_param=) is not implemented in zerodp; pass mpu=")
@@ -107,19 +107,14 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     raw = read_config(_config_source(args, config, config_params))
     _runtime_comm.init_distributed()
     client_opt, model_parameters = _adopt_client_optimizer(raw, optimizer, model, model_parameters)
-    lr = client_opt.defaults.get("lr") if client_opt is not None else None
-    raw_resolved = resolve_deepspeed_config(raw, model, optimizer_lr=float(lr) if lr is not None else None,
-                                            translate_optimizer=client_opt is None)
-    cfg = load_config(raw_resolved)
-    cfg.require_batch_size("the config given to initialize()")  # DeepSpeed refuses it too
-    shapes = {id(p): tuple(p.shape) for p in model.parameters()}
+    raw_resolved = _resolve_auto(raw, model, client_opt)
+    cfg = load_config(raw_resolved).require_batch_size("the config given to initialize()")  # as DeepSpeed
+    shapes = {id(p): tuple(p.shape) for p in model.parameters()}  # before stage 3 partitions them
     scheduler_fn = _scheduler_factory(lr_scheduler, client_opt)
     engine = _zerodp_initialize(model, cfg, model_parameters=model_parameters, lr_scheduler=scheduler_fn, mpu=mpu)
     if engine.stage == 3:
-        for p in model.parameters():
-            zero.set_ds_attributes(p, None if hasattr(p, "ds_shape") else shapes[id(p)])
-    loader = _training_loader(engine.process_group, engine.config.train_micro_batch_size_per_gpu,
-                              training_data, collate_fn)
+        _set_ds_attributes(model, shapes)
+    loader = _training_loader(engine, training_data, collate_fn)
     ds_engine = DeepSpeedEngine(engine, loader, ds_config=raw_resolved)
     return ds_engine, engine.optimizer, loader, engine.lr_scheduler
 
@@ -165,15 +160,32 @@ def _adopt_client_optimizer(raw: dict[str, Any], optimizer: Any, model: nn.Modul
     return optimizer, groups
 
 
-def _training_loader(group: Any, micro_batch: int, training_data: Dataset | None,
-                     collate_fn: Callable | None) -> DataLoader | None:
-    """DeepSpeed's training loader: ``training_data`` in micro-batches of ``micro_batch`` samples, each
-    rank reading its share through a DistributedSampler over ``group`` (shuffled, seed 0); None
-    without ``training_data``."""
+def _resolve_auto(raw: dict[str, Any], model: nn.Module, client_opt: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """``raw`` with its ``"auto"`` values resolved (:func:`zerodp.deepspeed.config.resolve_deepspeed_config`),
+    the client optimizer's lr standing for ``"auto"`` learning rates; DeepSpeed's optimizer names are
+    translated only when the config's ``optimizer`` section is the user's, not built from ``client_opt``."""
+    lr = client_opt.defaults.get("lr") if client_opt is not None else None
+    return resolve_deepspeed_config(raw, model, optimizer_lr=float(lr) if lr is not None else None,
+                                    translate_optimizer=client_opt is None)
+
+
+def _set_ds_attributes(model: nn.Module, shapes: dict[int, tuple[int, ...]]) -> None:
+    """Stage 3: DeepSpeed's ``ds_*`` attributes on every parameter of ``model``; ``shapes`` (by ``id``)
+    are the full shapes from before partitioning, for parameters that have no ``ds_shape`` yet."""
+    for p in model.parameters():
+        zero.set_ds_attributes(p, None if hasattr(p, "ds_shape") else shapes[id(p)])
+
+
+def _training_loader(engine: Engine, training_data: Dataset | None, collate_fn: Callable | None) -> DataLoader | None:
+    """DeepSpeed's training loader: ``training_data`` in micro-batches of the config's
+    ``train_micro_batch_size_per_gpu`` samples, each rank reading its share through a DistributedSampler
+    over the engine's data-parallel group (shuffled, seed 0); None without ``training_data``."""
     if training_data is None:
         return None
+    group = engine.process_group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     sampler: DistributedSampler = DistributedSampler(training_data, num_replicas=world, rank=rank)
+    micro_batch = engine.config.train_micro_batch_size_per_gpu
     return DataLoader(training_data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn)
 
 
