@@ -36,6 +36,10 @@ while True:
 """
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(tmp_path: Path, torchrun: bool = False, nproc: int = 1) -> tuple[subprocess.Popen, Path, Path]:
     nvme, ready = tmp_path / "nvme", tmp_path / "ready"
     nvme.mkdir(exist_ok=True)
@@ -46,7 +50,11 @@ def _start(tmp_path: Path, torchrun: bool = False, nproc: int = 1) -> tuple[subp
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd[1:]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # a job started in the background by a non-interactive shell (nohup, `cmd &`) inherits SIGINT
+    # ignored, and Python and zerodp then leave it ignored: give the rank SIGINT's default disposition,
+    # as an interactive or scheduler-started process has
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=_default_sigint)
     deadline = time.time() + 90
     while len(list(ready.iterdir())) < nproc:
         if proc.poll() is not None or time.time() > deadline:
