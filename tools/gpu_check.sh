@@ -144,13 +144,17 @@ device_part() {
     part "device_tests_ws$1" "$2" "ZERODP_TEST_DEVICE=cuda ZERODP_TEST_WORLD_SIZES=$1 '$PY' -m pytest -q $DEVICE_TESTS \
         --junitxml='$OUT_DIR/device_ws$1.xml'"
 }
+# two_gpus NAME: true where a 2-rank part can run (2+ GPUs, or a dry run); else NAME is recorded skipped
+two_gpus() {
+    if [ "$DRY" = 1 ] || [ "$GPUS" -ge 2 ]; then
+        return 0
+    fi
+    echo "== $1: skipped, $GPUS GPU(s) (2 needed)" | tee "$OUT_DIR/$1.log"
+    record "$1" skipped 0 0 "$GPUS GPU(s); 2 ranks need 2 GPUs"
+    return 1
+}
 device_part 1 75
-if [ "$DRY" = 1 ] || [ "$GPUS" -ge 2 ]; then
-    device_part 2 50
-else
-    echo "== device_tests_ws2: skipped, $GPUS GPU(s) (2 needed)" | tee "$OUT_DIR/device_tests_ws2.log"
-    record device_tests_ws2 skipped 0 0 "$GPUS GPU(s); 2 ranks need 2 GPUs"
-fi
+two_gpus device_tests_ws2 && device_part 2 50
 
 # ---- training against plain PyTorch ------------------------------------------------------------------
 part train_compare 45 "'$PY' tools/gpu_train_compare.py --device cuda --steps 50 --out '$OUT_DIR/train_compare.json'"
@@ -168,12 +172,7 @@ bench_part() {
     "
 }
 bench_part 1 45
-if [ "$DRY" = 1 ] || [ "$GPUS" -ge 2 ]; then
-    bench_part 2 30
-else
-    echo "== bench_ws2: skipped, $GPUS GPU(s) (2 needed)" | tee "$OUT_DIR/bench_ws2.log"
-    record bench_ws2 skipped 0 0 "$GPUS GPU(s); 2 ranks need 2 GPUs"
-fi
+two_gpus bench_ws2 && bench_part 2 30
 
 # ---- report ----------------------------------------------------------------------------------------
 "$HOST_PY" tools/gpu_check_report.py "$OUT_DIR" --dry-run="$DRY" --budget-s="$BUDGET_S" \
