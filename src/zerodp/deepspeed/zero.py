@@ -20,6 +20,7 @@ from zerodp import zero as _zero
 from zerodp.config import ConfigError
 from zerodp.deepspeed.config import drop_auto, read_config, resolve_deepspeed_config
 from zerodp.stage3.ownership import owner_of
+from zerodp.stage3.placeholder import save_as_placeholders
 from zerodp.stage3.sharded_param import ZeroParamStatus
 from zerodp.stage3.units import ShardedUnit
 from zerodp.zero import GatheredParameters, TiledLinear, full_numel, is_partitioned, register_external_parameter
@@ -97,7 +98,9 @@ def set_ds_attributes(p: nn.Parameter, shape: tuple[int, ...] | None) -> None:
     """DeepSpeed's ``ds_shape``/``ds_numel`` on a (possibly partitioned) parameter and, when a stage-3
     unit owns it, ``ds_id`` (the same on every rank, see :meth:`zerodp.stage3.units.ShardedUnit.ds_id`)
     and ``ds_status`` (:class:`ZeroParamStatus`: ``NOT_AVAILABLE`` while only the shard exists, a
-    property of the sharded class; ``AVAILABLE`` while gathered)."""
+    property of the sharded class; ``AVAILABLE`` while gathered), and DeepSpeed's save policy
+    (:func:`zerodp.stage3.placeholder.save_as_placeholders`: ``torch.save`` of a partitioned parameter
+    writes a placeholder that refuses to load, with a warning, where zerodp's own API refuses the save)."""
     if shape is not None:
         p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]  # DeepSpeed's attribute on a Parameter
     p.ds_numel = full_numel(p)  # type: ignore[attr-defined]  # idem
@@ -105,6 +108,7 @@ def set_ds_attributes(p: nn.Parameter, shape: tuple[int, ...] | None) -> None:
     if owner is not None:
         p.__dict__["ds_id"] = owner.unit.ds_id(p)
         p.__dict__["ds_status"] = ZeroParamStatus.AVAILABLE  # read while gathered (own class)
+        save_as_placeholders(p)
 
 
 __all__ = ["Init", "ZeroParamStatus", "GatheredParameters", "TiledLinear", "register_external_parameter", "full_numel",

@@ -18,6 +18,11 @@ metadata whose every operation raises the same error, so ``p.data.mul_(2)`` outs
 ``GatheredParameters`` raises instead of silently editing nothing. A gathered parameter (in its
 module's forward/backward, inside ``GatheredParameters``, a persistent one) is of its own class again
 and costs nothing extra.
+
+Pickling a sharded parameter or its state-dict value (``torch.save(module.state_dict())``) does what the
+parameter's save policy says (:data:`SAVE_ATTR`, set once, when the parameter is partitioned): zerodp's
+own API refuses (:class:`RefuseSave`); ``zerodp.deepspeed`` writes DeepSpeed's placeholders
+(:mod:`zerodp.stage3.placeholder`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from zerodp.runtime.refusal import RefusedError
 NAME_ATTR = "_zerodp_name"
 #: attribute holding the class a parameter had before it was first sharded
 CLASS_ATTR = "_zerodp_unsharded_class"
+#: attribute holding a partitioned parameter's save policy (what pickling it while sharded does;
+#: :data:`REFUSE_SAVE` where unset); a :class:`ShardedData` of it carries the same policy
+SAVE_ATTR = "_zerodp_save"
 
 
 class PartitionedParameterError(RefusedError):
@@ -93,6 +101,26 @@ SAVE_HINT = ("; to save the model at stage 3 use engine.save_16bit_model(save_di
              "engine.module_state_dict() (full fp32 values, collective), zerodp.zero.GatheredParameters "
              "around module.state_dict(), or `zerodp consolidate CHECKPOINT_DIR OUT` on a checkpoint "
              "written by engine.save_checkpoint")
+
+
+class SavePolicy:
+    """What pickling a sharded parameter or its state-dict value does (a parameter's :data:`SAVE_ATTR`)."""
+
+    def reduce(self, tensor: torch.Tensor, name: str, what: str) -> Any:
+        """``tensor.__reduce_ex__`` for the partitioned parameter ``name``; ``what`` names the use."""
+        raise NotImplementedError
+
+
+class RefuseSave(SavePolicy):
+    """zerodp's own API: pickling raises :class:`PartitionedParameterError` naming the parameter and
+    :data:`SAVE_HINT`, since a file without its values would be a silently unusable checkpoint
+    (``zerodp.deepspeed`` sets :class:`zerodp.stage3.placeholder.PlaceholderSave`, DeepSpeed's way)."""
+
+    def reduce(self, tensor: torch.Tensor, name: str, what: str) -> Any:
+        raise PartitionedParameterError(_message(name, what) + SAVE_HINT)
+
+
+REFUSE_SAVE = RefuseSave()
 _DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]  # a C property; its stub types it as a Tensor
 _DATA_SET = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # idem
 _DETACH = torch.Tensor.detach
@@ -167,7 +195,7 @@ class ShardedParameter(nn.Parameter):
         return repr(self)
 
     def __reduce_ex__(self, proto: Any) -> Any:
-        raise PartitionedParameterError(_message(_name(self), "pickling/copying"))
+        return getattr(self, SAVE_ATTR, REFUSE_SAVE).reduce(self, _name(self), "pickling/saving (torch.save)")
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise PartitionedParameterError(_message(_name(self), "copy.deepcopy"))
@@ -182,19 +210,21 @@ class ShardedData(torch.Tensor):
     the parameter and how to save the model instead (:data:`SAVE_HINT`)."""
 
     _zerodp_name: str
+    _zerodp_save: SavePolicy  # the parameter's (SAVE_ATTR)
 
     @staticmethod
-    def __new__(cls, name: str, like: torch.Tensor) -> ShardedData:
+    def __new__(cls, name: str, like: torch.Tensor, save: SavePolicy = REFUSE_SAVE) -> ShardedData:
         with torch._C.DisableTorchFunctionSubclass():
             shape, stride, dtype, device = like.shape, like.stride(), like.dtype, like.device
         t = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, dtype=dtype, device=device,
                                                 requires_grad=False)
         t._zerodp_name = name
+        t._zerodp_save = save
         return t
 
     @classmethod
     def of(cls, param: ShardedParameter) -> ShardedData:
-        return cls(_name(param), param)
+        return cls(_name(param), param, getattr(param, SAVE_ATTR, REFUSE_SAVE))
 
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: Any = None):
@@ -208,12 +238,12 @@ class ShardedData(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None):  # type: ignore[override]  # torch's stub is an instance method
         src = args[0] if args else None
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) and isinstance(src, ShardedData):
-            return ShardedData(src._zerodp_name, src)
+            return ShardedData(src._zerodp_name, src, src._zerodp_save)
         name = next((a._zerodp_name for a in _flat(args, kwargs or {}) if isinstance(a, ShardedData)), "?")
         raise PartitionedParameterError(_message(name, f"'{func}' (on its .data)") + SAVE_HINT)
 
     def __reduce_ex__(self, proto: Any) -> Any:  # torch.save of model.state_dict() at stage 3
-        raise PartitionedParameterError(_message(self._zerodp_name, "pickling/saving (torch.save)") + SAVE_HINT)
+        return self._zerodp_save.reduce(self, self._zerodp_name, "pickling/saving (torch.save)")
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise PartitionedParameterError(_message(self._zerodp_name, "copy.deepcopy") + SAVE_HINT)
