@@ -2,6 +2,10 @@
 
     python tools/run_clients.py --examples PATH [--only cifar,bert,offload,chat] [--work DIR] [--quick]
 
+``--only`` also takes ``CLIENT:LABEL`` items, which run only the runs of CLIENT whose label starts with
+LABEL (``--only chat:s3`` runs DS-Chat's s3-bf16, s3-offload-bf16, s3-fp16, s3-offload-fp16; add
+``chat:s0`` for the runs they are compared with).
+
 PATH is a DeepSpeedExamples checkout or extracted tree, or a bare git directory of it (its HEAD is read
 with ``git show``). Each client is copied into a work folder and changed only so:
 
@@ -218,6 +222,43 @@ def chat_runs(root: Path, quick: bool, paths: list[str]) -> list[Run]:
 CLIENTS = {"cifar": cifar_runs, "bert": bert_runs, "offload": offload_runs, "chat": chat_runs}
 
 
+def parse_only(only: str) -> dict[str, list[str] | None]:
+    """``--only``'s comma-separated ``CLIENT`` / ``CLIENT:LABEL`` items -> {client: label prefixes, or
+    None for all its runs}, in the order given.
+
+    Raises:
+        ValueError: an unknown client, or an empty LABEL.
+    """
+    out: dict[str, list[str] | None] = {}
+    for item in filter(None, only.split(",")):
+        client, sep, prefix = item.partition(":")
+        if client not in CLIENTS:
+            raise ValueError(f"--only: unknown client {client!r}; known: {sorted(CLIENTS)}")
+        if sep and not prefix:
+            raise ValueError(f"--only {item!r}: give a label after ':' (e.g. chat:s3), or the client alone")
+        prefixes = out.setdefault(client, [])
+        if not sep or prefixes is None:
+            out[client] = None
+        else:
+            prefixes.append(prefix)
+    return out
+
+
+def select_runs(runs: list[Run], only: dict[str, list[str] | None]) -> list[Run]:
+    """The runs ``only`` (:func:`parse_only`) selects, in their order.
+
+    Raises:
+        ValueError: a label prefix that selects no run of its client (naming that client's runs).
+    """
+    for client, prefixes in only.items():
+        labels = [r.label for r in runs if r.client == client]
+        for prefix in prefixes or []:
+            if not any(label.startswith(prefix) for label in labels):
+                raise ValueError(f"--only {client}:{prefix} selects no run of {client}; its runs: {labels}")
+    return [r for r in runs if r.client in only
+            and (only[r.client] is None or any(r.label.startswith(p) for p in only[r.client] or []))]
+
+
 # ---- running and judging ------------------------------------------------------------------------------
 def _resolve_args(run: Run) -> list[str]:
     """``{exp:DIR}`` -> the one experiment folder the earlier run made under DIR (bert)."""
@@ -316,6 +357,14 @@ def saved_resumed(run: Run, by_label: dict[str, Run]) -> str:
             + ("" if trained else " (saved = initial weights!)"))
 
 
+def match_cell(run: Run, by_label: dict[str, Run]) -> str:
+    """The "match ref" cell: :func:`matches` against the run's reference, "ref not run" when ``--only``
+    left the reference out."""
+    if run.ref is not None and run.ref not in by_label:
+        return "ref not run"
+    return matches(run, by_label.get(run.ref) if run.ref else None)
+
+
 def table(runs: list[Run]) -> str:
     head = ["client", "run", "stage", "dtype", "status", "steps", "first loss", "last loss", "match ref",
             "saved/resumed"]
@@ -325,7 +374,7 @@ def table(runs: list[Run]) -> str:
         losses = run.result.get("losses", [])
         rows.append([run.client, run.label, run.stage, run.dtype, run.result.get("status", "not run"),
                      str(len(losses)), f"{losses[0]:.4f}" if losses else "-", f"{losses[-1]:.4f}" if losses else "-",
-                     matches(run, by_label.get(run.ref) if run.ref else None), saved_resumed(run, by_label)])
+                     match_cell(run, by_label), saved_resumed(run, by_label)])
     widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
     out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)]
@@ -349,17 +398,20 @@ def prepare(examples: Path, work: Path, names: list[str]) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--examples", type=Path, required=True, help="DeepSpeedExamples checkout, tree or bare git dir")
-    p.add_argument("--only", default=",".join(CLIENTS), help="comma-separated clients (default: all)")
+    p.add_argument("--only", default=",".join(CLIENTS),
+                   help="comma-separated clients, or CLIENT:LABEL for the runs of CLIENT whose label starts with "
+                        "LABEL, e.g. chat:s0,chat:s3 (default: all)")
     p.add_argument("--work", type=Path, help="work folder (default: a new temporary one, kept)")
     p.add_argument("--quick", action="store_true", help="fewer stages/dtypes (a smoke run)")
     p.add_argument("--path", action="append", default=[], metavar="CLIENT=DIR",
                    help="put DIR first on CLIENT's PYTHONPATH (e.g. chat=DIR with transformers 4.x: DS-Chat imports "
                         "transformers.modeling_utils.no_init_weights, which transformers 5 removed)")
     args = p.parse_args(argv)
-    names = [n for n in args.only.split(",") if n]
-    unknown = [n for n in names if n not in CLIENTS]
-    if unknown:
-        p.error(f"--only: unknown client(s) {unknown}; known: {sorted(CLIENTS)}")
+    try:
+        only = parse_only(args.only)
+    except ValueError as e:
+        p.error(str(e))
+    names = list(only)
     work = (args.work or Path(tempfile.mkdtemp(prefix="zerodp-clients-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     renamed = prepare(args.examples, work, names)
@@ -372,7 +424,11 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or client not in CLIENTS:
             p.error(f"--path {item!r}: expected CLIENT=DIR with CLIENT one of {sorted(CLIENTS)}")
         paths.setdefault(client, []).append(str(Path(folder).resolve()))
-    runs = [run for name in names for run in CLIENTS[name](work / "src", args.quick, paths.get(name, []))]
+    try:
+        runs = select_runs([run for name in names for run in CLIENTS[name](work / "src", args.quick,
+                                                                           paths.get(name, []))], only)
+    except ValueError as e:
+        p.error(str(e))
     for run in runs:
         execute(run, work)
         (work / "results.json").write_text(json.dumps(  # kept when a later run or the table fails
