@@ -47,6 +47,8 @@ UNIT_SHARD = "tests/unit/test_shard_state.py"
 STREAM_ORDER = "tests/unit/test_stream_order.py::test_collectives_are_ordered_against_the_compute_stream"
 UNIT_PRECISION = "tests/unit/test_precision_scaler.py"
 UNIT_ACCOUNTING = "tests/unit/test_accounting_formulas.py"
+PLACEHOLDER = "src/zerodp/stage3/placeholder.py"
+UNIT_PLACEHOLDER = "tests/unit/test_placeholder_save.py"
 
 
 @dataclass(frozen=True)
@@ -383,6 +385,23 @@ MUTANTS: list[Mutant] = [
            "                          and (isinstance(p, torch.nn.Parameter) or INIT_SEQ in p.__dict__)}",
            "                          }",
            ["tests/test_clients.py::test_gathered_parameters_before_initialize_pairs_persistent_ones_by_creation"]),
+    # stage 3 under the DeepSpeed drop-in: torch.save writes placeholders (zerodp.stage3.placeholder)
+    Mutant("placeholder_save_unwarned", PLACEHOLDER,
+           "    if _Announced.covers(tensor, pickler):\n        return\n",
+           "    if True:\n        return\n",
+           [f"{UNIT_PLACEHOLDER}::test_one_warning_per_torch_save"]),
+    Mutant("placeholder_warning_outlives_its_save", PLACEHOLDER,
+           "            and cls.pickler() is pickler\n",
+           "",
+           [f"{UNIT_PLACEHOLDER}::test_interrupted_save_leaves_nothing_silent"]),
+    Mutant("placeholder_loads_as_empty_tensor", PLACEHOLDER,
+           "            _load_placeholder(name, shape, dtype)\n",
+           "            return torch.empty(0)  # type: ignore[misc]\n",
+           [f"{UNIT_PLACEHOLDER}::test_placeholder_refuses_to_load_every_way"]),
+    Mutant("dropin_save_refused_as_native", "src/zerodp/deepspeed/zero.py",
+           "        save_as_placeholders(p)\n",
+           "",
+           ["tests/test_chat_save.py::test_ds_chat_stage3_save_sequence[fp32_init-1]"]),
     Mutant("cleared_grads_applied_anyway", "src/zerodp/engine.py",
            "            self.grad_placeholders.check_not_cleared()  # module.zero_grad() between backward and step\n",
            "",
