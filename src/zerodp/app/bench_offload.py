@@ -271,7 +271,8 @@ def host_step(numel: int, steps: int = 4) -> str:
     return f"offload cpu engine.step(), {layers * side * side:,} fp32 elements, cpu_adam: " + ", ".join(rows)
 
 
-__all__ = ["pipeline_phases", "pipeline_report", "swapper_only", "host_step", "raw_direct_io", "swap_report", "adam_kernels", "DEEP_AIO", "NVME_ENGINES"]
+__all__ = ["pipeline_phases", "pipeline_report", "swapper_only", "host_step", "raw_direct_io", "swap_report",
+           "adam_kernels", "DEEP_AIO", "NVME_ENGINES"]
 
 
 if __name__ == "__main__":
