@@ -159,7 +159,7 @@ def pipeline_phases(numel: int, steps: int = 4) -> dict[str, float]:
             out["fwd_bwd" + suffix] = statistics.median(passes_s[1:])
             out["offload" + suffix] = float(type(engine.optimizer_offload).__name__ != "NoOffload")
             if not delayed:
-                off = engine.optimizer_offload
+                off: Any = engine.optimizer_offload  # the host offload (checked by "offload" above)
                 t0 = time.perf_counter()
                 for piece, host in zip(off.pieces, off.grad_buffers, strict=True):
                     host.copy_(piece.tensor)  # the gradient's way (same size and dtypes)
