@@ -1,6 +1,8 @@
 """tools/gpu_check.sh on the CPU: its argument handling and the gpu_check.json it writes (``--dry-run``:
-no part runs), and its training comparison helper (tools/gpu_train_compare.py) on the CPU. The
-script's GPU parts have not run here (docs/gpu.md)."""
+no part runs), its training comparison helper (tools/gpu_train_compare.py) and its ZeRO-Offload
+headline (tools/gpu_offload_headline.py, ``--device cpu --tiny``: the same lines with the host as the
+device, the memory cap and the out-of-memory run skipped with the reason) on the CPU. The script's GPU
+parts have not run here (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
 PARTS = ["install", "versions", "cuda_marked_tests", "device_tests_ws1", "device_tests_ws2", "train_compare",
-         "bench_ws1", "bench_ws2"]
+         "bench_ws1", "bench_ws2", "offload_headline"]
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -44,7 +46,11 @@ def test_dry_run_writes_the_json(tmp_path):
         assert report["figures"][f"bench_ws{n}"] is None  # nothing ran
     assert report["passed"] == 0 and report["counted"] == 0
     assert set(report["figures"]) == {"versions", "train_compare", "cuda_marked_tests", "device_tests_ws1",
-                                      "device_tests_ws2", "bench_ws1", "bench_ws2"}
+                                      "device_tests_ws2", "bench_ws1", "bench_ws2", "offload_headline"}
+    log = (tmp_path / "offload_headline.log").read_text()
+    assert "gpu_offload_headline.py --device cuda --budget-gib 8 --time-s 50" in log, log
+    assert f"--out '{tmp_path}/offload_headline.json'" in log
+    assert report["figures"]["offload_headline"] is None
 
 
 def test_time_boxes_fit_the_budget(tmp_path):
@@ -130,7 +136,7 @@ def test_report_counts_failures_and_spent_budget(tmp_path):
     (tmp_path / "parts").mkdir()
     statuses = {"install": "pass", "versions": "fail", "cuda_marked_tests": "pass", "device_tests_ws1": "pass",
                 "device_tests_ws2": "skipped", "train_compare": "budget_spent",
-                "bench_ws1": "pass"}  # bench_ws2: never recorded
+                "bench_ws1": "pass", "offload_headline": "pass"}  # bench_ws2: never recorded
     for name, status in statuses.items():
         (tmp_path / "parts" / f"{name}.json").write_text(json.dumps(
             {"name": name, "status": status, "rc": 0, "seconds": 1.0, "note": ""}))
@@ -142,9 +148,12 @@ def test_report_counts_failures_and_spent_budget(tmp_path):
     (tmp_path / "bench_ws1").mkdir()
     (tmp_path / "bench_ws1" / "bench.json").write_text(json.dumps(_bench_record()))
     report = gpu_check_report.build(tmp_path, False, 480, 10.0)
-    assert (report["passed"], report["counted"]) == (3, 7)  # skipped for lack of GPUs is not counted
+    assert (report["passed"], report["counted"]) == (3, 8)  # skipped for lack of GPUs is not counted
     assert report["parts"]["cuda_marked_tests"]["status"] == "fail"
     assert report["parts"]["bench_ws2"]["status"] == "fail"  # nothing recorded: a failure, named
+    # exit 0 without its JSON saying pass: not a pass
+    assert report["parts"]["offload_headline"]["status"] == "fail"
+    assert "offload_headline.json is missing" in report["parts"]["offload_headline"]["note"]
     bench = report["figures"]["bench_ws1"]
     assert bench["problems"] == [] and bench["systems"]["FSDP2"]["peak_device_mib"] == [2.0, 4.0]
     assert report["figures"]["bench_ws2"] is None
@@ -202,3 +211,116 @@ def test_bench_check_names_each_problem(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_bench_check.py"), str(path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "FSDP2 did not run: RuntimeError: NCCL error" in proc.stderr
+
+
+def _headline_tool():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gpu_offload_headline
+        import offload_headline_sizing
+    finally:
+        sys.path.pop(0)
+    return gpu_offload_headline, offload_headline_sizing
+
+
+def test_offload_headline_on_cpu(tmp_path):
+    """The headline's lines on the CPU (--tiny): sizes computed from the budget, the cpu and nvme modes
+    train in their child processes, the memory cap and the out-of-memory run are skipped with the
+    reason, and the JSON holds every figure."""
+    out = tmp_path / "headline.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_offload_headline.py"), "--device", "cpu",
+                           "--tiny", "--time-s", "240", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = json.loads(out.read_text())
+    _, sizing = _headline_tool()
+    assert rep["pass"] is True and rep["device"] == "cpu" and "has not run on a GPU" in rep["note"]
+    none, cpu, nvme = (rep["modes"][m] for m in ("none", "cpu", "nvme"))
+    assert none["status"] == "skipped" and none["pass"] is None and "set_per_process_memory_fraction" in none["why"]
+    budget = rep["budget_bytes"]
+    for mode, rec in (("cpu", cpu), ("nvme", nvme)):
+        size = rep["sizes"][mode]
+        assert rec["status"] == "trained" and rec["pass"] is True and rec["params"] == size["params"] > 0, rec
+        assert len(rec["losses"]) == 3 and rec["tokens_per_s"] > 0 and rec["peak_device_bytes"] is None
+        assert rec["memory_cap"].startswith("skipped") and rec["host_VmRSS_bytes"] > 0
+        # the widest model whose formula bytes fit the budget: one head wider does not
+        shape = sizing.Shape(size["shape"]["n_layer"], size["shape"]["d_model"], 32, 2)
+        wider = sizing.Shape(shape.n_layer, shape.d_model + sizing.HEAD_DIM, 32, 2)
+        per = sizing.BYTES_PER_PARAM[mode]["device"]
+        margin = sizing.DEVICE_MARGIN * budget
+        assert shape.params() == size["params"]
+        assert shape.params() * per + shape.activation_bytes() + margin <= budget
+        assert size["limited_by"] != "device" or wider.params() * per + wider.activation_bytes() + margin > budget
+    assert nvme["params"] > cpu["params"]  # 2 device bytes per parameter instead of 4
+    assert 0.0 <= nvme["io_hidden_share"] <= 1.0 and nvme["swap"]["bytes_read"] > 0
+    assert 0.0 <= cpu["copy_hidden_share"] <= 1.0 and cpu["copies_alone_s"] > 0  # the host pipeline ran
+    # by the formula, the no-offload run of the cpu mode's model is past the budget (on a GPU: OOM)
+    assert rep["sizes"]["none"]["device_bytes"] > budget
+    assert not any(p.name.startswith("offload_headline_nvme_") for p in tmp_path.iterdir())  # swap dir removed
+
+
+def test_offload_headline_plan_lowers_the_budget_when_time_binds():
+    tool, sizing = _headline_tool()
+    shape = sizing.Shape(12, 0, 256, 2)
+    fast = sizing.Rates()  # nothing measured: no time cap
+    budget, choices, why = tool.plan(8 * 2**30, 50.0, fast, 64 * 2**30, 10**12, shape, 3)
+    assert budget == 8 * 2**30 and why is None and choices["cpu"].limited_by == "device"
+    assert choices["nvme"].params > choices["cpu"].params == choices["none"].params
+    assert choices["none"].device_bytes > budget  # 16 bytes per parameter: out of memory by the formula
+    slow = sizing.Rates(adam_s_per_param=1e-8, init_s_per_param=1e-8)  # 100M parameters a second
+    budget, choices, why = tool.plan(8 * 2**30, 50.0, slow, 64 * 2**30, 10**12, shape, 3)
+    cpu = choices["cpu"]
+    assert budget < 8 * 2**30 and "time" in why and cpu.caps["time"] is not None
+    assert cpu.params <= cpu.caps["time"] and choices["none"].device_bytes > budget
+    assert budget == sizing.budget_for(cpu.params, "cpu", cpu.shape) or cpu.limited_by == "device"
+    with pytest.raises(ValueError, match="no GPT of 12 layers fits"):
+        sizing.choose("cpu", 2**20, 12, 256, 2, {})
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--modes", "cpu,gpu"], "unknown mode(s) ['gpu']"),
+    (["--steps", "1"], "--steps >= 2"),
+    (["--device", "cuda"], "--device cuda, but torch.cuda.is_available() is False"),
+])
+def test_offload_headline_refuses_bad_arguments(tmp_path, args, message):
+    import torch
+
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_offload_headline.py"), *args,
+                           "--out", str(tmp_path / "h.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "h.json").exists()
+
+
+def test_offload_headline_judges_the_gpu_records():
+    """The parent's pass/fail on CUDA records (made up here: no GPU): the no-offload run passes only by
+    running out of memory (also when zerodp wraps torch's error), the offload runs by training with
+    finite losses and a peak within the budget."""
+    tool, _ = _headline_tool()
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import offload_headline_child as child
+    finally:
+        sys.path.pop(0)
+    import torch
+
+    budget = 2**30
+    assert tool.judge("none", {"status": "oom", "phase": "initialize"}, "cuda", budget) == (
+        True, "out of memory as expected (initialize)")
+    passed, why = tool.judge("none", {"status": "trained", "losses": [5.0]}, "cuda", budget)
+    assert passed is False and "expected an out-of-memory error" in why
+    good = {"status": "trained", "losses": [5.5, 5.4], "peak_device_bytes": budget - 1}
+    assert tool.judge("cpu", good, "cuda", budget) == (True, "trained")
+    assert tool.judge("nvme", {**good, "peak_device_bytes": budget + 1}, "cuda", budget)[0] is False
+    assert tool.judge("cpu", {**good, "losses": [5.5, float("nan")]}, "cuda", budget)[0] is False
+    assert tool.judge("nvme", {"status": "timeout", "note": "stopped after 20 s"}, "cuda", budget) == (
+        False, "status 'timeout': stopped after 20 s")
+    try:
+        try:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except torch.cuda.OutOfMemoryError as inner:
+            raise RuntimeError("zerodp: the step failed") from inner
+    except RuntimeError as wrapped:
+        assert child.is_oom(wrapped)
+    assert not child.is_oom(RuntimeError("NCCL error")) and not child.is_oom(None)

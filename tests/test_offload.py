@@ -112,7 +112,7 @@ def test_missing_and_unwritable_path(tmp_path):
 
 
 def test_full_disk_names_bytes(tmp_path, monkeypatch):
-    msg = full_disk_error(_engine, tmp_path, monkeypatch, "zerodp.offload.nvme")
+    msg = full_disk_error(_engine, tmp_path, monkeypatch, "zerodp.offload.swap_job")
     assert "needs" in msg
     assert list(tmp_path.iterdir()) == []
 

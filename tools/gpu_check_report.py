@@ -5,7 +5,8 @@
 Reads ``OUT_DIR/parts/*.json`` (one per part: name, status pass/fail/timeout/budget_spent/skipped/dry/not_supported,
 rc, seconds, note, log), the figures the parts wrote (``versions.json``, ``train_compare.json``, the
 pytest junit files ``*.xml``: passed/failed/skipped counts, the bench records ``bench_wsN/bench.json``
-summarised by tools/gpu_bench_check.py), writes ``OUT_DIR/gpu_check.json`` and
+summarised by tools/gpu_bench_check.py, ``offload_headline.json`` of tools/gpu_offload_headline.py),
+writes ``OUT_DIR/gpu_check.json`` and
 prints one line per part, ending with ``gpu check: N/M pass`` (M: the parts that ran or had to; a part
 skipped for lack of GPUs or not supported yet is listed, not counted). Exit status 0.
 """
@@ -26,7 +27,7 @@ import gpu_bench_check  # noqa: E402  (tools/, next to this file)
 COUNTED = ("pass", "fail", "timeout", "budget_spent")
 #: the parts gpu_check.sh records, in order (the report names any that is missing)
 PARTS = ("install", "versions", "cuda_marked_tests", "device_tests_ws1", "device_tests_ws2", "train_compare",
-         "bench_ws1", "bench_ws2")
+         "bench_ws1", "bench_ws2", "offload_headline")
 
 
 def junit_counts(path: Path) -> dict[str, int] | None:
@@ -67,6 +68,10 @@ def build(out: Path, dry: bool, budget_s: int, seconds: float) -> dict[str, Any]
         data = read_json(out / key / "bench.json")
         figures[key] = None if data is None else {**gpu_bench_check.summary(data),
                                                   "problems": gpu_bench_check.problems(gpu_bench_check.summary(data))}
+    figures["offload_headline"] = headline = read_json(out / "offload_headline.json")
+    if parts["offload_headline"]["status"] == "pass" and not (headline or {}).get("pass"):
+        parts["offload_headline"] = {**parts["offload_headline"], "status": "fail",
+                                     "note": "offload_headline.json is missing or does not say pass"}
     counted = [p for p in parts.values() if p["status"] in COUNTED]
     passed = sum(p["status"] == "pass" for p in counted)
     return {"dry_run": dry, "budget_s": budget_s, "seconds": seconds, "parts": parts, "figures": figures,

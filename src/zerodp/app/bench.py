@@ -294,7 +294,7 @@ def run(args: argparse.Namespace) -> BenchResult | None:
         _write(args, result)
         if args.offload:
             print(bench_offload.swap_report(nvme_dir))
-            print(bench_offload.adam_kernels(psi // world))
+            print(bench_offload.adam_kernels(psi // world), bench_offload.pipeline_report(psi // world), sep="\n")
     for engine in bench_offload.NVME_ENGINES:
         engine.close()
     bench_offload.NVME_ENGINES.clear()

@@ -1,8 +1,10 @@
 """``zerodp bench --offload`` extras (the engines themselves are built by
 :func:`zerodp.app.bench_systems.offload_systems`): the NVMe swap bandwidth beside a raw sequential
-direct-I/O read and write of the same size on the same disk, and the CPU Adam kernels (for-loop,
-foreach, fused) timed on the same elements; and the swapper-only measurement
-(``python -m zerodp.app.bench_offload``).
+direct-I/O read and write of the same size on the same disk, the CPU Adam kernels (for-loop,
+foreach, fused) timed on the same elements, and the host offload's pipeline with the host playing the
+device (:func:`pipeline_report`: the optimizer phase vs the CPU Adam alone vs the copies alone, and the
+share hidden behind the next forward and backward with ``delayed_update``); and the swapper-only
+measurement (``python -m zerodp.app.bench_offload``).
 
 The swap bandwidth is bytes read + written by the optimizer swapper in one step divided by the time
 of its swap phase (the sub-group loop: reads, updates, writes), from
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -112,22 +116,103 @@ def adam_kernels(numel: int, repeats: int = 5) -> str:
     variants: tuple[tuple[str, dict[str, Any]], ...] = (
         ("for-loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True}))
     for name, kw in variants:
-        torch.manual_seed(0)
-        ps = [torch.zeros(n, requires_grad=True) for n in _split(numel)]
-        for p in ps:
-            p.grad = torch.randn_like(p)
         try:
-            opt = torch.optim.AdamW(ps, lr=1e-3, **kw)
+            rows.append(f"{name} {_adam_step_s(numel, kw, repeats) * 1e3:.1f} ms")
         except (RuntimeError, ValueError) as exc:
             rows.append(f"{name}: unavailable ({exc})")
-            continue
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - t0)
-        rows.append(f"{name} {statistics.median(times[1:]) * 1e3:.1f} ms")
     return f"CPU AdamW step, {numel:,} fp32 elements in 16 tensors: " + ", ".join(rows)
+
+
+def pipeline_phases(numel: int, steps: int = 4) -> dict[str, float]:
+    """The host offload's pipeline (``offload_optimizer.device: cpu``, stage 1, one rank, the
+    :func:`swapper_only` model of ``numel`` fp32 elements) run on the CPU with the host playing the
+    device (``ZERODP_HOST_OFFLOAD_ON_CPU=1``: gradients copied to the host partition by the copy
+    thread, CPU Adam in chunks, masters copied back): median seconds of ``step`` (``engine.step()``) and
+    of ``fwd_bwd`` (forward and backward), without and with ``delayed_update`` (``*_delayed``); ``adam``:
+    torch's fused AdamW alone on ``numel`` elements; ``copies``: the pipeline's copies alone (each piece's
+    gradient to its host buffer and its master back into the module, synchronous); ``hidden``: the
+    share of the optimizer phase the delay takes off the main thread, ``1 - step_delayed / step``.
+    Needs no process group of its own beyond a world of one (run by :func:`pipeline_report`)."""
+    from zerodp.offload.build import HOST_PIPELINE_ON_CPU_ENV
+
+    side = 1000
+    layers = max(1, numel // (side * side))
+    out: dict[str, float] = {"numel": float(layers * side * side)}
+    previous = os.environ.get(HOST_PIPELINE_ON_CPU_ENV)
+    os.environ[HOST_PIPELINE_ON_CPU_ENV] = "1"
+    try:
+        for delayed in (False, True):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(layers)])
+            engine = zerodp.initialize(model, {"optimizer": {"type": "AdamW"}, "device": "cpu", "zero_optimization": {
+                "stage": 1, "offload_optimizer": {"device": "cpu", "delayed_update": delayed}}})
+            x, steps_s, passes_s = torch.randn(4, side), [], []
+            for _ in range(steps + 1):
+                t0 = time.perf_counter()
+                engine.backward(engine(x).square().mean() * 1e-3)
+                t1 = time.perf_counter()
+                engine.step()
+                passes_s.append(t1 - t0)
+                steps_s.append(time.perf_counter() - t1)
+            suffix = "_delayed" if delayed else ""
+            out["step" + suffix] = statistics.median(steps_s[1:])
+            out["fwd_bwd" + suffix] = statistics.median(passes_s[1:])
+            out["offload" + suffix] = float(type(engine.optimizer_offload).__name__ != "NoOffload")
+            if not delayed:
+                off: Any = engine.optimizer_offload  # the host offload (checked by "offload" above)
+                t0 = time.perf_counter()
+                for piece, host in zip(off.pieces, off.grad_buffers, strict=True):
+                    host.copy_(piece.tensor)  # the gradient's way (same size and dtypes)
+                    piece.tensor.copy_(piece.master_copy)  # the parameters' way back (values unchanged)
+                out["copies"] = time.perf_counter() - t0
+            engine.close()
+    finally:
+        if previous is None:
+            os.environ.pop(HOST_PIPELINE_ON_CPU_ENV, None)
+        else:
+            os.environ[HOST_PIPELINE_ON_CPU_ENV] = previous
+    out["adam"] = _adam_step_s(int(out["numel"]), {"fused": True})
+    out["hidden"] = 1.0 - out["step_delayed"] / out["step"]
+    return out
+
+
+#: torchrun's environment of a rank, not passed to :func:`pipeline_report`'s child
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+               "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def pipeline_report(numel: int) -> str:
+    """:func:`pipeline_phases` as the lines ``zerodp bench --offload`` prints. With a process group
+    already up (the bench's ranks) it runs in a fresh process of its own (a world of one)."""
+    if dist.is_initialized():  # torchrun's variables left out: the child is a world of its own
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith("TORCHELASTIC")}
+        proc = subprocess.run([sys.executable, "-m", "zerodp.app.bench_offload", "--pipeline", "--numel", str(numel),
+                               "--nvme-path", tempfile.gettempdir()], capture_output=True, text=True, timeout=900,
+                              env=env)
+        return proc.stdout.strip() if proc.returncode == 0 else f"offload pipeline: failed ({proc.stderr[-300:]})"
+    f = {k: (v * 1e3 if k not in ("numel", "hidden", "offload", "offload_delayed") else v)
+         for k, v in pipeline_phases(numel).items()}
+    return (f"offload cpu pipeline, host as the device ({int(f['numel']):,} fp32 elements, stage 1, one rank): "
+            f"optimizer phase (engine.step) {f['step']:.1f} ms; CPU Adam alone (fused) {f['adam']:.1f} ms; "
+            f"copies alone {f['copies']:.1f} ms\n"
+            f"  delayed_update: engine.step {f['step_delayed']:.1f} ms (forward+backward {f['fwd_bwd_delayed']:.1f} ms"
+            f" vs {f['fwd_bwd']:.1f} ms without); hidden behind the next forward and backward: "
+            f"1 - step_delayed / step = {f['hidden']:.2f}")
+
+
+def _adam_step_s(numel: int, kw: dict[str, Any], repeats: int = 5) -> float:
+    """Median seconds of one torch AdamW step (options ``kw``) on ``numel`` fp32 elements in 16 tensors."""
+    torch.manual_seed(0)
+    ps = [torch.zeros(n, requires_grad=True) for n in _split(numel)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(ps, lr=1e-3, **kw)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def _split(numel: int, parts: int = 16) -> list[int]:
@@ -186,7 +271,8 @@ def host_step(numel: int, steps: int = 4) -> str:
     return f"offload cpu engine.step(), {layers * side * side:,} fp32 elements, cpu_adam: " + ", ".join(rows)
 
 
-__all__ = ["swapper_only", "host_step", "raw_direct_io", "swap_report", "adam_kernels", "DEEP_AIO", "NVME_ENGINES"]
+__all__ = ["pipeline_phases", "pipeline_report", "swapper_only", "host_step", "raw_direct_io", "swap_report",
+           "adam_kernels", "DEEP_AIO", "NVME_ENGINES"]
 
 
 if __name__ == "__main__":
@@ -204,7 +290,11 @@ if __name__ == "__main__":
     ap.add_argument("--cpu-adam", choices=("fused", "same"), default="fused",
                     help="offload_optimizer.cpu_adam: the kernel of the swapper's step")
     ap.add_argument("--no-adam", action="store_true", help="skip the CPU Adam kernel timings")
+    ap.add_argument("--pipeline", action="store_true", help="only the host offload's pipeline (pipeline_report)")
     a = ap.parse_args()
+    if a.pipeline:
+        print(pipeline_report(a.numel))
+        sys.exit(0)
     print(swapper_only(a.numel, a.nvme_path, a.sub_group_size, a.steps, a.thread_count,
                        {"queue_depth": a.queue_depth, "block_size": a.block_size}, a.buffer_count, a.cpu_adam))
     if not a.no_adam:

@@ -106,7 +106,7 @@ def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int, process
             return NoOffload(has_master)
         return HostOptimizerOffload(bool(cfg.pin_memory), cfg.cpu_adam, device)
     user_size = zc.sub_group_size if "sub_group_size" in zc.model_fields_set else None
-    return NvmeOptimizerOffload(cfg, aio, user_size, rank, process_group)
+    return NvmeOptimizerOffload(cfg, aio, user_size, rank, process_group, device)
 
 
 __all__ = ["HOST_PIPELINE_ON_CPU_ENV", "NoOffload", "OptimizerOffload", "build_offload"]

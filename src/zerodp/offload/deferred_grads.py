@@ -25,9 +25,10 @@ from zerodp.runtime.partition import Piece
 class DeferredGradOffload(HostOptimizerOffload):
     """The host offload's gradient calls, deferred when the gradients are in host memory (module docstring)."""
 
-    def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused") -> None:
-        super().__init__(pin_memory, cpu_adam)
-        self.deferred = False  # gradients read from the reducer's host partition (set at attach)
+    def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused",
+                 train_device: torch.device | str = "cpu") -> None:
+        super().__init__(pin_memory, cpu_adam, train_device)
+        self.deferred = False  # gradients read from the reducer's host partition (set at attach: engine on the CPU)
         self._norm_scratch: torch.Tensor | None = None  # fp32, largest piece, during a step's norm only
         self._grad_refs: list[torch.Tensor | None] = []  # per piece: the reducer's partition view
         self._factors: list[float] = []  # scale factors applied this step, in order (deferred)

@@ -81,6 +81,9 @@ class HostOptimizerOffload:
     #: the engine's parameter offload when the step makes shards resident itself (NVMe subclass only);
     #: None: the engine keeps every shard resident for the whole step
     shard_access: object | None = None
+    #: on a device, a pinned module-dtype staging buffer per piece (:attr:`staging`); the NVMe offload
+    #: stages one sub-group at a time instead (:class:`zerodp.offload.nvme_device.ModuleWriter`)
+    stages_per_piece = True
 
     def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused",
                  train_device: torch.device | str = "cpu") -> None:
@@ -122,7 +125,7 @@ class HostOptimizerOffload:
         self._streamed.append(False)
         self._grad_ticket.append(None)
         fp32 = piece.tensor.dtype == torch.float32
-        self.staging.append(None if fp32 or not self.on_device else
+        self.staging.append(None if fp32 or not self.on_device or not self.stages_per_piece else
                             host_empty(piece.hi - piece.lo, piece.tensor.dtype, self.pin))
 
     def _grad_buffer(self, piece: Piece) -> torch.Tensor:

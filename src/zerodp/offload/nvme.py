@@ -16,8 +16,9 @@ its own, as in DeepSpeed). Sub-group k is one contiguous region of the file (mas
   unscaling, clipping) in order; a piece's fp32 gradient is made just in time in one scratch buffer of
   the largest sub-group by the same fp32 ``copy_`` and ``mul_`` the eager path applies, so the values
   are bitwise the same.
-- Gradients on a CUDA device: streamed into an fp32 host buffer per piece during backward
-  (:class:`zerodp.offload.host.HostOptimizerOffload`), scaled there in place.
+- Gradients on a CUDA device: streamed into an fp32 host buffer per piece during backward on the copy
+  stream (:class:`zerodp.offload.host.HostOptimizerOffload`), scaled there in place; the updated masters
+  go back through the copy stream and edits are found by fingerprints (:mod:`zerodp.offload.nvme_device`).
 
 With ``offload_param`` on NVMe (stage 3) the engine does not make every parameter shard resident for
 the step: the sub-group loop pins the shards of the units whose pieces are in sub-group k just
@@ -42,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -50,13 +50,14 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from zerodp.offload import swap_masters
+from zerodp.offload import swap_job, swap_masters
 from zerodp.offload.aio import AsyncIO, IOHandle, SwapFile, aligned_buffer
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig
 from zerodp.offload.cpu_adam import cpu_adam_kernel
 from zerodp.offload.deferred_grads import DeferredGradOffload
 from zerodp.offload.grad_swap import GradSwap, StepGradReads, open_grad_swap
 from zerodp.offload.host import fold_edit, storage_bytes
+from zerodp.offload.nvme_device import ModuleWriter, SpanKey, SpanPrints, edited_spans, fold_idle
 from zerodp.offload.report import offload_formula
 from zerodp.offload.shard_window import ShardAccess, unique_groups
 from zerodp.offload.sizing import BufferLayout, configured_buffers, oversize_warning
@@ -73,10 +74,15 @@ class NvmeOptimizerOffload(DeferredGradOffload):
     """Masters and Adam moments in a swap file, updated through the buffer pool (module docstring)."""
 
     device = "nvme"
+    stages_per_piece = False  # the writer's staging slots, one sub-group at a time
 
     def __init__(self, cfg: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: int | None,
-                 rank: int, process_group: dist.ProcessGroup | None) -> None:
-        super().__init__(bool(cfg.pin_memory), cfg.cpu_adam)  # resolved by build_offload
+                 rank: int, process_group: dist.ProcessGroup | None, train_device: torch.device | str = "cpu") -> None:
+        super().__init__(bool(cfg.pin_memory), cfg.cpu_adam, train_device)  # pin_memory resolved by build_offload
+        self.edits = None  # on a device: fingerprints per sub-group span (span_prints), not per piece
+        self.writer = ModuleWriter(self.copies, self.pin)  # updated masters -> module (nvme_device)
+        self.span_prints = SpanPrints(lambda i: self.pieces[i].tensor, self._watched) if self.on_device else None
+        self._edited: set[SpanKey] | None = None  # this step's spans to compare (None: all, on the CPU)
         self.cfg = cfg
         self.aio_cfg = aio
         self.user_sub_group_size = sub_group_size  # None: chosen at attach (zerodp.offload.sizing)
@@ -110,7 +116,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         # inside step() even with overlap_step, because forward reads them without asking
         swapped = [self.shard_access is not None and self.shard_access.swapped(g) for g in groups for _ in g.pieces]
         order = [i for i, s in enumerate(swapped) if not s] + [i for i, s in enumerate(swapped) if s]
-        self.deferred = all(p.tensor.device.type == "cpu" for p in pieces)
+        self.deferred = not self.on_device  # gradients in host memory already (the engine on the CPU)
         # fp32 on the CPU, shards always resident: the module's tensors serve as the masters
         self.in_place = self.shard_access is None and self.deferred and \
             all(p.tensor.dtype == torch.float32 for p in pieces)
@@ -142,10 +148,14 @@ class NvmeOptimizerOffload(DeferredGradOffload):
             self.grad_scratch = torch.empty(largest, dtype=torch.float32)
         biggest = max((sg.nbytes for sg in self.subgroups), default=0)
         self.buffers = [aligned_buffer(biggest, self.pin) for _ in range(count)]
+        self.writer.plan([[(hi - lo) * self.pieces[i].tensor.element_size() for i, lo, hi in sg.spans]
+                          for sg in self.subgroups])
         if not self.in_place:  # the masters go to the file
             swap_masters.write_masters(self)
         for p in pieces:
             p.master = torch.empty(0, dtype=torch.float32)
+        if self.span_prints is not None:  # the masters equal the module's values now
+            self.span_prints.take(s for sg in self.subgroups for s in sg.spans)
 
     @property
     def swap_io(self) -> AsyncIO:
@@ -170,14 +180,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
     def _open(self, job: str, needed: int) -> None:
         base = self.cfg.nvme_path
         assert base is not None, "OffloadOptimizerConfig refuses device 'nvme' without nvme_path"
-        if not os.path.isdir(base):
-            raise OffloadError(f"offload_optimizer.nvme_path {base!r} does not exist or is not a directory")
-        if not os.access(base, os.W_OK | os.X_OK):
-            raise OffloadError(f"offload_optimizer.nvme_path {base!r} is not writable")
-        free = shutil.disk_usage(base).free
-        if needed > free:
-            raise OffloadError(f"offload_optimizer.nvme_path {base!r}: the swap file needs {needed:,} bytes, "
-                               f"{free:,} bytes are free")
+        swap_job.check_swap_space(base, needed, "offload_optimizer.nvme_path")
         check_stale(base, self.cfg.remove_stale_swap, "offload_optimizer.nvme_path", self.rank)
         rank_dir = make_rank_dir(base, job, self.rank, self._files)  # owner record; unlinked on SIGTERM/SIGINT
         self.dir = rank_dir
@@ -185,15 +188,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         self._finalizer = weakref.finalize(self, remove_swap_dir, rank_dir, self._files)
         self.file = file = SwapFile(path)
         self._files.append(file)
-        try:
-            if self.cfg.fast_init:
-                os.ftruncate(file.fd, needed)
-            elif needed:
-                os.posix_fallocate(file.fd, 0, needed)
-        except OSError as exc:
-            raise OffloadError(f"offload_optimizer.nvme_path {base!r}: cannot allocate the swap file "
-                               f"{path} ({needed:,} bytes, {shutil.disk_usage(base).free:,} free): "
-                               f"{os.strerror(exc.errno or 0)}") from None
+        swap_job.allocate_swap_file(file, needed, self.cfg.fast_init, "offload_optimizer.nvme_path", base)
         self.io = AsyncIO(self.aio_cfg)
 
     def gradient_spill(self, reducer: SpillingGradReducer) -> GradSwap | None:
@@ -225,6 +220,10 @@ class NvmeOptimizerOffload(DeferredGradOffload):
     def group_of(self, i: int) -> FlatGroup:
         """The flat group (stage-3 unit) of the piece at position ``i``."""
         return self._group_of[i]
+
+    def _watched(self, i: int) -> bool:
+        """Piece ``i``'s shard is resident when a step starts (no NVMe home): on a device, fingerprinted."""
+        return self.shard_access is None or not self.shard_access.swapped(self._group_of[i])
 
     def _before_use(self, group: FlatGroup) -> None:
         if self.pending is not None:
@@ -262,6 +261,8 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         """Write the module's (edited) value of ``piece`` into its master in the swap file (nothing to
         do when the module's tensors are the masters)."""
         self.settle()
+        if self.span_prints is not None:
+            self.span_prints.drop(self._index[id(piece)])
         if self.in_place:
             return
         swap_masters.refresh_master(self, self._index[id(piece)])
@@ -280,7 +281,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         """The update was skipped (fp16 overflow): fold the edits :meth:`step` would have folded."""
         self.settle()
         if not self.in_place:
-            swap_masters.fold_masters(self, self.subgroups)
+            fold_idle(self, self.span_prints, self.subgroups, edited_spans(self.span_prints, self.subgroups))
 
     # ---- one step ------------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -302,9 +303,10 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         todo = [sg for sg in self.subgroups if any(self._present[i] for i in sg.pieces)]
         if self.spill is not None:
             self._grad_reads = StepGradReads(self.spill, self._grad_at, [sg.index for sg in todo], self._spilled_spans)
+        self._edited = edited_spans(self.span_prints, self.subgroups)
         if not self.in_place:  # the module's tensors are the masters: nothing to fold
             idle = [sg for sg in self.subgroups if not any(self._present[i] for i in sg.pieces)]
-            swap_masters.fold_masters(self, idle)
+            fold_idle(self, self.span_prints, idle, self._edited)
         loop = SubGroupPipeline(self, optimizer, todo, lambda sg, buf: self._update(sg, buf, optimizer),
                                 self._loop_done)
         self.stats = loop.stats
@@ -340,7 +342,8 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         else:
             masters = {i: view for i, _, _, view in sg.views(seg_m)}
             for i, (lo, hi) in spans.items():  # an in-place edit since the last step (fold_edits)
-                fold_edit(self.pieces[i].tensor[lo:hi], masters[i])
+                if self._edited is None or (i, lo) in self._edited:
+                    fold_edit(self.pieces[i].tensor[lo:hi], masters[i])
         assert self.layout is not None, "attach() plans the buffers before any step"
         scratch = {i: view for i, _, _, view in sg.views(self.grad_scratch)} if self.layout.scratch else {}
         spilled = self._grad_reads.take(sg.index) if self._grad_reads is not None else {}  # set with a spill
@@ -358,26 +361,26 @@ class NvmeOptimizerOffload(DeferredGradOffload):
             optimizer.state[master] = {"step": self.steps[(i, lo)], "exp_avg": m[i], "exp_avg_sq": v[i]}
         with cpu_adam_kernel(optimizer, self.cpu_adam):
             optimizer.step()
+        self.writer.begin()
         for i, (lo, hi) in spans.items():
             if not self._present[i]:
                 continue
             p = self.pieces[i]
-            # blocking: a non_blocking copy out of this (pinned) buffer could still be running on the
-            # device when the step reads the next sub-group into the same buffer
-            if seg_m is not None:
-                p.tensor[lo:hi].copy_(masters[i])
+            if seg_m is not None:  # device: staged and copied on the copy stream, not out of this buffer
+                self.writer.write(p.tensor[lo:hi], masters[i])
             master = p.master_copy
             self.steps[(i, lo)] = optimizer.state.pop(master)["step"]
             master.grad = None
             master.data = torch.empty(0, dtype=torch.float32)
-        self._sync_copies()
+        self.writer.end()  # device: the compute stream waits for the copies (no host sync)
+        if self.span_prints is not None:  # after them, on the compute stream
+            self.span_prints.take(sg.spans)
 
     def finish_step(self) -> None:
         """Nothing left: the loop forgets the gradients when its last sub-group is updated
         (:meth:`_loop_done`), which with ``overlap_step`` may be after this returns."""
 
     def _forget_grads(self) -> None:
-        self.copies.wait()
         self._present = [False] * len(self.pieces)
         self._streamed = [False] * len(self.pieces)
         self._forget_deferred()
@@ -406,7 +409,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         (deferred) the one-sub-group scratch (the reducer's partition is counted by the engine)."""
         out = super().host_bytes(optimizer)
         out["gradients"] = storage_bytes(self.grad_buffers + [self.grad_scratch])
-        out["swap_buffers"] = storage_bytes(self.buffers)
+        out["swap_buffers"] = storage_bytes(self.buffers) + self.writer.nbytes()
         if self.spill is not None:  # its read buffers and the partitions whose writes are in flight
             out["gradients"] += self.spill.host_bytes()
         return out

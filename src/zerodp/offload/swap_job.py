@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,38 @@ def remove_swap_dir(directory: str, files: list[SwapFile | None]) -> None:
             with contextlib.suppress(OSError):
                 os.remove(f.path)
     release(directory)
+
+
+def check_swap_space(base: str, needed: int, key: str) -> None:
+    """Refuse a swap directory ``base`` (config key ``key``) that is missing, not writable, or has fewer
+    than ``needed`` bytes free.
+
+    Raises:
+        OffloadError: naming the key, the path and (for space) the bytes needed and free.
+    """
+    if not os.path.isdir(base):
+        raise OffloadError(f"{key} {base!r} does not exist or is not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise OffloadError(f"{key} {base!r} is not writable")
+    free = shutil.disk_usage(base).free
+    if needed > free:
+        raise OffloadError(f"{key} {base!r}: the swap file needs {needed:,} bytes, {free:,} bytes are free")
+
+
+def allocate_swap_file(file: SwapFile, needed: int, fast_init: bool, key: str, base: str) -> None:
+    """Give ``file`` its ``needed`` bytes: ``ftruncate`` with ``fast_init`` (sparse), else ``posix_fallocate``.
+
+    Raises:
+        OffloadError: the allocation failed (names the key, the path, the bytes needed and free, the reason).
+    """
+    try:
+        if fast_init:
+            os.ftruncate(file.fd, needed)
+        elif needed:
+            os.posix_fallocate(file.fd, 0, needed)
+    except OSError as exc:
+        raise OffloadError(f"{key} {base!r}: cannot allocate the swap file {file.path} ({needed:,} bytes, "
+                           f"{shutil.disk_usage(base).free:,} free): {os.strerror(exc.errno or 0)}") from None
 
 
 def agree_job_id(pg: dist.ProcessGroup | None) -> str:
@@ -64,4 +97,5 @@ def raise_if_any_rank_failed(error: str | None, pg: dist.ProcessGroup | None) ->
         raise OffloadError("; ".join(e for e in errors if e))
 
 
-__all__ = ["OffloadError", "agree_job_id", "raise_if_any_rank_failed", "remove_swap_dir"]
+__all__ = ["OffloadError", "agree_job_id", "allocate_swap_file", "check_swap_space", "raise_if_any_rank_failed",
+           "remove_swap_dir"]

@@ -61,10 +61,15 @@ def refresh_master(states: SwappedStates, i: int) -> None:
         states.write_region(buf, sg.offset).wait()
 
 
-def fold_masters(states: SwappedStates, subgroups: list[SubGroup]) -> None:
+def fold_masters(states: SwappedStates, subgroups: list[SubGroup],
+                 edited: set[tuple[int, int]] | None = None) -> None:
     """Compare the module's values of ``subgroups``' pieces with their masters and fold edits in.
     Only the masters segment of a sub-group is read (4 bytes per element; ``buffer_count`` reads in
-    flight) and it is written back only if an element changed."""
+    flight) and it is written back only if an element changed. ``edited``: the spans ``(piece
+    position, lo)`` that may have changed (fingerprints, on a device); a sub-group with none is not
+    read. None: every span is compared."""
+    if edited is not None:
+        subgroups = [sg for sg in subgroups if any((i, lo) in edited for i, lo, _ in sg.spans)]
     buffers = states.buffers
     nbuf = len(buffers)
     reads: dict[int, IOHandle] = {}
@@ -82,7 +87,8 @@ def fold_masters(states: SwappedStates, subgroups: list[SubGroup]) -> None:
         seg = buffers[k % nbuf][: sg.seg]
         with states.pinned(sg.pieces, dirty=False):  # with shard_access: this sub-group's shards only
             changed = [fold_edit(states.pieces[i].tensor[lo:hi], view)
-                       for i, lo, hi, view in sg.views(seg.view(torch.float32))]
+                       for i, lo, hi, view in sg.views(seg.view(torch.float32))
+                       if edited is None or (i, lo) in edited]
         if any(changed):
             writes[k % nbuf] = states.write_region(seg, sg.offset)
         if k + nbuf < len(subgroups):
