@@ -26,7 +26,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from zerodp.checkpoint.engine_methods import CheckpointMethods
 from zerodp.config import ConfigError, ZeroDPConfig
 from zerodp.offload.build import OptimizerOffload, build_offload
-from zerodp.offload.param_offload import ParamOffload, attach_param_offload, build_param_offload
+from zerodp.offload.param_offload import ParamOffloadStrategy, build_param_offload
 from zerodp.offload.report import OffloadReport, offload_report
 from zerodp.runtime import accounting, comm, grad_norm
 from zerodp.runtime.accounting import CATEGORIES, CommReport, MemoryReport
@@ -117,18 +117,18 @@ class Engine(CheckpointMethods):
         rank 0's values on every rank."""
         zc = self.config.zero_optimization
         self.sharding: Stage3 | None = None
-        self.param_offload: ParamOffload | None = build_param_offload(
+        self.param_offload: ParamOffloadStrategy = build_param_offload(
             zc.offload_param, self.config.aio, self.rank, self.process_group,
             self.device if self.device is not None else device_of(self.module.parameters()))
         if self.stage == 3:
             self.sharding = Stage3(self.module, param_groups, self.rank, self.world_size, self.process_group,
                                    self.ledger, zc, fetch_check=self.collective_guard.gather_check(self.module),
-                                   read_ahead=self.param_offload.read_ahead if self.param_offload is not None else None)
+                                   read_ahead=self.param_offload.read_ahead_hook())
             self.groups = self.sharding.groups
         else:
             self.groups = self._flatten(param_groups, zc.reduce_bucket_size)
         # offload_param (stage 3): from here on every shard lives in its home between uses
-        attach_param_offload(self.param_offload, self.sharding)
+        self.param_offload.attach_to(self.sharding)
         in_groups = {id(s.param) for g in self.groups for s in g.slots}
         self.frozen = [p for p in _unique_params(self.module) if id(p) not in in_groups]
         self._broadcast_from_rank0()
@@ -142,8 +142,8 @@ class Engine(CheckpointMethods):
         for g in self.groups:  # pieces are views of the shards
             with self.shards_resident([g]):
                 assign_pieces(g, self.rank, owns_everything=self.stage == 0)
-        if self.param_offload is not None:  # NVMe: attach and step make shards resident per sub-group
-            self.optimizer_offload.set_shard_access(self.param_offload)
+        # NVMe both ways: attach and step make shards resident per sub-group
+        self.optimizer_offload.set_shard_access(self.param_offload)
         with self.shards_resident() if self.optimizer_offload.shard_access is None else contextlib.nullcontext():
             self.optimizer_offload.attach(self.groups)
         self._master_pieces: dict[int, tuple[FlatGroup, list]] = {}  # id(param) -> its group, its pieces with masters
@@ -343,8 +343,7 @@ class Engine(CheckpointMethods):
 
     def _boundary_step(self) -> None:
         with self.collective_call("step"):
-            if self.param_offload is not None:
-                self.param_offload.check_health()  # collective: a lost swap file stops every rank
+            self.param_offload.check_health()  # collective: a lost swap file stops every rank
             whole = self.optimizer_offload.shard_access is None
             with self.shards_resident(write=True) if whole else contextlib.nullcontext():
                 self._optimizer_step()
@@ -471,16 +470,13 @@ class Engine(CheckpointMethods):
         """Stage 3 with ``offload_param``: this rank's shards (all, or those of ``groups``) hold their
         values for the block, written home afterwards with ``write`` (see
         :mod:`zerodp.offload.param_offload`); otherwise a no-op."""
-        if self.param_offload is None:
-            return contextlib.nullcontext()
-        self.optimizer_offload.settle()  # an optimizer step still updating shards (overlap_step) ends first
-        return self.param_offload.resident(groups, write)
+        # an optimizer step still updating shards (overlap_step) ends first
+        return self.param_offload.resident(groups, write, settle=self.optimizer_offload.settle)
 
     def close(self) -> None:
         """Release offload resources now (swap files, I/O threads); also done at interpreter exit."""
         self.optimizer_offload.close()
-        if self.param_offload is not None:
-            self.param_offload.close()
+        self.param_offload.close()
 
 
 def _unique_params(module: nn.Module) -> list[nn.Parameter]:

@@ -48,7 +48,7 @@ class Stage3:
     ) -> None:
         """``fetch_check``: the collective guard's gather agreement, called by the coordinator before
         each fetch (:meth:`zerodp.runtime.collective_guard.CollectiveGuard.gather_check`); None: none.
-        ``read_ahead``: the parameter offload's (:meth:`zerodp.offload.param_swap.ParamOffload.read_ahead`),
+        ``read_ahead``: the parameter offload's (:meth:`zerodp.offload.param_offload.ParamOffload.read_ahead`),
         called by the coordinator after each fetch; None: no parameter offload."""
         self.rank, self.world_size, self.pg, self.ledger = rank, world_size, pg, ledger
         spec_of = {id(p): gi for gi, spec in enumerate(specs) for _, p in spec.params}
