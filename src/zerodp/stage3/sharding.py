@@ -35,7 +35,8 @@ from zerodp.stage3.ownership import (
     take_pending_external,
 )
 from zerodp.stage3.pool import GatherPool
-from zerodp.stage3.units import ShardedUnit, UnitIndex, shard_unit
+from zerodp.stage3.unit_index import UnitIndex
+from zerodp.stage3.units import ShardedUnit, shard_unit
 
 
 class Stage3:
