@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from zerodp.app import bench, cli
+from zerodp.app import bench_args, bench_cmd, bench_sweep, cli
 from zerodp.app.bench_report import BenchResult
 from zerodp.app.bench_systems import SYSTEMS
 
@@ -138,17 +138,17 @@ def test_three_charts_written(tiny_run) -> None:
 
 def test_sweep_commands_and_bad_values() -> None:
     args = cli.build_parser().parse_args(["bench", "--preset", "tiny", "--sweep-ranks", "1,3", "--out", "o"])
-    cmds, files = bench.sweep_commands(args, [sys.executable, "-m", "torch.distributed.run", "--standalone"])
+    cmds, files = bench_sweep.sweep_commands(args, [sys.executable, "-m", "torch.distributed.run", "--standalone"])
     assert [c[c.index("--nproc-per-node") + 1] for c in cmds] == ["1", "3"]
     assert files == [str(Path("o") / "sweep_1" / "bench.json"), str(Path("o") / "sweep_3" / "bench.json")]
     assert all("--rounds=0" in c and "--preset=tiny" in c for c in cmds)
     args.sweep_ranks = "1,x"
     with pytest.raises(ValueError, match="--sweep-ranks"):
-        bench.sweep_commands(args, [])
+        bench_sweep.sweep_commands(args, [])
     with pytest.raises(SystemExit):
         cli.main(["bench", "--preset", "huge"])
     ns = argparse.Namespace(preset="small", n_layer=None, n_head=None, d_model=128, seq_len=None, micro_batch=None)
-    cfg, micro = bench.resolve_model(ns)
+    cfg, micro = bench_args.resolve_model(ns)
     assert (cfg.n_layer, cfg.d_model, micro) == (4, 128, 8)
 
 
@@ -162,7 +162,7 @@ def test_offload_rows_are_registered_and_flags_forwarded() -> None:
         with pytest.raises(Skipped, match="--offload"):
             SYSTEMS[name](None, 1e-3, False)
     args = cli.build_parser().parse_args(["bench", "--offload", "--nvme-path", "/tmp/n", "--sub-group-size", "5"])
-    cmd = cli.bench_command(args)
+    cmd = bench_cmd.bench_command(args)
     assert "--offload" in cmd and "--sub-group-size" in " ".join(cmd) and "/tmp/n" in " ".join(cmd)
 
 
@@ -184,7 +184,7 @@ def _bench_args(tmp_path: Path, *flags: str) -> argparse.Namespace:
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, flags, message) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
-        bench.check_arguments(_bench_args(tmp_path, *flags))
+        bench_args.check_arguments(_bench_args(tmp_path, *flags))
     assert not (tmp_path / "out" / "bench.json").exists()
 
 
@@ -192,9 +192,9 @@ def test_out_must_be_a_writable_directory(tmp_path) -> None:
     (tmp_path / "file").write_text("x")
     args = cli.build_parser().parse_args(["bench", "--preset", "tiny", "--out", str(tmp_path / "file" / "sub")])
     with pytest.raises(ValueError, match="--out .* cannot be created as a directory"):
-        bench.check_arguments(args)
+        bench_args.check_arguments(args)
     args = _bench_args(tmp_path, "--only", "stage 3", "--exclude", "DeepSpeed", "--rounds", "0")
-    bench.check_arguments(args)  # valid: nothing raised, the directory exists
+    bench_args.check_arguments(args)  # valid: nothing raised, the directory exists
     assert (tmp_path / "out").is_dir()
 
 
@@ -208,8 +208,8 @@ def test_launcher_refuses_bad_arguments_with_one_line(tmp_path) -> None:
 def test_sweep_ranks_inside_torchrun_needs_the_launcher(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(ValueError, match="zerodp bench launcher"):
-        bench.check_arguments(_bench_args(tmp_path, "--sweep-ranks", "1,3"))
-    bench.check_arguments(_bench_args(tmp_path, "--sweep-ranks", "1,3", "--sweep-from", "a.json"))
+        bench_args.check_arguments(_bench_args(tmp_path, "--sweep-ranks", "1,3"))
+    bench_args.check_arguments(_bench_args(tmp_path, "--sweep-ranks", "1,3", "--sweep-from", "a.json"))
 
 
 def test_untimed_rows_show_no_ratio(tiny_run) -> None:
@@ -225,9 +225,9 @@ def test_untimed_rows_show_no_ratio(tiny_run) -> None:
 
 def test_only_and_exclude_select_by_name_parts(tmp_path) -> None:
     args = _bench_args(tmp_path, "--only", "zerodp stage 2,", "--exclude", " FSDP2 ,")
-    names, excluded = bench.selected_systems(args, list(SYSTEMS))
+    names, excluded = bench_args.selected_systems(args, list(SYSTEMS))
     # an empty entry selects nothing (it used to select every system); DDP is always first
     assert names == ["DDP", "zerodp stage 2", "zerodp stage 2 + offload cpu", "zerodp stage 2 + offload nvme"]
     assert excluded == ["FSDP2"]
-    names, excluded = bench.selected_systems(_bench_args(tmp_path), list(SYSTEMS))
+    names, excluded = bench_args.selected_systems(_bench_args(tmp_path), list(SYSTEMS))
     assert names == list(SYSTEMS) and excluded == []

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from zerodp.app import bench, bench_device, bench_systems, cli
+from zerodp.app import bench, bench_args, bench_device, bench_sweep, bench_systems, cli
 from zerodp.app.bench_report import BenchResult, format_table
 from zerodp.app.bench_systems import SYSTEMS, Skipped, System, offload_systems
 from zerodp.app.model import GPT, GPTConfig
@@ -49,9 +49,9 @@ def test_default_is_cpu_and_cuda_is_refused_without_cuda(tmp_path, monkeypatch):
     assert bench_device.device_type("auto") == "cpu"
     msg = r"--device cuda needs a CUDA device, but torch.cuda.is_available\(\) is False"
     with pytest.raises(ValueError, match=msg):
-        bench.check_arguments(_args(tmp_path, "--device", "cuda"))
+        bench_args.check_arguments(_args(tmp_path, "--device", "cuda"))
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
-    assert bench.launch_env("auto")["DS_ACCELERATOR"] == "cpu"
+    assert bench_sweep.launch_env("auto")["DS_ACCELERATOR"] == "cpu"
 
 
 def test_launcher_refuses_cuda_with_one_line_exit_2(tmp_path):
@@ -71,19 +71,19 @@ def test_launcher_refuses_cuda_with_one_line_exit_2(tmp_path):
 def test_cuda_choices_with_cuda_patched(tmp_path, fake_cuda, monkeypatch):
     assert bench_device.device_type("auto") == "cuda" and bench_device.device_type("cuda") == "cuda"
     assert bench_device.device_type("cpu") == "cpu"
-    bench.check_arguments(_args(tmp_path, "--device", "cuda"))  # accepted
+    bench_args.check_arguments(_args(tmp_path, "--device", "cuda"))  # accepted
     with pytest.raises(ValueError, match="--offload cannot run with --device cuda: offload is refused on a GPU"):
-        bench.check_arguments(_args(tmp_path, "--device", "cuda", "--offload"))
-    bench.check_arguments(_args(tmp_path, "--device", "cpu", "--offload"))  # the CPU keeps offload
+        bench_args.check_arguments(_args(tmp_path, "--device", "cuda", "--offload"))
+    bench_args.check_arguments(_args(tmp_path, "--device", "cpu", "--offload"))  # the CPU keeps offload
     # cuda:LOCAL_RANK, made current, when the group takes CUDA tensors
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(rt_device, "group_takes", lambda kind, group=None: kind == "cuda")
     assert bench_device.resolve("auto") == CUDA1 and ("set_device", 1) in fake_cuda
     assert bench_device.resolve("cpu") == torch.device("cpu")
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
-    assert "DS_ACCELERATOR" not in bench.launch_env("cuda")  # DeepSpeed picks CUDA itself
-    assert "DS_ACCELERATOR" not in bench.launch_env("auto")
-    assert bench.launch_env("cpu")["DS_ACCELERATOR"] == "cpu"  # --device cpu on a GPU machine
+    assert "DS_ACCELERATOR" not in bench_sweep.launch_env("cuda")  # DeepSpeed picks CUDA itself
+    assert "DS_ACCELERATOR" not in bench_sweep.launch_env("auto")
+    assert bench_sweep.launch_env("cpu")["DS_ACCELERATOR"] == "cpu"  # --device cpu on a GPU machine
 
 
 def test_sync_and_peak_memory_go_to_the_device(fake_cuda):
@@ -229,5 +229,5 @@ def test_table_and_json_carry_peak_device_memory():
 
 def test_sweep_forwards_the_device(tmp_path):
     args = _args(tmp_path, "--sweep-ranks", "1", "--device", "auto")
-    cmds, _ = bench.sweep_commands(args, [])
+    cmds, _ = bench_sweep.sweep_commands(args, [])
     assert "--device=auto" in cmds[0]

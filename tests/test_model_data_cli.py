@@ -220,7 +220,7 @@ def test_train_flag_errors(capsys, tmp_path, monkeypatch) -> None:
     def no_launch(*a, **k):
         raise AssertionError("invalid flags must be refused before launching workers")
 
-    monkeypatch.setattr(cli.subprocess, "run", no_launch)
+    monkeypatch.setattr(subprocess, "run", no_launch)
     monkeypatch.setattr(cli.launch, "run_torchrun", no_launch)
     for argv, needle in [(["--stage", "9"], "--stage"), (["--steps", "x"], "--steps"),
                          (["--config", "c.json", "--stage", "1"], "--config"),
@@ -253,17 +253,17 @@ def test_launcher_command() -> None:
 
 
 def test_bench_command_and_help(capsys) -> None:
-    from zerodp.app import bench
+    from zerodp.app import bench_args, bench_cmd
 
     args = cli.build_parser().parse_args(["bench", "--steps", "6", "--rounds", "2"])
-    cmd = cli.bench_command(args)
+    cmd = bench_cmd.bench_command(args)
     assert cmd[:5] == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     tail = cmd[cmd.index("zerodp.app.bench") + 1:]
     assert cmd[cmd.index("zerodp.app.bench") - 1] == "-m" and "--standalone" in cmd
     assert "--steps=6" in tail and "--rounds=2" in tail and "--preset=small" in tail
     # every flag forwarded parses with bench's own parser, to the values given
     ap = argparse.ArgumentParser()
-    bench.add_arguments(ap)
+    bench_args.add_arguments(ap)
     parsed = ap.parse_args(tail)
     assert parsed.steps == 6 and parsed.rounds == 2 and parsed.preset == "small" and parsed.micro_batch is None
     with pytest.raises(SystemExit) as exc:
@@ -372,7 +372,7 @@ def test_resume_refuses_other_seed_or_model(tiny_runs, monkeypatch, capsys) -> N
     def no_launch(*a, **k):
         raise AssertionError("a mismatched resume must be refused before launching workers")
 
-    monkeypatch.setattr(cli.subprocess, "run", no_launch)
+    monkeypatch.setattr(subprocess, "run", no_launch)
     monkeypatch.setattr(cli.launch, "run_torchrun", no_launch)
     ckpt = str(tiny_runs["ckpt"])
     for extra, needle in [(["--seed", "1"], "seed 0 (this run: 1)"),

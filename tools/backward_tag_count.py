@@ -10,7 +10,8 @@ import collections
 import torch.distributed as dist
 
 import zerodp
-from zerodp.app.bench import PRESETS, _batches
+from zerodp.app.bench import make_batches
+from zerodp.app.bench_args import PRESETS
 from zerodp.app.bench_systems import SYSTEMS
 from zerodp.app.model import GPTConfig
 from zerodp.runtime import backward_agreement as ba
@@ -19,7 +20,7 @@ zerodp.init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
 n_layer, n_head, d_model, seq_len, micro = PRESETS["small"]
 cfg = GPTConfig(n_layer=n_layer, n_head=n_head, d_model=d_model, seq_len=seq_len)
-batches = _batches(cfg, micro, 5, rank, world)
+batches = make_batches(cfg, micro, 5, rank, world)
 seen = collections.Counter()
 on = [False]
 orig = ba.BackwardAgreement._post

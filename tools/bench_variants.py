@@ -21,7 +21,8 @@ import time
 import torch.distributed as dist
 
 import zerodp
-from zerodp.app.bench import PRESETS, _batches
+from zerodp.app.bench import make_batches
+from zerodp.app.bench_args import PRESETS
 from zerodp.app.bench_systems import SYSTEMS
 from zerodp.app.model import GPTConfig
 from zerodp.runtime import comm
@@ -30,7 +31,7 @@ zerodp.init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
 n_layer, n_head, d_model, seq_len, micro = PRESETS[sys.argv[1]]
 cfg = GPTConfig(n_layer=n_layer, n_head=n_head, d_model=d_model, seq_len=seq_len)
-batches = _batches(cfg, micro, 6, rank, world)
+batches = make_batches(cfg, micro, 6, rank, world)
 orig = zerodp.initialize
 variants = sys.argv[2].split(",")  # e.g. DDP,s2:0,s2:800000
 

@@ -14,7 +14,8 @@ import sys
 import torch.distributed as dist
 
 import zerodp
-from zerodp.app.bench import PRESETS, _batches
+from zerodp.app.bench import make_batches
+from zerodp.app.bench_args import PRESETS
 from zerodp.app.bench_systems import SYSTEMS
 from zerodp.app.model import GPTConfig
 
@@ -22,7 +23,7 @@ zerodp.init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
 n_layer, n_head, d_model, seq_len, micro = PRESETS["small"]
 cfg = GPTConfig(n_layer=n_layer, n_head=n_head, d_model=d_model, seq_len=seq_len)
-batches = _batches(cfg, micro, 11, rank, world)
+batches = make_batches(cfg, micro, 11, rank, world)
 s = SYSTEMS[sys.argv[1]](cfg, 1e-3, False)
 for x, y in batches[:2]:
     s.forward_backward(x, y)

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from zerodp.app.bench import PRESETS, _batches
+from zerodp.app.bench import make_batches
+from zerodp.app.bench_args import PRESETS
 from zerodp.app.bench_systems import loss_of
 from zerodp.app.model import GPT, GPTConfig
 
@@ -21,7 +22,7 @@ zerodp.init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
 n_layer, n_head, d_model, seq_len, micro = PRESETS["small"]
 cfg = GPTConfig(n_layer=n_layer, n_head=n_head, d_model=d_model, seq_len=seq_len)
-batches = _batches(cfg, micro, 8, rank, world)
+batches = make_batches(cfg, micro, 8, rank, world)
 
 
 def flt():

@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from zerodp.app.bench import _batches
+from zerodp.app.bench import make_batches
 from zerodp.app.bench_systems import loss_of
 from zerodp.app.model import GPT, GPTConfig
 
 zerodp.init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
 cfg = GPTConfig(n_layer=4, n_head=4, d_model=128, seq_len=64)
-batches = _batches(cfg, 8, 3, rank, world)
+batches = make_batches(cfg, 8, 3, rank, world)
 res = {}
 for stage in (2, 3):
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from zerodp.app.bench import PRESETS
+from zerodp.app.bench_args import PRESETS
 from zerodp.app.model import GPT, GPTConfig
 from zerodp.runtime.topology import _sum_of_squares
 

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import zerodp
-from zerodp.app.bench import PRESETS, _batches
+from zerodp.app.bench import make_batches
+from zerodp.app.bench_args import PRESETS
 from zerodp.app.bench_systems import SYSTEMS
 from zerodp.app.model import GPTConfig
 
@@ -40,5 +41,5 @@ if __name__ == "__main__":
     rank, world = dist.get_rank(), dist.get_world_size()
     n_layer, n_head, d_model, seq_len, micro = PRESETS["small"]
     cfg = GPTConfig(n_layer=n_layer, n_head=n_head, d_model=d_model, seq_len=seq_len)
-    print_profiles(sys.argv[1].split(","), cfg, _batches(cfg, micro, 6, rank, world), int(sys.argv[2]), rank)
+    print_profiles(sys.argv[1].split(","), cfg, make_batches(cfg, micro, 6, rank, world), int(sys.argv[2]), rank)
     zerodp.shutdown_distributed()

@@ -16,7 +16,8 @@ import time
 import torch.distributed as dist
 
 import zerodp
-from zerodp.app.bench import PRESETS, _batches
+from zerodp.app.bench import make_batches
+from zerodp.app.bench_args import PRESETS
 from zerodp.app.bench_systems import SYSTEMS
 from zerodp.app.model import GPTConfig
 
@@ -32,7 +33,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 n_layer, n_head, d_model, seq_len, micro = PRESETS[a.preset]
 cfg = GPTConfig(n_layer=n_layer, n_head=n_head, d_model=d_model, seq_len=seq_len)
 names = a.systems.split(",")
-batches = _batches(cfg, micro, a.steps + 1, rank, world)
+batches = make_batches(cfg, micro, a.steps + 1, rank, world)
 wall = {n: [] for n in names}
 cpu = {n: [] for n in names}
 for rnd in range(a.rounds):

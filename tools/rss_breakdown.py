@@ -20,7 +20,8 @@ import sys
 import torch.distributed as dist  # noqa: F401  (imported before the fork, as in the bench)
 
 from zerodp.app import bench_rss
-from zerodp.app.bench import LR, PRESETS, _batches, _build  # noqa: F401
+from zerodp.app.bench import LR, _build, make_batches  # noqa: F401
+from zerodp.app.bench_args import PRESETS
 from zerodp.app.bench_systems import SYSTEMS
 from zerodp.app.model import GPTConfig
 
@@ -105,7 +106,7 @@ def main() -> None:
     tables = {}
     for k, name in enumerate(names):
         result = bench_rss.measure(k, instrumented(name, cfg, [], out),
-                                   lambda: _batches(cfg, micro, STEPS, rank, world))
+                                   lambda: make_batches(cfg, micro, STEPS, rank, world))
         peak = result.get("peak_rss", 0) / 2**20
         print(f"{name} rank {rank}: peak {peak:.1f} MiB {result.get('error', '')}", flush=True)
         path = f"/tmp/rss_breakdown_{os.getpid()}_{name.replace(' ', '_')}.json"

@@ -13,7 +13,6 @@ boundary (every ``gradient_accumulation_steps`` micro-steps). What each stage ho
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -26,7 +25,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from zerodp.checkpoint.engine_methods import CheckpointMethods
 from zerodp.config import ConfigError, ZeroDPConfig
 from zerodp.offload.build import OptimizerOffload, build_offload
-from zerodp.offload.param_offload import ParamOffload, attach_param_offload, build_param_offload
+from zerodp.offload.param_offload import ParamOffloadStrategy, build_param_offload
 from zerodp.offload.report import OffloadReport, offload_report
 from zerodp.runtime import accounting, comm, grad_norm
 from zerodp.runtime.accounting import CATEGORIES, CommReport, MemoryReport
@@ -36,14 +35,20 @@ from zerodp.runtime.collective_guard import CollectiveGuard
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.device import all_finite, device_of
 from zerodp.runtime.grad_placeholder import GradPlaceholders
-from zerodp.runtime.grad_spill import partitioned_reducer
 from zerodp.runtime.guards import TrainingGuards, refuse_add_param_group
 from zerodp.runtime.module_state import guard_module_load_state_dict
 from zerodp.runtime.optim import ParamGroupSpec, build_optimizer
-from zerodp.runtime.partition import FlatGroup, assign_pieces, flatten_into, plan_buckets
+from zerodp.runtime.partition import (
+    FlatGroup,
+    all_gather_updated_shards,
+    assign_pieces,
+    build_flat_groups,
+    pieces_by_bucket,
+    pieces_by_param,
+)
 from zerodp.runtime.precision import LossScaler, PrecisionPolicy, cast_module
-from zerodp.runtime.reducer import AllReduceReducer, FullGradReduceScatter, GradientReducer
-from zerodp.runtime.schedulers import build_scheduler
+from zerodp.runtime.reducer import GradientReducer, build_reducer
+from zerodp.runtime.schedulers import engine_scheduler
 from zerodp.runtime.topology import Topology
 from zerodp.runtime.training_state import TrainingPhase, TrainingState
 from zerodp.runtime.zero_state import attach_engine
@@ -99,14 +104,8 @@ class Engine(CheckpointMethods):
         self._build_reducer()
         self.optimizer = build_optimizer(config.optimizer, param_groups, self.groups)
         refuse_add_param_group(self.optimizer)
-        self.lr_scheduler = self._build_scheduler(lr_scheduler)
-        self.training_guards = TrainingGuards(self)
-        self.collective_guard.install_shutdown_check()
-        self.backward_tags: BackwardAgreement | None = None
-        if self.collective_guard.enabled:
-            self.backward_tags = build_backward_agreement(self.collective_guard, module, self.groups,
-                                                          self.sharding is not None)
-            self.backward_tags.attach(self.reducer)
+        self.lr_scheduler = engine_scheduler(lr_scheduler, config.scheduler, self.optimizer)
+        self._build_guards()
         self.output_roots = OutputRoots(module, self.reducer.slots)  # forward outputs since the last backward
         self.ledger.reset()  # the report covers training, not the initial broadcast
         attach_engine(module, self, self.groups, f"ZeRO stage {self.stage}")  # accessors, GatheredParameters
@@ -117,21 +116,33 @@ class Engine(CheckpointMethods):
         rank 0's values on every rank."""
         zc = self.config.zero_optimization
         self.sharding: Stage3 | None = None
-        self.param_offload: ParamOffload | None = build_param_offload(
+        self.param_offload: ParamOffloadStrategy = build_param_offload(
             zc.offload_param, self.config.aio, self.rank, self.process_group,
             self.device if self.device is not None else device_of(self.module.parameters()))
         if self.stage == 3:
             self.sharding = Stage3(self.module, param_groups, self.rank, self.world_size, self.process_group,
                                    self.ledger, zc, fetch_check=self.collective_guard.gather_check(self.module),
-                                   read_ahead=self.param_offload.read_ahead if self.param_offload is not None else None)
+                                   read_ahead=self.param_offload.read_ahead_hook())
             self.groups = self.sharding.groups
         else:
-            self.groups = self._flatten(param_groups, zc.reduce_bucket_size)
+            self.groups = build_flat_groups([spec.params for spec in param_groups], zc.reduce_bucket_size,
+                                            self.world_size)
         # offload_param (stage 3): from here on every shard lives in its home between uses
-        attach_param_offload(self.param_offload, self.sharding)
+        self.param_offload.attach_to(self.sharding)
         in_groups = {id(s.param) for g in self.groups for s in g.slots}
-        self.frozen = [p for p in _unique_params(self.module) if id(p) not in in_groups]
+        self.frozen = [p for p in self.module.parameters() if id(p) not in in_groups]
         self._broadcast_from_rank0()
+
+    def _build_guards(self) -> None:
+        """The training-loop guards, the shutdown check and, with the collective guard on, the agreement
+        on each backward's collectives (:mod:`zerodp.runtime.backward_agreement`)."""
+        self.training_guards = TrainingGuards(self)
+        self.collective_guard.install_shutdown_check()
+        self.backward_tags: BackwardAgreement | None = None
+        if self.collective_guard.enabled:
+            self.backward_tags = build_backward_agreement(self.collective_guard, self.module, self.groups,
+                                                          self.sharding is not None)
+            self.backward_tags.attach(self.reducer)
 
     def _build_optimizer_update(self) -> None:
         """This rank's pieces and the optimizer update, chosen once: in place (NoOffload) or the host /
@@ -142,72 +153,31 @@ class Engine(CheckpointMethods):
         for g in self.groups:  # pieces are views of the shards
             with self.shards_resident([g]):
                 assign_pieces(g, self.rank, owns_everything=self.stage == 0)
-        if self.param_offload is not None:  # NVMe: attach and step make shards resident per sub-group
-            self.optimizer_offload.set_shard_access(self.param_offload)
+        # NVMe both ways: attach and step make shards resident per sub-group
+        self.optimizer_offload.set_shard_access(self.param_offload)
         with self.shards_resident() if self.optimizer_offload.shard_access is None else contextlib.nullcontext():
             self.optimizer_offload.attach(self.groups)
-        self._master_pieces: dict[int, tuple[FlatGroup, list]] = {}  # id(param) -> its group, its pieces with masters
-        for g in self.groups:
-            for piece in g.pieces:
-                if self.optimizer_offload.holds_master(piece):
-                    self._master_pieces.setdefault(id(piece.slot.param), (g, []))[1].append(piece)
-        if self.stage == 3 or self.precision.has_master:
-            why = ("stage 3 keeps each parameter as a shard; outside forward the module's parameters hold no values"
-                   if self.stage == 3 else "the next step would copy the fp32 master weights back over them")
-            self._load_guards = guard_module_load_state_dict(self.module, why)
-        self._bucket_pieces: dict[int, list] = {}  # id(bucket) -> this rank's pieces in it
-        for g in self.groups:
-            for piece in g.pieces:
-                self._bucket_pieces.setdefault(id(piece.bucket), []).append(piece)
+        # id(param) -> its group, its pieces with masters (GatheredParameters edits reach them)
+        self._master_pieces = pieces_by_param(self.groups, self.optimizer_offload.holds_master)
+        self._bucket_pieces = pieces_by_bucket(self.groups)  # id(bucket) -> this rank's pieces in it
+        self._load_guards = guard_module_load_state_dict(self.module, self.stage, self.precision.has_master)
 
     def _build_reducer(self) -> None:
         """The stage's gradient reducer; gradients accumulate in ``precision.grad_accum_dtype`` (fp32
         under bf16/fp16 with k > 1 micro-steps)."""
-        zc = self.config.zero_optimization
-        # an offload's copies of the boundary's reduced gradients start per bucket
-        on_reduced = self._stream_bucket if self.optimizer_offload.streams_grads else None
-        args = (self.groups, self.rank, self.world_size, self.process_group, self.ledger, zc.overlap_comm,
-                self.precision.grad_accum_dtype, on_reduced)
-        self.reducer: GradientReducer
-        if self.stage == 0:
-            self.reducer = AllReduceReducer(*args)
-        elif self.stage == 1:
-            self.reducer = FullGradReduceScatter(*args)
-        else:
-            self.reducer = partitioned_reducer(  # with NVMe offload (no fp16 scaling), gradients go to disk per unit
-                *args, contiguous_gradients=zc.contiguous_gradients,
-                spill=None if self.loss_scaler is not None else self.optimizer_offload.gradient_spill,
-                staging_pool=self.sharding.pool if self.sharding is not None else None,
-                # stage 3 has one bucket per unit: reduce-scatter units in a few coalesced groups
-                coalesce_elements=self.sharding.reduce_flush_elements if self.sharding is not None else 0)
+        self.reducer: GradientReducer = build_reducer(
+            self.stage, self.groups, self.rank, self.world_size, self.process_group, self.ledger,
+            self.config.zero_optimization, self.precision.grad_accum_dtype,
+            # an offload's copies of the boundary's reduced gradients start per bucket
+            self._stream_bucket if self.optimizer_offload.streams_grads else None,
+            # with NVMe offload (no fp16 scaling), gradients go to disk per unit
+            spill=None if self.loss_scaler is not None else self.optimizer_offload.gradient_spill,
+            staging_pool=self.sharding.pool if self.sharding is not None else None,
+            # stage 3 has one bucket per unit: reduce-scatter units in a few coalesced groups
+            coalesce_elements=self.sharding.reduce_flush_elements if self.sharding is not None else 0)
         self.reducer.attach()
         self.grad_placeholders = GradPlaceholders(self.reducer.slots, self.stage, self.loss_scaler is not None,
                                                   folded=self.reducer.folds)
-
-    def _build_scheduler(self, factory: Callable[[torch.optim.Optimizer], LRScheduler] | None
-                         ) -> LRScheduler | None:
-        if factory is None:
-            return build_scheduler(self.config.scheduler, self.optimizer) if self.config.scheduler is not None else None
-        scheduler = factory(self.optimizer)
-        if not isinstance(scheduler, LRScheduler):
-            raise TypeError(f"lr_scheduler(optimizer) returned {type(scheduler).__name__}, "
-                            "not a torch.optim.lr_scheduler.LRScheduler")
-        return scheduler
-
-    # ---- construction ------------------------------------------------------------------------------
-    def _flatten(self, specs: list[ParamGroupSpec], bucket_size: int) -> list[FlatGroup]:
-        groups: list[FlatGroup] = []
-        index = 0
-        for gi, spec in enumerate(specs):
-            by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
-            for name, p in spec.params:
-                by_kind.setdefault((p.dtype, p.device), []).append((name, p))
-            for named in by_kind.values():
-                slots, buckets, padded = plan_buckets(named, index, bucket_size, self.world_size, gi)
-                index += len(named)
-                buffer = flatten_into(slots, padded)
-                groups.append(FlatGroup(len(groups), buffer, buckets, slots))
-        return groups
 
     def refresh_masters(self, param: nn.Parameter) -> None:
         """``param`` was edited under ``GatheredParameters(modifier_rank=...)``: copy its new value into
@@ -343,8 +313,7 @@ class Engine(CheckpointMethods):
 
     def _boundary_step(self) -> None:
         with self.collective_call("step"):
-            if self.param_offload is not None:
-                self.param_offload.check_health()  # collective: a lost swap file stops every rank
+            self.param_offload.check_health()  # collective: a lost swap file stops every rank
             whole = self.optimizer_offload.shard_access is None
             with self.shards_resident(write=True) if whole else contextlib.nullcontext():
                 self._optimizer_step()
@@ -379,8 +348,9 @@ class Engine(CheckpointMethods):
             self.loss_scaler.update(overflow=False)
         if self.sharding is not None:
             self.sharding.after_step()
-        elif self.stage >= 1:
-            self._all_gather_params()
+        elif self.stage >= 1:  # every rank's updated shards, all-gathered into the full parameters
+            all_gather_updated_shards(self.groups, self.rank, self.process_group, self.ledger,
+                                      self.config.zero_optimization.allgather_bucket_size)
         self.optimizer_offload.when_updated(self.reducer.zero_grads)  # its loop may still read them (overlap_step)
         self.training_guards.after_update()
         self.global_steps += 1
@@ -428,23 +398,6 @@ class Engine(CheckpointMethods):
         before the first step. Computed at every step, with or without clipping."""
         return self._global_grad_norm
 
-    def _all_gather_params(self) -> None:
-        """Rebuild full parameters from every rank's updated shard, in place, bucket by bucket, with
-        at most ``allgather_bucket_size`` elements in flight."""
-        limit = self.config.zero_optimization.allgather_bucket_size
-        in_flight: deque[tuple[int, Any]] = deque()
-        for g in self.groups:
-            for b in g.buckets:
-                lo, hi = b.shard_range(self.rank)
-                out = g.buffer[b.start : b.start + b.numel]
-                work = comm.all_gather(out, g.buffer[lo:hi], self.process_group, self.ledger,
-                                       "parameters", async_op=True)
-                in_flight.append((b.numel, work))
-                while sum(n for n, _ in in_flight) > limit and len(in_flight) > 1:
-                    in_flight.popleft()[1].wait()
-        for _, work in in_flight:
-            work.wait()
-
     # ---- reports (zerodp.runtime.accounting, zerodp.offload.report) -------------------------------
     @property
     def numel(self) -> int:
@@ -471,20 +424,13 @@ class Engine(CheckpointMethods):
         """Stage 3 with ``offload_param``: this rank's shards (all, or those of ``groups``) hold their
         values for the block, written home afterwards with ``write`` (see
         :mod:`zerodp.offload.param_offload`); otherwise a no-op."""
-        if self.param_offload is None:
-            return contextlib.nullcontext()
-        self.optimizer_offload.settle()  # an optimizer step still updating shards (overlap_step) ends first
-        return self.param_offload.resident(groups, write)
+        # an optimizer step still updating shards (overlap_step) ends first
+        return self.param_offload.resident(groups, write, settle=self.optimizer_offload.settle)
 
     def close(self) -> None:
         """Release offload resources now (swap files, I/O threads); also done at interpreter exit."""
         self.optimizer_offload.close()
-        if self.param_offload is not None:
-            self.param_offload.close()
-
-
-def _unique_params(module: nn.Module) -> list[nn.Parameter]:
-    return list(module.parameters())
+        self.param_offload.close()
 
 
 __all__ = ["Engine", "ConfigError", "CATEGORIES"]

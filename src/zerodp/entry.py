@@ -67,13 +67,7 @@ def initialize(
     cfg = cfg.for_world_size(dist.get_world_size(topology.dp_group))
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
-    if lr_scheduler is not None:
-        if isinstance(lr_scheduler, LRScheduler) or not callable(lr_scheduler):
-            raise TypeError("lr_scheduler must be a callable taking the engine's optimizer, e.g. "
-                            "lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10); a scheduler "
-                            "object is bound to an optimizer the engine does not use")
-        if cfg.scheduler is not None:
-            raise ValueError("pass either lr_scheduler to initialize() or 'scheduler' in the config, not both")
+    _check_lr_scheduler(lr_scheduler, cfg)
     check_model_at_initialize(model, cfg.zero_optimization.stage)
     control.prepare(topology)  # a gloo side group where a group is NCCL-only (collective: every rank)
     device = place_on_engine_device(model, cfg, topology.dp_group)
@@ -109,6 +103,23 @@ def place_on_engine_device(model: nn.Module, cfg: ZeroDPConfig, group: dist.Proc
                                   "key device")
         model.to(device)
     return device
+
+
+def _check_lr_scheduler(lr_scheduler: Any, cfg: ZeroDPConfig) -> None:
+    """``initialize(lr_scheduler=...)`` is None or a factory ``f(optimizer) -> LRScheduler``.
+
+    Raises:
+        TypeError: a scheduler object (bound to an optimizer the engine does not use) or not callable.
+        ValueError: the config has a ``scheduler`` too.
+    """
+    if lr_scheduler is None:
+        return
+    if isinstance(lr_scheduler, LRScheduler) or not callable(lr_scheduler):
+        raise TypeError("lr_scheduler must be a callable taking the engine's optimizer, e.g. "
+                        "lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10); a scheduler "
+                        "object is bound to an optimizer the engine does not use")
+    if cfg.scheduler is not None:
+        raise ValueError("pass either lr_scheduler to initialize() or 'scheduler' in the config, not both")
 
 
 def _refuse_init_built_below_stage3(model: nn.Module, stage: int) -> None:

@@ -269,20 +269,7 @@ class Init:
             return
         before = self._units_of.get(module, [])
         if before:  # parameters registered after the module was partitioned: one unit for all of them
-            mine = {id(s.param) for u in before for s in u.slots}
-            again = [p for p in params if id(p) in mine]
-            assert self._touch is not None  # entered: set in __enter__
-            widen = [self._touch.forget(u) for u in before]
-            for u in before:
-                if u.home is not None:
-                    u.home.swapper.forget(u.home)  # type: ignore[attr-defined]  # Init's homes are param_swap's
-                    u.home = None
-            materialize(again)
-            built_as = next((d for d in widen if d is not None), None)
-            for p in again:  # back to the dtype they were built in (exact), cast once below
-                if built_as is not None and p.is_floating_point():
-                    p.data = p.data.to(built_as)
-            self.units[:] = [u for u in self.units if all(u is not b for b in before)]
+            self._undo_units(before, params)
         named = [(n, p) for n, p in module.named_parameters(recurse=False)
                  if not is_lazy(p) and p.numel() > threshold and owner_of(p) is None]
         rank = dist.get_rank(self.pg)
@@ -317,6 +304,25 @@ class Init:
         for s in unit.slots:
             set_owner(s.param, Owner(unit, self.pg, self.ledger, None), module)
         self._partitioned(unit)
+
+    def _undo_units(self, before: list[ShardedUnit], params: list[nn.Parameter]) -> None:
+        """Parameters were registered on a module after it was partitioned into ``before``: bring its
+        partitioned ``params`` back in full, in the dtype they were built in (exact; cast once when
+        partitioned again), out of Init's homes, and drop ``before`` from :attr:`units`."""
+        mine = {id(s.param) for u in before for s in u.slots}
+        again = [p for p in params if id(p) in mine]
+        assert self._touch is not None  # entered: set in __enter__
+        widen = [self._touch.forget(u) for u in before]
+        for u in before:
+            if u.home is not None:
+                u.home.swapper.forget(u.home)  # type: ignore[attr-defined]  # Init's homes are param_swap's
+                u.home = None
+        materialize(again)
+        built_as = next((d for d in widen if d is not None), None)
+        for p in again:  # back to the dtype they were built in (exact), cast once below
+            if built_as is not None and p.is_floating_point():
+                p.data = p.data.to(built_as)
+        self.units[:] = [u for u in self.units if all(u is not b for b in before)]
 
     def _partitioned(self, unit: ShardedUnit) -> None:
         """Called once per unit Init builds (subclasses add attributes to its parameters)."""

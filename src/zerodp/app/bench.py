@@ -16,8 +16,9 @@ runs every system of :data:`zerodp.app.bench_systems.SYSTEMS` in two phases:
 A system that cannot run here is reported as skipped with the reason. Rank 0 prints a table, writes
 ``OUT/bench.json`` (:class:`zerodp.app.bench_report.BenchResult`) and, with matplotlib, PNG charts.
 ``--offload`` adds the rows ``zerodp stage 2 + offload cpu|nvme`` and the swap bandwidth and CPU AdamW
-kernels (:mod:`zerodp.app.bench_offload`). ``--sweep-ranks 1,2,3,4`` (launcher side) first probes DDP
-and zerodp at each world size. ``--device cpu|cuda|auto`` (default cpu) says where every system, its
+kernels (:mod:`zerodp.app.bench_offload`). ``--sweep-ranks 1,2,3,4`` (launcher side,
+:mod:`zerodp.app.bench_sweep`) first probes DDP and zerodp at each world size. The flags and their
+checks are :mod:`zerodp.app.bench_args`. ``--device cpu|cuda|auto`` (default cpu) says where every system, its
 batches and its timing run, with peak device memory per rank on CUDA (:mod:`zerodp.app.bench_device`).
 """
 from __future__ import annotations
@@ -28,7 +29,6 @@ import functools
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 import zerodp
 from zerodp.app import bench_device, bench_offload, bench_rss
+from zerodp.app.bench_args import add_arguments, check_arguments, resolve_model, selected_systems
 from zerodp.app.bench_device import FRESH_RSS_ON_GPU
 from zerodp.app.bench_measure import (
     CATEGORIES,
@@ -64,13 +65,6 @@ from zerodp.app.bench_systems import SYSTEMS, Builder, Skipped, System, offload_
 from zerodp.app.model import GPTConfig, count_parameters
 from zerodp.runtime.accounting import FP32_ADAM, comm_elements_per_step, model_state_bytes
 
-#: ``--preset`` -> (n_layer, n_head, d_model, seq_len, micro_batch). small is about 3.3M parameters,
-#: medium about 25.4M; tiny is for tests.
-PRESETS: dict[str, tuple[int, int, int, int, int]] = {
-    "tiny": (2, 2, 64, 32, 2),
-    "small": (4, 4, 256, 128, 8),
-    "medium": (8, 8, 512, 128, 8),
-}
 LR = 1e-3
 #: fewest training steps of a fresh-process RSS measurement (see _fresh_rss)
 FRESH_RSS_STEPS = 3
@@ -84,89 +78,6 @@ def make_batches(cfg: GPTConfig, micro: int, n: int, rank: int, world: int) -> l
         x = x[rank * micro: (rank + 1) * micro]
         out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
     return out
-
-
-def resolve_model(args: argparse.Namespace) -> tuple[GPTConfig, int]:
-    """The GPT config and micro-batch of ``--preset``, with any explicit size flag overriding it.
-
-    Raises:
-        ValueError: unknown preset (the message lists the allowed ones) or an invalid GPT config.
-    """
-    if args.preset not in PRESETS:
-        raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
-    n_layer, n_head, d_model, seq_len, micro = PRESETS[args.preset]
-    pick = lambda v, d: d if v is None else v  # noqa: E731
-    cfg = GPTConfig(n_layer=pick(args.n_layer, n_layer), n_head=pick(args.n_head, n_head),
-                    d_model=pick(args.d_model, d_model), seq_len=pick(args.seq_len, seq_len))
-    return cfg, pick(args.micro_batch, micro)
-
-
-def _names_matching(flag: str, value: str | None) -> list[str]:
-    """The comma-separated names of ``--only`` / ``--exclude``, each of which must be part of a
-    system's name (as they are matched)."""
-    names = [o.strip() for o in (value or "").split(",") if o.strip()]
-    for n in names:
-        if not any(n in system for system in SYSTEMS):
-            raise ValueError(f"{flag}: {n!r} is part of no system's name; the systems are "
-                             f"{', '.join(repr(k) for k in SYSTEMS)} (a part such as 'stage 3' or "
-                             f"'DeepSpeed' selects every system whose name contains it)")
-    return names
-
-
-def selected_systems(args: argparse.Namespace, systems: list[str]) -> tuple[list[str], list[str]]:
-    """The systems ``--only`` keeps (all without it; DDP always, first: every ratio and loss difference
-    is taken against it) and the ``--exclude`` names. Empty entries (``"stage 2,"``) select nothing.
-
-    Raises:
-        ValueError: an ``--only`` / ``--exclude`` name that is part of no system's name.
-    """
-    only = _names_matching("--only", args.only)
-    names = [n for n in systems if not only or any(o in n for o in only)]
-    if "DDP" not in names:
-        names.insert(0, "DDP")
-    return names, _names_matching("--exclude", args.exclude)
-
-
-def check_arguments(args: argparse.Namespace) -> None:
-    """Refuse, before anything runs, arguments the benchmark cannot honour as given.
-
-    Raises:
-        ValueError: a count out of range (``--steps`` and ``--micro-batch`` >= 1, ``--warmup`` and
-            ``--rounds`` >= 0, ``--probe-steps`` >= 2, ``--sub-group-size`` >= 1), an invalid model
-            size (:class:`~zerodp.app.model.GPTConfig`'s message), an ``--only`` / ``--exclude`` name
-            that selects no system, ``--sweep-ranks`` without world sizes or inside a torchrun job
-            started without the ``zerodp bench`` launcher, or an ``--out`` that cannot be a writable
-            directory (it is created here), ``--device cuda`` without CUDA or with ``--offload``.
-    """
-    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
-                               ("--rounds", args.rounds, 0), ("--sub-group-size", args.sub_group_size, 1)):
-        if value < least:
-            raise ValueError(f"{flag} must be an integer >= {least}, got {value}"
-                             + (" (0 rounds: nothing is timed, as the --sweep-ranks probes run)"
-                                if flag == "--rounds" else ""))
-    if args.probe_steps < 2:
-        raise ValueError(f"--probe-steps must be >= 2 (optimizer states exist from the second step), "
-                         f"got {args.probe_steps}")
-    if args.micro_batch is not None and args.micro_batch < 1:
-        raise ValueError(f"--micro-batch must be an integer >= 1 (sequences per rank per step), got {args.micro_batch}")
-    bench_device.check_device(args.device, args.offload)
-    resolve_model(args)  # GPTConfig refuses invalid sizes, naming the field and what is allowed
-    selected_systems(args, list(SYSTEMS))
-    if args.sweep_ranks and not args.sweep_from:
-        if not [t for t in args.sweep_ranks.split(",") if t.strip()]:
-            raise ValueError(f"--sweep-ranks takes integers >= 1 separated by commas, got {args.sweep_ranks!r}")
-        if "LOCAL_RANK" in os.environ:
-            raise ValueError("--sweep-ranks runs one torchrun job per world size, which the zerodp bench "
-                             "launcher starts: run `zerodp bench ... --sweep-ranks ...` (inside a torchrun "
-                             "job, pass their bench.json files with --sweep-from instead)")
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--out {args.out!r} cannot be created as a directory for bench.json and the "
-                         f"charts: {exc}") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {args.out!r} is not a writable directory (bench.json and the charts go there)")
 
 
 def _agree_skip(reason: str | None) -> str | None:
@@ -412,81 +323,6 @@ def _write(args: argparse.Namespace, result: BenchResult) -> None:
         print("wrote " + ", ".join(str(p) for p in paths))
     except ImportError:
         print("charts not written: matplotlib is missing (pip install -e '.[bench]')")
-
-
-def sweep_commands(args: argparse.Namespace, prefix: list[str]) -> tuple[list[list[str]], list[str]]:
-    """Launcher side of ``--sweep-ranks``: one probe-only command per world size (DDP and zerodp, no
-    timing, no charts), given the torchrun ``prefix`` without ``--nproc-per-node``; and the JSON
-    files they write (to pass as ``--sweep-from``).
-
-    Raises:
-        ValueError: a world size that is not an integer >= 1.
-    """
-    cmds, files = [], []
-    for tok in filter(None, args.sweep_ranks.split(",")):
-        if not tok.strip().isdigit() or int(tok) < 1:
-            raise ValueError(f"--sweep-ranks takes integers >= 1 separated by commas, got {tok!r}")
-        n = int(tok)
-        out = Path(args.out) / f"sweep_{n}"
-        flags = [f"--preset={args.preset}", "--only=DDP,zerodp stage 0,zerodp stage 1,zerodp stage 2,zerodp stage 3",
-                 "--rounds=0", f"--probe-steps={args.probe_steps}", f"--out={out}", "--no-plots",
-                 "--no-fresh-rss", f"--device={args.device}"]
-        flags += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("n_layer", "n_head", "d_model",
-                                                                          "seq_len", "micro_batch")
-                  if getattr(args, k) is not None]
-        cmds.append(prefix + ["--nproc-per-node", str(n), "-m", "zerodp.app.bench"] + flags)
-        files.append(str(out / "bench.json"))
-    return cmds, files
-
-
-def launch_env(device: str = "cpu") -> dict[str, str]:
-    """Environment for the bench workers: one thread each, glibc returning freed tensor memory to the
-    OS at once (so RSS follows live memory), DeepSpeed's CPU accelerator when ``--device`` resolves to
-    the CPU (no GPU, or ``--device cpu`` on a GPU machine)."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    if bench_device.device_type(device) == "cpu":
-        env.setdefault("DS_ACCELERATOR", "cpu")
-    return env
-
-
-def run_sweep(args: argparse.Namespace, prefix: list[str]) -> str | None:
-    """Run the ``--sweep-ranks`` probes; returns the comma-joined JSON files, or None when none ran.
-
-    Raises:
-        RuntimeError: a sweep run failed (its exit code and command line).
-    """
-    cmds, files = sweep_commands(args, prefix)
-    for cmd in cmds:
-        rc = subprocess.run(cmd, env=launch_env(args.device), stdout=subprocess.DEVNULL).returncode
-        if rc != 0:
-            raise RuntimeError(f"sweep run failed with exit code {rc}: {' '.join(cmd)}")
-    return ",".join(files) or None
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
-    p.add_argument("--n-layer", type=int, default=None)
-    p.add_argument("--n-head", type=int, default=None)
-    p.add_argument("--d-model", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--micro-batch", type=int, default=None)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--probe-steps", type=int, default=3)
-    p.add_argument("--only", default=None)
-    p.add_argument("--exclude", default=None)
-    p.add_argument("--out", default="bench_out")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-fresh-rss", action="store_true")
-    p.add_argument("--sweep-ranks", default="")
-    p.add_argument("--sweep-from", default=None)
-    p.add_argument("--offload", action="store_true")
-    p.add_argument("--nvme-path", default=None)
-    p.add_argument("--sub-group-size", type=int, default=1_000_000)
-    p.add_argument("--device", default="cpu", choices=bench_device.DEVICE_CHOICES)
 
 
 if __name__ == "__main__":

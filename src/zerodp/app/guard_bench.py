@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from zerodp.app.bench import add_arguments, make_batches, resolve_model
+from zerodp.app.bench import make_batches
+from zerodp.app.bench_args import add_arguments, resolve_model
 from zerodp.app.bench_systems import loss_of
 from zerodp.app.model import GPT
 

@@ -12,10 +12,15 @@ report (its traceback and its log lines) is not printed.
 
 With ``--debug`` or ``ZERODP_DEBUG=1`` (see :func:`debug_enabled`) nothing is summarised: workers raise
 as usual (a full traceback per rank) and so does the launcher.
+
+The torch.distributed.run command line is built here too: the launcher flags ``zerodp train``,
+``bench`` and ``run`` share (:func:`add_launcher_arguments`), ``--standalone`` for a single node
+(:func:`torchrun_prefix`) and the flags forwarded to the workers (:func:`forward_flags`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -26,6 +31,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
+
+from zerodp.app.arg_types import int_at_least
+from zerodp.app.train_settings import DEFAULTS
 
 #: environment variable turning on full tracebacks (any value but "", "0", "false", "no").
 DEBUG_ENV = "ZERODP_DEBUG"
@@ -156,4 +164,67 @@ def _read_messages(directory: str) -> list[dict]:
             out.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
+    return out
+
+
+# ---- the torch.distributed.run command line -----------------------------------------------------
+
+#: launcher options forwarded to torchrun rather than to the workers: dest -> torchrun flag.
+LAUNCHER_FLAGS = {
+    "nnodes": "--nnodes",
+    "node_rank": "--node-rank",
+    "master_addr": "--master-addr",
+    "master_port": "--master-port",
+    "rdzv_endpoint": "--rdzv-endpoint",
+    "rdzv_backend": "--rdzv-backend",
+    "rdzv_id": "--rdzv-id",
+}
+
+
+def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--nproc`` and the rendezvous flags, in a group of their own (see :data:`LAUNCHER_FLAGS`)."""
+    d = DEFAULTS
+    launch = parser.add_argument_group("launcher (passed to torch.distributed.run)")
+    launch.add_argument("--nproc", metavar="N", type=int_at_least(1), default=d.nproc,
+                        help=f"ranks (processes) per node (default {d.nproc})")
+    launch.add_argument("--nnodes", metavar="N|MIN:MAX", help="number of nodes, or MIN:MAX (default 1)")
+    launch.add_argument("--node-rank", metavar="R", type=int_at_least(0), help="this node's rank (static rendezvous)")
+    launch.add_argument("--master-addr", metavar="HOST", help="address of the node-rank-0 host")
+    launch.add_argument("--master-port", metavar="PORT", type=int_at_least(1), help="port on the master host")
+    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                        help="rendezvous host:port (e.g. for --rdzv-backend c10d)")
+    launch.add_argument("--rdzv-backend", metavar="NAME", help="rendezvous backend, e.g. c10d or static")
+    launch.add_argument("--rdzv-id", metavar="ID", help="job id shared by all nodes")
+
+
+def inside_torchrun() -> bool:
+    """This process is a worker started by torch.distributed.run (``RANK`` or ``LOCAL_RANK`` set)."""
+    return "RANK" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def torchrun_prefix(args: argparse.Namespace) -> list[str]:
+    """``python -m torch.distributed.run --nproc-per-node N [--standalone | rendezvous flags]`` for ``args``.
+
+    ``--standalone`` is added when the run is single-node (``--nnodes`` unset or 1) and no master or
+    rendezvous flag is given.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
+    launcher = {dest: getattr(args, dest) for dest in LAUNCHER_FLAGS if getattr(args, dest) is not None}
+    single_node = str(launcher.get("nnodes", "1")) in ("1", "1:1")
+    if single_node and not set(launcher) - {"nnodes"}:
+        cmd.append("--standalone")
+    for dest, value in launcher.items():
+        cmd += [LAUNCHER_FLAGS[dest], str(value)]
+    return cmd
+
+
+def forward_flags(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
+    """``--flag=value`` for every set (not None) option in ``flags``; ``True`` gives the bare flag."""
+    out = []
+    for dest, flag in flags.items():
+        value = getattr(args, dest)
+        if value is True:
+            out.append(flag)
+        elif value is not None and value is not False:
+            out.append(f"{flag}={value}")
     return out

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerodp.app.cli import int_at_least
+from zerodp.app.arg_types import int_at_least
 
 SYSTEMS = ("plain", "ddp", "fsdp2", "deepspeed", "zerodp_s0", "zerodp_s1", "zerodp_s2", "zerodp_s3")
 

@@ -24,7 +24,7 @@ def add_parser(sub: Any, add_launcher_arguments: Callable[[Any], None],
                torchrun_prefix: Callable[[argparse.Namespace], list[str]]) -> None:
     """Add the ``run`` subcommand to ``sub`` (argparse subparsers); ``add_launcher_arguments(parser)``
     adds ``--nproc`` and the rendezvous flags (those of ``zerodp train``), ``torchrun_prefix(args)``
-    turns them into the ``python -m torch.distributed.run ...`` command (both from zerodp.app.cli)."""
+    turns them into the ``python -m torch.distributed.run ...`` command (both from zerodp.app.launch)."""
     ru = sub.add_parser(
         "run", help="run a DeepSpeed / HF Trainer script on zerodp registered as `deepspeed`",
         description="Launch SCRIPT on N ranks (torch.distributed.run) with zerodp.deepspeed registered as the "

@@ -297,8 +297,9 @@ def _run(s: RunSettings, t_start: float) -> None:
     offload = engine.offload_report()
     if offload is not None:
         memory += "\n" + offload.format()
-    if engine.param_offload is not None:
-        memory += "\n" + engine.param_offload.format(engine.rank, n_steps)
+    param_line = engine.param_offload.format(engine.rank, n_steps)
+    if param_line is not None:
+        memory += "\n" + param_line
     gathered: list | None = [None] * world if rank == 0 else None
     dist.gather_object(memory, gathered, dst=0)
 

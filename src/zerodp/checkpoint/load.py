@@ -40,40 +40,14 @@ def check_compatible(meta: CheckpointMeta, engine: Engine) -> None:
     params, buffers, keys = describe_model(engine)
     mine = {a: r for r in params + buffers for a in r.aliases}
     theirs = {a: r for r in meta.params + meta.buffers for a in r.aliases}
-    kind_mine = {a: kind for kind, rs in (("parameter", params), ("buffer", buffers))
-                 for r in rs for a in r.aliases}
-    kind_theirs = {a: kind for kind, rs in (("parameter", meta.params), ("buffer", meta.buffers))
-                   for r in rs for a in r.aliases}
-    problems = []
-    for k in meta.state_dict_keys:
-        if k not in mine:
-            problems.append(f"checkpoint has {kind_theirs[k]} {k!r} that the model lacks")
+    kind_mine, kind_theirs = _kinds(params, buffers), _kinds(meta.params, meta.buffers)
+    problems = [f"checkpoint has {kind_theirs[k]} {k!r} that the model lacks"
+                for k in meta.state_dict_keys if k not in mine]
+    problems += [f"model has {kind_mine[k]} {k!r} missing from checkpoint" for k in keys if k not in theirs]
     for k in keys:
-        if k not in theirs:
-            problems.append(f"model has {kind_mine[k]} {k!r} missing from checkpoint")
-    for k in keys:
-        if k not in theirs:
-            continue
-        a, b = theirs[k], mine[k]
-        if k != b.name:
-            continue  # report each tensor once, under its first name
-        if sorted(a.aliases) != sorted(b.aliases):
-            problems.append(f"tied names differ: checkpoint ties {sorted(a.aliases)}, model ties "
-                            f"{sorted(b.aliases)}")
-        if kind_theirs[k] != kind_mine[k]:
-            problems.append(f"{k!r} is a {kind_theirs[k]} in the checkpoint but a {kind_mine[k]} in the model")
-        elif a.shape != b.shape:
-            problems.append(f"{kind_mine[k]} {k!r} has shape {a.shape} in the checkpoint but {b.shape} in the "
-                            "model")
-        elif a.strides != b.strides and a.trained and b.trained:
-            problems.append(f"parameter {k!r} was saved in the element order of strides {a.strides} but the "
-                            f"model's has strides {b.strides} (None: row-major); give the parameter the "
-                            "memory format it had when saved (e.g. model.to(memory_format=torch.channels_last)) "
-                            "before zerodp.initialize, or load zerodp.checkpoint.load_full_state_dict(...) "
-                            "with engine.load_module_state_dict")
-        elif kind_mine[k] == "parameter" and _trains(a) != _trains(b):
-            problems.append(_training_mismatch(k, a, b) + (" (its values were not saved either: "
-                            "exclude_frozen_parameters=True)" if k in meta.excluded_frozen else ""))
+        if k in theirs and k == mine[k].name:  # report each tensor once, under its first name
+            problems += _tensor_problems(k, theirs[k], mine[k], (kind_theirs[k], kind_mine[k]),
+                                         k in meta.excluded_frozen)
     if not problems:
         for i, names in enumerate(optimizer_group_names(engine)):
             try:
@@ -82,6 +56,34 @@ def check_compatible(meta: CheckpointMeta, engine: Engine) -> None:
                 problems.append(f"optimizer param group {i}: {e}")
     if problems:
         raise CheckpointError("; ".join(problems))
+
+
+def _kinds(params: list[TensorRecord], buffers: list[TensorRecord]) -> dict[str, str]:
+    """Every name (aliases included) -> ``"parameter"`` or ``"buffer"``."""
+    return {a: kind for kind, rs in (("parameter", params), ("buffer", buffers)) for r in rs for a in r.aliases}
+
+
+def _tensor_problems(k: str, a: TensorRecord, b: TensorRecord, kinds: tuple[str, str], excluded: bool) -> list[str]:
+    """How the tensor named ``k`` differs between the checkpoint (``a``) and the model (``b``): its tied
+    names, then the first of kind, shape, element order (strides) or trained/frozen; ``kinds``: its kind
+    in each; ``excluded``: its values were not saved (``exclude_frozen_parameters``)."""
+    out = []
+    if sorted(a.aliases) != sorted(b.aliases):
+        out.append(f"tied names differ: checkpoint ties {sorted(a.aliases)}, model ties {sorted(b.aliases)}")
+    if kinds[0] != kinds[1]:
+        out.append(f"{k!r} is a {kinds[0]} in the checkpoint but a {kinds[1]} in the model")
+    elif a.shape != b.shape:
+        out.append(f"{kinds[1]} {k!r} has shape {a.shape} in the checkpoint but {b.shape} in the model")
+    elif a.strides != b.strides and a.trained and b.trained:
+        out.append(f"parameter {k!r} was saved in the element order of strides {a.strides} but the "
+                   f"model's has strides {b.strides} (None: row-major); give the parameter the "
+                   "memory format it had when saved (e.g. model.to(memory_format=torch.channels_last)) "
+                   "before zerodp.initialize, or load zerodp.checkpoint.load_full_state_dict(...) "
+                   "with engine.load_module_state_dict")
+    elif kinds[1] == "parameter" and _trains(a) != _trains(b):
+        out.append(_training_mismatch(k, a, b) + (" (its values were not saved either: "
+                   "exclude_frozen_parameters=True)" if excluded else ""))
+    return out
 
 
 def _trains(rec: TensorRecord) -> bool:
@@ -121,6 +123,12 @@ class _StagedLoad:
 
 
 def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointReader) -> _StagedLoad:
+    """Read everything the load copies in (values in this engine's layout, optimizer states, RNG,
+    hyperparameters, scaler and scheduler states); the engine is not touched.
+
+    Raises:
+        CheckpointError: a value would overflow this engine's dtype (:func:`_check_representable`).
+    """
     named: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, live tensor, new values)
     for t in layout.value_targets(engine):
         if reader.record(t.name).name in reader.excluded:
@@ -139,6 +147,23 @@ def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointRead
     if theirs != mine:
         _check_representable(reader.path, named, theirs, mine)
     values = [(live, new) for _, live, new in named]
+    states = _stage_optimizer_states(engine, reader, values)
+    rng = reader.read_rng(engine.rank) if reader.meta.world_size == engine.world_size else {}
+    hps = [group_hyperparameters(reader.meta, names) for names in optimizer_group_names(engine)]
+    scaler, saved_scaler = getattr(engine, "loss_scaler", None), reader.meta.loss_scaler
+    scaler_state = (saved_scaler.model_dump() if scaler is not None and scaler.dynamic and saved_scaler is not None
+                    and saved_scaler.dynamic else None)
+    scheduler, saved_scheduler = getattr(engine, "lr_scheduler", None), reader.meta.lr_scheduler
+    scheduler_state = (copy.deepcopy(saved_scheduler.state) if scheduler is not None and saved_scheduler
+                       is not None and saved_scheduler.type == type(scheduler).__name__ else None)
+    return _StagedLoad(reader.path, reader.meta, values, states, rng, hps, scaler_state, scheduler_state)
+
+
+def _stage_optimizer_states(engine: Engine, reader: CheckpointReader, values: list[tuple[torch.Tensor, torch.Tensor]]
+                            ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor] | None]]:
+    """``(optimizer parameter, its new state or None)`` for each of this rank's pieces, read for the
+    piece's range; a piece's fp32 master gets its values appended to ``values``. Scalar states go to
+    the parameter's device under ``capturable`` / ``fused``, as torch keeps them."""
     groups_by_piece = {}
     for pg in engine.optimizer.param_groups:
         for p in pg["params"]:
@@ -165,15 +190,7 @@ def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointRead
                 else:
                     st[k] = reader.read_range(k, rec.name, start, end, param.dtype).to(param.device)
             states.append((param, st))
-    rng = reader.read_rng(engine.rank) if reader.meta.world_size == engine.world_size else {}
-    hps = [group_hyperparameters(reader.meta, names) for names in optimizer_group_names(engine)]
-    scaler, saved_scaler = getattr(engine, "loss_scaler", None), reader.meta.loss_scaler
-    scaler_state = (saved_scaler.model_dump() if scaler is not None and scaler.dynamic and saved_scaler is not None
-                    and saved_scaler.dynamic else None)
-    scheduler, saved_scheduler = getattr(engine, "lr_scheduler", None), reader.meta.lr_scheduler
-    scheduler_state = (copy.deepcopy(saved_scheduler.state) if scheduler is not None and saved_scheduler
-                       is not None and saved_scheduler.type == type(scheduler).__name__ else None)
-    return _StagedLoad(reader.path, reader.meta, values, states, rng, hps, scaler_state, scheduler_state)
+    return states
 
 
 def _check_representable(path: Path, named: list[tuple[str, torch.Tensor, torch.Tensor]], theirs: str,

@@ -225,6 +225,13 @@ class CheckpointMeta(_Record):
             raise CheckpointError(f"'skipped_steps' is {self.skipped_steps}; expected >= 0")
         if len(self.ranks) != self.world_size or [r.rank for r in self.ranks] != list(range(self.world_size)):
             raise CheckpointError(f"'ranks' must list ranks 0..{self.world_size - 1} in order")
+        self._check_pieces()
+        if self.version >= 2:
+            self._check_checksums_listed()
+
+    def _check_pieces(self) -> None:
+        """Every rank's optimizer pieces belong to trained parameters, lie inside them, have states of
+        their shape, and together cover each trained parameter with one kind of state."""
         by_name = {r.name: r for r in self.params}
         covered: dict[str, list[PieceRecord]] = {r.name: [] for r in self.params if r.trained}
         for rr in self.ranks:
@@ -257,8 +264,6 @@ class CheckpointMeta(_Record):
             kinds = {tuple(sorted(p.state)) for p in pieces}
             if len(kinds) > 1:
                 raise CheckpointError(f"the pieces of parameter {name!r} disagree on its optimizer state")
-        if self.version >= 2:
-            self._check_checksums_listed()
 
     def _check_checksums_listed(self) -> None:
         """Version 2: every tensor of every file has exactly one recorded checksum."""

@@ -112,11 +112,9 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     shapes = {id(p): tuple(p.shape) for p in model.parameters()}  # before stage 3 partitions them
     scheduler_fn = _scheduler_factory(lr_scheduler, client_opt)
     engine = _zerodp_initialize(model, cfg, model_parameters=model_parameters, lr_scheduler=scheduler_fn, mpu=mpu)
-    if engine.stage == 3:
-        _set_ds_attributes(model, shapes)
-    loader = _training_loader(engine, training_data, collate_fn)
-    ds_engine = DeepSpeedEngine(engine, loader, ds_config=raw_resolved)
-    return ds_engine, engine.optimizer, loader, engine.lr_scheduler
+    _set_ds_attributes(engine.stage, model, shapes)
+    ds_engine = DeepSpeedEngine(engine, _training_loader(engine, training_data, collate_fn), ds_config=raw_resolved)
+    return ds_engine, engine.optimizer, ds_engine.training_dataloader, engine.lr_scheduler
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -169,9 +167,12 @@ def _resolve_auto(raw: dict[str, Any], model: nn.Module, client_opt: torch.optim
                                     translate_optimizer=client_opt is None)
 
 
-def _set_ds_attributes(model: nn.Module, shapes: dict[int, tuple[int, ...]]) -> None:
-    """Stage 3: DeepSpeed's ``ds_*`` attributes on every parameter of ``model``; ``shapes`` (by ``id``)
-    are the full shapes from before partitioning, for parameters that have no ``ds_shape`` yet."""
+def _set_ds_attributes(stage: int, model: nn.Module, shapes: dict[int, tuple[int, ...]]) -> None:
+    """At ``stage`` 3 (nothing otherwise): DeepSpeed's ``ds_*`` attributes on every parameter of ``model``;
+    ``shapes`` (by ``id``) are the full shapes from before partitioning, for parameters that have no
+    ``ds_shape`` yet."""
+    if stage != 3:
+        return
     for p in model.parameters():
         zero.set_ds_attributes(p, None if hasattr(p, "ds_shape") else shapes[id(p)])
 

@@ -71,27 +71,39 @@ class Init(_zero.Init):
         if bad:
             raise NotImplementedError(f"zerodp.deepspeed.zero.Init({bad[0]}=...) is not implemented in zerodp "
                                       "(no model parallelism or quantization)")
-        if config_dict_or_path is not None and config is not None:
-            raise ValueError("zero.Init: give config_dict_or_path or config, not both")
-        # "auto" values take their defaults, as DeepSpeed's zero.Init reads them (the HF Trainer fills
-        # the hidden-size ones only once the model exists): Init reads only the stage, the precision,
-        # the persistence threshold and offload_param; initialize() resolves the rest with the model.
-        raw = drop_auto(read_config(config if config is not None else config_dict_or_path))
-        if not isinstance(raw.get("zero_optimization"), dict):
-            raw["zero_optimization"] = {}
-        raw["zero_optimization"].setdefault("stage", 3)
-        cfg = resolve_deepspeed_config(raw, model=None)
-        implied = (torch.bfloat16 if (cfg.get("bf16") or {}).get("enabled") else
-                   torch.float16 if (cfg.get("fp16") or {}).get("enabled") else None)
-        if dtype is not None and dtype != (implied or torch.float32):
-            raise ConfigError(f"zero.Init(dtype={dtype}) disagrees with the config's precision "
-                              f"({implied or 'fp32'}); zerodp partitions in the config's dtype")
+        cfg = _init_config(config_dict_or_path, config, dtype)
         super().__init__(config=cfg, enabled=enabled, process_group=data_parallel_group,
                          remote_device=remote_device, pin_memory=None if pin_memory is False else pin_memory)
 
     def _partitioned(self, unit: ShardedUnit) -> None:
         for s in unit.slots:
             set_ds_attributes(s.param, tuple(s.shape))
+
+
+def _init_config(config_dict_or_path: Any, config: Any, dtype: torch.dtype | None) -> dict[str, Any]:
+    """The config :class:`Init` hands to :class:`zerodp.zero.Init`: DeepSpeed's (a dict or a JSON path,
+    given either way) with stage 3 implied when it names none.
+
+    Raises:
+        ValueError: both ``config_dict_or_path`` and ``config`` given.
+        ConfigError: ``dtype`` disagrees with the config's fp16/bf16.
+    """
+    if config_dict_or_path is not None and config is not None:
+        raise ValueError("zero.Init: give config_dict_or_path or config, not both")
+    # "auto" values take their defaults, as DeepSpeed's zero.Init reads them (the HF Trainer fills
+    # the hidden-size ones only once the model exists): Init reads only the stage, the precision,
+    # the persistence threshold and offload_param; initialize() resolves the rest with the model.
+    raw = drop_auto(read_config(config if config is not None else config_dict_or_path))
+    if not isinstance(raw.get("zero_optimization"), dict):
+        raw["zero_optimization"] = {}
+    raw["zero_optimization"].setdefault("stage", 3)
+    cfg = resolve_deepspeed_config(raw, model=None)
+    implied = (torch.bfloat16 if (cfg.get("bf16") or {}).get("enabled") else
+               torch.float16 if (cfg.get("fp16") or {}).get("enabled") else None)
+    if dtype is not None and dtype != (implied or torch.float32):
+        raise ConfigError(f"zero.Init(dtype={dtype}) disagrees with the config's precision "
+                          f"({implied or 'fp32'}); zerodp partitions in the config's dtype")
+    return cfg
 
 
 def set_ds_attributes(p: nn.Parameter, shape: tuple[int, ...] | None) -> None:

@@ -15,12 +15,18 @@ The homes (see [Note: residency] in :mod:`zerodp.offload.param_swap`):
 - ``device: cpu`` on a CPU engine: no home; the shards are in host memory already, nothing changes.
 
 ``pin_memory`` unset is resolved from the engine's device (page-locked on CUDA).
+
+Without ``offload_param`` the engine holds a :class:`NoParamOffload`: both implement
+:class:`ParamOffloadStrategy`, chosen once by :func:`build_param_offload`, so the engine never asks
+whether a parameter offload exists.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,6 +34,7 @@ import torch.distributed as dist
 from zerodp.offload.config import AioConfig, OffloadParamConfig
 from zerodp.offload.param_home import HostShard, HostShards
 from zerodp.offload.param_swap import ParamSwapper, Residency, SwappedShard, fmt_bytes
+from zerodp.offload.shard_window import ShardAccess
 from zerodp.runtime import device as devices
 from zerodp.runtime.partition import FlatGroup
 from zerodp.stage3.sharding import Stage3
@@ -36,10 +43,32 @@ from zerodp.stage3.units import ShardedUnit
 #: a unit's home: where its shard lives between uses
 Home = SwappedShard | HostShard
 
+#: the stage-3 coordinator's read-ahead hook: called with the units of the modules still to come
+ReadAhead = Callable[[Sequence[Sequence[ShardedUnit]]], None]
+
+
+class ParamOffloadStrategy(ShardAccess, Protocol):
+    """What the engine calls on its parameter offload (:class:`ParamOffload` or :class:`NoParamOffload`),
+    besides the per-group residency of :class:`~zerodp.offload.shard_window.ShardAccess`."""
+
+    @property  # read-only: ParamOffload's is the config's Literal
+    def device(self) -> str: ...
+    @property
+    def swapper(self) -> ParamSwapper | None: ...
+
+    def read_ahead_hook(self) -> ReadAhead | None: ...
+    def attach_to(self, sharding: Stage3 | None) -> None: ...
+    def resident(self, groups: Sequence[FlatGroup] | None, write: bool,
+                 settle: Callable[[], None]) -> AbstractContextManager[None]: ...
+    def check_health(self) -> None: ...
+    def format(self, rank: int, steps: int) -> str | None: ...
+    def close(self) -> None: ...
+
 
 class ParamOffload:
-    """One stage-3 engine's parameter offload: the homes of its units' shards, read-ahead along the
-    trace, and residency for the engine calls that touch shards (step, checkpoints, accessors)."""
+    """One stage-3 engine's parameter offload (a :class:`ParamOffloadStrategy`): the homes of its units'
+    shards, read-ahead along the trace, and residency for the engine calls that touch shards (step,
+    checkpoints, accessors)."""
 
     def __init__(self, cfg: OffloadParamConfig, aio: AioConfig, rank: int,
                  process_group: dist.ProcessGroup | None) -> None:
@@ -53,6 +82,21 @@ class ParamOffload:
         self.units: list[ShardedUnit] = []
         self._by_group: dict[int, ShardedUnit] = {}
         self._pending: Callable[[FlatGroup], bool] = lambda group: False
+
+    def read_ahead_hook(self) -> ReadAhead | None:
+        """The stage-3 coordinator's hook (:meth:`read_ahead`), given to it at construction."""
+        return self.read_ahead
+
+    def attach_to(self, sharding: Stage3 | None) -> None:
+        """Collective: send the shards of ``sharding``'s units home (:meth:`attach`).
+
+        Raises:
+            ValueError: offload asked for without stage 3 (the config schema refuses that first).
+            OffloadError: the NVMe path is unusable (on every rank).
+        """
+        if sharding is None:
+            raise ValueError("zero_optimization.offload_param needs zero_optimization.stage 3")
+        self.attach(sharding.units)
 
     def attach(self, units: Sequence[ShardedUnit]) -> None:
         """Collective: send the shard of every non-persistent unit to its home. Units built by
@@ -84,11 +128,17 @@ class ParamOffload:
             elif self.host_shards is not None and u.home is None:
                 u.home = self.host_shards.add(u.name, u.shard)
 
-    @contextlib.contextmanager
-    def resident(self, groups: Sequence[FlatGroup] | None = None, write: bool = False) -> Iterator[None]:
+    def resident(self, groups: Sequence[FlatGroup] | None, write: bool,
+                 settle: Callable[[], None]) -> AbstractContextManager[None]:
         """Every offloaded shard (or those of ``groups``) holds its values for the block; with
-        ``write``, changed values are written home afterwards. All reads are queued first, so they
-        pipeline through the buffer pool."""
+        ``write``, changed values are written home afterwards. ``settle`` is called first (an
+        optimizer step still updating shards, ``overlap_step``, ends before they move)."""
+        settle()
+        return self._resident(groups, write)
+
+    @contextlib.contextmanager
+    def _resident(self, groups: Sequence[FlatGroup] | None, write: bool) -> Iterator[None]:
+        """All reads are queued first, so they pipeline through the buffer pool."""
         units = self.units if groups is None else [self._by_group[id(g)] for g in groups
                                                     if id(g) in self._by_group]
         homes = [u.home for u in units if u.home is not None]
@@ -202,38 +252,71 @@ class ParamOffload:
             self.host_shards.close()
 
 
-def build_param_offload(cfg: OffloadParamConfig, aio: AioConfig, rank: int, process_group: dist.ProcessGroup | None,
-                        device: torch.device) -> ParamOffload | None:
-    """None for ``offload_param.device: none``; else the engine's parameter offload (``pin_memory``
-    resolved for the engine's ``device``), built before the stage-3 units (their coordinator gets its
-    :meth:`ParamOffload.read_ahead`) and attached to them by :func:`attach_param_offload`."""
-    if not cfg.enabled:
+class NoParamOffload:
+    """``offload_param.device: none``: every shard stays where it is, always resident; the engine calls
+    it as it would a :class:`ParamOffload` and nothing moves."""
+
+    device = "none"
+    #: no parameter swap file (the NVMe optimizer offload pins shards per sub-group only with one)
+    swapper: ParamSwapper | None = None
+
+    def read_ahead_hook(self) -> ReadAhead | None:
+        """None: nothing to read ahead, the coordinator skips its trace walk."""
         return None
-    cfg = cfg.model_copy(update={"pin_memory": devices.resolve_pin_memory(cfg.pin_memory, device)})
-    return ParamOffload(cfg, aio, rank, process_group)
 
-
-def attach_param_offload(offload: ParamOffload | None, sharding: Stage3 | None) -> None:
-    """Send the stage-3 units' shards home (``offload``); without one, bring the shards ``zero.Init``
-    sent to its swap file or host homes back into memory for good.
-
-    Raises:
-        ValueError: offload asked for without stage 3 (the config schema refuses that first).
-        OffloadError: the NVMe path is unusable (on every rank).
-    """
-    if offload is None:
+    def attach_to(self, sharding: Stage3 | None) -> None:
+        """Bring the shards ``zero.Init(remote_device=...)`` sent to its swap file or host homes back
+        into memory for good, and close those homes: this engine does not offload."""
         built = {}
-        for u in sharding.units if sharding is not None else ():  # built by zero.Init(remote_device=...)
+        for u in sharding.units if sharding is not None else ():
             if u.home is not None:
                 home, u.home = u.home, None
                 built[id(_owner(home))] = _owner(home)
-                _forget(home)  # read into memory for good: this engine does not offload
+                _forget(home)
         for owner in built.values():
             owner.close()
-        return
-    if sharding is None:
-        raise ValueError("zero_optimization.offload_param needs zero_optimization.stage 3")
-    offload.attach(sharding.units)
+
+    def resident(self, groups: Sequence[FlatGroup] | None, write: bool,
+                 settle: Callable[[], None]) -> AbstractContextManager[None]:
+        """A no-op: the shards hold their values already (``settle`` is not needed)."""
+        return contextlib.nullcontext()
+
+    def prefetch(self, groups: Sequence[FlatGroup]) -> None:
+        """Nothing to read."""
+
+    def pin(self, groups: Sequence[FlatGroup]) -> None:
+        """Nothing to read."""
+
+    def unpin(self, groups: Sequence[FlatGroup], dirty: bool, keep: bool = False) -> None:
+        """Nothing to write."""
+
+    def swapped(self, group: FlatGroup) -> bool:
+        return False
+
+    def set_use_hook(self, before_use: Callable[[FlatGroup], None], pending: Callable[[FlatGroup], bool]) -> None:
+        """No shard is ever read back, so there is no use to hook."""
+
+    def check_health(self) -> None:
+        """No swap file to lose."""
+
+    def format(self, rank: int, steps: int) -> str | None:
+        """None: no line for ``zerodp train``."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def build_param_offload(cfg: OffloadParamConfig, aio: AioConfig, rank: int, process_group: dist.ProcessGroup | None,
+                        device: torch.device) -> ParamOffloadStrategy:
+    """:class:`NoParamOffload` for ``offload_param.device: none``; else the engine's parameter offload
+    (``pin_memory`` resolved for the engine's ``device``), built before the stage-3 units (their
+    coordinator gets its :meth:`~ParamOffloadStrategy.read_ahead_hook`) and attached to them by
+    :meth:`~ParamOffloadStrategy.attach_to`."""
+    if not cfg.enabled:
+        return NoParamOffload()
+    cfg = cfg.model_copy(update={"pin_memory": devices.resolve_pin_memory(cfg.pin_memory, device)})
+    return ParamOffload(cfg, aio, rank, process_group)
 
 
 def _owner(home: object) -> ParamSwapper | HostShards:
@@ -253,4 +336,4 @@ def _forget(home: object) -> None:
         home.forget()
 
 
-__all__ = ["Home", "ParamOffload", "attach_param_offload", "build_param_offload"]
+__all__ = ["Home", "NoParamOffload", "ParamOffload", "ParamOffloadStrategy", "ReadAhead", "build_param_offload"]

@@ -189,7 +189,7 @@ class ReportedEngine(Protocol):
 
     @property  # read-only: the engine's is a Literal[0, 1, 2, 3]
     def stage(self) -> int: ...
-    param_offload: Any | None  # zerodp.offload.param_offload.ParamOffload
+    param_offload: Any  # zerodp.offload.param_offload.ParamOffloadStrategy
     sharding: Any | None  # zerodp.stage3.sharding.Stage3
     precision: Any  # zerodp.runtime.precision.PrecisionPolicy
 
@@ -228,7 +228,7 @@ def memory_report(engine: ReportedEngine) -> MemoryReport:
     measured = _measured(engine, frozen_bytes)
     formula = model_state_bytes(engine.stage, numel, engine.world_size, engine.precision.bytes_per_element)
     engine.optimizer_offload.adjust_formula(formula, numel / engine.world_size)
-    if engine.param_offload is not None and engine.param_offload.device == "nvme":
+    if engine.param_offload.device == "nvme":
         formula["parameters"] = 0.0  # shards on NVMe between uses (persistent ones stay: measured)
     formula["parameters"] += frozen_bytes
     peak = {"gradients+buffers": engine.reducer.peak_grad_bytes}

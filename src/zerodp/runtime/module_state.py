@@ -168,8 +168,14 @@ def _check_same_values(checksum: torch.Tensor, pg: ProcessGroup | None, ledger: 
                                "the same state dict; the engine's replicas would diverge)")
 
 
-def guard_module_load_state_dict(module: nn.Module, why: str) -> list[RemovableHandle]:
-    """Make ``module.load_state_dict`` (and any submodule's) raise: its writes would be undone (``why``)."""
+def guard_module_load_state_dict(module: nn.Module, stage: int, has_master: bool) -> list[RemovableHandle]:
+    """Make ``module.load_state_dict`` (and any submodule's) raise where its writes would be undone: at
+    stage 3 (the parameters hold no values outside forward) or with fp32 masters (``has_master``: the
+    next step copies them back); nothing is guarded otherwise."""
+    if stage != 3 and not has_master:
+        return []
+    why = ("stage 3 keeps each parameter as a shard; outside forward the module's parameters hold no values"
+           if stage == 3 else "the next step would copy the fp32 master weights back over them")
 
     def refuse(*_args: object, **_kwargs: object) -> None:
         raise RuntimeError(f"module.load_state_dict on a module wrapped by a zerodp engine would be undone "

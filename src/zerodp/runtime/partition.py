@@ -22,10 +22,16 @@ received no gradient is skipped exactly as torch skips a parameter whose ``.grad
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from zerodp.runtime import comm
 
 
 @dataclass(eq=False)
@@ -185,6 +191,25 @@ def flatten_into(group_slots: list[ParamSlot], padded_numel: int) -> torch.Tenso
     return buffer
 
 
+def build_flat_groups(named_groups: Sequence[Sequence[tuple[str, nn.Parameter]]], bucket_size: int,
+                      world_size: int) -> list[FlatGroup]:
+    """The flat groups of stages 0-2: one per optimizer param group (``named_groups``, each a list of
+    ``(name, parameter)``) and dtype/device, bucketed by :func:`plan_buckets`, parameters moved into
+    their buffer by :func:`flatten_into`; slot indices run over all groups."""
+    groups: list[FlatGroup] = []
+    index = 0
+    for gi, named_params in enumerate(named_groups):
+        by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+        for name, p in named_params:
+            by_kind.setdefault((p.dtype, p.device), []).append((name, p))
+        for named in by_kind.values():
+            slots, buckets, padded = plan_buckets(named, index, bucket_size, world_size, gi)
+            index += len(named)
+            buffer = flatten_into(slots, padded)
+            groups.append(FlatGroup(len(groups), buffer, buckets, slots))
+    return groups
+
+
 def assign_pieces(group: FlatGroup, rank: int, owns_everything: bool) -> None:
     """Fill ``group.pieces`` with this rank's optimizer tensors: the owned range of each parameter.
 
@@ -198,6 +223,27 @@ def assign_pieces(group: FlatGroup, rank: int, owns_everything: bool) -> None:
             lo, hi = max(lo_b, s.offset), min(hi_b, s.offset + s.numel)
             if lo < hi and s.group_index >= 0 and s.param.requires_grad:
                 group.pieces.append(Piece(s, b, lo, hi, group.buffer[lo - base : hi - base]))
+
+
+def pieces_by_bucket(groups: Sequence[FlatGroup]) -> dict[int, list[Piece]]:
+    """``id(bucket)`` -> this rank's pieces in it (after :func:`assign_pieces`)."""
+    out: dict[int, list[Piece]] = {}
+    for g in groups:
+        for piece in g.pieces:
+            out.setdefault(id(piece.bucket), []).append(piece)
+    return out
+
+
+def pieces_by_param(groups: Sequence[FlatGroup], keep: Callable[[Piece], bool]
+                    ) -> dict[int, tuple[FlatGroup, list[Piece]]]:
+    """``id(param)`` -> its flat group and this rank's pieces of it that ``keep`` selects (parameters
+    with no such piece are left out)."""
+    out: dict[int, tuple[FlatGroup, list[Piece]]] = {}
+    for g in groups:
+        for piece in g.pieces:
+            if keep(piece):
+                out.setdefault(id(piece.slot.param), (g, []))[1].append(piece)
+    return out
 
 
 def zero_unwritten(buf: torch.Tensor, b: Bucket, written: list[bool]) -> None:
@@ -225,3 +271,21 @@ def zero_unwritten(buf: torch.Tensor, b: Bucket, written: list[bool]) -> None:
     add(pos, b.numel)
     for lo, hi in ranges:
         buf[lo:hi].zero_()
+
+
+def all_gather_updated_shards(groups: Sequence[FlatGroup], rank: int, process_group: dist.ProcessGroup | None,
+                              ledger: comm.CommLedger, limit: int) -> None:
+    """Stages 1-2 after the optimizer step: rebuild the full parameters from every rank's updated
+    shard, in place in each flat buffer, bucket by bucket, with at most ``limit`` elements
+    (``allgather_bucket_size``) in flight (recorded as ``parameters``)."""
+    in_flight: deque[tuple[int, Any]] = deque()
+    for g in groups:
+        for b in g.buckets:
+            lo, hi = b.shard_range(rank)
+            out = g.buffer[b.start : b.start + b.numel]
+            work = comm.all_gather(out, g.buffer[lo:hi], process_group, ledger, "parameters", async_op=True)
+            in_flight.append((b.numel, work))
+            while sum(n for n, _ in in_flight) > limit and len(in_flight) > 1:
+                in_flight.popleft()[1].wait()
+    for _, work in in_flight:
+        work.wait()

@@ -22,11 +22,18 @@ boundary); :meth:`GradientReducer.presence` all-reduces those flags so every ran
 parameters that no rank produced a gradient for, as torch's optimizer does for ``grad is None``.
 
 The shared base and its [Note: repeated accumulation] are in :mod:`zerodp.runtime.grad_reducer`; this
-module gathers the strategies under one name.
+module gathers the strategies under one name and chooses one (:func:`build_reducer`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+from torch.distributed import ProcessGroup
+
+from zerodp.config import ZeroConfig
+from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.full_grad_reducers import AllReduceReducer, FullGradReduceScatter
 from zerodp.runtime.grad_reducer import (
     DIRECT_BACKWARD_MESSAGE,
@@ -35,7 +42,28 @@ from zerodp.runtime.grad_reducer import (
     GradientReducer,
     StagingPool,
 )
+from zerodp.runtime.grad_spill import SpillFactory, partitioned_reducer
+from zerodp.runtime.partition import Bucket, FlatGroup
 from zerodp.runtime.partitioned_reducer import PartitionedGradReducer
 
+
+def build_reducer(stage: int, groups: list[FlatGroup], rank: int, world_size: int, pg: ProcessGroup | None,
+                  ledger: CommLedger, zc: ZeroConfig, accumulate_dtype: torch.dtype | None,
+                  on_reduced: Callable[[FlatGroup, Bucket], None] | None, *, spill: SpillFactory | None,
+                  staging_pool: StagingPool | None, coalesce_elements: int) -> GradientReducer:
+    """The reducer of ``stage``, chosen once at engine construction (not yet attached): stage 0
+    :class:`AllReduceReducer`, 1 :class:`FullGradReduceScatter`, 2-3 the partitioned reducer
+    (:func:`zerodp.runtime.grad_spill.partitioned_reducer`), which alone takes ``spill`` (gradients
+    written out per unit), ``staging_pool`` and ``coalesce_elements`` (stage 3's coalesced
+    reduce-scatters). ``on_reduced(group, bucket)``: called once each bucket is reduced."""
+    args = (groups, rank, world_size, pg, ledger, zc.overlap_comm, accumulate_dtype, on_reduced)
+    if stage == 0:
+        return AllReduceReducer(*args)
+    if stage == 1:
+        return FullGradReduceScatter(*args)
+    return partitioned_reducer(*args, contiguous_gradients=zc.contiguous_gradients, spill=spill,
+                               staging_pool=staging_pool, coalesce_elements=coalesce_elements)
+
+
 __all__ = ["DIRECT_BACKWARD_MESSAGE", "DROPPED_ENGINE_MESSAGE", "MAX_BUCKETS_IN_FLIGHT", "AllReduceReducer",
-           "FullGradReduceScatter", "GradientReducer", "PartitionedGradReducer", "StagingPool"]
+           "FullGradReduceScatter", "GradientReducer", "PartitionedGradReducer", "StagingPool", "build_reducer"]

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -80,3 +81,20 @@ class WarmupCosineLR(_ClosedForm):
 def build_scheduler(cfg: SchedulerConfig, optimizer: Optimizer) -> LRScheduler:
     cls = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}[cfg.type]
     return cls(optimizer, cfg.parsed_params())
+
+
+def engine_scheduler(factory: Callable[[Optimizer], LRScheduler] | None, cfg: SchedulerConfig | None,
+                     optimizer: Optimizer) -> LRScheduler | None:
+    """The engine's scheduler: ``factory(optimizer)`` (``initialize(lr_scheduler=...)``), else the
+    config's ``scheduler`` section, else None.
+
+    Raises:
+        TypeError: ``factory(optimizer)`` is not a torch ``LRScheduler``.
+    """
+    if factory is None:
+        return build_scheduler(cfg, optimizer) if cfg is not None else None
+    scheduler = factory(optimizer)
+    if not isinstance(scheduler, LRScheduler):
+        raise TypeError(f"lr_scheduler(optimizer) returned {type(scheduler).__name__}, "
+                        "not a torch.optim.lr_scheduler.LRScheduler")
+    return scheduler

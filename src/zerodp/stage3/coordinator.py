@@ -36,7 +36,8 @@ from zerodp.runtime import comm
 from zerodp.runtime.coalesce import coalesced, dtype_device, runs_of_same_kind
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.streams import SideStream
-from zerodp.stage3.units import ShardedUnit, ShardState, UnitIndex
+from zerodp.stage3.unit_index import UnitIndex
+from zerodp.stage3.units import ShardedUnit, ShardState
 
 #: the prefetch of one pass (forward or backward) over the sharded units goes in about this many
 #: coalesced all-gathers (see [Note: coalesced prefetch])

@@ -65,28 +65,34 @@ def _func_name(func: Any) -> str:
     return f"'{name}'"
 
 
+#: Tensor properties that read metadata only
+_METADATA_GETTERS = ("shape", "dtype", "device", "ndim", "layout", "names", "is_leaf", "grad_fn", "_version",
+                     "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested",
+                     "is_mps", "is_xpu", "itemsize", "nbytes", "output_nr", "_base", "retains_grad", "name",
+                     "_is_view")
+#: Tensor properties that read or set metadata only
+_METADATA_SETTABLE = ("requires_grad", "grad", "_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
+#: Tensor methods that read or set metadata only
+_METADATA_METHODS = ("size", "dim", "numel", "nelement", "stride", "is_contiguous", "element_size",
+                     "is_floating_point", "is_complex", "is_signed", "storage_offset", "get_device",
+                     "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
+                     "__hash__", "__len__", "__dir__", "_is_view", "untyped_storage", "data_ptr", "is_shared")
+
+
 def _metadata() -> frozenset:
-    """The Tensor functions that read or set metadata only (never the values)."""
+    """The Tensor functions that read or set metadata only (never the values): the accessors of
+    :data:`_METADATA_GETTERS` and :data:`_METADATA_SETTABLE`, and :data:`_METADATA_METHODS`."""
     T = torch.Tensor
-    getters = ("shape", "dtype", "device", "ndim", "layout", "names", "is_leaf", "grad_fn", "_version",
-               "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested",
-               "is_mps", "is_xpu", "itemsize", "nbytes", "output_nr", "_base", "retains_grad", "name",
-               "_is_view")
-    settable = ("requires_grad", "grad", "_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
-    methods = ("size", "dim", "numel", "nelement", "stride", "is_contiguous", "element_size",
-               "is_floating_point", "is_complex", "is_signed", "storage_offset", "get_device",
-               "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
-               "__hash__", "__len__", "__dir__", "_is_view", "untyped_storage", "data_ptr", "is_shared")
     out: set = set()
-    for n in getters + settable:
+    for n in _METADATA_GETTERS + _METADATA_SETTABLE:
         d = getattr(T, n, None)
         if d is None:
             continue
-        for m in ("__get__",) + (("__set__", "__delete__") if n in settable else ()):
+        for m in ("__get__",) + (("__set__", "__delete__") if n in _METADATA_SETTABLE else ()):
             f = getattr(d, m, None)
             if f is not None:
                 out.add(f)
-    out.update(getattr(T, n) for n in methods if hasattr(T, n))
+    out.update(getattr(T, n) for n in _METADATA_METHODS if hasattr(T, n))
     return frozenset(out)
 
 

@@ -35,7 +35,8 @@ from zerodp.stage3.ownership import (
     take_pending_external,
 )
 from zerodp.stage3.pool import GatherPool
-from zerodp.stage3.units import ShardedUnit, UnitIndex, shard_unit
+from zerodp.stage3.unit_index import UnitIndex
+from zerodp.stage3.units import ShardedUnit, shard_unit
 
 
 class Stage3:
@@ -48,7 +49,7 @@ class Stage3:
     ) -> None:
         """``fetch_check``: the collective guard's gather agreement, called by the coordinator before
         each fetch (:meth:`zerodp.runtime.collective_guard.CollectiveGuard.gather_check`); None: none.
-        ``read_ahead``: the parameter offload's (:meth:`zerodp.offload.param_swap.ParamOffload.read_ahead`),
+        ``read_ahead``: the parameter offload's (:meth:`zerodp.offload.param_offload.ParamOffload.read_ahead`),
         called by the coordinator after each fetch; None: no parameter offload."""
         self.rank, self.world_size, self.pg, self.ledger = rank, world_size, pg, ledger
         spec_of = {id(p): gi for gi, spec in enumerate(specs) for _, p in spec.params}
@@ -65,31 +66,39 @@ class Stage3:
         #: elements of complete units' gradients held for one coalesced reduce-scatter (the reducer's
         #: ``coalesce_elements``), see :func:`reduce_flush_elements`
         self.reduce_flush_elements = reduce_flush_elements(self.index.units, zc.reduce_bucket_size)
-        device = self.index.units[0].shard.device if self.index.units else torch.device("cpu")
-        #: all-gathers are issued here, ordered against the compute stream by events (see [Note: comm
-        #: streams] in zerodp.runtime.streams; no-ops on the CPU)
-        self.gather_stream = SideStream(device, "all_gather")
-        self.pool = GatherPool(_pool_limit(self.index.units, zc.stage3_max_live_parameters, self.reduce_flush_elements),
-                               release_event=self.gather_stream.compute_event)
-        for u in self.index.units:
-            if not u.persistent:
-                u.pool = self.pool
-                u.stream = self.gather_stream
+        self._build_gather_memory(zc.stage3_max_live_parameters)
         positions = {id(m): i for i, m in enumerate(module.modules())}
         self.coordinator = ParameterCoordinator(
             self.index, positions, pg, ledger, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
             zc.stage3_max_reuse_distance, fetch_check, read_ahead)
         self.coordinator.stream = self.gather_stream
-        # each owner lives in the state of the module holding its parameter (the first one, as for tied
-        # parameters), so a submodule kept alone after the engine and the root are dropped still gathers
+        self._set_owners(module)
+        self.stack = ModuleStack()
+        self.handles = register_stage3_hooks(module, self.coordinator, self.stack)
+        self._mode = ExternalParameterMode(self.coordinator, self.stack)
+
+    def _build_gather_memory(self, max_live_parameters: int) -> None:
+        """The all-gather stream and the bounded pool every non-persistent unit gathers into."""
+        device = self.index.units[0].shard.device if self.index.units else torch.device("cpu")
+        #: all-gathers are issued here, ordered against the compute stream by events (see [Note: comm
+        #: streams] in zerodp.runtime.streams; no-ops on the CPU)
+        self.gather_stream = SideStream(device, "all_gather")
+        self.pool = GatherPool(_pool_limit(self.index.units, max_live_parameters, self.reduce_flush_elements),
+                               release_event=self.gather_stream.compute_event)
+        for u in self.index.units:
+            if not u.persistent:
+                u.pool = self.pool
+                u.stream = self.gather_stream
+
+    def _set_owners(self, module: nn.Module) -> None:
+        """Each parameter's owner (its unit and the coordinator, :mod:`zerodp.stage3.ownership`) lives in
+        the state of the module holding it (the first one, as for tied parameters), so a submodule kept
+        alone after the engine and the root are dropped still gathers."""
         holders = param_holders(module)
         for u in self.index.units:
             for s in u.slots:
                 holder = holders[id(s.param)][1] if id(s.param) in holders else module
-                set_owner(s.param, Owner(u, pg, ledger, self.coordinator), holder)
-        self.stack = ModuleStack()
-        self.handles = register_stage3_hooks(module, self.coordinator, self.stack)
-        self._mode = ExternalParameterMode(self.coordinator, self.stack)
+                set_owner(s.param, Owner(u, self.pg, self.ledger, self.coordinator), holder)
 
     def _build_units(self, module: nn.Module, threshold: int, spec_of: dict, sync) -> None:
         """One unit per module holding parameters above ``threshold`` elements (each parameter in the

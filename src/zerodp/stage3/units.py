@@ -50,6 +50,14 @@ from zerodp.runtime.streams import SideStream
 from zerodp.stage3.aliases import AliasTable, storage_key, storage_refs
 from zerodp.stage3.pool import GatherPool
 from zerodp.stage3.sharded_param import PartitionedParameterError, mark_sharded, mark_unsharded
+from zerodp.stage3.unit_storage import (
+    allocate_storage,
+    empty_buffer,
+    free_storage,
+    issuing_on,
+    row_major_strides,
+    unowned_alias,
+)
 
 
 class ShardState(enum.Enum):
@@ -152,7 +160,7 @@ class ShardedUnit:
         self.prepare_gather()
         if self.stream is not None:
             self.stream.after_compute()
-        with _issuing(self.stream):
+        with issuing_on(self.stream):
             self.launch_gather(pg, ledger, purpose)
 
     def prepare_gather(self) -> None:
@@ -160,12 +168,12 @@ class ShardedUnit:
         :attr:`stream` wait for its release, see [Note: gather pool]) and bring the shard home."""
         assert self.state is ShardState.SHARDED, f"unit '{self.name}' gathered while {self.state}"
         if self.full is None:
-            self.full = _empty(self.numel, self.shard.dtype, self.shard.device, self.pool, self.stream)
+            self.full = empty_buffer(self.numel, self.shard.dtype, self.shard.device, self.pool, self.stream)
             self.refs[None] = storage_refs(self.full) + len(self.slots)  # finish_gather points them at it
             if self.aliases is not None:
                 self.aliases.add(self.full, self, None)
         else:
-            _allocate(self.full, self.pool, self.stream)
+            allocate_storage(self.full, self.pool, self.stream)
         if self.home is not None:
             self.home.acquire()  # released in finish_gather, once the collective has read the shard
             if self.stream is not None:
@@ -176,7 +184,7 @@ class ShardedUnit:
         # into a non-owning alias of the full buffer's memory: the Work (kept by gloo's thread for a while
         # after wait() returns) then holds no reference to the buffer's storage, whose use count tells
         # escaping views (see [Note: escaping views]); the unit waits for the Work before any release
-        self.work = comm.all_gather(_unowned_alias(self.full_buffer), self.shard, pg, ledger, purpose, async_op=True)
+        self.work = comm.all_gather(unowned_alias(self.full_buffer), self.shard, pg, ledger, purpose, async_op=True)
         self.state = ShardState.GATHERING
 
     def finish_gather(self) -> None:
@@ -195,7 +203,7 @@ class ShardedUnit:
             mark_unsharded(s.param)
             s.param.data = self._view(s)
         for (i, _dtype), buf in self.casts.items():
-            _allocate(buf, self.pool)
+            allocate_storage(buf, self.pool)
             with torch.no_grad():
                 buf.copy_(self._view(self.slots[i]))
         self.state = ShardState.UNSHARDED
@@ -239,9 +247,9 @@ class ShardedUnit:
             self._leave_escaped_views(allow or {})
         for s in self.slots:
             mark_sharded(s.param, self._param_name(s))
-        _free(self.full, self.pool)
+        free_storage(self.full, self.pool)
         for buf in self.casts.values():
-            _free(buf, self.pool)
+            free_storage(buf, self.pool)
         self.users = 0
         self.prefetched = False
         self.state = ShardState.SHARDED
@@ -281,7 +289,7 @@ class ShardedUnit:
         if self.aliases is not None:
             self.aliases.drop(old)
         extent = old.untyped_storage().nbytes() // old.element_size()
-        new = _empty(extent, old.dtype, old.device, self.pool).as_strided(old.shape, old.stride(),
+        new = empty_buffer(extent, old.dtype, old.device, self.pool).as_strided(old.shape, old.stride(),
                                                                          old.storage_offset())
         if self.aliases is not None:
             self.aliases.add(new, self, key)
@@ -307,8 +315,8 @@ class ShardedUnit:
         buf = self.casts.get((pos, dtype))
         if buf is None:
             s = self.slots[pos]
-            buf = _empty(s.numel, dtype, self.shard.device, self.pool).as_strided(
-                s.shape, s.stride or _row_major(s.shape))
+            buf = empty_buffer(s.numel, dtype, self.shard.device, self.pool).as_strided(
+                s.shape, s.stride or row_major_strides(s.shape))
             self.casts[(pos, dtype)] = buf
             if self.aliases is not None:
                 self.aliases.add(buf, self, (pos, dtype))
@@ -382,56 +390,6 @@ class ShardedUnit:
             self.home.release(dirty=write)
 
 
-def _unowned_alias(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D tensor over ``t``'s memory whose storage does not own it (nor count as a reference to
-    ``t``'s storage); valid while ``t``'s storage holds that memory."""
-    storage = torch._C._construct_storage_from_data_pointer(t.data_ptr(), t.device, t.numel() * t.element_size())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (t.numel(),), (1,))
-
-
-def _row_major(shape: torch.Size) -> tuple[int, ...]:
-    out, acc = [], 1
-    for size in reversed(shape):
-        out.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(out))
-
-
-def _free(t: torch.Tensor | None, pool: GatherPool | None = None) -> None:
-    """Empty ``t``'s storage (0 bytes): its slab goes back to ``pool``, or its memory is freed."""
-    if t is None or (pool is not None and pool.take_back(t)):
-        return
-    if t.untyped_storage().nbytes() > 0:
-        t.untyped_storage().resize_(0)
-
-
-def _allocate(t: torch.Tensor, pool: GatherPool | None = None, waiter: SideStream | None = None) -> None:
-    """Give ``t``'s (same) storage object memory again: a slab of ``pool``, or a fresh allocation.
-    ``waiter``: the side stream that writes it first (see [Note: gather pool])."""
-    nbytes = int(t.storage_offset() + t.numel()) * t.element_size()
-    if pool is not None and t.untyped_storage().nbytes() == 0:
-        pool.lend(t, waiter)
-    elif t.untyped_storage().nbytes() < nbytes:
-        t.untyped_storage().resize_(nbytes)
-        if waiter is not None:
-            waiter.after_compute()
-
-
-def _empty(numel: int, dtype: torch.dtype, device: torch.device, pool: GatherPool | None,
-           waiter: SideStream | None = None) -> torch.Tensor:
-    if pool is not None:
-        return pool.empty_tensor(numel, dtype, device, waiter)
-    out = torch.empty(numel, dtype=dtype, device=device)
-    if waiter is not None:
-        waiter.after_compute()
-    return out
-
-
-def _issuing(stream: SideStream | None):
-    """``stream.issuing()``, or nothing (the current stream) without one."""
-    return stream.issuing() if stream is not None else contextlib.nullcontext()
-
-
 def shard_unit(name: str, named: list[tuple[str, nn.Parameter]], first_index: int, group_indices: list[int],
                rank: int, world_size: int, persistent: bool = False,
                sync: Callable[[torch.Tensor], None] | None = None, pin_memory: bool = False) -> ShardedUnit:
@@ -467,34 +425,3 @@ def shard_unit(name: str, named: list[tuple[str, nn.Parameter]], first_index: in
     if not persistent:
         unit.release()
     return unit
-
-
-@dataclass
-class UnitIndex:
-    """Which units each module needs: its own, plus those of tied and external parameters."""
-
-    units: list[ShardedUnit] = field(default_factory=list)
-    by_param: dict[int, ShardedUnit] = field(default_factory=dict)  # id(param) -> unit
-    by_module: dict[int, list[ShardedUnit]] = field(default_factory=dict)  # id(module) -> units
-    #: storages of the units' buffers, for views that outlive a release (see :mod:`zerodp.stage3.aliases`)
-    aliases: AliasTable = field(default_factory=AliasTable)
-
-    def add_module(self, module: nn.Module) -> None:
-        needed: list[ShardedUnit] = []
-        for p in module.parameters(recurse=False):
-            u = self.by_param.get(id(p))
-            if u is not None and not u.persistent and u not in needed:
-                needed.append(u)
-        if needed:
-            self.by_module[id(module)] = needed
-
-    def register_external(self, module: nn.Module, param: nn.Parameter) -> bool:
-        """Make ``module``'s forward gather ``param``'s unit too. Returns False if already so."""
-        u = self.by_param.get(id(param))
-        if u is None or u.persistent:
-            return False
-        needed = self.by_module.setdefault(id(module), [])
-        if u in needed:
-            return False
-        needed.append(u)
-        return True
