@@ -262,7 +262,7 @@ MUTANTS: list[Mutant] = [
            "        pass\n",
            [f"{CLIP}[w1-stage1-fp32-cpu]"]),
     Mutant("param_grad_left_none_at_stage1", "src/zerodp/runtime/grad_placeholder.py",
-           "            p.grad = ph\n",
+           "            p.grad = entry[0]\n",
            "            pass\n",
            [f"{CLIP}[w2-stage1-fp32-none]"]),
     Mutant("excluded_frozen_not_recorded", CHECKPOINT_SAVE,
