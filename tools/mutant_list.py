@@ -42,6 +42,7 @@ GRAD_NORM = "src/zerodp/runtime/grad_norm.py"
 CLIP = "tests/test_clip_grad.py::test_user_clipping"
 UNITS = "src/zerodp/stage3/units.py"
 ACCOUNTING = "src/zerodp/runtime/accounting.py"
+GUARDS = "src/zerodp/runtime/guards.py"
 UNIT_PLAN = "tests/unit/test_partition_plan.py"  # the in-process tier (make test-unit): seconds per mutant
 UNIT_SHARD = "tests/unit/test_shard_state.py"
 STREAM_ORDER = "tests/unit/test_stream_order.py::test_collectives_are_ordered_against_the_compute_stream"
@@ -216,6 +217,14 @@ MUTANTS: list[Mutant] = [
            "    batch = isinstance(grads, list)",
            "    batch = True",
            ["tests/unit/test_grad_norm_batched.py::test_generator_reusing_one_buffer_is_read_as_it_goes"]),
+    Mutant("added_parameter_walk_misses_it", GUARDS,
+           "            if p is not None and id(p) not in known and p.requires_grad:\n                return True\n",
+           "            if p is not None and id(p) not in known and p.requires_grad:\n                return False\n",
+           ["tests/unit/test_guard_walks.py"]),
+    Mutant("rebind_check_skips_every_slot", GUARDS,
+           "                if step and s.numel and s.param.data_ptr() == ptr0 + (s.offset - shift) * step:\n",
+           "                if step:\n",
+           ["tests/unit/test_guard_walks.py::test_rebinding_adopted_and_wrong_shape_refused"]),
     Mutant("zero_page_tail_not_cleared", ZERO_PAGES,
            "            self.tail.zero_()",
            "            pass",
