@@ -2,7 +2,8 @@
 selected engine methods are wrapped with a ``time.thread_time`` accumulator (inclusive times: nested
 entries are counted in their callers too), the rest runs as is. Model and steps as
 ``zerodp.app.overhead_bench`` (64 x Linear(64, 64), batch 4 per rank, AdamW); printed by rank 0 in
-microseconds per step (divide by 64 for the benchmark's per-module figure).
+microseconds per step (divide by 64 for the benchmark's per-module figure), with the thread's system
+time and minor page faults per step (``getrusage(RUSAGE_THREAD)``, Linux).
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         tools/overhead_breakdown.py [--systems ddp zerodp_s0 zerodp_s1 zerodp_s2] [--steps 200]
@@ -10,6 +11,7 @@ microseconds per step (divide by 64 for the benchmark's per-module figure).
 
 import argparse
 import functools
+import resource
 import time
 from collections import defaultdict
 
@@ -84,13 +86,17 @@ for name in a.systems:
     dist.barrier()
     TOTALS.clear()
     CALLS.clear()
-    c0 = time.thread_time()
+    r0, c0 = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time()
     for x in xs[3:]:
         step(x)
-    total = time.thread_time() - c0
+    r1, total = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time() - c0
     dist.barrier()
     if rank == 0:
-        print(f"{name}: {1e6 * total / a.steps:.0f} us per step ({1e6 * total / a.steps / 64:.1f} per module)")
+        print(
+            f"{name}: {1e6 * total / a.steps:.0f} us per step ({1e6 * total / a.steps / 64:.1f} per module; "
+            f"system {1e6 * (r1.ru_stime - r0.ru_stime) / a.steps:.0f} us, "
+            f"{(r1.ru_minflt - r0.ru_minflt) / a.steps:.1f} page faults per step)"
+        )
         for key, t in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
             print(f"  {key:<42} {1e6 * t / a.steps:8.0f} us/step  {CALLS[key] / a.steps:6.1f} calls/step")
     del step
