@@ -47,6 +47,30 @@ def test_zeroed_pages_read_zero_and_leave_the_resident_set(dtype: torch.dtype) -
     assert t[-1].item() == 1.0 and t[:-1].count_nonzero().item() == 0
 
 
+@pytest.mark.skipif(not huge_pages_available(), reason="needs Linux with transparent huge pages")
+def test_tail_under_a_huge_page_is_zeroed_in_place() -> None:
+    # the whole huge page is given back; the 1 MiB tail is zeroed with zero_() and stays resident
+    # (releasing its base pages made backward fault them in again at every step)
+    numel = (2 * MiB + MiB) // 4
+    buf = ZeroPageBuffer.like(torch.empty(numel))
+    t = buf.tensor
+    assert buf.mapping is not None and buf.tail is not None and buf.tail.numel() == MiB // 4
+    t.add_(torch.randn(numel))
+    assert mapping_rss(t.data_ptr()) >= 2 * MiB and mapping_rss(t[-1].data_ptr()) >= MiB
+    buf.zero_()
+    assert mapping_rss(t.data_ptr()) < MiB  # the huge page's mapping
+    assert mapping_rss(t[-1].data_ptr()) >= MiB  # the tail's (madvise split the mapping in two)
+    assert not t.any()
+
+
+def test_buffer_under_a_huge_page_is_plain() -> None:
+    buf = ZeroPageBuffer.like(torch.empty(HUGE_PAGE // 4 - 1), lazy=True)
+    assert buf.mapping is None and buf.tensor.numel() == HUGE_PAGE // 4 - 1 and not buf.tensor.any()
+    buf.tensor.fill_(1.0)
+    buf.zero_()
+    assert not buf.tensor.any()
+
+
 def test_plain_buffer_when_not_lazy() -> None:
     buf = ZeroPageBuffer.like(torch.ones(10, dtype=torch.float64), lazy=False)
     assert buf.mapping is None and torch.equal(buf.tensor, torch.zeros(10, dtype=torch.float64))

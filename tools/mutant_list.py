@@ -42,6 +42,7 @@ GRAD_NORM = "src/zerodp/runtime/grad_norm.py"
 CLIP = "tests/test_clip_grad.py::test_user_clipping"
 UNITS = "src/zerodp/stage3/units.py"
 ACCOUNTING = "src/zerodp/runtime/accounting.py"
+GUARDS = "src/zerodp/runtime/guards.py"
 UNIT_PLAN = "tests/unit/test_partition_plan.py"  # the in-process tier (make test-unit): seconds per mutant
 UNIT_SHARD = "tests/unit/test_shard_state.py"
 STREAM_ORDER = "tests/unit/test_stream_order.py::test_collectives_are_ordered_against_the_compute_stream"
@@ -211,9 +212,25 @@ MUTANTS: list[Mutant] = [
            "        digest = hashlib.blake2b(repr(buckets[:1]).encode(), digest_size=8).digest()\n",
            ["tests/test_backward_guard.py::test_coalesced_reduction_differing_in_one_bucket_is_detected"]),
     Mutant("zero_page_buffer_not_cleared", ZERO_PAGES,
-           "            self.mapping.madvise(mmap.MADV_DONTNEED)",
-           "            pass",
+           "        self.mapping.madvise(mmap.MADV_DONTNEED, *self.released)\n",
+           "        pass\n",
            ["tests/test_zero_pages.py"]),
+    Mutant("grad_norm_batches_a_generator", TOPOLOGY,
+           "    batch = isinstance(grads, list)",
+           "    batch = True",
+           ["tests/unit/test_grad_norm_batched.py::test_generator_reusing_one_buffer_is_read_as_it_goes"]),
+    Mutant("added_parameter_walk_misses_it", GUARDS,
+           "            if p is not None and id(p) not in known and p.requires_grad:\n                return True\n",
+           "            if p is not None and id(p) not in known and p.requires_grad:\n                return False\n",
+           ["tests/unit/test_guard_walks.py"]),
+    Mutant("rebind_check_skips_every_slot", GUARDS,
+           "                if step and s.numel and s.param.data_ptr() == ptr0 + (s.offset - shift) * step:\n",
+           "                if step:\n",
+           ["tests/unit/test_guard_walks.py::test_rebinding_adopted_and_wrong_shape_refused"]),
+    Mutant("zero_page_tail_not_cleared", ZERO_PAGES,
+           "            self.tail.zero_()",
+           "            pass",
+           ["tests/test_zero_pages.py::test_tail_under_a_huge_page_is_zeroed_in_place"]),
     Mutant("grad_accum_in_param_dtype", PRECISION,
            "    return torch.float32 if accumulation_steps > 1 else param_dtype\n",
            "    return param_dtype\n",
@@ -260,7 +277,7 @@ MUTANTS: list[Mutant] = [
            "        pass\n",
            [f"{CLIP}[w1-stage1-fp32-cpu]"]),
     Mutant("param_grad_left_none_at_stage1", "src/zerodp/runtime/grad_placeholder.py",
-           "            p.grad = ph\n",
+           "            p.grad = entry[0]\n",
            "            pass\n",
            [f"{CLIP}[w2-stage1-fp32-none]"]),
     Mutant("excluded_frozen_not_recorded", CHECKPOINT_SAVE,

@@ -93,7 +93,8 @@ class GradPlaceholders:
         self.stage = stage
         self.loss_scaled = loss_scaled
         self.folded = folded
-        self._cache: dict[int, HiddenGradient] = {}  # slot index -> placeholder (same shape: reused)
+        #: slot index -> (placeholder, the parameter's (shape, dtype, device) it was made for): reused while equal
+        self._cache: dict[int, tuple[HiddenGradient, tuple]] = {}
         self._displaced: dict[int, tuple[HiddenGradient, torch.Tensor | None]] = {}
         self._had_grad: list[bool] = []  # per slot: param.grad was set when the last backward returned
 
@@ -122,18 +123,18 @@ class GradPlaceholders:
     def install(self, reduced: bool) -> None:
         """After ``engine.backward`` (``reduced``: it was the accumulation boundary's): set a placeholder
         wherever ``param.grad`` is not the averaged, unscaled gradient."""
-        reason = self._reason()
+        cache, displaced = self._cache, self._displaced
         for s in self.slots:
             p = s.param
             current = p.grad
             if isinstance(current, HiddenGradient) or not self._hides(current, reduced):
                 continue
-            ph = self._cache.get(s.index)
-            if ph is None or ph.shape != p.shape or ph.dtype != p.dtype or ph.device != p.device:
-                ph = self._cache[s.index] = HiddenGradient(p, "")
-            ph.message = f"'{s.name}': {reason}. {ALTERNATIVES}"
-            p.grad = ph
-            self._displaced[s.index] = (ph, current)
+            kind = (p.shape, p.dtype, p.device)
+            entry = cache.get(s.index)
+            if entry is None or entry[1] != kind:  # first use, or p.data re-bound to another shape or dtype
+                entry = cache[s.index] = (HiddenGradient(p, f"'{s.name}': {self._reason()}. {ALTERNATIVES}"), kind)
+            p.grad = entry[0]
+            displaced[s.index] = (entry[0], current)
         self._had_grad = [s.param.grad is not None for s in self.slots]
 
     def check_not_cleared(self) -> None:

@@ -98,6 +98,30 @@ def _names(module: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
 
 
+def _has_unknown_trainable(module: nn.Module, known: set[int]) -> bool:
+    """Whether ``module.named_parameters()`` holds a parameter that requires grad and whose id is not in
+    ``known``, read from each module's ``_parameters`` without building the names (this runs at every
+    training forward and backward). Where a module overrides how torch lists them (``named_parameters``
+    or ``_named_members`` on ``module``, ``named_modules`` on any), ``named_parameters()`` itself is read."""
+    base = nn.Module
+    root = type(module)
+    if root.named_parameters is not base.named_parameters or root._named_members is not base._named_members:
+        return any(id(p) not in known and p.requires_grad for _, p in module.named_parameters())
+    stack, seen = [module], set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        if type(m).named_modules is not base.named_modules:
+            return any(id(p) not in known and p.requires_grad for _, p in module.named_parameters())
+        seen.add(id(m))
+        for p in m._parameters.values():
+            if p is not None and id(p) not in known and p.requires_grad:
+                return True
+        stack.extend(c for c in m._modules.values() if c is not None)
+    return False
+
+
 def check_model_at_initialize(model: nn.Module, stage: int) -> None:
     """Refuse, before anything is changed, what the engine cannot train correctly.
 
@@ -192,7 +216,9 @@ class TrainingGuards:
                     "reduction or optimizer state, so it would silently not train. Keep it frozen, or "
                     "leave it trainable at initialize and freeze it until needed (freezing mid-run is "
                     "supported), or build a new engine with zerodp.initialize")
-        for n, p in self.engine.module.named_parameters():
+        if not _has_unknown_trainable(self.engine.module, self.known):
+            return
+        for n, p in self.engine.module.named_parameters():  # the first one, by name
             if id(p) not in self.known and p.requires_grad:
                 raise RefusedError(
                     f"parameter '{n}' was added to the module after zerodp.initialize; it has no "
@@ -218,7 +244,12 @@ class TrainingGuards:
                 base, shift = unit.full, 0
             else:
                 base, shift = g.buffer, g.shard_offset
+            # where each slot's view starts, as an integer (no tensor view per slot: this runs every forward)
+            ptr0 = base.data_ptr()
+            step = base.stride(0) * base.element_size() if base.dim() == 1 else 0
             for s in g.slots:
+                if step and s.numel and s.param.data_ptr() == ptr0 + (s.offset - shift) * step:
+                    continue  # still its view
                 view = base[s.offset - shift : s.offset - shift + s.numel]
                 if s.param.data_ptr() == view.data_ptr():
                     continue

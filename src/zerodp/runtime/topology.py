@@ -49,7 +49,7 @@ class Topology:
 
 def is_model_parallel_parameter(p: torch.Tensor) -> bool:
     """Whether ``p`` is partitioned across the model-parallel group (see :data:`MODEL_PARALLEL_ATTRS`)."""
-    return any(bool(getattr(p, a, False)) for a in MODEL_PARALLEL_ATTRS)
+    return bool(getattr(p, "tensor_model_parallel", False)) or bool(getattr(p, "model_parallel", False))
 
 
 def _call(mpu: Any, *names: str) -> Any:
@@ -120,11 +120,33 @@ def _sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     against 3e-7 in chunks at the same cost (24 ms for 50 M). On the bench's 3.3M-parameter GPT with
     random gradients, one norm per tensor took 0.7 ms per call against 18-20 ms for an fp64 sum
     (docs/benchmarks/2026-12-01-bench.md, "Gradient norm"); on 94 tensors of 5.3 M elements in all, 1.3 ms with one norm
-    per tensor, 1.8 ms in chunks (one thread). One device-to-host copy per device, not one per gradient."""
+    per tensor, 1.8 ms in chunks (one thread). One device-to-host copy per device, not one per gradient.
+
+    When ``grads`` is a list (every gradient already materialised), consecutive CPU gradients of one
+    dtype with fewer than :data:`NORM_CHUNK` elements are normed by one ``torch._foreach_norm`` call,
+    which on the CPU runs ``linalg_vector_norm`` on each (the same call as :func:`_chunk_norms`: the
+    same bits) without a Python round trip per tensor (docs/benchmarks/2026-12-02-host-overhead.md)."""
     norms: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:  # read once, in order: an offload may materialise them one at a time
-        acc = torch.promote_types(g.dtype, torch.float32)  # fp32, or fp64 for fp64 gradients
-        norms.setdefault(g.device, []).append(_chunk_norms(g, acc))
+    run: list[torch.Tensor] = []  # consecutive small CPU gradients of one dtype, flattened, not yet normed
+    batch = isinstance(grads, list)  # a generator may reuse one buffer for each gradient it yields
+
+    def flush() -> None:
+        if run:
+            acc = torch.promote_types(run[0].dtype, torch.float32)
+            norms.setdefault(run[0].device, []).append(torch.stack(torch._foreach_norm(run, 2.0, dtype=acc)))
+            run.clear()
+
+    with torch.no_grad():  # values only (for the run, instead of a detach per gradient)
+        for g in grads:  # read once, in order: an offload may materialise them one at a time
+            small = batch and g.device.type == "cpu" and 0 < g.numel() < NORM_CHUNK
+            if not small or (run and g.dtype != run[0].dtype):
+                flush()
+            if small:
+                run.append(g if g.dim() == 1 else g.reshape(-1))  # the flat view _chunk_norms would take
+                continue
+            acc = torch.promote_types(g.dtype, torch.float32)  # fp32, or fp64 for fp64 gradients
+            norms.setdefault(g.device, []).append(_chunk_norms(g, acc))
+        flush()
     total = torch.zeros((), dtype=torch.float64)
     for per_device in norms.values():
         total += synchronize("grad_norm", torch.cat(per_device).double().pow(2).sum())  # one per device

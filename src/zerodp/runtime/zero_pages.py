@@ -15,9 +15,13 @@ zeroes it with ``madvise(MADV_DONTNEED)``: the kernel drops the pages, and the n
 page reads zeros, so the values are exactly those of ``zero_()`` (bitwise) while the buffer holds
 memory only where backward has written a gradient. With 4 KiB pages the page faults that follow cost
 several times a ``zero_()`` (13 MB: 14 ms against 1.5 ms per step, measured), so the buffer starts on
-a 2 MiB boundary and its whole 2 MiB pages are marked ``MADV_HUGEPAGE`` (the partial last one is not,
-so that it holds no more than base pages would); where transparent huge pages are off (or not Linux, or the
-buffer is not on the CPU) the buffer is a plain ``torch.zeros`` tensor zeroed with ``zero_()``.
+a 2 MiB boundary and its whole 2 MiB pages are marked ``MADV_HUGEPAGE`` and released; the partial
+last one (the tail, under 2 MiB) is not marked, so that it holds no more than base pages would, and
+is zeroed with ``zero_()`` (it stays resident): releasing its 4 KiB pages made backward fault each
+one in again at every step, about 4 us per page (1 MiB: ~1 ms of the training thread's CPU time
+per step, docs/benchmarks/2026-12-02-host-overhead.md). A buffer under 2 MiB, or where transparent
+huge pages are off (or not Linux, or not on the CPU), is a plain ``torch.zeros`` tensor zeroed with
+``zero_()``.
 """
 
 from __future__ import annotations
@@ -51,36 +55,44 @@ class ZeroPageBuffer:
     """A zero-initialised 1-D tensor (``tensor``) that :meth:`zero_` can release to the kernel.
 
     ``mapping`` is the private anonymous mapping ``tensor`` lives in, or None for a plain
-    ``torch.zeros`` tensor (then :meth:`zero_` is ``tensor.zero_()``).
+    ``torch.zeros`` tensor (then :meth:`zero_` is ``tensor.zero_()``); ``released`` is the byte range
+    ``(offset, length)`` of the mapping that :meth:`zero_` gives back (the whole huge pages), and
+    ``tail`` the rest of ``tensor`` (zeroed in place).
     """
 
     tensor: torch.Tensor
     mapping: mmap.mmap | None = None
+    released: tuple[int, int] = (0, 0)
+    tail: torch.Tensor | None = None
 
     @classmethod
     def like(cls, t: torch.Tensor, lazy: bool | None = None,
              dtype: torch.dtype | None = None) -> ZeroPageBuffer:
         """A zeroed 1-D buffer of ``t.numel()`` elements of ``dtype`` (default ``t``'s) on ``t``'s device.
-        ``lazy`` (default: :func:`huge_pages_available`, and ``t`` on the CPU and non-empty) selects the mapping."""
+        ``lazy`` (default: :func:`huge_pages_available`, and ``t`` on the CPU and at least one huge page
+        of bytes) selects the mapping."""
         numel, dtype = t.numel(), dtype or t.dtype
         if lazy is None:
             lazy = huge_pages_available()
-        if not lazy or t.device.type != "cpu" or numel == 0:
-            return cls(torch.zeros(numel, dtype=dtype, device=t.device))
         nbytes = numel * dtype.itemsize
+        if not lazy or t.device.type != "cpu" or nbytes < HUGE_PAGE:
+            return cls(torch.zeros(numel, dtype=dtype, device=t.device))
         # one huge page of slack, so that the tensor can start on a 2 MiB boundary
         mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
         pad = (-start) % HUGE_PAGE  # a multiple of the base page: the mapping starts on one
-        whole = nbytes // HUGE_PAGE * HUGE_PAGE
-        if whole:  # huge pages where the buffer fills them; the partial last one stays in base pages
-            mapping.madvise(mmap.MADV_HUGEPAGE, pad, whole)
-        mapping.madvise(mmap.MADV_NOHUGEPAGE, pad + whole, len(mapping) - pad - whole)
-        return cls(torch.frombuffer(mapping, dtype=dtype, count=numel, offset=pad), mapping)
+        whole = nbytes // HUGE_PAGE * HUGE_PAGE  # > 0: huge pages where the buffer fills them
+        mapping.madvise(mmap.MADV_HUGEPAGE, pad, whole)
+        mapping.madvise(mmap.MADV_NOHUGEPAGE, pad + whole, len(mapping) - pad - whole)  # the tail: base pages
+        tensor = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=pad)
+        return cls(tensor, mapping, (pad, whole), tensor[whole // dtype.itemsize :])
 
     def zero_(self) -> None:
-        """Set every element to zero; a mapped buffer gives its pages back (RSS falls by what was written)."""
+        """Set every element to zero; a mapped buffer gives its whole huge pages back (RSS falls by what
+        was written there) and zeroes its tail in place."""
         if self.mapping is None:
             self.tensor.zero_()
-        else:
-            self.mapping.madvise(mmap.MADV_DONTNEED)
+            return
+        self.mapping.madvise(mmap.MADV_DONTNEED, *self.released)
+        if self.tail is not None:
+            self.tail.zero_()
