@@ -164,7 +164,7 @@ def _disjoint(tensors: list[torch.Tensor]) -> bool:
 @scenario
 def storage(stage: int) -> dict:
     """Stages 0-2: parameters are views of one flat storage (kept across steps); gradients live in one
-    flat storage at stages 0-1 and are freed as soon as the engine took them at stage 2; optimizer
+    flat storage at stages 0-1 and in their bucket's staging buffer until it is reduced at stage 2; optimizer
     states cover each element once across ranks (all of them on every rank at stage 0)."""
     if stage == 3:
         return {"skipped": True}
@@ -187,6 +187,7 @@ def storage(stage: int) -> dict:
     for p in params:
         p.register_post_accumulate_grad_hook(after_engine_hook)
     grads_after_backward: list = []
+    out["grads_none_after_step"] = 0
     for step in range(3):
         x, y = make_batch(step, 2 * world(), "zoo")
         lo = rank() * 2
@@ -194,6 +195,10 @@ def storage(stage: int) -> dict:
         grads_after_backward.append([None if p.grad is None else "hidden" if is_hidden_gradient(p.grad)
                                      else _storage(p.grad) for p in params])
         engine.step()
+        out["grads_none_after_step"] += sum(p.grad is None for p in params)
+    # stage 2: the bytes of each bucket's staging buffer (fp32), and how many buckets there are
+    out["bucket_bytes"] = sorted({4 * b.numel for g in engine.groups for b in g.buckets})
+    out["n_buckets"] = sum(len(g.buckets) for g in engine.groups)
     out["param_storages_after"] = sorted({_storage(p) for p in params}) == sorted(storages)
     out["hook_calls"] = len(grad_seen)
     out["grad_storages_in_hook"] = sorted({s for s in grad_seen if s is not None})

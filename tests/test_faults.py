@@ -118,10 +118,16 @@ def test_storage_held_stages_0_to_2(launches: dict, world_size: int, stage: int)
                 assert res["grads_hidden_after_backward"] == 3 * k  # 3 steps x every parameter
                 assert res["grad_storages_after_backward"] == []
         else:
-            # stage 2: the engine took each gradient and freed .grad before any later hook ran
-            assert res["grads_none_in_hook"] == res["hook_calls"]
+            # stage 2: a later hook sees .grad as a view of its bucket's staging buffer (a storage of one
+            # bucket's size, not the parameters'), or None once the engine reduced the bucket (at most
+            # once per bucket and backward: the gradient that completed it); never after backward or step
+            assert res["grads_none_in_hook"] <= 3 * res["n_buckets"] < res["hook_calls"]
+            assert res["grad_storages_in_hook"] and not res["grad_param_overlap"]
+            assert {b for _, b in res["grad_storages_in_hook"]} <= set(res["bucket_bytes"])
+            assert max(res["bucket_bytes"]) < res["param_storage_bytes"]
             assert res["grad_storages_after_backward"] == []
             assert res["grads_hidden_after_backward"] == 3 * k and res["grads_none_after_backward"] == 0
+            assert res["grads_none_after_step"] == 3 * k
         # Adam's exp_avg and exp_avg_sq: every trained element once per rank at stage 0, once across
         # all ranks at stages 1-2 (never_used gets no gradient, hence no state); never a parameter view
         trained = psi - res["never_used_elements"]

@@ -57,7 +57,7 @@ def _micro_steps(model: nn.Module, reducer, batches: list[torch.Tensor], stage: 
         reducer.end_micro_step()
 
 
-VARIANTS = [(0, {}), (1, {}), (2, {}), (2, {"contiguous_gradients": False})]
+VARIANTS = [(0, {}), (1, {}), (2, {}), (2, {"contiguous_gradients": False}), (2, {"grad_views": True})]
 
 
 @pytest.mark.parametrize("steps", [1, 3])
@@ -100,12 +100,12 @@ def test_reduced_gradient_equals_autograd(world1, stage: int, kwargs: dict, step
                                ref.a.weight.grad.reshape(-1)[piece.lo - piece.slot.offset:piece.hi - piece.slot.offset])
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_bf16_gradients_accumulate_in_fp32(world1, stage: int) -> None:
+@pytest.mark.parametrize("stage, kwargs", [(0, {}), (2, {}), (2, {"grad_views": True})])
+def test_bf16_gradients_accumulate_in_fp32(world1, stage: int, kwargs: dict) -> None:
     """With an fp32 accumulation dtype, each bf16 micro-step gradient is added in fp32 (no bf16 sum)."""
     model = Net().to(torch.bfloat16)
     ref = copy.deepcopy(model)
-    group, reducer = _build(model, stage, 1, 0, accumulate_dtype=torch.float32)
+    group, reducer = _build(model, stage, 1, 0, accumulate_dtype=torch.float32, **kwargs)
     batches = [torch.randn(2, 6, dtype=torch.bfloat16) for _ in range(4)]
     _micro_steps(model, reducer, batches, stage)
     want = {n: torch.zeros(p.shape) for n, p in ref.named_parameters()}

@@ -1,7 +1,9 @@
 """Stages 2 and 3 of the gradient reducer (:mod:`zerodp.runtime.reducer`): no full gradient buffer.
-Each gradient is copied into its bucket's staging buffer and freed; a complete bucket is
-reduce-scattered every micro-step (stage 3: coalesced up to ``coalesce_elements``) and the result
-accumulated into this rank's owned gradient partition (:class:`PartitionedGradReducer`)."""
+Each gradient goes into its bucket's staging buffer (stage 2: autograd adds it into a view of the
+buffer, [Note: gradient views] in :mod:`zerodp.runtime.grad_views`; stage 3: it is copied there and
+freed); a complete bucket is reduce-scattered every micro-step (stage 3: coalesced up to
+``coalesce_elements``) and the result accumulated into this rank's owned gradient partition
+(:class:`PartitionedGradReducer`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 from zerodp.runtime import comm
 from zerodp.runtime.coalesce import coalesced, runs_of_same_kind
 from zerodp.runtime.grad_reducer import GradientReducer, StagingPool, async_work, trainable
+from zerodp.runtime.grad_views import BucketViews
 from zerodp.runtime.partition import Bucket, FlatGroup, ParamSlot, zero_unwritten
 
 #: the partitioned strategy's payload: (staging buffer, separate receive buffer or None, all-to-all
@@ -23,12 +26,20 @@ class PartitionedGradReducer(GradientReducer[StagedPayload]):
     ``contiguous_gradients=True`` copies each gradient into its bucket's staging buffer as soon as it
     is produced and frees it (lowest memory); ``False`` keeps the parameters' own ``.grad`` tensors
     until the bucket is complete and flattens them then (one copy fewer per element, more memory).
+    ``grad_views`` (stage 2, with ``contiguous_gradients``): autograd accumulates into views of the
+    staging buffer instead ([Note: gradient views] in :mod:`zerodp.runtime.grad_views`).
     """
 
-    def __init__(self, *args, contiguous_gradients: bool = True,
+    def __init__(self, *args, contiguous_gradients: bool = True, grad_views: bool = False,
                  staging_pool: StagingPool | None = None, coalesce_elements: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.contiguous = contiguous_gradients
+        #: id(bucket) -> its views maker ([Note: gradient views]); empty where gradients are copied
+        self._bucket_views: dict[int, BucketViews] = {}
+        if contiguous_gradients and grad_views:
+            self._bucket_views = {id(b): BucketViews(b, [s for s in b.slots if trainable(s)])
+                                  for g in self.groups for b in g.buckets}
+        self._views: dict[int, torch.Tensor] = {}  # slot index -> view of its open bucket's staging buffer
         # stage 3 (one bucket per unit): complete buckets are held until they reach this many elements,
         # then reduce-scattered in one coalesced collective (0: each at once); see zerodp.runtime.coalesce
         self.coalesce_elements = coalesce_elements
@@ -64,21 +75,61 @@ class PartitionedGradReducer(GradientReducer[StagedPayload]):
     def _staging_for(self, b: Bucket, g: FlatGroup) -> torch.Tensor:
         """The bucket's staging buffer, created uninitialised: every gradient is copied over its
         slot's range, and :meth:`_prepare` zeroes what no gradient wrote (padding, parameters without
-        a gradient) before the collective, so the bucket is not zeroed first in full."""
+        a gradient) before the collective, so the bucket is not zeroed first in full. With gradient
+        views it is created zeroed (autograd adds into it)."""
         buf = self._staging.get(id(b))
         if buf is None:
             if self.staging_pool is not None:
                 buf = self.staging_pool.empty_tensor(b.numel, g.buffer.dtype, g.buffer.device)
+            elif self._bucket_views:
+                buf = torch.zeros(b.numel, dtype=g.buffer.dtype, device=g.buffer.device)
             else:
                 buf = torch.empty(b.numel, dtype=g.buffer.dtype, device=g.buffer.device)
             self._staging[id(b)] = buf
             self._note_peak()
         return buf
 
+    def _open_views(self, b: Bucket, g: FlatGroup) -> None:
+        """Bucket ``b``'s first gradient this micro-step: its zeroed staging buffer, with ``.grad`` of each
+        of its parameters that has none pointed at its view ([Note: gradient views])."""
+        maker = self._bucket_views[id(b)]
+        for s, view in zip(maker.slots, maker.views(self._staging_for(b, g)), strict=True):
+            self._views[s.index] = view
+            if s.param.grad is None:
+                s.param.grad = view
+
+    def _close_views(self, b: Bucket) -> None:
+        """Bucket ``b`` is reduced: every ``.grad`` that is still a view of its buffer goes back to None."""
+        views = self._views
+        for s in self._bucket_views[id(b)].slots:
+            view = views.pop(s.index, None)
+            if view is not None and s.param.grad is view:
+                s.param.grad = None
+
+    def begin_micro_step(self, reduce: bool, defer: bool = False) -> None:
+        """As the base; a bucket left open by a backward that raised is closed, its partial sums dropped."""
+        super().begin_micro_step(reduce, defer)
+        if self._views:
+            for g in self.groups:
+                for b in g.buckets:
+                    if id(b) in self._bucket_views:
+                        self._close_views(b)
+                    self._staging.pop(id(b), None)
+
     def _on_grad(self, slot: ParamSlot, param: torch.nn.Parameter) -> None:
         self._present_np[slot.index] = 1
         g, b = self._slot_bucket[slot.index]
-        if self.contiguous:
+        if self._bucket_views:
+            view = self._views.get(slot.index)
+            if view is None:  # the bucket's first gradient this micro-step
+                self._open_views(b, g)
+                view = self._views[slot.index]
+            grad = param.grad
+            if grad is not view:  # a tensor autograd made (the first gradient, an out-of-place sum)
+                assert grad is not None, "a post-accumulate-grad hook runs with the gradient accumulated"
+                view.copy_(grad)
+                param.grad = view
+        elif self.contiguous:
             buf = self._staging_for(b, g)
             rel = slot.offset - b.start
             target = buf[rel : rel + slot.numel]
@@ -131,21 +182,28 @@ class PartitionedGradReducer(GradientReducer[StagedPayload]):
             return None
         return self.staging_pool.empty_tensor(buf.numel(), buf.dtype, buf.device)
 
+    def _written(self, b: Bucket, buf: torch.Tensor) -> list[bool]:
+        """Per slot of ``b``: whether a gradient is in ``buf`` this micro-step (without contiguous
+        gradients, each ``.grad`` is copied in now and dropped)."""
+        if self.contiguous:  # _on_grad copied each gradient that arrived this micro-step
+            return [self._count_np[s.index] > 0 for s in b.slots]
+        written = []
+        for s in b.slots:
+            grad = s.param.grad if trainable(s) else None
+            written.append(grad is not None)
+            if grad is not None:
+                rel = s.offset - b.start
+                buf[rel : rel + s.numel].copy_(s.flat_values(grad))
+                s.param.grad = None
+        return written
+
     def _prepare(self, g: FlatGroup, b: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(staging buffer divided by N, reduce-scatter output, separate receive buffer or None)."""
         buf = self._staging_for(b, g)
-        if self.contiguous:  # _on_grad copied each gradient that arrived this micro-step
-            written = [self._count_np[s.index] > 0 for s in b.slots]
+        if self._bucket_views:  # zeroed when made; autograd added each gradient into its view
+            self._close_views(b)
         else:
-            written = []
-            for s in b.slots:
-                grad = s.param.grad if trainable(s) else None
-                written.append(grad is not None)
-                if grad is not None:
-                    rel = s.offset - b.start
-                    buf[rel : rel + s.numel].copy_(s.flat_values(grad))
-                    s.param.grad = None
-        zero_unwritten(buf, b, written)
+            zero_unwritten(buf, b, self._written(b, buf))
         del self._staging[id(b)]
         buf.div_(self.world_size)
         off = self._owned_offsets[(g.index, b.index)]

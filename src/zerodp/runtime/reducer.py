@@ -11,8 +11,9 @@ gradient are launched when backward returns (their missing gradients are zeros).
   each arriving ``param.grad`` is added into it and set to None; it is reduced in fp32.
 - :class:`FullGradReduceScatter` (stage 1): the same full gradient buffer, but each bucket is
   reduce-scattered at the boundary; the owned shard is written back into the buffer's owned range.
-- :class:`PartitionedGradReducer` (stage 2): there is no full gradient buffer. Each gradient is copied
-  into its bucket's staging buffer and freed at once; a complete bucket is reduce-scattered every
+- :class:`PartitionedGradReducer` (stage 2): there is no full gradient buffer. Each gradient is added
+  into its bucket's staging buffer by autograd, through a ``param.grad`` view of it that exists only
+  until the bucket is reduced (:mod:`zerodp.runtime.grad_views`); a complete bucket is reduce-scattered every
   micro-step and the result accumulated into the owned gradient partition (fp32 when params are).
   Gradient memory peaks at the staging buffers in flight plus the owned partition.
 
@@ -55,14 +56,16 @@ def build_reducer(stage: int, groups: list[FlatGroup], rank: int, world_size: in
     :class:`AllReduceReducer`, 1 :class:`FullGradReduceScatter`, 2-3 the partitioned reducer
     (:func:`zerodp.runtime.grad_spill.partitioned_reducer`), which alone takes ``spill`` (gradients
     written out per unit), ``staging_pool`` and ``coalesce_elements`` (stage 3's coalesced
-    reduce-scatters). ``on_reduced(group, bucket)``: called once each bucket is reduced."""
+    reduce-scatters); at stage 2 autograd accumulates into views of the staging buffers
+    ([Note: gradient views] in :mod:`zerodp.runtime.grad_views`). ``on_reduced(group, bucket)``: called
+    once each bucket is reduced."""
     args = (groups, rank, world_size, pg, ledger, zc.overlap_comm, accumulate_dtype, on_reduced)
     if stage == 0:
         return AllReduceReducer(*args)
     if stage == 1:
         return FullGradReduceScatter(*args)
-    return partitioned_reducer(*args, contiguous_gradients=zc.contiguous_gradients, spill=spill,
-                               staging_pool=staging_pool, coalesce_elements=coalesce_elements)
+    return partitioned_reducer(*args, contiguous_gradients=zc.contiguous_gradients, grad_views=stage == 2,
+                               spill=spill, staging_pool=staging_pool, coalesce_elements=coalesce_elements)
 
 
 __all__ = ["DIRECT_BACKWARD_MESSAGE", "DROPPED_ENGINE_MESSAGE", "MAX_BUCKETS_IN_FLIGHT", "AllReduceReducer",
