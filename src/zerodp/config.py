@@ -63,7 +63,8 @@ class ZeroConfig(StrictModel):
         True, description="launch each gradient bucket's collective asynchronously during backward"
     )
     contiguous_gradients: bool = Field(
-        True, description="stages 2-3: copy each gradient into its bucket as produced and free it at once"
+        True, description="stages 2-3: each gradient goes into its bucket as produced (stage 2: autograd adds it "
+        "into a view of the bucket; stage 3: copied) and autograd's tensor is freed at once"
     )
 
     stage3_param_persistence_threshold: int = Field(

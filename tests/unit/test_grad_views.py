@@ -55,7 +55,8 @@ def test_grad_is_a_bucket_view_until_the_bucket_is_reduced(world1) -> None:
     seen: list[tuple[str, int | None]] = []  # (parameter, data_ptr of .grad's storage) in later hooks
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(
-            lambda p, name=name: seen.append((name, None if p.grad is None else p.grad.untyped_storage().data_ptr())))
+            lambda p, name=name: seen.append((name, None if p.grad is None else p.grad.untyped_storage().data_ptr()))
+        )
     for launched_in_hooks in (0, len(group.buckets)):  # the first micro-step launches at the end (calibration)
         seen.clear()
         reducer.begin_micro_step(reduce=True)
