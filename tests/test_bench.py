@@ -181,6 +181,9 @@ def _bench_args(tmp_path: Path, *flags: str) -> argparse.Namespace:
     (("--only", "stage 2,nosuch"), "--only: 'nosuch' is part of no system's name; the systems are 'DDP'"),
     (("--exclude", "FSDP3"), "--exclude: 'FSDP3' is part of no system's name"),
     (("--sweep-ranks", ","), "--sweep-ranks takes integers >= 1"),
+    (("--sweep-ranks", "1,x"), "--sweep-ranks takes integers >= 1 separated by commas, got '1,x'"),
+    (("--sweep-ranks", "0,2"), "--sweep-ranks takes integers >= 1"),
+    (("--nvme-path", "/tmp/x"), "--nvme-path '/tmp/x' is used only by the --offload rows"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, flags, message) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -203,6 +206,9 @@ def test_launcher_refuses_bad_arguments_with_one_line(tmp_path) -> None:
                            "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--rounds must be an integer >= 0, got -1" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "o" / "bench.json").exists()
+    proc = subprocess.run([sys.executable, "-m", "zerodp.app.cli", "bench", "--preset", "tiny", "--sweep-ranks", "1,x",
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--sweep-ranks takes integers >= 1" in proc.stderr
 
 
 def test_sweep_ranks_inside_torchrun_needs_the_launcher(tmp_path, monkeypatch) -> None:

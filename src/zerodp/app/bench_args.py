@@ -70,7 +70,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         ValueError: a count out of range (``--steps`` and ``--micro-batch`` >= 1, ``--warmup`` and
             ``--rounds`` >= 0, ``--probe-steps`` >= 2, ``--sub-group-size`` >= 1), an invalid model
             size (:class:`~zerodp.app.model.GPTConfig`'s message), an ``--only`` / ``--exclude`` name
-            that selects no system, ``--sweep-ranks`` without world sizes or inside a torchrun job
+            that selects no system, ``--nvme-path`` without ``--offload``, ``--sweep-ranks`` with
+            anything but integers >= 1 or inside a torchrun job
             started without the ``zerodp bench`` launcher, or an ``--out`` that cannot be a writable
             directory (it is created here), ``--device cuda`` without CUDA or with ``--offload``.
     """
@@ -86,10 +87,14 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.micro_batch is not None and args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be an integer >= 1 (sequences per rank per step), got {args.micro_batch}")
     bench_device.check_device(args.device, args.offload)
+    if args.nvme_path is not None and not args.offload:
+        raise ValueError(f"--nvme-path {args.nvme_path!r} is used only by the --offload rows; add --offload "
+                         "or drop --nvme-path")
     resolve_model(args)  # GPTConfig refuses invalid sizes, naming the field and what is allowed
     selected_systems(args, list(SYSTEMS))
     if args.sweep_ranks and not args.sweep_from:
-        if not [t for t in args.sweep_ranks.split(",") if t.strip()]:
+        tokens = [t.strip() for t in args.sweep_ranks.split(",") if t.strip()]
+        if not tokens or not all(t.isdigit() and int(t) >= 1 for t in tokens):
             raise ValueError(f"--sweep-ranks takes integers >= 1 separated by commas, got {args.sweep_ranks!r}")
         if "LOCAL_RANK" in os.environ:
             raise ValueError("--sweep-ranks runs one torchrun job per world size, which the zerodp bench "

@@ -229,6 +229,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if inside_torchrun():
         try:
             return train.run_worker(args)
+        except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher prints the one line
+            if debug:
+                raise
+            return launch.INTERRUPTED_EXIT
         except Exception as exc:
             if debug:
                 raise

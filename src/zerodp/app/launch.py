@@ -8,7 +8,8 @@ worker that raises does not print its traceback: :func:`report_worker_failure` w
 workers (torch's ``ChildFailedError``), :func:`run_torchrun` prints each distinct message once, in the
 order the ranks failed, naming the ranks (``zerodp train: error on ranks 0, 1: ...``), plus one line for
 every rank that died without a message (a signal, an exit code), and returns 1. torch's own failure
-report (its traceback and its log lines) is not printed.
+report (its traceback and its log lines) is not printed. Ctrl-C (SIGINT) or SIGTERM prints one line
+and returns :data:`INTERRUPTED_EXIT`; the workers print nothing.
 
 With ``--debug`` or ``ZERODP_DEBUG=1`` (see :func:`debug_enabled`) nothing is summarised: workers raise
 as usual (a full traceback per rank) and so does the launcher.
@@ -40,6 +41,8 @@ DEBUG_ENV = "ZERODP_DEBUG"
 #: environment variable naming the directory where workers leave their one-line failure message.
 ERROR_DIR_ENV = "ZERODP_ERROR_DIR"
 PREFIX = "zerodp train"
+#: exit code of a run stopped by SIGINT (Ctrl-C) or SIGTERM, as a shell reports 128 + SIGINT
+INTERRUPTED_EXIT = 130
 
 
 def debug_enabled(flag: bool | None = None) -> bool:
@@ -128,6 +131,7 @@ def run_torchrun(torchrun_args: Sequence[str], debug: bool, stream: TextIO = sys
             failed ranks and their tracebacks are above it).
     """
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default per worker, without its banner
@@ -146,6 +150,10 @@ def run_torchrun(torchrun_args: Sequence[str], debug: bool, stream: TextIO = sys
     except ChildFailedError as exc:
         failures = {int(r): _describe(f) for r, f in exc.failures.items()}
         lines = summarize(_read_messages(directory), failures)
+    except (KeyboardInterrupt, SignalException) as exc:  # Ctrl-C or a scheduler's SIGTERM: no traceback
+        name = exc.sigval.name if isinstance(exc, SignalException) else "SIGINT"
+        print(f"{PREFIX}: interrupted by {name}; the workers were stopped", file=stream, flush=True)
+        return INTERRUPTED_EXIT
     except Exception as exc:  # the launcher itself failed (rendezvous, bad flag value)
         lines = [f"{PREFIX}: launcher error: {one_line(exc)}"]
     finally:

@@ -54,7 +54,7 @@ def resolve_checkpoint(checkpoint_dir: PathLike, tag: str | None = None) -> Path
             raise CheckpointError(f"checkpoint directory {d} does not exist")
         else:
             raise CheckpointError(f"no checkpoint in {d}: it has neither a {LATEST_FILE!r} file nor a "
-                                  f"{META_FILE}; name one with a tag (--tag in the CLI)")
+                                  f"{META_FILE}; name one with a tag (--tag in the CLI)" + foreign_format_hint(d))
     path = d / check_tag(tag)
     if (path / META_FILE).is_file():
         return path
@@ -63,7 +63,21 @@ def resolve_checkpoint(checkpoint_dir: PathLike, tag: str | None = None) -> Path
     for candidate in [d / f"{TMP_PREFIX}{tag}", *sorted(d.glob(f"{OLD_PREFIX}{tag}-*"))]:
         if not path.exists() and (candidate / META_FILE).is_file():
             return candidate
-    raise CheckpointError(f"checkpoint {path} does not exist or has no {META_FILE}")
+    raise CheckpointError(f"checkpoint {path} does not exist or has no {META_FILE}" + foreign_format_hint(path))
+
+
+#: file names DeepSpeed's engine writes into a checkpoint tag directory (not zerodp's format)
+DEEPSPEED_FILE_PATTERNS = ("mp_rank_*_model_states.pt", "*zero_pp_rank_*_optim_states.pt", "zero_to_fp32.py")
+
+
+def foreign_format_hint(path: Path) -> str:
+    """A sentence for a directory that holds a DeepSpeed checkpoint instead of zerodp's; "" otherwise."""
+    if not path.is_dir() or not any(next(path.glob(pat), None) is not None for pat in DEEPSPEED_FILE_PATTERNS):
+        return ""
+    return (f": {path} holds a DeepSpeed checkpoint ({', '.join(DEEPSPEED_FILE_PATTERNS[:2])}), which zerodp "
+            "cannot read (its format pickles DeepSpeed's own objects). Convert it to full weights with the "
+            "zero_to_fp32.py script DeepSpeed saves next to it, load them into the model before "
+            "zerodp.initialize, and save a zerodp checkpoint from there")
 
 
 class AbsentParametersWarning(UserWarning):
