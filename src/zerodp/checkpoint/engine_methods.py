@@ -45,11 +45,15 @@ class CheckpointMethods:
             return save.save_checkpoint(cast(CheckpointableEngine, self), self._checkpoint_dir(save_dir), tag,
                                         client_state, exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir: Any, tag: str | None = None) -> tuple[Any, Any]:
+    def load_checkpoint(self, load_dir: Any, tag: str | None = None,
+                        load_optimizer_states: bool = True) -> tuple[Any, Any]:
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;
-        returns (checkpoint directory, client_state). See :func:`zerodp.checkpoint.load_checkpoint`."""
+        returns (checkpoint directory, client_state). ``load_optimizer_states=False``: the optimizer's
+        state and hyperparameters stay (e.g. a checkpoint saved with another optimizer). See
+        :func:`zerodp.checkpoint.load_checkpoint`."""
         with self.collective_call("load_checkpoint"), self._states_resident(write=True):
-            return load.load_checkpoint(cast(CheckpointableEngine, self), self._checkpoint_dir(load_dir), tag)
+            return load.load_checkpoint(cast(CheckpointableEngine, self), self._checkpoint_dir(load_dir), tag,
+                                        load_optimizer_states)
 
     def _checkpoint_dir(self, d: Any) -> Any:
         """``d``, or with model parallelism ``d/mp_rank_XX``: each model-parallel rank's DP group

@@ -166,7 +166,7 @@ class DeepSpeedCheckpointMethods:
         counters = (e.global_steps, e.micro_steps, e.skipped_steps, e.ledger.steps)
         scaler = copy.deepcopy(e.loss_scaler.__dict__) if e.loss_scaler is not None else None
         rng = torch.get_rng_state()
-        path, state = e.load_checkpoint(load_dir, None if tag is None else str(tag))
+        path, state = e.load_checkpoint(load_dir, None if tag is None else str(tag), load_optimizer_states=not keep_opt)
         if opt_state is not None:
             e.optimizer.load_state_dict(opt_state)
         if sched_state is not None:
