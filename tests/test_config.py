@@ -33,7 +33,8 @@ from zerodp.config import ConfigError, load_config
         # sizes and numbers pydantic would word by its internals ('betas.1: Field required', an i64 parse failure)
         ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}},
          ["'optimizer.params.betas': needs exactly 2 values, got 1"]),
-        ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 0.9, 0.9]}}}, ["betas': needs exactly 2 values, got 3"]),
+        ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 0.9, 0.9]}}},
+         ["betas': needs exactly 2 values, got 3"]),
         ({"zero_optimization": {"stage": 10**20}},
          ["'zero_optimization.stage': Input should be 0, 1, 2 or 3 (got 100000000000000000000)"]),
         ({"zero_optimization": {"stage": -1}}, ["'zero_optimization.stage': Input should be 0, 1, 2 or 3 (got -1)"]),
