@@ -203,11 +203,14 @@ def test_single_process_engine_api_and_refusals(tmp_path) -> None:
 @pytest.mark.parametrize("kwargs, match", [
     ({"mesh_param": (2, 1)}, "mesh_param"),
     ({"optimizer": "client", "config": {"optimizer": {"type": "SGD"}}}, "one of them"),
-    ({"config": {}, "config_params": {}}, r"more than one config \(config, config_params\)"),
-    ({"args": "file", "config": {"train_batch_size": 4}},
-     r"more than one config \(config, args.deepspeed_config='ds.json'\).*drop --deepspeed_config"),
-    ({"args": "none"}, r"no config: pass config=.*config_params=.*args.deepspeed_config"),
-    ({}, r"no config: pass config=.*config_params=.*args.deepspeed_config"),
+    pytest.param({"config": {}, "config_params": {}}, r"more than one config \(config, config_params\)",
+                 id="config_and_config_params"),
+    pytest.param({"args": "file", "config": {"train_batch_size": 4}},
+                 r"more than one config \(config, args.deepspeed_config='ds.json'\).*drop --deepspeed_config",
+                 id="args_and_config"),
+    pytest.param({"args": "none"}, r"no config: pass config=.*config_params=.*args.deepspeed_config",
+                 id="args_without_config"),
+    pytest.param({}, r"no config: pass config=.*config_params=.*args.deepspeed_config", id="no_config"),
 ])
 def test_initialize_refusals(kwargs: dict, match: str) -> None:
     """Each refusal names what is wrong; a config from both ``args.deepspeed_config`` (a launcher's
