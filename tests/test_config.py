@@ -39,6 +39,25 @@ def test_bad_config_names_key_and_allowed(config: dict, fragments: list[str]) ->
         assert frag in str(exc.value), str(exc.value)
 
 
+@pytest.mark.parametrize("config, message", [
+    pytest.param({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}},
+                 "'optimizer.params.betas': needs exactly 2 values, got 1", id="betas_one_value"),
+    pytest.param({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 0.9, 0.9]}}},
+                 "'optimizer.params.betas': needs exactly 2 values, got 3", id="betas_three_values"),
+    pytest.param({"zero_optimization": {"stage": 10**20}},
+                 "'zero_optimization.stage': Input should be 0, 1, 2 or 3 (got 100000000000000000000)",
+                 id="stage_huge"),
+    pytest.param({"zero_optimization": {"stage": -1}},
+                 "'zero_optimization.stage': Input should be 0, 1, 2 or 3 (got -1)", id="stage_negative"),
+])
+def test_sizes_and_numbers_said_in_config_terms(config: dict, message: str) -> None:
+    """What pydantic words by its internals ('betas.1: Field required', an i64 parse failure) is said
+    as the number of values needed and the values allowed."""
+    with pytest.raises(ConfigError) as exc:
+        load_config(config)
+    assert str(exc.value) == f"invalid zerodp config:\n  {message}"
+
+
 def test_deepspeed_spellings_load() -> None:
     cfg = load_config({"optimizer": {"type": "adamw", "params": {"lr": 3e-4, "betas": [0.9, 0.95]}},
                        "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}})

@@ -4,6 +4,7 @@ configs load; every refusal names what is refused."""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib.util
 from pathlib import Path
@@ -202,9 +203,20 @@ def test_single_process_engine_api_and_refusals(tmp_path) -> None:
 @pytest.mark.parametrize("kwargs, match", [
     ({"mesh_param": (2, 1)}, "mesh_param"),
     ({"optimizer": "client", "config": {"optimizer": {"type": "SGD"}}}, "one of them"),
-    ({"config": {}, "config_params": {}}, "not both"),
+    pytest.param({"config": {}, "config_params": {}}, r"more than one config \(config, config_params\)",
+                 id="config_and_config_params"),
+    pytest.param({"args": "file", "config": {"train_batch_size": 4}},
+                 r"more than one config \(config, args.deepspeed_config='ds.json'\).*drop --deepspeed_config",
+                 id="args_and_config"),
+    pytest.param({"args": "none"}, r"no config: pass config=.*config_params=.*args.deepspeed_config",
+                 id="args_without_config"),
+    pytest.param({}, r"no config: pass config=.*config_params=.*args.deepspeed_config", id="no_config"),
 ])
 def test_initialize_refusals(kwargs: dict, match: str) -> None:
+    """Each refusal names what is wrong; a config from both ``args.deepspeed_config`` (a launcher's
+    ``--deepspeed_config``) and ``config=`` is refused as DeepSpeed does, not one of them dropped."""
+    if "args" in kwargs:
+        kwargs["args"] = argparse.Namespace(deepspeed_config="ds.json" if kwargs["args"] == "file" else None)
     model = nn.Linear(3, 2)
     if kwargs.get("optimizer") == "client":
         kwargs["optimizer"] = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -212,7 +224,7 @@ def test_initialize_refusals(kwargs: dict, match: str) -> None:
         deepspeed.initialize(model=model, **kwargs)
 
 
-@pytest.mark.parametrize("config", [None, {"zero_optimization": {"stage": 2}}, {"gradient_accumulation_steps": 4}])
+@pytest.mark.parametrize("config", [{}, {"zero_optimization": {"stage": 2}}, {"gradient_accumulation_steps": 4}])
 def test_config_without_batch_size_refused(config) -> None:
     """As DeepSpeed: train_batch_size or train_micro_batch_size_per_gpu must be given (the loader's
     micro-batch would otherwise silently be 1)."""
@@ -230,10 +242,10 @@ def test_client_optimizer_refusals() -> None:
     model(torch.randn(1, 3)).sum().backward()
     stepped.step()
     with pytest.raises(NotImplementedError, match="already stepped"):
-        deepspeed.initialize(model=model, optimizer=stepped)
+        deepspeed.initialize(model=model, optimizer=stepped, config={"train_batch_size": 1})
     lbfgs = torch.optim.LBFGS(model.parameters())
     with pytest.raises(NotImplementedError, match="LBFGS is not implemented"):
-        deepspeed.initialize(model=model, optimizer=lbfgs)
+        deepspeed.initialize(model=model, optimizer=lbfgs, config={"train_batch_size": 1})
 
 
 @pytest.mark.parametrize("kwargs, match", [

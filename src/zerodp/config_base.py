@@ -27,6 +27,9 @@ class StrictModel(BaseModel):
         """Refuse what pydantic's lax mode would silently convert: "yes"/"off" for a bool, a string
         for a number, true/false for a number or a stage."""
         assert info.field_name is not None  # a field validator ("*"): always called for one field
+        problem = _shape_problem(cls.model_fields[info.field_name].annotation, v)
+        if problem:
+            raise ValueError(problem)
         kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
         if not kinds:
             return v
@@ -37,6 +40,23 @@ class StrictModel(BaseModel):
         if bool in kinds and not isinstance(v, bool) and v is not None:
             raise ValueError("expected true or false")
         return v
+
+
+def _shape_problem(annotation: Any, v: Any) -> str | None:
+    """What pydantic would word by its internals for ``v``, said in the config's terms: a list of the
+    wrong length for a fixed-length tuple (``betas``: pydantic says ``betas.1: Field required``), or a
+    number outside an integer ``Literal`` (``stage``: pydantic's own message, except for a number too
+    large for a 64-bit integer, which it reports as a parse failure). None: nothing to say here."""
+    if get_origin(annotation) is Union or get_origin(annotation) is types.UnionType:
+        return next((p for a in get_args(annotation) if a is not type(None) and (p := _shape_problem(a, v))), None)
+    args = get_args(annotation)
+    if get_origin(annotation) is tuple and args and Ellipsis not in args and isinstance(v, (list, tuple)):
+        if len(v) != len(args):
+            return f"needs exactly {len(args)} values, got {len(v)}"
+    if get_origin(annotation) is Literal and all(type(a) is int for a in args):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v not in args:
+            return f"Input should be {', '.join(map(str, args[:-1]))} or {args[-1]}"
+    return None
 
 
 def _scalar_kinds(annotation: Any) -> set[type]:

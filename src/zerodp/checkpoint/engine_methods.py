@@ -1,5 +1,5 @@
 """The engine's checkpoint methods (``save_checkpoint``, ``load_checkpoint``, ``module_state_dict``,
-``load_module_state_dict``) as a mixin the engine inherits: each agrees on the call with the other
+``load_module_state_dict``, ``save_16bit_model``) as a mixin the engine inherits: each agrees on the call with the other
 ranks, makes offloaded states resident and hands over to :mod:`zerodp.checkpoint.save`,
 :mod:`~zerodp.checkpoint.load`, :mod:`~zerodp.checkpoint.layout` or
 :mod:`zerodp.runtime.module_state`."""
@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import torch
 
-from zerodp.checkpoint import layout, load, save
+from zerodp.checkpoint import layout, load, save, weights16
 from zerodp.checkpoint.protocol import CheckpointableEngine
 from zerodp.runtime.module_state import GatheredCopy, LoadResult, load_module_state
 
@@ -21,7 +21,7 @@ from zerodp.runtime.module_state import GatheredCopy, LoadResult, load_module_st
 class CheckpointMethods:
     """Mixed into :class:`zerodp.engine.Engine`; uses its ``collective_call``, ``shards_resident``,
     ``optimizer_offload``, ``optimizer``, ``topology``, ``sharding``, ``module``, ``groups``, ``frozen``,
-    ``process_group`` and ``ledger``."""
+    ``process_group``, ``ledger``, ``config``, ``stage`` and ``rank``."""
 
     # attributes and methods the engine provides
     collective_call: Any
@@ -35,6 +35,9 @@ class CheckpointMethods:
     frozen: list
     process_group: Any
     ledger: Any
+    config: Any
+    stage: int
+    rank: int
 
     def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Mapping[str, Any] | None = None,
                         exclude_frozen_parameters: bool = False) -> Any:
@@ -45,11 +48,27 @@ class CheckpointMethods:
             return save.save_checkpoint(cast(CheckpointableEngine, self), self._checkpoint_dir(save_dir), tag,
                                         client_state, exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir: Any, tag: str | None = None) -> tuple[Any, Any]:
+    def load_checkpoint(self, load_dir: Any, tag: str | None = None,
+                        load_optimizer_states: bool = True) -> tuple[Any, Any]:
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;
-        returns (checkpoint directory, client_state). See :func:`zerodp.checkpoint.load_checkpoint`."""
+        returns (checkpoint directory, client_state). ``load_optimizer_states=False``: the optimizer's
+        state and hyperparameters stay (e.g. a checkpoint saved with another optimizer). See
+        :func:`zerodp.checkpoint.load_checkpoint`."""
         with self.collective_call("load_checkpoint"), self._states_resident(write=True):
-            return load.load_checkpoint(cast(CheckpointableEngine, self), self._checkpoint_dir(load_dir), tag)
+            return load.load_checkpoint(cast(CheckpointableEngine, self), self._checkpoint_dir(load_dir), tag,
+                                        load_optimizer_states)
+
+    def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Collective: write the full weights in the module's dtype (bf16/fp16 under mixed precision) to
+        ``save_dir/save_filename`` with ``torch.save`` on rank 0; returns True on every rank once the file
+        exists (DeepSpeed's method). ``exclude_frozen_parameters``: without parameters whose
+        ``requires_grad`` is False. See :func:`zerodp.checkpoint.weights16.save_16bit_model`.
+
+        Raises:
+            ValueError: stage 3 without ``zero_optimization.stage3_gather_16bit_weights_on_model_save``.
+        """
+        return weights16.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def _checkpoint_dir(self, d: Any) -> Any:
         """``d``, or with model parallelism ``d/mp_rank_XX``: each model-parallel rank's DP group

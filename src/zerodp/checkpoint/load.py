@@ -23,6 +23,7 @@ from zerodp.checkpoint.engine_state import (
 from zerodp.checkpoint.format import IMPLEMENTATION_OPTIONS, SCHEDULED_OPTIONS, CheckpointError, PathLike, dtype_name
 from zerodp.checkpoint.layout import CheckpointLayout, layout_for
 from zerodp.checkpoint.meta import CheckpointMeta, TensorRecord
+from zerodp.checkpoint.optimizer_match import check_optimizer_state
 from zerodp.checkpoint.protocol import CheckpointableEngine as Engine
 from zerodp.checkpoint.reader import CheckpointReader, resolve_checkpoint
 
@@ -122,9 +123,11 @@ class _StagedLoad:
     lr_scheduler: dict[str, Any] | None = None  # state_dict() entries to load; None: leave as is
 
 
-def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointReader) -> _StagedLoad:
-    """Read everything the load copies in (values in this engine's layout, optimizer states, RNG,
-    hyperparameters, scaler and scheduler states); the engine is not touched.
+def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointReader,
+                load_optimizer_states: bool = True) -> _StagedLoad:
+    """Read everything the load copies in (values in this engine's layout, optimizer states and
+    hyperparameters unless ``load_optimizer_states`` is False, RNG, scaler and scheduler states); the
+    engine is not touched.
 
     Raises:
         CheckpointError: a value would overflow this engine's dtype (:func:`_check_representable`).
@@ -147,9 +150,10 @@ def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointRead
     if theirs != mine:
         _check_representable(reader.path, named, theirs, mine)
     values = [(live, new) for _, live, new in named]
-    states = _stage_optimizer_states(engine, reader, values)
+    states = _stage_optimizer_states(engine, reader, values, load_optimizer_states)
     rng = reader.read_rng(engine.rank) if reader.meta.world_size == engine.world_size else {}
-    hps = [group_hyperparameters(reader.meta, names) for names in optimizer_group_names(engine)]
+    hps = [group_hyperparameters(reader.meta, names) if load_optimizer_states else None
+           for names in optimizer_group_names(engine)]
     scaler, saved_scaler = getattr(engine, "loss_scaler", None), reader.meta.loss_scaler
     scaler_state = (saved_scaler.model_dump() if scaler is not None and scaler.dynamic and saved_scaler is not None
                     and saved_scaler.dynamic else None)
@@ -159,11 +163,12 @@ def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointRead
     return _StagedLoad(reader.path, reader.meta, values, states, rng, hps, scaler_state, scheduler_state)
 
 
-def _stage_optimizer_states(engine: Engine, reader: CheckpointReader, values: list[tuple[torch.Tensor, torch.Tensor]]
-                            ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor] | None]]:
+def _stage_optimizer_states(engine: Engine, reader: CheckpointReader, values: list[tuple[torch.Tensor, torch.Tensor]],
+                            with_states: bool = True) -> list[tuple[torch.Tensor, dict[str, torch.Tensor] | None]]:
     """``(optimizer parameter, its new state or None)`` for each of this rank's pieces, read for the
-    piece's range; a piece's fp32 master gets its values appended to ``values``. Scalar states go to
-    the parameter's device under ``capturable`` / ``fused``, as torch keeps them."""
+    piece's range (none at all when not ``with_states``: the optimizer state stays); a piece's fp32
+    master gets its values appended to ``values``. Scalar states go to the parameter's device under
+    ``capturable`` / ``fused``, as torch keeps them."""
     groups_by_piece = {}
     for pg in engine.optimizer.param_groups:
         for p in pg["params"]:
@@ -176,6 +181,8 @@ def _stage_optimizer_states(engine: Engine, reader: CheckpointReader, values: li
             param = piece_value(piece)  # the optimizer's parameter
             if param is not piece.tensor:  # a master copy: loaded besides the flat buffer (value_targets)
                 values.append((param, reader.read_values(rec.name, start, end).reshape(param.shape)))
+            if not with_states:
+                continue
             kinds = reader.state_kinds(rec.name) if rec.trained else {}
             if not kinds:
                 states.append((param, None))
@@ -220,7 +227,8 @@ def _check_representable(path: Path, named: list[tuple[str, torch.Tensor, torch.
             f"({torch.finfo(dtype).max:g}) and would become inf; load it into an engine with {theirs} or fp32")
 
 
-def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None) -> tuple[Path, Any]:
+def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None,
+                    load_optimizer_states: bool = True) -> tuple[Path, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` into ``engine``, any world size or stage.
 
     Collective: every rank calls it. Every rank reads ``meta.json``, checks it against the engine and
@@ -239,6 +247,9 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None) 
     Args:
         load_dir: the ``save_dir`` given to :func:`save_checkpoint` (or a checkpoint directory).
         tag: checkpoint to load; default the one named by ``load_dir/latest``.
+        load_optimizer_states: False: leave the optimizer's state and param-group hyperparameters as
+            they are (DeepSpeed's argument); the fp32 masters still get the saved values. The way to
+            load a checkpoint saved with another optimizer.
 
     Returns:
         (checkpoint directory, the ``client_state`` given to :func:`save_checkpoint`).
@@ -249,11 +260,14 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None) 
             ``meta.json``; saved pieces not covering a parameter; the model differs (names each
             missing or extra name, shape mismatch, a parameter frozen at initialize on one side only);
             saved with another precision and holding values this engine's dtype cannot represent (see
-            [Note: precision]); the ranks passed different ``load_dir``s or tags (names each rank's).
+            [Note: precision]); with ``load_optimizer_states``, optimizer state saved by another
+            optimizer or with other state keys (:func:`~zerodp.checkpoint.optimizer_match.check_optimizer_state`);
+            the ranks passed different ``load_dir``s, tags or ``load_optimizer_states`` (names each rank's).
     """
-    check_same_on_ranks(engine, "load_checkpoint", {"load_dir": Path(load_dir), "tag": tag})
+    check_same_on_ranks(engine, "load_checkpoint", {"load_dir": Path(load_dir), "tag": tag,
+                                                    "load_optimizer_states": load_optimizer_states})
     layout = layout_for(engine)
-    staged = _stage_on_every_rank(engine, layout, load_dir, tag)
+    staged = _stage_on_every_rank(engine, layout, load_dir, tag, load_optimizer_states)
     layout.before_load(engine)
     with torch.no_grad():
         for live, new in staged.values:
@@ -266,7 +280,7 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None) 
 
 
 def _stage_on_every_rank(engine: Engine, layout: CheckpointLayout, load_dir: PathLike,
-                         tag: str | None) -> _StagedLoad:
+                         tag: str | None, load_optimizer_states: bool = True) -> _StagedLoad:
     """Collective: each rank resolves, checks and reads the checkpoint into new tensors; every rank
     raises the first error any rank met (:func:`zerodp.checkpoint.collective.collectively`)."""
 
@@ -278,7 +292,9 @@ def _stage_on_every_rank(engine: Engine, layout: CheckpointLayout, load_dir: Pat
             except CheckpointError as e:
                 raise CheckpointError(f"checkpoint {path} does not fit this model: {e}") from None
             reader.validate_files()
-            return _stage_load(engine, layout, reader)
+            if load_optimizer_states:
+                check_optimizer_state(reader, engine)
+            return _stage_load(engine, layout, reader, load_optimizer_states)
 
     return collectively(engine, "load_checkpoint", stage)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -118,19 +119,24 @@ def initialize(args: Any = None, model: nn.Module | None = None,
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
-    """What names the DeepSpeed config: ``config``, else ``config_params``, else ``args.deepspeed_config``
-    (or DeepSpeed's former ``args.deepscale_config``); None when nothing does.
+    """What names the DeepSpeed config: ``config``, ``config_params`` or ``args.deepspeed_config`` (or
+    DeepSpeed's former ``args.deepscale_config``), exactly one of them.
 
     Raises:
-        ConfigError: both ``config`` and ``config_params`` given.
+        ConfigError: none of them given, or more than one (as DeepSpeed, which asserts when both the
+            arguments and the call give a config): names each source given.
     """
-    if config is not None and config_params is not None:
-        raise ConfigError("give config or config_params to initialize(), not both")
-    if config is not None:
-        return config
-    if config_params is not None:
-        return config_params
-    return getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    given = {"config": config, "config_params": config_params, "args.deepspeed_config": from_args}
+    named = [k for k, v in given.items() if v is not None]
+    if not named:
+        raise ConfigError("initialize() was given no config: pass config= (a dict or a JSON file path), "
+                          "config_params=, or args with args.deepspeed_config (--deepspeed_config FILE)")
+    if len(named) > 1:
+        shown = ", ".join(f"{k}={given[k]!r}" if isinstance(given[k], (str, os.PathLike)) else k for k in named)
+        raise ConfigError(f"initialize() was given more than one config ({shown}); give one of them "
+                          "(e.g. drop --deepspeed_config from the command line, or the config= argument)")
+    return given[named[0]]
 
 
 def _adopt_client_optimizer(raw: dict[str, Any], optimizer: Any, model: nn.Module, model_parameters: Any

@@ -11,7 +11,6 @@ and ``load_checkpoint(custom_load_fn=...)`` raise ``NotImplementedError`` naming
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerodp.checkpoint.weights16 import module_dtype_state_dict
 from zerodp.engine import Engine
 from zerodp.zero import GatheredParameters
 
@@ -44,12 +44,9 @@ class DeepSpeedCheckpointMethods:
         with ``exclude_frozen_parameters=True`` for a PEFT model: without the parameters whose
         ``requires_grad`` is False, buffers kept)."""
         sd = self.engine.module_state_dict()
-        named = list(self.engine.module.named_parameters(remove_duplicate=False))
-        dtypes = {n: p.dtype for n, p in named}
-        frozen = {n for n, p in named if not p.requires_grad} if exclude_frozen_parameters else set()
         if self.engine.rank != 0:
             return None
-        return {k: v.to(dtypes[k]) if k in dtypes else v for k, v in sd.items() if k not in frozen}
+        return module_dtype_state_dict(self.engine, sd, exclude_frozen_parameters)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the full module state dict on every rank (:meth:`zerodp.Engine.module_state_dict`)."""
@@ -86,29 +83,14 @@ class DeepSpeedCheckpointMethods:
 
     def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
-        """Collective: write the full weights in the module's dtype to ``save_dir/save_filename`` (rank 0);
-        ``exclude_frozen_parameters``: without the parameters whose ``requires_grad`` is False (every name).
+        """Collective: :meth:`zerodp.Engine.save_16bit_model` (the full weights in the module's dtype
+        to ``save_dir/save_filename``, rank 0; True).
 
         Raises:
             ValueError: stage 3 without ``zero_optimization.stage3_gather_16bit_weights_on_model_save``
                 (DeepSpeed then writes nothing and returns False).
         """
-        zc = self.engine.config.zero_optimization
-        if self.engine.stage == 3 and not zc.stage3_gather_16bit_weights_on_model_save:
-            raise ValueError("save_16bit_model at stage 3 needs zero_optimization."
-                             "stage3_gather_16bit_weights_on_model_save: true in the config")
-        sd = self.engine.module_state_dict()
-        dtypes = {n: p.dtype for n, p in self.engine.module.named_parameters(remove_duplicate=False)}
-        sd = {k: v.to(dtypes[k]) if k in dtypes else v for k, v in sd.items()}
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-            sd = {k: v for k, v in sd.items() if k not in frozen}
-        if self.engine.rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            torch.save(sd, os.path.join(save_dir, save_filename))
-        if dist.get_world_size(self.engine.process_group) > 1:
-            dist.barrier(self.engine.process_group)  # the file exists on return, on every rank
-        return True
+        return self.engine.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
 
     def save_checkpoint(self, save_dir: Any, tag: Any = None, client_state: Mapping[str, Any] | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
@@ -166,7 +148,7 @@ class DeepSpeedCheckpointMethods:
         counters = (e.global_steps, e.micro_steps, e.skipped_steps, e.ledger.steps)
         scaler = copy.deepcopy(e.loss_scaler.__dict__) if e.loss_scaler is not None else None
         rng = torch.get_rng_state()
-        path, state = e.load_checkpoint(load_dir, None if tag is None else str(tag))
+        path, state = e.load_checkpoint(load_dir, None if tag is None else str(tag), load_optimizer_states=not keep_opt)
         if opt_state is not None:
             e.optimizer.load_state_dict(opt_state)
         if sched_state is not None:

@@ -103,7 +103,7 @@ _MEMORY_ACCESS = frozenset({torch.Tensor.untyped_storage, torch.Tensor.data_ptr,
 _DATA_METADATA = METADATA - _MEMORY_ACCESS
 #: how to save a stage-3 model instead (every refusal of a state-dict value names these)
 SAVE_HINT = ("; to save the model at stage 3 use engine.save_16bit_model(save_dir) (gathers the full "
-             "weights once; DeepSpeed API, zero_optimization.stage3_gather_16bit_weights_on_model_save), "
+             "weights once, in the module's dtype; needs zero_optimization.stage3_gather_16bit_weights_on_model_save), "
              "engine.module_state_dict() (full fp32 values, collective), zerodp.zero.GatheredParameters "
              "around module.state_dict(), or `zerodp consolidate CHECKPOINT_DIR OUT` on a checkpoint "
              "written by engine.save_checkpoint")
