@@ -415,7 +415,7 @@ class Engine(CheckpointMethods):
 
     def comm_report(self) -> CommReport:
         """Every collective since the last :meth:`reset_comm_report` (op, count, elements, bytes)."""
-        return accounting.comm_report(self.stage, self.numel, self.ledger)
+        return accounting.comm_report(self.stage, self.numel, self.ledger, self.gradient_accumulation_steps)
 
     def reset_comm_report(self) -> None:
         self.ledger.reset()
