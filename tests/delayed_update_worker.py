@@ -44,7 +44,7 @@ def reference(spec: dict, delayed: bool) -> tuple[list[float], dict]:
     model = model_fn()
     world = dist.get_world_size()
     opt_cls = torch.optim.AdamW if spec["opt"] == "AdamW" else torch.optim.Adam
-    opt = opt_cls(model.parameters(), lr=LR)
+    opt = opt_cls(model.parameters(), lr=LR, weight_decay=0.0)  # DeepSpeed's default decay for Adam/AdamW
     params = list(model.parameters())
     pending = None
     losses = []

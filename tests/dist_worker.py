@@ -213,6 +213,15 @@ def token_xent(out: Any, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def deepspeed_meaning(opt: str, params: dict) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The torch optimizer a config ``Adam``/``AdamW`` section means under DeepSpeed: ``Adam`` is AdamW
+    (decoupled decay) unless ``adam_w_mode`` is false; ``weight_decay`` defaults to 0."""
+    params = dict(params)
+    if opt == "Adam" and params.pop("adam_w_mode", True) is False:
+        return torch.optim.Adam, params
+    return torch.optim.AdamW, {"weight_decay": 0.0, **params}
+
+
 def compare_training(
     stage: int, *, model_fn: Callable[[], nn.Module] = lambda: Zoo(), kind: str = "zoo",
     forward: Callable[[Any, torch.Tensor, int], Any] = lambda m, x, step: m(x),
@@ -269,9 +278,9 @@ def compare_training(
     else:
         model = copy.deepcopy(ref)
     engine = zerodp.initialize(model, config, model_parameters=groups(model) if groups else None)
-    torch_cls = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}[opt]
+    torch_cls, ref_kwargs = deepspeed_meaning(opt, opt_params)
     ref_params = torch_groups(ref) if torch_groups else [p for p in ref.parameters() if p.requires_grad]
-    ref_opt = torch_cls(ref_params, **opt_params)
+    ref_opt = torch_cls(ref_params, **ref_kwargs)
 
     r, n = rank(), world()
     loss_errs, norm_errs = [], []
@@ -330,7 +339,7 @@ def compare_training(
 @scenario
 def adam_buckets(stage: int) -> dict:
     """Adam with L2 decay, tiny buckets: parameters straddle shard and bucket boundaries."""
-    return compare_training(stage, opt="Adam", opt_params={"weight_decay": 0.01},
+    return compare_training(stage, opt="Adam", opt_params={"weight_decay": 0.01, "adam_w_mode": False},
                             zero={"reduce_bucket_size": 40, "allgather_bucket_size": 30})
 
 

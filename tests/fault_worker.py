@@ -30,6 +30,7 @@ from dist_worker import (
     MixedReference,
     Zoo,
     compare_training,
+    deepspeed_meaning,
     main,
     make_batch,
     mse,
@@ -91,7 +92,7 @@ def compare_mixed_scaled(stage: int, dtype: torch.dtype, *, accum: int = 1, clip
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 50, **STAGE3_DEFAULTS}, **precision}
     torch.manual_seed(7)
     base = Zoo()
-    ref = MixedReference(copy.deepcopy(base), dtype, torch.optim.Adam, SCALE_ADAM)
+    ref = MixedReference(copy.deepcopy(base), dtype, *deepspeed_meaning("Adam", SCALE_ADAM))
     names = [k for k, p in ref.model.named_parameters() if p.requires_grad]
     initial = {k: m.detach().clone() for k, m in zip(names, ref.masters, strict=True)}
     model = copy.deepcopy(base)

@@ -199,6 +199,16 @@ def timeout_scenario() -> None:
     engine.module_state_dict()
 
 
+def uneven_steps() -> None:
+    """Rank 0 trains three steps, rank 1 two, then shuts down (an uneven data loader)."""
+    engine = zerodp.initialize(Blocks(), config(0))
+    for _ in range(3 if dist.get_rank() == 0 else 2):
+        train_step(engine)
+    results = {"steps": engine.global_steps, "micro_steps": engine.micro_steps}
+    zerodp.shutdown_distributed()
+    raise AssertionError(f"shutdown_distributed returned after {results}")
+
+
 def mismatch_group(ckpt: Path) -> dict:
     results: dict[str, dict] = {}
     for stage in (0, 1, 2, 3):
@@ -214,6 +224,7 @@ def mismatch_group(ckpt: Path) -> dict:
     results["unequal_generation_synced"] = outcome(generation([3, 5], synced=True))
     results["rank0_only_generation"] = outcome(generation([4, 0], synced=True))
     results["timeout"] = outcome(timeout_scenario)
+    results["uneven_steps"] = outcome(uneven_steps)
     zerodp.initialize(Blocks(), config(0))  # a healthy engine: its guard agrees on the shutdown
     results["shutdown"] = outcome(zerodp.shutdown_distributed)
     return results

@@ -76,7 +76,7 @@ def config(stage: int, scenario: str, device: str, nvme: str) -> dict:
     if scenario == "fp16_accum_clip":  # loss scaling (no overflow at 2**8) and clipping, deferred together
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if scenario == "adam_no_overlap":
-        cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.01}}
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.01, "adam_w_mode": False}}  # L2
         if device != "none":
             cfg["aio"]["overlap_events"] = False
             cfg["aio"]["single_submit"] = True

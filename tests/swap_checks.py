@@ -32,6 +32,10 @@ def assert_nvme_path_errors(build: Callable[[str], Any], tmp_path: Path, key: st
     else:
         with pytest.raises(OffloadError, match=f"{key} '{ro}' is not writable"):
             build(str(ro))
+    if os.path.isdir("/proc"):  # a directory where no file can be created, even by root
+        with pytest.raises(OffloadError, match=f"{key} '/proc' is not writable: .*Errno") as err:
+            build("/proc")
+        assert "bytes are free" not in str(err.value), err.value
 
 
 def full_disk_error(build: Callable[[str], Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

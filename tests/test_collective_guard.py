@@ -192,6 +192,16 @@ def test_rank_outside_collectives_times_out(mismatch: list[dict]) -> None:
     assert mismatch[0]["shutdown"]["error"] is None and mismatch[1]["shutdown"]["error"] is None
 
 
+def test_shutdown_mismatch_names_the_steps_done(mismatch: list[dict]) -> None:
+    """Rank 1 shuts down after 2 steps while rank 0 is in its third: the message gives rank 1's real
+    counters (2 steps of 1 micro-step each), not the agreement's -1."""
+    o0, o1 = _errors(mismatch, "uneven_steps")
+    want = "shutdown_distributed after 2 optimizer step(s) (2 micro-step(s))"
+    assert f"rank 1 is in {want}" in o0["message"], o0["message"]
+    assert f"rank 1 entered {want}" in o1["message"], o1["message"]
+    assert "step -1" not in o0["message"] + o1["message"]
+
+
 def test_killed_rank_during_training_is_named(launches: dict[str, Launch]) -> None:
     results, codes, _ = launches["kill_train"].finish()
     assert codes[1] == -9, codes

@@ -258,3 +258,40 @@ def test_infinity_in_a_json_file_refused(tmp_path) -> None:
     path.write_text('{"optimizer": {"type": "AdamW", "params": {"lr": Infinity}}}')
     with pytest.raises(ConfigError, match=r"'optimizer.params.lr': Input should be a finite number \(got inf\)"):
         load_config(str(path))
+
+
+@pytest.mark.parametrize("opt, reference", [
+    ({"type": "Adam", "params": {"lr": 0.1, "weight_decay": 0.5}}, (torch.optim.AdamW, {"weight_decay": 0.5})),
+    ({"type": "AdamW", "params": {"lr": 0.1}}, (torch.optim.AdamW, {"weight_decay": 0.0})),
+    ({"type": "Adam", "params": {"lr": 0.1, "weight_decay": 0.5, "adam_w_mode": False}},
+     (torch.optim.Adam, {"weight_decay": 0.5})),
+])
+def test_optimizer_section_means_what_deepspeed_means(opt, reference) -> None:
+    """One meaning of the optimizer section for zerodp.initialize and zerodp.deepspeed.initialize:
+    DeepSpeed's (Adam = AdamW unless adam_w_mode is false; weight_decay default 0)."""
+    import zerodp.deepspeed
+
+    def one_step(build) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        step = build(model)
+        loss = model(torch.ones(1, 3)).sum()
+        step(loss)
+        return model.weight.detach().clone()
+
+    def ours(model):
+        engine = zerodp.initialize(model, {"train_micro_batch_size_per_gpu": 1, "optimizer": opt})
+        return lambda loss: (engine.backward(loss), engine.step())
+
+    def dropin(model):
+        engine, *_ = zerodp.deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                                      "optimizer": opt})
+        return lambda loss: (engine.backward(loss), engine.step())
+
+    def torch_reference(model):
+        ref = reference[0](model.parameters(), lr=0.1, **reference[1])
+        return lambda loss: (loss.backward(), ref.step())
+
+    want = one_step(torch_reference)
+    torch.testing.assert_close(one_step(ours), want, rtol=0, atol=0)
+    torch.testing.assert_close(one_step(dropin), want, rtol=0, atol=0)

@@ -141,8 +141,6 @@ def test_hf_config_without_trainer_arguments_is_refused_naming_each_auto() -> No
      ["'zero_optimization.reduce_bucket_size' is \"auto\"", "hidden_size * hidden_size", "Linear"]),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}, nn.Linear(2, 2),
      ["'scheduler.params.warmup_max_lr'", "set optimizer.params.lr"]),
-    ({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.1, "adam_w_mode": "yes"}}}, nn.Linear(2, 2),
-     ["'optimizer.params.adam_w_mode'", "true or false"]),
 ])
 def test_unresolvable_auto_is_refused(raw: dict, model: nn.Module, fragments: list[str]) -> None:
     with pytest.raises(zerodp.ConfigError) as err:
@@ -152,19 +150,19 @@ def test_unresolvable_auto_is_refused(raw: dict, model: nn.Module, fragments: li
 
 
 def test_deepspeed_adam_spellings() -> None:
-    wmode = resolve_deepspeed_config(
-        {"optimizer": {"type": "Adam", "params": {"adam_w_mode": True, "torch_adam": True}}})
-    assert wmode["optimizer"] == {"type": "AdamW", "params": {"weight_decay": 0.0}}  # DeepSpeed's default decay
-    l2 = resolve_deepspeed_config(
-        {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}})
-    assert l2["optimizer"] == {"type": "Adam", "params": {"weight_decay": 0.1}}
+    def section(opt: dict) -> dict:  # what load_config (shared by zerodp.initialize and the drop-in) reads
+        return zerodp.load_config({"optimizer": opt}).optimizer.model_dump(exclude_none=True)
+
+    wmode = section({"type": "Adam", "params": {"adam_w_mode": True, "torch_adam": True}})
+    assert wmode == {"type": "AdamW", "params": {"weight_decay": 0.0}}  # DeepSpeed's default decay
+    l2 = section({"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}})
+    assert l2 == {"type": "Adam", "params": {"weight_decay": 0.1, "adam_w_mode": False}}
+    assert section(l2) == l2  # validating the result again keeps its meaning
     # DeepSpeed's adam_w_mode defaults to true: a config 'Adam' with weight decay is AdamW (cifar10_deepspeed.py)
-    default = resolve_deepspeed_config({"optimizer": {"type": "Adam", "params": {"lr": 0.001, "weight_decay": 3e-7}}})
-    assert default["optimizer"] == {"type": "AdamW", "params": {"lr": 0.001, "weight_decay": 3e-7}}
-    # a client torch.optim.Adam keeps its class (the translation is for config optimizers only)
-    client = resolve_deepspeed_config({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.1}}},
-                                      translate_optimizer=False)
-    assert client["optimizer"] == {"type": "Adam", "params": {"weight_decay": 0.1}}
+    default = section({"type": "Adam", "params": {"lr": 0.001, "weight_decay": 3e-7}})
+    assert default == {"type": "AdamW", "params": {"lr": 0.001, "weight_decay": 3e-7}}
+    with pytest.raises(zerodp.ConfigError, match="optimizer.params.adam_w_mode must be true or false"):
+        section({"type": "Adam", "params": {"adam_w_mode": "yes"}})
     fp = resolve_deepspeed_config({"bf16": {"enabled": "auto"}}, nn.Linear(2, 2).to(torch.bfloat16))
     assert fp["bf16"]["enabled"] is True
 

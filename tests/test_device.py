@@ -253,7 +253,7 @@ for stage in (0, 1, 2, 3):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     model.load_state_dict(ref.state_dict())
     ref = ref.cuda()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)  # the config's AdamW: DeepSpeed's 0
     engine = zerodp.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
                                        "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}})
     device.reset_host_syncs()

@@ -431,6 +431,8 @@ def test_config_file_sets_engine_and_seed(tmp_path) -> None:
     args = cli.build_parser().parse_args(["train", "--config", str(path), "--steps", "7"])
     s = train.resolve_settings(args)
     assert s.engine_config.zero_optimization.stage == 1 and s.engine_config.gradient_accumulation_steps == 2
+    # the file's "Adam" means what it means in DeepSpeed: AdamW with weight_decay 0 (as zerodp.deepspeed reads it)
+    assert (s.engine_config.optimizer.type, s.engine_config.optimizer.params.weight_decay) == ("AdamW", 0.0)
     assert s.seed == 5 and s.steps == 7 and s.model == GPTConfig(**{
         k: getattr(train.DEFAULTS, k) for k in ("n_layer", "n_head", "d_model", "seq_len")})
     flags = train.resolve_settings(cli.build_parser().parse_args(["train", "--stage", "0", "--lr", "0.01"]))

@@ -195,7 +195,8 @@ class ZeroDPConfig(BatchConfig):
     their arithmetic come from :class:`~zerodp.config_batch.BatchConfig`."""
 
     optimizer: OptimizerConfig = Field(
-        default_factory=lambda: OptimizerConfig(type="AdamW"), description="the torch optimizer"
+        default_factory=lambda: OptimizerConfig(type="AdamW", params={"weight_decay": 0.01}),
+        description="the torch optimizer; with no optimizer section, AdamW with torch's weight_decay 0.01"
     )
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     aio: AioConfig = Field(default_factory=AioConfig, description="NVMe offload I/O (zerodp.offload.config)")

@@ -35,7 +35,10 @@ class OptimizerParams(StrictModel):
     betas: tuple[float, float] | None = Field(None, description="(beta1, beta2), each in [0, 1)")
     eps: float | None = Field(None, gt=0.0, description="denominator epsilon")
     weight_decay: float | None = Field(
-        None, ge=0.0, description="L2 (Adam) or decoupled (AdamW) decay; None = torch's default"
+        None, ge=0.0, description="L2 (Adam) or decoupled (AdamW) decay; an Adam/AdamW section without it gets 0"
+    )
+    adam_w_mode: bool | None = Field(
+        None, description="DeepSpeed's key: for type Adam, true (default) = AdamW, false = torch's L2 Adam"
     )
 
     @field_validator("betas")
@@ -48,7 +51,7 @@ class OptimizerParams(StrictModel):
 
     def torch_kwargs(self) -> dict[str, Any]:
         """The keyword arguments given (None = omitted), extras included."""
-        out = {k: v for k, v in self.model_dump().items() if v is not None}
+        out = {k: v for k, v in self.model_dump().items() if v is not None and k != "adam_w_mode"}
         return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
@@ -56,13 +59,19 @@ class OptimizerConfig(StrictModel):
     """``optimizer``: ``type`` names a torch optimizer (DeepSpeed's names, case-insensitive; see
     :data:`zerodp.config_keys.OPTIMIZERS`), ``params`` its keyword arguments.
 
-    Unlike DeepSpeed, ``Adam`` means torch's L2-regularised Adam, not AdamW: the result equals what
-    ``torch.optim.Adam`` computes on the whole model. (``zerodp.deepspeed.initialize`` maps
-    DeepSpeed's ``adam_w_mode`` to ``AdamW``.)
+    ``Adam`` and ``AdamW`` mean what they mean in DeepSpeed, for ``zerodp.initialize`` and
+    ``zerodp.deepspeed.initialize`` alike (:func:`deepspeed_adam_section`): ``Adam`` is AdamW
+    (decoupled weight decay) unless ``params.adam_w_mode`` is false (torch's L2 ``Adam``), and an
+    Adam/AdamW without ``weight_decay`` gets 0 (DeepSpeed's default; torch's AdamW default is 0.01).
     """
 
     type: str
     params: OptimizerParams = Field(default_factory=OptimizerParams)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deepspeed_meaning(cls, data: Any) -> Any:
+        return deepspeed_adam_section(data)
 
     @field_validator("type")
     @classmethod
@@ -86,6 +95,35 @@ class OptimizerConfig(StrictModel):
 
     def torch_class(self) -> builtins.type[torch.optim.Optimizer]:  # builtins: ``type`` is a field here
         return OPTIMIZERS[self.type]
+
+
+def deepspeed_adam_section(section: Any) -> Any:
+    """The ``optimizer`` section with DeepSpeed's meaning of ``Adam``/``AdamW`` written out (a copy).
+
+    DeepSpeed (``ADAM_W_MODE_DEFAULT = True``, weight_decay default 0): ``Adam`` with ``adam_w_mode``
+    true or absent, and ``AdamW`` (any ``adam_w_mode``), become ``AdamW`` with ``weight_decay`` 0 unless
+    given; ``Adam`` with ``adam_w_mode: false`` stays torch's L2 ``Adam`` and keeps the key, so the
+    result reads the same when validated again. ``torch_adam`` is dropped (zerodp runs torch's code).
+    Anything else is returned unchanged. Raises ValueError: ``adam_w_mode`` is not true or false.
+    """
+    if not isinstance(section, dict) or not isinstance(section.get("type"), str):
+        return section
+    params = section.get("params")
+    params = params.model_dump(exclude_none=True) if isinstance(params, OptimizerParams) else params
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        return section
+    params = {k: v for k, v in params.items() if k != "torch_adam"}
+    kind = canonical_optimizer(section["type"])
+    if kind not in ("Adam", "AdamW"):
+        return {**section, "params": params}
+    w_mode = params.pop("adam_w_mode", True)
+    if not isinstance(w_mode, bool):
+        raise ValueError(f"optimizer.params.adam_w_mode must be true or false (got {w_mode!r})")
+    if kind == "Adam" and not w_mode:
+        return {**section, "type": "Adam", "params": {**params, "adam_w_mode": False}}
+    return {**section, "type": "AdamW", "params": {"weight_decay": 0.0, **params}}
 
 
 def optimizer_options(name: str) -> list[str]:

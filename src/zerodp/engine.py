@@ -137,7 +137,7 @@ class Engine(CheckpointMethods):
         """The training-loop guards, the shutdown check and, with the collective guard on, the agreement
         on each backward's collectives (:mod:`zerodp.runtime.backward_agreement`)."""
         self.training_guards = TrainingGuards(self)
-        self.collective_guard.install_shutdown_check()
+        self.collective_guard.install_shutdown_check(self)
         self.backward_tags: BackwardAgreement | None = None
         if self.collective_guard.enabled:
             self.backward_tags = build_backward_agreement(self.collective_guard, self.module, self.groups,
@@ -415,7 +415,7 @@ class Engine(CheckpointMethods):
 
     def comm_report(self) -> CommReport:
         """Every collective since the last :meth:`reset_comm_report` (op, count, elements, bytes)."""
-        return accounting.comm_report(self.stage, self.numel, self.ledger)
+        return accounting.comm_report(self.stage, self.numel, self.ledger, self.gradient_accumulation_steps)
 
     def reset_comm_report(self) -> None:
         self.ledger.reset()

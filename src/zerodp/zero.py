@@ -42,6 +42,7 @@ from zerodp.runtime import comm
 from zerodp.runtime import device as devices
 from zerodp.runtime.comm import CommLedger
 from zerodp.runtime.device import pinning_available, resolve_device, resolve_pin_memory
+from zerodp.stage3 import sharded_param
 from zerodp.stage3.allocator import pin_mmap_threshold
 from zerodp.stage3.gathered import GatheredParameters, number_init_parameter
 from zerodp.stage3.init_writes import InitTouchMode
@@ -206,6 +207,7 @@ class Init:
         self._handles = [register_module_parameter_registration_hook(self._on_parameter),
                          register_module_module_registration_hook(self._on_register)]
         self._touch.__enter__()
+        sharded_param.INIT_ACTIVE[0] += 1  # refusals under Init name what cannot be built here
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -213,6 +215,7 @@ class Init:
             h.remove()
         self._handles = []
         if self._touch is not None:
+            sharded_param.INIT_ACTIVE[0] -= 1
             touch = self._touch
             try:
                 if exc[0] is None:

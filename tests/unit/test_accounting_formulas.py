@@ -48,6 +48,10 @@ def test_categories_partition_by_stage() -> None:
 
 def test_traffic_is_2_psi_or_3_psi_and_ledger_counts_all_reduce_twice() -> None:
     assert [comm_elements_per_step(s, 10) for s in range(4)] == [20, 20, 20, 30]
+    # K = 3 micro-steps per optimizer step: stages 0-1 reduce once, stages 2-3 every micro-step
+    assert [comm_elements_per_step(s, 10, 3) for s in range(4)] == [20, 20, 40, 90]
+    with pytest.raises(ValueError, match="grad_accum must be >= 1, got 0"):
+        comm_elements_per_step(2, 10, 0)
     ledger = CommLedger()
     ledger.record("all_reduce", 10, 4, "gradients")
     ledger.record("reduce_scatter", 10, 2, "gradients")

@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fp32 Adam: 4+4 bytes param/grad, K = 8")
     es.add_argument("--grad-accum", type=int_at_least(1), default=1, metavar="K",
                     help="gradient_accumulation_steps: with K > 1, mixed precision accumulates gradients "
-                         "in fp32 (4 bytes/element) unless --grad-accum-dtype says otherwise (default 1)")
+                         "in fp32 (4 bytes/element) unless --grad-accum-dtype says otherwise; stages 2-3 "
+                         "communicate every micro-step, counted in the traffic per optimizer step (default 1)")
     es.add_argument("--grad-accum-dtype", choices=("fp32", "bf16", "fp16"), default=None,
                     help="data_types.grad_accum_dtype: the gradient accumulation dtype (default: fp32 "
                          "under mixed precision with --grad-accum > 1, else the parameters' dtype)")

@@ -92,7 +92,7 @@ def run_estimate(args: argparse.Namespace) -> int:
                           "gradients is not supported; allowed with --fp32: fp32")
     dtype = grad_accum_dtype(torch.float32 if args.fp32 else torch.bfloat16, args.grad_accum, args.grad_accum_dtype)
     b = dataclasses.replace(b, grad=dtype.itemsize)  # the accumulation buffer holds the gradients
-    print(accounting.estimate_table(numel, args.dp, b))
+    print(accounting.estimate_table(numel, args.dp, b, args.grad_accum))
     print()
     print(offload_estimate_table(numel, args.dp, b))
     if args.config is not None:

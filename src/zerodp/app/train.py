@@ -328,7 +328,8 @@ def _run(s: RunSettings, t_start: float) -> None:
         for table in gathered or []:
             print(table)
         print(rule)
-        psi_per_step = accounting.comm_elements_per_step(ecfg.zero_optimization.stage, 1)
+        psi_per_step = accounting.comm_elements_per_step(ecfg.zero_optimization.stage, 1,
+                                                         ecfg.gradient_accumulation_steps)
         print(f"communication of rank 0 over the {n_steps} training steps "
               f"(ZeRO formula: {psi_per_step} Psi per step)")
         print(comm_table)

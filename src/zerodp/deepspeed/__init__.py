@@ -166,11 +166,9 @@ def _adopt_client_optimizer(raw: dict[str, Any], optimizer: Any, model: nn.Modul
 
 def _resolve_auto(raw: dict[str, Any], model: nn.Module, client_opt: torch.optim.Optimizer | None) -> dict[str, Any]:
     """``raw`` with its ``"auto"`` values resolved (:func:`zerodp.deepspeed.config.resolve_deepspeed_config`),
-    the client optimizer's lr standing for ``"auto"`` learning rates; DeepSpeed's optimizer names are
-    translated only when the config's ``optimizer`` section is the user's, not built from ``client_opt``."""
+    the client optimizer's lr standing for ``"auto"`` learning rates."""
     lr = client_opt.defaults.get("lr") if client_opt is not None else None
-    return resolve_deepspeed_config(raw, model, optimizer_lr=float(lr) if lr is not None else None,
-                                    translate_optimizer=client_opt is None)
+    return resolve_deepspeed_config(raw, model, optimizer_lr=float(lr) if lr is not None else None)
 
 
 def _set_ds_attributes(stage: int, model: nn.Module, shapes: dict[int, tuple[int, ...]]) -> None:
@@ -230,6 +228,8 @@ def _from_client_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, Any], 
         options = {k: _plain(v) for k, v in g.items()
                    if k in accepted and _plain(v) != defaults.get(k)}
         groups.append({"params": g["params"], **options})
+    if name == "Adam":  # torch's Adam (decay as its decoupled_weight_decay says), not DeepSpeed's config Adam
+        defaults["adam_w_mode"] = False
     section = OptimizerConfig(type=name, params=defaults).model_dump(exclude_none=True)
     return section, groups
 

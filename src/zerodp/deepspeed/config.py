@@ -1,6 +1,6 @@
 """DeepSpeed config dicts as DeepSpeed and the HF Trainer write them, turned into zerodp configs.
 
-:func:`resolve_deepspeed_config` runs before :func:`zerodp.load_config` and owns two things:
+:func:`resolve_deepspeed_config` runs before :func:`zerodp.load_config` and owns ``"auto"`` values:
 
 - ``"auto"`` values (every HF Trainer config has them). Each is resolved from what ``initialize``
   knows, or refused naming the key and what must fill it:
@@ -24,12 +24,9 @@
   ``hidden_size`` is ``model.config.hidden_size`` (or ``max(model.config.hidden_sizes)``), as the HF
   Trainer reads it; a model without such a config gets a refusal naming the keys.
 
-- DeepSpeed's optimizer spellings: ``Adam`` with ``adam_w_mode`` and ``torch_adam``. As in DeepSpeed,
-  ``adam_w_mode`` defaults to true, so a config ``Adam`` is ``AdamW`` (decoupled weight decay) unless
-  ``adam_w_mode: false`` (torch's L2 ``Adam``); ``AdamW`` is always AdamW. DeepSpeed's Adam/AdamW
-  default ``weight_decay`` is 0 while torch's AdamW default is 0.01, so an AdamW without
-  ``weight_decay`` gets 0 written in. A client ``torch.optim.Adam`` passed to ``initialize`` stays
-  torch's Adam (``translate_optimizer=False``).
+DeepSpeed's optimizer spellings (``Adam`` with ``adam_w_mode``, ``torch_adam``, weight_decay default 0)
+are read by the config itself (:func:`zerodp.config_optimizer.deepspeed_adam_section`), the same for
+``zerodp.initialize``; a client ``torch.optim.Adam`` is written as ``adam_w_mode: false`` and stays Adam.
 
 Errors: :class:`zerodp.ConfigError` naming the key path.
 """
@@ -98,15 +95,13 @@ def _floating_dtype(model: nn.Module | None) -> torch.dtype | None:
 
 
 def resolve_deepspeed_config(raw: Mapping[str, Any], model: nn.Module | None = None,
-                             optimizer_lr: float | None = None, translate_optimizer: bool = True) -> dict[str, Any]:
+                             optimizer_lr: float | None = None) -> dict[str, Any]:
     """Resolve ``"auto"`` values and DeepSpeed optimizer spellings in ``raw`` (not modified).
 
     Args:
         raw: a DeepSpeed config dict.
         model: the model being trained (for ``hidden_size`` and the dtype); None inside ``zero.Init``.
         optimizer_lr: the client optimizer's lr, when one was passed to ``initialize``.
-        translate_optimizer: False when the ``optimizer`` section describes a client torch optimizer
-            (its class is kept: DeepSpeed's ``adam_w_mode`` default applies to config optimizers only).
 
     Returns:
         A config dict for :func:`zerodp.load_config` without any ``"auto"``.
@@ -126,8 +121,6 @@ def resolve_deepspeed_config(raw: Mapping[str, Any], model: nn.Module | None = N
         section = cfg.get(name)
         if isinstance(section, dict) and section.get("enabled") == AUTO:
             section["enabled"] = _floating_dtype(model) == dtype
-    if translate_optimizer:
-        _translate_optimizer(cfg)
     _resolve_scheduler(cfg, optimizer_lr)
     left = [p for p in _auto_paths(cfg) if p != "device"]  # zerodp's own key: "auto" is its default
     if left:
@@ -170,28 +163,6 @@ def _resolve_hidden_size_keys(cfg: dict[str, Any], model: nn.Module | None) -> N
             f"it) but {where}; give a number" for k in autos))
     for k in autos:
         zo[k] = HIDDEN_SIZE_KEYS[k][1](h)
-
-
-def _translate_optimizer(cfg: dict[str, Any]) -> None:
-    opt = cfg.get("optimizer")
-    if not isinstance(opt, dict) or not isinstance(opt.get("type"), str):
-        return
-    params = opt.setdefault("params", {})
-    if not isinstance(params, dict):
-        return
-    params.pop("torch_adam", None)  # zerodp always runs torch's implementation
-    kind = opt["type"].lower()
-    if kind not in ("adam", "adamw"):
-        return
-    w_mode = params.pop("adam_w_mode", True)  # DeepSpeed's ADAM_W_MODE_DEFAULT
-    if not isinstance(w_mode, bool):
-        raise ConfigError(f"invalid zerodp config:\n  'optimizer.params.adam_w_mode': expected true or false "
-                          f"(got {w_mode!r})")
-    if kind == "adamw" or w_mode:
-        opt["type"] = "AdamW"
-        params.setdefault("weight_decay", 0.0)  # DeepSpeed's default; torch's AdamW default is 0.01
-    else:
-        opt["type"] = "Adam"
 
 
 def _resolve_scheduler(cfg: dict[str, Any], optimizer_lr: float | None) -> None:

@@ -58,7 +58,13 @@ from zerodp.offload.aio import ALIGN, AsyncIO, IOHandle, SwapFile, align_up, ali
 from zerodp.offload.config import AioConfig, OffloadParamConfig
 from zerodp.offload.stream import CopyStream
 from zerodp.offload.swap_dir import check_stale, make_rank_dir
-from zerodp.offload.swap_job import OffloadError, agree_job_id, raise_if_any_rank_failed, remove_swap_dir
+from zerodp.offload.swap_job import (
+    OffloadError,
+    agree_job_id,
+    check_swap_dir,
+    raise_if_any_rank_failed,
+    remove_swap_dir,
+)
 
 
 class Residency(enum.Enum):
@@ -174,10 +180,7 @@ class ParamSwapper:
     def _open(self, job: str) -> None:
         base = self.cfg.nvme_path
         assert base is not None
-        if not os.path.isdir(base):
-            raise OffloadError(f"offload_param.nvme_path {base!r} does not exist or is not a directory")
-        if not os.access(base, os.W_OK | os.X_OK):
-            raise OffloadError(f"offload_param.nvme_path {base!r} is not writable")
+        check_swap_dir(base, "offload_param.nvme_path")
         check_stale(base, self.cfg.remove_stale_swap, "offload_param.nvme_path", self.rank)
         files: list[SwapFile | None] = []
         self.dir = make_rank_dir(base, job, self.rank, files)  # owner record; unlinked on SIGTERM/SIGINT

@@ -15,6 +15,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -38,17 +39,33 @@ def remove_swap_dir(directory: str, files: list[SwapFile | None]) -> None:
     release(directory)
 
 
-def check_swap_space(base: str, needed: int, key: str) -> None:
-    """Refuse a swap directory ``base`` (config key ``key``) that is missing, not writable, or has fewer
-    than ``needed`` bytes free.
+def check_swap_dir(base: str, key: str) -> None:
+    """Refuse a swap directory ``base`` (config key ``key``) that is missing or where a file cannot be
+    created: a probe file is created and removed (permission bits alone miss root, read-only mounts and
+    pseudo file systems such as /proc or /sys).
 
     Raises:
-        OffloadError: naming the key, the path and (for space) the bytes needed and free.
+        OffloadError: naming the key, the path and the OS error.
     """
     if not os.path.isdir(base):
         raise OffloadError(f"{key} {base!r} does not exist or is not a directory")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise OffloadError(f"{key} {base!r} is not writable")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".zerodp_probe_", dir=base)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise OffloadError(f"{key} {base!r} is not writable: creating a file there failed with "
+                           f"[Errno {exc.errno}] {exc.strerror}; give a writable directory on the NVMe disk") from None
+
+
+def check_swap_space(base: str, needed: int, key: str) -> None:
+    """Refuse a swap directory ``base`` (config key ``key``) that :func:`check_swap_dir` refuses or that
+    has fewer than ``needed`` bytes free.
+
+    Raises:
+        OffloadError: naming the key, the path and the OS error, or the bytes needed and free.
+    """
+    check_swap_dir(base, key)
     free = shutil.disk_usage(base).free
     if needed > free:
         raise OffloadError(f"{key} {base!r}: the swap file needs {needed:,} bytes, {free:,} bytes are free")
@@ -97,5 +114,5 @@ def raise_if_any_rank_failed(error: str | None, pg: dist.ProcessGroup | None) ->
         raise OffloadError("; ".join(e for e in errors if e))
 
 
-__all__ = ["OffloadError", "agree_job_id", "allocate_swap_file", "check_swap_space", "raise_if_any_rank_failed",
-           "remove_swap_dir"]
+__all__ = ["OffloadError", "agree_job_id", "allocate_swap_file", "check_swap_dir", "check_swap_space",
+           "raise_if_any_rank_failed", "remove_swap_dir"]

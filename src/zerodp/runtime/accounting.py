@@ -16,8 +16,11 @@ stage      parameters                      gradients                      optimi
 =========  ==============================  =============================  ==================
 
 Mixed precision (p = g = 2, K = 12) gives 16 Psi, 4 Psi + 12 Psi/N_d, 2 Psi + 14 Psi/N_d, 16 Psi/N_d:
-for Psi = 7.5e9 and N_d = 64, 120 / 31.4 / 16.6 / 1.9 GB. Per-step traffic per rank is 2 Psi elements
-for stages 0-2 and 3 Psi for stage 3.
+for Psi = 7.5e9 and N_d = 64, 120 / 31.4 / 16.6 / 1.9 GB. Traffic per rank per optimizer step is 2 Psi
+elements for stages 0-2 and 3 Psi for stage 3 without accumulation. With K micro-steps per optimizer step,
+stages 0-1 still reduce once per step (2 Psi), while stage 2 reduce-scatters every micro-step and
+all-gathers once ((K + 1) Psi) and stage 3 gathers for each forward and backward and reduce-scatters
+every micro-step (3K Psi) (:func:`comm_elements_per_step`).
 
 With gradient accumulation under bf16/fp16, zerodp accumulates gradients in an fp32 buffer by default
 (:mod:`zerodp.runtime.precision`): g = 4, e.g. 18 Psi at stage 0 and 4 Psi + 14 Psi/N_d at stage 2.
@@ -75,11 +78,16 @@ def model_state_bytes(stage: int, numel: int, world_size: int, b: BytesPerElemen
     }
 
 
-def comm_elements_per_step(stage: int, numel: int) -> int:
-    """Per-rank traffic per optimizer step in elements (paper section 7): 2 Psi, or 3 Psi at stage 3."""
+def comm_elements_per_step(stage: int, numel: int, grad_accum: int = 1) -> int:
+    """Per-rank traffic per optimizer step in elements (paper section 7) with ``grad_accum`` (K)
+    micro-steps per optimizer step, as the engine issues it: 2 Psi at stages 0-1 (one reduction per
+    step), (K + 1) Psi at stage 2 (a reduce-scatter per micro-step, one all-gather), 3K Psi at stage 3
+    (forward and backward gathers and a reduce-scatter per micro-step). Raises ValueError: bad stage or K."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage}")
-    return (3 if stage == 3 else 2) * numel
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    return {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage] * numel
 
 
 def human_bytes(n: float) -> str:
@@ -90,19 +98,22 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def estimate_table(numel: int, world_size: int, b: BytesPerElement = MIXED_PRECISION_ADAM) -> str:
-    """Text table of per-rank model-state bytes and per-step traffic for stages 0-3."""
+def estimate_table(numel: int, world_size: int, b: BytesPerElement = MIXED_PRECISION_ADAM,
+                   grad_accum: int = 1) -> str:
+    """Text table of per-rank model-state bytes and traffic per optimizer step (of ``grad_accum``
+    micro-steps, :func:`comm_elements_per_step`) for stages 0-3."""
     rows = [f"Psi = {numel:,} trainable parameters, N_d = {world_size}, "
-            f"bytes/element: param {b.param}, grad {b.grad}, K = {b.k}"]
-    rows.append(f"{'stage':<22}{'per-rank model states':>24}  {'traffic/step/rank':>22}")
+            f"bytes/element: param {b.param}, grad {b.grad}, K = {b.k}; "
+            f"{grad_accum} micro-step(s) per optimizer step"]
+    rows.append(f"{'stage':<22}{'per-rank model states':>24}  {'traffic per optimizer step, per rank':>38}")
     for stage in STAGES:
         total = sum(model_state_bytes(stage, numel, world_size, b).values())
-        elems = comm_elements_per_step(stage, numel)
+        psi = comm_elements_per_step(stage, 1, grad_accum)
         # stages 0-1 reduce the gradient buffer at its dtype (b.grad: fp32 with fp32 accumulation), then
         # stage 1 all-gathers parameters; stages 2-3 reduce-scatter every micro-step in the module dtype
-        traffic = {0: 2 * b.grad, 1: b.grad + b.param}.get(stage, elems // numel * b.param) * numel
+        traffic = {0: 2 * b.grad, 1: b.grad + b.param}.get(stage, psi * b.param) * numel
         rows.append(f"{STAGE_NAMES[stage]:<22}{human_bytes(total):>24}  "
-                    f"{f'{elems // numel} Psi = ' + human_bytes(traffic):>22}")
+                    f"{f'{psi} Psi = ' + human_bytes(traffic):>38}")
     return "\n".join(rows)
 
 
@@ -147,7 +158,8 @@ class MemoryReport:
 
 @dataclass(frozen=True)
 class CommReport:
-    """Collectives issued since the last reset; ``expected_elements_per_step`` is 2 Psi or 3 Psi."""
+    """Collectives issued since the last reset; ``expected_elements_per_step`` is the formula's
+    (:func:`comm_elements_per_step` with ``grad_accum`` micro-steps per optimizer step)."""
 
     stage: int
     numel: int
@@ -155,10 +167,11 @@ class CommReport:
     records: list  # list[comm.CommRecord]
     traffic_elements: int  # Psi-equivalent elements over all records (all-reduce counted twice)
     model_traffic_elements: int  # the same, gradient and parameter collectives only
+    grad_accum: int = 1  # micro-steps per optimizer step
 
     @property
     def expected_elements_per_step(self) -> int:
-        return comm_elements_per_step(self.stage, self.numel)
+        return comm_elements_per_step(self.stage, self.numel, self.grad_accum)
 
     @property
     def elements_per_step(self) -> float:
@@ -245,9 +258,11 @@ def memory_report(engine: ReportedEngine) -> MemoryReport:
                         frozen_numel=frozen_numel, measured=measured, formula=formula, peak=peak)
 
 
-def comm_report(stage: int, numel: int, ledger: Any) -> CommReport:
+def comm_report(stage: int, numel: int, ledger: Any, grad_accum: int = 1) -> CommReport:
     """Every collective recorded in ``ledger`` (a :class:`zerodp.runtime.comm.CommLedger`) since its
-    last reset, with the gradient and parameter traffic the paper's formula counts."""
+    last reset, with the gradient and parameter traffic the paper's formula counts (``grad_accum``
+    micro-steps per optimizer step)."""
     model = ledger.traffic_elements("gradients") + ledger.traffic_elements("parameters")
     return CommReport(stage=stage, numel=numel, steps=ledger.steps, records=ledger.records(),
-                      traffic_elements=ledger.traffic_elements(), model_traffic_elements=model)
+                      traffic_elements=ledger.traffic_elements(), model_traffic_elements=model,
+                      grad_accum=grad_accum)

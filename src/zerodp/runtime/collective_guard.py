@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -83,9 +84,14 @@ class CallSite:
     micro_step: int
     aux: int = 0
     reach: Callable[[], list[str]] | None = field(default=None, compare=False)
+    #: (optimizer steps, micro-steps) done, shown instead of ``step``/``micro_step`` (which stay -1 in the
+    #: agreement) by a call outside the training loop (``shutdown_distributed``); None: not known
+    done: tuple[int, int] | None = field(default=None, compare=False)
 
     def describe(self) -> str:
         what = f"{self.call}({self.detail})" if self.detail else self.call
+        if self.done is not None:
+            return f"{what} after {self.done[0]} optimizer step(s) ({self.done[1]} micro-step(s))"
         return f"{what} at step {self.step} (micro-step {self.micro_step})"
 
     def encode(self) -> torch.Tensor:
@@ -254,8 +260,9 @@ class CollectiveGuard:
             tags.before_launch()
         return _FetchCheck(check, before_launch)
 
-    def install_shutdown_check(self) -> None:
-        """Make :func:`zerodp.shutdown_distributed` agree first (the latest engine's guard wins).
+    def install_shutdown_check(self, engine: Any = None) -> None:
+        """Make :func:`zerodp.shutdown_distributed` agree first (the latest engine's guard wins); a
+        mismatch names the step counters (``global_steps``, ``micro_steps``) of ``engine`` (held weakly).
 
         The check holds this guard strongly, until the next engine's guard replaces it or the shutdown:
         with a weak reference, whether the agreement runs would depend on whether each rank's gc had
@@ -264,8 +271,12 @@ class CollectiveGuard:
         if not self.enabled:
             return
 
+        engine_ref = weakref.ref(engine) if engine is not None else None
+
         def check(guard: CollectiveGuard = self) -> None:
-            guard.agree(CallSite("shutdown_distributed", "", -1, -1))
+            owner = engine_ref() if engine_ref is not None else None
+            done = (int(owner.global_steps), int(owner.micro_steps)) if owner is not None else None
+            guard.agree(CallSite("shutdown_distributed", "", -1, -1, done=done))
         comm.SHUTDOWN_CHECK[:] = [check]
 
     # ---- failure path ------------------------------------------------------------------------------

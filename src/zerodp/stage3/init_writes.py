@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from zerodp.runtime import comm
 from zerodp.stage3.ownership import Owner, owner_of
-from zerodp.stage3.sharded_param import METADATA
+from zerodp.stage3.sharded_param import METADATA, refuse_parameter_from_sharded
 from zerodp.stage3.units import ShardedUnit, ShardState
 
 
@@ -56,6 +56,7 @@ class InitTouchMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
+        refuse_parameter_from_sharded(func, args)  # nn.Parameter(p): weight_norm's parametrization
         if not self.busy and func not in METADATA:  # shape, numel, ... need no values (no gather)
             needed = {id(o.unit) for o in (owner_of(a) for a in _tensors(args, kwargs)) if o is not None}
             for a in _tensors(args, kwargs):

@@ -28,6 +28,7 @@ own API refuses (:class:`RefuseSave`); ``zerodp.deepspeed`` writes DeepSpeed's p
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -109,6 +110,61 @@ SAVE_HINT = ("; to save the model at stage 3 use engine.save_16bit_model(save_di
              "written by engine.save_checkpoint")
 
 
+#: number of active ``zerodp.zero.Init`` contexts (set by :class:`zerodp.zero.Init`): refusals under
+#: Init name the construct that cannot be built there instead of advising GatheredParameters
+INIT_ACTIVE = [0]
+#: the code of ``nn.Parameter.__new__``: ``nn.Parameter(p)`` on a partitioned parameter detaches it
+_PARAMETER_NEW = nn.Parameter.__new__.__code__
+
+
+def _deepcopy_error(name: str, hint: str = "") -> PartitionedParameterError:
+    """The refusal of ``copy.deepcopy`` of partitioned parameter ``name``; under ``zero.Init`` it names
+    the modules that deep-copy a built layer and what to build instead."""
+    if not INIT_ACTIVE[0]:
+        return PartitionedParameterError(_message(name, "copy.deepcopy") + hint)
+    return PartitionedParameterError(
+        f"copy.deepcopy of parameter '{name}' under zerodp.zero.Init: Init has already partitioned it "
+        "(each rank holds only a shard), so a copy would have no values. Modules that deep-copy a built "
+        "layer cannot be built under zero.Init: nn.TransformerEncoder / nn.TransformerDecoder (they copy "
+        "the encoder_layer / decoder_layer given), copy.deepcopy(module) of a module built there. Build that "
+        "module outside `with zerodp.zero.Init(...)` (zerodp.initialize partitions it at stage 3), or "
+        "build each copy separately, e.g. nn.ModuleList([nn.TransformerEncoderLayer(...) for _ in range(n)])")
+
+
+def _parameter_from_sharded_error(name: str) -> PartitionedParameterError:
+    """The refusal of ``nn.Parameter(p)`` on partitioned parameter ``name`` (what a torch
+    parametrization whose ``right_inverse`` returns the weight itself, such as ``weight_norm``, does)."""
+    where = "under zerodp.zero.Init" if INIT_ACTIVE[0] else "at ZeRO stage 3"
+    return PartitionedParameterError(
+        f"nn.Parameter(...) of parameter '{name}' {where}: it is partitioned (each rank holds only a shard), "
+        "so no new parameter can be made from its values. Torch parametrizations that register the weight "
+        "as a new parameter (nn.utils.parametrizations.weight_norm, register_parametrization with several "
+        "originals) cannot register on a partitioned parameter: build that module outside "
+        "`with zerodp.zero.Init(...)` with its parametrization and let zerodp.initialize partition it at "
+        "stage 3 (it trains there), or use a parametrization that keeps one original "
+        "(parametrizations.orthogonal, spectral_norm), which works under Init")
+
+
+def refuse_parameter_from_sharded(func: Callable, args: tuple) -> None:
+    """Raise :func:`_parameter_from_sharded_error` when ``func(*args)`` is ``nn.Parameter.__new__``
+    detaching a partitioned parameter (called by :class:`ShardedParameter` and by ``zero.Init``'s
+    torch-function mode, which sees the call first)."""
+    if func == _DETACH and args and isinstance(args[0], ShardedParameter) and _called_by_parameter_new():
+        raise _parameter_from_sharded_error(_name(args[0]))
+
+
+def _called_by_parameter_new() -> bool:
+    """Whether a caller a few frames up is ``nn.Parameter.__new__`` (it detaches its ``data``)."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return False
+        if frame.f_code is _PARAMETER_NEW:
+            return True
+    return False
+
+
 class SavePolicy:
     """What pickling a sharded parameter or its state-dict value does (a parameter's :data:`SAVE_ATTR`)."""
 
@@ -183,6 +239,7 @@ class ShardedParameter(nn.Parameter):
         if func in METADATA:
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
         if (func == _DATA_GET or func == _DETACH) and args and isinstance(args[0], ShardedParameter):
+            refuse_parameter_from_sharded(func, args)
             return ShardedData.of(args[0])
         if args and isinstance(args[0], ShardedParameter) and _noop_conversion(args[0], func, args[1:], kwargs):
             return args[0]  # module.to(device)/.float()/.cpu() that changes nothing
@@ -204,7 +261,7 @@ class ShardedParameter(nn.Parameter):
         return getattr(self, SAVE_ATTR, REFUSE_SAVE).reduce(self, _name(self), "pickling/saving (torch.save)")
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise PartitionedParameterError(_message(_name(self), "copy.deepcopy"))
+        raise _deepcopy_error(_name(self))
 
 
 class ShardedData(torch.Tensor):
@@ -252,7 +309,7 @@ class ShardedData(torch.Tensor):
         return self._zerodp_save.reduce(self, self._zerodp_name, "pickling/saving (torch.save)")
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise PartitionedParameterError(_message(self._zerodp_name, "copy.deepcopy") + SAVE_HINT)
+        raise _deepcopy_error(self._zerodp_name, SAVE_HINT)
 
     def __format__(self, spec: str) -> str:
         return repr(self)
