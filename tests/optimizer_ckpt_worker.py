@@ -25,10 +25,10 @@ from zerodp.checkpoint import CheckpointError  # noqa: E402
 MICRO = 2
 OPTIMIZERS = {
     "SGD": ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, lambda ps: torch.optim.SGD(ps, 0.1, 0.9)),
-    "AdamW": ({"type": "AdamW", "params": {"lr": 0.01}}, lambda ps: torch.optim.AdamW(ps, lr=0.01)),
+    "AdamW": ({"type": "AdamW", "params": {"lr": 0.01}}, lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.0)),
     "AdamW+amsgrad": (
         {"type": "AdamW", "params": {"lr": 0.01, "amsgrad": True}},
-        lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True),
+        lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True, weight_decay=0.0),
     ),
 }
 #: (saved with, loaded into): both directions across classes, and the same class with other state keys
