@@ -16,7 +16,7 @@ Switches (environment):
   scratch, parameter swap pool, parameter shards pinned (in use or being gathered) and unpinned (read
   ahead or kept), gather pool lent and free, the reducer's partitions in memory, tensors saved for
   backward), malloc's in-use bytes minus them, and ``VmRSS`` minus malloc's; and the same at the
-  largest ``VmRSS`` the sampler saw.
+  largest ``VmRSS`` the sampler saw in each phase and module kind (``bwd qkv``: any block's qkv backward).
 - ``PROBE_SERIES=path``: the sampled series (seconds, ``VmRSS`` MB, tag) where ``VmRSS`` moved by 16 MB.
 - ``PROBE_CENSUS_AT="s2 bwd blocks.5.attn.qkv"``: at that hook, live tensors reachable from Python
   (``gc``), grouped by storage size.
@@ -128,7 +128,8 @@ def classes(engine) -> str:
     return (
         " ".join(f"{k} {v / 1e6:.0f}" for k, v in parts.items())
         + f" | malloc {inuse / 1e6:.0f} - known = {(inuse - known) / 1e6:.0f} | rss {now / 1e6:.0f}"
-        + f" - malloc = {(now - inuse) / 1e6:.0f}"
+        + f" - malloc = {(now - inuse) / 1e6:.0f} (RssFile {status('RssFile') / 1e6:.0f}, "
+        + f"RssAnon {status('RssAnon') / 1e6:.0f})"
     )
 
 
@@ -162,7 +163,7 @@ class Sampler:
         self.every = every_s
         self.stop = False
         self.engine = None
-        self.best, self.best_info = 0, ""
+        self.best_by_kind: dict[str, tuple[int, str]] = {}  # "bwd qkv" -> (largest VmRSS, holders then)
         self.series: list[tuple[float, int, str]] = []  # (seconds, VmRSS, tag) where VmRSS moved by 16 MB
         self.t0 = time.perf_counter()
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -173,11 +174,12 @@ class Sampler:
             r, t = rss(), self.tag
             if r > self.peak.get(t, 0):
                 self.peak[t] = r
-            if self.engine is not None and r > self.best + 4 * 2**20:
+            kind = " ".join(t.split()[1:2] + [t.split()[-1].split(".")[-1]])  # "bwd qkv", "forward forward"
+            if self.engine is not None and r > self.best_by_kind.get(kind, (0, ""))[0] + 4 * 2**20:
                 try:
-                    self.best, self.best_info = r, f"{t}: {classes(self.engine)}"
+                    self.best_by_kind[kind] = (r, f"{t}: {classes(self.engine)}")
                 except Exception as exc:  # noqa: BLE001 (the training thread changed a structure under us)
-                    self.best_info = f"{t}: (classes failed: {exc})"
+                    self.best_by_kind[kind] = (r, f"{t}: (classes failed: {exc})")
             if not self.series or abs(r - self.series[-1][1]) >= 16 * 2**20 or t != self.series[-1][2]:
                 self.series.append((time.perf_counter() - self.t0, r, t))
             time.sleep(self.every)
@@ -208,8 +210,10 @@ class Sampler:
             key = " ".join(tag.split()[:2])
             per_phase[key] = max(per_phase.get(key, 0), v)
         print("per step and phase (MB):", " | ".join(f"{k} {v / 1e6:.0f}" for k, v in per_phase.items()))
-        if self.best_info:
-            print(f"at the largest VmRSS sampled ({self.best / 1e6:.0f} MB): {self.best_info}")
+        if self.best_by_kind:
+            print("holders at the largest VmRSS sampled per phase and module kind (MB):")
+            for kind, (r, info) in sorted(self.best_by_kind.items(), key=lambda kv: -kv[1][0]):
+                print(f"  {r / 1e6:6.0f} {kind:<18} {info}")
         if os.environ.get("PROBE_SERIES"):
             with open(os.environ["PROBE_SERIES"], "w", encoding="ascii") as f:
                 f.writelines(f"{t:9.3f} {r / 1e6:8.0f} {tag}\n" for t, r, tag in self.series)
@@ -291,7 +295,8 @@ def worker(plan: dict, nvme: str, every_s: float) -> None:
 
 def print_plan(args: argparse.Namespace) -> dict:
     """The preset's knobs and RAM rows for this shape; returns the worker's plan (as ``_plan_json``)."""
-    from zerodp.app.infinity import default_lr, knobs_for, ram_accounting
+    from zerodp.app.infinity import default_lr, knobs_for
+    from zerodp.app.infinity_ram import ram_accounting
     from zerodp.app.model import GPTConfig, count_parameters
     from zerodp.runtime.accounting import human_bytes
 

@@ -16,19 +16,18 @@ the plan is refused with the bytes needed and available. Where the bytes go (all
   parameter shards (2 bytes/param, ``offload_param`` swap file), the reduced bf16 gradient partition
   (2 bytes/param, ``gradients.swp``: each unit's goes there once reduced, :mod:`zerodp.offload.grad_swap`),
   the raw-I/O probe file, 3% slack;
-- RAM (:func:`ram_accounting`), every row bounded by a layer, a sub-group or a configured pool, none by
-  the parameter count: per rank the runtime, the optimizer's sub-group buffers, the gradient swap's
-  two read buffers (a sub-group each) and the unit partitions being reduced or written, and the
-  parameter swap pool with its read-ahead budget; then the larger of two
-  phases that do not overlap: backward (the stage-3 gather pool at its limit: live window, running
-  unit, gradient staging; and the saved activations, measured at about 36 bytes per token, layer and
-  ``d_model`` in bf16) and the optimizer step (the fp32 gradient scratch of one sub-group and the
-  parameter shards resident while a sub-group is updated: those of two sub-groups plus two boundary
-  layers, the fp64 norm of one layer's gradient, Adam's temporaries); 15% slack. The raw-I/O probe runs
-  before the model exists and is not counted. The 3.2B runs peaked 20-21% above the rows of the plan
-  of then; the part not attributed was glibc's sliding mmap threshold (freed blocks up to 32 MiB kept
-  in the heap, about 2 bytes/param at a small scale, tests/test_infinity_rss.py): the worker runs with
-  ``MALLOC_MMAP_THRESHOLD_`` fixed (:data:`MALLOC_ENV`).
+- RAM (:func:`zerodp.app.infinity_ram.ram_accounting`), every row bounded by a layer, a sub-group, a
+  configured pool or the activations, none by the parameter count: per rank the runtime, the
+  optimizer's sub-group buffers, the parameter swap pool with its read-ahead budget, the gradient
+  swap's read buffers and the partitions being reduced or written, and the largest of the phases that
+  do not overlap (backward, forward with the step's sub-group loop under ``overlap_step``, step); 15%
+  slack. Each row names a holder measured by ``tools/infinity_rss_probe.py``; the rows matched the
+  measured peak within 10% (docs/benchmarks/2026-12-02-infinity-2.4x.md). The raw-I/O probe runs
+  before the model exists and is not counted. Two unattributed parts of past runs were named: glibc's
+  sliding mmap threshold (3.2B runs, freed blocks up to 32 MiB kept in the heap: the worker runs with
+  ``MALLOC_MMAP_THRESHOLD_`` fixed, :data:`MALLOC_ENV`), and the reducer's first (calibration) step
+  holding every unit's gradient staging until backward returned (3.8B runs, 2 bytes/param: it now
+  reduces each unit once complete, :mod:`zerodp.runtime.grad_reducer`).
 
 Consequence: the RAM needed depends on the layer width and the activations (tokens x layers x
 ``d_model``), not on the parameter count: the model is bounded by the disk.
@@ -47,6 +46,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
+from zerodp.app.infinity_ram import Knobs, ram_accounting
 from zerodp.app.model import GPTConfig, count_parameters
 from zerodp.runtime.accounting import human_bytes
 
@@ -56,23 +56,6 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 #: bytes per parameter of the model states in mixed-precision Adam (ZeRO paper section 3.1: 2 + 2 + 12)
 STATE_BYTES = 16
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class Knobs:
-    """Engine sizes used by the preset (DeepSpeed keys in brackets); see :func:`knobs_for`."""
-
-    sub_group_size: int  # elements per optimizer swap sub-group [zero_optimization.sub_group_size]
-    param_buffer_size: int  # bytes [offload_param.buffer_size]
-    max_in_cpu: int  # bytes of shards read ahead [offload_param.max_in_cpu]
-    probe_bytes: int  # raw direct-I/O probe (file on disk, buffer in RAM)
-    optimizer_buffers: int = 4  # [offload_optimizer.buffer_count]
-    param_buffer_count: int = 5  # [offload_param.buffer_count]
-    runtime_bytes: int = 768 * 2**20  # interpreter, torch, allocator slack per rank
-    reduce_bucket_size: int = 25_000_000  # elements of unit gradients staged per reduce-scatter [same]
-    max_live_parameters: int = 200_000_000  # elements gathered ahead [stage3_max_live_parameters]
-    # the step's sub-group loop goes on during the next forward [offload_optimizer.overlap_step]
-    overlap_step: bool = True
 
 
 def knobs_for(params: int, largest_layer: int, nproc: int, overlap_step: bool = True) -> Knobs:
@@ -113,7 +96,7 @@ class Plan:
     disk_needed: dict[str, int]
     ram_needed: dict[str, int]
     knobs: Knobs
-    ram_phases: dict[str, dict[str, int]]  # backward / step: what the transient line is the larger of
+    ram_phases: dict[str, dict[str, int]]  # backward, forward, sub-group loop, step: the transient line's parts
     grad_accum: int = 1  # micro-batches per optimizer step [gradient_accumulation_steps]
 
     @property
@@ -215,52 +198,6 @@ def default_lr(d_model: int, n_layer: int) -> float:
     1e-4; 3.2B parameters (37 x 2688) went 5.94 -> 4.75 -> 6.16 -> 6.72 at 3.7e-6 (``0.01 / d_model``).
     ``LR_SCALE`` is 8.7e-6 x 1152 x 16. ``--lr`` overrides it."""
     return min(MAX_LR, LR_SCALE / (d_model * n_layer))
-
-
-#: bytes of saved activations per token, layer and d_model element (bf16, no activation checkpointing):
-#: measured with saved_tensors_hooks on this GPT (33-35 at d_model 256-512), rounded up
-ACTIVATION_BYTES = 36
-
-
-def ram_accounting(p: int, model: GPTConfig, micro_batch: int, largest_layer: int, nproc: int,
-                   k: Knobs, grad_bytes: int = 2) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
-    """Host bytes the run holds at its peak, all ranks together (module docstring), and the two
-    transient phases (backward, optimizer step) of which the larger is counted. ``grad_bytes``: bytes
-    per element of the swapped gradient partition (2 bf16, 4 with fp32 accumulation).
-
-    Per rank: ``S`` = sub_group_size, ``U`` = elements of the largest layer (the MLP's up projection,
-    one stage-3 unit). Step: resident shards are those of the units whose pieces are in sub-groups k and
-    k+1 (:mod:`zerodp.offload.nvme`): at most ``2 S`` elements plus two units cut by the boundaries."""
-    align = 4096
-    s_, u = k.sub_group_size, largest_layer
-    tokens = micro_batch * model.seq_len
-    pool = 2 * (min(k.max_live_parameters, p) + u + min(k.reduce_bucket_size + u, p) + 2 * u)
-    phases = {
-        "backward": {"gather pool limit (window, unit, grad staging)": nproc * pool,
-                     "saved activations (bf16)": nproc * ACTIVATION_BYTES * tokens * model.d_model * model.n_layer
-                     + nproc * 8 * tokens * model.vocab_size},
-        "step": {"fp32 gradient scratch (one sub-group)": nproc * 4 * s_,
-                 "resident shards (2 sub-groups + 2 layers, bf16)": nproc * 2 * (2 * s_ + 2 * u),
-                 "grad norm of one layer in fp64 (value + square)": nproc * 16 * u,
-                 "Adam temporaries (2 x fp32 sub-group)": nproc * 8 * s_},
-    }
-    if k.overlap_step:  # the step's loop runs during the next forward: both phases at once
-        larger, transient = "backward + step (overlap_step)", sum(v for ph in phases.values() for v in ph.values())
-    else:
-        larger = max(phases, key=lambda ph: sum(phases[ph].values()))
-        transient = sum(phases[larger].values())
-    bucket = min(k.reduce_bucket_size + u, p)  # a coalesced reduce-scatter: its owned share is 1/nproc
-    ram = {"runtime per rank": nproc * k.runtime_bytes,
-           "gradient swap: 2 read buffers + 4 reduced buckets per rank": (nproc * 2 * (grad_bytes * s_ + 2**20)
-                                                                          + 4 * grad_bytes * bucket),
-           "optimizer sub-group buffers per rank": nproc * k.optimizer_buffers * -(-12 * s_ // align) * align,
-           "parameter swap pool + read-ahead per rank": nproc * (k.param_buffer_count * k.param_buffer_size
-                                                                + k.max_in_cpu),
-           f"transients per rank, {'larger phase (' + larger + ')' if not k.overlap_step else larger}": transient}
-    # the 3.2B runs' unattributed 20-21% was the allocator's sliding mmap threshold, now fixed (MALLOC_ENV); 15%
-    # covers the interpreter and allocator variation, not yet measured at that scale since
-    ram["slack (15%)"] = math.ceil(0.15 * sum(ram.values()))
-    return ram, phases
 
 
 def problems(plan: Plan, machine: Machine) -> list[str]:

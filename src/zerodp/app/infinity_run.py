@@ -49,7 +49,7 @@ def engine_config(plan: dict, nvme_path: str, world: int) -> dict:
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": k["sub_group_size"],
-            "stage3_param_persistence_threshold": 100_000,
+            "stage3_param_persistence_threshold": k.get("persistence_threshold", 100_000),
             "stage3_prefetch_bucket_size": 50_000_000,
             "stage3_max_live_parameters": k.get("max_live_parameters", 200_000_000),
             "reduce_bucket_size": k.get("reduce_bucket_size", 50_000_000),
