@@ -176,6 +176,13 @@ def test_a_slow_step_is_attributed_to_the_disk() -> None:
            "wait_s": 1100.0}
     every = [{"rank": 0, "peak_rss": 2**30, "peak_rss_build": 2**29, "rss_after_init": 2**28,
               "rss_after_initialize": 2**28, "records": [rec]}]
+    # the plan's RAM rows per rank beside each rank's measured peak (issue 31 item 2)
+    plan = infinity.plan_run(infinity.read_machine("/tmp", assume_ram=64 * MB), nproc=2)
+    rows = infinity._plan_json(plan)["ram_rows_per_rank"]
+    assert 2 * rows == sum(v for k, v in plan.ram_needed.items() if not k.startswith("slack")) > 0
+    line = infinity_run.plan_match(every, {"ram_rows_per_rank": 2 * 2**30})
+    assert line == ["per rank: peak RSS / the plan's RAM rows (2.15 GB per rank, slack not counted): "
+                    "rank 0 1.07 GB = 0.50"]
     text = infinity_run.report(every, {"model": {"n_layer": 2, "d_model": 128}, "probe_bytes": 2**20}, 2e9, 2e9,
                                1.0, "vda")
     assert text.splitlines()[-1].startswith("WARNING step 1: the disk slowed down: 86 MB/s")

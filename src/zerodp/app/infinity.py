@@ -330,4 +330,5 @@ def command(args: argparse.Namespace) -> int:
 def _plan_json(plan: Plan) -> dict:
     return {"model": asdict(plan.model), "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum,
             "steps": plan.steps, "lr": plan.lr,
-            "knobs": asdict(plan.knobs), "probe_bytes": plan.knobs.probe_bytes}
+            "knobs": asdict(plan.knobs), "probe_bytes": plan.knobs.probe_bytes,
+            "ram_rows_per_rank": sum(v for k, v in plan.ram_needed.items() if not k.startswith("slack")) // plan.nproc}
