@@ -3,7 +3,10 @@ Linear(WIDTH, WIDTH) built under ``zerodp.zero.Init`` at stage 3, bf16, ``offloa
 ``offload_optimizer`` on NVMe, every pool and buffer configured at a fixed size (``sub_group_size``,
 ``buffer_size``, ``max_in_cpu``, the stage-3 live window and the reduce bucket: a layer or a few),
 ``STEPS`` steps with clipping. Writes the process's peak resident set (``VmHWM`` of
-``/proc/self/status``: the kernel's figure, not the engine's) and the parameter count as JSON.
+``/proc/self/status``: the kernel's figure, not the engine's), the peak of each phase of each step
+(forward, backward, ``step()``: ``VmHWM`` reset by writing 5 to ``/proc/self/clear_refs`` before it) and
+the parameter count as JSON. The phase peaks show a transient that another phase's higher peak would
+hide from the overall one (the first step's backward held every unit's gradient staging once).
 """
 
 from __future__ import annotations
@@ -57,18 +60,30 @@ def main() -> None:
     phases["initialize"] = (read_status("VmHWM"), read_status("VmRSS"))
     numel = engine.numel
     losses = []
-    for _ in range(STEPS):
+    peak = read_status("VmHWM")
+    phase_peaks = {}
+
+    def phase(name: str, fn):
+        nonlocal peak
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")  # VmHWM := VmRSS now
+        out = fn()
+        phase_peaks[name] = read_status("VmHWM")
+        peak = max(peak, phase_peaks[name])
+        return out
+
+    for step in range(STEPS):
         x = torch.randn(4, WIDTH, dtype=torch.bfloat16)
-        loss = engine(x).float().pow(2).mean()
-        engine.backward(loss)
-        engine.step()
+        loss = phase(f"forward{step + 1}", lambda x=x: engine(x).float().pow(2).mean())
+        phase(f"backward{step + 1}", lambda loss=loss: engine.backward(loss))
+        phase(f"step{step + 1}", engine.step)
         losses.append(loss.item())
         phases[f"step{len(losses)}"] = (read_status("VmHWM"), read_status("VmRSS"))
-    peak = read_status("VmHWM")
     spilled = getattr(engine.reducer, "spill", None) is not None
     engine.close()
     with open(args.out, "w", encoding="ascii") as f:
-        json.dump({"numel": numel, "peak": peak, "losses": losses, "spilled": spilled, "phases": phases}, f)
+        json.dump({"numel": numel, "peak": peak, "losses": losses, "spilled": spilled, "phases": phases,
+                   "phase_peaks": phase_peaks}, f)
     zerodp.shutdown_distributed()
 
 

@@ -35,16 +35,23 @@ def test_dry_run_sizes_states_to_twice_the_assumed_ram(tmp_path: Path, capsys: p
     # the reduced gradient partition goes to the gradient swap file (bf16, 2 bytes/param), not to RAM
     assert plan.disk_needed["reduced gradient partition (bf16, gradients.swp)"] == 2 * plan.params
     assert not any("partition" in k or "fp32 gradient cop" in k for k in plan.ram_needed)
-    step = plan.ram_phases["step"]
-    assert step["fp32 gradient scratch (one sub-group)"] == 4 * plan.knobs.sub_group_size
-    # overlap_step (the default): the step's loop runs during the next forward, so both phases count
-    both = sum(sum(v.values()) for v in plan.ram_phases.values())
-    assert sum(v for k, v in plan.ram_needed.items() if k.startswith("transients")) == both
-    inside = infinity.plan_run(machine, nproc=1, overlap_step=False)  # the loop inside step(): the larger
-    larger = max(sum(v.values()) for v in inside.ram_phases.values())
-    assert sum(v for k, v in inside.ram_needed.items() if k.startswith("transients")) == larger < both
+    loop = plan.ram_phases["loop"]
+    assert loop["fp32 gradient scratch (one sub-group)"] == 4 * plan.knobs.sub_group_size
+
+    def total(p: infinity.Plan, *names: str) -> int:
+        return sum(sum(p.ram_phases[n].values()) for n in names)
+
+    def transients(p: infinity.Plan) -> int:
+        return sum(v for k, v in p.ram_needed.items() if k.startswith("transients"))
+
+    # overlap_step (the default): the step's loop runs during the next forward, so those two add up
+    assert transients(plan) == max(total(plan, "backward"), total(plan, "forward", "loop"),
+                                   total(plan, "step"))
+    inside = infinity.plan_run(machine, nproc=1, overlap_step=False)  # the loop inside step()
+    assert transients(inside) == max(total(inside, "backward"), total(inside, "forward"),
+                                     total(inside, "step", "loop"))
     assert (plan.knobs.optimizer_buffers, inside.knobs.optimizer_buffers) == (8, 4)
-    assert "backward: saved activations (bf16)" in out and "step: resident shards" in out
+    assert "backward: saved activations (bf16)" in out and "loop: resident shards" in out
     assert f"disk needed {infinity.human_bytes(plan.disk_total)}" in out
 
 
@@ -169,6 +176,13 @@ def test_a_slow_step_is_attributed_to_the_disk() -> None:
            "wait_s": 1100.0}
     every = [{"rank": 0, "peak_rss": 2**30, "peak_rss_build": 2**29, "rss_after_init": 2**28,
               "rss_after_initialize": 2**28, "records": [rec]}]
+    # the plan's RAM rows per rank beside each rank's measured peak (issue 31 item 2)
+    plan = infinity.plan_run(infinity.read_machine("/tmp", assume_ram=64 * MB), nproc=2)
+    rows = infinity._plan_json(plan)["ram_rows_per_rank"]
+    assert 2 * rows == sum(v for k, v in plan.ram_needed.items() if not k.startswith("slack")) > 0
+    line = infinity_run.plan_match(every, {"ram_rows_per_rank": 2 * 2**30})
+    assert line == ["per rank: peak RSS / the plan's RAM rows (2.15 GB per rank, slack not counted): "
+                    "rank 0 1.07 GB = 0.50"]
     text = infinity_run.report(every, {"model": {"n_layer": 2, "d_model": 128}, "probe_bytes": 2**20}, 2e9, 2e9,
                                1.0, "vda")
     assert text.splitlines()[-1].startswith("WARNING step 1: the disk slowed down: 86 MB/s")
@@ -184,7 +198,7 @@ def test_grad_accum_amortises_the_optimizer_and_swaps_fp32_gradients(tmp_path: P
     assert one.params == four.params and four.grad_accum == 4
     assert four.disk_needed["reduced gradient partition (fp32 accumulation, gradients.swp)"] == 4 * four.params
     assert one.disk_needed["reduced gradient partition (bf16, gradients.swp)"] == 2 * one.params
-    row = "gradient swap: 2 read buffers + 4 reduced buckets per rank"
+    row = "gradient swap: 2 read buffers + 4 reduced groups per rank"
     assert four.ram_needed[row] - 2 * 2**20 == 2 * (one.ram_needed[row] - 2 * 2**20)  # the 1 MiB per buffer stays
     assert {k: v for k, v in four.ram_needed.items() if k not in (row, "slack (15%)")} == \
         {k: v for k, v in one.ram_needed.items() if k not in (row, "slack (15%)")}

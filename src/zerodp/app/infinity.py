@@ -16,19 +16,18 @@ the plan is refused with the bytes needed and available. Where the bytes go (all
   parameter shards (2 bytes/param, ``offload_param`` swap file), the reduced bf16 gradient partition
   (2 bytes/param, ``gradients.swp``: each unit's goes there once reduced, :mod:`zerodp.offload.grad_swap`),
   the raw-I/O probe file, 3% slack;
-- RAM (:func:`zerodp.app.infinity_sizing.ram_accounting`), every row bounded by a layer, a sub-group
-  or a configured pool, none by the parameter count: per rank the runtime, the optimizer's sub-group
-  buffers, the gradient swap's two read buffers (a sub-group each) and the unit partitions being
-  reduced or written, and the parameter swap pool with its read-ahead budget; then the larger of two
-  phases that do not overlap: backward (the stage-3 gather pool at its limit: live window, running
-  unit, gradient staging; and the saved activations, measured at about 36 bytes per token, layer and
-  ``d_model`` in bf16) and the optimizer step (the fp32 gradient scratch of one sub-group and the
-  parameter shards resident while a sub-group is updated: those of two sub-groups plus two boundary
-  layers, the fp64 norm of one layer's gradient, Adam's temporaries); 15% slack. The raw-I/O probe runs
-  before the model exists and is not counted. The 3.2B runs peaked 20-21% above the rows of the plan
-  of then; the part not attributed was glibc's sliding mmap threshold (freed blocks up to 32 MiB kept
-  in the heap, about 2 bytes/param at a small scale, tests/test_infinity_rss.py): the worker runs with
-  ``MALLOC_MMAP_THRESHOLD_`` fixed (:data:`MALLOC_ENV`).
+- RAM (:func:`zerodp.app.infinity_ram.ram_accounting`), every row bounded by a layer, a sub-group, a
+  configured pool or the activations, none by the parameter count: per rank the runtime, the
+  optimizer's sub-group buffers, the parameter swap pool with its read-ahead budget, the gradient
+  swap's read buffers and the partitions being reduced or written, and the largest of the phases that
+  do not overlap (backward, forward with the step's sub-group loop under ``overlap_step``, step); 15%
+  slack. Each row names a holder measured by ``tools/infinity_rss_probe.py``; the rows matched the
+  measured peak within 10% (docs/benchmarks/2026-12-02-infinity-2.4x.md). The raw-I/O probe runs
+  before the model exists and is not counted. Two unattributed parts of past runs were named: glibc's
+  sliding mmap threshold (3.2B runs, freed blocks up to 32 MiB kept in the heap: the worker runs with
+  ``MALLOC_MMAP_THRESHOLD_`` fixed, :data:`MALLOC_ENV`), and the reducer's first (calibration) step
+  holding every unit's gradient staging until backward returned (3.8B runs, 2 bytes/param: it now
+  reduces each unit once complete, :mod:`zerodp.runtime.grad_reducer`).
 
 Consequence: the RAM needed depends on the layer width and the activations (tokens x layers x
 ``d_model``), not on the parameter count: the model is bounded by the disk.
@@ -47,7 +46,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
-from zerodp.app.infinity_sizing import Knobs, knobs_for, ram_accounting
+from zerodp.app.infinity_ram import Knobs, knobs_for, ram_accounting
 from zerodp.app.model import GPTConfig, count_parameters
 from zerodp.runtime.accounting import human_bytes
 
@@ -80,7 +79,7 @@ class Plan:
     disk_needed: dict[str, int]
     ram_needed: dict[str, int]
     knobs: Knobs
-    ram_phases: dict[str, dict[str, int]]  # backward / step: what the transient line is the larger of
+    ram_phases: dict[str, dict[str, int]]  # backward, forward, sub-group loop, step: the transient line's parts
     grad_accum: int = 1  # micro-batches per optimizer step [gradient_accumulation_steps]
 
     @property
@@ -314,4 +313,5 @@ def command(args: argparse.Namespace) -> int:
 def _plan_json(plan: Plan) -> dict:
     return {"model": asdict(plan.model), "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum,
             "steps": plan.steps, "lr": plan.lr,
-            "knobs": asdict(plan.knobs), "probe_bytes": plan.knobs.probe_bytes}
+            "knobs": asdict(plan.knobs), "probe_bytes": plan.knobs.probe_bytes,
+            "ram_rows_per_rank": sum(v for k, v in plan.ram_needed.items() if not k.startswith("slack")) // plan.nproc}

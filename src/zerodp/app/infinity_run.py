@@ -49,7 +49,7 @@ def engine_config(plan: dict, nvme_path: str, world: int) -> dict:
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": k["sub_group_size"],
-            "stage3_param_persistence_threshold": 100_000,
+            "stage3_param_persistence_threshold": k.get("persistence_threshold", 100_000),
             "stage3_prefetch_bucket_size": 50_000_000,
             "stage3_max_live_parameters": k.get("max_live_parameters", 200_000_000),
             "reduce_bucket_size": k.get("reduce_bucket_size", 50_000_000),
@@ -247,6 +247,16 @@ def slow_disk_warning(step: int, achieved: float, raw: float, over: str, share: 
             "time is the disk's, not zerodp's (sustained direct I/O can exhaust a virtual disk's burst budget)")
 
 
+def plan_match(every: list[dict], plan: dict) -> list[str]:
+    """The line comparing each rank's measured peak RSS with the plan's RAM rows per rank (slack not
+    counted; issue 31 item 2: within 10%), or none when the plan does not carry them."""
+    rows = plan.get("ram_rows_per_rank")
+    if not rows:
+        return []
+    return [f"per rank: peak RSS / the plan's RAM rows ({rows / 1e9:.2f} GB per rank, slack not counted): "
+            + ", ".join(f"rank {r['rank']} {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / rows:.2f}" for r in every)]
+
+
 def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, build_s: float,
            device: str | None) -> str:
     m = plan["model"]
@@ -259,6 +269,7 @@ def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, bui
     for r in every:
         lines.append(f"  rank {r['rank']}: {human_bytes(r['peak_rss'])} | {human_bytes(r['peak_rss_build'])} | "
                      f"{human_bytes(r['rss_after_init'])} | {human_bytes(r['rss_after_initialize'])}")
+    lines += plan_match(every, plan)
     lines.append(f"per step (rank 0; I/O of all ranks summed; disk busy = io_ticks of {device or 'n/a'}):")
     lines.append(f"  {'step':>4} {'loss':>8} {'time s':>8} {'read':>10} {'written':>10} {'busy s':>8} "
                  f"{'wait s':>8} {'I/O/raw':>8} {'hidden':>7} {'step/max(c,io)':>15} {'MB/s':>7} {'raw MB/s':>9} "

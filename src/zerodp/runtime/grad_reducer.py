@@ -8,10 +8,18 @@ and the calibration of repeated accumulation. The stage strategies are in
 (``torch.utils.checkpoint(..., use_reentrant=True)`` around two uses of one module runs one inner
 backward per segment; so does ``torch.autograd.backward`` on several roots sharing a leaf). Its bucket
 must then be reduced once, after the last contribution. The first micro-step is a calibration step:
-every bucket is launched when backward returns, and each rank counts the hook calls per parameter;
-one all-reduce (MAX) tells every rank whether any parameter was accumulated more than once; if so,
-buckets are always launched when backward returns, otherwise as soon as they are complete (a later
-repeated accumulation into an already-reduced bucket raises instead of being lost).
+each rank counts the hook calls per parameter; one all-reduce (MAX) tells every rank whether any
+parameter was accumulated more than once; if so, buckets are from then on launched when backward
+returns, otherwise as soon as they are complete (a later repeated accumulation into an already-reduced
+bucket raises instead of being lost). During the calibration step itself the stage-2/3 strategy
+(``repairs_late``) launches each bucket as soon as it is complete: a contribution arriving after its
+bucket was launched is staged apart (``_on_late_grad``), the ranks agree on the buckets that got one
+(in the same all-reduce), and those buckets are reduced once more when backward returns, each rank
+sending its late part or zeros, the result added to the partition. Launching every bucket only when
+backward returns would hold the staging buffers of every bucket at once: a full unscattered gradient
+(2 bytes per parameter in bf16) in the first step, the peak of ZeRO-Infinity's 3.8B run
+(docs/benchmarks/2026-12-02-infinity-2.4x.md). The stage-0/1 strategies hold a full gradient buffer
+anyway and still launch every bucket when the calibration step's backward returns.
 """
 
 from __future__ import annotations
@@ -74,6 +82,8 @@ class GradientReducer(Generic[PayloadT]):
 
     collective_purpose = "gradients"
     folds = False  # param.grad is added into a buffer of another dtype (stages 0-1, see _FullGradBuffer)
+    #: the calibration step launches complete buckets at once and repairs late contributions (module docstring)
+    repairs_late = False
 
     def __init__(
         self, groups: list[FlatGroup], rank: int, world_size: int, group: ProcessGroup | None,
@@ -101,8 +111,10 @@ class GradientReducer(Generic[PayloadT]):
         self._launched: set[int] = set()  # id(bucket) reduced this micro-step
         self._count = torch.zeros(n_slots, dtype=torch.int32)  # hook calls per parameter this micro-step
         self._count_np = self._count.numpy()
-        self._deferred = True  # launch every bucket when backward returns (see the note above)
+        self._deferred = not self.repairs_late  # launch every bucket when backward returns (see the note above)
         self._calibrated = False
+        #: calibration step: id(bucket) -> (group, bucket) of launched buckets that got a later contribution
+        self._late: dict[int, tuple[FlatGroup, Bucket]] = {}
         self._reducing = False
         self._in_backward = False  # between begin_micro_step and end_micro_step
         # one entry per collective: its Work and the (bucket, group, payload) of every bucket it reduces
@@ -159,6 +171,10 @@ class GradientReducer(Generic[PayloadT]):
         self._count_np[slot.index] += 1
         if self._count_np[slot.index] > 1:
             _, b = self._slot_bucket[slot.index]
+            if id(b) in self._launched and self.repairs_late and not self._calibrated:
+                self._late[id(b)] = self._slot_bucket[slot.index]
+                self._on_late_grad(slot, param)
+                return
             if id(b) in self._launched:
                 raise RuntimeError(
                     f"parameter '{slot.name}' received another gradient contribution in this backward "
@@ -189,15 +205,37 @@ class GradientReducer(Generic[PayloadT]):
                         self._launch(g, b)
         self._flush()
         self._drain(0)
+        if not self._calibrated:
+            self._calibrate()
         self._reducing = False
         self.defer_once = False
-        if not self._calibrated:
-            repeated = torch.tensor([int(bool((self._count > 1).any()))], dtype=torch.int32)
-            if self.world_size > 1:
-                comm.all_reduce(repeated, self.pg, self.ledger, "grad_reuse_check", op=ReduceOp.MAX)
-            self._deferred = bool(repeated.item())
-            self._calibrated = True
         self._in_backward = False
+
+    def _calibrate(self) -> None:
+        """End of the calibration step (see the note above): one all-reduce (MAX) of "some parameter
+        was accumulated more than once" and, with ``repairs_late``, of one flag per bucket "a
+        contribution arrived after its launch"; the flagged buckets are reduced again."""
+        buckets = [(g, b) for g in self.groups for b in g.buckets] if self.repairs_late else []
+        flags = torch.zeros(1 + len(buckets), dtype=torch.int32)
+        flags[0] = int(bool((self._count > 1).any()))
+        for k, (_, b) in enumerate(buckets):
+            flags[1 + k] = int(id(b) in self._late)
+        if self.world_size > 1:
+            comm.all_reduce(flags, self.pg, self.ledger, "grad_reuse_check", op=ReduceOp.MAX)
+        self._deferred = bool(flags[0].item())
+        self._calibrated = True
+        late = [gb for gb, flag in zip(buckets, flags[1:].tolist(), strict=True) if flag]
+        self._late.clear()
+        if late:
+            self._reduce_late(late)
+
+    def _on_late_grad(self, slot: ParamSlot, param: torch.nn.Parameter) -> None:
+        """Stage a contribution that arrived after its bucket was launched (``repairs_late`` strategies)."""
+        raise NotImplementedError
+
+    def _reduce_late(self, buckets: list[tuple[FlatGroup, Bucket]]) -> None:
+        """Reduce the late contributions of ``buckets`` (the same list on every rank) into the partition."""
+        raise NotImplementedError
 
     def presence(self, overflow: bool = False) -> tuple[torch.Tensor, bool]:
         """One small all-reduce (MAX) of the per-parameter "received a gradient" flags and of this

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from zerodp.runtime.partition import FlatGroup
+from zerodp.runtime.partition import Bucket, FlatGroup
 from zerodp.runtime.partitioned_reducer import PartitionedGradReducer
 
 
@@ -87,6 +87,13 @@ class SpillingGradReducer(PartitionedGradReducer):
         super().end_micro_step()
         if self.spill is not None:
             self.spill.drain()
+
+    def _reduce_late(self, buckets: list[tuple[FlatGroup, Bucket]]) -> None:
+        """As the base (the partitions it adds to are read back from the spill), then put them back."""
+        super()._reduce_late(buckets)
+        if self.spill is not None:
+            for index in list(self.owned):
+                self.spill.put(index, self.owned.pop(index))
 
     def _after_reduced(self, g: FlatGroup) -> None:
         if self.spill is None:

@@ -28,7 +28,11 @@ class PartitionedGradReducer(GradientReducer[StagedPayload]):
     until the bucket is complete and flattens them then (one copy fewer per element, more memory).
     ``grad_views`` (stage 2, with ``contiguous_gradients``): autograd accumulates into views of the
     staging buffer instead ([Note: gradient views] in :mod:`zerodp.runtime.grad_views`).
+    The calibration step launches complete buckets at once too (``repairs_late``, see
+    :mod:`zerodp.runtime.grad_reducer`): only the buckets in flight are staged, never the whole gradient.
     """
+
+    repairs_late = True
 
     def __init__(self, *args, contiguous_gradients: bool = True, grad_views: bool = False,
                  staging_pool: StagingPool | None = None, coalesce_elements: int = 0, **kwargs) -> None:
@@ -61,6 +65,7 @@ class PartitionedGradReducer(GradientReducer[StagedPayload]):
             self.owned_sizes.append((g.index, off, self.accumulate_dtype or g.buffer.dtype))
         self._allocate_owned()
         self._staging: dict[int, torch.Tensor] = {}  # id(bucket) -> staging buffer being filled
+        self._late_staging: dict[int, torch.Tensor] = {}  # id(bucket) -> contributions after its launch
         self._owned_written: set[int] = set()  # id(bucket) whose owned slice holds data since zeroing
 
     def _allocate_owned(self) -> None:
@@ -141,6 +146,33 @@ class PartitionedGradReducer(GradientReducer[StagedPayload]):
                 target.copy_(slot.flat_values(grad))
             param.grad = None
         self._ready(slot, g, b)
+
+    def _on_late_grad(self, slot: ParamSlot, param: torch.nn.Parameter) -> None:
+        """Calibration step: ``param``'s gradient arrived after its bucket was launched. Contiguous:
+        added into the bucket's late buffer (zeros first) and freed; otherwise it stays in
+        ``param.grad`` (accumulated there by autograd) until :meth:`_reduce_late` flattens it."""
+        if not self.contiguous:
+            return
+        g, b = self._slot_bucket[slot.index]
+        late = self._late_staging.get(id(b))
+        if late is None:
+            late = self._late_staging[id(b)] = torch.zeros(b.numel, dtype=g.buffer.dtype, device=g.buffer.device)
+        rel = slot.offset - b.start
+        assert param.grad is not None, "a post-accumulate-grad hook runs with the gradient accumulated"
+        late[rel : rel + slot.numel].add_(slot.flat_values(param.grad))
+        param.grad = None
+
+    def _reduce_late(self, buckets: list[tuple[FlatGroup, Bucket]]) -> None:
+        """Reduce-scatter each bucket's late contributions (zeros on a rank that has none) and add the
+        result to the owned partition, as a later micro-step's reduction is added."""
+        for g, b in buckets:
+            late = self._late_staging.pop(id(b), None)
+            self._staging[id(b)] = late if late is not None else \
+                torch.zeros(b.numel, dtype=g.buffer.dtype, device=g.buffer.device)
+            self._launch(g, b)
+        self._flush()
+        self._drain(0)
+        self._late_staging.clear()
 
     def _launch(self, g: FlatGroup, b: Bucket) -> None:
         if self.coalesce_elements <= 0:
@@ -245,7 +277,7 @@ class PartitionedGradReducer(GradientReducer[StagedPayload]):
 
     def held_bytes(self) -> dict[str, int]:
         owned = sum(t.numel() * t.element_size() for t in self.owned.values())
-        staging = sum(t.numel() * t.element_size() for t in self._staging.values())
+        staging = sum(t.numel() * t.element_size() for t in [*self._staging.values(), *self._late_staging.values()])
         flight = sum(sum(t.numel() * t.element_size() for t in payload if t is not None)
                      for _, entries in self._in_flight for _, _, payload in entries)
         return {"gradients": owned + staging, "comm_buffers": flight}
