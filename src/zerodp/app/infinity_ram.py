@@ -40,7 +40,6 @@ from zerodp.offload.grad_swap import MAX_WRITES_IN_FLIGHT
 from zerodp.runtime.grad_reducer import MAX_BUCKETS_IN_FLIGHT
 from zerodp.stage3.sharding import REDUCE_GROUPS_PER_BACKWARD
 
-
 GIB = 2**30
 
 
