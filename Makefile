@@ -43,6 +43,7 @@ test: $(VENV)/.installed-dev
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src tests tools
+	$(BIN)/ruff format --check src tests tools
 	$(BIN)/mypy
 
 typecheck: $(VENV)/.installed-dev

@@ -43,7 +43,7 @@ from zerodp import deepspeed  # noqa: E402
 GAS = 8
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: a micro-step input lost when added in 16 bits to the first one (a quarter rounding step of 1/8)
-SMALL = {"bf16": 2.0 ** -9, "fp16": 2.0 ** -12}
+SMALL = {"bf16": 2.0**-9, "fp16": 2.0**-12}
 
 
 def rank() -> int:
@@ -82,9 +82,11 @@ def recipe_variants(stage: int) -> list[tuple[str, str | None, dict]]:
     """(name, data_types.grad_accum_dtype, zero_optimization extras) to run at ``stage``."""
     out: list[tuple[str, str | None, dict]] = [("default", None, {}), ("fp32", "fp32", {}), ("low", "low", {})]
     if stage >= 1:
-        out += [("cpu", None, {"offload_optimizer": {"device": "cpu"}}),
-                ("cpu_low", "low", {"offload_optimizer": {"device": "cpu"}}),
-                ("nvme", None, {"offload_optimizer": {"device": "nvme", "nvme_path": "NVME"}})]
+        out += [
+            ("cpu", None, {"offload_optimizer": {"device": "cpu"}}),
+            ("cpu_low", "low", {"offload_optimizer": {"device": "cpu"}}),
+            ("nvme", None, {"offload_optimizer": {"device": "nvme", "nvme_path": "NVME"}}),
+        ]
     if stage == 3:
         out.append(("param_cpu", None, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}))
     return out
@@ -96,11 +98,15 @@ def recipe(stage: int, precision: str) -> dict:
         nvme = tempfile.mkdtemp(prefix=f"accum_nvme_r{rank()}_")
         if "offload_optimizer" in zero and zero["offload_optimizer"]["device"] == "nvme":
             zero = {**zero, "offload_optimizer": {**zero["offload_optimizer"], "nvme_path": nvme}}
-        cfg: dict = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": GAS,
-                     # fp16: a loss scale of 2^8 (2^16 would overflow the 16-bit loss's own gradient)
-                     precision: {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})},
-                     "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
-                     "zero_optimization": {"stage": stage, **zero}, **engine_config()}
+        cfg: dict = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": GAS,
+            # fp16: a loss scale of 2^8 (2^16 would overflow the 16-bit loss's own gradient)
+            precision: {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})},
+            "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+            "zero_optimization": {"stage": stage, **zero},
+            **engine_config(),
+        }
         if accum is not None:
             cfg["data_types"] = {"grad_accum_dtype": precision if accum == "low" else accum}
         torch.manual_seed(3)
@@ -115,12 +121,17 @@ def recipe(stage: int, precision: str) -> dict:
         mem = engine.memory_report()
         ref32 = recipe_reference(w0, precision, scale, torch.float32)
         ref_low = recipe_reference(w0, precision, scale, LOW[precision])
-        out[name] = {"equal_fp32_ref": bool(torch.equal(moved, ref32)),
-                     "equal_low_ref": bool(torch.equal(moved, ref_low)),
-                     "refs_differ": not bool(torch.equal(ref32, ref_low)),
-                     "moved": (w0.float() - moved)[0].tolist(), "ref_moved": (w0.float() - ref32)[0].tolist(),
-                     "grad_measured": mem.measured["gradients"], "grad_formula": mem.formula["gradients"],
-                     "numel": mem.numel, "steps": engine.global_steps - engine.skipped_steps}
+        out[name] = {
+            "equal_fp32_ref": bool(torch.equal(moved, ref32)),
+            "equal_low_ref": bool(torch.equal(moved, ref_low)),
+            "refs_differ": not bool(torch.equal(ref32, ref_low)),
+            "moved": (w0.float() - moved)[0].tolist(),
+            "ref_moved": (w0.float() - ref32)[0].tolist(),
+            "grad_measured": mem.measured["gradients"],
+            "grad_formula": mem.formula["gradients"],
+            "numel": mem.numel,
+            "steps": engine.global_steps - engine.skipped_steps,
+        }
         engine.close()
         shutil.rmtree(nvme, ignore_errors=True)
     return out
@@ -171,10 +182,13 @@ def token_weighted(stage: int) -> dict:
     for name, zero in (("none", {}), ("cpu", {"offload_optimizer": {"device": "cpu"}})):
         if stage == 0 and zero:
             continue
-        cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": TOKEN_GAS,
-               "optimizer": {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}},
-               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 4, **zero},
-               **engine_config()}
+        cfg = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": TOKEN_GAS,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 4, **zero},
+            **engine_config(),
+        }
         torch.manual_seed(7)
         ref = TinyLM().to(rank_device())
         torch.manual_seed(7)
@@ -193,8 +207,10 @@ def token_weighted(stage: int) -> dict:
                 engine.backward(loss, scale_wrt_gas=False)
                 engine.step()
         full = engine.module_state_dict()
-        out[name] = {"param_err": max(err(full[k], v) for k, v in ref.state_dict().items()),
-                     "steps": engine.global_steps}
+        out[name] = {
+            "param_err": max(err(full[k], v) for k, v in ref.state_dict().items()),
+            "steps": engine.global_steps,
+        }
         engine.close()
     out["bf16_scaled_by_hand_equal"] = scaled_by_hand_equal(stage)
     return out
@@ -204,9 +220,14 @@ def scaled_by_hand_equal(stage: int) -> bool:
     """bf16: ``backward(loss / gas, scale_wrt_gas=False)`` trains bitwise like ``backward(loss)``."""
     results = []
     for by_hand in (False, True):
-        cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": TOKEN_GAS,
-               "bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
-               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 4}, **engine_config()}
+        cfg = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": TOKEN_GAS,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 4},
+            **engine_config(),
+        }
         torch.manual_seed(7)
         model = TinyLM()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)

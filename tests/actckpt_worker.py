@@ -57,10 +57,13 @@ def batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cfg(stage: int, extra: dict | None = None) -> dict:
-    return {"train_micro_batch_size_per_gpu": ROWS,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.1}},
-            "gradient_clipping": 0.05, "zero_optimization": {"stage": stage, "reduce_bucket_size": 32},
-            **(extra or {})}
+    return {
+        "train_micro_batch_size_per_gpu": ROWS,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.1}},
+        "gradient_clipping": 0.05,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 32},
+        **(extra or {}),
+    }
 
 
 def run(stage: int, scenario: str) -> dict:
@@ -70,10 +73,16 @@ def run(stage: int, scenario: str) -> dict:
     if scenario == "partition":
         # every rank its own data-parallel group; the model-parallel group is the world
         dp_groups = [dist.new_group([r]) for r in range(world)]
-        mpu = type("MPU", (), {"get_data_parallel_group": lambda self: dp_groups[rank],
-                               "get_model_parallel_group": lambda self: dist.group.WORLD,
-                               "get_model_parallel_rank": lambda self: rank,
-                               "get_model_parallel_world_size": lambda self: world})()
+        mpu = type(
+            "MPU",
+            (),
+            {
+                "get_data_parallel_group": lambda self: dp_groups[rank],
+                "get_model_parallel_group": lambda self: dist.group.WORLD,
+                "get_model_parallel_rank": lambda self: rank,
+                "get_model_parallel_world_size": lambda self: world,
+            },
+        )()
         extra = {"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}}
     torch.manual_seed(3)
     model = Net(scenario, use_ckpt=True)
@@ -102,8 +111,12 @@ def run(stage: int, scenario: str) -> dict:
     assert sorted(got) == sorted(want), (sorted(got), sorted(want))
     moved = [k for k in want if not torch.equal(got[k], initial[k])]
     checkpointing.reset()
-    return {"max_err": max(float((got[k] - want[k]).abs().max()) for k in want), "kept": kept,
-            "compared": len(want), "trained_names": sorted(moved)}
+    return {
+        "max_err": max(float((got[k] - want[k]).abs().max()) for k in want),
+        "kept": kept,
+        "compared": len(want),
+        "trained_names": sorted(moved),
+    }
 
 
 def kept_by_graph(out: torch.Tensor) -> list[activation_checkpointing._Kept]:
@@ -121,8 +134,15 @@ def kept_by_graph(out: torch.Tensor) -> list[activation_checkpointing._Kept]:
 
 def kept_inputs(out: torch.Tensor) -> list[dict]:
     """The storage each checkpoint keeps (device, bytes, elements of the original input)."""
-    return [{"device": str(k.data.device), "nbytes": k.data.untyped_storage().nbytes(),
-             "numel": k.shape.numel(), "partitioned": k.partitioned} for k in kept_by_graph(out)]
+    return [
+        {
+            "device": str(k.data.device),
+            "nbytes": k.data.untyped_storage().nbytes(),
+            "numel": k.shape.numel(),
+            "partitioned": k.partitioned,
+        }
+        for k in kept_by_graph(out)
+    ]
 
 
 def main() -> None:
@@ -132,9 +152,14 @@ def main() -> None:
     ap.add_argument("--scenarios", default="blocks,frozen,reuse,partition")
     args = ap.parse_args()
     zerodp.init_distributed(timeout_s=120)
-    run_scenarios(args.out, [(f"{scenario}@{stage}", lambda st=stage, sc=scenario: run(st, sc))
-                             for stage in (int(s) for s in args.stages.split(","))
-                             for scenario in args.scenarios.split(",")])
+    run_scenarios(
+        args.out,
+        [
+            (f"{scenario}@{stage}", lambda st=stage, sc=scenario: run(st, sc))
+            for stage in (int(s) for s in args.stages.split(","))
+            for scenario in args.scenarios.split(",")
+        ],
+    )
 
 
 if __name__ == "__main__":

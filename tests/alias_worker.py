@@ -106,8 +106,9 @@ def train(stage: int, how: str, offload: bool = False) -> dict:
         zero["offload_param"] = {"device": "cpu"}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = compare_training(stage, model_fn=lambda: TokenModel(how), kind="tokens", loss=token_xent,
-                               forward=forward, zero=zero, steps=4)
+        out = compare_training(
+            stage, model_fn=lambda: TokenModel(how), kind="tokens", loss=token_xent, forward=forward, zero=zero, steps=4
+        )
     escape_warnings = [str(w.message) for w in caught if "outlived the release" in str(w.message)]
     out["escape_warnings"] = escape_warnings
     if escaped_errs:
@@ -117,10 +118,12 @@ def train(stage: int, how: str, offload: bool = False) -> dict:
 
 for _how in ("returned", "returned_in_tuple", "parameter", "saved", "stored", "closure"):
     for _offload in (False, True):
+
         def _run(stage: int, how: str = _how, offload: bool = _offload) -> dict:
             if offload and stage != 3:  # offload_param exists at stage 3 only
                 return {"skipped": True}
             return train(stage, how, offload)
+
         _run.__name__ = f"{_how}{'_offload' if _offload else ''}"
         scenario(_run)
 
@@ -129,7 +132,8 @@ for _how in ("returned", "returned_in_tuple", "parameter", "saved", "stored", "c
 #: what users do with a state dict outside zerodp; each must work (stages 0-2) or raise zerodp's error
 STATE_DICT_USES = {
     "safetensors.save_file": lambda sd, v: __import__("safetensors.torch").torch.save_file(
-        sd, os.path.join(tempfile.mkdtemp(), "m.safetensors")),
+        sd, os.path.join(tempfile.mkdtemp(), "m.safetensors")
+    ),
     "torch.save": lambda sd, v: torch.save(sd, io.BytesIO()),
     "deepcopy": lambda sd, v: copy.deepcopy(sd),
     "numpy": lambda sd, v: (v.view(torch.int16) if v.dtype == torch.bfloat16 else v).numpy(),  # numpy has no bf16
@@ -158,8 +162,12 @@ def state_dict_uses(stage: int, dtype: str, offload: bool) -> dict:
     zc: dict = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if offload and stage == 3:
         zc["offload_param"] = {"device": "cpu"}
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-           "zero_optimization": zc, **({"bf16": {"enabled": True}} if dtype == "bf16" else {})}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "zero_optimization": zc,
+        **({"bf16": {"enabled": True}} if dtype == "bf16" else {}),
+    }
     engine = zerodp.initialize(model, cfg)
     sd = engine.module.state_dict()
     out: dict = {"uses": {}}
@@ -172,24 +180,29 @@ def state_dict_uses(stage: int, dtype: str, offload: bool) -> dict:
             out["uses"][name] = "refused, naming all" if named else f"refused without the names: {e}"
         except Exception as e:  # noqa: BLE001  (anything else is what the issue reported)
             out["uses"][name] = f"{type(e).__name__}: {e}"
-    out["shapes_ok"] = all(sd[k].shape == v.shape and sd[k].dtype == engine.module.state_dict()[k].dtype
-                           for k, v in ref.state_dict().items())
+    out["shapes_ok"] = all(
+        sd[k].shape == v.shape and sd[k].dtype == engine.module.state_dict()[k].dtype
+        for k, v in ref.state_dict().items()
+    )
     want = {k: v.to(torch.bfloat16 if dtype == "bf16" else torch.float32) for k, v in ref.state_dict().items()}
     path = os.path.join(tempfile.mkdtemp(), f"rank{rank()}.safetensors")
     with zerodp.zero.GatheredParameters(list(engine.module.parameters())):
         save_file(engine.module.state_dict(), path)
     got = load_file(path)
-    out["saved_err"] = max(err(got[k].float(), want[k].float()) for k in want) if sorted(got) == sorted(want) \
-        else float("inf")
+    out["saved_err"] = (
+        max(err(got[k].float(), want[k].float()) for k in want) if sorted(got) == sorted(want) else float("inf")
+    )
     return out
 
 
 for _dtype in ("fp32", "bf16"):
     for _offload in (False, True):
+
         def _uses(stage: int, dtype: str = _dtype, offload: bool = _offload) -> dict:
             if offload and stage != 3:
                 return {"skipped": True}
             return state_dict_uses(stage, dtype, offload)
+
         _uses.__name__ = f"state_dict_{_dtype}{'_offload' if _offload else ''}"
         scenario(_uses)
 

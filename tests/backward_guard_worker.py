@@ -32,9 +32,11 @@ STEPS = 3
 
 
 def config(stage: int, **zero: Any) -> dict:
-    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
-            "collective_guard": {"timeout_s": TIMEOUT_S}}
+    return {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
+        "collective_guard": {"timeout_s": TIMEOUT_S},
+    }
 
 
 class HeadNet(nn.Module):
@@ -122,6 +124,7 @@ def slow_peer_scenario() -> dict:
 def head_scenario(stage: int, head_ranks: set[int]) -> Callable[[], dict]:
     """Ranks in ``head_ranks`` train on the head's output, the others on the body's: works, equals
     the reference (a head no rank uses keeps its values: AdamW skips a parameter without gradient)."""
+
     def run() -> dict:
         rank, world = dist.get_rank(), dist.get_world_size()
         pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
@@ -139,14 +142,19 @@ def head_scenario(stage: int, head_ranks: set[int]) -> Callable[[], dict]:
             total.backward()
             opt.step()
         state = engine.module_state_dict()
-        return {"err": max_err(engine, ref), "phantom": engine.output_roots.phantom_backwards,
-                "head_moved": not torch.equal(state["head.weight"], initial_head)}
+        return {
+            "err": max_err(engine, ref),
+            "phantom": engine.output_roots.phantom_backwards,
+            "head_moved": not torch.equal(state["head.weight"], initial_head),
+        }
+
     return run
 
 
 def aux_scenario(stage: int, use: dict[int, str], aux_out: int = 8, **zero: Any) -> Callable[[], dict]:
     """Rank r adds ``model.kept[use[r]]`` (if any) to its loss: the backward graphs differ in a way
     the returned outputs cannot fix, so the engine must raise on every rank (never train wrong)."""
+
     def run() -> dict:
         rank = dist.get_rank()
         pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
@@ -160,6 +168,7 @@ def aux_scenario(stage: int, use: dict[int, str], aux_out: int = 8, **zero: Any)
             engine.backward(loss)
             engine.step()
         return {}
+
     return run
 
 
@@ -202,6 +211,7 @@ def extra_param_scenario(stage: int, swap: bool = False) -> Callable[[], dict]:
             (sum(ref(batch(step, r), r).pow(2).mean() for r in range(world)) / world).backward()
             opt.step()
         return {"err": max_err(engine, ref)}
+
     return run
 
 
@@ -209,6 +219,7 @@ def tags_scenario(fetches: dict[int, list[int]], groups: dict[int, list[tuple[in
     """The backward agreement alone on a guard of its own group: rank r notes the backward fetches
     ``fetches[r]`` (module positions; none launches), then one reduction of the buckets ``groups[r]``
     (one coalesced collective when there are several), then finishes the backward."""
+
     def run() -> dict:
         from zerodp.runtime.backward_agreement import BackwardAgreement
         from zerodp.runtime.collective_guard import CollectiveGuard
@@ -227,6 +238,7 @@ def tags_scenario(fetches: dict[int, list[int]], groups: dict[int, list[tuple[in
         finally:
             tags.end()
         return {"posted": tags.posted}
+
     return run
 
 
@@ -236,26 +248,35 @@ def outcome(fn: Callable[[], dict]) -> Callable[[], dict]:
         try:
             return {"error": None, "value": fn(), "seconds": time.monotonic() - t0}
         except Exception as exc:  # recorded for the test to assert on
-            return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - t0,
-                    "traceback": traceback.format_exc()[-3000:]}
+            return {
+                "error": type(exc).__name__,
+                "message": str(exc),
+                "seconds": time.monotonic() - t0,
+                "traceback": traceback.format_exc()[-3000:],
+            }
+
     return run
 
 
 def scenarios(world: int) -> dict[str, Callable[[], dict]]:
     """Every scenario of one world size."""
     if world == 3:
-        return {"aux_swap": aux_scenario(3, {0: "aux", 1: "aux2", 2: "aux"}),
-                "head_ranks_0_2/stage3": head_scenario(3, {0, 2})}
-    out = {"aux_swap": aux_scenario(3, {0: "aux", 1: "aux2"}),
-           "aux_hang": aux_scenario(3, {0: "aux"}, aux_out=16),
-           "swap_order/stage2": extra_param_scenario(2, swap=True),
-           "dropped_output": dropped_output_scenario,
-           # backward fetches in another order that launch nothing: only the end tag's digest differs
-           "tags_fetch_order": tags_scenario({0: [1, 2], 1: [2, 1]}, {0: [(0, 0), (0, 1)], 1: [(0, 0), (0, 1)]}),
-           "tags_same": tags_scenario({0: [1, 2], 1: [1, 2]}, {0: [(0, 0), (0, 1)], 1: [(0, 0), (0, 1)]}),
-           # one coalesced reduction whose second bucket differs: the group's single tag differs
-           "tags_group": tags_scenario({0: [1], 1: [1]}, {0: [(0, 0), (0, 1)], 1: [(0, 0), (0, 2)]}),
-           "slow_peer": slow_peer_scenario}
+        return {
+            "aux_swap": aux_scenario(3, {0: "aux", 1: "aux2", 2: "aux"}),
+            "head_ranks_0_2/stage3": head_scenario(3, {0, 2}),
+        }
+    out = {
+        "aux_swap": aux_scenario(3, {0: "aux", 1: "aux2"}),
+        "aux_hang": aux_scenario(3, {0: "aux"}, aux_out=16),
+        "swap_order/stage2": extra_param_scenario(2, swap=True),
+        "dropped_output": dropped_output_scenario,
+        # backward fetches in another order that launch nothing: only the end tag's digest differs
+        "tags_fetch_order": tags_scenario({0: [1, 2], 1: [2, 1]}, {0: [(0, 0), (0, 1)], 1: [(0, 0), (0, 1)]}),
+        "tags_same": tags_scenario({0: [1, 2], 1: [1, 2]}, {0: [(0, 0), (0, 1)], 1: [(0, 0), (0, 1)]}),
+        # one coalesced reduction whose second bucket differs: the group's single tag differs
+        "tags_group": tags_scenario({0: [1], 1: [1]}, {0: [(0, 0), (0, 1)], 1: [(0, 0), (0, 2)]}),
+        "slow_peer": slow_peer_scenario,
+    }
     for stage in (0, 1, 2, 3):
         if stage < 3:  # at stage 3 a module run on one rank only is a forward divergence (test_collective_guard)
             out[f"extra_param/stage{stage}"] = extra_param_scenario(stage)

@@ -93,16 +93,25 @@ class TiedZoo(Zoo):
 
 def zoo_groups(m: Zoo) -> list[dict]:
     """Two param groups with different lr and weight decay (the same for engine and reference)."""
-    return [{"params": [m.fc1.weight, m.branch.weight, m.fc2.weight], "weight_decay": 0.1},
-            {"params": [m.fc1.bias, m.fc2.bias, m.scale, m.never_used], "weight_decay": 0.0, "lr": 0.01}]
+    return [
+        {"params": [m.fc1.weight, m.branch.weight, m.fc2.weight], "weight_decay": 0.1},
+        {"params": [m.fc1.bias, m.fc2.bias, m.scale, m.never_used], "weight_decay": 0.0, "lr": 0.01},
+    ]
 
 
 def config(stage: int, micro: int, accum: int = 1, bucket: int = 40, **extra: object) -> dict:
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.05}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": 30,
-                                  **({"stage3_param_persistence_threshold": 4} if stage == 3 else {})},
-            **extra}
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.05}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": 30,
+            **({"stage3_param_persistence_threshold": 4} if stage == 3 else {}),
+        },
+        **extra,
+    }
 
 
 #: config additions of the mixed-precision exact-resume variants (argument flags ``bf16``, ``fp16``):
@@ -110,10 +119,13 @@ def config(stage: int, micro: int, accum: int = 1, bucket: int = 40, **extra: ob
 #: overflows and doubles after 3 clean steps (so the saved scaler state is neither the initial one nor
 #: what a fresh engine reaches by itself), and a torch StepLR passed to initialize().
 PRECISION_EXTRA = {
-    "bf16": {"bf16": {"enabled": True},
-             "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": 8,
-                                                                "warmup_min_ratio": 0.1,
-                                                                "warmup_type": "linear"}}},
+    "bf16": {
+        "bf16": {"enabled": True},
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"warmup_num_steps": 2, "total_num_steps": 8, "warmup_min_ratio": 0.1, "warmup_type": "linear"},
+        },
+    },
     "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 2, "loss_scale_window": 3}},
 }
 
@@ -122,8 +134,15 @@ def step_lr(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
 
-def zoo_engine(stage: int, micro: int, accum: int = 1, seed: int = 1234, tied: bool = False,
-               hidden: int = 7, precision: str = "fp32") -> tuple[Zoo, zerodp.Engine]:
+def zoo_engine(
+    stage: int,
+    micro: int,
+    accum: int = 1,
+    seed: int = 1234,
+    tied: bool = False,
+    hidden: int = 7,
+    precision: str = "fp32",
+) -> tuple[Zoo, zerodp.Engine]:
     """A Zoo engine (``tied``: a :class:`TiedZoo` with ``fc1.bias`` frozen; ``precision`` ``bf16`` or
     ``fp16``: see :data:`PRECISION_EXTRA`)."""
     torch.manual_seed(seed)
@@ -131,8 +150,9 @@ def zoo_engine(stage: int, micro: int, accum: int = 1, seed: int = 1234, tied: b
     if tied:
         model.fc1.bias.requires_grad_(False)
     cfg = config(stage, micro, accum, **PRECISION_EXTRA.get(precision, {}))
-    return model, zerodp.initialize(model, cfg, model_parameters=zoo_groups(model),
-                                    lr_scheduler=step_lr if precision == "fp16" else None)
+    return model, zerodp.initialize(
+        model, cfg, model_parameters=zoo_groups(model), lr_scheduler=step_lr if precision == "fp16" else None
+    )
 
 
 def full_params(model: nn.Module) -> list[torch.Tensor]:
@@ -145,8 +165,10 @@ def gathered_report(engine: zerodp.Engine) -> dict:
     """Stage 3: elements gathered now, and those of the persistent unit (which should be all)."""
     if engine.sharding is None:
         return {"live": 0, "persistent": 0}
-    return {"live": engine.sharding.coordinator.live_elements(),
-            "persistent": sum(u.numel for u in engine.sharding.units if u.persistent)}
+    return {
+        "live": engine.sharding.coordinator.live_elements(),
+        "persistent": sum(u.numel for u in engine.sharding.units if u.persistent),
+    }
 
 
 def make_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,8 +186,9 @@ def decay_lr(opt: torch.optim.Optimizer) -> None:
         g["lr"] *= 0.9
 
 
-def engine_step(engine: zerodp.Engine, step: int, micro: int, accum: int, noise: bool,
-                inf: bool = False) -> torch.Tensor:
+def engine_step(
+    engine: zerodp.Engine, step: int, micro: int, accum: int, noise: bool, inf: bool = False
+) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch; returns the micro-batch losses.
     ``noise`` perturbs the inputs with the default (per-rank) RNG, which checkpoints must restore.
     Inputs are cast to the module's dtype (bf16/fp16 engines); ``inf``: the last rank's first
@@ -218,30 +241,41 @@ def ref_step(ref: Zoo, opt: torch.optim.Optimizer, step: int) -> torch.Tensor:
 def piece_states(engine: zerodp.Engine) -> list[tuple[str, int, int, dict]]:
     """(name, start, end, optimizer state) of this rank's pieces (state keyed by the fp32 master when
     there is one)."""
-    return [(p.slot.name, p.lo - p.slot.offset, p.hi - p.slot.offset,
-             {k: v.clone() for k, v in engine.optimizer.state.get(p.opt_tensor, {}).items()})
-            for g in engine.groups for p in g.pieces]
+    return [
+        (
+            p.slot.name,
+            p.lo - p.slot.offset,
+            p.hi - p.slot.offset,
+            {k: v.clone() for k, v in engine.optimizer.state.get(p.opt_tensor, {}).items()},
+        )
+        for g in engine.groups
+        for p in g.pieces
+    ]
 
 
 def piece_values(engine: zerodp.Engine) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(module-dtype value, fp32 master or None) of this rank's pieces, copied."""
-    return [(p.tensor.clone(), None if p.master is None else p.master.clone())
-            for g in engine.groups for p in g.pieces]
+    return [(p.tensor.clone(), None if p.master is None else p.master.clone()) for g in engine.groups for p in g.pieces]
 
 
 def same_piece_values(a: list, b: list) -> bool:
     return len(a) == len(b) and all(
-        x[0].dtype == y[0].dtype and torch.equal(x[0], y[0])
-        and (x[1] is None) == (y[1] is None) and (x[1] is None or (x[1].dtype == y[1].dtype
-                                                                      and torch.equal(x[1], y[1])))
-        for x, y in zip(a, b, strict=True))
+        x[0].dtype == y[0].dtype
+        and torch.equal(x[0], y[0])
+        and (x[1] is None) == (y[1] is None)
+        and (x[1] is None or (x[1].dtype == y[1].dtype and torch.equal(x[1], y[1])))
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def gathered_masters(engine: zerodp.Engine) -> dict[str, torch.Tensor]:
     """Full fp32 master value of every trained parameter, assembled by this test from every rank's
     pieces (all_gather_object; independent of zerodp's own assembly)."""
-    mine = [(p.slot.name, p.lo - p.slot.offset, p.hi - p.slot.offset, p.slot.shape, p.master.clone())
-            for g in engine.groups for p in g.pieces]
+    mine = [
+        (p.slot.name, p.lo - p.slot.offset, p.hi - p.slot.offset, p.slot.shape, p.master.clone())
+        for g in engine.groups
+        for p in g.pieces
+    ]
     everyone: list = [None] * world()
     dist.all_gather_object(everyone, mine)
     out: dict[str, torch.Tensor] = {}
@@ -255,8 +289,6 @@ def gathered_masters(engine: zerodp.Engine) -> dict[str, torch.Tensor]:
 def same_state_dict(a: dict, b: dict) -> bool:
     """Same keys in order, same dtypes, same values (torch.equal alone ignores dtype)."""
     return list(a) == list(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
-
-
 
 
 # ---- scenarios -------------------------------------------------------------------------------------
@@ -286,9 +318,12 @@ def exact_resume(stage: int, ctx: Context) -> dict:
     trained = {k for k, v in sdv.items() if isinstance(v, nn.Parameter) and v.requires_grad}
     mixed: dict = {}
     if precision != "fp32":
-        at_save = {"skipped": engine.skipped_steps, "loss_scale": engine.loss_scale,
-                   "scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
-                   "scheduler_epoch": engine.lr_scheduler.last_epoch}
+        at_save = {
+            "skipped": engine.skipped_steps,
+            "loss_scale": engine.loss_scale,
+            "scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
+            "scheduler_epoch": engine.lr_scheduler.last_epoch,
+        }
         state_dict_at_save, masters_at_save = engine.module_state_dict(), gathered_masters(engine)
         with open(saved_at / "meta.json") as f:
             meta = json.load(f)
@@ -301,16 +336,19 @@ def exact_resume(stage: int, ctx: Context) -> dict:
             meta_param_dtypes=sorted({r["dtype"] for r in meta["params"]}),
             meta_scheduler_type=(meta.get("lr_scheduler") or {}).get("type"),
             meta_scheduler_epoch=(meta.get("lr_scheduler") or {}).get("state", {}).get("last_epoch"),
-            trained=sorted(trained), masters=sorted(masters_at_save),
+            trained=sorted(trained),
+            masters=sorted(masters_at_save),
             module_dtypes=sorted({str(v.dtype) for v in model.state_dict().values()}),
             # module_state_dict(): trained parameters are the fp32 masters; the rest keep the module dtype
-            state_dict_is_masters=all(state_dict_at_save[k].dtype == torch.float32
-                                      and torch.equal(state_dict_at_save[k], masters_at_save[canon[k]])
-                                      for k in trained),
-            state_dict_rest_dtypes=sorted({str(v.dtype) for k, v in state_dict_at_save.items()
-                                           if k not in trained}),
-            masters_differ_from_module=any(not torch.equal(v, v.to(engine.precision.param_dtype).float())
-                                           for v in masters_at_save.values()),
+            state_dict_is_masters=all(
+                state_dict_at_save[k].dtype == torch.float32
+                and torch.equal(state_dict_at_save[k], masters_at_save[canon[k]])
+                for k in trained
+            ),
+            state_dict_rest_dtypes=sorted({str(v.dtype) for k, v in state_dict_at_save.items() if k not in trained}),
+            masters_differ_from_module=any(
+                not torch.equal(v, v.to(engine.precision.param_dtype).float()) for v in masters_at_save.values()
+            ),
             # consolidate(): every floating tensor fp32; trained ones equal the masters
             consolidated_keys_equal=sorted(cons) == sorted(state_dict_at_save),
             consolidated_dtypes=sorted({str(v.dtype) for v in cons.values()}),
@@ -321,8 +359,10 @@ def exact_resume(stage: int, ctx: Context) -> dict:
     final, states, values = engine.module_state_dict(), piece_states(engine), piece_values(engine)
     gathered_after_state_dict = gathered_report(engine)
     with torch.random.fork_rng(devices=[]):  # shapes and dtypes of a plain model's state_dict
-        plain = {k: (list(v.shape), v.dtype if k in trained else engine.precision.param_dtype)
-                 for k, v in (TiedZoo() if tied else Zoo()).state_dict().items()}
+        plain = {
+            k: (list(v.shape), v.dtype if k in trained else engine.precision.param_dtype)
+            for k, v in (TiedZoo() if tied else Zoo()).state_dict().items()
+        }
     final_params = full_params(model)
     lrs = [g["lr"] for g in engine.optimizer.param_groups]
 
@@ -332,13 +372,18 @@ def exact_resume(stage: int, ctx: Context) -> dict:
     rng_restored = torch.equal(torch.get_rng_state(), rng_at_save)
     steps_after_load = (engine2.global_steps, engine2.micro_steps)
     if precision != "fp32":
-        mixed["after_load"] = {"skipped": engine2.skipped_steps, "loss_scale": engine2.loss_scale,
-                               "scaler": engine2.loss_scaler.state_dict() if engine2.loss_scaler else None,
-                               "scheduler_epoch": engine2.lr_scheduler.last_epoch}
+        mixed["after_load"] = {
+            "skipped": engine2.skipped_steps,
+            "loss_scale": engine2.loss_scale,
+            "scaler": engine2.loss_scaler.state_dict() if engine2.loss_scaler else None,
+            "scheduler_epoch": engine2.lr_scheduler.last_epoch,
+        }
         # the module-dtype pieces are the loaded masters rounded (as after an optimizer step)
         mixed["params_cast_from_masters"] = all(
             p.tensor.dtype == engine2.precision.param_dtype and torch.equal(p.tensor, p.master.to(p.tensor.dtype))
-            for g in engine2.groups for p in g.pieces)
+            for g in engine2.groups
+            for p in g.pieces
+        )
         mixed["loaded_state_dict_equal"] = same_state_dict(state_dict_at_save, engine2.module_state_dict())
     losses2 = [engine_step(engine2, step, micro, accum, noise=True) for step in range(n_save, n_total)]
     states2 = piece_states(engine2)
@@ -346,23 +391,31 @@ def exact_resume(stage: int, ctx: Context) -> dict:
     if precision != "fp32":
         mixed["scheduler_equal"] = engine.lr_scheduler.state_dict() == engine2.lr_scheduler.state_dict()
         mixed["scaler_equal"] = (engine.loss_scaler is None and engine2.loss_scaler is None) or (
-            engine.loss_scaler.state_dict() == engine2.loss_scaler.state_dict())
+            engine.loss_scaler.state_dict() == engine2.loss_scaler.state_dict()
+        )
         mixed["skipped_end"] = [engine.skipped_steps, engine2.skipped_steps]
     return {
         **mixed,
         "pieces_equal": same_piece_values(values, piece_values(engine2)),
         "param_dtypes": sorted({str(p.dtype) for p in final2_params}),
-        "path": str(path), "saved_at": str(saved_at), "latest": (d / "latest").read_text(),
-        "client_state": client_state, "rng_restored": rng_restored, "steps_after_load": list(steps_after_load),
+        "path": str(path),
+        "saved_at": str(saved_at),
+        "latest": (d / "latest").read_text(),
+        "client_state": client_state,
+        "rng_restored": rng_restored,
+        "steps_after_load": list(steps_after_load),
         "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, losses2, strict=True)),
         "params_equal": same_state_dict(final, engine2.module_state_dict()),
-        "model_params_equal": len(final_params) == len(final2_params) and all(
-            a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(final_params, final2_params, strict=True)),
+        "model_params_equal": len(final_params) == len(final2_params)
+        and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(final_params, final2_params, strict=True)),
         "state_dict_like_plain": {k: (list(v.shape), v.dtype) for k, v in final.items()} == plain,
-        "gathered_after_state_dict": gathered_after_state_dict, "gathered_end": gathered_report(engine2),
-        "states_equal": [s[:3] for s in states] == [s[:3] for s in states2] and all(
+        "gathered_after_state_dict": gathered_after_state_dict,
+        "gathered_end": gathered_report(engine2),
+        "states_equal": [s[:3] for s in states] == [s[:3] for s in states2]
+        and all(
             a[3].keys() == b[3].keys() and all(torch.equal(a[3][k], b[3][k]) for k in a[3])
-            for a, b in zip(states, states2, strict=True)),
+            for a, b in zip(states, states2, strict=True)
+        ),
         "pieces_without_state": sum(1 for s in states2 if not s[3]),
         "pieces_with_state": sum(1 for s in states2 if s[3]),
         "lrs_equal": lrs == [g["lr"] for g in engine2.optimizer.param_groups],
@@ -418,11 +471,20 @@ def reshard_load(stage: int, ctx: Context) -> dict:
         local = engine_step(engine, step, micro, 1, noise=False)
         loss_errs.append(err(global_loss(local), ref_step(ref, ref_opt, step)))
     param_err = max(err(a, b) for a, b in zip(full_params(model), ref.parameters(), strict=True))
-    return {"client_state": client_state, "exact": exact, "load_param_err": load_param_err,
-            "gathered_after_load": gathered_after_load,
-            "state_err": max(state_errs), "state_presence_ok": state_presence_ok, "step_ok": step_ok,
-            "lrs_equal": lrs_equal, "loaded_steps": loaded_steps, "loss_err": max(loss_errs),
-            "param_err": param_err, "path": str(path)}
+    return {
+        "client_state": client_state,
+        "exact": exact,
+        "load_param_err": load_param_err,
+        "gathered_after_load": gathered_after_load,
+        "state_err": max(state_errs),
+        "state_presence_ok": state_presence_ok,
+        "step_ok": step_ok,
+        "lrs_equal": lrs_equal,
+        "loaded_steps": loaded_steps,
+        "loss_err": max(loss_errs),
+        "param_err": param_err,
+        "path": str(path),
+    }
 
 
 @scenario
@@ -462,7 +524,9 @@ def consolidate_tied(stage: int, ctx: Context) -> dict:
     pt = torch.load(d / "out" / "model.pt", weights_only=True)
     return {
         "gathered_after_state_dict": gathered_report(engine),
-        "keys": sorted(sd), "want_keys": sorted(want), "pt_keys_in_order": list(pt) == list(want),
+        "keys": sorted(sd),
+        "want_keys": sorted(want),
+        "pt_keys_in_order": list(pt) == list(want),
         "ref_err": max(err(plain.state_dict()[k], want[k]) for k in want),
         "equals_module_state_dict": sorted(sd) == sorted(mine) and all(torch.equal(sd[k], mine[k]) for k in sd),
         "pt_equal": sorted(pt) == sorted(sd) and all(torch.equal(pt[k], sd[k]) for k in sd),
@@ -477,18 +541,30 @@ def consolidate_tied(stage: int, ctx: Context) -> dict:
 
 def model_snapshot(engine: zerodp.Engine, model: nn.Module) -> tuple:
     """Everything a load may change: parameters (read gathered), buffers, optimizer pieces, steps, lrs."""
-    return (full_params(model), [b.clone() for b in model.buffers()], piece_states(engine),
-            engine.global_steps, engine.micro_steps, [g["lr"] for g in engine.optimizer.param_groups])
+    return (
+        full_params(model),
+        [b.clone() for b in model.buffers()],
+        piece_states(engine),
+        engine.global_steps,
+        engine.micro_steps,
+        [g["lr"] for g in engine.optimizer.param_groups],
+    )
 
 
 def same_snapshot(a: tuple, b: tuple) -> bool:
     def same(x: list, y: list) -> bool:
         return len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y, strict=True))
 
-    return (same(a[0], b[0]) and same(a[1], b[1]) and [s[:3] for s in a[2]] == [s[:3] for s in b[2]]
-            and all(u[3].keys() == v[3].keys() and all(torch.equal(u[3][k], v[3][k]) for k in u[3])
-                    for u, v in zip(a[2], b[2], strict=True))
-            and a[3:] == b[3:])
+    return (
+        same(a[0], b[0])
+        and same(a[1], b[1])
+        and [s[:3] for s in a[2]] == [s[:3] for s in b[2]]
+        and all(
+            u[3].keys() == v[3].keys() and all(torch.equal(u[3][k], v[3][k]) for k in u[3])
+            for u, v in zip(a[2], b[2], strict=True)
+        )
+        and a[3:] == b[3:]
+    )
 
 
 @scenario
@@ -516,8 +592,12 @@ def refuse_mismatch(stage: int, ctx: Context) -> dict:
             error = None
         except checkpoint.CheckpointError as e:
             error = str(e)
-        out[case] = {"error": error, "unchanged": same_snapshot(before, model_snapshot(engine, model)),
-                     "gathered": gathered_report(engine), "trained_steps": before[3]}
+        out[case] = {
+            "error": error,
+            "unchanged": same_snapshot(before, model_snapshot(engine, model)),
+            "gathered": gathered_report(engine),
+            "trained_steps": before[3],
+        }
     return out
 
 
@@ -564,10 +644,17 @@ def crash_safety(stage: int, ctx: Context) -> dict:
     fresh2.load_checkpoint(d, tag="global_step2")
     overwrite_loads = same_state_dict(engine.module_state_dict(), fresh2.module_state_dict())
     dist.barrier()
-    return {"crash_error": crash_error, "latest_after_crash": latest_after_crash,
-            "listing_after_crash": listing_after_crash, "loaded": path.name, "previous_loads": previous_loads,
-            "latest_after_retry": latest_after_retry, "latest_final": (d / "latest").read_text(),
-            "overwrite_loads": overwrite_loads, "listing_final": sorted(os.listdir(d))}
+    return {
+        "crash_error": crash_error,
+        "latest_after_crash": latest_after_crash,
+        "listing_after_crash": listing_after_crash,
+        "loaded": path.name,
+        "previous_loads": previous_loads,
+        "latest_after_retry": latest_after_retry,
+        "latest_final": (d / "latest").read_text(),
+        "overwrite_loads": overwrite_loads,
+        "listing_final": sorted(os.listdir(d)),
+    }
 
 
 #: the parameters :func:`freeze_midrun` freezes after initialize: partitioned at stage 3 (``fc1.bias``,
@@ -598,8 +685,9 @@ def freeze_midrun(stage: int, ctx: Context) -> dict:
         elif ctx.arg == "nvme":
             swap = ctx.ckpt_dir / "swap"
             swap.mkdir(exist_ok=True)
-            cfg["zero_optimization"].update(sub_group_size=40, offload_optimizer={"device": "nvme",
-                                                                                  "nvme_path": str(swap)})
+            cfg["zero_optimization"].update(
+                sub_group_size=40, offload_optimizer={"device": "nvme", "nvme_path": str(swap)}
+            )
         return model, zerodp.initialize(model, cfg, model_parameters=zoo_groups(model))
 
     def resident(e: zerodp.Engine) -> contextlib.AbstractContextManager:
@@ -639,8 +727,10 @@ def freeze_midrun(stage: int, ctx: Context) -> dict:
     final = engine.module_state_dict()
     with resident(engine):
         states, values = piece_states(engine), piece_values(engine)
-    ref_err = max([err(a, b) for a, b in zip(losses, ref_losses, strict=True)]
-                  + [err(a, b) for a, b in zip(full_params(model), ref.parameters(), strict=True)])
+    ref_err = max(
+        [err(a, b) for a, b in zip(losses, ref_losses, strict=True)]
+        + [err(a, b) for a, b in zip(full_params(model), ref.parameters(), strict=True)]
+    )
 
     model2, engine2 = make(999)  # every parameter trains, as in the saving engine at initialize
     engine2.load_checkpoint(d)
@@ -653,12 +743,17 @@ def freeze_midrun(stage: int, ctx: Context) -> dict:
     engine.close()
     engine2.close()
     return {
-        "records": records, "ref_err": ref_err, "loaded_equal": loaded_equal,
+        "records": records,
+        "ref_err": ref_err,
+        "loaded_equal": loaded_equal,
         "losses_equal": all(torch.equal(a, b) for a, b in zip(losses[3:], losses2, strict=True)),
-        "params_equal": params_equal, "pieces_equal": same_piece_values(values, values2),
-        "states_equal": [s[:3] for s in states] == [s[:3] for s in states2] and all(
+        "params_equal": params_equal,
+        "pieces_equal": same_piece_values(values, values2),
+        "states_equal": [s[:3] for s in states] == [s[:3] for s in states2]
+        and all(
             a[3].keys() == b[3].keys() and all(torch.equal(a[3][k], b[3][k]) for k in a[3])
-            for a, b in zip(states, states2, strict=True)),
+            for a, b in zip(states, states2, strict=True)
+        ),
         "pieces_with_state": sum(1 for s in states2 if s[3]),
     }
 

@@ -21,8 +21,12 @@ from zerodp.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  
 
 
 def stage3_config(**extra: Any) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10}, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10},
+        **extra,
+    }
 
 
 class Tower(nn.Module):
@@ -69,8 +73,7 @@ def gathered_order() -> dict:
                 p.copy_(expected[n])
     with deepspeed.zero.GatheredParameters(list(set(model.parameters()))):  # set order: differs per rank
         after = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ok = all(torch.equal(after[n], expected[n] if rank == 0 else expected[n] * 0 + i + 1)
-             for i, n in enumerate(names))
+    ok = all(torch.equal(after[n], expected[n] if rank == 0 else expected[n] * 0 + i + 1) for i, n in enumerate(names))
     # a rank passing other parameters is refused by name, not mis-paired
     refused = ""
     try:
@@ -79,9 +82,15 @@ def gathered_order() -> dict:
     except ValueError as e:
         refused = str(e)
     sd = engine.state_dict()
-    return {"ds_ids": [int(p.ds_id) for p in params], "all_ds_ids": _all([int(p.ds_id) for p in params]),
-            "outside": statuses_outside, "inside": inside, "edits_ok": ok, "refused": refused,
-            "state_dict_ok": all(torch.equal(sd[n], after[n]) for n in names)}
+    return {
+        "ds_ids": [int(p.ds_id) for p in params],
+        "all_ds_ids": _all([int(p.ds_id) for p in params]),
+        "outside": statuses_outside,
+        "inside": inside,
+        "edits_ok": ok,
+        "refused": refused,
+        "state_dict_ok": all(torch.equal(sd[n], after[n]) for n in names),
+    }
 
 
 def gathered_before_initialize() -> dict:
@@ -109,8 +118,12 @@ def gathered_before_initialize() -> dict:
     plain = [n for n, p in model.named_parameters() if not hasattr(p, "ds_id")]
     with deepspeed.zero.GatheredParameters(params):
         got = [float(p.detach().float().mean()) for p in params]
-    return {"plain": plain, "orders_differ": _all(order)[0] != _all(order)[1], "got": got,
-            "want": [float(i + 1) for i in range(len(params))]}
+    return {
+        "plain": plain,
+        "orders_differ": _all(order)[0] != _all(order)[1],
+        "got": got,
+        "want": [float(i + 1) for i in range(len(params))],
+    }
 
 
 def save_dir_mismatch() -> dict:
@@ -121,8 +134,10 @@ def save_dir_mismatch() -> dict:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     base = tempfile.mkdtemp(prefix=f"zerodp-clients-r{rank}-")
     out = {}
-    for key, kwargs in (("dir", {"save_dir": os.path.join(base, f"run-{rank}")}),
-                        ("tag", {"save_dir": _all(base)[0], "tag": f"step{rank}"})):
+    for key, kwargs in (
+        ("dir", {"save_dir": os.path.join(base, f"run-{rank}")}),
+        ("tag", {"save_dir": _all(base)[0], "tag": f"step{rank}"}),
+    ):
         try:
             engine.save_checkpoint(**kwargs)
             out[key] = ""
@@ -143,19 +158,39 @@ def cifar_ds_config(stage: int, dtype: str) -> dict[str, Any]:
     """The script's own config, key for key (batch sizes scaled down): Adam with weight_decay and no
     adam_w_mode, prescale_gradients false, cpu_offload false, fp16_master_weights_and_grads false."""
     return {
-        "train_batch_size": 8, "steps_per_print": 2000,
-        "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8,
-                                                 "weight_decay": 3e-7}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
-                                                     "warmup_num_steps": 1000}},
-        "gradient_clipping": 1.0, "prescale_gradients": False,
+        "train_batch_size": 8,
+        "steps_per_print": 2000,
+        "optimizer": {
+            "type": "Adam",
+            "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000},
+        },
+        "gradient_clipping": 1.0,
+        "prescale_gradients": False,
         "bf16": {"enabled": dtype == "bf16"},
-        "fp16": {"enabled": dtype == "fp16", "fp16_master_weights_and_grads": False, "loss_scale": 0,
-                 "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1, "initial_scale_power": 15},
+        "fp16": {
+            "enabled": dtype == "fp16",
+            "fp16_master_weights_and_grads": False,
+            "loss_scale": 0,
+            "loss_scale_window": 500,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+            "initial_scale_power": 15,
+        },
         "wall_clock_breakdown": False,
-        "zero_optimization": {"stage": stage, "allgather_partitions": True, "reduce_scatter": True,
-                              "allgather_bucket_size": 5e7, "overlap_comm": True, "reduce_bucket_size": 5e7,
-                              "contiguous_gradients": True, "cpu_offload": False},
+        "zero_optimization": {
+            "stage": stage,
+            "allgather_partitions": True,
+            "reduce_scatter": True,
+            "allgather_bucket_size": 5e7,
+            "overlap_comm": True,
+            "reduce_bucket_size": 5e7,
+            "contiguous_gradients": True,
+            "cpu_offload": False,
+        },
     }
 
 
@@ -183,12 +218,15 @@ def cifar_run(stage: int, dtype: str) -> dict[str, Any]:
     net = CifarNet()
     parameters = filter(lambda p: p.requires_grad, net.parameters())
     parameters = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(parameters), "name": "parameters"})
+        {"params": list(parameters), "name": "parameters"}
+    )
     g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(64, 3, 8, 8, generator=g),
-                                          torch.randint(0, 10, (64,), generator=g))
-    engine, optimizer, loader, _ = deepspeed.initialize(args=args, model=net, model_parameters=[parameters],
-                                                        training_data=data, config=cifar_ds_config(stage, dtype))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 3, 8, 8, generator=g), torch.randint(0, 10, (64,), generator=g)
+    )
+    engine, optimizer, loader, _ = deepspeed.initialize(
+        args=args, model=net, model_parameters=[parameters], training_data=data, config=cifar_ds_config(stage, dtype)
+    )
     local_device = get_accelerator().device_name(engine.local_rank)
     target_dtype = {"bf16": torch.bfloat16, "fp16": torch.half}.get(dtype)
     criterion = nn.CrossEntropyLoss()
@@ -203,8 +241,11 @@ def cifar_run(stage: int, dtype: str) -> dict[str, Any]:
             engine.backward(loss)
             engine.step()
             losses.append(float(loss))
-    return {"losses": losses, "optimizer": type(optimizer).__name__,
-            "weight_decay": optimizer.param_groups[0]["weight_decay"]}
+    return {
+        "losses": losses,
+        "optimizer": type(optimizer).__name__,
+        "weight_decay": optimizer.param_groups[0]["weight_decay"],
+    }
 
 
 def cifar() -> dict:
@@ -234,18 +275,37 @@ def chat_config(stage: int, offload: bool = False) -> dict[str, Any]:
     """DeepSpeed-Chat's get_train_ds_config shape: disabled hybrid_engine/tensorboard, bfloat16 alias,
     memory_efficient_linear false, prescale_gradients false, HF-style "auto" thresholds."""
     return {
-        "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10,
-        "zero_optimization": {"stage": stage, "overlap_comm": True,
-                              "offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"},
-                              "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 3e7,
-                              "stage3_prefetch_bucket_size": "auto", "reduce_bucket_size": "auto",
-                              "memory_efficient_linear": False},
-        "bfloat16": {"enabled": True}, "gradient_clipping": 1.0, "prescale_gradients": False,
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 10,
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": True,
+            "offload_param": {"device": "none"},
+            "offload_optimizer": {"device": "none"},
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_max_live_parameters": 3e7,
+            "stage3_prefetch_bucket_size": "auto",
+            "reduce_bucket_size": "auto",
+            "memory_efficient_linear": False,
+        },
+        "bfloat16": {"enabled": True},
+        "gradient_clipping": 1.0,
+        "prescale_gradients": False,
         "wall_clock_breakdown": False,
-        "hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1,
-                          "release_inference_cache": False, "pin_parameters": True, "tp_gather_partition_size": 8},
-        "tensorboard": {"enabled": False, "output_path": "step1_tensorboard/ds_tensorboard_logs/",
-                        "job_name": "step1_model_tensorboard"},
+        "hybrid_engine": {
+            "enabled": False,
+            "max_out_tokens": 512,
+            "inference_tp_size": 1,
+            "release_inference_cache": False,
+            "pin_parameters": True,
+            "tp_gather_partition_size": 8,
+        },
+        "tensorboard": {
+            "enabled": False,
+            "output_path": "step1_tensorboard/ds_tensorboard_logs/",
+            "job_name": "step1_model_tensorboard",
+        },
     }
 
 
@@ -254,8 +314,10 @@ def chat_run(stage: int, opt_cls: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=stage == 3):
         model = TinyCausalLM()
-    groups = [{"params": [p for n, p in model.named_parameters() if "bias" not in n], "weight_decay": 0.1},
-              {"params": [p for n, p in model.named_parameters() if "bias" in n], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if "bias" not in n], "weight_decay": 0.1},
+        {"params": [p for n, p in model.named_parameters() if "bias" in n], "weight_decay": 0.0},
+    ]
     optimizer = opt_cls(groups, lr=1e-2, betas=(0.9, 0.95))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, dist_init_required=True)
     g = torch.Generator().manual_seed(2 + dist.get_rank())
@@ -267,12 +329,16 @@ def chat_run(stage: int, opt_cls: Any) -> dict[str, Any]:
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))
-    out = {"losses": losses, "optimizer": type(engine.optimizer).__name__,
-           "decoupled": bool(engine.optimizer.defaults.get("decoupled_weight_decay")),
-           "model_attr": engine.model is model.model,
-           "head_attr": recursive_getattr(engine, "module.lm_head") is model.lm_head,
-           "tput_steps": engine.tput_timer.global_step_count, "config_is_dict": isinstance(engine.config, dict),
-           "hidden_auto": engine.engine.config.zero_optimization.stage3_param_persistence_threshold}
+    out = {
+        "losses": losses,
+        "optimizer": type(engine.optimizer).__name__,
+        "decoupled": bool(engine.optimizer.defaults.get("decoupled_weight_decay")),
+        "model_attr": engine.model is model.model,
+        "head_attr": recursive_getattr(engine, "module.lm_head") is model.lm_head,
+        "tput_steps": engine.tput_timer.global_step_count,
+        "config_is_dict": isinstance(engine.config, dict),
+        "hidden_auto": engine.engine.config.zero_optimization.stage3_param_persistence_threshold,
+    }
     # DeepSpeed-Chat's save_zero_three_model: fetch what ds_status says is not here, one parameter at a time
     saved = {}
     for k, v in engine.module.named_parameters():
@@ -284,24 +350,36 @@ def chat_run(stage: int, opt_cls: Any) -> dict[str, Any]:
             saved[k] = v.detach().clone().cpu()
     full = engine.state_dict()
     out["save_ok"] = all(torch.equal(saved[k], full[k].to(saved[k].dtype)) for k in saved) and sorted(saved) == sorted(
-        n for n, _ in model.named_parameters())
+        n for n, _ in model.named_parameters()
+    )
     consolidated = engine._zero3_consolidated_16bit_state_dict()
-    out["consolidated"] = (consolidated is None) if dist.get_rank() else all(
-        torch.equal(consolidated[k], full[k].to(consolidated[k].dtype)) for k in full)
+    out["consolidated"] = (
+        (consolidated is None)
+        if dist.get_rank()
+        else all(torch.equal(consolidated[k], full[k].to(consolidated[k].dtype)) for k in full)
+    )
     # the HF Trainer's PEFT save: exclude_frozen_parameters=True leaves out what requires no grad
     frozen_name, frozen = next(iter(engine.module.named_parameters()))
     frozen.requires_grad_(False)
     trained_only = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
     frozen.requires_grad_(True)
-    out["excluded_frozen"] = (trained_only is None) if dist.get_rank() else (
-        sorted(trained_only) == sorted(k for k in full if k != frozen_name)
-        and all(torch.equal(trained_only[k], consolidated[k]) for k in trained_only))
+    out["excluded_frozen"] = (
+        (trained_only is None)
+        if dist.get_rank()
+        else (
+            sorted(trained_only) == sorted(k for k in full if k != frozen_name)
+            and all(torch.equal(trained_only[k], consolidated[k]) for k in trained_only)
+        )
+    )
     return out
 
 
 def chat() -> dict:
-    return {f"{stage}-{cls.__name__}": chat_run(stage, cls) for stage in (0, 1, 2, 3)
-            for cls in (FusedAdam, DeepSpeedCPUAdam)}
+    return {
+        f"{stage}-{cls.__name__}": chat_run(stage, cls)
+        for stage in (0, 1, 2, 3)
+        for cls in (FusedAdam, DeepSpeedCPUAdam)
+    }
 
 
 # ---- DeepSpeedExamples training/offload_states: offload between phases, reload, train on ----------------
@@ -311,9 +389,12 @@ from zerodp.deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, Offl
 def offload_round_trip() -> dict:
     out = {}
     for offload in (False, True):
-        cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
-               "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 2,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10},
+        }
         torch.manual_seed(0)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = Tower()
@@ -323,18 +404,32 @@ def offload_round_trip() -> dict:
         losses = []
         for i, x in enumerate(batches):
             if offload and i == 3:
-                before = {id(t): t.clone() for st in engine.optimizer.state.values() for t in st.values()
-                          if isinstance(t, torch.Tensor)}
+                before = {
+                    id(t): t.clone()
+                    for st in engine.optimizer.state.values()
+                    for t in st.values()
+                    if isinstance(t, torch.Tensor)
+                }
                 masters = [p.master.clone() for gr in engine.engine.groups for p in gr.pieces]
-                engine.offload_states(include=[OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params],
-                                      device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=False)
-                out["on_host"] = all(t.device.type == "cpu" for st in engine.optimizer.state.values()
-                                     for t in st.values() if isinstance(t, torch.Tensor))
+                engine.offload_states(
+                    include=[OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params],
+                    device=OffloadDeviceEnum.cpu,
+                    pin_memory=True,
+                    non_blocking=False,
+                )
+                out["on_host"] = all(
+                    t.device.type == "cpu"
+                    for st in engine.optimizer.state.values()
+                    for t in st.values()
+                    if isinstance(t, torch.Tensor)
+                )
                 engine.reload_states()
-                after = [t for st in engine.optimizer.state.values() for t in st.values()
-                         if isinstance(t, torch.Tensor)]
+                after = [
+                    t for st in engine.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)
+                ]
                 out["states_equal"] = len(after) == len(before) and all(
-                    any(torch.equal(a, b) for b in before.values()) for a in after)
+                    any(torch.equal(a, b) for b in before.values()) for a in after
+                )
                 pieces = [p for gr in engine.engine.groups for p in gr.pieces]
                 out["masters_equal"] = all(torch.equal(m, p.master) for m, p in zip(masters, pieces, strict=True))
                 try:
@@ -352,9 +447,14 @@ def offload_round_trip() -> dict:
     return out
 
 
-SCENARIOS = {"gathered_order": gathered_order, "gathered_before_initialize": gathered_before_initialize,
-             "save_dir_mismatch": save_dir_mismatch, "cifar": cifar,
-             "chat": chat, "offload_round_trip": offload_round_trip}
+SCENARIOS = {
+    "gathered_order": gathered_order,
+    "gathered_before_initialize": gathered_before_initialize,
+    "save_dir_mismatch": save_dir_mismatch,
+    "cifar": cifar,
+    "chat": chat,
+    "offload_round_trip": offload_round_trip,
+}
 
 if __name__ == "__main__":
     run_selected(worker_args(), SCENARIOS)

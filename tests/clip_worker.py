@@ -84,8 +84,13 @@ def config(stage: int, precision: str, offload: str, nvme: str) -> dict:
     if offload != "none":
         zero["offload_optimizer"] = {"device": offload, "nvme_path": nvme, "buffer_count": 3}
         zero["sub_group_size"] = 20  # several sub-groups per rank
-    cfg: dict = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-                 "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": zero, **engine_config()}
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_optimization": zero,
+        **engine_config(),
+    }
     if offload == "nvme":
         cfg["aio"] = {"block_size": 4096, "queue_depth": 2, "thread_count": 2}
     if precision == "bf16":
@@ -103,8 +108,15 @@ def clip_job(stage: int, precision: str, offload: str, nvme: str) -> dict:
     model = copy.deepcopy(base)
     engine = zerodp.initialize(model, config(stage, precision, offload, nvme))
     n, r = dist.get_world_size(), dist.get_rank()
-    out: dict = {"norm_err": 0.0, "inf_norm_err": 0.0, "second_norm_err": 0.0, "global_norm_err": 0.0,
-                 "full_grad_err": 0.0, "not_ready": "", "hidden_after_step": 0}
+    out: dict = {
+        "norm_err": 0.0,
+        "inf_norm_err": 0.0,
+        "second_norm_err": 0.0,
+        "global_norm_err": 0.0,
+        "full_grad_err": 0.0,
+        "not_ready": "",
+        "hidden_after_step": 0,
+    }
 
     def loss_of(m, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return ((m(x.to(dtype)).float() - y) ** 2).mean()
@@ -140,8 +152,9 @@ def clip_job(stage: int, precision: str, offload: str, nvme: str) -> dict:
             out["second_norm_err"] = rel(second, ref.clip(max_norm))
             for p, m in zip(model.parameters(), ref.masters, strict=True):
                 full = zerodp.zero.safe_get_full_grad(p).to(m.device)
-                out["full_grad_err"] = max(out["full_grad_err"],
-                                           ((full - m.grad).abs().max() / m.grad.abs().max()).item())
+                out["full_grad_err"] = max(
+                    out["full_grad_err"], ((full - m.grad).abs().max() / m.grad.abs().max()).item()
+                )
         stepped_norm = ref.norm()  # what the step receives: after the user's clipping
         engine.step()
         ref.step()
@@ -163,8 +176,12 @@ def main() -> None:
     for stage in [int(s) for s in args.stages.split(",")]:
         for precision in DTYPES:
             for offload in ("none",) if stage == 0 else ("none", "cpu", "nvme"):
-                jobs.append((f"clip/stage{stage}/{precision}/{offload}",
-                             lambda s=stage, p=precision, o=offload: clip_job(s, p, o, args.nvme)))
+                jobs.append(
+                    (
+                        f"clip/stage{stage}/{precision}/{offload}",
+                        lambda s=stage, p=precision, o=offload: clip_job(s, p, o, args.nvme),
+                    )
+                )
     run_scenarios(args.out, jobs)
 
 

@@ -20,8 +20,10 @@ for dtype in (torch.float32, torch.bfloat16, torch.float64):
     for chunk in (1, 7, 4096):
         g = torch.Generator().manual_seed(1000 * rank + chunk)
         # random values (sums may round differently in another order) and small integers (exact)
-        for kind, x in (("random", torch.randn(world * chunk, generator=g).to(dtype)),
-                        ("integers", torch.randint(-50, 50, (world * chunk,), generator=g).to(dtype))):
+        for kind, x in (
+            ("random", torch.randn(world * chunk, generator=g).to(dtype)),
+            ("integers", torch.randint(-50, 50, (world * chunk,), generator=g).to(dtype)),
+        ):
             ref = torch.empty(chunk, dtype=dtype)
             comm._torch_reduce_scatter_single(ref, x.clone())
             out_sync, out_async, out_scratch = (torch.full((chunk,), 7.0, dtype=dtype) for _ in range(3))
@@ -31,13 +33,19 @@ for dtype in (torch.float32, torch.bfloat16, torch.float64):
             scratch = torch.empty_like(x)
             w2 = comm.reduce_scatter(out_scratch, x, None, ledger, "test", async_op=True, received=scratch)
             comm.AllOf([w, w2]).wait()
-            res["cases"].append({
-                "dtype": str(dtype), "chunk": chunk, "kind": kind,
-                "input_unchanged": bool(torch.equal(x, before)),
-                "equal": [bool(torch.equal(o, ref)) for o in (out_sync, out_async, out_scratch)],
-                "max_err": max(float((o.double() - ref.double()).abs().max())
-                               for o in (out_sync, out_async, out_scratch)),
-                "scale": float(ref.double().abs().max())})
+            res["cases"].append(
+                {
+                    "dtype": str(dtype),
+                    "chunk": chunk,
+                    "kind": kind,
+                    "input_unchanged": bool(torch.equal(x, before)),
+                    "equal": [bool(torch.equal(o, ref)) for o in (out_sync, out_async, out_scratch)],
+                    "max_err": max(
+                        float((o.double() - ref.double()).abs().max()) for o in (out_sync, out_async, out_scratch)
+                    ),
+                    "scale": float(ref.double().abs().max()),
+                }
+            )
 try:
     comm.reduce_scatter(torch.empty(2), torch.zeros(2 * world), None, ledger, "test", received=torch.empty(3))
     res["bad_scratch"] = None

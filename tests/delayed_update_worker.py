@@ -55,11 +55,11 @@ def reference(spec: dict, delayed: bool) -> tuple[list[float], dict]:
             losses.append(loss.item())
         if spec["clip"]:
             torch.nn.utils.clip_grad_norm_(params, spec["clip"])
-        lr_now = LR * (0.5 ** step if spec["sched"] else 1.0)
+        lr_now = LR * (0.5**step if spec["sched"] else 1.0)
         grads = [p.grad.clone() for p in params]
         for p in params:
             p.grad = None
-        todo = (pending if delayed else (grads, lr_now))
+        todo = pending if delayed else (grads, lr_now)
         if todo is not None:
             edited_before = step == spec.get("edit_at", -10) + 1  # the edit was made after the last step
             kept = params[0].detach().clone() if edited_before else None
@@ -85,8 +85,12 @@ def engine_run(spec: dict, stage: int) -> tuple[list[float], dict, dict]:
     zc = {"stage": stage, "offload_optimizer": {"device": "cpu", "delayed_update": True, "cpu_adam": "same"}}
     if stage == 3:
         zc["stage3_param_persistence_threshold"] = 0
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": spec["gas"],
-           "optimizer": {"type": spec["opt"], "params": {"lr": LR}}, "zero_optimization": zc}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": spec["gas"],
+        "optimizer": {"type": spec["opt"], "params": {"lr": LR}},
+        "zero_optimization": zc,
+    }
     if spec["clip"]:
         cfg["gradient_clipping"] = spec["clip"]
     sched = (lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)) if spec["sched"] else None
@@ -96,7 +100,7 @@ def engine_run(spec: dict, stage: int) -> tuple[list[float], dict, dict]:
     for step in range(STEPS):
         for micro in range(spec["gas"]):
             x = batch(step, micro, world)
-            loss = engine(x[r * MICRO:(r + 1) * MICRO]).square().mean()
+            loss = engine(x[r * MICRO : (r + 1) * MICRO]).square().mean()
             engine.backward(loss)
             engine.step()
             full = loss.detach().clone()
@@ -107,8 +111,11 @@ def engine_run(spec: dict, stage: int) -> tuple[list[float], dict, dict]:
             with torch.no_grad():
                 engine.module[0].weight.mul_(0.5)
     off = engine.optimizer_offload
-    facts = {"kind": type(off).__name__, "launched": off.updates_launched,
-             "clipped": spec["clip"] is not None and min(norms) > spec["clip"]}
+    facts = {
+        "kind": type(off).__name__,
+        "launched": off.updates_launched,
+        "clipped": spec["clip"] is not None and min(norms) > spec["clip"],
+    }
     state = engine.module_state_dict()
     engine.close()
     return losses, state, facts
@@ -127,9 +134,11 @@ def compare(spec: dict) -> dict:
             continue  # stage 3 edits go through GatheredParameters (refresh_master), not in place
         losses, state, facts = engine_run(spec, stage)
         weights = all(torch.allclose(state[k], stale_state[k], rtol=RTOL, atol=ATOL) for k in stale_state)
-        out[str(stage)] = {"stale": close(losses, stale_losses) and weights,
-                           "fresh_gap": max(abs(a - b) / abs(b) for a, b in zip(losses, fresh_losses, strict=True)),
-                           **facts}
+        out[str(stage)] = {
+            "stale": close(losses, stale_losses) and weights,
+            "fresh_gap": max(abs(a - b) / abs(b) for a, b in zip(losses, fresh_losses, strict=True)),
+            **facts,
+        }
     return out
 
 

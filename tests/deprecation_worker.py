@@ -32,9 +32,15 @@ def stage3_run() -> None:
     torch.manual_seed(0)
     device, world = rank_device(), dist.get_world_size()
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    engine = zerodp.initialize(model, {"train_micro_batch_size_per_gpu": 2, **engine_config(),
-                                       "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-                                       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    engine = zerodp.initialize(
+        model,
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            **engine_config(),
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        },
+    )
     for _ in range(2):
         engine.backward(engine(torch.randn(2, 8, device=device)).square().mean())
         engine.step()
@@ -52,8 +58,14 @@ def stage3_run() -> None:
 
 
 a = worker_args()
-res = {"future": record(stage3_run), "probe": record(lambda: dist.all_gather_into_tensor(
-    torch.empty(dist.get_world_size(), device=rank_device()), torch.ones(1, device=rank_device())))}
+res = {
+    "future": record(stage3_run),
+    "probe": record(
+        lambda: dist.all_gather_into_tensor(
+            torch.empty(dist.get_world_size(), device=rank_device()), torch.ones(1, device=rank_device())
+        )
+    ),
+}
 Path(a.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(res))
 dist.barrier()
 zerodp.shutdown_distributed()

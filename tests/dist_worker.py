@@ -223,16 +223,28 @@ def deepspeed_meaning(opt: str, params: dict) -> tuple[type[torch.optim.Optimize
 
 
 def compare_training(
-    stage: int, *, model_fn: Callable[[], nn.Module] = lambda: Zoo(), kind: str = "zoo",
+    stage: int,
+    *,
+    model_fn: Callable[[], nn.Module] = lambda: Zoo(),
+    kind: str = "zoo",
     forward: Callable[[Any, torch.Tensor, int], Any] = lambda m, x, step: m(x),
-    loss: Callable[[Any, torch.Tensor], torch.Tensor] = mse, vocab: int = 11,
-    opt: str = "Adam", opt_params: dict | None = None,
-    zero: dict | None = None, steps: int = 5, micro: int = 3, accum: int = 1, clip: float = 0.0,
-    groups: Callable[[nn.Module], list] | None = None, torch_groups: Callable[[nn.Module], list] | None = None,
+    loss: Callable[[Any, torch.Tensor], torch.Tensor] = mse,
+    vocab: int = 11,
+    opt: str = "Adam",
+    opt_params: dict | None = None,
+    zero: dict | None = None,
+    steps: int = 5,
+    micro: int = 3,
+    accum: int = 1,
+    clip: float = 0.0,
+    groups: Callable[[nn.Module], list] | None = None,
+    torch_groups: Callable[[nn.Module], list] | None = None,
     freeze: Callable[[nn.Module], None] | None = None,
     between: Callable[[int, Any, nn.Module, nn.Module], dict | None] | None = None,
-    build_under_init: bool = False, config_extra: dict | None = None,
-    scheduler_ref: Callable[[int], float] | None = None, rank_seed: bool = False,
+    build_under_init: bool = False,
+    config_extra: dict | None = None,
+    scheduler_ref: Callable[[int], float] | None = None,
+    rank_seed: bool = False,
 ) -> dict:
     """Train with zerodp and with plain torch on the same global batches; return error metrics.
 
@@ -317,21 +329,31 @@ def compare_training(
             raise AssertionError(f"parameter names differ: {sorted(mine)} vs {sorted(want)}")
         param_err = max(err(mine[k], want[k]) for k in want)
         moved = max((a.detach() - b).abs().max().item() for a, b in zip(model.parameters(), initial, strict=True))
-    out = {"loss_err": max(loss_errs), "param_err": param_err, "steps": engine.global_steps,
-           "moved": moved, "compared_params": len(want), **extra}
+    out = {
+        "loss_err": max(loss_errs),
+        "param_err": param_err,
+        "steps": engine.global_steps,
+        "moved": moved,
+        "compared_params": len(want),
+        **extra,
+    }
     if norm_errs:
         out["norm_err"] = max(norm_errs)
     if engine.sharding is not None:
         c = engine.sharding.coordinator
         mem = engine.memory_report()
-        out.update(prefetches=c.prefetches_issued, prefetch_hits=c.prefetch_hits,
-                   recordings=c.trace_recordings, live_after=c.live_elements(),
-                   persistent_elements=sum(u.numel for u in engine.sharding.units if u.persistent),
-                   shard_elements=sum(u.shard.numel() for u in engine.sharding.units),
-                   max_live=engine.config.zero_optimization.stage3_max_live_parameters,
-                   params_measured=mem.measured["parameters"],
-                   peak_gathered_bytes=mem.peak["gathered_parameters"],
-                   full_elements=sum(p.numel() for p in ref.parameters()))
+        out.update(
+            prefetches=c.prefetches_issued,
+            prefetch_hits=c.prefetch_hits,
+            recordings=c.trace_recordings,
+            live_after=c.live_elements(),
+            persistent_elements=sum(u.numel for u in engine.sharding.units if u.persistent),
+            shard_elements=sum(u.shard.numel() for u in engine.sharding.units),
+            max_live=engine.config.zero_optimization.stage3_max_live_parameters,
+            params_measured=mem.measured["parameters"],
+            peak_gathered_bytes=mem.peak["gathered_parameters"],
+            full_elements=sum(p.numel() for p in ref.parameters()),
+        )
     return out
 
 
@@ -339,8 +361,12 @@ def compare_training(
 @scenario
 def adam_buckets(stage: int) -> dict:
     """Adam with L2 decay, tiny buckets: parameters straddle shard and bucket boundaries."""
-    return compare_training(stage, opt="Adam", opt_params={"weight_decay": 0.01, "adam_w_mode": False},
-                            zero={"reduce_bucket_size": 40, "allgather_bucket_size": 30})
+    return compare_training(
+        stage,
+        opt="Adam",
+        opt_params={"weight_decay": 0.01, "adam_w_mode": False},
+        zero={"reduce_bucket_size": 40, "allgather_bucket_size": 30},
+    )
 
 
 @scenario
@@ -360,9 +386,14 @@ def frozen(stage: int) -> dict:
 @scenario
 def no_grad_some_steps(stage: int) -> dict:
     """``branch`` gets no gradient on odd steps; ``never_used`` never does (torch skips both)."""
-    return compare_training(stage, opt="AdamW", opt_params={"weight_decay": 0.1},
-                            forward=lambda m, x, step: m(x, step % 2 == 0),
-                            zero={"reduce_bucket_size": 60}, steps=6)
+    return compare_training(
+        stage,
+        opt="AdamW",
+        opt_params={"weight_decay": 0.1},
+        forward=lambda m, x, step: m(x, step % 2 == 0),
+        zero={"reduce_bucket_size": 60},
+        steps=6,
+    )
 
 
 @scenario
@@ -376,8 +407,7 @@ def param_groups(stage: int) -> dict:
             {"params": [m.fc1.bias, m.fc2.bias, m.scale, m.never_used], "weight_decay": 0.0},
         ]
 
-    return compare_training(stage, opt="AdamW", groups=split, torch_groups=split,
-                            zero={"reduce_bucket_size": 30})
+    return compare_training(stage, opt="AdamW", groups=split, torch_groups=split, zero={"reduce_bucket_size": 30})
 
 
 @scenario
@@ -392,22 +422,25 @@ def clipping(stage: int) -> dict:
 
 @scenario
 def no_overlap_noncontiguous(stage: int) -> dict:
-    return compare_training(stage, zero={"overlap_comm": False, "contiguous_gradients": False,
-                                         "reduce_bucket_size": 35})
+    return compare_training(
+        stage, zero={"overlap_comm": False, "contiguous_gradients": False, "reduce_bucket_size": 35}
+    )
 
 
 @scenario
 def tied_weights(stage: int) -> dict:
-    return compare_training(stage, model_fn=TiedLM, kind="tokens", loss=token_xent, opt="AdamW",
-                            zero={"reduce_bucket_size": 50})
+    return compare_training(
+        stage, model_fn=TiedLM, kind="tokens", loss=token_xent, opt="AdamW", zero={"reduce_bucket_size": 50}
+    )
 
 
 # ---- stage-3 scenarios (also run at stages 0-2: the same answers are expected there) ---------------
 @scenario
 def gpt_tied(stage: int) -> dict:
     """The project's GPT with tied input/output embeddings."""
-    return compare_training(stage, model_fn=tiny_gpt, kind="tokens", vocab=32, loss=token_xent,
-                            opt="AdamW", opt_params=GPT_ADAM, steps=4)
+    return compare_training(
+        stage, model_fn=tiny_gpt, kind="tokens", vocab=32, loss=token_xent, opt="AdamW", opt_params=GPT_ADAM, steps=4
+    )
 
 
 @scenario
@@ -478,12 +511,23 @@ def eval_generation_between_steps(stage: int) -> dict:
         # prefetched for the backward is dropped by the next training forward
         engine(torch.zeros(2, 3, dtype=torch.long))
         persistent = sum(u.numel for u in engine.sharding.units if u.persistent) if engine.sharding else 0
-        return {f"same_tokens_{step}": bool(torch.equal(out, ref_out)),
-                f"generated_tokens_{step}": out.shape[1] - idx.shape[1],
-                f"gathered_after_eval_{step}": live - persistent}
+        return {
+            f"same_tokens_{step}": bool(torch.equal(out, ref_out)),
+            f"generated_tokens_{step}": out.shape[1] - idx.shape[1],
+            f"gathered_after_eval_{step}": live - persistent,
+        }
 
-    return compare_training(stage, model_fn=tiny_gpt, kind="tokens", vocab=32, loss=token_xent,
-                            opt="AdamW", opt_params=GPT_ADAM, between=generate, steps=3)
+    return compare_training(
+        stage,
+        model_fn=tiny_gpt,
+        kind="tokens",
+        vocab=32,
+        loss=token_xent,
+        opt="AdamW",
+        opt_params=GPT_ADAM,
+        between=generate,
+        steps=3,
+    )
 
 
 class Wide(nn.Module):
@@ -510,9 +554,14 @@ def built_under_init(stage: int) -> dict:
         return {"skipped": True}
     # eps: see GPT_ADAM; some of Wide's weights also have gradients near 1e-8, where Adam turns
     # summation-order noise into visible update differences in any data-parallel implementation.
-    return compare_training(stage, model_fn=Wide, build_under_init=True, opt="AdamW",
-                            opt_params={"eps": 1e-4, "lr": 0.005}, zero={"stage3_param_persistence_threshold": 64,
-                                  "stage3_max_live_parameters": 2 * 4160 + 128})
+    return compare_training(
+        stage,
+        model_fn=Wide,
+        build_under_init=True,
+        opt="AdamW",
+        opt_params={"eps": 1e-4, "lr": 0.005},
+        zero={"stage3_param_persistence_threshold": 64, "stage3_max_live_parameters": 2 * 4160 + 128},
+    )
 
 
 # ---- mixed precision, loss scaling, schedules (issue 4) ----------------------------------------------
@@ -538,8 +587,9 @@ class MixedReference:
         for m, g in zip(self.masters, grads, strict=True):
             m.grad = None if g is None else g.float() / scale
         if clip > 0:
-            self.last_norm = torch.nn.utils.clip_grad_norm_([m for m in self.masters if m.grad is not None],
-                                                            clip).item()
+            self.last_norm = torch.nn.utils.clip_grad_norm_(
+                [m for m in self.masters if m.grad is not None], clip
+            ).item()
         self.opt.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.masters, strict=True):
@@ -562,17 +612,20 @@ def optimizer_state_by_name(engine: zerodp.Engine) -> dict[tuple[str, str], torc
     return out
 
 
-def compare_mixed(stage: int, dtype: torch.dtype, steps: int, config_extra: dict,
-                  inf_step: int | None = None) -> dict:
+def compare_mixed(stage: int, dtype: torch.dtype, steps: int, config_extra: dict, inf_step: int | None = None) -> dict:
     """Train Zoo in ``dtype`` with zerodp and with MixedReference on the same global batches.
     ``inf_step``: on that step the last rank's input holds an inf (its gradients overflow). Engine,
     batches and reference on the test device (ZERODP_TEST_DEVICE)."""
     r, n, dev = rank(), world(), rank_device()
     micro = 3
     opt_params = {"lr": 0.01, "weight_decay": 0.01}
-    config = {"train_micro_batch_size_per_gpu": micro, "optimizer": {"type": "AdamW", "params": opt_params},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 50, **STAGE3_DEFAULTS}, **engine_config(),
-              **config_extra}
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "optimizer": {"type": "AdamW", "params": opt_params},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 50, **STAGE3_DEFAULTS},
+        **engine_config(),
+        **config_extra,
+    }
     torch.manual_seed(7)
     base = Zoo().to(dev)
     ref = MixedReference(copy.deepcopy(base), dtype, torch.optim.AdamW, opt_params)
@@ -602,16 +655,19 @@ def compare_mixed(stage: int, dtype: torch.dtype, steps: int, config_extra: dict
         engine.step()
         if step == inf_step:
             with zerodp.zero.GatheredParameters(list(model.parameters())):
-                out["bit_identical_after_skip"] = all(torch.equal(a, b) for a, b in
-                                                      zip(before, model.parameters(), strict=True))
+                out["bit_identical_after_skip"] = all(
+                    torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
+                )
             after_state = optimizer_state_by_name(engine)
-            out["opt_state_identical"] = (sorted(before_state) == sorted(after_state)
-                                          and all(torch.equal(v, after_state[k]) for k, v in before_state.items()))
+            out["opt_state_identical"] = sorted(before_state) == sorted(after_state) and all(
+                torch.equal(v, after_state[k]) for k, v in before_state.items()
+            )
             # (parameter name, state key) pairs compared: every owned piece's exp_avg and exp_avg_sq
             out["opt_state_compared"] = len(before_state)
             # (Zoo's never_used never gets a gradient, so torch's Adam never creates its state)
-            out["opt_state_expected"] = 2 * sum(1 for g in engine.groups for pc in g.pieces
-                                                if pc.slot.name != "never_used")
+            out["opt_state_expected"] = 2 * sum(
+                1 for g in engine.groups for pc in g.pieces if pc.slot.name != "never_used"
+            )
             out["scale_before"], out["scale_after"] = scale_before, engine.loss_scale
             out["ref_skipped"] = not ref_ok
         elif torch.isfinite(ref_loss):
@@ -622,20 +678,29 @@ def compare_mixed(stage: int, dtype: torch.dtype, steps: int, config_extra: dict
         mine, want = dict(model.named_parameters()), dict(ref.model.named_parameters())
         if sorted(mine) != sorted(want):
             raise AssertionError(f"parameter names differ: {sorted(mine)} vs {sorted(want)}")
-        diffs = [((mine[k].float() - b.float()).abs() / (b.float().abs() + 1e-2)).max().item()
-                 for k, b in want.items()]
+        diffs = [((mine[k].float() - b.float()).abs() / (b.float().abs() + 1e-2)).max().item() for k, b in want.items()]
         out["param_rel_err"] = max(diffs)
         # norm-wise: ||zerodp - reference|| / ||reference|| per parameter tensor
-        out["param_norm_err"] = max(((mine[k].float() - b.float()).norm() / b.float().norm()).item()
-                                    for k, b in want.items())
-        out["moved"] = max((a.float() - b.float()).abs().max().item()
-                           for a, b in zip(model.parameters(), base.to(dtype).parameters(), strict=True))
-    out.update(loss_rel_err=max(loss_errs), skipped=engine.skipped_steps, steps=engine.global_steps,
-               master_bytes=engine.memory_report().measured["master_weights"],
-               grad_bytes=engine.memory_report().measured["gradients"],
-               grad_elements=(sum(b.shard_numel for g in engine.groups for b in g.buckets) if stage >= 2
-                              else sum(g.padded_numel for g in engine.groups)),
-               owned_elements=sum(p.tensor.numel() for g in engine.groups for p in g.pieces))
+        out["param_norm_err"] = max(
+            ((mine[k].float() - b.float()).norm() / b.float().norm()).item() for k, b in want.items()
+        )
+        out["moved"] = max(
+            (a.float() - b.float()).abs().max().item()
+            for a, b in zip(model.parameters(), base.to(dtype).parameters(), strict=True)
+        )
+    out.update(
+        loss_rel_err=max(loss_errs),
+        skipped=engine.skipped_steps,
+        steps=engine.global_steps,
+        master_bytes=engine.memory_report().measured["master_weights"],
+        grad_bytes=engine.memory_report().measured["gradients"],
+        grad_elements=(
+            sum(b.shard_numel for g in engine.groups for b in g.buckets)
+            if stage >= 2
+            else sum(g.padded_numel for g in engine.groups)
+        ),
+        owned_elements=sum(p.tensor.numel() for g in engine.groups for p in g.pieces),
+    )
     return out
 
 
@@ -646,9 +711,13 @@ def bf16_twenty_steps(stage: int) -> dict:
 
 @scenario
 def fp16_overflow_skips_everywhere(stage: int) -> dict:
-    return compare_mixed(stage, torch.float16, 6, {"fp16": {"enabled": True, "initial_scale_power": 8,
-                                                            "hysteresis": 1, "loss_scale_window": 100}},
-                         inf_step=2)
+    return compare_mixed(
+        stage,
+        torch.float16,
+        6,
+        {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 100}},
+        inf_step=2,
+    )
 
 
 @scenario
@@ -656,9 +725,16 @@ def warmup_decay_lr(stage: int) -> dict:
     """WarmupDecayLR from the config: lrs follow the formula, training equals a reference stepping
     torch's Adam with the same lrs."""
     W, T, lo_lr, hi_lr = 3, 8, 0.001, 0.03
-    sched = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": lo_lr, "warmup_max_lr": hi_lr,
-                                                  "warmup_num_steps": W, "total_num_steps": T,
-                                                  "warmup_type": "linear"}}
+    sched = {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": lo_lr,
+            "warmup_max_lr": hi_lr,
+            "warmup_num_steps": W,
+            "total_num_steps": T,
+            "warmup_type": "linear",
+        },
+    }
 
     def formula(t: int) -> float:  # written out independently of zerodp.runtime.schedulers
         gamma = t / W if t < W else max(0.0, (T - t) / (T - W))
@@ -670,8 +746,15 @@ def warmup_decay_lr(stage: int) -> dict:
         lrs.append(engine.get_lr())
 
     torch.manual_seed(1234)
-    out = compare_training(stage, opt="Adam", zero={"reduce_bucket_size": 40}, steps=T,
-                           scheduler_ref=formula, config_extra={"scheduler": sched}, between=record)
+    out = compare_training(
+        stage,
+        opt="Adam",
+        zero={"reduce_bucket_size": 40},
+        steps=T,
+        scheduler_ref=formula,
+        config_extra={"scheduler": sched},
+        between=record,
+    )
     # lrs[k] is the lr after k+1 steps, i.e. the one the (k+2)-th step uses
     out["lr_err"] = max(abs(lr - formula(k + 1)) for k, lrs_k in enumerate(lrs) for lr in lrs_k)
     return out
@@ -683,9 +766,13 @@ def reports(stage: int) -> dict:
     torch.manual_seed(0)
     model = Zoo()
     psi = sum(p.numel() for p in model.parameters())
-    engine = zerodp.initialize(model, {"zero_optimization": {"stage": stage, "reduce_bucket_size": 40,
-                                                             **STAGE3_DEFAULTS},
-                                       "optimizer": {"type": "Adam"}})
+    engine = zerodp.initialize(
+        model,
+        {
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 40, **STAGE3_DEFAULTS},
+            "optimizer": {"type": "Adam"},
+        },
+    )
     n = world()
     steps = 3
     engine.reset_comm_report()
@@ -699,23 +786,34 @@ def reports(stage: int) -> dict:
     owned = sum(b.shard_numel for g in engine.groups for b in g.buckets)
     n_pieces = sum(len(g.pieces) for g in engine.groups)
     return {
-        "numel": mem.numel, "psi": psi, "padded": padded, "owned": owned, "n_pieces": n_pieces,
-        "measured": mem.measured, "formula": mem.formula, "peak": mem.peak,
-        "elements_per_step": com.elements_per_step, "expected_per_step": com.expected_elements_per_step,
+        "numel": mem.numel,
+        "psi": psi,
+        "padded": padded,
+        "owned": owned,
+        "n_pieces": n_pieces,
+        "measured": mem.measured,
+        "formula": mem.formula,
+        "peak": mem.peak,
+        "elements_per_step": com.elements_per_step,
+        "expected_per_step": com.expected_elements_per_step,
         "ops": {f"{r.op}/{r.purpose}": [r.count, r.elements, r.bytes] for r in com.records},
-        "steps": com.steps, "n_buckets": sum(len(g.buckets) for g in engine.groups), "world": n,
+        "steps": com.steps,
+        "n_buckets": sum(len(g.buckets) for g in engine.groups),
+        "world": n,
         "n_states": len(engine.optimizer.state),
         "persistent": sum(u.numel for u in engine.sharding.units if u.persistent) if engine.sharding else 0,
         "shards": sum(u.shard.numel() for u in engine.sharding.units) if engine.sharding else 0,
         "peak_gathered": mem.peak.get("gathered_parameters", 0),
         "largest_unit": max((u.numel for u in engine.sharding.units), default=0) if engine.sharding else 0,
-        "optimizer_state_elements": sum(t.numel() for st in engine.optimizer.state.values()
-                                        for k, t in st.items() if k != "step"),
+        "optimizer_state_elements": sum(
+            t.numel() for st in engine.optimizer.state.values() for k, t in st.items() if k != "step"
+        ),
         # live storage, measured from the tensors themselves (distinct untyped storages)
         "live_param_bytes": _storage_bytes(model.parameters()),
         "live_grad_bytes": _storage_bytes(p.grad for p in model.parameters() if p.grad is not None),
-        "live_state_bytes": _storage_bytes(t for st in engine.optimizer.state.values() for t in st.values()
-                                           if isinstance(t, torch.Tensor)),
+        "live_state_bytes": _storage_bytes(
+            t for st in engine.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)
+        ),
         "n_params": len(list(model.parameters())),
         "no_state_elements": model.never_used.numel(),  # never gets a gradient: Adam creates no state
     }
@@ -742,7 +840,7 @@ def misuse(stage: int) -> dict:
     except ValueError as exc:
         out["rewrap"] = str(exc)
     x, y = make_batch(0, 2 * world(), "zoo")
-    loss = mse(engine(x[2 * rank(): 2 * rank() + 2]), y[2 * rank(): 2 * rank() + 2])
+    loss = mse(engine(x[2 * rank() : 2 * rank() + 2]), y[2 * rank() : 2 * rank() + 2])
     try:
         loss.backward()
         out["direct_backward"] = "accepted"

@@ -21,29 +21,51 @@ TIMEOUT_S = 600
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def run_worker(world_size: int, stages: str = "0,1,2,3", scenarios: str = "all",
-               worker: Path = WORKER, extra_args: Sequence[str] = ()) -> list[dict]:
+def run_worker(
+    world_size: int,
+    stages: str = "0,1,2,3",
+    scenarios: str = "all",
+    worker: Path = WORKER,
+    extra_args: Sequence[str] = (),
+) -> list[dict]:
     """Run the worker on ``world_size`` local gloo ranks; return one results dict per rank.
 
     ``extra_args`` are appended to the worker's command line (e.g. ``["--ckpt-dir", d]``).
     """
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={world_size}", str(worker), "--out", out,
-               "--stages", stages, "--scenarios", scenarios, *extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world_size}",
+            str(worker),
+            "--out",
+            out,
+            "--stages",
+            stages,
+            "--scenarios",
+            scenarios,
+            *extra_args,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
         files = [Path(out, f"rank{r}.json") for r in range(world_size)]
         if proc.returncode != 0:
             complete = all(f.exists() for f in files)
             if not (complete and TEARDOWN_ABORT in proc.stderr):
-                raise RuntimeError(f"worker failed (world {world_size}, rc {proc.returncode}):\n"
-                                   f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+                raise RuntimeError(
+                    f"worker failed (world {world_size}, rc {proc.returncode}):\n"
+                    f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+                )
             # Every rank finished every scenario and wrote its results; a rank then aborted while the
             # process group was torn down (seen rarely, only with more ranks than cores). The results
             # are asserted on as usual; the abort is reported, not hidden.
-            warnings.warn(f"world {world_size}: a rank aborted during process-group teardown after "
-                          f"writing its results ({TEARDOWN_ABORT!r})", stacklevel=2)
+            warnings.warn(
+                f"world {world_size}: a rank aborted during process-group teardown after "
+                f"writing its results ({TEARDOWN_ABORT!r})",
+                stacklevel=2,
+            )
         return [json.loads(f.read_text()) for f in files]
 
 
@@ -57,8 +79,13 @@ def run_offload_worker(world_size: int, stages: str, scenarios: str, worker: Pat
 
 def run_python(script: str, timeout_s: int = 120) -> subprocess.CompletedProcess:
     """Run ``script`` in a fresh interpreter (one thread), capturing its output."""
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def selected_runs(items: Sequence[Any], module: Any, scenario_of: dict[str, str]) -> dict[int, tuple[str, str]]:

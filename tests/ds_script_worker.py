@@ -46,15 +46,39 @@ def dataset() -> TensorDataset:
 def ds_config(stage: int) -> dict[str, Any]:
     """As the HF Trainer and DeepSpeed's docs write them: "auto" batch size, Adam in AdamW mode."""
     return {
-        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM,
-        "optimizer": {"type": "Adam", "params": {"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8,
-                                                 "weight_decay": 0.1, "adam_w_mode": True, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                     "warmup_num_steps": 3, "warmup_type": "linear"}},
-        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
-                              "stage3_param_persistence_threshold": 4,
-                              "stage3_gather_16bit_weights_on_model_save": True},
-        "steps_per_print": 2, "wall_clock_breakdown": True, "zero_allow_untested_optimizer": True,
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUM,
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": 0.01,
+                "betas": [0.9, 0.99],
+                "eps": 1e-8,
+                "weight_decay": 0.1,
+                "adam_w_mode": True,
+                "torch_adam": True,
+            },
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": 3,
+                "warmup_type": "linear",
+            },
+        },
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "stage3_param_persistence_threshold": 4,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        "steps_per_print": 2,
+        "wall_clock_breakdown": True,
+        "zero_allow_untested_optimizer": True,
     }
 
 
@@ -62,8 +86,14 @@ def ds_train(deepspeed: Any, stage: int, ckpt_dir: str, client_optimizer: bool) 
     """DeepSpeed-style training: zero.Init, initialize (4-tuple), the loop, checkpoints, 16-bit save."""
     config = ds_config(stage)
     torch.manual_seed(0)
-    with deepspeed.zero.Init(config_dict_or_path=config, enabled=stage == 3, remote_device=None,
-                             pin_memory=False, dtype=torch.float32, mem_efficient_linear=True):
+    with deepspeed.zero.Init(
+        config_dict_or_path=config,
+        enabled=stage == 3,
+        remote_device=None,
+        pin_memory=False,
+        dtype=torch.float32,
+        mem_efficient_linear=True,
+    ):
         model = Net()
     kwargs: dict[str, Any] = {}
     if client_optimizer:
@@ -72,14 +102,20 @@ def ds_train(deepspeed: Any, stage: int, ckpt_dir: str, client_optimizer: bool) 
         kwargs = {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))}
     args = argparse.Namespace(local_rank=int(os.environ.get("LOCAL_RANK", 0)), deepspeed_config=None)
     engine, optimizer, loader, scheduler = deepspeed.initialize(
-        args=args, model=model, model_parameters=model.parameters(), training_data=dataset(), config=config,
-        **kwargs)
+        args=args, model=model, model_parameters=model.parameters(), training_data=dataset(), config=config, **kwargs
+    )
     out: dict[str, Any] = {
-        "train_batch_size": engine.train_batch_size(), "micro": engine.train_micro_batch_size_per_gpu(),
-        "accum": engine.gradient_accumulation_steps(), "stage": engine.zero_optimization_stage(),
-        "bf16": engine.bfloat16_enabled(), "fp16": engine.fp16_enabled(), "local_rank": engine.local_rank,
-        "device": str(engine.device), "optimizer_is_engines": optimizer is engine.optimizer,
-        "scheduler_is_engines": scheduler is engine.lr_scheduler, "loader_batches": len(loader),
+        "train_batch_size": engine.train_batch_size(),
+        "micro": engine.train_micro_batch_size_per_gpu(),
+        "accum": engine.gradient_accumulation_steps(),
+        "stage": engine.zero_optimization_stage(),
+        "bf16": engine.bfloat16_enabled(),
+        "fp16": engine.fp16_enabled(),
+        "local_rank": engine.local_rank,
+        "device": str(engine.device),
+        "optimizer_is_engines": optimizer is engine.optimizer,
+        "scheduler_is_engines": scheduler is engine.lr_scheduler,
+        "loader_batches": len(loader),
         "ds_numel": [int(p.ds_numel) for p in model.parameters()] if stage == 3 else None,
     }
     engine.train()
@@ -92,16 +128,23 @@ def ds_train(deepspeed: Any, stage: int, ckpt_dir: str, client_optimizer: bool) 
         if (i + 1) % ACCUM == 0:
             applied.append(engine.was_step_applied())
         if engine.global_steps == 2 and (i + 1) % ACCUM == 0:
-            engine.save_checkpoint(ckpt_dir, tag=2, client_state={"rng": torch.get_rng_state(), "step": 2,
-                                                                   "pair": (1, 2)})
-    out.update(global_steps=engine.global_steps, global_samples=engine.global_samples, applied=applied,
-               lr=engine.get_lr(), mom=[list(m) if isinstance(m, tuple) else m for m in engine.get_mom()])
+            engine.save_checkpoint(
+                ckpt_dir, tag=2, client_state={"rng": torch.get_rng_state(), "step": 2, "pair": (1, 2)}
+            )
+    out.update(
+        global_steps=engine.global_steps,
+        global_samples=engine.global_samples,
+        applied=applied,
+        lr=engine.get_lr(),
+        mom=[list(m) if isinstance(m, tuple) else m for m in engine.get_mom()],
+    )
     final = {k: v.clone() for k, v in engine.state_dict().items()}
 
     # resume from step 2 and re-run the last two steps: bit-identical
     path, client = engine.load_checkpoint(ckpt_dir, tag=2)
-    out["client_state_ok"] = (isinstance(client["rng"], torch.Tensor) and client["pair"] == (1, 2)
-                              and os.path.basename(str(path)) == "2")
+    out["client_state_ok"] = (
+        isinstance(client["rng"], torch.Tensor) and client["pair"] == (1, 2) and os.path.basename(str(path)) == "2"
+    )
     out["steps_after_load"] = engine.global_steps
     loader.sampler.set_epoch(0)
     for i, (x, y) in enumerate(loader):
@@ -117,8 +160,9 @@ def ds_train(deepspeed: Any, stage: int, ckpt_dir: str, client_optimizer: bool) 
     steps_before = engine.global_steps
     engine.load_checkpoint(ckpt_dir, tag="2", load_module_only=True)
     out["module_only_keeps_steps"] = engine.global_steps == steps_before
-    out["module_only_keeps_optimizer"] = all(torch.equal(v, _opt_tensors(optimizer)[k])
-                                             for k, v in state_before.items())
+    out["module_only_keeps_optimizer"] = all(
+        torch.equal(v, _opt_tensors(optimizer)[k]) for k, v in state_before.items()
+    )
     engine.load_checkpoint(ckpt_dir, tag=2, load_optimizer_states=False, load_lr_scheduler_states=False)
     out["no_opt_keeps_optimizer"] = all(torch.equal(v, _opt_tensors(optimizer)[k]) for k, v in state_before.items())
     out["no_opt_loads_steps"] = engine.global_steps == 2
@@ -150,9 +194,16 @@ def reuse_run(deepspeed: Any, distance: int) -> dict[str, Any]:
     """Stage 3 with ``stage3_max_reuse_distance``: all-gathers after the first (recording) step."""
     torch.manual_seed(0)
     model = Shared()
-    config = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 4,
-                                    "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": distance}}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 4,
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_max_reuse_distance": distance,
+        },
+    }
     engine, _, loader, _ = deepspeed.initialize(model=model, training_data=dataset(), config=config)
     for i, (x, y) in enumerate(loader):
         if i == 1:
@@ -168,17 +219,25 @@ def reuse_run(deepspeed: Any, distance: int) -> dict[str, Any]:
     order = [list(DistributedSampler(data, num_replicas=world, rank=r)) for r in range(world)]
     for step in range(len(loader)):
         for r in range(world):
-            x, y = data[order[r][step * MICRO:(step + 1) * MICRO]]
+            x, y = data[order[r][step * MICRO : (step + 1) * MICRO]]
             (nn.functional.mse_loss(ref(x), y) / world).backward()
         opt.step()
         opt.zero_grad()
-    return {"gathers": gathers, "reuse_hits": engine.sharding.coordinator.reuse_hits,
-            "err": max(err(final[k], v) for k, v in ref.state_dict().items()), "compared": len(final)}
+    return {
+        "gathers": gathers,
+        "reuse_hits": engine.sharding.coordinator.reuse_hits,
+        "err": max(err(final[k], v) for k, v in ref.state_dict().items()),
+        "compared": len(final),
+    }
 
 
 def _opt_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    return {f"{i}.{k}": v for i, st in enumerate(opt.state.values()) for k, v in st.items()
-            if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return {
+        f"{i}.{k}": v
+        for i, st in enumerate(opt.state.values())
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    }
 
 
 def err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -203,7 +262,7 @@ def reference(world: int, client_optimizer: bool) -> dict[str, torch.Tensor]:
     for step in range(STEPS):
         for r in range(world):
             for m in range(ACCUM):
-                idx = order[r][(step * ACCUM + m) * MICRO:(step * ACCUM + m + 1) * MICRO]
+                idx = order[r][(step * ACCUM + m) * MICRO : (step * ACCUM + m + 1) * MICRO]
                 x, y = data[idx]
                 (nn.functional.mse_loss(model(x), y) / (world * ACCUM)).backward()
         opt.step()

@@ -69,8 +69,11 @@ def config(stage: int, precision: str, offload: str) -> dict:
     zero: dict = {"stage": stage, "reduce_bucket_size": 16, "stage3_param_persistence_threshold": 4}
     if offload != "none":
         zero["offload_optimizer"] = {"device": offload}
-    cfg: dict = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zero,
-                 "optimizer": {"type": "Adam", "params": {"lr": 0.05}}}
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "zero_optimization": zero,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.05}},
+    }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":
@@ -165,8 +168,12 @@ def main() -> None:
     for stage in [int(s) for s in args.stages.split(",")]:
         for precision in DTYPES:
             for offload in ("none",) if stage == 0 else ("none", "cpu"):
-                jobs.append((f"exclude/stage{stage}/{precision}/{offload}",
-                             lambda s=stage, p=precision, o=offload: exclude_job(s, p, o, args.ckpt)))
+                jobs.append(
+                    (
+                        f"exclude/stage{stage}/{precision}/{offload}",
+                        lambda s=stage, p=precision, o=offload: exclude_job(s, p, o, args.ckpt),
+                    )
+                )
     jobs.append(("refuse", lambda: refuse_trained_here(args.ckpt)))
     run_scenarios(args.out, jobs)
 

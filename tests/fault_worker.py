@@ -48,8 +48,9 @@ SCALE_ADAM = {"lr": 0.05, "eps": 1.0, "weight_decay": 0.01}
 @scenario
 def accum_scale_sensitive(stage: int) -> dict:
     """3 micro-steps per optimizer step; a gradient 3x too large moves parameters 3x too far."""
-    return compare_training(stage, opt="Adam", opt_params=SCALE_ADAM, accum=3, micro=2, steps=4,
-                            zero={"reduce_bucket_size": 45})
+    return compare_training(
+        stage, opt="Adam", opt_params=SCALE_ADAM, accum=3, micro=2, steps=4, zero={"reduce_bucket_size": 45}
+    )
 
 
 @scenario
@@ -62,8 +63,17 @@ def accum_clip_below_norm(stage: int) -> dict:
         norms.append(engine.get_global_grad_norm())
         return {"min_norm": min(norms)}
 
-    return compare_training(stage, opt="Adam", opt_params=SCALE_ADAM, accum=2, micro=2, clip=0.05,
-                            steps=4, zero={"reduce_bucket_size": 45}, between=record)
+    return compare_training(
+        stage,
+        opt="Adam",
+        opt_params=SCALE_ADAM,
+        accum=2,
+        micro=2,
+        clip=0.05,
+        steps=4,
+        zero={"reduce_bucket_size": 45},
+        between=record,
+    )
 
 
 @scenario
@@ -78,18 +88,27 @@ def rank_seeds_differ(stage: int) -> dict:
 
 
 # ---- mixed precision: accumulation, clipping, loss scaling --------------------------------------------
-def compare_mixed_scaled(stage: int, dtype: torch.dtype, *, accum: int = 1, clip: float = 0.0,
-                         steps: int = 6, loss_scale_power: int = 10) -> dict:
+def compare_mixed_scaled(
+    stage: int, dtype: torch.dtype, *, accum: int = 1, clip: float = 0.0, steps: int = 6, loss_scale_power: int = 10
+) -> dict:
     """Train Zoo in ``dtype`` with zerodp and with ``MixedReference`` (fp32 masters, clip) on the same
     global batches, with :data:`SCALE_ADAM`. fp16 uses a dynamic loss scale of 2**loss_scale_power that
     never overflows here. Returns the relative error of the fp32 masters' movement, by name."""
     r, n = rank(), world()
     micro = 2
-    precision = {"bf16": {"enabled": True}} if dtype == torch.bfloat16 else {
-        "fp16": {"enabled": True, "initial_scale_power": loss_scale_power, "loss_scale_window": 1000}}
-    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
-              "gradient_clipping": clip, "optimizer": {"type": "Adam", "params": SCALE_ADAM},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 50, **STAGE3_DEFAULTS}, **precision}
+    precision = (
+        {"bf16": {"enabled": True}}
+        if dtype == torch.bfloat16
+        else {"fp16": {"enabled": True, "initial_scale_power": loss_scale_power, "loss_scale_window": 1000}}
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "Adam", "params": SCALE_ADAM},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 50, **STAGE3_DEFAULTS},
+        **precision,
+    }
     torch.manual_seed(7)
     base = Zoo()
     ref = MixedReference(copy.deepcopy(base), dtype, *deepspeed_meaning("Adam", SCALE_ADAM))
@@ -97,7 +116,7 @@ def compare_mixed_scaled(stage: int, dtype: torch.dtype, *, accum: int = 1, clip
     initial = {k: m.detach().clone() for k, m in zip(names, ref.masters, strict=True)}
     model = copy.deepcopy(base)
     engine = zerodp.initialize(model, config)
-    scale = 2.0 ** loss_scale_power if dtype == torch.float16 else 1.0
+    scale = 2.0**loss_scale_power if dtype == torch.float16 else 1.0
     norm_errs, clipped = [], []
     for step in range(steps):
         x, y = make_batch(step, micro * n * accum, "zoo")
@@ -120,10 +139,15 @@ def compare_mixed_scaled(stage: int, dtype: torch.dtype, *, accum: int = 1, clip
         ref_move, my_move = w - initial[k], mine[k] - initial[k]
         denom = ref_move.norm().item()
         move_errs[k] = (my_move - ref_move).norm().item() / denom if denom > 0 else my_move.norm().item()
-    out = {"move_err": max(move_errs.values()), "compared": len(move_errs), "steps": engine.global_steps,
-           "skipped": engine.skipped_steps, "masters_dtype": sorted({str(mine[k].dtype) for k in want}),
-           "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-           "moved": max((want[k] - initial[k]).abs().max().item() for k in want)}
+    out = {
+        "move_err": max(move_errs.values()),
+        "compared": len(move_errs),
+        "steps": engine.global_steps,
+        "skipped": engine.skipped_steps,
+        "masters_dtype": sorted({str(mine[k].dtype) for k in want}),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "moved": max((want[k] - initial[k]).abs().max().item() for k in want),
+    }
     if clip > 0:
         out.update(norm_err=max(norm_errs), all_clipped=all(clipped))
     return out
@@ -173,8 +197,14 @@ def storage(stage: int) -> dict:
     model = Zoo()
     psi = sum(p.numel() for p in model.parameters())
     n_params = len(list(model.parameters()))
-    engine = zerodp.initialize(model, {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam"},
-                                       "zero_optimization": {"stage": stage, "reduce_bucket_size": 40}})
+    engine = zerodp.initialize(
+        model,
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "Adam"},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 40},
+        },
+    )
     params = list(model.parameters())
     out: dict = {"psi": psi, "n_params": n_params, "world": world()}
     storages = {_storage(p) for p in params}
@@ -193,8 +223,9 @@ def storage(stage: int) -> dict:
         x, y = make_batch(step, 2 * world(), "zoo")
         lo = rank() * 2
         engine.backward(mse(engine(x[lo : lo + 2]), y[lo : lo + 2]))
-        grads_after_backward.append([None if p.grad is None else "hidden" if is_hidden_gradient(p.grad)
-                                     else _storage(p.grad) for p in params])
+        grads_after_backward.append(
+            [None if p.grad is None else "hidden" if is_hidden_gradient(p.grad) else _storage(p.grad) for p in params]
+        )
         engine.step()
         out["grads_none_after_step"] += sum(p.grad is None for p in params)
     # stage 2: the bytes of each bucket's staging buffer (fp32), and how many buckets there are
@@ -204,8 +235,9 @@ def storage(stage: int) -> dict:
     out["hook_calls"] = len(grad_seen)
     out["grad_storages_in_hook"] = sorted({s for s in grad_seen if s is not None})
     out["grads_none_in_hook"] = sum(s is None for s in grad_seen)
-    out["grad_storages_after_backward"] = sorted({s for g in grads_after_backward for s in g
-                                                  if s is not None and s != "hidden"})
+    out["grad_storages_after_backward"] = sorted(
+        {s for g in grads_after_backward for s in g if s is not None and s != "hidden"}
+    )
     out["grads_none_after_backward"] = sum(s is None for g in grads_after_backward for s in g)
     out["grads_hidden_after_backward"] = sum(s == "hidden" for g in grads_after_backward for s in g)
     out["grad_param_overlap"] = any(s in storages for s in out["grad_storages_in_hook"])

@@ -33,9 +33,11 @@ SHORT_TIMEOUT_S = 3.0  # the timeout scenario's (a healthy run on a busy machine
 
 
 def config(stage: int, timeout_s: float = TIMEOUT_S) -> dict:
-    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-            "collective_guard": {"timeout_s": timeout_s}}
+    return {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "collective_guard": {"timeout_s": timeout_s},
+    }
 
 
 class Blocks(nn.Module):
@@ -69,8 +71,12 @@ def outcome(fn: Callable[[], Any]) -> dict:
         value = fn()
         return {"error": None, "value": value, "seconds": time.monotonic() - t0}
     except Exception as exc:  # recorded for the test to assert on
-        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - t0,
-                "traceback": traceback.format_exc()[-3000:]}
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "seconds": time.monotonic() - t0,
+            "traceback": traceback.format_exc()[-3000:],
+        }
 
 
 # ---- the mismatch group ------------------------------------------------------------------------------
@@ -82,6 +88,7 @@ def save_on_rank0_only(stage: int, ckpt: Path) -> Callable[[], Any]:
         if dist.get_rank() == 0:
             engine.save_checkpoint(ckpt / f"s{stage}")
         train_step(engine)  # rank 1 trains on (rank 0 would too, after saving)
+
     return run
 
 
@@ -93,6 +100,7 @@ def diverge(skip: set[int], repeat: set[int]) -> Callable[[], Any]:
         if dist.get_rank() == 1:
             model.skip, model.repeat = skip, repeat
         train_step(engine)
+
     return run
 
 
@@ -102,6 +110,7 @@ def diverge_traced(skip: set[int], repeat: set[int]) -> Callable[[], Any]:
     gets a process group of its own: a rank that detects the divergence only at its next tag check may
     have launched prefetch all-gathers that its peers never launch, which leaves the engine's group
     unusable (the job must restart after any guard error); the next scenarios use the default group."""
+
     def run() -> None:
         torch.manual_seed(0)
         model = Blocks()
@@ -111,6 +120,7 @@ def diverge_traced(skip: set[int], repeat: set[int]) -> Callable[[], Any]:
         if dist.get_rank() == 1:
             model.skip, model.repeat = skip, repeat
         train_step(engine)
+
     return run
 
 
@@ -125,6 +135,7 @@ def swap_blocks_traced() -> None:
         _, loss = engine(idx[:, :-1], idx[:, 1:])
         engine.backward(loss)
         engine.step()
+
     step()
     step()
     if dist.get_rank() == 1:
@@ -143,8 +154,9 @@ def forward_tag_counts() -> dict:
     for _ in range(3):
         a, t, w = guard.agreements, tags.tags_total, tags.sync_waits
         train_step(engine)
-        per_step.append({"agreements": guard.agreements - a, "tags": tags.tags_total - t,
-                         "tag_waits": tags.sync_waits - w})
+        per_step.append(
+            {"agreements": guard.agreements - a, "tags": tags.tags_total - t, "tag_waits": tags.sync_waits - w}
+        )
     return {"per_step": per_step}
 
 
@@ -169,6 +181,7 @@ def reference_tokens(prompt: torch.Tensor, n: int) -> list[int]:
 
 def generation(lengths: list[int], synced: bool) -> Callable[[], Any]:
     """Greedy generation at stage 3, ``lengths[rank]`` new tokens per rank (0: the rank only serves)."""
+
     def run() -> dict:
         rank = dist.get_rank()
         engine = zerodp.initialize(tiny_gpt(), config(3)).eval()
@@ -176,18 +189,21 @@ def generation(lengths: list[int], synced: bool) -> Callable[[], Any]:
         state = {"idx": prompt}
         n = lengths[rank]
         if synced:
+
             def step(i: int, active: bool) -> bool:
                 if active and n > 0:
                     state["idx"] = greedy(engine, state["idx"])
                 else:
                     greedy(engine, torch.zeros(1, 1, dtype=torch.long))  # serve the gathers
                 return state["idx"].shape[1] - prompt.shape[1] >= n
+
             zerodp.zero.synced_generate(engine, step, max_steps=max(lengths))
         else:
             for _ in range(n):
                 state["idx"] = greedy(engine, state["idx"])
             engine.module_state_dict()  # the next collective call of a rank that finished early
         return {"tokens": state["idx"][0].tolist(), "reference": reference_tokens(prompt, n)}
+
     return run
 
 

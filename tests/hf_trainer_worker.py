@@ -34,18 +34,35 @@ STEPS, SAVE_AT, MICRO, GAS, LR, WARMUP = 6, 3, 2, 2, 1e-2, 2
 #: HF docs' ZeRO-2 config (https://huggingface.co/docs/transformers/deepspeed), "auto" values kept,
 #: offload_optimizer dropped; DeepSpeed's AdamW and WarmupLR sections.
 ZERO2 = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "bf16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                              "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto"}},
-    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8,
-                          "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": "auto",
-                          "contiguous_gradients": True},
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+    },
+    "zero_optimization": {
+        "stage": 2,
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": "auto",
+        "contiguous_gradients": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
 }
 
 #: HF docs' ZeRO-3 config, "auto" values kept, offloads dropped; no optimizer/scheduler sections, so
@@ -53,12 +70,24 @@ ZERO2 = {
 ZERO3 = {
     "fp16": {"enabled": "auto"},
     "bf16": {"enabled": "auto"},
-    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
-                          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                          "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
-                          "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
 }
 
 
@@ -68,8 +97,14 @@ ZERO3_SMALL_PERSISTENCE = copy.deepcopy(ZERO3)
 ZERO3_SMALL_PERSISTENCE["zero_optimization"]["stage3_param_persistence_threshold"] = 100
 
 #: run name -> (DeepSpeed config or None for DDP, whether the optimizers are ZERO2's in torch)
-RUNS = {"zero2": (ZERO2, False), "ddp-warmup": (None, True), "zero3": (ZERO3, False),
-        "zero3-pretrained": (ZERO3_SMALL_PERSISTENCE, False), "ddp": (None, False), "zero2-cut": ("cut", False)}
+RUNS = {
+    "zero2": (ZERO2, False),
+    "ddp-warmup": (None, True),
+    "zero3": (ZERO3, False),
+    "zero3-pretrained": (ZERO3_SMALL_PERSISTENCE, False),
+    "ddp": (None, False),
+    "zero2-cut": ("cut", False),
+}
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -87,8 +122,18 @@ class Tokens(torch.utils.data.Dataset):
 
 def build_model() -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=VOCAB,
+            n_positions=32,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def training_args(out: str, ds_config: dict | None, weight_decay: float) -> TrainingArguments:
@@ -108,18 +153,33 @@ def training_args(out: str, ds_config: dict | None, weight_decay: float) -> Trai
         del os.environ["ACCELERATE_USE_DEEPSPEED"]
         extra["accelerator_config"] = {"use_configured_state": True}
     return TrainingArguments(
-        output_dir=out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=GAS, max_steps=STEPS,
-        learning_rate=LR, weight_decay=weight_decay, adam_epsilon=1e-3, max_grad_norm=0.5, warmup_steps=WARMUP,
-        lr_scheduler_type="linear", logging_steps=1, save_strategy="steps", save_steps=SAVE_AT, report_to=[],
-        seed=0, disable_tqdm=True, dataloader_num_workers=0, deepspeed=ds_config, **extra)
+        output_dir=out,
+        per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=GAS,
+        max_steps=STEPS,
+        learning_rate=LR,
+        weight_decay=weight_decay,
+        adam_epsilon=1e-3,
+        max_grad_norm=0.5,
+        warmup_steps=WARMUP,
+        lr_scheduler_type="linear",
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=SAVE_AT,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        deepspeed=ds_config,
+        **extra,
+    )
 
 
 def warmup_lr_optimizers(model: torch.nn.Module, weight_decay: float) -> tuple:
     """What ZERO2's optimizer/scheduler sections resolve to, in torch: AdamW over every parameter and
     DeepSpeed's WarmupLR (log warmup from 0 to LR over WARMUP steps, then LR)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-3, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda t: math.log(t + 1) / math.log(WARMUP) if t < WARMUP else 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: math.log(t + 1) / math.log(WARMUP) if t < WARMUP else 1.0)
     return opt, sched
 
 
@@ -164,8 +224,11 @@ def run(out: str, name: str, ds_config: dict | None, warmup_lr: bool) -> dict:
         trainer.train(resume_from_checkpoint=os.path.join(d, f"checkpoint-{SAVE_AT}") if key == "resumed" else None)
         res[key] = log.losses
         if key == "losses":
-            res.update(world=targs.world_size, wrapped=type(trainer.model_wrapped).__module__,
-                       ckpt_files=sorted(os.listdir(os.path.join(d, f"checkpoint-{SAVE_AT}"))))
+            res.update(
+                world=targs.world_size,
+                wrapped=type(trainer.model_wrapped).__module__,
+                ckpt_files=sorted(os.listdir(os.path.join(d, f"checkpoint-{SAVE_AT}"))),
+            )
         dist.barrier()
     return res
 
@@ -191,6 +254,7 @@ def main() -> None:
     ap.add_argument("--via-launcher", action="store_true")
     args = ap.parse_args()
     from zerodp.deepspeed.registration import is_installed
+
     if not is_installed():
         raise AssertionError("zerodp is not registered as deepspeed")
     dist.init_process_group("gloo")
@@ -201,8 +265,11 @@ def main() -> None:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", RuntimeWarning)
                 warnings.simplefilter("always", MicroStepOrderWarning)  # accelerate's protocol orders them right
-                res = cut_window(args.ckpt_dir) if cfg == "cut" else run(args.ckpt_dir, name, copy.deepcopy(cfg),
-                                                                               warmup_lr)
+                res = (
+                    cut_window(args.ckpt_dir)
+                    if cfg == "cut"
+                    else run(args.ckpt_dir, name, copy.deepcopy(cfg), warmup_lr)
+                )
             # zerodp's own warnings (e.g. a view of gathered stage-3 values outliving its release)
             res["zerodp_warnings"] = [str(w.message)[:300] for w in caught if "zerodp" in w.filename]
             results[name] = {"ok": True, **res}

@@ -25,10 +25,25 @@ ROWS, SEQ, VOCAB, STEPS = 2, 12, 64, 2
 
 def hf_config(kind: str) -> Any:
     if kind == "gpt2":
-        return GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
-                          embd_pdrop=0.0, attn_pdrop=0.0)
-    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                       num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=32)
+        return GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=VOCAB,
+            n_positions=32,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    return LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+    )
 
 
 def build(kind: str, seed: int = 0) -> torch.nn.Module:
@@ -44,9 +59,12 @@ def engine_config(stage: int, persistence_threshold: int | None = None) -> dict:
     zc: dict[str, Any] = {"stage": stage}
     if persistence_threshold is not None:  # 0: partition every parameter, however small
         zc["stage3_param_persistence_threshold"] = persistence_threshold
-    return {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": 0.5,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "eps": 1e-3}},
-            "zero_optimization": zc}
+    return {
+        "train_micro_batch_size_per_gpu": ROWS,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "eps": 1e-3}},
+        "zero_optimization": zc,
+    }
 
 
 def hf_weights(kind: str, ckpt_dir: Path) -> dict:
@@ -65,11 +83,15 @@ def hf_weights(kind: str, ckpt_dir: Path) -> dict:
     engine2 = zerodp.initialize(build(kind), engine_config(3))
     engine2.load_module_state_dict(weights)
     got2 = engine2.module_state_dict()
-    return {"ok_keys": sorted(got) == sorted(want) == sorted(got2), "compared": len(want),
-            "state_dict_equal": all(torch.equal(got[k], want[k]) for k in want),
-            "shards_equal": all(torch.equal(got2[k], want[k]) for k in want),
-            "shards": len(list(d.glob("*.safetensors"))), "index": (d / "model.safetensors.index.json").is_file(),
-            "saved_names": len(weights)}
+    return {
+        "ok_keys": sorted(got) == sorted(want) == sorted(got2),
+        "compared": len(want),
+        "state_dict_equal": all(torch.equal(got[k], want[k]) for k in want),
+        "shards_equal": all(torch.equal(got2[k], want[k]) for k in want),
+        "shards": len(list(d.glob("*.safetensors"))),
+        "index": (d / "model.safetensors.index.json").is_file(),
+        "saved_names": len(weights),
+    }
 
 
 def run(stage: int, kind: str, ckpt_dir: Path, init: bool = False) -> dict:
@@ -103,17 +125,25 @@ def run(stage: int, kind: str, ckpt_dir: Path, init: bool = False) -> dict:
         out = consolidate(d, d / "model.safetensors")
         fresh = AutoModelForCausalLM.from_config(hf_config(kind)).float()
         missing = fresh.load_state_dict(load_file(str(out)), strict=True)
-        strict_load_equal = (not missing.missing_keys and not missing.unexpected_keys and
-                             all(torch.equal(fresh.state_dict()[k], got[k]) for k in want))
+        strict_load_equal = (
+            not missing.missing_keys
+            and not missing.unexpected_keys
+            and all(torch.equal(fresh.state_dict()[k], got[k]) for k in want)
+        )
     prompt = batch(99, 1)[:, :4]
     engine.module.eval()
     ref.eval()
     with torch.no_grad():
         gen = engine.module.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
         ref_gen = ref.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    return {"max_err": max_err, "compared": len(want), "strict_load_equal": strict_load_equal,
-            "partitioned_before_initialize": partitioned,
-            "generated": gen.tolist(), "ref_generated": ref_gen.tolist()}
+    return {
+        "max_err": max_err,
+        "compared": len(want),
+        "strict_load_equal": strict_load_equal,
+        "partitioned_before_initialize": partitioned,
+        "generated": gen.tolist(),
+        "ref_generated": ref_gen.tolist(),
+    }
 
 
 def main() -> None:
@@ -124,8 +154,11 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", required=True)
     args = ap.parse_args()
     zerodp.init_distributed(timeout_s=120)
-    jobs = [(f"{kind}@{stage}", lambda k=kind, s=stage: run(s, k, Path(args.ckpt_dir)))
-            for stage in (int(s) for s in args.stages.split(",")) for kind in args.scenarios.split(",")]
+    jobs = [
+        (f"{kind}@{stage}", lambda k=kind, s=stage: run(s, k, Path(args.ckpt_dir)))
+        for stage in (int(s) for s in args.stages.split(","))
+        for kind in args.scenarios.split(",")
+    ]
     for kind in args.scenarios.split(","):
         jobs.append((f"{kind}-init@3", lambda k=kind: run(3, k, Path(args.ckpt_dir) / "init", init=True)))
         jobs.append((f"{kind}-weights@3", lambda k=kind: hf_weights(k, Path(args.ckpt_dir))))

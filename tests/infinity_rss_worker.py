@@ -33,15 +33,27 @@ def read_status(key: str) -> int:
 def config(nvme: str) -> dict:
     layer = WIDTH * WIDTH + WIDTH
     return {
-        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {
-            "stage": 3, "sub_group_size": 1 << 18, "reduce_bucket_size": layer,
-            "stage3_max_live_parameters": 2 * layer, "stage3_prefetch_bucket_size": layer,
+            "stage": 3,
+            "sub_group_size": 1 << 18,
+            "reduce_bucket_size": layer,
+            "stage3_max_live_parameters": 2 * layer,
+            "stage3_prefetch_bucket_size": layer,
             "stage3_param_persistence_threshold": 0,
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4},
-            "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4,
-                              "buffer_size": 1 << 22, "max_in_cpu": 1 << 23}}}
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": nvme,
+                "buffer_count": 4,
+                "buffer_size": 1 << 22,
+                "max_in_cpu": 1 << 23,
+            },
+        },
+    }
 
 
 def main() -> None:
@@ -82,8 +94,17 @@ def main() -> None:
     spilled = getattr(engine.reducer, "spill", None) is not None
     engine.close()
     with open(args.out, "w", encoding="ascii") as f:
-        json.dump({"numel": numel, "peak": peak, "losses": losses, "spilled": spilled, "phases": phases,
-                   "phase_peaks": phase_peaks}, f)
+        json.dump(
+            {
+                "numel": numel,
+                "peak": peak,
+                "losses": losses,
+                "spilled": spilled,
+                "phases": phases,
+                "phase_peaks": phase_peaks,
+            },
+            f,
+        )
     zerodp.shutdown_distributed()
 
 

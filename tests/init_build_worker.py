@@ -119,15 +119,27 @@ def late_param() -> nn.Module:
     return m
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"hf": HFStyle, "nano": NanoStyle, "sequential": sequential,
-                                              "free_linear": free_linear, "late_param": late_param}
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "hf": HFStyle,
+    "nano": NanoStyle,
+    "sequential": sequential,
+    "free_linear": free_linear,
+    "late_param": late_param,
+}
 
 
 def config(bf16: bool, max_live: int = 1000) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "bf16": {"enabled": bf16},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 16,
-                                  "stage3_max_live_parameters": max_live}}  # small: Init flushes as it goes
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 16,
+            "stage3_max_live_parameters": max_live,
+        },
+    }  # small: Init flushes as it goes
 
 
 def weights_case(model: str, bf16: bool) -> dict:
@@ -146,17 +158,24 @@ def weights_case(model: str, bf16: bool) -> dict:
     adopted = sum(any(u is v for v in init.units) for u in engine.sharding.units)  # not re-laid out
     got = engine.module_state_dict()
     std = {k: v.float().std().item() for k, v in expected.items() if k.endswith("weight") and v.dim() == 2}
-    return {"keys": sorted(expected), "identical": sorted(k for k in expected if torch.equal(got[k], expected[k])),
-            "dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
-            "weight_std_max": max(std.values()), "touch_gathers": init._touch_gathers,
-            "big": len(big), "partitioned": partitioned, "init_units": units, "adopted": adopted,
-            "held_after_init": held,
-            "full_elements": sum(v.numel() for v in expected.values())}
+    return {
+        "keys": sorted(expected),
+        "identical": sorted(k for k in expected if torch.equal(got[k], expected[k])),
+        "dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
+        "weight_std_max": max(std.values()),
+        "touch_gathers": init._touch_gathers,
+        "big": len(big),
+        "partitioned": partitioned,
+        "init_units": units,
+        "adopted": adopted,
+        "held_after_init": held,
+        "full_elements": sum(v.numel() for v in expected.values()),
+    }
 
 
 for _m in MODELS:
     for _prec in ("fp32", "bf16"):
-        SCENARIOS[f"weights_{_m}_{_prec}"] = (lambda m=_m, b=_prec == "bf16": weights_case(m, b))
+        SCENARIOS[f"weights_{_m}_{_prec}"] = lambda m=_m, b=_prec == "bf16": weights_case(m, b)
 
 #: build_peak's model: 8 x Linear(H, H) + Linear(H, 1), each weight 1 MiB in fp32
 H, LAYERS = 512, 8
@@ -174,10 +193,16 @@ def build_peak() -> dict:
         with HeapPeak() as init_probe:
             model = layers()
     shards = {u.shard.untyped_storage().data_ptr(): u.shard.untyped_storage().nbytes() for u in init.units}
-    return {"init_peak": init_probe.peak, "plain_peak": plain_probe.peak, "samples": init_probe.samples,
-            "largest_layer_bytes": (H * H + H) * 4, "window_bytes": H * H * 4, "shard_bytes": sum(shards.values()),
-            "model_bytes": sum(p.numel() * 4 for p in model.parameters()),
-            "held_after_init": held_elements(model.parameters())}
+    return {
+        "init_peak": init_probe.peak,
+        "plain_peak": plain_probe.peak,
+        "samples": init_probe.samples,
+        "largest_layer_bytes": (H * H + H) * 4,
+        "window_bytes": H * H * 4,
+        "shard_bytes": sum(shards.values()),
+        "model_bytes": sum(p.numel() * 4 for p in model.parameters()),
+        "held_after_init": held_elements(model.parameters()),
+    }
 
 
 SCENARIOS["build_peak"] = build_peak

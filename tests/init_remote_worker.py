@@ -53,8 +53,11 @@ def config(offload: str, extra: dict | None = None) -> dict:
         zc["offload_param"] = {"device": offload, "nvme_path": NVME, "buffer_count": 2, "buffer_size": 1 << 20}
     else:
         zc["offload_param"] = {"device": "none", "nvme_path": NVME}
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-           "zero_optimization": zc}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": zc,
+    }
     cfg.update(extra or {})
     return cfg
 
@@ -77,8 +80,13 @@ def rss() -> dict:
     plain = model_fn()
     plain_growth = _status("VmHWM") - before
     del plain
-    return {"model_bytes": model_bytes, "init_growth": init_growth, "plain_growth": plain_growth,
-            "in_file": in_file, "live": live}
+    return {
+        "model_bytes": model_bytes,
+        "init_growth": init_growth,
+        "plain_growth": plain_growth,
+        "in_file": in_file,
+        "live": live,
+    }
 
 
 def _train(engine, width: int) -> list[float]:
@@ -87,7 +95,7 @@ def _train(engine, width: int) -> list[float]:
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 + step)
         x = torch.randn(MICRO * n, width, generator=g)
-        loss = engine(x[r * MICRO:(r + 1) * MICRO]).square().mean()
+        loss = engine(x[r * MICRO : (r + 1) * MICRO]).square().mean()
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -114,12 +122,18 @@ def train() -> dict:
         return losses, state, where
 
     ref_losses, ref_state, _ = run(config("none"), None)
-    for name, cfg, remote in [("nvme", config("nvme"), "nvme"), ("nvme->none", config("none"), "nvme"),
-                              ("cpu", config("cpu"), "cpu")]:
+    for name, cfg, remote in [
+        ("nvme", config("nvme"), "nvme"),
+        ("nvme->none", config("none"), "nvme"),
+        ("cpu", config("cpu"), "cpu"),
+    ]:
         losses, state, where = run(cfg, remote)
-        out[name] = {"losses": losses == ref_losses, "where": where,
-                     "weights": sorted(state) == sorted(ref_state)
-                     and all(torch.equal(state[k], ref_state[k]) for k in ref_state)}
+        out[name] = {
+            "losses": losses == ref_losses,
+            "where": where,
+            "weights": sorted(state) == sorted(ref_state)
+            and all(torch.equal(state[k], ref_state[k]) for k in ref_state),
+        }
     out["reference_losses"] = ref_losses
     return out
 

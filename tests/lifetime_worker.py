@@ -21,9 +21,13 @@ refs = []
 for stage in (0, 2, 3):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
-    engine = zerodp.initialize(model, {"optimizer": {"type": "AdamW"},
-                                       "zero_optimization": {"stage": stage,
-                                                             "stage3_param_persistence_threshold": 10}})
+    engine = zerodp.initialize(
+        model,
+        {
+            "optimizer": {"type": "AdamW"},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10},
+        },
+    )
     loss = engine(torch.ones(2, 32)).square().mean()
     engine.backward(loss)
     engine.step()

@@ -45,8 +45,11 @@ def config(stage: int, dtype: str, offload: str, nvme: str) -> dict:
         zc["offload_param"] = {"device": "nvme", "nvme_path": nvme}
     if offload == "cpu":
         zc["offload_optimizer"] = {"device": "cpu"}
-    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": zc}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": zc,
+    }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -67,8 +70,12 @@ def measure(stage: int, dtype: str, offload: str, nvme: str) -> dict:
     off = engine.offload_report()
     swapper = getattr(engine.param_offload, "swapper", None)  # nvme: the parameter swapper
     param_host = swapper.host_bytes() if swapper is not None else None
-    out = {"growth": after - before, "numel": numel, "offloaded": off is not None,
-           "figure": host_total(engine.memory_report(), off, param_host)}
+    out = {
+        "growth": after - before,
+        "numel": numel,
+        "offloaded": off is not None,
+        "figure": host_total(engine.memory_report(), off, param_host),
+    }
     if off is not None:
         out["swap_buffers"] = off.host["swap_buffers"]
     engine.close()

@@ -51,19 +51,25 @@ def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     n = ROWS // dist.get_world_size()
-    return t[dist.get_rank() * n: (dist.get_rank() + 1) * n]
+    return t[dist.get_rank() * n : (dist.get_rank() + 1) * n]
 
 
 def config(stage: int, scenario: str, device: str, nvme: str) -> dict:
-    cfg: dict = {"train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(),
-                 "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
-                 "zero_optimization": {"stage": stage, "reduce_bucket_size": 40,
-                                       "stage3_param_persistence_threshold": 4}, **engine_config()}
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(),
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 4},
+        **engine_config(),
+    }
     if device != "none":
         # cpu_adam "same": the non-offloaded engine's Adam kernel, so "equal" below means bitwise
         # (the default fused kernel is compared within 1e-6 relative in tests/test_cpu_adam.py)
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": device, "nvme_path": nvme, "buffer_count": 3,
-                                                         "cpu_adam": "same"}
+        cfg["zero_optimization"]["offload_optimizer"] = {
+            "device": device,
+            "nvme_path": nvme,
+            "buffer_count": 3,
+            "cpu_adam": "same",
+        }
         cfg["zero_optimization"]["sub_group_size"] = 60  # several sub-groups per rank
         cfg["aio"] = {"block_size": 4096, "queue_depth": 2, "thread_count": 2}
     if scenario in ("bf16", "bf16_accum", "edit_bf16"):
@@ -183,21 +189,27 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
         runs[device] = params(engine)
         if device != "none":
             rep = engine.offload_report()
-            reports[device] = {"host": rep.host, "nvme": rep.nvme, "formula": rep.formula,
-                               "memory": engine.memory_report().measured,
-                               "skipped": engine.skipped_steps, "norm": engine.get_global_grad_norm(),
-                               "max_grad_buffer": max(t.numel() for t in engine.optimizer_offload.grad_buffers),
-                               "owned": sum(p.hi - p.lo for g in engine.groups for p in g.pieces)}
+            reports[device] = {
+                "host": rep.host,
+                "nvme": rep.nvme,
+                "formula": rep.formula,
+                "memory": engine.memory_report().measured,
+                "skipped": engine.skipped_steps,
+                "norm": engine.get_global_grad_norm(),
+                "max_grad_buffer": max(t.numel() for t in engine.optimizer_offload.grad_buffers),
+                "owned": sum(p.hi - p.lo for g in engine.groups for p in g.pieces),
+            }
             if device == "nvme":
                 stats = engine.optimizer_offload.stats
                 reports[device]["swap"] = [stats.bytes_read, stats.bytes_written]
                 reports[device]["subgroups"] = len(engine.optimizer_offload.subgroups)
         engine.close()
-    out = {"steps": STEPS, "equal": {d: _equal(runs["none"], runs[d]) for d in ("cpu", "nvme")},
-           "reports": reports}
+    out = {"steps": STEPS, "equal": {d: _equal(runs["none"], runs[d]) for d in ("cpu", "nvme")}, "reports": reports}
     if frozen:  # right after the step without gradient: the edited masters, as without offload
-        out["frozen"] = {what: {d: _equal(frozen["none"][what], frozen[d][what]) for d in ("cpu", "nvme")}
-                         for what in ("after", "accessor", "loaded")}
+        out["frozen"] = {
+            what: {d: _equal(frozen["none"][what], frozen[d][what]) for d in ("cpu", "nvme")}
+            for what in ("after", "accessor", "loaded")
+        }
     if scenario in ("fp32", "edit", "edit_frozen"):
         ref = reference(scenario, stage)
         out["ref_maxdiff"] = max((runs["none"][k].to(ref[k].device) - ref[k]).abs().max().item() for k in ref)
@@ -227,9 +239,11 @@ def deleted_swap_file(nvme: str) -> dict:
         out["raised_on"].append(True)
         out["message"] = str(exc)
     engine.reducer.zero_grads()
-    out["unchanged"] = all(torch.equal(before[k], p.to(before[k].device)) for k, p in
-                           {n: t for n, t in engine.module.state_dict().items()}.items()
-                           if engine.stage < 3)
+    out["unchanged"] = all(
+        torch.equal(before[k], p.to(before[k].device))
+        for k, p in {n: t for n, t in engine.module.state_dict().items()}.items()
+        if engine.stage < 3
+    )
     engine.close()
     return out
 

@@ -36,8 +36,14 @@ def place(device: str) -> dict | None:
         return None
     if device == "cpu":
         return {"device": "cpu"}
-    return {"device": "nvme", "nvme_path": NVME, "buffer_count": 2, "buffer_size": 4096,
-            "max_in_cpu": 6 * 4096, "prefetch_depth": 3}
+    return {
+        "device": "nvme",
+        "nvme_path": NVME,
+        "buffer_count": 2,
+        "buffer_size": 4096,
+        "max_in_cpu": 6 * 4096,
+        "prefetch_depth": 3,
+    }
 
 
 def config(device: str, optimizer_device: str = "none", **zero: Any) -> dict:
@@ -46,21 +52,29 @@ def config(device: str, optimizer_device: str = "none", **zero: Any) -> dict:
         zc["offload_param"] = place(device)
     if optimizer_device != "none":
         # cpu_adam "same": the non-offloaded engine's Adam kernel, so the comparisons stay bitwise
-        zc["offload_optimizer"] = {"device": optimizer_device, "nvme_path": NVME, "buffer_count": 3,
-                                   "cpu_adam": "same"}
+        zc["offload_optimizer"] = {"device": optimizer_device, "nvme_path": NVME, "buffer_count": 3, "cpu_adam": "same"}
         zc["sub_group_size"] = 60
-    return {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zc,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.1}},
-            "aio": {"block_size": 4096, "queue_depth": 2, "thread_count": 2}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "zero_optimization": zc,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.1}},
+        "aio": {"block_size": 4096, "queue_depth": 2, "thread_count": 2},
+    }
 
 
 class Spec:
     """A stage-3 scenario: model, batches, forward and what to do before training."""
 
-    def __init__(self, model_fn: Callable[[], nn.Module], kind: str = "zoo", vocab: int = 11,
-                 forward: Callable[[Any, torch.Tensor, int], Any] = lambda m, x, step: m(x),
-                 loss: Callable = mse, prepare: Callable[[nn.Module], None] | None = None,
-                 between: Callable[[int, nn.Module], dict] | None = None) -> None:
+    def __init__(
+        self,
+        model_fn: Callable[[], nn.Module],
+        kind: str = "zoo",
+        vocab: int = 11,
+        forward: Callable[[Any, torch.Tensor, int], Any] = lambda m, x, step: m(x),
+        loss: Callable = mse,
+        prepare: Callable[[nn.Module], None] | None = None,
+        between: Callable[[int, nn.Module], dict] | None = None,
+    ) -> None:
         self.model_fn, self.kind, self.vocab = model_fn, kind, vocab
         self.forward, self.loss, self.prepare, self.between = forward, loss, prepare, between
 
@@ -105,7 +119,7 @@ def train(engine: Any, spec: Spec, steps: range, seen: dict | None = None) -> li
     losses = []
     for step in steps:
         x, y = make_batch(step, MICRO * n, spec.kind, spec.vocab)
-        loss = spec.loss(spec.forward(engine, x[r * MICRO:(r + 1) * MICRO], step), y[r * MICRO:(r + 1) * MICRO])
+        loss = spec.loss(spec.forward(engine, x[r * MICRO : (r + 1) * MICRO], step), y[r * MICRO : (r + 1) * MICRO])
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -132,10 +146,15 @@ def swap_facts(engine: Any) -> dict:
     if po is None or po.swapper is None:
         return {}
     sw = po.swapper
-    return {"shards": len(sw.shards), "live_shard_bytes": sum(s.storage_bytes() for s in sw.shards),
-            "chunk_reads": sw.counters.chunk_reads, "chunk_writes": sw.counters.chunk_writes,
-            "reads_ahead": sw.counters.reads_ahead, "pool": len(sw.pool),
-            "multi_chunk": any(s.nbytes > sw.chunk for s in sw.shards)}
+    return {
+        "shards": len(sw.shards),
+        "live_shard_bytes": sum(s.storage_bytes() for s in sw.shards),
+        "chunk_reads": sw.counters.chunk_reads,
+        "chunk_writes": sw.counters.chunk_writes,
+        "reads_ahead": sw.counters.reads_ahead,
+        "pool": len(sw.pool),
+        "multi_chunk": any(s.nbytes > sw.chunk for s in sw.shards),
+    }
 
 
 def same(a: dict, b: dict) -> bool:
@@ -155,8 +174,12 @@ def equality(name: str, under_init: bool = False) -> dict:
         runs[device] = (losses, {**engine.module_state_dict(), **seen})
         engine.close()
     base = runs["none"]
-    return {"equal": {d: runs[d][0] == base[0] and same(runs[d][1], base[1]) for d in ("cpu", "nvme")},
-            "compared": len(base[1]), "nvme": facts["nvme"], "steps": STEPS}
+    return {
+        "equal": {d: runs[d][0] == base[0] and same(runs[d][1], base[1]) for d in ("cpu", "nvme")},
+        "compared": len(base[1]),
+        "nvme": facts["nvme"],
+        "steps": STEPS,
+    }
 
 
 def optimizer_combos() -> dict:
@@ -193,8 +216,13 @@ def mixed_nvme_step() -> dict:
             cfg = config(dev, dev)
             if mode == "overlap":
                 cfg["zero_optimization"]["offload_optimizer"]["overlap_step"] = True
-            cfg.update({prec: {"enabled": True, **({"initial_scale_power": 8} if prec == "fp16" else {})},
-                        "gradient_accumulation_steps": 2, "gradient_clipping": 0.05})
+            cfg.update(
+                {
+                    prec: {"enabled": True, **({"initial_scale_power": 8} if prec == "fp16" else {})},
+                    "gradient_accumulation_steps": 2,
+                    "gradient_clipping": 0.05,
+                }
+            )
             if dev == "nvme":
                 cfg["zero_optimization"]["sub_group_size"] = 1000  # rank 1: a unit spans two sub-groups
                 cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 4096
@@ -204,7 +232,9 @@ def mixed_nvme_step() -> dict:
                 off, sw = engine.optimizer_offload, engine.param_offload.swapper
                 real = off._update
                 off._update = lambda sg, buf, opt, peaks=peaks, sw=sw, real=real: (
-                    peaks.append(sum(s.storage_bytes() for s in sw.shards)), real(sg, buf, opt))[1]
+                    peaks.append(sum(s.storage_bytes() for s in sw.shards)),
+                    real(sg, buf, opt),
+                )[1]
             losses, norms = [], []
             for step in range(3):
                 for micro in range(2):
@@ -222,20 +252,29 @@ def mixed_nvme_step() -> dict:
                 home = {id(u.group): u.home.nbytes for u in engine.param_offload.units}
                 need = [{id(off._group_of[i]) for i in sg.pieces} for sg in off.subgroups]
                 pairs = [need[k] | (need[k + 1] if k + 1 < len(need) else set()) for k in range(len(need))]
-                facts = {"peaks": peaks, "total": sum(home.values()), "subgroups": len(need),
-                         "bound": max(sum(home.get(gid, 0) for gid in p) for p in pairs) + 4096,
-                         "spans": any(len(a & b) for a, b in zip(need, need[1:], strict=False)),
-                         "grad_buffer_max": max(t.numel() for t in off.grad_buffers),
-                         "grad_host": off.host_bytes(engine.optimizer)["gradients"],
-                         # the gradient swap file's read buffers (zerodp.offload.grad_swap), page-sized here
-                         "grad_reads": off.spill.host_bytes() if off.spill is not None else 0,
-                         "reducer_grads": engine.memory_report().measured["gradients"],
-                         "owned": sum(p.hi - p.lo for gr in engine.groups for p in gr.pieces),
-                         "live_after": sum(s.storage_bytes() for s in sw.shards), "norms": norms,
-                         "skipped": engine.skipped_steps}
+                facts = {
+                    "peaks": peaks,
+                    "total": sum(home.values()),
+                    "subgroups": len(need),
+                    "bound": max(sum(home.get(gid, 0) for gid in p) for p in pairs) + 4096,
+                    "spans": any(len(a & b) for a, b in zip(need, need[1:], strict=False)),
+                    "grad_buffer_max": max(t.numel() for t in off.grad_buffers),
+                    "grad_host": off.host_bytes(engine.optimizer)["gradients"],
+                    # the gradient swap file's read buffers (zerodp.offload.grad_swap), page-sized here
+                    "grad_reads": off.spill.host_bytes() if off.spill is not None else 0,
+                    "reducer_grads": engine.memory_report().measured["gradients"],
+                    "owned": sum(p.hi - p.lo for gr in engine.groups for p in gr.pieces),
+                    "live_after": sum(s.storage_bytes() for s in sw.shards),
+                    "norms": norms,
+                    "skipped": engine.skipped_steps,
+                }
             engine.close()
-        out[prec] = {"equal": all(runs[m][0] == runs["none"][0] and same(runs[m][1], runs["none"][1])
-                                  for m in ("nvme", "overlap")), **facts}
+        out[prec] = {
+            "equal": all(
+                runs[m][0] == runs["none"][0] and same(runs[m][1], runs["none"][1]) for m in ("nvme", "overlap")
+            ),
+            **facts,
+        }
     return out
 
 
@@ -259,9 +298,12 @@ def checkpoints() -> dict:
     c.load_checkpoint(d, tag="b")
     back = same(b.module_state_dict(), c.module_state_dict())
     lb2, lc = train(b, spec, range(4, 6)), train(c, spec, range(4, 6))
-    out = {"nvme->none": to_plain and la == lb, "none->nvme": back and lb2 == lc,
-           "continued": same(b.module_state_dict(), c.module_state_dict()),
-           "live_shard_bytes": swap_facts(c)["live_shard_bytes"]}
+    out = {
+        "nvme->none": to_plain and la == lb,
+        "none->nvme": back and lb2 == lc,
+        "continued": same(b.module_state_dict(), c.module_state_dict()),
+        "live_shard_bytes": swap_facts(c)["live_shard_bytes"],
+    }
     for e in (a, b, c):
         e.close()
     return out
@@ -339,22 +381,27 @@ def overlap_step() -> dict:
         dev = "none" if mode == "none" else "nvme"
         cfg = config(dev, dev, stage3_param_persistence_threshold=64)  # the biases stay gathered
         cfg["gradient_clipping"] = 0.05
-        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
-                                                           "warmup_num_steps": 5, "warmup_type": "linear"}}
+        cfg["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02, "warmup_num_steps": 5, "warmup_type": "linear"},
+        }
         if dev == "nvme":
             cfg["zero_optimization"]["offload_optimizer"]["overlap_step"] = mode == "overlap"
         engine = zerodp.initialize(model, cfg)
         losses, seen = [], []
         for step in range(4):
             g = torch.Generator().manual_seed(step)
-            x = torch.randn(MICRO * n, 32, generator=g)[r * MICRO:(r + 1) * MICRO]
+            x = torch.randn(MICRO * n, 32, generator=g)[r * MICRO : (r + 1) * MICRO]
             loss = engine(x).square().mean()
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
             off = engine.optimizer_offload
-            left = ((off.pending is not None, off.stats.updated_in_step, off.stats.subgroups)
-                    if off.device != "none" else None)
+            left = (
+                (off.pending is not None, off.stats.updated_in_step, off.stats.subgroups)
+                if off.device != "none"
+                else None
+            )
             if step == 1:
                 with zerodp.zero.GatheredParameters([model.layers[3].weight]):
                     seen.append(model.layers[3].weight.detach().clone())
@@ -367,12 +414,19 @@ def overlap_step() -> dict:
         engine.close()
 
     def eq(a: tuple, b: tuple) -> bool:
-        return (a[0] == b[0] and len(a[1]) == len(b[1])
-                and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
-                and same(a[2], b[2]) and a[3] == b[3])
+        return (
+            a[0] == b[0]
+            and len(a[1]) == len(b[1])
+            and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+            and same(a[2], b[2])
+            and a[3] == b[3]
+        )
 
-    return {"equal": {"nvme": eq(runs["nvme"], runs["none"]), "overlap": eq(runs["overlap"], runs["none"])},
-            "deferred": deferred, "lrs": runs["none"][3]}
+    return {
+        "equal": {"nvme": eq(runs["nvme"], runs["none"]), "overlap": eq(runs["overlap"], runs["none"])},
+        "deferred": deferred,
+        "lrs": runs["none"][3],
+    }
 
 
 def init_straight_to_nvme() -> dict:
@@ -388,9 +442,14 @@ def init_straight_to_nvme() -> dict:
     engine = zerodp.initialize(model, cfg)
     adopted = engine.param_offload.swapper is zi.swapper
     engine.close()
-    return {"init_shards": len(zi.swapper.shards), "init_live_bytes": live, "held_by_children": held,
-            "adopted": adopted, "largest_shard": zi.swapper.largest,
-            "pool_bytes": zi.swapper.cfg.buffer_count * zi.swapper.chunk}
+    return {
+        "init_shards": len(zi.swapper.shards),
+        "init_live_bytes": live,
+        "held_by_children": held,
+        "adopted": adopted,
+        "largest_shard": zi.swapper.largest,
+        "pool_bytes": zi.swapper.cfg.buffer_count * zi.swapper.chunk,
+    }
 
 
 def main() -> None:
@@ -398,9 +457,16 @@ def main() -> None:
     args = worker_args("--nvme", "--ckpt")
     NVME, CKPT = args.nvme, args.ckpt
     scenarios: dict[str, Callable[[], dict]] = {name: (lambda name=name: equality(name)) for name in SPECS}
-    scenarios.update(init_equal=lambda: equality("wide", under_init=True), combos=optimizer_combos,
-                     ckpt=checkpoints, prefetch=prefetch_order, init=init_straight_to_nvme,
-                     mixed=mixed_nvme_step, overlap=overlap_step, beyond=reads_beyond_gathers)
+    scenarios.update(
+        init_equal=lambda: equality("wide", under_init=True),
+        combos=optimizer_combos,
+        ckpt=checkpoints,
+        prefetch=prefetch_order,
+        init=init_straight_to_nvme,
+        mixed=mixed_nvme_step,
+        overlap=overlap_step,
+        beyond=reads_beyond_gathers,
+    )
     run_selected(args, scenarios)
 
 

@@ -51,9 +51,14 @@ def _engine_and_reference(cls: type, zero: dict) -> tuple:
     ref = cls()
     model = cls()
     model.load_state_dict(ref.state_dict())
-    engine = zerodp.initialize(model, {
-        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}})
+    engine = zerodp.initialize(
+        model,
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
+        },
+    )
     return engine, ref, torch.optim.Adam(ref.parameters(), lr=0.01)
 
 
@@ -69,8 +74,10 @@ def saved_view_follows_its_unit(prefetch: bool) -> dict:
     events: list[tuple[str, str, int]] = []
     phase = ["build"]
     record_gathers(events, phase)
-    engine, ref, ref_opt = _engine_and_reference(Two, {"stage3_max_live_parameters": 3 * (D * D + D),
-                                                       "stage3_prefetch_bucket_size": (D * D + D) if prefetch else 0})
+    engine, ref, ref_opt = _engine_and_reference(
+        Two,
+        {"stage3_max_live_parameters": 3 * (D * D + D), "stage3_prefetch_bucket_size": (D * D + D) if prefetch else 0},
+    )
     pool = engine.sharding.pool
     r, n = rank(), world()
     out: dict = {"moved": 0, "held_forward_memory": 0}
@@ -110,8 +117,12 @@ def saved_view_follows_its_unit(prefetch: bool) -> dict:
     sd = engine.module_state_dict()
     out["param_diff_steps"] = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items()) / 0.01
     out["compared"] = len(sd)
-    out.update(pool_allocations=pool.allocations, pool_peak_bytes=pool.peak_bytes,
-               pool_limit_bytes=pool.limit_bytes, unit_bytes=max(u.numel for u in engine.sharding.units) * 4)
+    out.update(
+        pool_allocations=pool.allocations,
+        pool_peak_bytes=pool.peak_bytes,
+        pool_limit_bytes=pool.limit_bytes,
+        unit_bytes=max(u.numel for u in engine.sharding.units) * 4,
+    )
     return out
 
 
@@ -133,6 +144,7 @@ def coalesced_overlap() -> dict:
     collectives per step after the recording step, how many reduce-scatters started before backward
     returned, and the parameters against plain torch after 4 steps."""
     from zerodp.runtime.reducer import GradientReducer
+
     engine, ref, ref_opt = _engine_and_reference(Deep, {})
     red, coord = engine.reducer, engine.sharding.coordinator
     at_return = []
@@ -163,17 +175,20 @@ def coalesced_overlap() -> dict:
     steps = 3  # iterations 1-3, after the recording one
     out["reduce_collectives_per_step"] = (red.reduce_collectives - reduces) / steps
     out["gather_collectives_per_step"] = (coord.gather_collectives - gathers) / steps
-    out["units_gathered_per_step"] = (gathered[("all_gather", "parameters")]
-                                      - gathered_before.get(("all_gather", "parameters"), 0)) / steps
+    out["units_gathered_per_step"] = (
+        gathered[("all_gather", "parameters")] - gathered_before.get(("all_gather", "parameters"), 0)
+    ) / steps
     out["units"] = len([u for u in engine.sharding.units if not u.persistent])
     sd = engine.module_state_dict()
     out["max_abs_diff"] = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
     return out
 
 
-SCENARIOS = {"prefetch": lambda: saved_view_follows_its_unit(True),
-             "no_prefetch": lambda: saved_view_follows_its_unit(False),
-             "coalesced_overlap": coalesced_overlap}
+SCENARIOS = {
+    "prefetch": lambda: saved_view_follows_its_unit(True),
+    "no_prefetch": lambda: saved_view_follows_its_unit(False),
+    "coalesced_overlap": coalesced_overlap,
+}
 
 
 if __name__ == "__main__":

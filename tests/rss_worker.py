@@ -37,10 +37,18 @@ def main() -> None:
     x = torch.randn(8, WIDTH)
     before = rss_bytes()
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-    engine = zerodp.initialize(model, {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-                                       "zero_optimization": {"stage": stage, "reduce_bucket_size": 2 ** 20,
-                                                             "stage3_param_persistence_threshold": 0,
-                                                             "stage3_max_live_parameters": 2 ** 21}})
+    engine = zerodp.initialize(
+        model,
+        {
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": {
+                "stage": stage,
+                "reduce_bucket_size": 2**20,
+                "stage3_param_persistence_threshold": 0,
+                "stage3_max_live_parameters": 2**21,
+            },
+        },
+    )
     for i in range(3):
         engine.backward(engine(x).pow(2).mean())
         if i == 2:

@@ -40,8 +40,12 @@ def batch(step: int, d_in: int, d_out: int, rows: int) -> tuple[torch.Tensor, to
 
 def config(stage: int, **extra: Any) -> dict:
     zero = {"stage": stage, **STAGE3_DEFAULTS, **extra.pop("zero", {})}
-    return {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "Adam", "params": {"lr": 0.02}},
-            "zero_optimization": zero, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.02}},
+        "zero_optimization": zero,
+        **extra,
+    }
 
 
 def mlp() -> nn.Module:
@@ -52,8 +56,16 @@ def local(x: torch.Tensor) -> torch.Tensor:
     return x[rank() * MICRO : (rank() + 1) * MICRO]
 
 
-def train_both(engine, model: nn.Module, ref: nn.Module, ref_opt, steps: range, d_in: int, d_out: int,
-               fwd: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda m, x: m(x)) -> None:
+def train_both(
+    engine,
+    model: nn.Module,
+    ref: nn.Module,
+    ref_opt,
+    steps: range,
+    d_in: int,
+    d_out: int,
+    fwd: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda m, x: m(x),
+) -> None:
     for step in steps:
         x, y = batch(step, d_in, d_out, MICRO * world())
         ref_opt.zero_grad()
@@ -112,8 +124,9 @@ def _edit(m: nn.Module) -> None:
     """Halve two parameters in place; a partitioned one (stage 3) inside GatheredParameters."""
     with torch.no_grad():
         m[2].bias.mul_(0.5)  # 2 elements: persistent (always gathered) at stage 3
-        with zerodp.zero.GatheredParameters([m[0].weight], modifier_rank=0,
-                                            enabled=zerodp.zero.is_partitioned(m[0].weight)):
+        with zerodp.zero.GatheredParameters(
+            [m[0].weight], modifier_rank=0, enabled=zerodp.zero.is_partitioned(m[0].weight)
+        ):
             m[0].weight.mul_(0.5)
 
 
@@ -137,9 +150,14 @@ def edit_between_steps_fp32(stage: int) -> dict:
             with torch.no_grad():
                 w.mul_(0.5)
 
-        attempts = {"rebind": lambda: setattr(w, "data", torch.zeros(8, 8)), "in_place": in_place,
-                    "data_in_place": lambda: w.data.mul_(2), "compute": lambda: w @ torch.ones(8),
-                    "init": lambda: nn.init.zeros_(w), "detach_copy": lambda: w.detach().clone()}
+        attempts = {
+            "rebind": lambda: setattr(w, "data", torch.zeros(8, 8)),
+            "in_place": in_place,
+            "data_in_place": lambda: w.data.mul_(2),
+            "compute": lambda: w @ torch.ones(8),
+            "init": lambda: nn.init.zeros_(w),
+            "detach_copy": lambda: w.detach().clone(),
+        }
         out["attempts"] = {k: refusal(fn) for k, fn in attempts.items()}
         after = engine.module_state_dict()
         out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
@@ -176,8 +194,9 @@ def edit_between_steps_bf16(stage: int) -> dict:
 # ---- 3: full gradients, parameters and optimizer states ----------------------------------------------
 @scenario
 def accessors(stage: int) -> dict:
-    engine, model, ref, ref_opt = setup(stage,
-                                        model_fn=lambda: nn.Sequential(nn.Linear(8, 9), nn.Tanh(), nn.Linear(9, 3)))
+    engine, model, ref, ref_opt = setup(
+        stage, model_fn=lambda: nn.Sequential(nn.Linear(8, 9), nn.Tanh(), nn.Linear(9, 3))
+    )
     names = [n for n, _ in ref.named_parameters()]
     errs: dict[str, float] = {"grad": 0.0, "p_grad": 0.0, "param": 0.0, "exp_avg": 0.0, "norm": 0.0, "set": 0.0}
     compared = hidden = 0
@@ -200,8 +219,10 @@ def accessors(stage: int) -> dict:
         errs["norm"] = max(errs["norm"], abs(engine.get_global_grad_norm() - ref_norm) / ref_norm)
         for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
             errs["param"] = max(errs["param"], err(zerodp.zero.safe_get_full_fp32_param(p), rp))
-            errs["exp_avg"] = max(errs["exp_avg"], err(zerodp.zero.safe_get_full_optimizer_state(p, "exp_avg"),
-                                                       ref_opt.state[rp]["exp_avg"]))
+            errs["exp_avg"] = max(
+                errs["exp_avg"],
+                err(zerodp.zero.safe_get_full_optimizer_state(p, "exp_avg"), ref_opt.state[rp]["exp_avg"]),
+            )
     try:
         zerodp.zero.safe_get_full_grad(next(model.parameters()))  # after step(): consumed
     except RuntimeError as e:
@@ -217,8 +238,13 @@ def accessors(stage: int) -> dict:
     ref_opt.state[rw]["exp_avg_sq"].copy_(new_sq)
     errs["set"] = err(zerodp.zero.safe_get_full_fp32_param(w), new_w)
     train_both(engine, model, ref, ref_opt, range(3, 5), 8, 3)
-    return {**{f"{k}_err": v for k, v in errs.items()}, "param_err": state_err(engine, ref),
-            "p_grad_compared": compared, "p_grad_hidden": hidden, "stale_grad": stale_grad}
+    return {
+        **{f"{k}_err": v for k, v in errs.items()},
+        "param_err": state_err(engine, ref),
+        "p_grad_compared": compared,
+        "p_grad_hidden": hidden,
+        "stale_grad": stale_grad,
+    }
 
 
 @scenario
@@ -247,9 +273,15 @@ def p_grad_with_accumulation(stage: int) -> dict:
                         worst = max(worst, err(p.grad, rp.grad))
                         compared += 1
             engine.step()
-    return {"p_grad_err": worst, "p_grad_compared": compared, "partial_visible": partial_visible,
-            "p_grad_hidden": hidden, "p_grad_none": none, "n_params": len(list(model.parameters())),
-            "param_err": state_err(engine, ref)}
+    return {
+        "p_grad_err": worst,
+        "p_grad_compared": compared,
+        "partial_visible": partial_visible,
+        "p_grad_hidden": hidden,
+        "p_grad_none": none,
+        "n_params": len(list(model.parameters())),
+        "param_err": state_err(engine, ref),
+    }
 
 
 @scenario
@@ -307,8 +339,7 @@ def _reuse(stage: int, reentrant: bool) -> dict:
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.02)
     train_both(engine, model, ref, ref_opt, range(3), 8, 2)
     # each rank's own copy (stages 0-2 hold every parameter; stage 3 its assembled state): bit-identical
-    own = ([p.detach() for p in model.parameters()] if stage < 3
-           else list(engine.module_state_dict().values()))
+    own = [p.detach() for p in model.parameters()] if stage < 3 else list(engine.module_state_dict().values())
     digest = zlib.crc32(b"".join(t.contiguous().numpy().tobytes() for t in own))
     return {"param_err": state_err(engine, ref), "digest": digest}
 
@@ -511,8 +542,10 @@ def nano_groups(model: nn.Module) -> tuple[list[dict], list[list[str]], int]:
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     decay = {n: p for n, p in params.items() if p.dim() >= 2}
     no_decay = {n: p for n, p in params.items() if p.dim() < 2}
-    groups = [{"params": list(decay.values()), "weight_decay": 0.5},
-              {"params": list(no_decay.values()), "weight_decay": 0.0}]
+    groups = [
+        {"params": list(decay.values()), "weight_decay": 0.5},
+        {"params": list(no_decay.values()), "weight_decay": 0.0},
+    ]
     return groups, [list(decay), list(no_decay)], sum(p.numel() for p in params.values())
 
 
@@ -525,8 +558,9 @@ def nanogpt_groups_after_init(stage: int) -> dict:
     torch.manual_seed(11)
     with zerodp.zero.Init(config=cfg, enabled=stage == 3):
         model = Nano()
-    shapes_ok = all(p.shape == rp.shape and p.dim() == rp.dim()
-                    for p, rp in zip(model.parameters(), ref.parameters(), strict=True))
+    shapes_ok = all(
+        p.shape == rp.shape and p.dim() == rp.dim() for p, rp in zip(model.parameters(), ref.parameters(), strict=True)
+    )
     groups, names, numel = nano_groups(model)
     ref_groups, ref_names, ref_numel = nano_groups(ref)
     engine = zerodp.initialize(model, cfg, model_parameters=groups)
@@ -543,8 +577,9 @@ def nanogpt_groups_after_init(stage: int) -> dict:
         engine.step()
     # after training: full metadata, while the partitioned ones hold no storage (read from the storage)
     params = list(model.parameters())
-    out["shapes_ok"] = shapes_ok and all(p.shape == rp.shape and p.numel() == rp.numel()
-                                         for p, rp in zip(params, ref.parameters(), strict=True))
+    out["shapes_ok"] = shapes_ok and all(
+        p.shape == rp.shape and p.numel() == rp.numel() for p, rp in zip(params, ref.parameters(), strict=True)
+    )
     out["storage_free"] = sum(p.untyped_storage().nbytes() == 0 for p in params)
     out["partitioned"] = sum(zerodp.zero.is_partitioned(p) for p in params)
     out["param_err"] = state_err(engine, ref)

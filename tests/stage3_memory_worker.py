@@ -84,24 +84,37 @@ class SavedParamTensors:
 
     def live_bytes(self) -> int:
         """Bytes of the distinct storages behind the captured tensors, as they are now."""
-        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                    for t in self.saved + [_alias_buffer(a) for a in self.aliases]}
+        storages = {
+            t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+            for t in self.saved + [_alias_buffer(a) for a in self.aliases]
+        }
         return sum(storages.values())
 
     def logical_bytes(self) -> int:
         """Bytes the captured tensors would hold if their storages were still allocated."""
-        return (sum(t.numel() * t.element_size() for t in self.saved)
-                + sum(torch.Size(a.size).numel() * a.dtype.itemsize for a in self.aliases))
+        return sum(t.numel() * t.element_size() for t in self.saved) + sum(
+            torch.Size(a.size).numel() * a.dtype.itemsize for a in self.aliases
+        )
 
 
 def config(zero: dict, bf16: bool = False, lr: float = 0.01) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "Adam", "params": {"lr": lr}},
-            "zero_optimization": {"stage": 3, **zero}, "bf16": {"enabled": bf16}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": lr}},
+        "zero_optimization": {"stage": 3, **zero},
+        "bf16": {"enabled": bf16},
+    }
 
 
-def run_case(model_fn: Callable[[], nn.Module], make_x: Callable[[int], torch.Tensor], zero: dict,
-             bf16: bool = False, iterations: int = 2, compare: bool = True) -> dict:
+def run_case(
+    model_fn: Callable[[], nn.Module],
+    make_x: Callable[[int], torch.Tensor],
+    zero: dict,
+    bf16: bool = False,
+    iterations: int = 2,
+    compare: bool = True,
+) -> dict:
     """Train ``iterations`` steps at stage 3 (measuring the last forward) and against plain torch."""
     torch.manual_seed(0)
     ref = model_fn()
@@ -126,10 +139,14 @@ def run_case(model_fn: Callable[[], nn.Module], make_x: Callable[[int], torch.Te
         ref_opt.step()
         with SavedParamTensors(list(model.parameters()), shapes) as saved:
             loss = engine(xs).float().pow(2).mean()
-        out.update(saved_param_tensors=saved.count, saved_total=saved.total,
-                   alive_after_forward=saved.live_bytes(), if_not_freed=saved.logical_bytes(),
-                   report_gathered_after_forward=engine.memory_report().measured["parameters"]
-                   - sum(u.shard.numel() * u.shard.element_size() for u in engine.sharding.units))
+        out.update(
+            saved_param_tensors=saved.count,
+            saved_total=saved.total,
+            alive_after_forward=saved.live_bytes(),
+            if_not_freed=saved.logical_bytes(),
+            report_gathered_after_forward=engine.memory_report().measured["parameters"]
+            - sum(u.shard.numel() * u.shard.element_size() for u in engine.sharding.units),
+        )
         engine.backward(loss)
         engine.step()
         out["alive_after_backward"] = saved.live_bytes()
@@ -141,12 +158,14 @@ def run_case(model_fn: Callable[[], nn.Module], make_x: Callable[[int], torch.Te
         max_live_bytes=engine.config.zero_optimization.stage3_max_live_parameters * elem,
         largest_unit_bytes=max(u.numel for u in units) * elem,
         prefetches=engine.sharding.coordinator.prefetches_issued,
-        peak_gathered_bytes=engine.memory_report().peak["gathered_parameters"])
+        peak_gathered_bytes=engine.memory_report().peak["gathered_parameters"],
+    )
     if compare:
         sd = engine.module_state_dict()
         # in units of one Adam step (lr 0.01): values read from a freed or stale buffer would be far off
-        out["param_diff_steps"] = max((sd[k].float() - v.float()).abs().max().item()
-                                      for k, v in ref.state_dict().items()) / 0.01
+        out["param_diff_steps"] = (
+            max((sd[k].float() - v.float()).abs().max().item() for k, v in ref.state_dict().items()) / 0.01
+        )
         out["compared"] = len(sd)
     return out
 
@@ -163,8 +182,11 @@ def mlp() -> nn.Module:
 
 
 def mlp_case(bf16: bool, prefetch: bool) -> dict:
-    zero = {"stage3_max_live_parameters": int(2.5 * H * H), "stage3_param_persistence_threshold": H,
-            "stage3_prefetch_bucket_size": H * H + H if prefetch else 0}
+    zero = {
+        "stage3_max_live_parameters": int(2.5 * H * H),
+        "stage3_param_persistence_threshold": H,
+        "stage3_prefetch_bucket_size": H * H + H if prefetch else 0,
+    }
     return run_case(mlp, lambda rows: torch.randn(rows, H), zero, bf16=bf16, compare=not bf16)
 
 
@@ -268,8 +290,7 @@ def op_conv() -> dict:
 
 @scenario
 def op_layer_norm() -> dict:
-    return run_case(lambda: nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 5)), lambda r: torch.randn(r, 6, D),
-                    OP_ZERO)
+    return run_case(lambda: nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 5)), lambda r: torch.randn(r, 6, D), OP_ZERO)
 
 
 @scenario
@@ -316,7 +337,7 @@ def load_after_initialize() -> dict:
             with torch.no_grad():
                 target.fc1.weight.fill_(0.5)  # a value far from any initialisation
                 for t in target.state_dict().values():  # bf16-representable: the bf16 reference engine's
-                    t.copy_(t.to(torch.bfloat16))      # masters (its weights cast up) are then the same
+                    t.copy_(t.to(torch.bfloat16))  # masters (its weights cast up) are then the same
             sd = {k: v.clone() for k, v in target.state_dict().items()}
             torch.manual_seed(100)
             x = torch.randn(2 * world(), D)
@@ -327,17 +348,21 @@ def load_after_initialize() -> dict:
             engine.load_module_state_dict(sd)
             loaded = engine.module_state_dict()
             got = one_step(engine, x)
-            row = {"loaded_exact": all(torch.equal(loaded[k], sd[k].to(loaded[k].dtype)) for k in sd),
-                   "step_equal": all(torch.equal(got[k], expected[k]) for k in expected),
-                   "compared": len(expected), "fc1_after": got["fc1.weight"].float().mean().item()}
+            row = {
+                "loaded_exact": all(torch.equal(loaded[k], sd[k].to(loaded[k].dtype)) for k in sd),
+                "step_equal": all(torch.equal(got[k], expected[k]) for k in expected),
+                "compared": len(expected),
+                "fc1_after": got["fc1.weight"].float().mean().item(),
+            }
             if not bf16:  # and plain torch, one Adam step on the same per-rank chunks
                 ref = _copy(target)
                 opt = torch.optim.Adam(ref.parameters(), lr=0.01)
                 for rr in range(world()):
                     (ref(x[2 * rr : 2 * rr + 2]).pow(2).mean() / world()).backward()
                 opt.step()
-                row["torch_diff_steps"] = max((got[k].float() - v).abs().max().item()
-                                              for k, v in ref.state_dict().items()) / 0.01
+                row["torch_diff_steps"] = (
+                    max((got[k].float() - v).abs().max().item() for k, v in ref.state_dict().items()) / 0.01
+                )
             try:  # the plain torch call: works, or raises naming the engine method
                 torch.manual_seed(0)
                 plain = zerodp.initialize(Small(), cfg)

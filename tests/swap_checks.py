@@ -38,8 +38,7 @@ def assert_nvme_path_errors(build: Callable[[str], Any], tmp_path: Path, key: st
         assert "bytes are free" not in str(err.value), err.value
 
 
-def full_disk_error(build: Callable[[str], Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                    module: str) -> str:
+def full_disk_error(build: Callable[[str], Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str) -> str:
     """``build(tmp_path)`` while ``module``'s ``shutil.disk_usage`` reports 1,000 free bytes: the
     :class:`OffloadError` message, checked to name the path and the free bytes."""
     real = shutil.disk_usage
@@ -55,11 +54,13 @@ def assert_swap_removed_after_exception(zero: dict, tmp_path: Path, swap_glob: s
     """A fresh interpreter trains one step of ``nn.Linear(8, 8)`` with ``zero_optimization = zero``
     (swap files under ``tmp_path``), sees one swap file matching ``swap_glob`` and dies by an
     exception: nothing is left under ``tmp_path``."""
-    script = (f"import pathlib, torch, zerodp\nfrom torch import nn\n"
-              f"e = zerodp.initialize(nn.Linear(8, 8), {{'zero_optimization': {zero!r}}})\n"
-              f"e.backward(e(torch.ones(2, 8)).sum()); e.step()\n"
-              f"assert len(list(pathlib.Path({str(tmp_path)!r}).rglob({swap_glob!r}))) == 1\n"
-              f"raise RuntimeError('boom')\n")
+    script = (
+        f"import pathlib, torch, zerodp\nfrom torch import nn\n"
+        f"e = zerodp.initialize(nn.Linear(8, 8), {{'zero_optimization': {zero!r}}})\n"
+        f"e.backward(e(torch.ones(2, 8)).sum()); e.step()\n"
+        f"assert len(list(pathlib.Path({str(tmp_path)!r}).rglob({swap_glob!r}))) == 1\n"
+        f"raise RuntimeError('boom')\n"
+    )
     proc = run_python(script)
     assert "boom" in proc.stderr and proc.returncode != 0, proc.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []

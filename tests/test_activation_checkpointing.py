@@ -46,8 +46,14 @@ def test_segment_fed_by_frozen_layer_still_trains(results: list[dict], stage: in
     """The segment's input does not require grad (it comes from a frozen layer): its parameters must
     still get gradients (DeepSpeed PR 8130's case), and the frozen layer must not move."""
     for res in check(results, f"frozen@{stage}"):
-        assert res["trained_names"] == ["blk.bias", "blk.weight", "blk2.bias", "blk2.weight", "head.bias",
-                                        "head.weight"]
+        assert res["trained_names"] == [
+            "blk.bias",
+            "blk.weight",
+            "blk2.bias",
+            "blk2.weight",
+            "head.bias",
+            "head.weight",
+        ]
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -86,8 +92,10 @@ class Deep(nn.Module):
     def __init__(self, ckpt: bool, layers: int = 6, width: int = 256) -> None:
         super().__init__()
         self.ckpt = ckpt
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.1),
-                                                  nn.Linear(4 * width, width)) for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * width, width))
+            for _ in range(layers)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
@@ -112,14 +120,24 @@ def test_checkpointing_keeps_less_and_replays_dropout() -> None:
     out.square().mean().backward()
     for (n, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), n
-    print(f"\nkept for backward: {plain_bytes / 2**20:.2f} MiB without checkpointing, "
-          f"{ckpt_bytes / 2**20:.2f} MiB with (6 blocks, batch 64 x 256, fp32)")
+    print(
+        f"\nkept for backward: {plain_bytes / 2**20:.2f} MiB without checkpointing, "
+        f"{ckpt_bytes / 2**20:.2f} MiB with (6 blocks, batch 64 x 256, fp32)"
+    )
     assert ckpt_bytes * 8 < plain_bytes, (ckpt_bytes, plain_bytes)
 
 
 def test_config_section_and_refusals() -> None:
-    cfg = load_config({"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
-                                                    "number_checkpoints": 4, "profile": True}})
+    cfg = load_config(
+        {
+            "activation_checkpointing": {
+                "partition_activations": True,
+                "cpu_checkpointing": True,
+                "number_checkpoints": 4,
+                "profile": True,
+            }
+        }
+    )
     checkpointing.configure(None, deepspeed_config=cfg)
     assert checkpointing.is_configured()
     x = torch.randn(3, 4, requires_grad=True)

@@ -117,8 +117,10 @@ def test_backward_fetch_order_is_compared_without_a_tag_per_fetch() -> None:
     assert [res["value"] for res in per_rank(2, "tags_same")] == [{"posted": 2}] * 2  # group + end
     for r, res in enumerate(raised(2, "tags_fetch_order")):
         msg = res["message"]
-        assert f"collective #1 of this backward: rank {r} entered the end of backward (after 1 collectives " \
-               "and 2 module fetches, fetch order digest" in msg, msg
+        assert (
+            f"collective #1 of this backward: rank {r} entered the end of backward (after 1 collectives "
+            "and 2 module fetches, fetch order digest" in msg
+        ), msg
 
 
 def test_coalesced_reduction_differing_in_one_bucket_is_detected() -> None:
@@ -127,8 +129,10 @@ def test_coalesced_reduction_differing_in_one_bucket_is_detected() -> None:
     for r, res in enumerate(raised(2, "tags_group")):
         msg = res["message"]
         mine = "unit 0 + unit 1" if r == 0 else "unit 0 + unit 2"
-        assert f"collective #0 of this backward: rank {r} entered reduce({mine}); rank {1 - r} is in " \
-               "reduce(a coalesced group of other gradient buckets)" in msg, msg
+        assert (
+            f"collective #0 of this backward: rank {r} entered reduce({mine}); rank {1 - r} is in "
+            "reduce(a coalesced group of other gradient buckets)" in msg
+        ), msg
 
 
 def test_peer_stuck_inside_backward_times_out_on_every_rank() -> None:
@@ -172,8 +176,18 @@ def test_tensor_walk_finds_tensors_in_every_container():
     w = torch.ones(2, requires_grad=True)
     t = [w * i for i in range(7)]  # each has a grad_fn
     leaf, plain = torch.zeros(2, requires_grad=True), torch.zeros(2)
-    obj = (t[0], [t[1], Pair(t[2], "s")], {"k": Plain(t[3], {"m": [t[4], 3, None]})},
-           Out(logits=t[5], hidden=(t[6], plain)), leaf, plain, w, 1.5, "x", None)
+    obj = (
+        t[0],
+        [t[1], Pair(t[2], "s")],
+        {"k": Plain(t[3], {"m": [t[4], 3, None]})},
+        Out(logits=t[5], hidden=(t[6], plain)),
+        leaf,
+        plain,
+        w,
+        1.5,
+        "x",
+        None,
+    )
     assert [id(x) for x in tensors_in(obj, lambda x: x.grad_fn is not None)] == [id(x) for x in t]
     assert [id(x) for x in tensors_in(obj, lambda x: x.requires_grad)] == [id(x) for x in (*t, leaf, w)]
     assert len(tensors_in(obj, lambda x: True)) == 11

@@ -29,9 +29,27 @@ def tiny_run(tmp_path_factory) -> tuple[BenchResult, Path, str]:
     out = tmp_path_factory.mktemp("bench")
     # every system, DeepSpeed's rows too where it is installed (pip install -e '.[bench]'); the
     # fresh-process RSS is tested on its own below (one forked process per system and rank is slow)
-    cmd = [sys.executable, "-m", "zerodp.app.cli", "bench", "--nproc", "2", "--preset", "tiny",
-           "--steps", "1", "--warmup", "0", "--rounds", "1", "--probe-steps", "2",
-           "--no-fresh-rss", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerodp.app.cli",
+        "bench",
+        "--nproc",
+        "2",
+        "--preset",
+        "tiny",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--rounds",
+        "1",
+        "--probe-steps",
+        "2",
+        "--no-fresh-rss",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return BenchResult.model_validate_json((out / "bench.json").read_text()), out, proc.stdout
@@ -63,8 +81,12 @@ def _deepspeed_importable() -> bool:
 def test_deepspeed_rows_run_when_installed_else_say_why(tiny_run) -> None:
     res, _, _ = tiny_run
     rows = [s for s in res.systems if s.family == "deepspeed"]
-    assert [s.name for s in rows] == ["DeepSpeed stage 1", "DeepSpeed stage 2", "DeepSpeed stage 3",
-                                      "DeepSpeed stage 3 + CPU offload"]
+    assert [s.name for s in rows] == [
+        "DeepSpeed stage 1",
+        "DeepSpeed stage 2",
+        "DeepSpeed stage 3",
+        "DeepSpeed stage 3 + CPU offload",
+    ]
     if _deepspeed_importable():
         assert res.deepspeed_version is not None
         for s in rows:
@@ -81,8 +103,25 @@ def test_deepspeed_rows_run_when_installed_else_say_why(tiny_run) -> None:
 def test_peak_rss_in_a_process_of_its_own(tmp_path) -> None:
     """``zerodp bench`` forks one process per system and rank and reports its VmHWM beside DDP's."""
     out = tmp_path / "fresh"
-    cmd = [sys.executable, "-m", "zerodp.app.cli", "bench", "--nproc", "2", "--preset", "tiny",
-           "--only", "zerodp stage 2", "--rounds", "0", "--probe-steps", "2", "--no-plots", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerodp.app.cli",
+        "bench",
+        "--nproc",
+        "2",
+        "--preset",
+        "tiny",
+        "--only",
+        "zerodp stage 2",
+        "--rounds",
+        "0",
+        "--probe-steps",
+        "2",
+        "--no-plots",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = BenchResult.model_validate_json((out / "bench.json").read_text())
@@ -92,8 +131,9 @@ def test_peak_rss_in_a_process_of_its_own(tmp_path) -> None:
         assert [m.rank for m in s.fresh_rss] == [0, 1], s.fresh_rss_note
         for m in s.fresh_rss:  # the child starts as a copy of a rank that imported torch, then trains
             assert 50 * 2**20 < m.rss_start < m.peak_rss < 4 * 2**30
-        assert s.fresh_rss_vs_ddp == pytest.approx(max(m.peak_rss for m in s.fresh_rss)
-                                                   / max(m.peak_rss for m in ran["DDP"].fresh_rss))
+        assert s.fresh_rss_vs_ddp == pytest.approx(
+            max(m.peak_rss for m in s.fresh_rss) / max(m.peak_rss for m in ran["DDP"].fresh_rss)
+        )
     assert ran["DDP"].fresh_rss_vs_ddp == 1.0
     assert f"{ran['zerodp stage 2'].fresh_rss_vs_ddp:.2f}x" in proc.stdout
 
@@ -124,8 +164,10 @@ def test_zerodp_memory_and_traffic_match_the_paper(tiny_run) -> None:
             assert s.traffic.psi_per_step == pytest.approx(2.0, rel=1e-3)
         else:  # the tied embedding is gathered by two modules (see docs/benchmarks/2026-12-01-bench.md)
             assert 3.0 <= s.traffic.psi_per_step < 3.5
-    totals = [sum(next(x for x in res.systems if x.name == f"zerodp stage {st}").memory[0].measured.values())
-              for st in (0, 1, 2, 3)]
+    totals = [
+        sum(next(x for x in res.systems if x.name == f"zerodp stage {st}").memory[0].measured.values())
+        for st in (0, 1, 2, 3)
+    ]
     assert totals == sorted(totals, reverse=True) and totals[3] < totals[0] / 1.5
 
 
@@ -170,21 +212,24 @@ def _bench_args(tmp_path: Path, *flags: str) -> argparse.Namespace:
     return cli.build_parser().parse_args(["bench", "--preset", "tiny", "--out", str(tmp_path / "out"), *flags])
 
 
-@pytest.mark.parametrize("flags,message", [
-    (("--rounds", "-1"), "--rounds must be an integer >= 0, got -1"),
-    (("--steps", "0"), "--steps must be an integer >= 1, got 0"),
-    (("--warmup", "-3"), "--warmup must be an integer >= 0, got -3"),
-    (("--micro-batch", "0"), "--micro-batch must be an integer >= 1"),
-    (("--probe-steps", "1"), "--probe-steps must be >= 2"),
-    (("--sub-group-size", "0"), "--sub-group-size must be an integer >= 1"),
-    (("--n-head", "3"), "n_head"),
-    (("--only", "stage 2,nosuch"), "--only: 'nosuch' is part of no system's name; the systems are 'DDP'"),
-    (("--exclude", "FSDP3"), "--exclude: 'FSDP3' is part of no system's name"),
-    (("--sweep-ranks", ","), "--sweep-ranks takes integers >= 1"),
-    (("--sweep-ranks", "1,x"), "--sweep-ranks takes integers >= 1 separated by commas, got '1,x'"),
-    (("--sweep-ranks", "0,2"), "--sweep-ranks takes integers >= 1"),
-    (("--nvme-path", "/tmp/x"), "--nvme-path '/tmp/x' is used only by the --offload rows"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (("--rounds", "-1"), "--rounds must be an integer >= 0, got -1"),
+        (("--steps", "0"), "--steps must be an integer >= 1, got 0"),
+        (("--warmup", "-3"), "--warmup must be an integer >= 0, got -3"),
+        (("--micro-batch", "0"), "--micro-batch must be an integer >= 1"),
+        (("--probe-steps", "1"), "--probe-steps must be >= 2"),
+        (("--sub-group-size", "0"), "--sub-group-size must be an integer >= 1"),
+        (("--n-head", "3"), "n_head"),
+        (("--only", "stage 2,nosuch"), "--only: 'nosuch' is part of no system's name; the systems are 'DDP'"),
+        (("--exclude", "FSDP3"), "--exclude: 'FSDP3' is part of no system's name"),
+        (("--sweep-ranks", ","), "--sweep-ranks takes integers >= 1"),
+        (("--sweep-ranks", "1,x"), "--sweep-ranks takes integers >= 1 separated by commas, got '1,x'"),
+        (("--sweep-ranks", "0,2"), "--sweep-ranks takes integers >= 1"),
+        (("--nvme-path", "/tmp/x"), "--nvme-path '/tmp/x' is used only by the --offload rows"),
+    ],
+)
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, flags, message) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         bench_args.check_arguments(_bench_args(tmp_path, *flags))
@@ -202,12 +247,42 @@ def test_out_must_be_a_writable_directory(tmp_path) -> None:
 
 
 def test_launcher_refuses_bad_arguments_with_one_line(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "zerodp.app.cli", "bench", "--preset", "tiny", "--rounds", "-1",
-                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerodp.app.cli",
+            "bench",
+            "--preset",
+            "tiny",
+            "--rounds",
+            "-1",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--rounds must be an integer >= 0, got -1" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "o" / "bench.json").exists()
-    proc = subprocess.run([sys.executable, "-m", "zerodp.app.cli", "bench", "--preset", "tiny", "--sweep-ranks", "1,x",
-                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerodp.app.cli",
+            "bench",
+            "--preset",
+            "tiny",
+            "--sweep-ranks",
+            "1,x",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--sweep-ranks takes integers >= 1" in proc.stderr
 
 
@@ -222,8 +297,15 @@ def test_untimed_rows_show_no_ratio(tiny_run) -> None:
     from zerodp.app.bench_report import format_table
 
     res, _, _ = tiny_run
-    untimed = res.model_copy(update={"rounds": 0, "systems": [
-        s.model_copy(update={"step_time": None, "ratio_to_ddp": None, "ratio_per_round": []}) for s in res.systems]})
+    untimed = res.model_copy(
+        update={
+            "rounds": 0,
+            "systems": [
+                s.model_copy(update={"step_time": None, "ratio_to_ddp": None, "ratio_per_round": []})
+                for s in res.systems
+            ],
+        }
+    )
     rows = [line for line in format_table(untimed).splitlines() if line[:34].strip() == "zerodp stage 2"]
     assert len(rows) == 1 and "0.00x" not in rows[0] and "0.0000" not in rows[0]
     assert rows[0].split()[3:6] == ["-", "-", "-"]  # median, IQR, vs DDP

@@ -57,14 +57,33 @@ def test_default_is_cpu_and_cuda_is_refused_without_cuda(tmp_path, monkeypatch):
 def test_launcher_refuses_cuda_with_one_line_exit_2(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    proc = subprocess.run([sys.executable, "-m", "zerodp.app.cli", "bench", "--preset", "tiny", "--device", "cuda",
-                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerodp.app.cli",
+            "bench",
+            "--preset",
+            "tiny",
+            "--device",
+            "cuda",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "--device cuda needs a CUDA device" in errors[0]
     assert "Traceback" not in proc.stderr and not (tmp_path / "o" / "bench.json").exists()
-    proc = subprocess.run([sys.executable, "-m", "zerodp.app.cli", "bench", "--device", "tpu"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerodp.app.cli", "bench", "--device", "tpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "invalid choice: 'tpu'" in proc.stderr
 
 
@@ -153,8 +172,10 @@ def test_zerodp_builders_get_the_cuda_device_and_offload_is_skipped(fake_cuda, r
         with pytest.raises(_Stop):
             SYSTEMS[f"zerodp stage {stage}"](CFG, 1e-3, False, device=CUDA1)
     assert [c["device"] for c in configs] == ["cuda"] * 4 and recorded_to == [CUDA1] * 4
-    for _name, build in [*offload_systems("/tmp/nvme", 4096).items(),
-                        *((n, SYSTEMS[n]) for n in SYSTEMS if "offload" in n and n.startswith("zerodp"))]:
+    for _name, build in [
+        *offload_systems("/tmp/nvme", 4096).items(),
+        *((n, SYSTEMS[n]) for n in SYSTEMS if "offload" in n and n.startswith("zerodp")),
+    ]:
         with pytest.raises(Skipped, match="offload is refused on a GPU.*--device cpu"):
             build(CFG, 1e-3, False, device=CUDA1)
     assert len(configs) == 4  # the offload rows built nothing
@@ -195,8 +216,17 @@ def test_timing_and_probe_use_the_device(fake_cuda, monkeypatch):
     batches = [(torch.zeros(1), torch.zeros(1))] * 2
     times = bench._time(_fake_builder(log), CFG, batches, 1, CUDA1)
     assert len(times) == 1
-    assert log == [("build", CUDA1), ("sync", CUDA1), "fb", "step", ("sync", CUDA1),
-                   ("sync", CUDA1), "fb", "step", ("sync", CUDA1)]
+    assert log == [
+        ("build", CUDA1),
+        ("sync", CUDA1),
+        "fb",
+        "step",
+        ("sync", CUDA1),
+        ("sync", CUDA1),
+        "fb",
+        "step",
+        ("sync", CUDA1),
+    ]
     log.clear()
     fake_cuda.clear()
     out = bench._probe(_fake_builder(log), CFG, batches, frozenset(), CUDA1)
@@ -206,14 +236,46 @@ def test_timing_and_probe_use_the_device(fake_cuda, monkeypatch):
 
 
 def _result(device: str, peak) -> BenchResult:
-    row = {"name": "DDP", "family": "torch", "stage": 0, "status": "ran", "losses": [1.0],
-           "memory": [{"rank": r, "measured": {}, "unattributed": 0, "peak_rss": 2**20, "rss_before": 0,
-                       "peak_device": None if peak is None else peak * (r + 1)} for r in (0, 1)]}
-    return BenchResult.model_validate({
-        "command": "zerodp bench", "date_utc": "x", "preset": "tiny", "model": {}, "psi": 10, "world_size": 2,
-        "backend": "gloo", "device": device, "micro_batch": 1, "steps": 1, "warmup": 0, "rounds": 0,
-        "probe_steps": 2, "torch_version": "t", "cpu_count": 1, "load_average_start": [0.0],
-        "load_average_end": [0.0], "systems": [row]})
+    row = {
+        "name": "DDP",
+        "family": "torch",
+        "stage": 0,
+        "status": "ran",
+        "losses": [1.0],
+        "memory": [
+            {
+                "rank": r,
+                "measured": {},
+                "unattributed": 0,
+                "peak_rss": 2**20,
+                "rss_before": 0,
+                "peak_device": None if peak is None else peak * (r + 1),
+            }
+            for r in (0, 1)
+        ],
+    }
+    return BenchResult.model_validate(
+        {
+            "command": "zerodp bench",
+            "date_utc": "x",
+            "preset": "tiny",
+            "model": {},
+            "psi": 10,
+            "world_size": 2,
+            "backend": "gloo",
+            "device": device,
+            "micro_batch": 1,
+            "steps": 1,
+            "warmup": 0,
+            "rounds": 0,
+            "probe_steps": 2,
+            "torch_version": "t",
+            "cpu_count": 1,
+            "load_average_start": [0.0],
+            "load_average_end": [0.0],
+            "systems": [row],
+        }
+    )
 
 
 def test_table_and_json_carry_peak_device_memory():

@@ -38,10 +38,13 @@ WORKER = Path(__file__).with_name("ckpt_worker.py")
 #: (world size, scenarios), run in this order: later launches load earlier launches' checkpoints.
 LAUNCHES = (
     (4, "reshard_save@2"),
-    (2, "exact_resume@0,exact_resume@1,exact_resume@2,exact_resume@3:tied,exact_resume@0:bf16+tied,"
+    (
+        2,
+        "exact_resume@0,exact_resume@1,exact_resume@2,exact_resume@3:tied,exact_resume@0:bf16+tied,"
         "exact_resume@1:bf16+tied,exact_resume@2:bf16+tied,exact_resume@3:bf16+tied,exact_resume@2:fp16,"
         "reshard_save@1,reshard_save@3,reshard_load@0:w4-s2,reshard_load@3:w4-s2,consolidate_tied@2,"
-        "consolidate_tied@3,refuse_mismatch@3,crash_safety@1"),
+        "consolidate_tied@3,refuse_mismatch@3,crash_safety@1",
+    ),
     (3, "reshard_load@2:w2-s1,reshard_load@1:w2-s3"),
 )
 
@@ -52,8 +55,9 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
     ckpt_dir = tmp_path_factory.mktemp("ckpt")
     out: dict[int, list[dict]] = {}
     for world_size, scenarios in LAUNCHES:
-        out[world_size] = run_worker(world_size, "0", scenarios, worker=WORKER,
-                                     extra_args=["--ckpt-dir", str(ckpt_dir)])
+        out[world_size] = run_worker(
+            world_size, "0", scenarios, worker=WORKER, extra_args=["--ckpt-dir", str(ckpt_dir)]
+        )
     return out
 
 
@@ -88,8 +92,9 @@ def test_exact_resume(launches: dict, stage: int, precision: str) -> None:
         assert res["params_equal"] and res["model_params_equal"], f"rank {r}: parameters not bit-identical"
         assert res["pieces_equal"], f"rank {r}: optimizer pieces (module dtype and fp32 masters) differ"
         assert res["states_equal"], f"rank {r}: optimizer state not bit-identical"
-        assert res["param_dtypes"] == [{"fp32": "torch.float32", "bf16": "torch.bfloat16",
-                                        "fp16": "torch.float16"}[precision]]
+        assert res["param_dtypes"] == [
+            {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
+        ]
         assert res["pieces_with_state"] > 0
         # module_state_dict(): full fp32 values keyed and shaped as the plain model's state_dict (stage 3:
         # gathered to read, then released: only the persistent unit stays gathered)
@@ -137,8 +142,9 @@ def check_mixed_precision_resume(results: list[dict], precision: str) -> None:
             assert res["skipped_end"] == [1, 1]
 
 
-@pytest.mark.parametrize("save_world,save_stage,load_world,load_stage",
-                         [(2, 1, 3, 2), (4, 2, 2, 0), (2, 3, 3, 1), (4, 2, 2, 3)])
+@pytest.mark.parametrize(
+    "save_world,save_stage,load_world,load_stage", [(2, 1, 3, 2), (4, 2, 2, 0), (2, 3, 3, 1), (4, 2, 2, 3)]
+)
 def test_reshard(launches: dict, save_world: int, save_stage: int, load_world: int, load_stage: int) -> None:
     for r, res in enumerate(per_rank(launches, save_world, f"reshard_save/stage{save_stage}")):
         assert res["loss_err"] <= 1.0 and res["param_err"] <= 1.0, f"saving rank {r} diverged from reference"
@@ -174,8 +180,7 @@ def test_refused_load_leaves_stage3_engine_unchanged(launches: dict) -> None:
     for r, res in enumerate(per_rank(launches, 2, "refuse_mismatch/stage3")):
         shape, truncated = res["shape"], res["truncated"]
         assert shape["error"] is not None and "does not fit this model" in shape["error"]
-        assert ("parameter 'fc1.weight' has shape [7, 13] in the checkpoint but [8, 13] in the model"
-                in shape["error"])
+        assert "parameter 'fc1.weight' has shape [7, 13] in the checkpoint but [8, 13] in the model" in shape["error"]
         assert truncated["error"] is not None and "rank1.safetensors is truncated or corrupt" in truncated["error"]
         for case in (shape, truncated):
             assert case["trained_steps"] == 2
@@ -205,8 +210,9 @@ FREEZE_CASES = [(s, "") for s in (0, 1, 2, 3)] + [(s, "offload") for s in (1, 2,
 def freeze_launch(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """One world-2 launch of every :data:`FREEZE_CASES` scenario (its own checkpoint directory)."""
     scenarios = ",".join(f"freeze_midrun@{s}" + (f":{a}" if a else "") for s, a in FREEZE_CASES)
-    return run_worker(2, "0", scenarios, worker=WORKER,
-                      extra_args=["--ckpt-dir", str(tmp_path_factory.mktemp("ckpt-freeze"))])
+    return run_worker(
+        2, "0", scenarios, worker=WORKER, extra_args=["--ckpt-dir", str(tmp_path_factory.mktemp("ckpt-freeze"))]
+    )
 
 
 @pytest.mark.parametrize("stage,arg", FREEZE_CASES)
@@ -248,8 +254,12 @@ def zoo_engine(stage: int = 1, model: nn.Module | None = None, accum: int = 1, *
     model = Zoo() if model is None else model
     groups = zoo_groups(model) if type(model) is Zoo else None
     lr_scheduler = extra.pop("lr_scheduler", None)
-    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "gradient_accumulation_steps": accum,
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 40}, **extra}
+    cfg = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "gradient_accumulation_steps": accum,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 40},
+        **extra,
+    }
     return zerodp.initialize(model, cfg, model_parameters=groups, lr_scheduler=lr_scheduler)
 
 
@@ -281,8 +291,13 @@ def ckpt(saved: Path, tmp_path: Path) -> Path:
 
 def snapshot(engine: zerodp.Engine) -> tuple:
     state = [(k, {n: v.clone() for n, v in st.items()}) for k, st in engine.optimizer.state.items()]
-    return (engine.module_state_dict(), state, engine.global_steps, engine.micro_steps,
-            [dict((k, v) for k, v in g.items() if k != "params") for g in engine.optimizer.param_groups])
+    return (
+        engine.module_state_dict(),
+        state,
+        engine.global_steps,
+        engine.micro_steps,
+        [dict((k, v) for k, v in g.items() if k != "params") for g in engine.optimizer.param_groups],
+    )
 
 
 def assert_unchanged(engine: zerodp.Engine, before: tuple) -> None:
@@ -333,24 +348,36 @@ def test_refuses_shape_mismatch(process_group: None, ckpt: Path) -> None:
 def test_refuses_requires_grad_mismatch(process_group: None, ckpt: Path, tmp_path: Path) -> None:
     """Frozen at initialize on one side only: refused both ways, naming the parameter and the way out.
     A checkpoint saved while the parameter was frozen mid-run counts as trained."""
+
     def bias_frozen() -> zerodp.Engine:
         model = Zoo()
         model.fc1.bias.requires_grad_(False)
         return zoo_engine(model=model)
 
     engine = bias_frozen()
-    msg = refused(engine, ckpt, "parameter 'fc1.bias' is trained in the checkpoint but was frozen "
-                  r"\(requires_grad=False\) at zerodp.initialize of this engine")
+    msg = refused(
+        engine,
+        ckpt,
+        "parameter 'fc1.bias' is trained in the checkpoint but was frozen "
+        r"\(requires_grad=False\) at zerodp.initialize of this engine",
+    )
     assert "load_full_state_dict" in msg
     engine.save_checkpoint(tmp_path)  # fc1.bias frozen at initialize
-    refused(zoo_engine(), tmp_path, "parameter 'fc1.bias' was frozen \\(requires_grad=False\\) at "
-            "zerodp.initialize of the engine that saved the checkpoint .* but trains in this engine")
+    refused(
+        zoo_engine(),
+        tmp_path,
+        "parameter 'fc1.bias' was frozen \\(requires_grad=False\\) at "
+        "zerodp.initialize of the engine that saved the checkpoint .* but trains in this engine",
+    )
     midrun = zoo_engine()
     train(midrun)
     midrun.module.fc1.bias.requires_grad_(False)
     midrun.save_checkpoint(tmp_path / "midrun")
-    refused(bias_frozen(), tmp_path / "midrun",
-            r"'fc1.bias' is trained in the checkpoint \(frozen mid-run when saved\) but was frozen")
+    refused(
+        bias_frozen(),
+        tmp_path / "midrun",
+        r"'fc1.bias' is trained in the checkpoint \(frozen mid-run when saved\) but was frozen",
+    )
 
 
 def test_refuses_different_tying(process_group: None, ckpt: Path, tmp_path: Path) -> None:
@@ -359,8 +386,12 @@ def test_refuses_different_tying(process_group: None, ckpt: Path, tmp_path: Path
     tied.save_checkpoint(tmp_path / "tied")
     untied = TiedLM()
     untied.head.weight = nn.Parameter(untied.emb.weight.detach().clone())
-    refused(zoo_engine(model=untied), tmp_path / "tied", r"tied names differ: checkpoint ties \['emb.weight', "
-            r"'head.weight'\], model ties \['emb.weight'\]")
+    refused(
+        zoo_engine(model=untied),
+        tmp_path / "tied",
+        r"tied names differ: checkpoint ties \['emb.weight', "
+        r"'head.weight'\], model ties \['emb.weight'\]",
+    )
 
 
 def corrupt_meta(d: Path, edit: Callable[[dict], None]) -> None:
@@ -370,17 +401,23 @@ def corrupt_meta(d: Path, edit: Callable[[dict], None]) -> None:
     meta_file.write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("case,match", [
-    ("garbage", r"meta.json is corrupt \(not readable JSON\)"),
-    ("missing_key", r"meta.json is corrupt: meta.json: missing key 'ranks'"),
-    ("version", r"format version 99 is not supported"),
-    ("wrong_type", r"'global_steps' should be int, got str"),
-    ("gap", r"the saved pieces of parameter 'fc1.weight' do not cover its elements"),
-    ("old_midrun_freeze", r"meta.json: rank0.safetensors holds optimizer pieces of parameter 'fc1.bias', which "
-                          r"meta.json records as not trained with requires_grad=False: this checkpoint was saved "
-                          r"by an older zerodp while 'fc1.bias' was frozen mid-run"),
-    ("deleted", r"global_step2 does not exist or has no meta.json"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("garbage", r"meta.json is corrupt \(not readable JSON\)"),
+        ("missing_key", r"meta.json is corrupt: meta.json: missing key 'ranks'"),
+        ("version", r"format version 99 is not supported"),
+        ("wrong_type", r"'global_steps' should be int, got str"),
+        ("gap", r"the saved pieces of parameter 'fc1.weight' do not cover its elements"),
+        (
+            "old_midrun_freeze",
+            r"meta.json: rank0.safetensors holds optimizer pieces of parameter 'fc1.bias', which "
+            r"meta.json records as not trained with requires_grad=False: this checkpoint was saved "
+            r"by an older zerodp while 'fc1.bias' was frozen mid-run",
+        ),
+        ("deleted", r"global_step2 does not exist or has no meta.json"),
+    ],
+)
 def test_refuses_corrupt_meta(process_group: None, ckpt: Path, case: str, match: str) -> None:
     meta_file = ckpt / "global_step2" / "meta.json"
     if case == "garbage":
@@ -392,12 +429,16 @@ def test_refuses_corrupt_meta(process_group: None, ckpt: Path, case: str, match:
     elif case == "wrong_type":
         corrupt_meta(ckpt, lambda m: m.update(global_steps="2"))
     elif case == "gap":
+
         def drop(m: dict) -> None:
             m["ranks"][0]["pieces"] = [p for p in m["ranks"][0]["pieces"] if p["name"] != "fc1.weight"]
+
         corrupt_meta(ckpt, drop)
     elif case == "old_midrun_freeze":  # what zerodp wrote before it recorded mid-run freezing as trained
-        corrupt_meta(ckpt, lambda m: [r.update(trained=False, requires_grad=False) for r in m["params"]
-                                      if r["name"] == "fc1.bias"])
+        corrupt_meta(
+            ckpt,
+            lambda m: [r.update(trained=False, requires_grad=False) for r in m["params"] if r["name"] == "fc1.bias"],
+        )
     else:
         meta_file.unlink()
     engine = zoo_engine()
@@ -462,8 +503,9 @@ def test_mixed_dtypes_and_group_order(process_group: None, tmp_path: Path) -> No
         torch.manual_seed(seed)
         m = Mixed()
         groups = [{"params": [m.lin.weight, m.w64], "lr": 0.02}, {"params": [m.lin.bias], "weight_decay": 0.0}]
-        return zerodp.initialize(m, {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}},
-                                 model_parameters=groups)
+        return zerodp.initialize(
+            m, {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}, model_parameters=groups
+        )
 
     engine = make(0)
     assert len(engine.groups) == 3 and len(engine.optimizer.param_groups) == 2
@@ -505,7 +547,8 @@ def test_save_refusals_leave_nothing(process_group: None, tmp_path: Path) -> Non
 
 
 def test_single_rank_roundtrip_and_consolidate_without_process_group(
-        process_group: None, saved: Path, subprocesses: dict[str, subprocess.CompletedProcess]) -> None:
+    process_group: None, saved: Path, subprocesses: dict[str, subprocess.CompletedProcess]
+) -> None:
     torch.manual_seed(3)
     engine = zoo_engine(stage=2)
     path, client_state = engine.load_checkpoint(saved)
@@ -530,15 +573,22 @@ def test_param_groups_matched_by_name(process_group: None, tmp_path: Path) -> No
     # one group holding parameters that were saved with different hyperparameters: refused
     model = Zoo()
     merged = zerodp.initialize(model, {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}})
-    refused(merged, tmp_path, r"optimizer param group 0: its parameters .* were in saved param groups 0 and 1 "
-                              "with different hyperparameters")
+    refused(
+        merged,
+        tmp_path,
+        r"optimizer param group 0: its parameters .* were in saved param groups 0 and 1 "
+        "with different hyperparameters",
+    )
     # the first saved group split in two, in another order: each gets the saved hyperparameters
     m = Zoo()
-    split = [{"params": [m.fc1.bias, m.fc2.bias, m.scale, m.never_used], "weight_decay": 0.5},
-             {"params": [m.fc2.weight], "weight_decay": 0.5},
-             {"params": [m.fc1.weight, m.branch.weight], "weight_decay": 0.5, "lr": 1.0}]
-    regrouped = zerodp.initialize(m, {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 1}},
-                                  model_parameters=split)
+    split = [
+        {"params": [m.fc1.bias, m.fc2.bias, m.scale, m.never_used], "weight_decay": 0.5},
+        {"params": [m.fc2.weight], "weight_decay": 0.5},
+        {"params": [m.fc1.weight, m.branch.weight], "weight_decay": 0.5, "lr": 1.0},
+    ]
+    regrouped = zerodp.initialize(
+        m, {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 1}}, model_parameters=split
+    )
     regrouped.load_checkpoint(tmp_path)
     got = [(g["lr"], g["weight_decay"]) for g in regrouped.optimizer.param_groups]
     assert got == [(0.01, 0.0), (0.0042, 0.1), (0.0042, 0.1)]
@@ -578,17 +628,24 @@ KILL_SCRIPT = textwrap.dedent("""
 def subprocesses(saved: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
     """Run, concurrently: KILL_SCRIPT at each kill point (in ``<tmp>/<point>``), and consolidate() of
     ``saved`` into ``saved.parent/consolidated`` in an interpreter without a process group."""
-    env = {k: v for k, v in os.environ.items()  # not this process's 1-rank group
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()  # not this process's 1-rank group
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     out = saved.parent / "consolidated" / "model.safetensors"
-    consolidate_code = (f"from zerodp.checkpoint import consolidate; import torch.distributed as d; "
-                        f"consolidate({str(saved)!r}, {str(out)!r}); assert not d.is_initialized()")
+    consolidate_code = (
+        f"from zerodp.checkpoint import consolidate; import torch.distributed as d; "
+        f"consolidate({str(saved)!r}, {str(out)!r}); assert not d.is_initialized()"
+    )
     commands = {"consolidate": [sys.executable, "-c", consolidate_code]}
     for point in KILL_POINTS:
         commands[point] = [sys.executable, "-c", KILL_SCRIPT, str(tmp_path_factory.mktemp(point)), point]
-    procs = {k: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for k, cmd in commands.items()}
+    procs = {
+        k: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for k, cmd in commands.items()
+    }
     done = {}
     for k, p in procs.items():
         stdout, stderr = p.communicate(timeout=120)
@@ -625,12 +682,15 @@ def test_killed_mid_save(process_group: None, subprocesses: dict, point: str) ->
 def test_stage3_parameter_left_out_of_model_parameters(process_group: None, tmp_path: Path) -> None:
     """At stage 3 a parameter that requires grad but is not given to the optimizer still lives in a unit
     (with no optimizer piece): it is saved like a frozen one, and loads at stages 3 and 1."""
+
     def make(stage: int, seed: int) -> tuple[Zoo, zerodp.Engine]:
         torch.manual_seed(seed)
         m = Zoo()
         params = [p for n, p in m.named_parameters() if n != "fc2.bias"]
-        cfg = {"optimizer": {"type": "AdamW"},
-               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 4}}
+        cfg = {
+            "optimizer": {"type": "AdamW"},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 4},
+        }
         return m, zerodp.initialize(m, cfg, model_parameters=params)
 
     model, engine = make(3, 0)
@@ -649,11 +709,14 @@ def test_stage3_parameter_left_out_of_model_parameters(process_group: None, tmp_
 def test_stage3_load_drops_units_gathered_ahead(process_group: None, tmp_path: Path) -> None:
     """A training forward without backward leaves units prefetched for the backward: loading releases
     them (nothing stays gathered but the persistent unit) and the next forward uses the loaded values."""
+
     def make(seed: int) -> zerodp.Engine:
         torch.manual_seed(seed)
         m = Zoo()
-        cfg = {"optimizer": {"type": "AdamW"},
-               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 4}}
+        cfg = {
+            "optimizer": {"type": "AdamW"},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 4},
+        }
         return zerodp.initialize(m, cfg, model_parameters=zoo_groups(m))
 
     engine = make(0)

@@ -34,13 +34,18 @@ def launch(tmp_path_factory: pytest.TempPathFactory):
             d = tmp_path_factory.mktemp(f"exclude{world_size}")
             _cache[world_size] = (d, run_worker(world_size, worker=WORKER, extra_args=["--ckpt", str(d)]))
         return _cache[world_size]
+
     return get
 
 
 def cases() -> list:
-    return [pytest.param(w, s, p, o, id=f"w{w}-stage{s}-{p}-{o}")
-            for w in (1, 2, 3) for s in (0, 1, 2, 3) for p in ("fp32", "bf16", "fp16")
-            for o in (("none",) if s == 0 else ("none", "cpu"))]
+    return [
+        pytest.param(w, s, p, o, id=f"w{w}-stage{s}-{p}-{o}")
+        for w in (1, 2, 3)
+        for s in (0, 1, 2, 3)
+        for p in ("fp32", "bf16", "fp16")
+        for o in (("none",) if s == 0 else ("none", "cpu"))
+    ]
 
 
 @pytest.mark.parametrize("world_size,stage,precision,offload", cases())

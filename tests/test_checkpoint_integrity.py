@@ -30,8 +30,11 @@ def raw_tensors(path: Path) -> dict[str, tuple[int, int]]:
     blob = path.read_bytes()
     (n,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8 : 8 + n])
-    return {k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1])
-            for k, v in header.items() if k != "__metadata__"}
+    return {
+        k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1])
+        for k, v in header.items()
+        if k != "__metadata__"
+    }
 
 
 def corrupt(path: Path, name: str | None = None) -> str:
@@ -53,8 +56,9 @@ def saved(process_group: None, tmp_path_factory: pytest.TempPathFactory) -> Path
     """A 1-rank stage-1 checkpoint of a model with buffers (BatchNorm), so model_extra holds tensors."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(13, 7), nn.BatchNorm1d(7), nn.Linear(7, 5))
-    engine = zerodp.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-                                       "zero_optimization": {"stage": 1}})
+    engine = zerodp.initialize(
+        model, {"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "zero_optimization": {"stage": 1}}
+    )
     train(engine, 2)
     d = tmp_path_factory.mktemp("saved")
     engine.save_checkpoint(d)
@@ -71,8 +75,9 @@ def ckpt(saved: Path, tmp_path: Path) -> Path:
 def fresh_engine() -> zerodp.Engine:
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(13, 7), nn.BatchNorm1d(7), nn.Linear(7, 5))
-    return zerodp.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-                                     "zero_optimization": {"stage": 1}})
+    return zerodp.initialize(
+        model, {"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "zero_optimization": {"stage": 1}}
+    )
 
 
 def test_meta_records_the_crc32_of_every_tensor_in_every_file(ckpt: Path) -> None:
@@ -102,8 +107,9 @@ def test_pristine_checkpoint_verifies_and_loads(ckpt: Path, capsys: pytest.Captu
 
 
 @pytest.mark.parametrize("file", ["rank0.safetensors", "model_extra.safetensors"])
-def test_corrupted_bytes_refused_by_load_consolidate_and_verify(ckpt: Path, tmp_path: Path, file: str,
-                                                                 capsys: pytest.CaptureFixture) -> None:
+def test_corrupted_bytes_refused_by_load_consolidate_and_verify(
+    ckpt: Path, tmp_path: Path, file: str, capsys: pytest.CaptureFixture
+) -> None:
     path = ckpt / TAG / file
     size = path.stat().st_size
     name = corrupt(path)

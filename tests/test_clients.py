@@ -95,8 +95,18 @@ def test_comm_is_deepspeeds_api_not_zerodps_internal_module() -> None:
 
     assert dist.__name__ == "zerodp.deepspeed.comm"
     assert dist.ReduceOp is torch.distributed.ReduceOp
-    for name in ("init_distributed", "get_rank", "get_world_size", "get_local_rank", "barrier", "all_reduce",
-                 "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "new_group"):
+    for name in (
+        "init_distributed",
+        "get_rank",
+        "get_world_size",
+        "get_local_rank",
+        "barrier",
+        "all_reduce",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "new_group",
+    ):
         assert callable(getattr(dist, name)), name
 
 
@@ -119,9 +129,12 @@ def test_fused_adam_is_torch_adam_with_deepspeeds_arguments() -> None:
     torch.manual_seed(0)
     w = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in w[:2]]
-    opts = [FusedAdam([w[0]], lr=0.1, weight_decay=0.5), torch.optim.AdamW([ref[0]], lr=0.1, weight_decay=0.5),
-            DeepSpeedCPUAdam([w[1]], lr=0.1, weight_decay=0.5, adamw_mode=False),
-            torch.optim.Adam([ref[1]], lr=0.1, weight_decay=0.5)]
+    opts = [
+        FusedAdam([w[0]], lr=0.1, weight_decay=0.5),
+        torch.optim.AdamW([ref[0]], lr=0.1, weight_decay=0.5),
+        DeepSpeedCPUAdam([w[1]], lr=0.1, weight_decay=0.5, adamw_mode=False),
+        torch.optim.Adam([ref[1]], lr=0.1, weight_decay=0.5),
+    ]
     for _ in range(3):
         for p in (*w[:2], *ref):
             p.grad = torch.ones_like(p) * p.detach().sum().sign()

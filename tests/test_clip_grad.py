@@ -42,9 +42,13 @@ def per_rank(world_size: int, key: str) -> list[dict]:
 
 
 def cases() -> list:
-    return [pytest.param(w, s, p, o, id=f"w{w}-stage{s}-{p}-{o}")
-            for w in (1, 2, 3) for s in STAGES for p in PRECISIONS
-            for o in (("none",) if s == 0 else ("none", "cpu", "nvme"))]
+    return [
+        pytest.param(w, s, p, o, id=f"w{w}-stage{s}-{p}-{o}")
+        for w in (1, 2, 3)
+        for s in STAGES
+        for p in PRECISIONS
+        for o in (("none",) if s == 0 else ("none", "cpu", "nvme"))
+    ]
 
 
 @pytest.mark.parametrize("world_size,stage,precision,offload", cases())

@@ -40,12 +40,25 @@ class Launch:
         self.t0 = time.monotonic()
         self.procs = []
         for r in range(world):
-            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                   "PYTHONWARNINGS": "ignore"}
-            self.procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), "--group", group, "--out", str(self.out)],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            env = {
+                **os.environ,
+                "RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(r),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONWARNINGS": "ignore",
+            }
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), "--group", group, "--out", str(self.out)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
 
     def finish(self) -> tuple[list, list[int], Path]:
         codes, logs = [], []
@@ -61,8 +74,9 @@ class Launch:
         files = [self.out / f"rank{r}.json" for r in range(self.world)]
         results = [json.loads(f.read_text()) if f.exists() else None for f in files]
         if results[0] is None:
-            pytest.fail(f"{self.group}: rank 0 wrote no results (codes {codes}):\n"
-                        + "\n".join(log[-3000:] for log in logs))
+            pytest.fail(
+                f"{self.group}: rank 0 wrote no results (codes {codes}):\n" + "\n".join(log[-3000:] for log in logs)
+            )
         return results, codes, self.out
 
 
@@ -104,12 +118,14 @@ def test_save_on_rank0_only_raises_on_every_rank(mismatch: list[dict], stage: in
     assert "rank 0 is in save_checkpoint" in o1["message"], o1["message"]
 
 
-@pytest.mark.parametrize("name, mine, theirs", [
-    ("skip_module", "gather(blocks.1)", "gather(blocks.2)"),   # rank 1 skips blocks.1
-    ("call_twice", "gather(blocks.3)", "gather(blocks.2)"),    # rank 1 calls blocks.2 twice
-])
-def test_stage3_divergent_forward_names_the_modules(mismatch: list[dict], name: str, mine: str,
-                                                      theirs: str) -> None:
+@pytest.mark.parametrize(
+    "name, mine, theirs",
+    [
+        ("skip_module", "gather(blocks.1)", "gather(blocks.2)"),  # rank 1 skips blocks.1
+        ("call_twice", "gather(blocks.3)", "gather(blocks.2)"),  # rank 1 calls blocks.2 twice
+    ],
+)
+def test_stage3_divergent_forward_names_the_modules(mismatch: list[dict], name: str, mine: str, theirs: str) -> None:
     o0, o1 = _errors(mismatch, name)
     for o in (o0, o1):
         assert o["error"] == "CollectiveMismatchError", o
@@ -118,13 +134,17 @@ def test_stage3_divergent_forward_names_the_modules(mismatch: list[dict], name: 
     assert f"rank 1 entered {theirs}" in o1["message"], o1["message"]
 
 
-@pytest.mark.parametrize("name, mine, theirs", [
-    ("skip_module_traced", "gather(blocks.1)", "gather(blocks.2)"),
-    ("call_twice_traced", "gather(blocks.3)", "gather(blocks.2)"),
-    ("skip_last_traced", "gather(blocks.3)", "the end of forward (after 3 module fetches)"),
-])
-def test_stage3_divergence_after_trace_is_caught_by_forward_tags(mismatch: list[dict], name: str, mine: str,
-                                                                  theirs: str) -> None:
+@pytest.mark.parametrize(
+    "name, mine, theirs",
+    [
+        ("skip_module_traced", "gather(blocks.1)", "gather(blocks.2)"),
+        ("call_twice_traced", "gather(blocks.3)", "gather(blocks.2)"),
+        ("skip_last_traced", "gather(blocks.3)", "the end of forward (after 3 module fetches)"),
+    ],
+)
+def test_stage3_divergence_after_trace_is_caught_by_forward_tags(
+    mismatch: list[dict], name: str, mine: str, theirs: str
+) -> None:
     """At the third step the fetches are agreed by asynchronous tags: the same error, on every rank,
     raised inside that forward (before any backward collective or update)."""
     o0, o1 = _errors(mismatch, name)
@@ -171,8 +191,7 @@ def test_unequal_generation_without_sync_raises(mismatch: list[dict]) -> None:
     assert "rank 1 entered module_state_dict" in o1["message"], o1
 
 
-@pytest.mark.parametrize("name, lengths", [("unequal_generation_synced", [3, 5]),
-                                           ("rank0_only_generation", [4, 0])])
+@pytest.mark.parametrize("name, lengths", [("unequal_generation_synced", [3, 5]), ("rank0_only_generation", [4, 0])])
 def test_synced_generation_matches_single_process(mismatch: list[dict], name: str, lengths: list[int]) -> None:
     for r, res in enumerate(mismatch):
         o = res[name]

@@ -20,8 +20,10 @@ from zerodp.config import ConfigError, load_config
         ({"optimizer": {"type": "Lamb"}}, ["optimizer.type", "'Lamb' is not implemented", "SGD"]),
         ({"optimizer": {"type": "Sgdd"}}, ["optimizer.type", "unknown optimizer", "AdamW, SGD"]),
         ({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.9]}}}, ["optimizer.params.betas", "momentum"]),
-        ({"zero_optimization": {"round_robin_gradients": True}},
-         ["'zero_optimization.round_robin_gradients' is not implemented"]),
+        (
+            {"zero_optimization": {"round_robin_gradients": True}},
+            ["'zero_optimization.round_robin_gradients' is not implemented"],
+        ),
         ({"optimizer": {"type": "Adam", "params": {"lr": -1}}}, ["optimizer.params.lr", "-1"]),
         ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.5]}}}, ["optimizer.params.betas", "[0, 1)"]),
         ({"optimizer": {"type": "Adam", "params": {"momentum": 0.9}}}, ["optimizer.params.momentum", "weight_decay"]),
@@ -39,17 +41,31 @@ def test_bad_config_names_key_and_allowed(config: dict, fragments: list[str]) ->
         assert frag in str(exc.value), str(exc.value)
 
 
-@pytest.mark.parametrize("config, message", [
-    pytest.param({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}},
-                 "'optimizer.params.betas': needs exactly 2 values, got 1", id="betas_one_value"),
-    pytest.param({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 0.9, 0.9]}}},
-                 "'optimizer.params.betas': needs exactly 2 values, got 3", id="betas_three_values"),
-    pytest.param({"zero_optimization": {"stage": 10**20}},
-                 "'zero_optimization.stage': Input should be 0, 1, 2 or 3 (got 100000000000000000000)",
-                 id="stage_huge"),
-    pytest.param({"zero_optimization": {"stage": -1}},
-                 "'zero_optimization.stage': Input should be 0, 1, 2 or 3 (got -1)", id="stage_negative"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        pytest.param(
+            {"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}},
+            "'optimizer.params.betas': needs exactly 2 values, got 1",
+            id="betas_one_value",
+        ),
+        pytest.param(
+            {"optimizer": {"type": "Adam", "params": {"betas": [0.9, 0.9, 0.9]}}},
+            "'optimizer.params.betas': needs exactly 2 values, got 3",
+            id="betas_three_values",
+        ),
+        pytest.param(
+            {"zero_optimization": {"stage": 10**20}},
+            "'zero_optimization.stage': Input should be 0, 1, 2 or 3 (got 100000000000000000000)",
+            id="stage_huge",
+        ),
+        pytest.param(
+            {"zero_optimization": {"stage": -1}},
+            "'zero_optimization.stage': Input should be 0, 1, 2 or 3 (got -1)",
+            id="stage_negative",
+        ),
+    ],
+)
 def test_sizes_and_numbers_said_in_config_terms(config: dict, message: str) -> None:
     """What pydantic words by its internals ('betas.1: Field required', an i64 parse failure) is said
     as the number of values needed and the values allowed."""
@@ -59,8 +75,12 @@ def test_sizes_and_numbers_said_in_config_terms(config: dict, message: str) -> N
 
 
 def test_deepspeed_spellings_load() -> None:
-    cfg = load_config({"optimizer": {"type": "adamw", "params": {"lr": 3e-4, "betas": [0.9, 0.95]}},
-                       "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}})
+    cfg = load_config(
+        {
+            "optimizer": {"type": "adamw", "params": {"lr": 3e-4, "betas": [0.9, 0.95]}},
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8},
+        }
+    )
     assert cfg.optimizer.type == "AdamW"
     assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
     assert cfg.gradient_clipping == 0.0  # PyTorch's default: no clipping unless asked
@@ -78,12 +98,12 @@ def test_config_file(tmp_path) -> None:
 
 
 def test_batch_size_consistency() -> None:
-    cfg = load_config({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2,
-                       "gradient_accumulation_steps": 2})
+    cfg = load_config({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2})
     with pytest.raises(ConfigError, match="train_batch_size=10 must equal"):
         cfg.for_world_size(2)
-    ok = load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-                      "gradient_accumulation_steps": 2}).for_world_size(2)
+    ok = load_config(
+        {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
+    ).for_world_size(2)
     assert (ok.train_micro_batch_size_per_gpu, ok.gradient_accumulation_steps) == (2, 2)
 
 
@@ -98,14 +118,17 @@ def test_batch_sizes_derived_as_in_deepspeed() -> None:
         load_config({"train_batch_size": 33}).for_world_size(2)
 
 
-@pytest.mark.parametrize("config, fragment", [
-    ({"bf16": {"enabled": "yes"}}, "bf16.enabled"),
-    ({"fp16": {"enabled": "off"}}, "fp16.enabled"),
-    ({"optimizer": {"type": "Adam", "params": {"lr": "1e-3"}}}, "not a string"),
-    ({"gradient_clipping": "1.0"}, "not a string"),
-    ({"zero_optimization": {"stage": True}}, "not a boolean"),
-    ({"zero_optimization": {"overlap_comm": 1}}, "expected true or false"),
-])
+@pytest.mark.parametrize(
+    "config, fragment",
+    [
+        ({"bf16": {"enabled": "yes"}}, "bf16.enabled"),
+        ({"fp16": {"enabled": "off"}}, "fp16.enabled"),
+        ({"optimizer": {"type": "Adam", "params": {"lr": "1e-3"}}}, "not a string"),
+        ({"gradient_clipping": "1.0"}, "not a string"),
+        ({"zero_optimization": {"stage": True}}, "not a boolean"),
+        ({"zero_optimization": {"overlap_comm": 1}}, "expected true or false"),
+    ],
+)
 def test_no_lax_coercion(config: dict, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         load_config(config)
@@ -117,8 +140,9 @@ def test_bad_param_groups() -> None:
     with pytest.raises(ValueError, match="not a parameter of the model"):
         zerodp.initialize(model, {}, model_parameters=other.parameters())
     with pytest.raises(ValueError, match="more than one param group"):
-        zerodp.initialize(model, {}, model_parameters=[{"params": [model.weight]},
-                                                       {"params": [model.weight, model.bias]}])
+        zerodp.initialize(
+            model, {}, model_parameters=[{"params": [model.weight]}, {"params": [model.weight, model.bias]}]
+        )
     with pytest.raises(ValueError, match=r"\['momentum'\] that torch.optim.AdamW does not take; allowed: .*lr"):
         zerodp.initialize(model, {}, model_parameters=[{"params": [model.weight], "momentum": 0.9}])
     with pytest.raises(ValueError, match="unsupported option.*colour.*allowed: lr"):
@@ -143,8 +167,11 @@ def test_mixed_precision_and_scheduler_config_errors() -> None:
 
 def test_torch_scheduler_callable() -> None:
     model = nn.Linear(3, 2)
-    engine = zerodp.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}},
-                               lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5))
+    engine = zerodp.initialize(
+        model,
+        {"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}},
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5),
+    )
     lrs = []
     for _ in range(5):
         engine.backward(model(torch.ones(1, 3)).sum())
@@ -155,8 +182,11 @@ def test_torch_scheduler_callable() -> None:
     with pytest.raises(TypeError, match="must be a callable taking the engine's optimizer"):
         zerodp.initialize(nn.Linear(3, 2), {}, lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
     with pytest.raises(ValueError, match="either lr_scheduler"):
-        zerodp.initialize(nn.Linear(3, 2), {"scheduler": {"type": "WarmupLR"}},
-                          lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1))
+        zerodp.initialize(
+            nn.Linear(3, 2),
+            {"scheduler": {"type": "WarmupLR"}},
+            lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1),
+        )
 
 
 def test_warmup_cosine_formula() -> None:
@@ -167,9 +197,12 @@ def test_warmup_cosine_formula() -> None:
 
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([p], lr=0.2)
-    sched = WarmupCosineLR(opt, WarmupCosineLRParams(total_num_steps=10, warmup_num_steps=4,
-                                                     warmup_min_ratio=0.1, cos_min_ratio=0.05,
-                                                     warmup_type="linear"))
+    sched = WarmupCosineLR(
+        opt,
+        WarmupCosineLRParams(
+            total_num_steps=10, warmup_num_steps=4, warmup_min_ratio=0.1, cos_min_ratio=0.05, warmup_type="linear"
+        ),
+    )
     got = []
     for _ in range(11):
         got.append(opt.param_groups[0]["lr"])
@@ -199,8 +232,7 @@ def test_consolidate_names_a_missing_directory(tmp_path) -> None:
 
 def test_scheduler_warmup_longer_than_total_refused() -> None:
     with pytest.raises(ConfigError, match=r"warmup_num_steps \(10\) must not exceed total_num_steps \(5\)"):
-        load_config({"scheduler": {"type": "WarmupDecayLR",
-                                   "params": {"warmup_num_steps": 10, "total_num_steps": 5}}})
+        load_config({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 5}}})
 
 
 def _numeric_leaves(model: type, prefix: tuple = ()) -> list[tuple[tuple, object]]:
@@ -240,8 +272,9 @@ def test_non_finite_numbers_refused_in_every_field(bad: float) -> None:
     for stype, model in SCHEDULER_PARAMS.items():
         params = {"total_num_steps": 10, "warmup_num_steps": 5} if "total_num_steps" in model.model_fields else {}
         for (name,), _ in _numeric_leaves(model):
-            cases.append((("scheduler", "params", name),
-                          {"scheduler": {"type": stype, "params": {**params, name: bad}}}))
+            cases.append(
+                (("scheduler", "params", name), {"scheduler": {"type": stype, "params": {**params, name: bad}}})
+            )
     assert len(cases) > 20  # every numeric key of the schema was tried
     if bad == float("inf"):  # DeepSpeed (and accelerate) use steps_per_print inf for "never print"
         cases = [(p, c) for p, c in cases if p != ("steps_per_print",)]
@@ -260,12 +293,17 @@ def test_infinity_in_a_json_file_refused(tmp_path) -> None:
         load_config(str(path))
 
 
-@pytest.mark.parametrize("opt, reference", [
-    ({"type": "Adam", "params": {"lr": 0.1, "weight_decay": 0.5}}, (torch.optim.AdamW, {"weight_decay": 0.5})),
-    ({"type": "AdamW", "params": {"lr": 0.1}}, (torch.optim.AdamW, {"weight_decay": 0.0})),
-    ({"type": "Adam", "params": {"lr": 0.1, "weight_decay": 0.5, "adam_w_mode": False}},
-     (torch.optim.Adam, {"weight_decay": 0.5})),
-])
+@pytest.mark.parametrize(
+    "opt, reference",
+    [
+        ({"type": "Adam", "params": {"lr": 0.1, "weight_decay": 0.5}}, (torch.optim.AdamW, {"weight_decay": 0.5})),
+        ({"type": "AdamW", "params": {"lr": 0.1}}, (torch.optim.AdamW, {"weight_decay": 0.0})),
+        (
+            {"type": "Adam", "params": {"lr": 0.1, "weight_decay": 0.5, "adam_w_mode": False}},
+            (torch.optim.Adam, {"weight_decay": 0.5}),
+        ),
+    ],
+)
 def test_optimizer_section_means_what_deepspeed_means(opt, reference) -> None:
     """One meaning of the optimizer section for zerodp.initialize and zerodp.deepspeed.initialize:
     DeepSpeed's (Adam = AdamW unless adam_w_mode is false; weight_decay default 0)."""
@@ -284,8 +322,9 @@ def test_optimizer_section_means_what_deepspeed_means(opt, reference) -> None:
         return lambda loss: (engine.backward(loss), engine.step())
 
     def dropin(model):
-        engine, *_ = zerodp.deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
-                                                                      "optimizer": opt})
+        engine, *_ = zerodp.deepspeed.initialize(
+            model=model, config={"train_micro_batch_size_per_gpu": 1, "optimizer": opt}
+        )
         return lambda loss: (engine.backward(loss), engine.step())
 
     def torch_reference(model):

@@ -19,17 +19,30 @@ WORKER = Path(__file__).with_name("config_agreement_worker.py")
 
 def run(case: str) -> list[str]:
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
-               "--out", out, "--case", case]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(WORKER),
+            "--out",
+            out,
+            "--case",
+            case,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("case,key,values", [
-    ("lr", "optimizer.params.lr", ("rank 0 0.1", "rank 1 0.01")),
-    ("stage", "zero_optimization.stage", ("rank 0 2", "rank 1 3")),
-])
+@pytest.mark.parametrize(
+    "case,key,values",
+    [
+        ("lr", "optimizer.params.lr", ("rank 0 0.1", "rank 1 0.01")),
+        ("stage", "zero_optimization.stage", ("rank 0 2", "rank 1 3")),
+    ],
+)
 def test_different_settings_are_refused_on_every_rank(case: str, key: str, values: tuple[str, str]) -> None:
     for message in run(case):
         assert "different settings" in message and key in message, message

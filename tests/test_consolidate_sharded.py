@@ -62,9 +62,12 @@ def process_group() -> Iterator[None]:
 
 
 def _cfg(bf16: bool) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": bf16},
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "bf16": {"enabled": bf16},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
 
 
 @pytest.fixture(scope="module")

@@ -29,15 +29,18 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3))
 
 
-def _engine(stage: int, device: str | None, nvme: Path, bf16: bool = False,
-            optimizer: dict | None = None, **offload: Any) -> zerodp.Engine:
+def _engine(
+    stage: int, device: str | None, nvme: Path, bf16: bool = False, optimizer: dict | None = None, **offload: Any
+) -> zerodp.Engine:
     torch.manual_seed(0)
     zc: dict = {"stage": stage, "reduce_bucket_size": 200, "stage3_param_persistence_threshold": 4}
     if device:
         zc["offload_optimizer"] = {"device": device, "nvme_path": str(nvme), **offload}
         zc["sub_group_size"] = 300  # several NVMe sub-groups
-    cfg: dict = {"optimizer": optimizer or {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
-                 "zero_optimization": zc}
+    cfg: dict = {
+        "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+        "zero_optimization": zc,
+    }
     if bf16:
         cfg["bf16"] = {"enabled": True}
     return zerodp.initialize(_model(), cfg)
@@ -110,12 +113,16 @@ def test_checkpoints_cross_fused_and_non_offloaded(device, tmp_path, fused_calls
             e.close()
 
 
-@pytest.mark.parametrize("optimizer", [
-    {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}},
-    {"type": "Adam", "params": {"lr": 0.01, "foreach": False}},
-    {"type": "AdamW", "params": {"lr": 0.01, "foreach": True}},
-    "same",
-], ids=["sgd", "adam_foreach_false", "adamw_foreach_true", "same"])
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}},
+        {"type": "Adam", "params": {"lr": 0.01, "foreach": False}},
+        {"type": "AdamW", "params": {"lr": 0.01, "foreach": True}},
+        "same",
+    ],
+    ids=["sgd", "adam_foreach_false", "adamw_foreach_true", "same"],
+)
 def test_other_kernels_kept(optimizer, tmp_path, fused_calls):
     """SGD, a user's explicit ``foreach`` and ``cpu_adam: "same"``: no fused Adam kernel runs, and the
     offloaded run equals the non-offloaded one bitwise."""

@@ -75,32 +75,84 @@ class HFLike(nn.Module):
 # DeepSpeed's ZeRO tutorial examples (deepspeed.ai/tutorials/zero) and the HF Trainer's documented
 # ZeRO-2/ZeRO-3 configs, key for key. The offload_optimizer/offload_param/sub_group_size keys of those
 # examples belong to zerodp.offload and are left out here.
-DS_ZERO2 = {"zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 5e8,
-                                  "overlap_comm": False, "reduce_scatter": True, "reduce_bucket_size": 5e8,
-                                  "contiguous_gradients": True}}
-DS_ZERO3 = {"zero_optimization": {"stage": 3, "contiguous_gradients": True, "stage3_max_live_parameters": 1e9,
-                                  "stage3_prefetch_bucket_size": 1e7, "stage3_param_persistence_threshold": 1e5,
-                                  "reduce_bucket_size": 1e7}}
+DS_ZERO2 = {
+    "zero_optimization": {
+        "stage": 2,
+        "allgather_partitions": True,
+        "allgather_bucket_size": 5e8,
+        "overlap_comm": False,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 5e8,
+        "contiguous_gradients": True,
+    }
+}
+DS_ZERO3 = {
+    "zero_optimization": {
+        "stage": 3,
+        "contiguous_gradients": True,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_prefetch_bucket_size": 1e7,
+        "stage3_param_persistence_threshold": 1e5,
+        "reduce_bucket_size": 1e7,
+    }
+}
 HF_COMMON = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "bf16": {"enabled": "auto"},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto"}},
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
 }
-HF_ZERO2 = {**HF_COMMON, "zero_optimization": {
-    "stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
-    "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True}}
-HF_ZERO3 = {**HF_COMMON, "zero_optimization": {
-    "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": "auto",
-    "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
-    "stage3_max_live_parameters": 1e9, "stage3_gather_16bit_weights_on_model_save": True}}
-TRAINING_ARGS = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=1.0,
-                     learning_rate=3e-4, adam_betas=(0.9, 0.999), adam_epsilon=1e-8, weight_decay=0.0,
-                     warmup_steps=10)
+HF_ZERO2 = {
+    **HF_COMMON,
+    "zero_optimization": {
+        "stage": 2,
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 2e8,
+        "contiguous_gradients": True,
+    },
+}
+HF_ZERO3 = {
+    **HF_COMMON,
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+}
+TRAINING_ARGS = dict(
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    max_grad_norm=1.0,
+    learning_rate=3e-4,
+    adam_betas=(0.9, 0.999),
+    adam_epsilon=1e-8,
+    weight_decay=0.0,
+    warmup_steps=10,
+)
 
 
 @pytest.mark.parametrize("config", [DS_ZERO2, DS_ZERO3], ids=["deepspeed-zero2", "deepspeed-zero3"])
@@ -119,8 +171,11 @@ def test_hf_configs_load_once_trainer_arguments_fill_auto(config: dict) -> None:
     assert cfg.scheduler.parsed_params().warmup_max_lr == 3e-4 and not cfg.fp16.enabled and not cfg.bf16.enabled
     zc = cfg.zero_optimization
     if zc.stage == 3:  # "auto" from hidden_size, as the HF Trainer fills it
-        assert (zc.reduce_bucket_size, zc.stage3_prefetch_bucket_size, zc.stage3_param_persistence_threshold) \
-            == (64, 57, 80)
+        assert (zc.reduce_bucket_size, zc.stage3_prefetch_bucket_size, zc.stage3_param_persistence_threshold) == (
+            64,
+            57,
+            80,
+        )
         assert zc.stage3_gather_16bit_weights_on_model_save
 
 
@@ -128,20 +183,37 @@ def test_hf_config_without_trainer_arguments_is_refused_naming_each_auto() -> No
     with pytest.raises(zerodp.ConfigError) as err:
         resolve_deepspeed_config(fill_auto(HF_ZERO2, per_device_train_batch_size=2, learning_rate=1e-3), HFLike())
     msg = str(err.value)
-    for key in ("optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay",
-                "scheduler.params.warmup_num_steps", "gradient_clipping"):
+    for key in (
+        "optimizer.params.betas",
+        "optimizer.params.eps",
+        "optimizer.params.weight_decay",
+        "scheduler.params.warmup_num_steps",
+        "gradient_clipping",
+    ):
         assert f"'{key}' is \"auto\"" in msg, msg
     assert "'optimizer.params.lr'" not in msg
 
 
-@pytest.mark.parametrize("raw, model, fragments", [
-    ({k: "auto" for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")},
-     HFLike(), ["are all \"auto\"", "set train_micro_batch_size_per_gpu"]),
-    ({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}, nn.Linear(2, 2),
-     ["'zero_optimization.reduce_bucket_size' is \"auto\"", "hidden_size * hidden_size", "Linear"]),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}, nn.Linear(2, 2),
-     ["'scheduler.params.warmup_max_lr'", "set optimizer.params.lr"]),
-])
+@pytest.mark.parametrize(
+    "raw, model, fragments",
+    [
+        (
+            {k: "auto" for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")},
+            HFLike(),
+            ['are all "auto"', "set train_micro_batch_size_per_gpu"],
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}},
+            nn.Linear(2, 2),
+            ["'zero_optimization.reduce_bucket_size' is \"auto\"", "hidden_size * hidden_size", "Linear"],
+        ),
+        (
+            {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}},
+            nn.Linear(2, 2),
+            ["'scheduler.params.warmup_max_lr'", "set optimizer.params.lr"],
+        ),
+    ],
+)
 def test_unresolvable_auto_is_refused(raw: dict, model: nn.Module, fragments: list[str]) -> None:
     with pytest.raises(zerodp.ConfigError) as err:
         resolve_deepspeed_config(raw, model)
@@ -170,9 +242,14 @@ def test_deepspeed_adam_spellings() -> None:
 def test_single_process_engine_api_and_refusals(tmp_path) -> None:
     model = nn.Linear(3, 2)
     engine, optimizer, loader, sched = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(),
-        config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
-                "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.5}}})
+        model=model,
+        model_parameters=model.parameters(),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.5}},
+        },
+    )
     assert loader is None and sched is None and isinstance(optimizer, torch.optim.SGD)
     with pytest.raises(AssertionError, match="no_sync context manager is incompatible") as refused:
         with engine.no_sync():
@@ -198,18 +275,29 @@ def test_single_process_engine_api_and_refusals(tmp_path) -> None:
     assert engine.memory_report().stage == 2  # zerodp's own API through the wrapper
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"mesh_param": (2, 1)}, "mesh_param"),
-    ({"optimizer": "client", "config": {"optimizer": {"type": "SGD"}}}, "one of them"),
-    pytest.param({"config": {}, "config_params": {}}, r"more than one config \(config, config_params\)",
-                 id="config_and_config_params"),
-    pytest.param({"args": "file", "config": {"train_batch_size": 4}},
-                 r"more than one config \(config, args.deepspeed_config='ds.json'\).*drop --deepspeed_config",
-                 id="args_and_config"),
-    pytest.param({"args": "none"}, r"no config: pass config=.*config_params=.*args.deepspeed_config",
-                 id="args_without_config"),
-    pytest.param({}, r"no config: pass config=.*config_params=.*args.deepspeed_config", id="no_config"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"mesh_param": (2, 1)}, "mesh_param"),
+        ({"optimizer": "client", "config": {"optimizer": {"type": "SGD"}}}, "one of them"),
+        pytest.param(
+            {"config": {}, "config_params": {}},
+            r"more than one config \(config, config_params\)",
+            id="config_and_config_params",
+        ),
+        pytest.param(
+            {"args": "file", "config": {"train_batch_size": 4}},
+            r"more than one config \(config, args.deepspeed_config='ds.json'\).*drop --deepspeed_config",
+            id="args_and_config",
+        ),
+        pytest.param(
+            {"args": "none"},
+            r"no config: pass config=.*config_params=.*args.deepspeed_config",
+            id="args_without_config",
+        ),
+        pytest.param({}, r"no config: pass config=.*config_params=.*args.deepspeed_config", id="no_config"),
+    ],
+)
 def test_initialize_refusals(kwargs: dict, match: str) -> None:
     """Each refusal names what is wrong; a config from both ``args.deepspeed_config`` (a launcher's
     ``--deepspeed_config``) and ``config=`` is refused as DeepSpeed does, not one of them dropped."""
@@ -246,11 +334,16 @@ def test_client_optimizer_refusals() -> None:
         deepspeed.initialize(model=model, optimizer=lbfgs, config={"train_batch_size": 1})
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"remote_device": "disk"}, "allowed values"), ({"mpu": object()}, "mpu"),
-    ({"module": nn.Linear(2, 2)}, "module"), ({"dtype": torch.bfloat16}, "disagrees"),
-    ({"config_dict_or_path": {"zero_optimization": {"stage": 2}}}, "stage 3"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"remote_device": "disk"}, "allowed values"),
+        ({"mpu": object()}, "mpu"),
+        ({"module": nn.Linear(2, 2)}, "module"),
+        ({"dtype": torch.bfloat16}, "disagrees"),
+        ({"config_dict_or_path": {"zero_optimization": {"stage": 2}}}, "stage 3"),
+    ],
+)
 def test_zero_init_refusals(kwargs: dict, match: str) -> None:
     with pytest.raises((NotImplementedError, ValueError), match=match):  # ConfigError is a ValueError
         deepspeed.zero.Init(**kwargs)
@@ -300,9 +393,15 @@ def test_real_deepspeed_accepts_the_same_tutorial_config() -> None:
 
 
 def test_steps_per_print_and_wall_clock_breakdown_print(capsys) -> None:
-    engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config={
-        "train_micro_batch_size_per_gpu": 1, "steps_per_print": 2, "wall_clock_breakdown": True,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine, *_ = deepspeed.initialize(
+        model=nn.Linear(3, 2),
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "steps_per_print": 2,
+            "wall_clock_breakdown": True,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        },
+    )
     for _ in range(4):
         engine.backward(engine(torch.randn(1, 3)).sum())
         engine.step()
@@ -321,9 +420,11 @@ def test_client_optimizer_with_param_groups_matches_torch(cls: type) -> None:
     def groups(m: nn.Module) -> list[dict]:
         return [{"params": [m.weight], "weight_decay": 0.1}, {"params": [m.bias], "weight_decay": 0.0, "lr": 0.05}]
 
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=cls(groups(model), lr=0.01),
-                                                   config={"train_micro_batch_size_per_gpu": 2,
-                                                           "zero_optimization": {"stage": 1}})
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=cls(groups(model), lr=0.01),
+        config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}},
+    )
     assert type(optimizer) is cls and [g["lr"] for g in optimizer.param_groups] == [0.01, 0.05]
     opt = cls(groups(ref), lr=0.01)
     for _ in range(3):

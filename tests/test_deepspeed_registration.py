@@ -18,10 +18,14 @@ from distributed import run_python
 def _run(script: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
     if pythonpath is None:
         return run_python(textwrap.dedent(script))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(pythonpath), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                          timeout=120, env=env)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(pythonpath), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def test_not_active_by_default() -> None:
@@ -87,7 +91,8 @@ def test_refuses_to_shadow_a_real_deepspeed(tmp_path: Path, kind: str) -> None:
         info = tmp_path / "deepspeed-0.14.0.dist-info"
         info.mkdir()
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.14.0\n")
-    proc = _run("""
+    proc = _run(
+        """
         import sys
         from zerodp.deepspeed.registration import DeepSpeedShadowError, install, is_installed
         try:
@@ -95,7 +100,9 @@ def test_refuses_to_shadow_a_real_deepspeed(tmp_path: Path, kind: str) -> None:
         except DeepSpeedShadowError as e:
             print(e)
         assert not is_installed() and getattr(sys.modules.get("deepspeed"), "__name__", "") != "zerodp.deepspeed"
-    """, pythonpath=tmp_path)
+    """,
+        pythonpath=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "refuses to shadow" in proc.stdout and "Uninstall" in proc.stdout
 

@@ -42,13 +42,24 @@ def _zc(**oo) -> dict:
     return {"zero_optimization": {"stage": 2, "offload_optimizer": oo}}
 
 
-@pytest.mark.parametrize("cfg, match", [
-    (_zc(device="none", delayed_update=True), "delayed_update needs offload_optimizer.device 'cpu'"),
-    (_zc(device="nvme", nvme_path="/tmp", delayed_update=True), "got device 'nvme'"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "delayed_update": True},
-                            "offload_param": {"device": "cpu"}}}, "with offload_param .* not implemented"),
-    (_zc(device="cpu", delayed_update="yes"), "boolean"),
-])
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        (_zc(device="none", delayed_update=True), "delayed_update needs offload_optimizer.device 'cpu'"),
+        (_zc(device="nvme", nvme_path="/tmp", delayed_update=True), "got device 'nvme'"),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "cpu", "delayed_update": True},
+                    "offload_param": {"device": "cpu"},
+                }
+            },
+            "with offload_param .* not implemented",
+        ),
+        (_zc(device="cpu", delayed_update="yes"), "boolean"),
+    ],
+)
 def test_delayed_update_refused_where_unsupported(cfg, match):
     with pytest.raises(zerodp.ConfigError, match=match):
         load_config(cfg)

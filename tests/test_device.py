@@ -41,12 +41,15 @@ def backend(monkeypatch: pytest.MonkeyPatch, config: str) -> None:
     monkeypatch.setattr(dist, "get_backend", lambda group=None: config.split(",")[-1].split(":")[-1])
 
 
-@pytest.mark.parametrize("config,expected", [
-    ("cpu:gloo,cuda:nccl", {"cpu": "gloo", "cuda": "nccl"}),
-    ("cuda:nccl", {"cuda": "nccl"}),
-    ("nccl", {"cuda": "nccl"}),
-    ("gloo", {"cpu": "gloo", "cuda": "gloo"}),
-])
+@pytest.mark.parametrize(
+    "config,expected",
+    [
+        ("cpu:gloo,cuda:nccl", {"cpu": "gloo", "cuda": "nccl"}),
+        ("cuda:nccl", {"cuda": "nccl"}),
+        ("nccl", {"cuda": "nccl"}),
+        ("gloo", {"cpu": "gloo", "cuda": "gloo"}),
+    ],
+)
 def test_group_device_backends_parses_torch_backend_config(monkeypatch, config, expected):
     backend(monkeypatch, config)
     assert device.group_device_backends(None) == expected
@@ -120,8 +123,7 @@ def _fake_module(*devices: torch.device) -> SimpleNamespace:
 
 def test_module_on_another_gpu_is_refused_naming_both():
     with pytest.raises(DeviceError, match=r"'w1' is on cuda:1, but this rank's engine device is cuda:0"):
-        check_module_device(_fake_module(torch.device("cuda", 0), torch.device("cuda", 1)),
-                            torch.device("cuda", 0))
+        check_module_device(_fake_module(torch.device("cuda", 0), torch.device("cuda", 1)), torch.device("cuda", 0))
 
 
 def test_module_already_there_stays_and_cpu_or_meta_moves():
@@ -145,8 +147,9 @@ def test_initialize_moves_the_module_to_the_chosen_device(monkeypatch, cuda_mach
     moved.assert_not_called()  # already on the CPU
 
 
-@pytest.mark.parametrize("zc", [{"stage": 2, "offload_optimizer": {"device": "cpu"}},
-                                {"stage": 3, "offload_param": {"device": "cpu"}}])
+@pytest.mark.parametrize(
+    "zc", [{"stage": 2, "offload_optimizer": {"device": "cpu"}}, {"stage": 3, "offload_param": {"device": "cpu"}}]
+)
 def test_offload_on_a_gpu_places_the_module_there(monkeypatch, cuda_machine, zc):
     """Offload with the engine on a GPU is no longer refused: the module goes to cuda:LOCAL_RANK (its
     host partition / shard homes are made by the offloads, tests/unit/test_offload_device.py)."""
@@ -159,6 +162,7 @@ def test_offload_on_a_gpu_places_the_module_there(monkeypatch, cuda_machine, zc)
 
 
 # ---- control group ---------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def fake_world(monkeypatch: pytest.MonkeyPatch):
@@ -183,8 +187,7 @@ def test_nccl_only_group_gets_one_gloo_side_group(monkeypatch, fake_world):
     assert control.route(torch.zeros(1), dp) is side  # host tensor: the side group
     assert control.route(torch.zeros(1, device="meta"), dp) is dp  # device tensor: the group itself
     world_side = control.control_group(None)  # the world: every rank builds it
-    assert fake_world.call_args.kwargs == {"ranks": [0, 1, 2, 3], "backend": "gloo",
-                                           "use_local_synchronization": False}
+    assert fake_world.call_args.kwargs == {"ranks": [0, 1, 2, 3], "backend": "gloo", "use_local_synchronization": False}
     assert world_side is not side and len(control.SIDE_GROUPS_BUILT) == 2
 
 
@@ -209,6 +212,7 @@ def test_comm_all_reduce_of_a_host_tensor_goes_to_the_side_group(monkeypatch, fa
 
 
 # ---- host syncs ------------------------------------------------------------------------------------
+
 
 def test_synchronize_counts_and_returns_host_values():
     device.reset_host_syncs()
@@ -298,9 +302,11 @@ def test_nccl_only_group_trains_on_the_gpu_like_pytorch():
 
 @pytest.mark.cuda
 def test_auto_device_is_the_local_gpu():
-    proc = run_python("import zerodp, torch, json\n"
-                      "e = zerodp.initialize(torch.nn.Linear(4, 4), {})\n"
-                      "print(json.dumps([str(e.device), str(e.module.weight.device)]))\n"
-                      "zerodp.shutdown_distributed()")
+    proc = run_python(
+        "import zerodp, torch, json\n"
+        "e = zerodp.initialize(torch.nn.Linear(4, 4), {})\n"
+        "print(json.dumps([str(e.device), str(e.module.weight.device)]))\n"
+        "zerodp.shutdown_distributed()"
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["cuda:0", "cuda:0"]

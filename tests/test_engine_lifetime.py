@@ -29,8 +29,10 @@ def _model() -> nn.Module:
 
 
 def _config(stage: int, variant) -> dict:
-    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100}}
+    cfg = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
+    }
     if variant == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -56,8 +58,9 @@ def _train_and_drop(stage: int, variant) -> list[weakref.ref]:
         engine.step()
     refs = [weakref.ref(engine), weakref.ref(model)] + [weakref.ref(p) for p in model.parameters()]
     refs += [weakref.ref(g.buffer) for g in engine.groups]  # flat buffers (stages 0-2) or shards (3)
-    refs += [weakref.ref(t) for st in engine.optimizer.state.values() for t in st.values()
-             if isinstance(t, torch.Tensor)]
+    refs += [
+        weakref.ref(t) for st in engine.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)
+    ]
     return refs
 
 

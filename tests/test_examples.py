@@ -20,10 +20,21 @@ EXAMPLES = ROOT / "examples"
 
 def run_example(script: str, *argv: str, cwd: Path = ROOT) -> str:
     """stdout of ``torchrun --nproc-per-node 2 examples/<script> argv...`` (it must exit 0)."""
-    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(EXAMPLES / script), *argv]
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLES / script),
+        *argv,
+    ]
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     return proc.stdout
@@ -45,8 +56,15 @@ def test_train_own_model(stage: int) -> None:
 
 
 def test_deepspeed_script(tmp_path: Path) -> None:
-    out = run_example("deepspeed/train.py", "--deepspeed_config", str(EXAMPLES / "deepspeed" / "ds_config.json"),
-                      "--epochs", "2", "--save-dir", str(tmp_path / "ckpt"))
+    out = run_example(
+        "deepspeed/train.py",
+        "--deepspeed_config",
+        str(EXAMPLES / "deepspeed" / "ds_config.json"),
+        "--epochs",
+        "2",
+        "--save-dir",
+        str(tmp_path / "ckpt"),
+    )
     loss = losses(out, "epoch")
     assert loss[-1] < loss[0], loss
     # 512 samples / (8 per rank x 2 ranks) = 32 micro-batches per epoch, 2 per step: 16 steps per epoch

@@ -19,10 +19,12 @@ WORLD_SIZES = (2, 3)
 STAGES = (0, 1, 2, 3)
 
 #: scenario each test function asserts on (test_mixed_precision_scale_sensitive: its ``name`` parameter)
-SCENARIO_OF = {"test_accumulation_is_scale_sensitive": "accum_scale_sensitive",
-               "test_accumulation_with_clipping_below_the_norm": "accum_clip_below_norm",
-               "test_ranks_built_from_different_seeds_train_rank0s_model": "rank_seeds_differ",
-               "test_storage_held_stages_0_to_2": "storage"}
+SCENARIO_OF = {
+    "test_accumulation_is_scale_sensitive": "accum_scale_sensitive",
+    "test_accumulation_with_clipping_below_the_norm": "accum_clip_below_norm",
+    "test_ranks_built_from_different_seeds_train_rank0s_model": "rank_seeds_differ",
+    "test_storage_held_stages_0_to_2": "storage",
+}
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +75,10 @@ def test_ranks_built_from_different_seeds_train_rank0s_model(launches: dict, wor
 
 MIXED = {  # scenario: (move_err bound, norm_err bound); measured at most 0.0054 / 0.0013 (bf16) and
     # 0.0004 / 0.0003 (fp16) at world sizes 2-3; a gradient off by 2x gives a move_err near 1
-    "bf16_accum": (0.03, None), "bf16_clip": (0.03, 0.01),
-    "fp16_loss_scale": (0.005, None), "fp16_accum_clip": (0.005, 0.002),
+    "bf16_accum": (0.03, None),
+    "bf16_clip": (0.03, 0.01),
+    "fp16_loss_scale": (0.005, None),
+    "fp16_accum_clip": (0.005, 0.002),
 }
 
 

@@ -16,13 +16,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
-PARTS = ["install", "versions", "cuda_marked_tests", "device_tests_ws1", "device_tests_ws2", "train_compare",
-         "bench_ws1", "bench_ws2", "offload_headline"]
+PARTS = [
+    "install",
+    "versions",
+    "cuda_marked_tests",
+    "device_tests_ws1",
+    "device_tests_ws2",
+    "train_compare",
+    "bench_ws1",
+    "bench_ws2",
+    "offload_headline",
+]
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env=env)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
 
 
 def test_dry_run_writes_the_json(tmp_path):
@@ -45,8 +53,16 @@ def test_dry_run_writes_the_json(tmp_path):
         assert f"gpu_bench_check.py '{tmp_path}/bench_ws{n}/bench.json'" in log
         assert report["figures"][f"bench_ws{n}"] is None  # nothing ran
     assert report["passed"] == 0 and report["counted"] == 0
-    assert set(report["figures"]) == {"versions", "train_compare", "cuda_marked_tests", "device_tests_ws1",
-                                      "device_tests_ws2", "bench_ws1", "bench_ws2", "offload_headline"}
+    assert set(report["figures"]) == {
+        "versions",
+        "train_compare",
+        "cuda_marked_tests",
+        "device_tests_ws1",
+        "device_tests_ws2",
+        "bench_ws1",
+        "bench_ws2",
+        "offload_headline",
+    }
     log = (tmp_path / "offload_headline.log").read_text()
     assert "gpu_offload_headline.py --device cuda --budget-gib 8 --time-s 50" in log, log
     assert f"--out '{tmp_path}/offload_headline.json'" in log
@@ -84,8 +100,11 @@ def test_device_tests_are_every_device_following_test(tmp_path):
     command = (tmp_path / "device_tests_ws1.log").read_text()
     assert "ZERODP_TEST_DEVICE=cuda ZERODP_TEST_WORLD_SIZES=1 " in command
     assert "ZERODP_TEST_WORLD_SIZES=2 " in (tmp_path / "device_tests_ws2.log").read_text()
-    following = sorted(p.name for p in (ROOT / "tests").glob("test_*.py")
-                       if re.search(r"\b(skip_beyond_devices|too_many_ranks)\(", p.read_text()))
+    following = sorted(
+        p.name
+        for p in (ROOT / "tests").glob("test_*.py")
+        if re.search(r"\b(skip_beyond_devices|too_many_ranks)\(", p.read_text())
+    )
     assert len(following) >= 4, following
     for name in following:
         assert f"tests/{name}" in command, (name, command)
@@ -117,10 +136,13 @@ def test_out_from_the_environment_and_budget(tmp_path):
     assert json.loads((tmp_path / "o" / "gpu_check.json").read_text())["budget_s"] == 300
 
 
-@pytest.mark.parametrize("args,message", [
-    (("--bogus",), "unknown argument '--bogus'; allowed: --dry-run"),
-    (("--dry-run", "--budget-s", "8min"), "--budget-s must be a whole number of seconds, got '8min'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--bogus",), "unknown argument '--bogus'; allowed: --dry-run"),
+        (("--dry-run", "--budget-s", "8min"), "--budget-s must be a whole number of seconds, got '8min'"),
+    ],
+)
 def test_bad_arguments_are_refused(tmp_path, args, message):
     proc = run(*args, "--out", str(tmp_path))
     assert proc.returncode == 2 and message in proc.stderr
@@ -134,16 +156,26 @@ def test_report_counts_failures_and_spent_budget(tmp_path):
     finally:
         sys.path.pop(0)
     (tmp_path / "parts").mkdir()
-    statuses = {"install": "pass", "versions": "fail", "cuda_marked_tests": "pass", "device_tests_ws1": "pass",
-                "device_tests_ws2": "skipped", "train_compare": "budget_spent",
-                "bench_ws1": "pass", "offload_headline": "pass"}  # bench_ws2: never recorded
+    statuses = {
+        "install": "pass",
+        "versions": "fail",
+        "cuda_marked_tests": "pass",
+        "device_tests_ws1": "pass",
+        "device_tests_ws2": "skipped",
+        "train_compare": "budget_spent",
+        "bench_ws1": "pass",
+        "offload_headline": "pass",
+    }  # bench_ws2: never recorded
     for name, status in statuses.items():
-        (tmp_path / "parts" / f"{name}.json").write_text(json.dumps(
-            {"name": name, "status": status, "rc": 0, "seconds": 1.0, "note": ""}))
+        (tmp_path / "parts" / f"{name}.json").write_text(
+            json.dumps({"name": name, "status": status, "rc": 0, "seconds": 1.0, "note": ""})
+        )
     (tmp_path / "cuda_marked.xml").write_text(  # every test skipped: pytest's 0 is no pass
-        '<testsuites><testsuite tests="2" failures="0" errors="0" skipped="2"/></testsuites>')
+        '<testsuites><testsuite tests="2" failures="0" errors="0" skipped="2"/></testsuites>'
+    )
     (tmp_path / "device_ws1.xml").write_text(
-        '<testsuites><testsuite tests="5" failures="1" errors="0" skipped="2"/></testsuites>')
+        '<testsuites><testsuite tests="5" failures="1" errors="0" skipped="2"/></testsuites>'
+    )
     report = gpu_check_report.build(tmp_path, False, 480, 10.0)
     (tmp_path / "bench_ws1").mkdir()
     (tmp_path / "bench_ws1" / "bench.json").write_text(json.dumps(_bench_record()))
@@ -157,17 +189,38 @@ def test_report_counts_failures_and_spent_budget(tmp_path):
     bench = report["figures"]["bench_ws1"]
     assert bench["problems"] == [] and bench["systems"]["FSDP2"]["peak_device_mib"] == [2.0, 4.0]
     assert report["figures"]["bench_ws2"] is None
-    assert report["figures"]["device_tests_ws1"] == {"tests": 5, "failures": 1, "errors": 0, "skipped": 2,
-                                                    "passed": 2}
+    assert report["figures"]["device_tests_ws1"] == {"tests": 5, "failures": 1, "errors": 0, "skipped": 2, "passed": 2}
 
 
 def test_train_compare_helper_on_cpu(tmp_path):
     """The helper's lines on the CPU, a small GPT, 3 steps: zerodp stages 0-3 equal plain PyTorch."""
     out = tmp_path / "compare.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_train_compare.py"), "--device", "cpu",
-                           "--steps", "3", "--n-layer", "1", "--d-model", "32", "--seq-len", "16",
-                           "--micro-batch", "2", "--rtol", "1e-5", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "gpu_train_compare.py"),
+            "--device",
+            "cpu",
+            "--steps",
+            "3",
+            "--n-layer",
+            "1",
+            "--d-model",
+            "32",
+            "--seq-len",
+            "16",
+            "--micro-batch",
+            "2",
+            "--rtol",
+            "1e-5",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())
     assert res["pass"] and res["device"] == "cpu" and sorted(res["stages"]) == ["0", "1", "2", "3"]
@@ -178,13 +231,26 @@ def test_train_compare_helper_on_cpu(tmp_path):
 
 def _bench_record(**changes) -> dict:
     """A minimal ``zerodp bench --device cuda`` record at 2 ranks (plain JSON, BenchResult's fields)."""
-    rows = [{"name": n, "status": "ran", "step_time": {"median": 0.01}, "ratio_to_ddp": 1.0,
-             "max_loss_diff_vs_ddp": 0.0 if n == "DDP" else 2e-6,
-             "memory": [{"rank": r, "peak_device": (r + 1) * 2 * 2**20} for r in (0, 1)]}
-            for n in ("DDP", "FSDP2", "zerodp stage 0", "zerodp stage 1", "zerodp stage 2", "zerodp stage 3")]
+    rows = [
+        {
+            "name": n,
+            "status": "ran",
+            "step_time": {"median": 0.01},
+            "ratio_to_ddp": 1.0,
+            "max_loss_diff_vs_ddp": 0.0 if n == "DDP" else 2e-6,
+            "memory": [{"rank": r, "peak_device": (r + 1) * 2 * 2**20} for r in (0, 1)],
+        }
+        for n in ("DDP", "FSDP2", "zerodp stage 0", "zerodp stage 1", "zerodp stage 2", "zerodp stage 3")
+    ]
     rows.append({"name": "zerodp stage 2 + offload cpu", "status": "skipped", "reason": "offload is refused on a GPU"})
-    return {"device": "cuda", "world_size": 2, "backend": "cpu:gloo,cuda:nccl", "preset": "tiny", "systems": rows,
-            **changes}
+    return {
+        "device": "cuda",
+        "world_size": 2,
+        "backend": "cpu:gloo,cuda:nccl",
+        "preset": "tiny",
+        "systems": rows,
+        **changes,
+    }
 
 
 def test_bench_check_names_each_problem(tmp_path):
@@ -195,21 +261,32 @@ def test_bench_check_names_each_problem(tmp_path):
         sys.path.pop(0)
     good = tmp_path / "good.json"
     good.write_text(json.dumps(_bench_record()))
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_bench_check.py"), str(good)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_bench_check.py"), str(good)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and json.loads(proc.stdout)["systems"]["DDP"]["peak_device_mib"] == [2.0, 4.0]
     bad = _bench_record(device="cpu")
     bad["systems"][1] = {"name": "FSDP2", "status": "skipped", "reason": "RuntimeError: NCCL error"}
     bad["systems"][2]["memory"][1]["peak_device"] = None
     bad["systems"][3]["max_loss_diff_vs_ddp"] = 0.5
     found = gpu_bench_check.problems(gpu_bench_check.summary(bad))
-    assert found == ["device is 'cpu', not 'cuda'", "FSDP2 did not run: RuntimeError: NCCL error",
-                     "zerodp stage 0: no peak device memory for some rank ([2.0, None])",
-                     "zerodp stage 1: loss differs from DDP's by 0.5 (> 0.001)"]
+    assert found == [
+        "device is 'cpu', not 'cuda'",
+        "FSDP2 did not run: RuntimeError: NCCL error",
+        "zerodp stage 0: no peak device memory for some rank ([2.0, None])",
+        "zerodp stage 1: loss differs from DDP's by 0.5 (> 0.001)",
+    ]
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(bad))
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_bench_check.py"), str(path)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_bench_check.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1 and "FSDP2 did not run: RuntimeError: NCCL error" in proc.stderr
 
 
@@ -228,9 +305,23 @@ def test_offload_headline_on_cpu(tmp_path):
     train in their child processes, the memory cap and the out-of-memory run are skipped with the
     reason, and the JSON holds every figure."""
     out = tmp_path / "headline.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_offload_headline.py"), "--device", "cpu",
-                           "--tiny", "--time-s", "240", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "gpu_offload_headline.py"),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--time-s",
+            "240",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rep = json.loads(out.read_text())
     _, sizing = _headline_tool()
@@ -277,18 +368,26 @@ def test_offload_headline_plan_lowers_the_budget_when_time_binds():
         sizing.choose("cpu", 2**20, 12, 256, 2, {})
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--modes", "cpu,gpu"], "unknown mode(s) ['gpu']"),
-    (["--steps", "1"], "--steps >= 2"),
-    (["--device", "cuda"], "--device cuda, but torch.cuda.is_available() is False"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--modes", "cpu,gpu"], "unknown mode(s) ['gpu']"),
+        (["--steps", "1"], "--steps >= 2"),
+        (["--device", "cuda"], "--device cuda, but torch.cuda.is_available() is False"),
+    ],
+)
 def test_offload_headline_refuses_bad_arguments(tmp_path, args, message):
     import torch
 
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_offload_headline.py"), *args,
-                           "--out", str(tmp_path / "h.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_offload_headline.py"), *args, "--out", str(tmp_path / "h.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "h.json").exists()
 
@@ -307,7 +406,9 @@ def test_offload_headline_judges_the_gpu_records():
 
     budget = 2**30
     assert tool.judge("none", {"status": "oom", "phase": "initialize"}, "cuda", budget) == (
-        True, "out of memory as expected (initialize)")
+        True,
+        "out of memory as expected (initialize)",
+    )
     passed, why = tool.judge("none", {"status": "trained", "losses": [5.0]}, "cuda", budget)
     assert passed is False and "expected an out-of-memory error" in why
     good = {"status": "trained", "losses": [5.5, 5.4], "peak_device_bytes": budget - 1}
@@ -315,7 +416,9 @@ def test_offload_headline_judges_the_gpu_records():
     assert tool.judge("nvme", {**good, "peak_device_bytes": budget + 1}, "cuda", budget)[0] is False
     assert tool.judge("cpu", {**good, "losses": [5.5, float("nan")]}, "cuda", budget)[0] is False
     assert tool.judge("nvme", {"status": "timeout", "note": "stopped after 20 s"}, "cuda", budget) == (
-        False, "status 'timeout': stopped after 20 s")
+        False,
+        "status 'timeout': stopped after 20 s",
+    )
     try:
         try:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -52,8 +52,9 @@ def test_small_micro_steps_are_not_lost(world: int, stage: int, precision: str) 
                 if world == 1:
                     assert v["equal_low_ref"], f"{name}: {v['moved']} is not torch's {precision} accumulation"
             else:
-                assert v["equal_fp32_ref"], (f"{name}: the master moved by {v['moved']}, plain torch with "
-                                             f"fp32 accumulation by {v['ref_moved']}")
+                assert v["equal_fp32_ref"], (
+                    f"{name}: the master moved by {v['moved']}, plain torch with fp32 accumulation by {v['ref_moved']}"
+                )
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -97,12 +98,18 @@ def test_grad_accum_dtype_defaults_and_values() -> None:
     assert policy({**bf16, "gradient_accumulation_steps": 2}).bytes_per_element.grad == 4
 
 
-@pytest.mark.parametrize("cfg, words", [
-    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}}, ["'fp16'", "bf16", "'fp32' or 'bf16'"]),
-    ({"data_types": {"grad_accum_dtype": "bf16"}}, ["'bf16'", "trains in fp32", "allowed: 'fp32'"]),
-    ({"data_types": {"grad_accum_dtype": "fp64"}}, ["data_types.grad_accum_dtype", "fp32"]),
-    ({"data_types": {"grad_accum": "fp32"}}, ["data_types.grad_accum", "grad_accum_dtype"]),
-])
+@pytest.mark.parametrize(
+    "cfg, words",
+    [
+        (
+            {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}},
+            ["'fp16'", "bf16", "'fp32' or 'bf16'"],
+        ),
+        ({"data_types": {"grad_accum_dtype": "bf16"}}, ["'bf16'", "trains in fp32", "allowed: 'fp32'"]),
+        ({"data_types": {"grad_accum_dtype": "fp64"}}, ["data_types.grad_accum_dtype", "fp32"]),
+        ({"data_types": {"grad_accum": "fp32"}}, ["data_types.grad_accum", "grad_accum_dtype"]),
+    ],
+)
 def test_grad_accum_dtype_refusals(cfg: dict, words: list[str]) -> None:
     with pytest.raises(zerodp.ConfigError) as exc:
         zerodp.load_config(cfg)

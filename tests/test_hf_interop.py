@@ -18,8 +18,9 @@ CASES = [(kind, stage) for kind in ("gpt2", "llama") for stage in (0, 1, 2, 3)]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_worker(2, "0,1,2,3", "gpt2,llama", worker=WORKER,
-                      extra_args=["--ckpt-dir", str(tmp_path_factory.mktemp("hf"))])
+    return run_worker(
+        2, "0,1,2,3", "gpt2,llama", worker=WORKER, extra_args=["--ckpt-dir", str(tmp_path_factory.mktemp("hf"))]
+    )
 
 
 @pytest.mark.parametrize("kind,stage", CASES)

@@ -26,8 +26,13 @@ STEPS = [str(s) for s in range(1, 7)]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_worker(2, "", "zero2,ddp-warmup,zero3,zero3-pretrained,ddp,zero2-cut", worker=WORKER,
-                      extra_args=["--ckpt-dir", str(tmp_path_factory.mktemp("hf_trainer"))])
+    return run_worker(
+        2,
+        "",
+        "zero2,ddp-warmup,zero3,zero3-pretrained,ddp,zero2-cut",
+        worker=WORKER,
+        extra_args=["--ckpt-dir", str(tmp_path_factory.mktemp("hf_trainer"))],
+    )
 
 
 def _ok(per_rank: list[dict], run: str) -> list[dict]:
@@ -84,12 +89,32 @@ def test_launcher_runs_the_unchanged_trainer_script(results: list[dict]) -> None
     """``zerodp run --nproc 2 SCRIPT ARGS`` registers zerodp as deepspeed for a script without the
     opt-in line (the worker with ``--via-launcher``): same losses as the opt-in import."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "zerodp.app.cli", "run", "--nproc", "2", str(WORKER), "--out", out,
-               "--ckpt-dir", out, "--scenarios", "zero2", "--via-launcher"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "zerodp.app.cli",
+            "run",
+            "--nproc",
+            "2",
+            str(WORKER),
+            "--out",
+            out,
+            "--ckpt-dir",
+            out,
+            "--scenarios",
+            "zero2",
+            "--via-launcher",
+        ]
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+        )
         assert proc.returncode == 0, proc.stderr[-6000:]
         import json
+
         launched = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
     for r, res in enumerate(_ok(launched, "zero2")):
         assert res["losses"] == pytest.approx(_ok(results, "zero2")[r]["losses"], rel=1e-6)

@@ -16,8 +16,20 @@ MB = 10**6
 
 
 def test_dry_run_sizes_states_to_twice_the_assumed_ram(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    rc = main(["train", "--preset", "infinity", "--nvme-path", str(tmp_path), "--dry-run", "--assume-ram", "64MB",
-               "--nproc", "1"])
+    rc = main(
+        [
+            "train",
+            "--preset",
+            "infinity",
+            "--nvme-path",
+            str(tmp_path),
+            "--dry-run",
+            "--assume-ram",
+            "64MB",
+            "--nproc",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "dry run: nothing was built" in out and "(assumed: ram)" in out
@@ -27,8 +39,9 @@ def test_dry_run_sizes_states_to_twice_the_assumed_ram(tmp_path: Path, capsys: p
     plan = infinity.plan_run(machine, nproc=1)
     assert f"{plan.params:,} parameters" in out
     assert plan.state_bytes == 16 * plan.params >= 2 * 64 * MB  # states >= 2 x RAM
-    smaller = GPTConfig(n_layer=plan.model.n_layer - 1, n_head=plan.model.n_head, d_model=plan.model.d_model,
-                        seq_len=plan.model.seq_len)
+    smaller = GPTConfig(
+        n_layer=plan.model.n_layer - 1, n_head=plan.model.n_head, d_model=plan.model.d_model, seq_len=plan.model.seq_len
+    )
     assert 16 * count_parameters(smaller) < 2 * 64 * MB  # and the smallest such model of the family
     assert plan.disk_needed["optimizer states (fp32 master + Adam m, v)"] == 12 * plan.params
     assert plan.disk_needed["parameter shards (bf16)"] == 2 * plan.params
@@ -45,11 +58,9 @@ def test_dry_run_sizes_states_to_twice_the_assumed_ram(tmp_path: Path, capsys: p
         return sum(v for k, v in p.ram_needed.items() if k.startswith("transients"))
 
     # overlap_step (the default): the step's loop runs during the next forward, so those two add up
-    assert transients(plan) == max(total(plan, "backward"), total(plan, "forward", "loop"),
-                                   total(plan, "step"))
+    assert transients(plan) == max(total(plan, "backward"), total(plan, "forward", "loop"), total(plan, "step"))
     inside = infinity.plan_run(machine, nproc=1, overlap_step=False)  # the loop inside step()
-    assert transients(inside) == max(total(inside, "backward"), total(inside, "forward"),
-                                     total(inside, "step", "loop"))
+    assert transients(inside) == max(total(inside, "backward"), total(inside, "forward"), total(inside, "step", "loop"))
     assert (plan.knobs.optimizer_buffers, inside.knobs.optimizer_buffers) == (8, 4)
     assert "backward: saved activations (bf16)" in out and "loop: resident shards" in out
     assert f"disk needed {infinity.human_bytes(plan.disk_total)}" in out
@@ -66,8 +77,9 @@ def test_states_ratio_and_three_gib(tmp_path: Path) -> None:
 def test_twice_the_ram_of_a_24_gib_machine_fits_in_what_is_available(tmp_path: Path) -> None:
     """The issue's machine (25.3 GB MemTotal, 24 GiB): the default 2x plan (3.2B parameters) needs
     well under the ~23 GB available on a quiet machine; the gradient partition is its largest item."""
-    machine = infinity.Machine(ram_total=25_276_059_648, ram_available=23_000_000_000, disk_free=80 * 10**9,
-                               nvme_path=str(tmp_path))
+    machine = infinity.Machine(
+        ram_total=25_276_059_648, ram_available=23_000_000_000, disk_free=80 * 10**9, nvme_path=str(tmp_path)
+    )
     plan = infinity.plan_run(machine, nproc=1, micro_batch=4)
     assert plan.state_bytes >= 2 * machine.ram_total and plan.params > 3_000_000_000
     assert infinity.problems(plan, machine) == [], infinity.problems(plan, machine)
@@ -78,8 +90,9 @@ def test_no_ram_row_grows_with_the_parameter_count(tmp_path: Path) -> None:
     """Issue 31 item 3: twice the parameters (states 2x -> 4x RAM) grow no RAM row of the plan by as
     much as 1.5x: each is bounded by a layer (width squared), a sub-group or a configured pool, or by
     the activations (tokens x layers x width); a row proportional to the parameters would double."""
-    machine = infinity.Machine(ram_total=25_276_059_648, ram_available=23_000_000_000, disk_free=200 * 10**9,
-                               nvme_path=str(tmp_path))
+    machine = infinity.Machine(
+        ram_total=25_276_059_648, ram_available=23_000_000_000, disk_free=200 * 10**9, nvme_path=str(tmp_path)
+    )
     a, b = (infinity.plan_run(machine, nproc=1, states_ratio=r, micro_batch=4) for r in (2.0, 4.0))
     assert b.params >= 1.9 * a.params
     assert a.ram_needed.keys() == b.ram_needed.keys()
@@ -88,8 +101,21 @@ def test_no_ram_row_grows_with_the_parameter_count(tmp_path: Path) -> None:
 
 
 def test_refused_when_the_disk_is_too_small(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    rc = main(["train", "--preset", "infinity", "--nvme-path", str(tmp_path), "--assume-ram", "64MB",
-               "--assume-disk-free", "50MB", "--nproc", "1"])
+    rc = main(
+        [
+            "train",
+            "--preset",
+            "infinity",
+            "--nvme-path",
+            str(tmp_path),
+            "--assume-ram",
+            "64MB",
+            "--assume-disk-free",
+            "50MB",
+            "--nproc",
+            "1",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1
     assert "refused: not enough free disk" in err and "(50,000,000 bytes) are free" in err
@@ -116,8 +142,24 @@ def test_flag_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         main(["train", "--preset", "infinity", "--assume-ram", "lots"])
     # flags the preset would ignore are refused, naming them and what it takes
-    assert main(["train", "--preset", "infinity", "--nvme-path", str(tmp_path), "--dry-run", "--stage", "2",
-                 "--bf16", "--n-layer", "3"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "infinity",
+                "--nvme-path",
+                str(tmp_path),
+                "--dry-run",
+                "--stage",
+                "2",
+                "--bf16",
+                "--n-layer",
+                "3",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "does not take --bf16, --n-layer, --stage" in err and "--lr" in err and "--nvme-path" in err
 
@@ -130,8 +172,25 @@ def test_learning_rate_follows_the_width_unless_given(tmp_path: Path, capsys: py
     m = infinity.plan_run(machine, nproc=1).model
     assert infinity.plan_run(machine, nproc=1).lr == infinity.default_lr(m.d_model, m.n_layer)
     assert infinity.plan_run(machine, nproc=1, lr=3e-4).lr == 3e-4
-    assert main(["train", "--preset", "infinity", "--nvme-path", str(tmp_path), "--dry-run", "--assume-ram", "64MB",
-                 "--nproc", "1", "--lr", "0.0003"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "infinity",
+                "--nvme-path",
+                str(tmp_path),
+                "--dry-run",
+                "--assume-ram",
+                "64MB",
+                "--nproc",
+                "1",
+                "--lr",
+                "0.0003",
+            ]
+        )
+        == 0
+    )
     assert "AdamW lr 0.0003" in capsys.readouterr().out
 
 
@@ -140,18 +199,37 @@ def test_measurement_helpers_read_the_kernel(tmp_path: Path) -> None:
     f = tmp_path / "x"
     f.write_bytes(b"x" * (1 << 20))
     import os
+
     fd = os.open(f, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
     r1, w1 = infinity_run.proc_io()
     assert r1 >= r0 and w1 >= w0
     assert infinity_run.rss_bytes() > 10 * MB and infinity_run.peak_rss_bytes() >= infinity_run.rss_bytes() // 2
-    rec = {"step": 1, "loss": 5.0, "seconds": 10.0, "read": 4 * 10**9, "written": 2 * 10**9, "busy_s": 8.0,
-           "wait_s": 2.0, "tokens": 4096, "hwm_growth": [0, 10**6, 0]}
-    every = [{"rank": 0, "peak_rss": 2**30, "peak_rss_build": 2**29, "rss_after_init": 2**28,
-              "rss_after_initialize": 2**28, "records": [rec]}]
-    text = infinity_run.report(every, {"model": {"n_layer": 2, "d_model": 128}, "probe_bytes": 2**20}, 10**9, 10**9,
-                               1.0, "vda")
+    rec = {
+        "step": 1,
+        "loss": 5.0,
+        "seconds": 10.0,
+        "read": 4 * 10**9,
+        "written": 2 * 10**9,
+        "busy_s": 8.0,
+        "wait_s": 2.0,
+        "tokens": 4096,
+        "hwm_growth": [0, 10**6, 0],
+    }
+    every = [
+        {
+            "rank": 0,
+            "peak_rss": 2**30,
+            "peak_rss_build": 2**29,
+            "rss_after_init": 2**28,
+            "rss_after_initialize": 2**28,
+            "records": [rec],
+        }
+    ]
+    text = infinity_run.report(
+        every, {"model": {"n_layer": 2, "d_model": 128}, "probe_bytes": 2**20}, 10**9, 10**9, 1.0, "vda"
+    )
     # raw needs 6 s for 6 GB; the disk was busy 8 s: 0.75 of raw; 1 - 2/8 hidden; 10 / max(8, 8)
     row = next(line for line in text.splitlines() if line.startswith("     1 "))
     assert " 0.75 " in row and " 75% " in row and " 1.25 " in row
@@ -172,24 +250,42 @@ def test_a_slow_step_is_attributed_to_the_disk() -> None:
     # without the disk's busy time the step's wall time is used, and the line says so
     achieved, _, over = infinity_run.disk_throughput(10**9, 0, None, 100.0, 2e9, 2e9)
     assert achieved == 10**7 and over == "step time"
-    rec = {"step": 1, "loss": 5.0, "seconds": 1200.0, "read": 47 * 20 * MB, "written": 39 * 20 * MB, "busy_s": 20.0,
-           "wait_s": 1100.0}
-    every = [{"rank": 0, "peak_rss": 2**30, "peak_rss_build": 2**29, "rss_after_init": 2**28,
-              "rss_after_initialize": 2**28, "records": [rec]}]
+    rec = {
+        "step": 1,
+        "loss": 5.0,
+        "seconds": 1200.0,
+        "read": 47 * 20 * MB,
+        "written": 39 * 20 * MB,
+        "busy_s": 20.0,
+        "wait_s": 1100.0,
+    }
+    every = [
+        {
+            "rank": 0,
+            "peak_rss": 2**30,
+            "peak_rss_build": 2**29,
+            "rss_after_init": 2**28,
+            "rss_after_initialize": 2**28,
+            "records": [rec],
+        }
+    ]
     # the plan's RAM rows per rank beside each rank's measured peak (issue 31 item 2)
     plan = infinity.plan_run(infinity.read_machine("/tmp", assume_ram=64 * MB), nproc=2)
     rows = infinity._plan_json(plan)["ram_rows_per_rank"]
     assert 2 * rows == sum(v for k, v in plan.ram_needed.items() if not k.startswith("slack")) > 0
     line = infinity_run.plan_match(every, {"ram_rows_per_rank": 2 * 2**30})
-    assert line == ["per rank: peak RSS / the plan's RAM rows (2.15 GB per rank, slack not counted): "
-                    "rank 0 1.07 GB = 0.50"]
-    text = infinity_run.report(every, {"model": {"n_layer": 2, "d_model": 128}, "probe_bytes": 2**20}, 2e9, 2e9,
-                               1.0, "vda")
+    assert line == [
+        "per rank: peak RSS / the plan's RAM rows (2.15 GB per rank, slack not counted): rank 0 1.07 GB = 0.50"
+    ]
+    text = infinity_run.report(
+        every, {"model": {"n_layer": 2, "d_model": 128}, "probe_bytes": 2**20}, 2e9, 2e9, 1.0, "vda"
+    )
     assert text.splitlines()[-1].startswith("WARNING step 1: the disk slowed down: 86 MB/s")
 
 
-def test_grad_accum_amortises_the_optimizer_and_swaps_fp32_gradients(tmp_path: Path,
-                                                                    capsys: pytest.CaptureFixture) -> None:
+def test_grad_accum_amortises_the_optimizer_and_swaps_fp32_gradients(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """``--grad-accum K`` (issue 31 item 5): K micro-batches per optimizer step, the reduced gradients
     accumulated in fp32 in ``gradients.swp`` (4 bytes/param instead of 2), the RAM rows of the gradient
     swap doubled with them, everything else as at K = 1; the worker's config says K."""
@@ -200,11 +296,31 @@ def test_grad_accum_amortises_the_optimizer_and_swaps_fp32_gradients(tmp_path: P
     assert one.disk_needed["reduced gradient partition (bf16, gradients.swp)"] == 2 * one.params
     row = "gradient swap: 2 read buffers + 4 reduced groups per rank"
     assert four.ram_needed[row] - 2 * 2**20 == 2 * (one.ram_needed[row] - 2 * 2**20)  # the 1 MiB per buffer stays
-    assert {k: v for k, v in four.ram_needed.items() if k not in (row, "slack (15%)")} == \
-        {k: v for k, v in one.ram_needed.items() if k not in (row, "slack (15%)")}
+    assert {k: v for k, v in four.ram_needed.items() if k not in (row, "slack (15%)")} == {
+        k: v for k, v in one.ram_needed.items() if k not in (row, "slack (15%)")
+    }
     cfg = infinity_run.engine_config(infinity._plan_json(four), str(tmp_path), 1)
     assert cfg["gradient_accumulation_steps"] == 4
     assert infinity_run.engine_config(infinity._plan_json(one), str(tmp_path), 1)["gradient_accumulation_steps"] == 1
-    assert main(["train", "--preset", "infinity", "--nvme-path", str(tmp_path), "--dry-run", "--assume-ram", "64MB",
-                 "--nproc", "1", "--grad-accum", "4", "--micro-batch", "2"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "infinity",
+                "--nvme-path",
+                str(tmp_path),
+                "--dry-run",
+                "--assume-ram",
+                "64MB",
+                "--nproc",
+                "1",
+                "--grad-accum",
+                "4",
+                "--micro-batch",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "3 steps of 4 x 2 x 128 tokens per rank" in capsys.readouterr().out

@@ -30,9 +30,26 @@ def _run(layers: int) -> dict:
     with tempfile.TemporaryDirectory() as nvme, tempfile.TemporaryDirectory() as out:
         path = os.path.join(out, "out.json")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": "131072"}
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                               str(WORKER), "--layers", str(layers), "--nvme", nvme, "--out", path],
-                              capture_output=True, text=True, timeout=300, env=env)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=1",
+                str(WORKER),
+                "--layers",
+                str(layers),
+                "--nvme",
+                nvme,
+                "--out",
+                path,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         assert proc.returncode == 0, proc.stderr[-6000:]
         assert os.listdir(nvme) == [], "swap files left behind"
         return json.loads(Path(path).read_text())
@@ -44,14 +61,18 @@ def test_peak_rss_does_not_grow_with_the_model():
     assert all(a > b for a, b in zip(small["losses"], small["losses"][1:], strict=False)), small["losses"]
     states = 16 * (large["numel"] - small["numel"])
     grown = large["peak"] - small["peak"]
-    assert grown <= 0.05 * states, (f"peak RSS grew {grown:,} bytes for {states:,} more bytes of model states "
-                                    f"({grown / states:.1%} > 5%): {small['phases']} -> {large['phases']}")
+    assert grown <= 0.05 * states, (
+        f"peak RSS grew {grown:,} bytes for {states:,} more bytes of model states "
+        f"({grown / states:.1%} > 5%): {small['phases']} -> {large['phases']}"
+    )
     # the same bound per phase: a transient of one phase (the first backward held every unit's
     # gradient staging, 2 bytes per parameter) may stay under another phase's peak in the overall one
     for name, small_peak in small["phase_peaks"].items():
         phase_grown = large["phase_peaks"][name] - small_peak
-        assert phase_grown <= 0.05 * states, (f"peak RSS of {name} grew {phase_grown:,} bytes "
-                                              f"({phase_grown / states:.1%} of the states' difference): "
-                                              f"{small['phase_peaks']} -> {large['phase_peaks']}")
+        assert phase_grown <= 0.05 * states, (
+            f"peak RSS of {name} grew {phase_grown:,} bytes "
+            f"({phase_grown / states:.1%} of the states' difference): "
+            f"{small['phase_peaks']} -> {large['phase_peaks']}"
+        )
     # the bound fails a term of 2 bytes per parameter (a bf16 gradient partition held in RAM)
     assert 2 * (large["numel"] - small["numel"]) > 0.05 * states

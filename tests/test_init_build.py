@@ -40,8 +40,7 @@ def _rows(results: tuple[int, list[dict]], name: str) -> list[dict]:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("model", MODELS)
-def test_init_gives_the_same_weights_as_without_it(results: tuple[int, list[dict]], model: str,
-                                                   precision: str) -> None:
+def test_init_gives_the_same_weights_as_without_it(results: tuple[int, list[dict]], model: str, precision: str) -> None:
     for row in _rows(results, f"weights_{model}_{precision}"):
         assert len(row["keys"]) > 0
         assert row["identical"] == row["keys"]  # bit-identical, every parameter

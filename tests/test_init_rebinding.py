@@ -15,8 +15,10 @@ from zerodp.stage3.sharded_param import PartitionedParameterError
 
 
 def _cfg(bf16: bool = False) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": 1,
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 16}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 16},
+    }
     if bf16:
         cfg["bf16"] = {"enabled": True}
     return cfg

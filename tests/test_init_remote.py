@@ -36,22 +36,33 @@ def test_init_remote_trains_as_plain_engine(world):
         out = res["train"]
         assert out.pop("ok"), f"rank {r}:\n{out.get('error')}"
         assert len(set(out.pop("reference_losses"))) == 4  # it trains: every step's loss differs
-        assert out == {"nvme": {"losses": True, "weights": True, "where": "nvme"},
-                       "nvme->none": {"losses": True, "weights": True, "where": "none"},
-                       "cpu": {"losses": True, "weights": True, "where": "cpu"}}, out
+        assert out == {
+            "nvme": {"losses": True, "weights": True, "where": "nvme"},
+            "nvme->none": {"losses": True, "weights": True, "where": "none"},
+            "cpu": {"losses": True, "weights": True, "where": "cpu"},
+        }, out
     assert leftover == []  # Init's swap file removed also where the engine read the shards back
 
 
 def _cfg(tmp_path: Path, device: str = "none", **extra) -> dict:
-    return {"device": "cpu", "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-            "offload_param": {"device": device, "nvme_path": str(tmp_path), **extra}}}
+    return {
+        "device": "cpu",
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": {"device": device, "nvme_path": str(tmp_path), **extra},
+        },
+    }
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"remote_device": "disk"}, ValueError, "allowed values are None, 'none', 'cpu', 'nvme'"),
-    ({"remote_device": "cuda"}, ValueError, "allowed values"),
-    ({"remote_device": "cpu", "pin_memory": "yes"}, ValueError, "True, False or None"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"remote_device": "disk"}, ValueError, "allowed values are None, 'none', 'cpu', 'nvme'"),
+        ({"remote_device": "cuda"}, ValueError, "allowed values"),
+        ({"remote_device": "cpu", "pin_memory": "yes"}, ValueError, "True, False or None"),
+    ],
+)
 def test_bad_remote_device_refused(kwargs, error, match, tmp_path):
     with pytest.raises(error, match=match):
         zerodp.zero.Init(config=_cfg(tmp_path), **kwargs)

@@ -132,7 +132,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
                 stack.pop()
                 path.pop()
             elif colour[nxt] == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             elif colour[nxt] == 0:
                 colour[nxt] = 1
                 path.append(nxt)
@@ -183,8 +183,10 @@ def rank_violations(graph: dict[str, set[str]], modules: dict[str, Path] | None 
             if theirs > mine:
                 where = shown(modules[name]) if modules else name
                 lines = import_lines(modules[name], name, dep, modules) if modules else []
-                out.append(f"{where}:{','.join(map(str, lines)) or '?'}: {name} ({RANKS[mine]}) imports "
-                           f"{dep} ({RANKS[theirs]})")
+                out.append(
+                    f"{where}:{','.join(map(str, lines)) or '?'}: {name} ({RANKS[mine]}) imports "
+                    f"{dep} ({RANKS[theirs]})"
+                )
     return out
 
 
@@ -221,11 +223,15 @@ def test_rank_of_matches_whole_dotted_names():
 
 
 def test_rank_violations_are_listed():
-    graph = {"zerodp.runtime.a": {"zerodp.stage3.b", "zerodp.config"}, "zerodp.stage3.b": {"zerodp.runtime.a"},
-             "zerodp.offload.config": {"zerodp.offload.nvme"}}
+    graph = {
+        "zerodp.runtime.a": {"zerodp.stage3.b", "zerodp.config"},
+        "zerodp.stage3.b": {"zerodp.runtime.a"},
+        "zerodp.offload.config": {"zerodp.offload.nvme"},
+    }
     assert rank_violations(graph) == [
         "zerodp.offload.config:?: zerodp.offload.config (config) imports zerodp.offload.nvme (offload)",
-        "zerodp.runtime.a:?: zerodp.runtime.a (runtime) imports zerodp.stage3.b (stage3)"]
+        "zerodp.runtime.a:?: zerodp.runtime.a (runtime) imports zerodp.stage3.b (stage3)",
+    ]
 
 
 def test_imports_point_down_the_package_ranks():
@@ -233,7 +239,8 @@ def test_imports_point_down_the_package_ranks():
     violations = rank_violations(import_graph(), modules)
     assert not violations, (
         f"imports of a higher-ranked module (ranks, lowest first: {' < '.join(RANKS)}); move the shared "
-        "code down, or define a Protocol in the lower module:\n" + "\n".join(violations))
+        "code down, or define a Protocol in the lower module:\n" + "\n".join(violations)
+    )
 
 
 def private_imports(name: str, path: Path) -> list[str]:
@@ -249,8 +256,7 @@ def private_imports(name: str, path: Path) -> list[str]:
                 continue
             for alias in node.names:
                 if alias.name.startswith("_") and not alias.name.startswith("__"):
-                    out.append(f"{shown(path)}:{node.lineno}: {name} imports "
-                               f"{alias.name} from {base}")
+                    out.append(f"{shown(path)}:{node.lineno}: {name} imports {alias.name} from {base}")
     return out
 
 
@@ -258,15 +264,20 @@ def test_no_module_imports_another_modules_private_names(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("from zerodp.offload.nvme import OffloadError, _cleanup\nfrom zerodp import __version__\n")
     assert [line.split(": ", 1)[1] for line in private_imports("zerodp.probe", probe)] == [
-        "zerodp.probe imports _cleanup from zerodp.offload.nvme"]
+        "zerodp.probe imports _cleanup from zerodp.offload.nvme"
+    ]
     found = [v for name, path in all_modules().items() for v in private_imports(name, path)]
-    assert not found, ("private names imported across modules (make them public in a shared module):\n"
-                       + "\n".join(found))
+    assert not found, "private names imported across modules (make them public in a shared module):\n" + "\n".join(
+        found
+    )
 
 
 def test_library_never_imports_the_application():
-    offenders = {m: sorted(d for d in deps if d == APP or d.startswith(APP + "."))
-                 for m, deps in import_graph().items() if not (m == APP or m.startswith(APP + "."))}
+    offenders = {
+        m: sorted(d for d in deps if d == APP or d.startswith(APP + "."))
+        for m, deps in import_graph().items()
+        if not (m == APP or m.startswith(APP + "."))
+    }
     offenders = {m: d for m, d in offenders.items() if d}
     assert not offenders, f"library modules importing {APP}: {offenders}"
 
@@ -305,8 +316,12 @@ def function_lengths(name: str, path: Path) -> dict[str, int]:
 
 
 def library_function_lengths() -> dict[str, int]:
-    return {q: n for m, p in all_modules().items() if not (m == APP or m.startswith(APP + "."))
-            for q, n in function_lengths(m, p).items()}
+    return {
+        q: n
+        for m, p in all_modules().items()
+        if not (m == APP or m.startswith(APP + "."))
+        for q, n in function_lengths(m, p).items()
+    }
 
 
 def test_no_library_function_above_the_line_cap():

@@ -24,8 +24,10 @@ def _model() -> nn.Module:
 
 
 def _config(stage: int) -> dict:
-    return {"optimizer": {"type": "AdamW"},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 4}}
+    return {
+        "optimizer": {"type": "AdamW"},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 4},
+    }
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -33,8 +35,9 @@ def test_initialize_twice_refused(stage: int) -> None:
     model = _model()
     engine = zerodp.initialize(model, _config(stage))
     for again in (model, nn.Sequential(model), model[0]):  # the model, a parent, a submodule
-        with pytest.raises(ValueError, match=f"already wrapped by an engine \\(ZeRO stage {stage}; "
-                                             "parameter '[0-9.]*weight'\\)"):
+        with pytest.raises(
+            ValueError, match=f"already wrapped by an engine \\(ZeRO stage {stage}; parameter '[0-9.]*weight'\\)"
+        ):
             zerodp.initialize(again, _config(stage))
     # the first engine is untouched by the refused attempts: it still trains
     loss = engine(torch.ones(2, 6)).sum()

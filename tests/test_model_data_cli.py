@@ -27,6 +27,7 @@ CONFIGS = [
 
 # ---- model -----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"L{c.n_layer}D{c.d_model}tie{c.tie_embeddings}")
 def test_count_parameters_matches_module(cfg: GPTConfig) -> None:
     model = GPT(cfg)
@@ -65,14 +66,17 @@ def test_forward_is_causal() -> None:
     torch.testing.assert_close(la[:, :5], lb[:, :5])
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"d_model": 30, "n_head": 4}, "n_head"),
-    ({"n_layer": 0}, "n_layer"),
-    ({"seq_len": -1}, "seq_len"),
-    ({"vocab_size": 2.5}, "vocab_size"),
-    ({"dropout": 1.0}, "dropout"),
-    ({"tie_embeddings": "yes"}, "tie_embeddings"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"d_model": 30, "n_head": 4}, "n_head"),
+        ({"n_layer": 0}, "n_layer"),
+        ({"seq_len": -1}, "seq_len"),
+        ({"vocab_size": 2.5}, "vocab_size"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"tie_embeddings": "yes"}, "tie_embeddings"),
+    ],
+)
 def test_config_validation_names_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"GPTConfig.{field}"):
         GPTConfig(**kwargs)
@@ -104,6 +108,7 @@ def test_generate_with_callable_crops_context_and_is_seeded() -> None:
 
 
 # ---- data ------------------------------------------------------------------------------------------
+
 
 def test_default_corpus_is_large_and_round_trips() -> None:
     text = data.load_text(None)
@@ -168,6 +173,7 @@ def test_heldout_batches_deterministic() -> None:
 
 # ---- estimate CLI ----------------------------------------------------------------------------------
 
+
 def test_estimate_reproduces_paper_table(capsys) -> None:
     assert cli.main(["estimate", "--params", "7.5e9", "--dp", "64"]) == 0
     out = capsys.readouterr().out
@@ -207,8 +213,9 @@ def test_estimate_gpt_spec_and_json_file(capsys, tmp_path) -> None:
     assert f"Psi = {n:,}" in out and "K = 8" in out
 
 
-@pytest.mark.parametrize("params", ["abc", "1.5", "0", "-3", "gpt:n_layer", "gpt:d_model=30,n_head=4",
-                                    "gpt:layers=2", "missing.json"])
+@pytest.mark.parametrize(
+    "params", ["abc", "1.5", "0", "-3", "gpt:n_layer", "gpt:d_model=30,n_head=4", "gpt:layers=2", "missing.json"]
+)
 def test_estimate_bad_params_errors(params: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["estimate", "--params", params, "--dp", "8"])
@@ -222,13 +229,17 @@ def test_train_flag_errors(capsys, tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(subprocess, "run", no_launch)
     monkeypatch.setattr(cli.launch, "run_torchrun", no_launch)
-    for argv, needle in [(["--stage", "9"], "--stage"), (["--steps", "x"], "--steps"),
-                         (["--config", "c.json", "--stage", "1"], "--config"),
-                         (["--config", "c.json", "--bf16"], "--bf16"),
-                         (["--bf16", "--fp16"], "not allowed with argument --bf16"),
-                         (["--save-every", "-1"], "--save-every"),
-                         (["--resume", "--save-dir", str(tmp_path / "none")], "no checkpoint in"),
-                         (["--n-head", "3"], "n_head"), (["--data", str(tmp_path / "none")], "cannot read")]:
+    for argv, needle in [
+        (["--stage", "9"], "--stage"),
+        (["--steps", "x"], "--steps"),
+        (["--config", "c.json", "--stage", "1"], "--config"),
+        (["--config", "c.json", "--bf16"], "--bf16"),
+        (["--bf16", "--fp16"], "not allowed with argument --bf16"),
+        (["--save-every", "-1"], "--save-every"),
+        (["--resume", "--save-dir", str(tmp_path / "none")], "no checkpoint in"),
+        (["--n-head", "3"], "n_head"),
+        (["--data", str(tmp_path / "none")], "cannot read"),
+    ]:
         with pytest.raises(SystemExit) as exc:
             cli.main(["train", *argv])
         assert exc.value.code == 2
@@ -239,10 +250,11 @@ def test_launcher_command() -> None:
     args = cli.build_parser().parse_args(["train", "--nproc", "3", "--steps", "5", "--prompt=-x"])
     cmd = cli.launcher_command(args)
     assert cmd[:5] == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"]
-    assert "--standalone" in cmd and cmd[cmd.index("-m", 3):][:3] == ["-m", "zerodp.app.cli", "train"]
+    assert "--standalone" in cmd and cmd[cmd.index("-m", 3) :][:3] == ["-m", "zerodp.app.cli", "train"]
     assert "--steps=5" in cmd and "--prompt=-x" in cmd and not any(c.startswith("--stage") for c in cmd)
-    args = cli.build_parser().parse_args(["train", "--nnodes", "2", "--node-rank", "1",
-                                          "--master-addr", "10.0.0.1", "--master-port", "29500"])
+    args = cli.build_parser().parse_args(
+        ["train", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29500"]
+    )
     cmd = cli.launcher_command(args)
     assert "--standalone" not in cmd
     assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--master-addr") + 1] == "10.0.0.1"
@@ -258,7 +270,7 @@ def test_bench_command_and_help(capsys) -> None:
     args = cli.build_parser().parse_args(["bench", "--steps", "6", "--rounds", "2"])
     cmd = bench_cmd.bench_command(args)
     assert cmd[:5] == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    tail = cmd[cmd.index("zerodp.app.bench") + 1:]
+    tail = cmd[cmd.index("zerodp.app.bench") + 1 :]
     assert cmd[cmd.index("zerodp.app.bench") - 1] == "-m" and "--standalone" in cmd
     assert "--steps=6" in tail and "--rounds=2" in tail and "--preset=small" in tail
     # every flag forwarded parses with bench's own parser, to the values given
@@ -295,14 +307,31 @@ def test_engine_flags_build_config() -> None:
 
 # ---- end to end ------------------------------------------------------------------------------------
 
-TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--eval-batches", "2",
-        "--sample-tokens", "8"]
+TINY = [
+    "--n-layer",
+    "1",
+    "--d-model",
+    "32",
+    "--n-head",
+    "2",
+    "--seq-len",
+    "32",
+    "--eval-batches",
+    "2",
+    "--sample-tokens",
+    "8",
+]
 
 
 def _zerodp_train(*argv: str, ok: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "ZERODP_DEBUG")}
-    proc = subprocess.run([sys.executable, "-m", "zerodp.app.cli", "train", *TINY, *argv],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerodp.app.cli", "train", *TINY, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
     return proc
 
@@ -317,8 +346,14 @@ def tiny_runs(tmp_path_factory) -> dict:
     resumed = _zerodp_train("--steps", "9", "--save-every", "3", "--save-dir", str(ckpt), "--resume")
     whole_ckpt = ckpt.parent / "whole"
     whole = _zerodp_train("--steps", "9", "--save-every", "9", "--save-dir", str(whole_ckpt))
-    return {"ckpt": ckpt, "first": first, "resumed": resumed, "whole": whole,
-            "latest_after_first": latest_after_first, "whole_ckpt": whole_ckpt}
+    return {
+        "ckpt": ckpt,
+        "first": first,
+        "resumed": resumed,
+        "whole": whole,
+        "latest_after_first": latest_after_first,
+        "whole_ckpt": whole_ckpt,
+    }
 
 
 def _line(out: str, prefix: str) -> str:
@@ -350,7 +385,11 @@ def test_resume_continues_exactly(tiny_runs) -> None:
     assert _line(first, "held-out loss").split("->")[0] == loss.split("->")[0]
     assert _line(first, "held-out loss") != loss
     assert sorted(p.name for p in tiny_runs["ckpt"].iterdir()) == [
-        "global_step3", "global_step6", "global_step9", "latest"]
+        "global_step3",
+        "global_step6",
+        "global_step9",
+        "latest",
+    ]
 
 
 def test_resumed_weights_equal_uninterrupted_run(tiny_runs, tmp_path) -> None:
@@ -375,9 +414,11 @@ def test_resume_refuses_other_seed_or_model(tiny_runs, monkeypatch, capsys) -> N
     monkeypatch.setattr(subprocess, "run", no_launch)
     monkeypatch.setattr(cli.launch, "run_torchrun", no_launch)
     ckpt = str(tiny_runs["ckpt"])
-    for extra, needle in [(["--seed", "1"], "seed 0 (this run: 1)"),
-                          (["--d-model", "64"], "d_model=32"),
-                          (["--steps", "9"], "at step 9, and --steps is 9")]:
+    for extra, needle in [
+        (["--seed", "1"], "seed 0 (this run: 1)"),
+        (["--d-model", "64"], "d_model=32"),
+        (["--steps", "9"], "at step 9, and --steps is 9"),
+    ]:
         argv = ["train", *TINY, "--steps", "12", "--save-dir", ckpt, "--resume"]
         with pytest.raises(SystemExit) as exc:
             cli.main([*argv, *extra])
@@ -410,9 +451,11 @@ def test_consolidate_loads_into_plain_gpt(tiny_runs, tmp_path, capsys) -> None:
 
 
 def test_consolidate_errors(tiny_runs, tmp_path, capsys) -> None:
-    for argv in ([str(tmp_path / "none"), str(tmp_path / "m.safetensors")],
-                 [str(tiny_runs["ckpt"]), str(tmp_path / "m.bin")],
-                 [str(tiny_runs["ckpt"]), str(tmp_path / "m.pt"), "--tag", "global_step4"]):
+    for argv in (
+        [str(tmp_path / "none"), str(tmp_path / "m.safetensors")],
+        [str(tiny_runs["ckpt"]), str(tmp_path / "m.bin")],
+        [str(tiny_runs["ckpt"]), str(tmp_path / "m.pt"), "--tag", "global_step4"],
+    ):
         assert cli.main(["consolidate", *argv]) == 1
         err = capsys.readouterr().err
         assert err.startswith("zerodp consolidate: error: ")
@@ -423,18 +466,27 @@ def test_config_file_sets_engine_and_seed(tmp_path) -> None:
     from zerodp.app import train
 
     path = tmp_path / "ds_config.json"
-    path.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 1}, "seed": 5,
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 2,
+                "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": 1},
+                "seed": 5,
+            }
+        )
+    )
     args = cli.build_parser().parse_args(["train", "--config", str(path), "--steps", "7"])
     s = train.resolve_settings(args)
     assert s.engine_config.zero_optimization.stage == 1 and s.engine_config.gradient_accumulation_steps == 2
     # the file's "Adam" means what it means in DeepSpeed: AdamW with weight_decay 0 (as zerodp.deepspeed reads it)
     assert (s.engine_config.optimizer.type, s.engine_config.optimizer.params.weight_decay) == ("AdamW", 0.0)
-    assert s.seed == 5 and s.steps == 7 and s.model == GPTConfig(**{
-        k: getattr(train.DEFAULTS, k) for k in ("n_layer", "n_head", "d_model", "seq_len")})
+    assert (
+        s.seed == 5
+        and s.steps == 7
+        and s.model == GPTConfig(**{k: getattr(train.DEFAULTS, k) for k in ("n_layer", "n_head", "d_model", "seq_len")})
+    )
     flags = train.resolve_settings(cli.build_parser().parse_args(["train", "--stage", "0", "--lr", "0.01"]))
     assert flags.engine_config.zero_optimization.stage == 0
     assert flags.engine_config.optimizer.params.lr == 0.01 and flags.seed == train.DEFAULTS.seed
@@ -467,6 +519,7 @@ def test_config_file_train_batch_size_alone_sets_the_micro_batch(tmp_path) -> No
 
 # ---- failures: one line each (see zerodp.app.launch) -------------------------------------------------
 
+
 def _error_lines(stderr: str) -> list[str]:
     assert "Traceback" not in stderr, stderr  # tracebacks only with --debug / ZERODP_DEBUG=1
     return [ln for ln in stderr.splitlines() if ln.startswith("zerodp train: error")]
@@ -490,11 +543,19 @@ def test_truncated_checkpoint_is_one_line_error(tiny_runs, tmp_path) -> None:
 
 def test_non_finite_loss_stops_before_saving(tmp_path) -> None:
     config = tmp_path / "huge_lr.json"  # lr 1e30: the first update sends the weights to ~1e30
-    config.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 1e30}},
-                                  "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4}))
+    config.write_text(
+        json.dumps(
+            {
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e30}},
+                "zero_optimization": {"stage": 2},
+                "train_micro_batch_size_per_gpu": 4,
+            }
+        )
+    )
     save_dir = tmp_path / "ckpt"
-    proc = _zerodp_train("--config", str(config), "--steps", "4", "--save-every", "1",
-                         "--save-dir", str(save_dir), ok=False)
+    proc = _zerodp_train(
+        "--config", str(config), "--steps", "4", "--save-every", "1", "--save-dir", str(save_dir), ok=False
+    )
     assert proc.returncode == 1
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1, proc.stderr
@@ -509,17 +570,31 @@ def test_non_finite_loss_stops_before_saving(tmp_path) -> None:
 def test_failure_summary_one_line_per_distinct_message() -> None:
     from zerodp.app import launch
 
-    msgs = [{"rank": 1, "time": 2.0, "message": "ValueError: bad"},
-            {"rank": 0, "time": 3.0, "message": "ValueError: bad"},
-            {"rank": 2, "time": 1.0, "message": "RuntimeError: Connection closed by peer"}]
-    lines = launch.summarize(msgs, {0: "exited with code 1", 1: "exited with code 1", 2: "exited with code 1",
-                                    3: "was killed by SIGTERM", 4: "was killed by SIGKILL"})
-    assert lines == ["zerodp train: error on rank 2: RuntimeError: Connection closed by peer",
-                     "zerodp train: error on ranks 0, 1: ValueError: bad",
-                     "zerodp train: rank 4 was killed by SIGKILL",
-                     "(zerodp train --debug or ZERODP_DEBUG=1 prints every rank's traceback)"]
-    assert launch.summarize([], {0: "was killed by SIGKILL", 1: "was killed by SIGKILL"})[0] == \
-        "zerodp train: ranks 0, 1 was killed by SIGKILL"
+    msgs = [
+        {"rank": 1, "time": 2.0, "message": "ValueError: bad"},
+        {"rank": 0, "time": 3.0, "message": "ValueError: bad"},
+        {"rank": 2, "time": 1.0, "message": "RuntimeError: Connection closed by peer"},
+    ]
+    lines = launch.summarize(
+        msgs,
+        {
+            0: "exited with code 1",
+            1: "exited with code 1",
+            2: "exited with code 1",
+            3: "was killed by SIGTERM",
+            4: "was killed by SIGKILL",
+        },
+    )
+    assert lines == [
+        "zerodp train: error on rank 2: RuntimeError: Connection closed by peer",
+        "zerodp train: error on ranks 0, 1: ValueError: bad",
+        "zerodp train: rank 4 was killed by SIGKILL",
+        "(zerodp train --debug or ZERODP_DEBUG=1 prints every rank's traceback)",
+    ]
+    assert (
+        launch.summarize([], {0: "was killed by SIGKILL", 1: "was killed by SIGKILL"})[0]
+        == "zerodp train: ranks 0, 1 was killed by SIGKILL"
+    )
     err = ValueError("invalid zerodp config:\n  'a': no (got 1)\n  'b': no (got 2)")
     assert launch.one_line(err) == "ValueError: invalid zerodp config: 'a': no (got 1); 'b': no (got 2)"
 
@@ -573,8 +648,7 @@ def test_make_train_installs_only_the_package() -> None:
     root = Path(__file__).resolve().parents[1]
 
     def installs(target: str) -> list[str]:
-        out = subprocess.run(["make", "-n", "-B", target], cwd=root, capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(["make", "-n", "-B", target], cwd=root, capture_output=True, text=True, check=True).stdout
         return [ln for ln in out.splitlines() if "pip install" in ln and "--upgrade pip" not in ln]
 
     # no test dependencies for train; both take the torch pinned in constraints.txt
@@ -593,8 +667,7 @@ def test_resume_from_a_tag_other_than_latest(tiny_runs, tmp_path) -> None:
 
     tagged = tmp_path / "tagged"
     shutil.copytree(tiny_runs["ckpt"] / "global_step3", tagged / "global_step3")
-    run = _zerodp_train("--steps", "6", "--save-every", "3", "--save-dir", str(tagged), "--resume-tag",
-                        "global_step3")
+    run = _zerodp_train("--steps", "6", "--save-every", "3", "--save-dir", str(tagged), "--resume-tag", "global_step3")
     assert f"resumed from {tagged / 'global_step3'} at step 3" in run.stdout
     mine = load_file(str(consolidate(tagged, tmp_path / "a.safetensors", tag="global_step6")))
     first = load_file(str(consolidate(tiny_runs["ckpt"], tmp_path / "b.safetensors", tag="global_step6")))
@@ -610,9 +683,17 @@ def test_estimate_config_gives_offload_buffers_as_configured(capsys, tmp_path) -
     from zerodp.offload.sizing import AUTO_SHARE, SPLIT_ALIGN
 
     owned = 500_000_000  # 1e9 parameters on 2 ranks
-    zo = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
-          "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2, "buffer_size": 4096,
-                            "max_in_cpu": 8192}}
+    zo = {
+        "stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": str(tmp_path),
+            "buffer_count": 2,
+            "buffer_size": 4096,
+            "max_in_cpu": 8192,
+        },
+    }
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {**zo, "sub_group_size": 1_000_000}}))
     assert cli.main(["estimate", "--params", "1e9", "--dp", "2", "--config", str(path)]) == 0
@@ -621,8 +702,10 @@ def test_estimate_config_gives_offload_buffers_as_configured(capsys, tmp_path) -
     assert "sub_group_size 1,000,000 (set), 4 buffers" in out
     for want in (4 * (3 * 4) * 10**6 + 4 * 10**6, 2 * 2 * 10**6, 12 * owned, 2 * owned):
         assert accounting.human_bytes(want) in out, (want, out)
-    assert (f"host pool 2 x {accounting.human_bytes(4096)} + read-ahead {accounting.human_bytes(8192)} = "
-            f"{accounting.human_bytes(2 * 4096 + 8192)}") in out
+    assert (
+        f"host pool 2 x {accounting.human_bytes(4096)} + read-ahead {accounting.human_bytes(8192)} = "
+        f"{accounting.human_bytes(2 * 4096 + 8192)}"
+    ) in out
     # sub_group_size not set: chosen from host_buffer_bytes (default 256 MiB) within 8% of the bytes moved off
     path.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": zo}))
     cli.main(["estimate", "--params", "1e9", "--dp", "2", "--config", str(path)])

@@ -51,8 +51,11 @@ def test_offload_equals_non_offloaded(world, stages, scenarios):
             for device in ("cpu", "nvme"):
                 rep = out["reports"][device]
                 owned = rep["owned"]
-                assert rep["formula"]["host"]["gradients"] * 0.5 <= rep["host"]["gradients"] \
+                assert (
+                    rep["formula"]["host"]["gradients"] * 0.5
+                    <= rep["host"]["gradients"]
                     <= rep["formula"]["host"]["gradients"] * 1.5 + 64
+                )
                 if device == "cpu":
                     assert rep["host"]["gradients"] == 4 * owned  # ZeRO-Offload's fp32 host gradient
                     assert rep["host"]["master_weights"] == 4 * owned
@@ -91,8 +94,10 @@ def test_offload_equals_non_offloaded(world, stages, scenarios):
                 # the state dict, safe_get_full_fp32_param and a checkpoint right after it are the
                 # non-offloaded engine's, bitwise
                 assert "ref_maxdiff" in out
-                assert out["frozen"] == {w: {"cpu": True, "nvme": True} for w in ("after", "accessor", "loaded")}, \
-                    (key, out["frozen"])
+                assert out["frozen"] == {w: {"cpu": True, "nvme": True} for w in ("after", "accessor", "loaded")}, (
+                    key,
+                    out["frozen"],
+                )
             if "ckpt" in out:
                 assert out["ckpt"] == {"nvme->none": True, "none->nvme": True, "cpu->nvme": True}, out["ckpt"]
             compared += 1
@@ -102,8 +107,13 @@ def test_offload_equals_non_offloaded(world, stages, scenarios):
 
 def _engine(nvme: str, **offload) -> zerodp.Engine:
     torch.manual_seed(0)
-    cfg = {"zero_optimization": {"stage": 1, "sub_group_size": 50,
-                                 "offload_optimizer": {"device": "nvme", "nvme_path": nvme, **offload}}}
+    cfg = {
+        "zero_optimization": {
+            "stage": 1,
+            "sub_group_size": 50,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, **offload},
+        }
+    }
     return zerodp.initialize(nn.Linear(8, 8), cfg)
 
 
@@ -124,7 +134,8 @@ def test_swap_files_removed_on_close_and_on_exception(tmp_path):
     engine.close()
     assert list(tmp_path.iterdir()) == []
     assert_swap_removed_after_exception(
-        {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}, tmp_path, "*.swp")
+        {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}, tmp_path, "*.swp"
+    )
 
 
 def test_aio_round_trip(tmp_path):
@@ -157,11 +168,28 @@ def test_offload_config_errors():
         zerodp.load_config({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})
     with pytest.raises(zerodp.ConfigError, match="stage 1, 2 or 3"):
         zerodp.initialize(nn.Linear(2, 2), {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
-    cfg = zerodp.load_config({"zero_optimization": {"sub_group_size": 1e9, "offload_optimizer": {
-        "device": "nvme", "nvme_path": "/x", "pin_memory": True, "buffer_count": 5, "fast_init": True}},
-        "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
-                "overlap_events": True}})
-    assert cfg.zero_optimization.sub_group_size == 10 ** 9 and cfg.zero_optimization.offload_optimizer.buffer_count == 5
+    cfg = zerodp.load_config(
+        {
+            "zero_optimization": {
+                "sub_group_size": 1e9,
+                "offload_optimizer": {
+                    "device": "nvme",
+                    "nvme_path": "/x",
+                    "pin_memory": True,
+                    "buffer_count": 5,
+                    "fast_init": True,
+                },
+            },
+            "aio": {
+                "block_size": 1048576,
+                "queue_depth": 8,
+                "thread_count": 1,
+                "single_submit": False,
+                "overlap_events": True,
+            },
+        }
+    )
+    assert cfg.zero_optimization.sub_group_size == 10**9 and cfg.zero_optimization.offload_optimizer.buffer_count == 5
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
@@ -178,17 +206,18 @@ def test_gradients_stream_to_host_during_backward(device, tmp_path, monkeypatch)
         if offload:
             zc["offload_optimizer"] = {"device": device, "nvme_path": str(tmp_path), **SAME_ADAM}
             zc["sub_group_size"] = 300
-        return zerodp.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-                                         "zero_optimization": zc})
+        return zerodp.initialize(
+            model, {"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "zero_optimization": zc}
+        )
 
     streamed_before_last_grad = []
     plain, off = build(False), build(True)
     real = off.optimizer_offload.stream_grad
     calls = []
-    monkeypatch.setattr(off.optimizer_offload, "stream_grad",
-                        lambda piece, grad: (calls.append(piece), real(piece, grad)))
-    off.module[0].weight.register_post_accumulate_grad_hook(
-        lambda p: streamed_before_last_grad.append(len(calls)))
+    monkeypatch.setattr(
+        off.optimizer_offload, "stream_grad", lambda piece, grad: (calls.append(piece), real(piece, grad))
+    )
+    off.module[0].weight.register_post_accumulate_grad_hook(lambda p: streamed_before_last_grad.append(len(calls)))
     x = torch.randn(5, 6)
     for _ in range(3):
         for e in (plain, off):
@@ -235,8 +264,10 @@ def test_edit_of_parameter_without_gradient_reaches_offloaded_master(device, thr
         if offload:
             zc["offload_optimizer"] = {"device": device, "nvme_path": str(tmp_path), **SAME_ADAM}
             zc["sub_group_size"] = 20
-        return zerodp.initialize(TwoHeads(), {"optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-                                              "bf16": {"enabled": True}, "zero_optimization": zc})
+        return zerodp.initialize(
+            TwoHeads(),
+            {"optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "bf16": {"enabled": True}, "zero_optimization": zc},
+        )
 
     x = torch.randn(3, 4)
     engines = [build(False), build(True)]
@@ -281,8 +312,10 @@ class ElsewhereTensor(torch.Tensor):
         if func is not torch.Tensor.copy_:
             leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             if any(type(t) is cls for t in leaves) and any(type(t) is not cls and t.dim() > 0 for t in leaves):
-                raise RuntimeError(f"{getattr(func, '__name__', func)}: expected all tensors on the same device, "
-                                   "got a device tensor and a host tensor")
+                raise RuntimeError(
+                    f"{getattr(func, '__name__', func)}: expected all tensors on the same device, "
+                    "got a device tensor and a host tensor"
+                )
         return super().__torch_function__(func, types, args, kwargs)
 
 
@@ -298,10 +331,11 @@ def test_edit_folding_with_parameters_on_another_device(device, tmp_path, monkey
 
     def build(elsewhere: bool) -> zerodp.Engine:
         torch.manual_seed(0)
-        zc = {"stage": 2, "sub_group_size": 20,
-              "offload_optimizer": {"device": device, "nvme_path": str(tmp_path)}}
-        e = zerodp.initialize(nn.Linear(6, 5), {"optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-                                                "bf16": {"enabled": True}, "zero_optimization": zc})
+        zc = {"stage": 2, "sub_group_size": 20, "offload_optimizer": {"device": device, "nvme_path": str(tmp_path)}}
+        e = zerodp.initialize(
+            nn.Linear(6, 5),
+            {"optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "bf16": {"enabled": True}, "zero_optimization": zc},
+        )
         e.backward(e(torch.ones(3, 6).bfloat16()).float().square().mean())
         e.step()
         with torch.no_grad():

@@ -51,8 +51,7 @@ def test_offload_lowers_rss_by_what_it_moves_off(results, stage, dtype, offload)
         base, off = res[f"{stage}/{dtype}/none"], res[f"{stage}/{dtype}/{offload}"]
         moved = _moved_off(off["numel"], dtype, offload)
         saved = base["growth"] - off["growth"]
-        assert saved >= 0.8 * moved, (rank, stage, dtype, offload, f"saved {saved:,} of {moved:,} moved off",
-                                      base, off)
+        assert saved >= 0.8 * moved, (rank, stage, dtype, offload, f"saved {saved:,} of {moved:,} moved off", base, off)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -29,10 +29,14 @@ def test_bad_arguments_are_refused(argv, capsys):
 
 
 def test_ratios_and_table():
-    figures = overhead_bench.with_ratios({"ddp": {"cpu_us": 10.0, "wall_us": 20.0},
-                                          "fsdp2": {"cpu_us": 40.0, "wall_us": 50.0},
-                                          "zerodp_s3": {"cpu_us": 30.0, "wall_us": 35.0},
-                                          "deepspeed": {"skipped": "not installed"}})
+    figures = overhead_bench.with_ratios(
+        {
+            "ddp": {"cpu_us": 10.0, "wall_us": 20.0},
+            "fsdp2": {"cpu_us": 40.0, "wall_us": 50.0},
+            "zerodp_s3": {"cpu_us": 30.0, "wall_us": 35.0},
+            "deepspeed": {"skipped": "not installed"},
+        }
+    )
     assert figures["zerodp_s3"]["cpu_vs_ddp"] == 3.0 and figures["zerodp_s3"]["cpu_vs_fsdp2"] == 0.75
     args = overhead_bench.build_parser().parse_args(["--layers", "2", "--width", "4"])
     text = overhead_bench.table(figures, args, 2)
@@ -42,10 +46,35 @@ def test_ratios_and_table():
 
 def test_tiny_run_prints_the_table_and_writes_json(tmp_path):
     out = tmp_path / "o.json"
-    proc = subprocess.run([sys.executable, "-m", "zerodp.app.overhead_bench", "--layers", "2", "--width", "4",
-                           "--steps", "1", "--warmup", "1", "--rounds", "1", "--json", str(out),
-                           "--systems", "plain", "ddp", "fsdp2", "deepspeed", "zerodp_s0", "zerodp_s3"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerodp.app.overhead_bench",
+            "--layers",
+            "2",
+            "--width",
+            "4",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--json",
+            str(out),
+            "--systems",
+            "plain",
+            "ddp",
+            "fsdp2",
+            "deepspeed",
+            "zerodp_s0",
+            "zerodp_s3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "host cost per module per step: 2 x Linear(4, 4)" in proc.stdout
     res = json.loads(out.read_text())

@@ -76,8 +76,7 @@ def test_param_offload_equals_stage3(world, scenarios):
                 # the eval forward after step 2 used every unit: the loop had ended by its end
                 assert out["deferred"][2][3] is True, out["deferred"]
             elif key == "ckpt":
-                assert out == {"nvme->none": True, "none->nvme": True, "continued": True,
-                               "live_shard_bytes": 0}, out
+                assert out == {"nvme->none": True, "none->nvme": True, "continued": True, "live_shard_bytes": 0}, out
             elif key == "prefetch":
                 # the read of module k+2 or later was submitted before module k's forward returned
                 assert any(later - k >= 2 for k, later in out["ahead"]), out["events"]
@@ -96,9 +95,13 @@ def test_param_offload_equals_stage3(world, scenarios):
 
 def _engine(nvme: str, **offload) -> zerodp.Engine:
     torch.manual_seed(0)
-    cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 4,
-                                 "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 1,
-                                                   "buffer_size": 4096, **offload}}}
+    cfg = {
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 4,
+            "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 1, "buffer_size": 4096, **offload},
+        }
+    }
     return zerodp.initialize(nn.Sequential(nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 3)), cfg)
 
 
@@ -138,8 +141,14 @@ def test_shards_freed_between_uses_and_deleted_swap_file(tmp_path):
 
 def test_swap_files_removed_on_exception(tmp_path):
     assert_swap_removed_after_exception(
-        {"stage": 3, "stage3_param_persistence_threshold": 4,
-         "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}, tmp_path, "params.swp")
+        {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 4,
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+        },
+        tmp_path,
+        "params.swp",
+    )
 
 
 def test_offload_param_config():
@@ -149,23 +158,43 @@ def test_offload_param_config():
         zerodp.load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
     with pytest.raises(zerodp.ConfigError, match="'zero_optimization.offload_param.buffer_size'"):
         zerodp.load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_size": 1.5}}})
-    cfg = zerodp.load_config({"zero_optimization": {"stage": 3, "offload_param": {
-        "device": "nvme", "nvme_path": "/x", "pin_memory": True, "buffer_count": 5, "buffer_size": 1e8,
-        "max_in_cpu": 1e9}}})
+    cfg = zerodp.load_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {
+                    "device": "nvme",
+                    "nvme_path": "/x",
+                    "pin_memory": True,
+                    "buffer_count": 5,
+                    "buffer_size": 1e8,
+                    "max_in_cpu": 1e9,
+                },
+            }
+        }
+    )
     po = cfg.zero_optimization.offload_param
-    assert (po.buffer_size, po.max_in_cpu, po.buffer_count, po.prefetch_depth) == (10 ** 8, 10 ** 9, 5, 3)
+    assert (po.buffer_size, po.max_in_cpu, po.buffer_count, po.prefetch_depth) == (10**8, 10**9, 5, 3)
     # overlap_step: a boolean, and only with both offloads on NVMe (the message names both devices)
     nv = {"device": "nvme", "nvme_path": "/x"}
     with pytest.raises(zerodp.ConfigError, match="'zero_optimization.offload_optimizer.overlap_step'.*boolean"):
         zerodp.load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {**nv, "overlap_step": "maybe"}}})
     for opt, par in (("nvme", "none"), ("cpu", "nvme"), ("nvme", "cpu")):
-        with pytest.raises(zerodp.ConfigError, match=f"overlap_step' needs .*got offload_optimizer '{opt}', "
-                                                     f"offload_param '{par}'"):
-            zerodp.load_config({"zero_optimization": {
-                "stage": 3, "offload_optimizer": {**(nv if opt == "nvme" else {"device": opt}), "overlap_step": True},
-                "offload_param": nv if par == "nvme" else {"device": par}}})
-    ok = zerodp.load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {**nv, "overlap_step": True},
-                                                   "offload_param": nv}})
+        with pytest.raises(
+            zerodp.ConfigError, match=f"overlap_step' needs .*got offload_optimizer '{opt}', offload_param '{par}'"
+        ):
+            zerodp.load_config(
+                {
+                    "zero_optimization": {
+                        "stage": 3,
+                        "offload_optimizer": {**(nv if opt == "nvme" else {"device": opt}), "overlap_step": True},
+                        "offload_param": nv if par == "nvme" else {"device": par},
+                    }
+                }
+            )
+    ok = zerodp.load_config(
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {**nv, "overlap_step": True}, "offload_param": nv}}
+    )
     assert ok.zero_optimization.offload_optimizer.overlap_step is True
 
 
@@ -179,13 +208,22 @@ def test_overlap_step_dropin_zero_grad_after_step(tmp_path):
     for overlap in (False, True):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
-        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
-               "zero_optimization": {
-                   "stage": 3, "stage3_param_persistence_threshold": 20, "sub_group_size": 60,
-                   "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2,
-                                     "buffer_size": 4096},
-                   "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "cpu_adam": "same",
-                                         "overlap_step": overlap}}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_param_persistence_threshold": 20,
+                "sub_group_size": 60,
+                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2, "buffer_size": 4096},
+                "offload_optimizer": {
+                    "device": "nvme",
+                    "nvme_path": str(tmp_path),
+                    "cpu_adam": "same",
+                    "overlap_step": overlap,
+                },
+            },
+        }
         engine, _, _, _ = ds.initialize(model=model, config=cfg)
         losses = []
         for step in range(3):
@@ -212,14 +250,27 @@ def test_load_module_state_dict_with_nvme_optimizer_offload(tmp_path):
     for opt in ("none", "nvme"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
-        zc = {"stage": 3, "stage3_param_persistence_threshold": 20, "sub_group_size": 60,
-              "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2,
-                                "buffer_size": 4096}}
+        zc = {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 20,
+            "sub_group_size": 60,
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2, "buffer_size": 4096},
+        }
         if opt == "nvme":
-            zc["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path), "cpu_adam": "same",
-                                       "overlap_step": True}
-        engine = zerodp.initialize(model, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zc,
-                                           "optimizer": {"type": "AdamW", "params": {"lr": 0.02}}})
+            zc["offload_optimizer"] = {
+                "device": "nvme",
+                "nvme_path": str(tmp_path),
+                "cpu_adam": "same",
+                "overlap_step": True,
+            }
+        engine = zerodp.initialize(
+            model,
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "zero_optimization": zc,
+                "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+            },
+        )
         losses, first = [], None
         for step in range(3):
             loss = engine(torch.randn(2, 16, generator=torch.Generator().manual_seed(step))).square().mean()

@@ -22,7 +22,7 @@ def table_rows() -> list[tuple[list[str], str]]:
     """(key paths, status) for each row of docs/deepspeed.md's config-key table. In a row, a key written
     ``.name`` continues the parent path of the key before it (``fp16.enabled``, ``.hysteresis``)."""
     text = TABLE_PAGE.read_text()
-    section = text[text.index(SECTION):]
+    section = text[text.index(SECTION) :]
     end = section.find("\n## ", len(SECTION))
     section = section if end < 0 else section[:end]
     rows = []
@@ -82,15 +82,23 @@ def test_table_is_parsed():
 
 
 def test_every_schema_key_is_listed_as_supported():
-    supported = {k for keys, status in table_rows() for k in keys
-                 if status.startswith(("supported", "accepted", "zerodp's own key"))}
+    supported = {
+        k
+        for keys, status in table_rows()
+        for k in keys
+        if status.startswith(("supported", "accepted", "zerodp's own key"))
+    }
     missing = sorted(schema_keys() - supported)
     assert not missing, f"config keys missing from the docs/deepspeed.md table (as supported): {missing}"
 
 
 def test_no_key_is_listed_as_supported_that_the_schema_lacks():
-    supported = {k for keys, status in table_rows() for k in keys
-                 if status.startswith(("supported", "accepted", "zerodp's own key"))}
+    supported = {
+        k
+        for keys, status in table_rows()
+        for k in keys
+        if status.startswith(("supported", "accepted", "zerodp's own key"))
+    }
     extra = sorted(supported - schema_keys())
     assert not extra, f"docs/deepspeed.md lists as supported keys the schema does not accept: {extra}"
 
@@ -114,14 +122,19 @@ def test_refused_key_is_refused(key):
 #: DeepSpeed configs from public clients (DeepSpeedExamples cifar, DeepSpeed-Chat, accelerate) write
 #: these at DeepSpeed's default or disabled value: accepted, the config equals the one without them.
 DEFAULTS_OFF = {
-    "prescale_gradients": False, "gradient_predivide_factor": 1.0, "sparse_gradients": False,
+    "prescale_gradients": False,
+    "gradient_predivide_factor": 1.0,
+    "sparse_gradients": False,
     "communication_data_type": None,
     "zero_optimization": {"stage": 2, "cpu_offload": False, "memory_efficient_linear": False},
     "fp16": {"enabled": False, "fp16_master_weights_and_grads": False, "auto_cast": False},
     "hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1},
     "tensorboard": {"enabled": False, "output_path": "x/", "job_name": "t"},
-    "wandb": {"enabled": False}, "csv_monitor": {"enabled": False}, "flops_profiler": {"enabled": False},
-    "comms_logger": {"enabled": False}, "amp": {"enabled": False},
+    "wandb": {"enabled": False},
+    "csv_monitor": {"enabled": False},
+    "flops_profiler": {"enabled": False},
+    "comms_logger": {"enabled": False},
+    "amp": {"enabled": False},
     "steps_per_print": float("inf"),
 }
 
@@ -130,22 +143,26 @@ def test_deepspeed_defaults_are_accepted():
     cfg = zerodp.load_config(DEFAULTS_OFF)
     plain = zerodp.load_config({"zero_optimization": {"stage": 2}})
     assert cfg.steps_per_print is None  # never prints, as accelerate's inf means
-    assert cfg.model_dump(exclude={"steps_per_print", "zero_optimization"}) == \
-        plain.model_dump(exclude={"steps_per_print", "zero_optimization"})
+    assert cfg.model_dump(exclude={"steps_per_print", "zero_optimization"}) == plain.model_dump(
+        exclude={"steps_per_print", "zero_optimization"}
+    )
     assert cfg.zero_optimization.memory_efficient_linear is False
 
 
-@pytest.mark.parametrize("key, value, fragment", [
-    ("prescale_gradients", True, "only false is accepted"),
-    ("gradient_predivide_factor", 2.0, "only 1.0 is accepted"),
-    ("zero_optimization.cpu_offload", True, "only false is accepted"),
-    ("fp16.fp16_master_weights_and_grads", True, "masters are always fp32"),
-    ("communication_data_type", "fp32", "only null is accepted"),
-    ("hybrid_engine", {"enabled": True}, "the hybrid (training + inference) engine"),
-    ("tensorboard", {"enabled": True, "output_path": "x"}, "accepted only when disabled"),
-    ("steps_per_print", float("nan"), "steps_per_print"),
-    ("steps_per_print", 0, "steps_per_print"),
-])
+@pytest.mark.parametrize(
+    "key, value, fragment",
+    [
+        ("prescale_gradients", True, "only false is accepted"),
+        ("gradient_predivide_factor", 2.0, "only 1.0 is accepted"),
+        ("zero_optimization.cpu_offload", True, "only false is accepted"),
+        ("fp16.fp16_master_weights_and_grads", True, "masters are always fp32"),
+        ("communication_data_type", "fp32", "only null is accepted"),
+        ("hybrid_engine", {"enabled": True}, "the hybrid (training + inference) engine"),
+        ("tensorboard", {"enabled": True, "output_path": "x"}, "accepted only when disabled"),
+        ("steps_per_print", float("nan"), "steps_per_print"),
+        ("steps_per_print", 0, "steps_per_print"),
+    ],
+)
 def test_enabled_features_are_refused_by_name(key, value, fragment):
     with pytest.raises(zerodp.ConfigError) as err:
         zerodp.load_config(nested(key, value))

@@ -42,4 +42,4 @@ def test_rss_follows_the_zero_stages(growth: dict) -> None:
     # stage 2 saves 6 Psi of the 16 (half the gradients and moments) per rank: at least half of that shows
     assert stage0 - stage2 >= 0.5 * 6 * psi, (stage0 / MB, stage2 / MB)
     # stage 3 also partitions the parameters (2 Psi saved over stage 2), gathered window aside
-    assert stage2 - stage3 >= 0.5 * 2 * psi - 2 ** 21 * 4, (stage2 / MB, stage3 / MB)
+    assert stage2 - stage3 >= 0.5 * 2 * psi - 2**21 * 4, (stage2 / MB, stage3 / MB)

@@ -16,8 +16,15 @@ from distributed import run_worker
 WORKER = Path(__file__).with_name("stage3_memory_worker.py")
 MLP = ["mlp_fp32_prefetch", "mlp_fp32_no_prefetch", "mlp_bf16_prefetch", "mlp_bf16_no_prefetch"]
 #: op kind -> whether the op saves a view or a cast of the gathered weight (so a leak is measurable)
-OPS = {"op_linear": True, "op_matmul_transposed": True, "op_embedding": False, "op_conv": False,
-       "op_layer_norm": True, "op_bf16_cast": True, "op_float_cast_in_bf16_model": True}
+OPS = {
+    "op_linear": True,
+    "op_matmul_transposed": True,
+    "op_embedding": False,
+    "op_conv": False,
+    "op_layer_norm": True,
+    "op_bf16_cast": True,
+    "op_float_cast_in_bf16_model": True,
+}
 
 
 @pytest.fixture(scope="module")

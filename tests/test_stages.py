@@ -17,25 +17,53 @@ from distributed import run_worker, selected_runs
 
 WORLD_SIZES = (1, 2, 3, 4)
 STAGES = (0, 1, 2, 3)
-TRAINING = ("adam_buckets", "adamw_one_bucket", "frozen", "no_grad_some_steps", "param_groups",
-            "grad_accumulation", "clipping", "no_overlap_noncontiguous", "tied_weights",
-            # written for stage 3 (parameters partitioned); the same answers are expected at 0-2
-            "gpt_tied", "block_called_twice", "parent_reads_child_weight", "registered_external",
-            "structured_outputs", "gathered_edit_modifier_rank0", "eval_generation_between_steps")
+TRAINING = (
+    "adam_buckets",
+    "adamw_one_bucket",
+    "frozen",
+    "no_grad_some_steps",
+    "param_groups",
+    "grad_accumulation",
+    "clipping",
+    "no_overlap_noncontiguous",
+    "tied_weights",
+    # written for stage 3 (parameters partitioned); the same answers are expected at 0-2
+    "gpt_tied",
+    "block_called_twice",
+    "parent_reads_child_weight",
+    "registered_external",
+    "structured_outputs",
+    "gathered_edit_modifier_rank0",
+    "eval_generation_between_steps",
+)
 
 #: scenarios written device-generic (tests/dist_worker.py compare_training: model, batches and the
 #: reference on the test device); the rest build or read tensors on the CPU themselves
-ON_CUDA = ("adam_buckets", "adamw_one_bucket", "frozen", "param_groups", "grad_accumulation", "clipping",
-           "no_overlap_noncontiguous", "tied_weights", "gpt_tied", "bf16_twenty_steps",
-           "fp16_overflow_skips_everywhere")
+ON_CUDA = (
+    "adam_buckets",
+    "adamw_one_bucket",
+    "frozen",
+    "param_groups",
+    "grad_accumulation",
+    "clipping",
+    "no_overlap_noncontiguous",
+    "tied_weights",
+    "gpt_tied",
+    "bf16_twenty_steps",
+    "fp16_overflow_skips_everywhere",
+)
 
 #: scenario each test function asserts on (test_matches_reference: its ``name`` parameter)
-SCENARIO_OF = {"test_memory_report_matches_formula": "reports", "test_comm_report_is_two_psi": "reports",
-               "test_stage3_memory_is_sixteen_psi_over_n": "reports@3", "test_stage3_comm_is_three_psi": "reports@3",
-               "test_stage3_built_under_init_holds_only_its_partition": "built_under_init@3",
-               "test_bf16_matches_mixed_precision_reference": "bf16_twenty_steps",
-               "test_fp16_overflow_on_one_rank_skips_on_all": "fp16_overflow_skips_everywhere",
-               "test_warmup_decay_lr_follows_formula": "warmup_decay_lr"}
+SCENARIO_OF = {
+    "test_memory_report_matches_formula": "reports",
+    "test_comm_report_is_two_psi": "reports",
+    "test_stage3_memory_is_sixteen_psi_over_n": "reports@3",
+    "test_stage3_comm_is_three_psi": "reports@3",
+    "test_stage3_built_under_init_holds_only_its_partition": "built_under_init@3",
+    "test_bf16_matches_mixed_precision_reference": "bf16_twenty_steps",
+    "test_fp16_overflow_on_one_rank_skips_on_all": "fp16_overflow_skips_everywhere",
+    "test_warmup_decay_lr_follows_formula": "warmup_decay_lr",
+}
 
 
 @pytest.fixture(scope="module")

@@ -53,8 +53,9 @@ def _start(tmp_path: Path, torchrun: bool = False, nproc: int = 1) -> tuple[subp
     # a job started in the background by a non-interactive shell (nohup, `cmd &`) inherits SIGINT
     # ignored, and Python and zerodp then leave it ignored: give the rank SIGINT's default disposition,
     # as an interactive or scheduler-started process has
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=_default_sigint)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_default_sigint
+    )
     deadline = time.time() + 90
     while len(list(ready.iterdir())) < nproc:
         if proc.poll() is not None or time.time() > deadline:
@@ -102,6 +103,7 @@ def test_sigkill_leftovers_are_named_and_removed_only_when_asked(tmp_path, capsy
         torch.manual_seed(0)
         cfg = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}}}
         import zerodp.offload.swap_dir as swap_dir
+
         swap_dir._announced.discard(str(nvme))
         with pytest.warns(UserWarning, match="left by jobs whose processes are gone") as rec:
             e = zerodp.initialize(nn.Linear(8, 8), cfg)
@@ -130,9 +132,14 @@ def test_remove_stale_swap_key_removes_dead_jobs_dirs_at_start(tmp_path):
     dead.communicate(timeout=30)
     assert len(list(nvme.iterdir())) == 1
     import zerodp.offload.swap_dir as swap_dir
+
     swap_dir._announced.discard(str(nvme))
-    cfg = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme),
-                                                                   "remove_stale_swap": True}}}
+    cfg = {
+        "zero_optimization": {
+            "stage": 1,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme), "remove_stale_swap": True},
+        }
+    }
     with pytest.warns(UserWarning, match="removed 1 swap directory"):
         e = zerodp.initialize(nn.Linear(8, 8), cfg)
     assert len(list(nvme.iterdir())) == 1  # this engine's own

@@ -19,8 +19,9 @@ LOCAL_NUMEL = 4 * 6 + 4 + 5 * 4 + 5  # w1, b1 (column-parallel halves), w2 (row-
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_worker(4, ",".join(map(str, STAGES)), worker=WORKER,
-                      extra_args=["--ckpt-dir", str(tmp_path_factory.mktemp("tp"))])
+    return run_worker(
+        4, ",".join(map(str, STAGES)), worker=WORKER, extra_args=["--ckpt-dir", str(tmp_path_factory.mktemp("tp"))]
+    )
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -68,9 +69,13 @@ def test_grad_norm_of_a_large_fp32_gradient_keeps_fp64_accuracy() -> None:
     from zerodp.runtime.topology import global_grad_norm
 
     g = torch.Generator().manual_seed(3)
-    grads = [torch.randn(8 * 10**6, generator=g), torch.randn(70_001, generator=g).bfloat16(),
-             torch.randn(1000, generator=g, dtype=torch.float64), torch.empty(0),
-             torch.randn(300, 500, generator=g).t()]
+    grads = [
+        torch.randn(8 * 10**6, generator=g),
+        torch.randn(70_001, generator=g).bfloat16(),
+        torch.randn(1000, generator=g, dtype=torch.float64),
+        torch.empty(0),
+        torch.randn(300, 500, generator=g).t(),
+    ]
     want = math.sqrt(sum(float(t.double().pow(2).sum()) for t in grads))
     got = global_grad_norm((iter([]), iter(grads)), Topology(dp_group=None), False, None)
     assert abs(got - want) <= 1e-6 * want, (got, want, abs(got - want) / want)

@@ -33,8 +33,7 @@ def _full_bias_grad(t: TiledLinear) -> torch.Tensor:
     return torch.cat([row[-1].bias.grad for row in t.linears])
 
 
-SHAPES = [(13, 11, 1, 1), (13, 11, 1, 4), (13, 11, 3, 1), (13, 11, 3, 2), (13, 11, 5, 7), (7, 9, 7, 9),
-          (16, 8, 4, 2)]
+SHAPES = [(13, 11, 1, 1), (13, 11, 1, 4), (13, 11, 3, 1), (13, 11, 3, 2), (13, 11, 5, 7), (7, 9, 7, 9), (16, 8, 4, 2)]
 
 
 @pytest.mark.parametrize("in_f,out_f,in_s,out_s", SHAPES)
@@ -84,7 +83,7 @@ def test_new_tiles_use_the_whole_layers_fan_in() -> None:
     torch.manual_seed(2)
     t = TiledLinear(400, 64, in_splits=8, out_splits=2)
     w = _full_weight(t)
-    bound = 1 / 400 ** 0.5  # nn.Linear(400, 64)'s bound; each tile's own fan-in (50) would give 0.141
+    bound = 1 / 400**0.5  # nn.Linear(400, 64)'s bound; each tile's own fan-in (50) would give 0.141
     assert w.abs().max() <= bound and w.abs().max() > 0.95 * bound
     assert torch.cat([row[-1].bias for row in t.linears]).abs().max() <= bound
 
@@ -92,8 +91,9 @@ def test_new_tiles_use_the_whole_layers_fan_in() -> None:
 def test_already_split_input_and_uncombined_output() -> None:
     torch.manual_seed(3)
     lin = nn.Linear(9, 8, dtype=torch.float64)
-    t = TiledLinear(9, 8, in_splits=2, out_splits=3, input_is_already_split=True, combine_out_splits=False,
-                    dtype=torch.float64)
+    t = TiledLinear(
+        9, 8, in_splits=2, out_splits=3, input_is_already_split=True, combine_out_splits=False, dtype=torch.float64
+    )
     t.copy_params_from(lin)
     x = torch.randn(4, 9, dtype=torch.float64)
     outs = t(list(torch.split(x, t.in_sizes, dim=-1)))
@@ -103,12 +103,15 @@ def test_already_split_input_and_uncombined_output() -> None:
         t([x])
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"in_splits": 0}, r"in_splits must be an int in \[1, in_features=8\]"),
-    ({"in_splits": 9}, r"in_splits must be an int in \[1, in_features=8\]"),
-    ({"out_splits": 5}, r"out_splits must be an int in \[1, out_features=4\]"),
-    ({"out_splits": 1.5}, "out_splits must be an int"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"in_splits": 0}, r"in_splits must be an int in \[1, in_features=8\]"),
+        ({"in_splits": 9}, r"in_splits must be an int in \[1, in_features=8\]"),
+        ({"out_splits": 5}, r"out_splits must be an int in \[1, out_features=4\]"),
+        ({"out_splits": 1.5}, "out_splits must be an int"),
+    ],
+)
 def test_bad_splits_are_refused(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         TiledLinear(8, 4, **kwargs)

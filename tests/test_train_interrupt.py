@@ -18,11 +18,37 @@ def _default_sigint() -> None:
 
 
 def test_ctrl_c_prints_one_line_and_no_traceback(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "zerodp.app.cli", "train", "--nproc", "2", "--steps", "100000",
-           "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--micro-batch", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerodp.app.cli",
+        "train",
+        "--nproc",
+        "2",
+        "--steps",
+        "100000",
+        "--n-layer",
+        "1",
+        "--d-model",
+        "32",
+        "--n-head",
+        "2",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True, preexec_fn=_default_sigint)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
+    )
     try:
         deadline = time.monotonic() + 120
         assert proc.stderr is not None

@@ -38,14 +38,21 @@ class Net(nn.Module):
 
 
 def config(max_live: int, offload: bool = False, nvme: str = "") -> dict:
-    zero: dict = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": max_live,
-                  "stage3_prefetch_bucket_size": 0}
+    zero: dict = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_max_live_parameters": max_live,
+        "stage3_prefetch_bucket_size": 0,
+    }
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     if nvme:  # every tile's shard in an NVMe swap file between uses
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 2, "buffer_size": 4096}
-    return {"train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(),
-            "optimizer": {"type": "Adam", "params": {"lr": LR}}, "zero_optimization": zero}
+    return {
+        "train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(),
+        "optimizer": {"type": "Adam", "params": {"lr": LR}},
+        "zero_optimization": zero,
+    }
 
 
 def _tile_bytes(m: TiledLinear) -> int:
@@ -61,6 +68,7 @@ def train(offload: bool = False, offload_param: bool = False) -> dict:
     nvme = ""
     if offload_param:
         import tempfile
+
         nvme = tempfile.mkdtemp(prefix=f"tiled-r{dist.get_rank()}-")
     engine = zerodp.initialize(model, config(max_live=tile, offload=offload, nvme=nvme))
     opt = torch.optim.Adam(ref.parameters(), lr=LR)
@@ -74,20 +82,24 @@ def train(offload: bool = False, offload_param: bool = False) -> dict:
         opt.step()
         # an input that needs grad: the tiles of the first layer are then released after their backward
         # (a first layer whose input needs no grad stays gathered until the end of backward, see docs)
-        xs = x[r * per:(r + 1) * per].requires_grad_()
-        loss = torch.nn.functional.mse_loss(engine(xs), y[r * per:(r + 1) * per])
+        xs = x[r * per : (r + 1) * per].requires_grad_()
+        loss = torch.nn.functional.mse_loss(engine(xs), y[r * per : (r + 1) * per])
         engine.backward(loss)
         engine.step()
     sd = engine.module_state_dict()
     diffs = {k: (sd[k] - v).abs().max().item() for k, v in ref.state_dict().items()}
-    out = {"compared": len(diffs), "max_diff_steps": max(diffs.values()) / LR,
-            "moved_steps": max((v - Net().state_dict()[k]).abs().max().item() for k, v in sd.items()) / LR,
-            "peak_gathered_bytes": engine.memory_report().peak["gathered_parameters"],
-            "largest_tile_bytes": max(_tile_bytes(ref.a), _tile_bytes(ref.b)),
-            "layer_a_bytes": sum(p.numel() for p in ref.a.parameters()) * 4,
-            "units": len(engine.sharding.units)}
+    out = {
+        "compared": len(diffs),
+        "max_diff_steps": max(diffs.values()) / LR,
+        "moved_steps": max((v - Net().state_dict()[k]).abs().max().item() for k, v in sd.items()) / LR,
+        "peak_gathered_bytes": engine.memory_report().peak["gathered_parameters"],
+        "largest_tile_bytes": max(_tile_bytes(ref.a), _tile_bytes(ref.b)),
+        "layer_a_bytes": sum(p.numel() for p in ref.a.parameters()) * 4,
+        "units": len(engine.sharding.units),
+    }
     if nvme:
         import shutil
+
         engine.close()
         shutil.rmtree(nvme)
     return out
@@ -105,12 +117,17 @@ def copy_under_engine() -> dict:
     engine.module.a.copy_params_from(src)
     sd = engine.module_state_dict()
     a = engine.module.a
-    weight = torch.cat([torch.cat([sd[f"a.linears.{o}.{i}.weight"] for i in range(a.in_splits)], dim=1)
-                        for o in range(a.out_splits)], dim=0)
+    weight = torch.cat(
+        [torch.cat([sd[f"a.linears.{o}.{i}.weight"] for i in range(a.in_splits)], dim=1) for o in range(a.out_splits)],
+        dim=0,
+    )
     bias = torch.cat([sd[f"a.linears.{o}.{a.in_splits - 1}.bias"] for o in range(a.out_splits)])
-    return {"weight_equal_rank0": torch.equal(weight, rank0), "bias_equal_rank0": torch.equal(bias, rank0_bias),
-            "own_differs": not torch.equal(src.weight.detach(), rank0) or dist.get_rank() == 0,
-            "compared": weight.numel() + bias.numel()}
+    return {
+        "weight_equal_rank0": torch.equal(weight, rank0),
+        "bias_equal_rank0": torch.equal(bias, rank0_bias),
+        "own_differs": not torch.equal(src.weight.detach(), rank0) or dist.get_rank() == 0,
+        "compared": weight.numel() + bias.numel(),
+    }
 
 
 IN, OUT, SPLIT_IN, SPLIT_OUT = 1024, 2048, 4, 8  # 8 MiB fp32 weight, 32 tiles of 256 KiB
@@ -137,10 +154,18 @@ def init_build() -> dict:
     got = engine.module_state_dict()
     shards = {u.shard.untyped_storage().data_ptr(): u.shard.untyped_storage().nbytes() for u in engine.sharding.units}
     tile_bytes = (IN // SPLIT_IN * OUT // SPLIT_OUT + OUT // SPLIT_OUT) * 4
-    return {"weight_bytes": IN * OUT * 4, "tile_bytes": tile_bytes, "shard_bytes": sum(shards.values()),
-            "init_peak": init_probe.peak, "plain_tiled_peak": plain_probe.peak, "linear_peak": linear_probe.peak,
-            "samples": init_probe.samples, "held_after_init": held,
-            "compared": len(expected), "equal": all(torch.equal(got[k], v) for k, v in expected.items())}
+    return {
+        "weight_bytes": IN * OUT * 4,
+        "tile_bytes": tile_bytes,
+        "shard_bytes": sum(shards.values()),
+        "init_peak": init_probe.peak,
+        "plain_tiled_peak": plain_probe.peak,
+        "linear_peak": linear_probe.peak,
+        "samples": init_probe.samples,
+        "held_after_init": held,
+        "compared": len(expected),
+        "equal": all(torch.equal(got[k], v) for k, v in expected.items()),
+    }
 
 
 class Pair(nn.Module):
@@ -160,17 +185,30 @@ def init_copy() -> dict:
     engine = zerodp.initialize(pair, cfg)
     sd = engine.module_state_dict()
     t = pair.tiled
-    weight = torch.cat([torch.cat([sd[f"tiled.linears.{o}.{i}.weight"] for i in range(t.in_splits)], dim=1)
-                        for o in range(t.out_splits)], dim=0)
+    weight = torch.cat(
+        [
+            torch.cat([sd[f"tiled.linears.{o}.{i}.weight"] for i in range(t.in_splits)], dim=1)
+            for o in range(t.out_splits)
+        ],
+        dim=0,
+    )
     bias = torch.cat([sd[f"tiled.linears.{o}.{t.in_splits - 1}.bias"] for o in range(t.out_splits)])
-    return {"source_partitioned": partitioned, "weight_equal": torch.equal(weight, sd["lin.weight"]),
-            "bias_equal": torch.equal(bias, sd["lin.bias"]), "compared": weight.numel()}
+    return {
+        "source_partitioned": partitioned,
+        "weight_equal": torch.equal(weight, sd["lin.weight"]),
+        "bias_equal": torch.equal(bias, sd["lin.bias"]),
+        "compared": weight.numel(),
+    }
 
 
-SCENARIOS = {"train": train, "train_offload": lambda: train(offload=True),
-             "train_offload_param": lambda: train(offload=True, offload_param=True),
-             "copy_under_engine": copy_under_engine,
-             "init_build": init_build, "init_copy": init_copy}
+SCENARIOS = {
+    "train": train,
+    "train_offload": lambda: train(offload=True),
+    "train_offload_param": lambda: train(offload=True, offload_param=True),
+    "copy_under_engine": copy_under_engine,
+    "init_build": init_build,
+    "init_copy": init_copy,
+}
 
 
 if __name__ == "__main__":

@@ -111,16 +111,23 @@ def batch(step: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": CLIP,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.1}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 16}}
+    return {
+        "train_micro_batch_size_per_gpu": ROWS,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 16},
+    }
 
 
 def slices(full: nn.Sequential, mp_rank: int, mp_size: int) -> dict[str, torch.Tensor]:
     h = HIDDEN // mp_size
     sl = slice(mp_rank * h, (mp_rank + 1) * h)
-    return {"w1": full[0].weight.detach()[sl], "b1": full[0].bias.detach()[sl],
-            "w2": full[2].weight.detach()[:, sl], "b2": full[2].bias.detach()}
+    return {
+        "w1": full[0].weight.detach()[sl],
+        "b1": full[0].bias.detach()[sl],
+        "w2": full[2].weight.detach()[:, sl],
+        "b2": full[2].bias.detach(),
+    }
 
 
 def run_stage(stage: int, mpu: MPU, ckpt_dir: Path) -> dict:
@@ -152,10 +159,17 @@ def run_stage(stage: int, mpu: MPU, ckpt_dir: Path) -> dict:
     fresh = zerodp.initialize(TPMLP(full_mlp(seed=99), mp_rank, mp_size, mpu.mp), config(stage), mpu=mpu)
     fresh.load_checkpoint(save)
     reloaded = fresh.module_state_dict()
-    return {"max_err": max_err, "norms": norms, "ref_norms": ref_norms, "dp_world_size": engine.world_size,
-            "numel": engine.numel, "reload_equal": all(torch.equal(reloaded[k], got[k]) for k in got),
-            "ckpt_dirs": sorted(p.name for p in save.iterdir()),
-            "report_world_size": engine.memory_report().world_size, "report_numel": engine.memory_report().numel}
+    return {
+        "max_err": max_err,
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "dp_world_size": engine.world_size,
+        "numel": engine.numel,
+        "reload_equal": all(torch.equal(reloaded[k], got[k]) for k in got),
+        "ckpt_dirs": sorted(p.name for p in save.iterdir()),
+        "report_world_size": engine.memory_report().world_size,
+        "report_numel": engine.memory_report().numel,
+    }
 
 
 def main() -> None:
@@ -171,8 +185,13 @@ def main() -> None:
     mp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     mpu = MPU(dp_groups[rank % 2], mp_groups[rank // 2])
-    run_scenarios(args.out, [(f"stage{stage}", lambda s=stage: run_stage(s, mpu, Path(args.ckpt_dir)))
-                             for stage in (int(s) for s in args.stages.split(","))])
+    run_scenarios(
+        args.out,
+        [
+            (f"stage{stage}", lambda s=stage: run_stage(s, mpu, Path(args.ckpt_dir)))
+            for stage in (int(s) for s in args.stages.split(","))
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ def main() -> None:
     args = ap.parse_args()
     zerodp.init_distributed()
     model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
-    engine = zerodp.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                                       "zero_optimization": {"stage": 1}})
+    engine = zerodp.initialize(
+        model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}
+    )
     engine.backward(engine(torch.randn(4, args.width)).pow(2).mean())
     engine.step()
     d = Path(args.dir)
@@ -44,8 +45,7 @@ def main() -> None:
         engine.save_checkpoint(d)
         saves.append(time.perf_counter() - t0)
         tensors = {f"p{i}": p.detach() for i, p in enumerate(engine.module.parameters())}
-        tensors.update({f"s{i}/{k}": v for i, st in enumerate(engine.optimizer.state.values())
-                        for k, v in st.items()})
+        tensors.update({f"s{i}/{k}": v for i, st in enumerate(engine.optimizer.state.values()) for k, v in st.items()})
         t0 = time.perf_counter()
         integrity.checksums(tensors)
         crcs.append(time.perf_counter() - t0)
@@ -56,8 +56,10 @@ def main() -> None:
     size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
     save, crc, verify = (statistics.median(x) for x in (saves, crcs, verifies))
     print(f"checkpoint: {size / 2**20:.1f} MiB on disk ({nbytes / 2**20:.1f} MiB of tensor data)")
-    print(f"save_checkpoint: {save:.3f} s (median of {args.repeat}); checksum pass alone: {crc:.3f} s "
-          f"({nbytes / 2**20 / crc:.0f} MiB/s) = {100 * crc / save:.1f}% of the save")
+    print(
+        f"save_checkpoint: {save:.3f} s (median of {args.repeat}); checksum pass alone: {crc:.3f} s "
+        f"({nbytes / 2**20 / crc:.0f} MiB/s) = {100 * crc / save:.1f}% of the save"
+    )
     print(f"verify (read + check every tensor): {verify:.3f} s ({nbytes / 2**20 / verify:.0f} MiB/s)")
     shutil.rmtree(d, ignore_errors=True)
 

@@ -36,11 +36,20 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
             continue
         peaks = [m.get("peak_device") for m in s.get("memory", [])]
         systems[s["name"]] = {
-            "status": "ran", "median_s": (s.get("step_time") or {}).get("median"),
-            "ratio_to_ddp": s.get("ratio_to_ddp"), "max_loss_diff_vs_ddp": s.get("max_loss_diff_vs_ddp"),
-            "peak_device_mib": [None if p is None else round(p / 2**20, 1) for p in peaks]}
-    return {"device": data.get("device"), "world_size": data.get("world_size"), "backend": data.get("backend"),
-            "preset": data.get("preset"), "deepspeed_version": data.get("deepspeed_version"), "systems": systems}
+            "status": "ran",
+            "median_s": (s.get("step_time") or {}).get("median"),
+            "ratio_to_ddp": s.get("ratio_to_ddp"),
+            "max_loss_diff_vs_ddp": s.get("max_loss_diff_vs_ddp"),
+            "peak_device_mib": [None if p is None else round(p / 2**20, 1) for p in peaks],
+        }
+    return {
+        "device": data.get("device"),
+        "world_size": data.get("world_size"),
+        "backend": data.get("backend"),
+        "preset": data.get("preset"),
+        "deepspeed_version": data.get("deepspeed_version"),
+        "systems": systems,
+    }
 
 
 def problems(summ: dict[str, Any]) -> list[str]:

@@ -26,8 +26,17 @@ import gpu_bench_check  # noqa: E402  (tools/, next to this file)
 #: statuses counted in M (the denominator); "dry", "not_supported" and lack-of-GPU skips are not
 COUNTED = ("pass", "fail", "timeout", "budget_spent")
 #: the parts gpu_check.sh records, in order (the report names any that is missing)
-PARTS = ("install", "versions", "cuda_marked_tests", "device_tests_ws1", "device_tests_ws2", "train_compare",
-         "bench_ws1", "bench_ws2", "offload_headline")
+PARTS = (
+    "install",
+    "versions",
+    "cuda_marked_tests",
+    "device_tests_ws1",
+    "device_tests_ws2",
+    "train_compare",
+    "bench_ws1",
+    "bench_ws2",
+    "offload_headline",
+)
 
 
 def junit_counts(path: Path) -> dict[str, int] | None:
@@ -53,12 +62,26 @@ def build(out: Path, dry: bool, budget_s: int, seconds: float) -> dict[str, Any]
     parts = {}
     for name in PARTS:
         rec = read_json(out / "parts" / f"{name}.json")
-        parts[name] = rec if rec is not None else {"name": name, "status": "fail", "rc": -1, "seconds": 0.0,
-                                                   "note": "the script recorded nothing for this part"}
-    figures: dict[str, Any] = {"versions": read_json(out / "versions.json"),
-                               "train_compare": read_json(out / "train_compare.json")}
-    for key, xml in (("cuda_marked_tests", "cuda_marked.xml"), ("device_tests_ws1", "device_ws1.xml"),
-                     ("device_tests_ws2", "device_ws2.xml")):
+        parts[name] = (
+            rec
+            if rec is not None
+            else {
+                "name": name,
+                "status": "fail",
+                "rc": -1,
+                "seconds": 0.0,
+                "note": "the script recorded nothing for this part",
+            }
+        )
+    figures: dict[str, Any] = {
+        "versions": read_json(out / "versions.json"),
+        "train_compare": read_json(out / "train_compare.json"),
+    }
+    for key, xml in (
+        ("cuda_marked_tests", "cuda_marked.xml"),
+        ("device_tests_ws1", "device_ws1.xml"),
+        ("device_tests_ws2", "device_ws2.xml"),
+    ):
         figures[key] = junit_counts(out / xml)
         part = parts[key]
         if part["status"] == "pass" and not (figures[key] or {}).get("passed"):
@@ -66,17 +89,30 @@ def build(out: Path, dry: bool, budget_s: int, seconds: float) -> dict[str, Any]
             parts[key] = {**part, "status": "fail", "note": "no test passed (all skipped, or no junit file)"}
     for key in ("bench_ws1", "bench_ws2"):
         data = read_json(out / key / "bench.json")
-        figures[key] = None if data is None else {**gpu_bench_check.summary(data),
-                                                  "problems": gpu_bench_check.problems(gpu_bench_check.summary(data))}
+        figures[key] = (
+            None
+            if data is None
+            else {**gpu_bench_check.summary(data), "problems": gpu_bench_check.problems(gpu_bench_check.summary(data))}
+        )
     figures["offload_headline"] = headline = read_json(out / "offload_headline.json")
     if parts["offload_headline"]["status"] == "pass" and not (headline or {}).get("pass"):
-        parts["offload_headline"] = {**parts["offload_headline"], "status": "fail",
-                                     "note": "offload_headline.json is missing or does not say pass"}
+        parts["offload_headline"] = {
+            **parts["offload_headline"],
+            "status": "fail",
+            "note": "offload_headline.json is missing or does not say pass",
+        }
     counted = [p for p in parts.values() if p["status"] in COUNTED]
     passed = sum(p["status"] == "pass" for p in counted)
-    return {"dry_run": dry, "budget_s": budget_s, "seconds": seconds, "parts": parts, "figures": figures,
-            "passed": passed, "counted": len(counted),
-            "note": "zerodp's CUDA path; see docs/gpu.md. A dry run runs no part."}
+    return {
+        "dry_run": dry,
+        "budget_s": budget_s,
+        "seconds": seconds,
+        "parts": parts,
+        "figures": figures,
+        "passed": passed,
+        "counted": len(counted),
+        "note": "zerodp's CUDA path; see docs/gpu.md. A dry run runs no part.",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--stages", default="0,1,2,3")
-    ap.add_argument("--rtol", type=float, default=1e-3,
-                    help="largest relative loss difference accepted at any step (default 1e-3)")
+    ap.add_argument(
+        "--rtol", type=float, default=1e-3, help="largest relative loss difference accepted at any step (default 1e-3)"
+    )
     ap.add_argument("--n-layer", type=int, default=None, help="smaller model (tests on the CPU)")
     ap.add_argument("--d-model", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
@@ -68,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     zerodp.init_distributed()
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-    flags = argparse.Namespace(n_layer=args.n_layer, d_model=args.d_model, seq_len=args.seq_len,
-                               micro_batch=args.micro_batch)
+    flags = argparse.Namespace(
+        n_layer=args.n_layer, d_model=args.d_model, seq_len=args.seq_len, micro_batch=args.micro_batch
+    )
     settings = resolve_settings(flags)
     mcfg = settings.model
     micro = settings.engine_config.train_micro_batch_size_per_gpu
@@ -84,15 +86,27 @@ def main(argv: list[str] | None = None) -> int:
     ref_model = GPT(mcfg)
     ref_model.load_state_dict(initial)
     ref = plain_losses(ref_model.to(device), batches, lr, clip)
-    result: dict = {"device": str(device), "steps": args.steps, "rtol": args.rtol, "model": mcfg.__dict__,
-                    "micro_batch": micro, "reference_first_last": [ref[0], ref[-1]], "stages": {}}
+    result: dict = {
+        "device": str(device),
+        "steps": args.steps,
+        "rtol": args.rtol,
+        "model": mcfg.__dict__,
+        "micro_batch": micro,
+        "reference_first_last": [ref[0], ref[-1]],
+        "stages": {},
+    }
     ok = True
     for stage in (int(s) for s in args.stages.split(",")):
         zc = {"stage": stage}
         if stage == 3:
             zc.update(stage3_param_persistence_threshold=DEFAULTS.stage3_param_persistence_threshold)
-        config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": clip, "device": args.device,
-                  "optimizer": {"type": "AdamW", "params": {"lr": lr}}, "zero_optimization": zc}
+        config = {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_clipping": clip,
+            "device": args.device,
+            "optimizer": {"type": "AdamW", "params": {"lr": lr}},
+            "zero_optimization": zc,
+        }
         model = GPT(mcfg)
         model.load_state_dict(initial)
         if device.type == "cuda":
@@ -105,14 +119,21 @@ def main(argv: list[str] | None = None) -> int:
             ok = False
             continue
         rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref, strict=True))
-        entry = {"pass": rel <= args.rtol, "max_rel_loss_diff": rel, "first_last": [losses[0], losses[-1]],
-                 "seconds": time.perf_counter() - t0, "engine_device": engine_device}
+        entry = {
+            "pass": rel <= args.rtol,
+            "max_rel_loss_diff": rel,
+            "first_last": [losses[0], losses[-1]],
+            "seconds": time.perf_counter() - t0,
+            "engine_device": engine_device,
+        }
         if device.type == "cuda":
             entry["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         result["stages"][str(stage)] = entry
         ok = ok and entry["pass"] and engine_device == str(device)
-        print(f"stage {stage}: max relative loss difference {rel:.3g} over {args.steps} steps on {engine_device}",
-              flush=True)
+        print(
+            f"stage {stage}: max relative loss difference {rel:.3g} over {args.steps} steps on {engine_device}",
+            flush=True,
+        )
     result["pass"] = ok
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

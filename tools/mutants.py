@@ -38,8 +38,13 @@ class Outcome:
 
 
 def tree_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return [f for f in out.splitlines() if (ROOT / f).is_file()]
 
 
@@ -86,8 +91,12 @@ def check(mutant: Mutant, base: Path, timeout_s: float) -> Outcome:
             return Outcome(mutant, "killed", time.monotonic() - t0, tail[0])
         if proc.returncode == 0:
             return Outcome(mutant, "survived", time.monotonic() - t0, tail[0])
-        return Outcome(mutant, "error", time.monotonic() - t0,
-                       f"pytest exit {proc.returncode}: {(proc.stdout + proc.stderr)[-800:]}")
+        return Outcome(
+            mutant,
+            "error",
+            time.monotonic() - t0,
+            f"pytest exit {proc.returncode}: {(proc.stdout + proc.stderr)[-800:]}",
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

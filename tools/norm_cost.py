@@ -6,6 +6,7 @@ Used for docs/benchmarks/2026-12-01-bench.md ("Gradient norm").
 
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python tools/norm_cost.py
 """
+
 import time
 
 import torch
@@ -19,10 +20,16 @@ m = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, d_model=d_model, seq_len=seq_l
 gs = [torch.randn_like(p) for p in m.parameters()]
 
 
-def fp64(): return sum((g.double().pow(2).sum() for g in gs), torch.zeros((), dtype=torch.float64))
+def fp64():
+    return sum((g.double().pow(2).sum() for g in gs), torch.zeros((), dtype=torch.float64))
+
+
 def per_tensor():
     return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in gs]).double().pow(2).sum()
-def chunked(): return _sum_of_squares(gs)
+
+
+def chunked():
+    return _sum_of_squares(gs)
 
 
 ref = sum(float((g.double() ** 2).sum()) for g in gs)

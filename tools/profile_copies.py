@@ -5,6 +5,7 @@ a backend's or autograd's own threads), calls per step, bytes per step and self 
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 tools/profile_copies.py 3
 """
+
 import collections
 import sys
 
@@ -55,15 +56,17 @@ if r == 0:
             continue
         key = origin(e)
         numel = 1
-        for d in (e.input_shapes[0] if e.input_shapes else []):
+        for d in e.input_shapes[0] if e.input_shapes else []:
             numel *= d
         dtype = e.input_dtypes[0] if e.input_dtypes else "float"
         calls[key] += 1
         nbytes[key] += numel * _SIZES.get(dtype, 4)
         cpu[key] += e.self_cpu_time_total
-    print(f"stage {stage}: aten::copy_ {sum(calls.values()) / N:.0f} calls, "
-          f"{sum(nbytes.values()) / N / 2**20:.1f} MiB, "
-          f"{sum(cpu.values()) / N / 1e3:.1f} ms self CPU per step")
+    print(
+        f"stage {stage}: aten::copy_ {sum(calls.values()) / N:.0f} calls, "
+        f"{sum(nbytes.values()) / N / 2**20:.1f} MiB, "
+        f"{sum(cpu.values()) / N / 1e3:.1f} ms self CPU per step"
+    )
     for key, c in calls.most_common():
         print(f"  {c / N:7.1f} calls {nbytes[key] / N / 2**20:8.2f} MiB {cpu[key] / N / 1e3:7.2f} ms  {key}")
 zerodp.shutdown_distributed()

@@ -9,6 +9,7 @@ Process CPU time (all threads, ``time.process_time``) is reported beside wall ti
 shared, loaded machine it is far less sensitive to other jobs: the extra work a system does shows up
 in it even when wall-clock medians are too noisy to rank the systems.
 """
+
 import argparse
 import statistics
 import time
@@ -37,7 +38,7 @@ batches = make_batches(cfg, micro, a.steps + 1, rank, world)
 wall = {n: [] for n in names}
 cpu = {n: [] for n in names}
 for rnd in range(a.rounds):
-    for name in (names if rnd % 2 == 0 else names[::-1]):
+    for name in names if rnd % 2 == 0 else names[::-1]:
         s = SYSTEMS[name](cfg, 1e-3, False)
         for i, (x, y) in enumerate(batches):
             dist.barrier()
@@ -55,10 +56,13 @@ if rank == 0 and a.rounds:
     print(f"{a.preset}: {a.rounds} rounds x {a.steps} steps, medians (quartiles) and ratio to DDP")
     for n in names:
         qw, qc = statistics.quantiles(wall[n], n=4), statistics.quantiles(cpu[n], n=4)
-        print(f"{n:<18} wall {statistics.median(wall[n]):.4f} s ({qw[0]:.4f}-{qw[2]:.4f}) "
-              f"{statistics.median(wall[n]) / base_w:.3f}x   cpu {statistics.median(cpu[n]):.4f} s "
-              f"({qc[0]:.4f}-{qc[2]:.4f}) {statistics.median(cpu[n]) / base_c:.3f}x")
+        print(
+            f"{n:<18} wall {statistics.median(wall[n]):.4f} s ({qw[0]:.4f}-{qw[2]:.4f}) "
+            f"{statistics.median(wall[n]) / base_w:.3f}x   cpu {statistics.median(cpu[n]):.4f} s "
+            f"({qc[0]:.4f}-{qc[2]:.4f}) {statistics.median(cpu[n]) / base_c:.3f}x"
+        )
 if a.profile:
     from profile_ops import print_profiles  # this script's directory is on sys.path
+
     print_profiles(names, cfg, batches, 25, rank)
 zerodp.shutdown_distributed()

@@ -11,6 +11,7 @@ RSS came from").
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone \
         --nproc-per-node 2 tools/rss_breakdown.py ddp,0
 """
+
 import ctypes
 import json
 import os
@@ -30,8 +31,21 @@ KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "malloc")
 
 
 class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 libc = ctypes.CDLL("libc.so.6")
@@ -63,6 +77,7 @@ def instrumented(name: str, cfg: GPTConfig, rows: list, out: str):
                 sample(rows, f"s{step[0]} fwd b{i}")
                 if t.requires_grad:
                     t.register_hook(lambda g: sample(rows, f"s{step[0]} bwd b{i}"))
+
             return hook
 
         for i, block in enumerate(system.module.blocks):
@@ -105,8 +120,9 @@ def main() -> None:
         os.makedirs(out, exist_ok=True)
     tables = {}
     for k, name in enumerate(names):
-        result = bench_rss.measure(k, instrumented(name, cfg, [], out),
-                                   lambda: make_batches(cfg, micro, STEPS, rank, world))
+        result = bench_rss.measure(
+            k, instrumented(name, cfg, [], out), lambda: make_batches(cfg, micro, STEPS, rank, world)
+        )
         peak = result.get("peak_rss", 0) / 2**20
         print(f"{name} rank {rank}: peak {peak:.1f} MiB {result.get('error', '')}", flush=True)
         path = f"/tmp/rss_breakdown_{os.getpid()}_{name.replace(' ', '_')}.json"

@@ -5,6 +5,7 @@ stage; a second argument sets ``reduce_bucket_size`` (zerodp) or ``bucket_cap_mb
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 tools/rss_phases.py ddp|0|1|2|3
 """
+
 import sys
 
 import torch
@@ -31,15 +32,21 @@ torch.manual_seed(0)
 m = GPT(GPTConfig(n_layer=4, n_head=4, d_model=256, seq_len=128))
 if system == "ddp":
     from torch.nn.parallel import DistributedDataParallel
+
     eng = DistributedDataParallel(m, **({"bucket_cap_mb": float(sys.argv[2])} if len(sys.argv) > 2 else {}))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
 else:
-    eng = zerodp.initialize(m, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                                "zero_optimization": {"stage": int(system),
-                                                      **({"reduce_bucket_size": int(sys.argv[2])}
-                                                         if len(sys.argv) > 2 else {}),
-                                                      **({"stage3_param_persistence_threshold": 1000}
-                                                         if system == "3" else {})}})
+    eng = zerodp.initialize(
+        m,
+        {
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {
+                "stage": int(system),
+                **({"reduce_bucket_size": int(sys.argv[2])} if len(sys.argv) > 2 else {}),
+                **({"stage3_param_persistence_threshold": 1000} if system == "3" else {}),
+            },
+        },
+    )
 marks["built"] = hwm()
 x = torch.randint(0, 256, (8, 129), generator=torch.Generator().manual_seed(r))
 for i in range(4):

@@ -57,10 +57,12 @@ def rename_imports(text: str) -> tuple[str, int]:
     """The deepspeed imports of a source text renamed to zerodp.deepspeed (line numbers kept); returns
     (text, number of imports renamed)."""
     n = 0
-    for pattern, repl in ((IMPORT_AS, r"\1import zerodp.deepspeed\2\3"),
-                          (IMPORT_SUB, r"\1import zerodp.deepspeed\2; import zerodp.deepspeed as deepspeed"),
-                          (IMPORT_TOP, r"\1import zerodp.deepspeed as deepspeed"),
-                          (FROM, r"\1from zerodp.deepspeed\2 import")):
+    for pattern, repl in (
+        (IMPORT_AS, r"\1import zerodp.deepspeed\2\3"),
+        (IMPORT_SUB, r"\1import zerodp.deepspeed\2; import zerodp.deepspeed as deepspeed"),
+        (IMPORT_TOP, r"\1import zerodp.deepspeed as deepspeed"),
+        (FROM, r"\1from zerodp.deepspeed\2 import"),
+    ):
         text, k = pattern.subn(repl, text)
         n += k
     return text, n
@@ -106,16 +108,25 @@ def copy_client(examples: Path, rel: str, dest: Path) -> None:
     """Copy ``rel`` (a folder of the examples tree; .py/.sh/.json/.txt files only) to ``dest/rel``."""
     keep = (".py", ".sh", ".json", ".txt")
     if _is_bare_git(examples):
-        names = subprocess.run(["git", "--git-dir", str(examples), "ls-tree", "-r", "--name-only", "HEAD", rel],
-                               capture_output=True, text=True, check=True).stdout.split()
+        names = subprocess.run(
+            ["git", "--git-dir", str(examples), "ls-tree", "-r", "--name-only", "HEAD", rel],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         for name in (n for n in names if n.endswith(keep)):
-            blob = subprocess.run(["git", "--git-dir", str(examples), "show", f"HEAD:{name}"],
-                                  capture_output=True, check=True).stdout
+            blob = subprocess.run(
+                ["git", "--git-dir", str(examples), "show", f"HEAD:{name}"], capture_output=True, check=True
+            ).stdout
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             (dest / name).write_bytes(blob)
         return
-    shutil.copytree(examples / rel, dest / rel, dirs_exist_ok=True,
-                    ignore=lambda d, names: [n for n in names if Path(d, n).is_file() and not n.endswith(keep)])
+    shutil.copytree(
+        examples / rel,
+        dest / rel,
+        dirs_exist_ok=True,
+        ignore=lambda d, names: [n for n in names if Path(d, n).is_file() and not n.endswith(keep)],
+    )
 
 
 def rename_tree(root: Path) -> int:
@@ -133,8 +144,12 @@ def build_fixture(kind: str, out: Path, paths: list[str]) -> Path:
     """tools/run_clients_fixtures.py ``kind`` in a subprocess with ``paths`` first on PYTHONPATH (the
     client's own transformers writes the files it reads)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    subprocess.run([sys.executable, str(HERE / "run_clients_fixtures.py"), kind, str(out)], env=env, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(HERE / "run_clients_fixtures.py"), kind, str(out)],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
@@ -146,10 +161,19 @@ def cifar_runs(root: Path, quick: bool, paths: list[str]) -> list[Run]:
     runs = []
     for dtype in ("fp32",) if quick else ("fp32", "fp16", "bf16"):
         for stage in (0, 3) if quick else (0, 1, 2, 3):
-            runs.append(Run("cifar", f"s{stage}-{dtype}", str(stage), dtype, script,
-                            ["--epochs", "2", "--log-interval", "1", "--stage", str(stage), "--dtype", dtype],
-                            dict(env), ref=None if stage == 0 else f"s0-{dtype}",
-                            paths=[*paths, str(root.parent / "harness" / "vision")]))
+            runs.append(
+                Run(
+                    "cifar",
+                    f"s{stage}-{dtype}",
+                    str(stage),
+                    dtype,
+                    script,
+                    ["--epochs", "2", "--log-interval", "1", "--stage", str(stage), "--dtype", dtype],
+                    dict(env),
+                    ref=None if stage == 0 else f"s0-{dtype}",
+                    paths=[*paths, str(root.parent / "harness" / "vision")],
+                )
+            )
     return runs
 
 
@@ -159,19 +183,64 @@ def bert_runs(root: Path, quick: bool, paths: list[str]) -> list[Run]:
     loading the experiment folder and going on to step 10 (its own --load_checkpoint_dir)."""
     folder = root / "training/HelloDeepSpeed"
     tok = build_fixture("roberta", folder / "synthetic_tokenizer", paths)
-    small = ["--tokenizer", str(tok), "--num_layers", "2", "--num_heads", "2", "--h_dim", "32", "--ff_dim", "64",
-             "--batch_size", "4", "--max_seq_length", "32", "--log_every", "1", "--checkpoint_every", "3"]
+    small = [
+        "--tokenizer",
+        str(tok),
+        "--num_layers",
+        "2",
+        "--num_heads",
+        "2",
+        "--h_dim",
+        "32",
+        "--ff_dim",
+        "64",
+        "--batch_size",
+        "4",
+        "--max_seq_length",
+        "32",
+        "--log_every",
+        "1",
+        "--checkpoint_every",
+        "3",
+    ]
     env = {"ZERODP_WIKITEXT_LINES": "64"}
     runs = []
     for dtype in ("bf16",) if quick else ("bf16", "fp16"):
         ck = folder / f"experiments_{dtype}"
-        runs.append(Run("bert", f"train-{dtype}", "1", dtype, folder / "train_bert_ds.py",
-                        ["--checkpoint_dir", str(ck), "--num_iterations", "7", "--dtype", dtype, *small], dict(env),
-                        fresh=[ck]))
-        runs.append(Run("bert", f"resume-{dtype}", "1", dtype, folder / "train_bert_ds.py",
-                        ["--load_checkpoint_dir", f"{{exp:{ck}}}", "--num_iterations", "11", "--dtype", dtype,
-                         "--log_every", "1"], dict(env), resume_of=f"train-{dtype}",
-                        paths=list(paths)))
+        runs.append(
+            Run(
+                "bert",
+                f"train-{dtype}",
+                "1",
+                dtype,
+                folder / "train_bert_ds.py",
+                ["--checkpoint_dir", str(ck), "--num_iterations", "7", "--dtype", dtype, *small],
+                dict(env),
+                fresh=[ck],
+            )
+        )
+        runs.append(
+            Run(
+                "bert",
+                f"resume-{dtype}",
+                "1",
+                dtype,
+                folder / "train_bert_ds.py",
+                [
+                    "--load_checkpoint_dir",
+                    f"{{exp:{ck}}}",
+                    "--num_iterations",
+                    "11",
+                    "--dtype",
+                    dtype,
+                    "--log_every",
+                    "1",
+                ],
+                dict(env),
+                resume_of=f"train-{dtype}",
+                paths=list(paths),
+            )
+        )
     return runs
 
 
@@ -180,15 +249,28 @@ def offload_runs(root: Path, quick: bool, paths: list[str]) -> list[Run]:
     pinned/non-blocking and optim_states-only variants; hidden 64, 2 layers, 4 iterations."""
     script = root / "training/offload_states/offload_states.py"
     small = ["--hidden_dim", "64", "--nlayers", "2", "--iteration", "4", "--warmup", "1"]
-    variants = {"all": [], "pinned-nb": ["--pin_memory", "--non_blocking"],
-                "optim": ["--included_state", "optim_states"]}
+    variants = {
+        "all": [],
+        "pinned-nb": ["--pin_memory", "--non_blocking"],
+        "optim": ["--included_state", "optim_states"],
+    }
     runs = []
     for dtype in ("fp32",) if quick else ("fp32", "fp16", "bf16"):
         torch_dtype = {"fp32": "torch.float32", "fp16": "torch.float16", "bf16": "torch.bfloat16"}[dtype]
         for name, extra in variants.items():
-            runs.append(Run("offload", f"{name}-{dtype}", "3", dtype, script, [*small, "--dtype", torch_dtype, *extra],
-                            {"ZERODP_CLIENT_SEED": "0"}, ref=None if name == "all" else f"all-{dtype}",
-                            paths=list(paths)))
+            runs.append(
+                Run(
+                    "offload",
+                    f"{name}-{dtype}",
+                    "3",
+                    dtype,
+                    script,
+                    [*small, "--dtype", torch_dtype, *extra],
+                    {"ZERODP_CLIENT_SEED": "0"},
+                    ref=None if name == "all" else f"all-{dtype}",
+                    paths=list(paths),
+                )
+            )
     return runs
 
 
@@ -208,14 +290,48 @@ def chat_runs(root: Path, quick: bool, paths: list[str]) -> list[Run]:
         stages += [] if quick else [(3, ["--offload"])]
         for stage, extra in stages:
             label = f"s{stage}{'-offload' if extra else ''}-{dtype}"
-            args = ["--data_path", "local/jsonfile", "--data_split", "10,0,0", "--model_name_or_path", str(model),
-                    "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2", "--max_seq_len",
-                    "32", "--learning_rate", "1e-3", "--num_train_epochs", "1", "--zero_stage", str(stage),
-                    "--dtype", dtype, "--print_loss", "--output_dir", str(step1 / f"out_{label}"),
-                    "--data_output_path", str(step1 / f"data_files_{label}"), *extra]
-            runs.append(Run("chat", label, str(stage), dtype, step1 / "main.py", args,
-                            {}, register=True, paths=[*paths, str(chat)],
-                            ref=None if stage == 0 and not extra else f"s0-{dtype}"))
+            args = [
+                "--data_path",
+                "local/jsonfile",
+                "--data_split",
+                "10,0,0",
+                "--model_name_or_path",
+                str(model),
+                "--per_device_train_batch_size",
+                "2",
+                "--per_device_eval_batch_size",
+                "2",
+                "--max_seq_len",
+                "32",
+                "--learning_rate",
+                "1e-3",
+                "--num_train_epochs",
+                "1",
+                "--zero_stage",
+                str(stage),
+                "--dtype",
+                dtype,
+                "--print_loss",
+                "--output_dir",
+                str(step1 / f"out_{label}"),
+                "--data_output_path",
+                str(step1 / f"data_files_{label}"),
+                *extra,
+            ]
+            runs.append(
+                Run(
+                    "chat",
+                    label,
+                    str(stage),
+                    dtype,
+                    step1 / "main.py",
+                    args,
+                    {},
+                    register=True,
+                    paths=[*paths, str(chat)],
+                    ref=None if stage == 0 and not extra else f"s0-{dtype}",
+                )
+            )
     return runs
 
 
@@ -255,8 +371,11 @@ def select_runs(runs: list[Run], only: dict[str, list[str] | None]) -> list[Run]
         for prefix in prefixes or []:
             if not any(label.startswith(prefix) for label in labels):
                 raise ValueError(f"--only {client}:{prefix} selects no run of {client}; its runs: {labels}")
-    return [r for r in runs if r.client in only
-            and (only[r.client] is None or any(r.label.startswith(p) for p in only[r.client] or []))]
+    return [
+        r
+        for r in runs
+        if r.client in only and (only[r.client] is None or any(r.label.startswith(p) for p in only[r.client] or []))
+    ]
 
 
 # ---- running and judging ------------------------------------------------------------------------------
@@ -284,9 +403,18 @@ def launch(run: Run, work: Path, attempt: int = 1) -> tuple[int, str, Path]:
     env = dict(os.environ, OMP_NUM_THREADS="1", ZERODP_CLIENT_OUT=str(out), **run.env)
     inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
     env["PYTHONPATH"] = os.pathsep.join([str(work / "harness"), *run.paths, *inherited])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(work / "harness" / "ds_launch.py"), *(["--register"] if run.register else []), str(run.script),
-           *_resolve_args(run)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(work / "harness" / "ds_launch.py"),
+        *(["--register"] if run.register else []),
+        str(run.script),
+        *_resolve_args(run),
+    ]
     try:
         proc = subprocess.run(cmd, cwd=run.script.parent, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         rc, log = proc.returncode, proc.stdout + proc.stderr
@@ -347,14 +475,17 @@ def saved_resumed(run: Run, by_label: dict[str, Run]) -> str:
         saves = [len(r["saves"]) for r in recs]
         return f"saved x{saves[0]}" if saves and saves[0] else "-"
     src = by_label[run.resume_of].result.get("records", [])
-    ok = [bool(r["loads"]) and bool(s["saves"]) and r["loads"][0]["digest"] == s["saves"][-1]["digest"]
-          for r, s in zip(recs, src, strict=False)]
+    ok = [
+        bool(r["loads"]) and bool(s["saves"]) and r["loads"][0]["digest"] == s["saves"][-1]["digest"]
+        for r, s in zip(recs, src, strict=False)
+    ]
     if not recs or not recs[0]["loads"] or not src or not src[0]["saves"]:
         return "NOT resumed"
     step = recs[0]["loads"][0]["client_state"].get("checkpoint_step")
     trained = src[0]["saves"][-1]["digest"] != src[0].get("initial_digest")  # the check can fail
-    return (f"resumed step {step}, weights {'equal' if ok and all(ok) else 'DIFFER'}"
-            + ("" if trained else " (saved = initial weights!)"))
+    return f"resumed step {step}, weights {'equal' if ok and all(ok) else 'DIFFER'}" + (
+        "" if trained else " (saved = initial weights!)"
+    )
 
 
 def match_cell(run: Run, by_label: dict[str, Run]) -> str:
@@ -366,15 +497,36 @@ def match_cell(run: Run, by_label: dict[str, Run]) -> str:
 
 
 def table(runs: list[Run]) -> str:
-    head = ["client", "run", "stage", "dtype", "status", "steps", "first loss", "last loss", "match ref",
-            "saved/resumed"]
+    head = [
+        "client",
+        "run",
+        "stage",
+        "dtype",
+        "status",
+        "steps",
+        "first loss",
+        "last loss",
+        "match ref",
+        "saved/resumed",
+    ]
     rows = []
     for run in runs:
         by_label = {r.label: r for r in runs if r.client == run.client}
         losses = run.result.get("losses", [])
-        rows.append([run.client, run.label, run.stage, run.dtype, run.result.get("status", "not run"),
-                     str(len(losses)), f"{losses[0]:.4f}" if losses else "-", f"{losses[-1]:.4f}" if losses else "-",
-                     match_cell(run, by_label), saved_resumed(run, by_label)])
+        rows.append(
+            [
+                run.client,
+                run.label,
+                run.stage,
+                run.dtype,
+                run.result.get("status", "not run"),
+                str(len(losses)),
+                f"{losses[0]:.4f}" if losses else "-",
+                f"{losses[-1]:.4f}" if losses else "-",
+                match_cell(run, by_label),
+                saved_resumed(run, by_label),
+            ]
+        )
     widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
     out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)]
@@ -398,14 +550,22 @@ def prepare(examples: Path, work: Path, names: list[str]) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--examples", type=Path, required=True, help="DeepSpeedExamples checkout, tree or bare git dir")
-    p.add_argument("--only", default=",".join(CLIENTS),
-                   help="comma-separated clients, or CLIENT:LABEL for the runs of CLIENT whose label starts with "
-                        "LABEL, e.g. chat:s0,chat:s3 (default: all)")
+    p.add_argument(
+        "--only",
+        default=",".join(CLIENTS),
+        help="comma-separated clients, or CLIENT:LABEL for the runs of CLIENT whose label starts with "
+        "LABEL, e.g. chat:s0,chat:s3 (default: all)",
+    )
     p.add_argument("--work", type=Path, help="work folder (default: a new temporary one, kept)")
     p.add_argument("--quick", action="store_true", help="fewer stages/dtypes (a smoke run)")
-    p.add_argument("--path", action="append", default=[], metavar="CLIENT=DIR",
-                   help="put DIR first on CLIENT's PYTHONPATH (e.g. chat=DIR with transformers 4.x: DS-Chat imports "
-                        "transformers.modeling_utils.no_init_weights, which transformers 5 removed)")
+    p.add_argument(
+        "--path",
+        action="append",
+        default=[],
+        metavar="CLIENT=DIR",
+        help="put DIR first on CLIENT's PYTHONPATH (e.g. chat=DIR with transformers 4.x: DS-Chat imports "
+        "transformers.modeling_utils.no_init_weights, which transformers 5 removed)",
+    )
     args = p.parse_args(argv)
     try:
         only = parse_only(args.only)
@@ -416,8 +576,11 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     renamed = prepare(args.examples, work, names)
     print(f"DeepSpeedExamples {examples_commit(args.examples)}; work folder {work}")
-    print("imports renamed: " + ", ".join(f"{n} {k}" if n != "chat" else "chat 0 (unchanged, registered)"
-                                          for n, k in renamed.items()), flush=True)
+    print(
+        "imports renamed: "
+        + ", ".join(f"{n} {k}" if n != "chat" else "chat 0 (unchanged, registered)" for n, k in renamed.items()),
+        flush=True,
+    )
     paths: dict[str, list[str]] = {}
     for item in args.path:
         client, sep, folder = item.partition("=")
@@ -425,17 +588,28 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--path {item!r}: expected CLIENT=DIR with CLIENT one of {sorted(CLIENTS)}")
         paths.setdefault(client, []).append(str(Path(folder).resolve()))
     try:
-        runs = select_runs([run for name in names for run in CLIENTS[name](work / "src", args.quick,
-                                                                           paths.get(name, []))], only)
+        runs = select_runs(
+            [run for name in names for run in CLIENTS[name](work / "src", args.quick, paths.get(name, []))], only
+        )
     except ValueError as e:
         p.error(str(e))
     for run in runs:
         execute(run, work)
-        (work / "results.json").write_text(json.dumps(  # kept when a later run or the table fails
-            [{"client": r.client, "label": r.label, **{k: v for k, v in r.result.items() if k != "records"}}
-             for r in runs if r.result], indent=1))
-        print(f"  {run.client} {run.label}: {run.result['status']} ({len(run.result['losses'])} steps)"
-              + (f"  {run.result['error']}" if run.result.get("error") else ""), flush=True)
+        (work / "results.json").write_text(
+            json.dumps(  # kept when a later run or the table fails
+                [
+                    {"client": r.client, "label": r.label, **{k: v for k, v in r.result.items() if k != "records"}}
+                    for r in runs
+                    if r.result
+                ],
+                indent=1,
+            )
+        )
+        print(
+            f"  {run.client} {run.label}: {run.result['status']} ({len(run.result['losses'])} steps)"
+            + (f"  {run.result['error']}" if run.result.get("error") else ""),
+            flush=True,
+        )
     print(table(runs))
     return 0 if all(r.result.get("rc") == 0 for r in runs) else 1
 

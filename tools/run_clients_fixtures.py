@@ -26,8 +26,14 @@ def roberta_like_tokenizer(out: Path) -> Path:
     vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", mask_token="<mask>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+    )
     fast.save_pretrained(out)
     return out
 
@@ -43,16 +49,27 @@ def tiny_opt(out: Path, seed: int = 0) -> Path:
 
     rng = random.Random(seed)
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator([synthetic_sentence(rng) for _ in range(400)], vocab_size=320,
-                            special_tokens=["<s>", "<pad>", "</s>", "<unk>"])
+    bpe.train_from_iterator(
+        [synthetic_sentence(rng) for _ in range(400)], vocab_size=320, special_tokens=["<s>", "<pad>", "</s>", "<unk>"]
+    )
     # OPT's tokenizer class (DS-Chat saves with save_vocabulary, which the generic fast class lacks)
-    tok = GPT2TokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="</s>", eos_token="</s>",
-                            pad_token="<pad>", unk_token="<unk>")
+    tok = GPT2TokenizerFast(
+        tokenizer_object=bpe._tokenizer, bos_token="</s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
     tok.save_pretrained(out)
     torch.manual_seed(seed)
-    config = OPTConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, ffn_dim=64,
-                       num_attention_heads=2, max_position_embeddings=64, word_embed_proj_dim=32,
-                       pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    config = OPTConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=2,
+        ffn_dim=64,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        word_embed_proj_dim=32,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=2,
+    )
     OPTForCausalLM(config).save_pretrained(out)
     cfg = json.loads((out / "config.json").read_text())
     cfg["_name_or_path"] = str(out)
@@ -67,8 +84,14 @@ def chat_jsonfile(chat_root: Path, train: int, evaluation: int, seed: int = 0) -
     data = chat_root / "data"
     data.mkdir(parents=True, exist_ok=True)
     for name, n in (("train", train), ("eval", evaluation)):
-        rows = [{"prompt": f"Human: {synthetic_sentence(rng)} Assistant:", "chosen": synthetic_sentence(rng),
-                 "rejected": synthetic_sentence(rng)} for _ in range(n)]
+        rows = [
+            {
+                "prompt": f"Human: {synthetic_sentence(rng)} Assistant:",
+                "chosen": synthetic_sentence(rng),
+                "rejected": synthetic_sentence(rng),
+            }
+            for _ in range(n)
+        ]
         (data / f"{name}.json").write_text(json.dumps(rows))
 
 

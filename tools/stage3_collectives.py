@@ -4,6 +4,7 @@ group counts once, as the backend sees it. Printed by rank 0 for 2 steps after 2
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 tools/stage3_collectives.py
 """
+
 import zerodp
 from stage3_harness import count_collectives, counts, small_gpt_engine
 

@@ -2,6 +2,7 @@
 the bench's small GPT on 2 ranks, and collective counters installed by patching ``torch.distributed``'s
 all-gather / reduce-scatter entry points and its coalescing manager (a coalesced group counts once, as
 the backend sees it; the single collectives inside it are not counted)."""
+
 import collections
 from collections.abc import Callable
 
@@ -23,6 +24,7 @@ def _counted(name: str, fn: Callable) -> Callable:
         if not _in_group[0]:
             counts[name] += 1
         return fn(*args, **kwargs)
+
     return wrapper
 
 
@@ -56,9 +58,13 @@ def small_gpt_engine(stage: int):
     r = dist.get_rank()
     cfg = GPTConfig(n_layer=4, n_head=4, d_model=256, seq_len=128)
     torch.manual_seed(0)
-    eng = zerodp.initialize(GPT(cfg), {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                                       "zero_optimization": {"stage": stage,
-                                                             "stage3_param_persistence_threshold": 1000}})
+    eng = zerodp.initialize(
+        GPT(cfg),
+        {
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1000},
+        },
+    )
     x = torch.randint(0, 256, (8, 129), generator=torch.Generator().manual_seed(r))
 
     def step() -> None:

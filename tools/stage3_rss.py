@@ -44,12 +44,18 @@ def worker(args: argparse.Namespace) -> None:
 
     zerodp.init_distributed()
     h = args.hidden
-    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
-           "bf16": {"enabled": args.bf16},
-           "zero_optimization": {"stage": args.stage, "stage3_max_live_parameters": int(5e6),
-                                 "stage3_prefetch_bucket_size": int(5e6),
-                                 "reduce_bucket_size": args.reduce_bucket_size}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+        "bf16": {"enabled": args.bf16},
+        "zero_optimization": {
+            "stage": args.stage,
+            "stage3_max_live_parameters": int(5e6),
+            "stage3_prefetch_bucket_size": int(5e6),
+            "reduce_bucket_size": args.reduce_bucket_size,
+        },
+    }
 
     def build() -> nn.Module:
         if args.append:  # each layer attached to its parent as soon as it is built
@@ -85,9 +91,16 @@ def worker(args: argparse.Namespace) -> None:
             gathered_after_forward = engine.sharding.held_bytes()["gathered"]
         engine.backward(loss)
         engine.step()
-    row = {"stage": args.stage, "rank": engine.rank, "build_s": round(build_s, 3), "peak_built_mb": round(built, 1),
-           "peak_initialized_mb": round(initialized, 1), "peak_trained_mb": round(peak_mb(), 1),
-           "rss_end_mb": round(rss_mb(), 1), "gathered_after_forward_mb": round(gathered_after_forward / 1e6, 2)}
+    row = {
+        "stage": args.stage,
+        "rank": engine.rank,
+        "build_s": round(build_s, 3),
+        "peak_built_mb": round(built, 1),
+        "peak_initialized_mb": round(initialized, 1),
+        "peak_trained_mb": round(peak_mb(), 1),
+        "rss_end_mb": round(rss_mb(), 1),
+        "gathered_after_forward_mb": round(gathered_after_forward / 1e6, 2),
+    }
     with open(os.path.join(args.out, f"rank{engine.rank}.json"), "w") as f:
         json.dump(row, f)
     zerodp.shutdown_distributed()
@@ -109,9 +122,15 @@ def ddp_worker(args: argparse.Namespace, build) -> None:
         ddp(torch.randn(8, args.hidden)).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    row = {"stage": "ddp", "rank": dist.get_rank(), "peak_built_mb": round(built, 1),
-           "peak_initialized_mb": round(initialized, 1), "peak_trained_mb": round(peak_mb(), 1),
-           "rss_end_mb": round(rss_mb(), 1), "gathered_after_forward_mb": 0.0}
+    row = {
+        "stage": "ddp",
+        "rank": dist.get_rank(),
+        "peak_built_mb": round(built, 1),
+        "peak_initialized_mb": round(initialized, 1),
+        "peak_trained_mb": round(peak_mb(), 1),
+        "rss_end_mb": round(rss_mb(), 1),
+        "gathered_after_forward_mb": 0.0,
+    }
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(row, f)
     zerodp.shutdown_distributed()
@@ -127,20 +146,39 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--init", action="store_true", help="build under zerodp.zero.Init at stage 3")
-    ap.add_argument("--reduce-bucket-size", type=int, default=int(5e6),
-                    help="zero_optimization.reduce_bucket_size (elements; DeepSpeed's default is 5e8)")
-    ap.add_argument("--append", action="store_true",
-                    help="build with Sequential().append(layer) (each layer attached as built) instead of "
-                         "Sequential(*layers)")
+    ap.add_argument(
+        "--reduce-bucket-size",
+        type=int,
+        default=int(5e6),
+        help="zero_optimization.reduce_bucket_size (elements; DeepSpeed's default is 5e8)",
+    )
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="build with Sequential().append(layer) (each layer attached as built) instead of Sequential(*layers)",
+    )
     args = ap.parse_args()
     if args.stage is not None:
         worker(args)
         return
     for stage in [-1 if s == "ddp" else int(s) for s in args.stages.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={args.world}", __file__, "--stage", str(stage), "--out", tmp,
-                   "--hidden", str(args.hidden), "--steps", str(args.steps)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={args.world}",
+                __file__,
+                "--stage",
+                str(stage),
+                "--out",
+                tmp,
+                "--hidden",
+                str(args.hidden),
+                "--steps",
+                str(args.steps),
+            ]
             cmd += ["--bf16"] * args.bf16 + ["--init"] * args.init + ["--append"] * args.append
             cmd += ["--reduce-bucket-size", str(args.reduce_bucket_size)]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

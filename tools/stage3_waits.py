@@ -8,6 +8,7 @@ Blocked time and CPU time depend far less on the machine's load than step time (
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 tools/stage3_waits.py [stage]
 """
+
 import collections
 import resource
 import sys
@@ -31,6 +32,7 @@ def timed(name, fn):
             return fn(*args, **kwargs)
         finally:
             blocked[name] += time.perf_counter() - t0
+
     return wrapper
 
 
@@ -59,7 +61,13 @@ if r == 0:
     out["reduce-scatter collectives"] = (getattr(eng.reducer, "reduce_collectives", 0) - red0) / N
     if sharding is not None:
         out["all-gather collectives"] = (sharding.coordinator.gather_collectives - gat0) / N
-    out.update({"cpu s/step": round(cpu / N, 4), "main-thread cpu s/step": round(main / N, 4),
-                "minor faults/step": round(faults / N), "wall s/step": round(wall / N, 4)})
+    out.update(
+        {
+            "cpu s/step": round(cpu / N, 4),
+            "main-thread cpu s/step": round(main / N, 4),
+            "minor faults/step": round(faults / N),
+            "wall s/step": round(wall / N, 4),
+        }
+    )
     print(f"stage {stage}:", out)
 zerodp.shutdown_distributed()

@@ -42,14 +42,23 @@ def parse() -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=DEFAULTS.micro_batch)
     p.add_argument("--threshold", type=float, default=1e-6)
     p.add_argument("--every", type=int, default=5)
-    p.add_argument("--perturb", type=int, default=0, metavar="N",
-                   help="N plain-PyTorch runs from initial weights moved by one ulp: run 1 moves every element, "
-                        "run k > 1 a random half of them (seed k)")
-    p.add_argument("--perturb-stage", action="store_true",
-                   help="also run the first of --stages from initial weights +1 ulp (every element)")
+    p.add_argument(
+        "--perturb",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N plain-PyTorch runs from initial weights moved by one ulp: run 1 moves every element, "
+        "run k > 1 a random half of them (seed k)",
+    )
+    p.add_argument(
+        "--perturb-stage",
+        action="store_true",
+        help="also run the first of --stages from initial weights +1 ulp (every element)",
+    )
     p.add_argument("--eval-batches", type=int, default=DEFAULTS.eval_batches)
-    p.add_argument("--bucket", type=int, default=DEFAULTS.stage2_reduce_bucket_size,
-                   help="stage 1/2 reduce_bucket_size")
+    p.add_argument(
+        "--bucket", type=int, default=DEFAULTS.stage2_reduce_bucket_size, help="stage 1/2 reduce_bucket_size"
+    )
     return p.parse_args()
 
 
@@ -58,12 +67,19 @@ def engine_config(stage: int, a: argparse.Namespace) -> dict:
     if stage in (1, 2):
         zero["reduce_bucket_size"] = a.bucket
     if stage == 3:
-        zero.update(stage3_param_persistence_threshold=DEFAULTS.stage3_param_persistence_threshold,
-                    stage3_prefetch_bucket_size=DEFAULTS.stage3_prefetch_bucket_size,
-                    stage3_max_live_parameters=DEFAULTS.stage3_max_live_parameters)
-    return {"train_micro_batch_size_per_gpu": a.micro_batch, "gradient_accumulation_steps": a.grad_accum,
-            "optimizer": {"type": "AdamW", "params": {"lr": DEFAULTS.lr, "betas": [0.9, 0.95], "weight_decay": 0.0}},
-            "zero_optimization": zero, "gradient_clipping": a.clip, "seed": DEFAULTS.seed}
+        zero.update(
+            stage3_param_persistence_threshold=DEFAULTS.stage3_param_persistence_threshold,
+            stage3_prefetch_bucket_size=DEFAULTS.stage3_prefetch_bucket_size,
+            stage3_max_live_parameters=DEFAULTS.stage3_max_live_parameters,
+        )
+    return {
+        "train_micro_batch_size_per_gpu": a.micro_batch,
+        "gradient_accumulation_steps": a.grad_accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": DEFAULTS.lr, "betas": [0.9, 0.95], "weight_decay": 0.0}},
+        "zero_optimization": zero,
+        "gradient_clipping": a.clip,
+        "seed": DEFAULTS.seed,
+    }
 
 
 def flat(params: list[torch.Tensor]) -> torch.Tensor:
@@ -79,8 +95,9 @@ def nudge(model: torch.nn.Module, run: int) -> None:
             p.copy_(up if run == 1 else torch.where(torch.rand(p.shape, generator=gen) < 0.5, up, p))
 
 
-def run_stage(stage: int, a: argparse.Namespace, cfg: GPTConfig, batches: data.GlobalBatches,
-              heldout: list, perturb: bool = False) -> tuple:
+def run_stage(
+    stage: int, a: argparse.Namespace, cfg: GPTConfig, batches: data.GlobalBatches, heldout: list, perturb: bool = False
+) -> tuple:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(DEFAULTS.seed)
     model = GPT(cfg)
@@ -108,8 +125,9 @@ def run_stage(stage: int, a: argparse.Namespace, cfg: GPTConfig, batches: data.G
     return losses, norms, snaps, held
 
 
-def run_reference(a: argparse.Namespace, cfg: GPTConfig, batches: data.GlobalBatches, heldout: list,
-                  perturb: int = 0) -> tuple:
+def run_reference(
+    a: argparse.Namespace, cfg: GPTConfig, batches: data.GlobalBatches, heldout: list, perturb: int = 0
+) -> tuple:
     torch.manual_seed(DEFAULTS.seed)
     model = GPT(cfg)
     if perturb:
@@ -142,34 +160,45 @@ def report(name: str, run: tuple, ref: tuple, a: argparse.Namespace, other: tupl
     dists = [float((s - r).norm() / r.norm()) for s, r in zip(snaps, rs, strict=True)]
     odists = [float((s - o).norm() / o.norm()) for s, o in zip(snaps, other[1][2], strict=True)] if other else dists
     first = next((i + 1 for i, d in enumerate(dists) if d > a.threshold), None)
-    print(f"== {name}: first step with relative L2 parameter distance > {a.threshold:g}: {first}; "
-          f"held-out loss {held:.6f} (reference {rheld:.6f})")
+    print(
+        f"== {name}: first step with relative L2 parameter distance > {a.threshold:g}: {first}; "
+        f"held-out loss {held:.6f} (reference {rheld:.6f})"
+    )
     vs = f"dist_to_{other[0]}" if other else ""
     print(f"  step  dist_to_ref  {vs:14s} loss          ref_loss      grad_norm     ref_norm")
     for i in range(a.steps):
         if i < 3 or (i + 1) % a.every == 0 or (first is not None and abs(i + 1 - first) <= 1):
             o = f"{odists[i]:.3e}" if other else ""
-            print(f"  {i + 1:4d}  {dists[i]:.3e}    {o:14s} {losses[i]:.8f}    {rl[i]:.8f}    "
-                  f"{norms[i]:.8f}    {rn[i]:.8f}")
+            print(
+                f"  {i + 1:4d}  {dists[i]:.3e}    {o:14s} {losses[i]:.8f}    {rl[i]:.8f}    "
+                f"{norms[i]:.8f}    {rn[i]:.8f}"
+            )
 
 
 def main() -> None:
     a = parse()
     zerodp.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(n_layer=DEFAULTS.n_layer, n_head=DEFAULTS.n_head, d_model=DEFAULTS.d_model,
-                    seq_len=DEFAULTS.seq_len)
+    cfg = GPTConfig(
+        n_layer=DEFAULTS.n_layer, n_head=DEFAULTS.n_head, d_model=DEFAULTS.d_model, seq_len=DEFAULTS.seq_len
+    )
     train_tokens, heldout_tokens = data.split(data.encode(data.load_text(None, data.min_corpus_bytes(cfg.seq_len))))
     batches = data.GlobalBatches(train_tokens, cfg.seq_len, a.micro_batch, world, seed=DEFAULTS.seed)
     heldout = data.heldout_batches(heldout_tokens, cfg.seq_len, a.micro_batch * world, a.eval_batches)
     ref = run_reference(a, cfg, batches, heldout) if rank == 0 else None
     if rank == 0:
-        print(f"world {world}, clip {a.clip}, grad_accum {a.grad_accum}, micro {a.micro_batch}, {a.steps} steps",
-              flush=True)
+        print(
+            f"world {world}, clip {a.clip}, grad_accum {a.grad_accum}, micro {a.micro_batch}, {a.steps} steps",
+            flush=True,
+        )
         for k in range(1, a.perturb + 1):
             which = "every element" if k == 1 else f"a random half (seed {k})"
-            report(f"plain PyTorch, initial weights +1 ulp on {which}",
-                   run_reference(a, cfg, batches, heldout, perturb=k), ref, a)
+            report(
+                f"plain PyTorch, initial weights +1 ulp on {which}",
+                run_reference(a, cfg, batches, heldout, perturb=k),
+                ref,
+                a,
+            )
     dist.barrier()
     first = None
     for stage in (int(s) for s in a.stages.split(",")):

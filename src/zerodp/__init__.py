@@ -10,13 +10,25 @@ from zerodp.config import ConfigError, ZeroDPConfig, load_config
 from zerodp.engine import Engine
 from zerodp.entry import initialize
 from zerodp.runtime.collective_guard import (
-                                             CollectiveError,
-                                             CollectiveMismatchError,
-                                             CollectiveTimeoutError,
-                                             RankLostError,
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    RankLostError,
 )
 from zerodp.runtime.comm import init_distributed, shutdown_distributed
 
 __version__ = "0.2.0"
-__all__ = ["zero", "initialize", "init_distributed", "shutdown_distributed", "Engine", "ConfigError", "ZeroDPConfig",
-           "load_config", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError", "RankLostError"]
+__all__ = [
+    "zero",
+    "initialize",
+    "init_distributed",
+    "shutdown_distributed",
+    "Engine",
+    "ConfigError",
+    "ZeroDPConfig",
+    "load_config",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "RankLostError",
+]

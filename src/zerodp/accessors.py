@@ -55,6 +55,7 @@ class AccessedEngine(Protocol):
     def reducer(self) -> object: ...
     @property
     def loss_scaler(self) -> object: ...
+
     optimizer_offload: Any  # zerodp.offload.build.OptimizerOffload (NoOffload without offload)
     grad_clip: Any  # zerodp.runtime.grad_norm.ClipState
 
@@ -72,17 +73,21 @@ def _locate(param: nn.Parameter) -> tuple[AccessedEngine, FlatGroup | None, Para
     if rec is None or engine is None:
         dropped = wrapped_by(param)
         if dropped is not None:
-            raise ValueError(f"this parameter (shape {tuple(param.shape)}) belonged to an engine that no longer "
-                             f"exists ({dropped}; dropped and garbage-collected): its optimizer "
-                             "states went with it; keep a reference to the engine while you use these accessors")
-        raise ValueError(f"this parameter (shape {tuple(param.shape)}) does not belong to a module passed "
-                         "to zerodp.initialize")
+            raise ValueError(
+                f"this parameter (shape {tuple(param.shape)}) belonged to an engine that no longer "
+                f"exists ({dropped}; dropped and garbage-collected): its optimizer "
+                "states went with it; keep a reference to the engine while you use these accessors"
+            )
+        raise ValueError(
+            f"this parameter (shape {tuple(param.shape)}) does not belong to a module passed to zerodp.initialize"
+        )
     if rec.group is None or rec.slot is None:
         return cast(AccessedEngine, engine), None, None
     g, s = rec.group(), rec.slot()
     if g is None or s is None:  # the engine no longer holds the group it registered: never guess
-        raise RuntimeError(f"this parameter (shape {tuple(param.shape)}) was registered with a flat group "
-                           "its engine no longer holds")
+        raise RuntimeError(
+            f"this parameter (shape {tuple(param.shape)}) was registered with a flat group its engine no longer holds"
+        )
     return cast(AccessedEngine, engine), g, s
 
 
@@ -99,8 +104,9 @@ def _pieces(g: FlatGroup, s: ParamSlot) -> list[Piece]:
     return [pc for pc in g.pieces if pc.slot is s]
 
 
-def _assemble(engine: AccessedEngine, s: ParamSlot, fill: Callable[[torch.Tensor], bool],
-              device: torch.device) -> torch.Tensor | None:
+def _assemble(
+    engine: AccessedEngine, s: ParamSlot, fill: Callable[[torch.Tensor], bool], device: torch.device
+) -> torch.Tensor | None:
     """Sum every rank's contribution (``fill(full)`` writes this rank's elements, returns whether it
     had any) into a full fp32 tensor on ``device`` (the flat group's: NCCL reduces only device
     tensors); None if no rank had any. ``fill`` writes with ``copy_``, which takes host (offloaded)
@@ -119,8 +125,9 @@ def _assemble(engine: AccessedEngine, s: ParamSlot, fill: Callable[[torch.Tensor
     return s.view(buf[:-1]).clone()
 
 
-def _copy_pieces(s: ParamSlot, pieces: list[Piece], full: torch.Tensor,
-                 value: Callable[[Piece], torch.Tensor | None]) -> bool:
+def _copy_pieces(
+    s: ParamSlot, pieces: list[Piece], full: torch.Tensor, value: Callable[[Piece], torch.Tensor | None]
+) -> bool:
     any_ = False
     for pc in pieces:
         v = value(pc)
@@ -141,9 +148,11 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     """
     engine, g, s = _locate(param)
     if not engine.grads_ready:
-        raise RuntimeError("safe_get_full_grad: gradients are reduced only by engine.backward on the last "
-                           "micro-step of an accumulation and consumed by engine.step(); call it between the "
-                           "two (engine.is_gradient_accumulation_boundary() is True then)")
+        raise RuntimeError(
+            "safe_get_full_grad: gradients are reduced only by engine.backward on the last "
+            "micro-step of an accumulation and consumed by engine.step(); call it between the "
+            "two (engine.is_gradient_accumulation_boundary() is True then)"
+        )
     if g is None or s is None:
         return None
     reducer = engine.reducer
@@ -215,8 +224,7 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
     state = engine.optimizer.state
 
     def fill(full: torch.Tensor) -> bool:
-        return _copy_pieces(s, _pieces(g, s), full,
-                            lambda pc: state.get(pc.opt_tensor, {}).get(optim_state_key))
+        return _copy_pieces(s, _pieces(g, s), full, lambda pc: state.get(pc.opt_tensor, {}).get(optim_state_key))
 
     with _resident(engine, g):
         return _assemble(engine, s, fill, g.buffer.device)
@@ -224,8 +232,10 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
 
 def _check_value(s: ParamSlot, value: torch.Tensor, what: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(s.shape):
-        raise ValueError(f"{what}: value must be a tensor of the parameter's full shape {tuple(s.shape)}, "
-                         f"got {getattr(value, 'shape', type(value).__name__)}")
+        raise ValueError(
+            f"{what}: value must be a tensor of the parameter's full shape {tuple(s.shape)}, "
+            f"got {getattr(value, 'shape', type(value).__name__)}"
+        )
     return s.flat_values(value.detach().float())
 
 
@@ -274,8 +284,10 @@ def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, opti
     engine, g, s = _locate(param)
     _check_state_key(engine, optim_state_key)
     if g is None or s is None or engine.global_steps == 0:
-        raise ValueError("safe_set_full_optimizer_state: the parameter has no optimizer state yet (it is "
-                         "created by the first optimizer step; untrained parameters have none)")
+        raise ValueError(
+            "safe_set_full_optimizer_state: the parameter has no optimizer state yet (it is "
+            "created by the first optimizer step; untrained parameters have none)"
+        )
     flat = _check_value(s, value, "safe_set_full_optimizer_state")
     with _resident(engine, g):
         for pc in _pieces(g, s):

@@ -6,12 +6,12 @@ names. (Saving and loading training state is :mod:`zerodp.checkpoint`.)"""
 from __future__ import annotations
 
 from zerodp.runtime.activation_checkpointing import (
-                                                     CheckpointingOptions,
-                                                     checkpoint,
-                                                     configure,
-                                                     is_configured,
-                                                     reset,
-                                                     timings,
+    CheckpointingOptions,
+    checkpoint,
+    configure,
+    is_configured,
+    reset,
+    timings,
 )
 
 __all__ = ["configure", "checkpoint", "is_configured", "reset", "timings", "CheckpointingOptions"]

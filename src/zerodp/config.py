@@ -39,11 +39,29 @@ from zerodp.config_optimizer import (
 from zerodp.offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 
 __all__ = [
-    "SCHEDULER_PARAMS", "ActivationCheckpointingConfig", "AioConfig", "BatchConfig", "BF16Config",
-    "CollectiveGuardConfig", "ConfigError", "DataTypesConfig", "FP16Config", "OffloadOptimizerConfig",
-    "OffloadParamConfig", "OptimizerConfig", "OptimizerParams", "SchedulerConfig", "WarmupCosineLRParams",
-    "WarmupDecayLRParams", "WarmupLRParams", "WarmupType", "ZeroConfig", "ZeroDPConfig", "load_config",
-    "optimizer_options", "read_config_mapping",
+    "SCHEDULER_PARAMS",
+    "ActivationCheckpointingConfig",
+    "AioConfig",
+    "BatchConfig",
+    "BF16Config",
+    "CollectiveGuardConfig",
+    "ConfigError",
+    "DataTypesConfig",
+    "FP16Config",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "OptimizerParams",
+    "SchedulerConfig",
+    "WarmupCosineLRParams",
+    "WarmupDecayLRParams",
+    "WarmupLRParams",
+    "WarmupType",
+    "ZeroConfig",
+    "ZeroDPConfig",
+    "load_config",
+    "optimizer_options",
+    "read_config_mapping",
 ]
 
 
@@ -63,8 +81,9 @@ class ZeroConfig(StrictModel):
         True, description="launch each gradient bucket's collective asynchronously during backward"
     )
     contiguous_gradients: bool = Field(
-        True, description="stages 2-3: each gradient goes into its bucket as produced (stage 2: autograd adds it "
-        "into a view of the bucket; stage 3: copied) and autograd's tensor is freed at once"
+        True,
+        description="stages 2-3: each gradient goes into its bucket as produced (stage 2: autograd adds it "
+        "into a view of the bucket; stage 3: copied) and autograd's tensor is freed at once",
     )
 
     stage3_param_persistence_threshold: int = Field(
@@ -77,13 +96,17 @@ class ZeroConfig(StrictModel):
         50_000_000, ge=0, description="stage 3: elements prefetched ahead of use along the trace (0: off)"
     )
     stage3_max_reuse_distance: int = Field(
-        0, ge=0, description="stage 3: a unit the trace uses again within this many elements stays gathered "
-                             "(0: off; DeepSpeed's default is 1e9)"
+        0,
+        ge=0,
+        description="stage 3: a unit the trace uses again within this many elements stays gathered "
+        "(0: off; DeepSpeed's default is 1e9)",
     )
     memory_efficient_linear: bool = Field(
-        True, description="accepted, either value (DeepSpeed's stage-3 linear that does not keep the gathered "
-                          "weight for backward): zerodp's released units already hold no memory between a "
-                          "module's forward and backward; results are the same")
+        True,
+        description="accepted, either value (DeepSpeed's stage-3 linear that does not keep the gathered "
+        "weight for backward): zerodp's released units already hold no memory between a "
+        "module's forward and backward; results are the same",
+    )
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, description="stage 3: engine.save_16bit_model gathers and writes the full weights (else refused)"
     )
@@ -102,24 +125,37 @@ class ZeroConfig(StrictModel):
     @model_validator(mode="after")
     def _offload_param_needs_stage3(self) -> ZeroConfig:
         if self.offload_param.enabled and self.stage != 3:
-            raise ValueError(f"'zero_optimization.offload_param' (device {self.offload_param.device!r}) needs "
-                             f"zero_optimization.stage 3 (it offloads each rank's shard of the partitioned "
-                             f"parameters); got stage {self.stage}. Use device 'none' or stage 3")
+            raise ValueError(
+                f"'zero_optimization.offload_param' (device {self.offload_param.device!r}) needs "
+                f"zero_optimization.stage 3 (it offloads each rank's shard of the partitioned "
+                f"parameters); got stage {self.stage}. Use device 'none' or stage 3"
+            )
         oo = self.offload_optimizer
         if oo.delayed_update and self.offload_param.enabled:
-            raise ValueError("'zero_optimization.offload_optimizer.delayed_update' with offload_param (device "
-                             f"{self.offload_param.device!r}) is not implemented; set offload_param.device 'none' "
-                             "or delayed_update false")
+            raise ValueError(
+                "'zero_optimization.offload_optimizer.delayed_update' with offload_param (device "
+                f"{self.offload_param.device!r}) is not implemented; set offload_param.device 'none' "
+                "or delayed_update false"
+            )
         if oo.overlap_step and not (oo.device == "nvme" and self.offload_param.device == "nvme"):
-            raise ValueError("'zero_optimization.offload_optimizer.overlap_step' needs offload_optimizer.device "
-                             "'nvme' and offload_param.device 'nvme' at stage 3 (the next forward waits for a "
-                             "parameter's update when it reads its shard from NVMe); got offload_optimizer "
-                             f"{oo.device!r}, offload_param {self.offload_param.device!r}. Set overlap_step false")
+            raise ValueError(
+                "'zero_optimization.offload_optimizer.overlap_step' needs offload_optimizer.device "
+                "'nvme' and offload_param.device 'nvme' at stage 3 (the next forward waits for a "
+                "parameter's update when it reads its shard from NVMe); got offload_optimizer "
+                f"{oo.device!r}, offload_param {self.offload_param.device!r}. Set overlap_step false"
+            )
         return self
 
-    @field_validator("reduce_bucket_size", "allgather_bucket_size", "stage3_param_persistence_threshold",
-                     "stage3_max_live_parameters", "stage3_prefetch_bucket_size", "stage3_max_reuse_distance",
-                     "sub_group_size", mode="before")
+    @field_validator(
+        "reduce_bucket_size",
+        "allgather_bucket_size",
+        "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters",
+        "stage3_prefetch_bucket_size",
+        "stage3_max_reuse_distance",
+        "sub_group_size",
+        mode="before",
+    )
     @classmethod
     def _int_from_float(cls, v: Any) -> Any:
         # DeepSpeed configs often write 5e8; accept integral floats, refuse 1.5.
@@ -156,7 +192,8 @@ class DataTypesConfig(StrictModel):
     :mod:`zerodp.runtime.precision`)."""
 
     grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
-        None, description="gradient accumulation dtype; default fp32 under bf16/fp16 with accumulation")
+        None, description="gradient accumulation dtype; default fp32 under bf16/fp16 with accumulation"
+    )
 
 
 class CollectiveGuardConfig(StrictModel):
@@ -164,8 +201,7 @@ class CollectiveGuardConfig(StrictModel):
     :mod:`zerodp.runtime.collective_guard` before every collective engine call."""
 
     enabled: bool = Field(True, description="agree on the call before each collective engine call")
-    timeout_s: float = Field(60.0, gt=0.0, le=3600.0,
-                             description="seconds a rank waits for the others in an agreement")
+    timeout_s: float = Field(60.0, gt=0.0, le=3600.0, description="seconds a rank waits for the others in an agreement")
     check_gathers: bool = Field(True, description="stage 3: also agree before each module fetch")
 
 
@@ -176,7 +212,8 @@ class ActivationCheckpointingConfig(StrictModel):
     partition_activations: bool = Field(False, description="split kept inputs across the model-parallel group")
     cpu_checkpointing: bool = Field(False, description="keep the checkpointed inputs in CPU memory")
     contiguous_memory_optimization: bool = Field(
-        False, description="not implemented (a CUDA fragmentation remedy); must be false")
+        False, description="not implemented (a CUDA fragmentation remedy); must be false"
+    )
     number_checkpoints: int | None = Field(None, gt=0, description="only used with contiguous memory")
     synchronize_checkpoint_boundary: bool = Field(False, description="cuda.synchronize() around segments")
     profile: bool = Field(False, description="time checkpointed forwards and recomputations")
@@ -185,8 +222,9 @@ class ActivationCheckpointingConfig(StrictModel):
     @classmethod
     def _contiguous_not_implemented(cls, v: bool) -> bool:
         if v:
-            raise ValueError("contiguous_memory_optimization is not implemented (a CUDA memory-fragmentation "
-                             "remedy); leave it false")
+            raise ValueError(
+                "contiguous_memory_optimization is not implemented (a CUDA memory-fragmentation remedy); leave it false"
+            )
         return v
 
 
@@ -196,7 +234,7 @@ class ZeroDPConfig(BatchConfig):
 
     optimizer: OptimizerConfig = Field(
         default_factory=lambda: OptimizerConfig(type="AdamW", params={"weight_decay": 0.01}),
-        description="the torch optimizer; with no optimizer section, AdamW with torch's weight_decay 0.01"
+        description="the torch optimizer; with no optimizer section, AdamW with torch's weight_decay 0.01",
     )
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     aio: AioConfig = Field(default_factory=AioConfig, description="NVMe offload I/O (zerodp.offload.config)")
@@ -209,17 +247,24 @@ class ZeroDPConfig(BatchConfig):
     scheduler: SchedulerConfig | None = None
     seed: int | None = Field(None, ge=0, description="torch.manual_seed applied by initialize()")
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="zerodp's own key: where the engine puts the module, its shards and batches; "
-                            "auto = cuda:LOCAL_RANK when CUDA is available and the group takes CUDA tensors "
-                            "(NCCL), else cpu (zerodp.runtime.device.resolve_device)")
+        "auto",
+        description="zerodp's own key: where the engine puts the module, its shards and batches; "
+        "auto = cuda:LOCAL_RANK when CUDA is available and the group takes CUDA tensors "
+        "(NCCL), else cpu (zerodp.runtime.device.resolve_device)",
+    )
     steps_per_print: int | None = Field(
-        10, gt=0, description="zerodp.deepspeed engines: rank 0 prints step, lr and loss scale every N steps; "
-                              "None (or +inf, as accelerate sets it): never")
+        10,
+        gt=0,
+        description="zerodp.deepspeed engines: rank 0 prints step, lr and loss scale every N steps; "
+        "None (or +inf, as accelerate sets it): never",
+    )
     wall_clock_breakdown: bool = Field(
-        False, description="zerodp.deepspeed engines: rank 0 prints forward/backward/step seconds every "
-                           "steps_per_print steps")
+        False,
+        description="zerodp.deepspeed engines: rank 0 prints forward/backward/step seconds every steps_per_print steps",
+    )
     zero_allow_untested_optimizer: bool = Field(
-        False, description="accepted for DeepSpeed configs; every optimizer zerodp builds is element-wise")
+        False, description="accepted for DeepSpeed configs; every optimizer zerodp builds is element-wise"
+    )
     collective_guard: CollectiveGuardConfig = Field(default_factory=CollectiveGuardConfig)
     activation_checkpointing: ActivationCheckpointingConfig | None = None
 
@@ -240,10 +285,12 @@ class ZeroDPConfig(BatchConfig):
         accum = self.data_types.grad_accum_dtype
         trained = "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
         if accum not in (None, "fp32", trained):
-            raise ValueError(f"data_types.grad_accum_dtype is {accum!r} but the model trains in {trained} "
-                             f"(bf16.enabled / fp16.enabled); allowed: 'fp32'"
-                             + (f" or {trained!r}" if trained != "fp32" else ""))
+            raise ValueError(
+                f"data_types.grad_accum_dtype is {accum!r} but the model trains in {trained} "
+                f"(bf16.enabled / fp16.enabled); allowed: 'fp32'" + (f" or {trained!r}" if trained != "fp32" else "")
+            )
         return self
+
 
 def read_config_mapping(config: str | os.PathLike | Mapping[str, Any] | None) -> Mapping[str, Any]:
     """The raw config: ``config`` itself, the parsed JSON file it names, or ``{}`` for None (unchecked).

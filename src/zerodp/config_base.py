@@ -103,8 +103,7 @@ def format_errors(err: ValidationError, model: type[BaseModel], prefix: str = ""
 def allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     current: Any = model
     for part in loc:
-        field = (current.model_fields.get(part)
-                 if isinstance(current, type) and issubclass(current, BaseModel) else None)
+        field = current.model_fields.get(part) if isinstance(current, type) and issubclass(current, BaseModel) else None
         if field is None:
             return []
         ann = field.annotation

@@ -44,19 +44,24 @@ class BatchConfig(StrictModel):
         update: dict[str, int] = {}
         if "train_micro_batch_size_per_gpu" not in given:
             if tbs % (gas * world_size):
-                raise ConfigError(f"train_batch_size={tbs} is not divisible by gradient_accumulation_steps "
-                                  f"({gas}) x world size ({world_size}); set train_micro_batch_size_per_gpu")
+                raise ConfigError(
+                    f"train_batch_size={tbs} is not divisible by gradient_accumulation_steps "
+                    f"({gas}) x world size ({world_size}); set train_micro_batch_size_per_gpu"
+                )
             update["train_micro_batch_size_per_gpu"] = micro = tbs // (gas * world_size)
         elif "gradient_accumulation_steps" not in given:
             if tbs % (micro * world_size):
-                raise ConfigError(f"train_batch_size={tbs} is not divisible by train_micro_batch_size_per_gpu "
-                                  f"({micro}) x world size ({world_size})")
+                raise ConfigError(
+                    f"train_batch_size={tbs} is not divisible by train_micro_batch_size_per_gpu "
+                    f"({micro}) x world size ({world_size})"
+                )
             update["gradient_accumulation_steps"] = gas = tbs // (micro * world_size)
         implied = micro * gas * world_size
         if implied != tbs:
             raise ConfigError(
                 f"train_batch_size={tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "
-                f"gradient_accumulation_steps ({gas}) x world size ({world_size}) = {implied}")
+                f"gradient_accumulation_steps ({gas}) x world size ({world_size}) = {implied}"
+            )
         return self.model_copy(update=update) if update else self
 
     def require_batch_size(self: _Batch, source: str) -> _Batch:
@@ -81,4 +86,5 @@ class BatchConfig(StrictModel):
         raise ConfigError(
             f"invalid zerodp config: {source} gives no batch size; set 'train_micro_batch_size_per_gpu' "
             "(samples per rank per micro-step) or 'train_batch_size' (micro batch x "
-            "gradient_accumulation_steps x world size), as DeepSpeed requires")
+            "gradient_accumulation_steps x world size), as DeepSpeed requires"
+        )

@@ -32,25 +32,24 @@ import torch
 #: the slice of their update on the whole parameter.
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     name: getattr(torch.optim, name)
-    for name in ("Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop",
-                 "Rprop", "ASGD")
+    for name in ("Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD")
     if hasattr(torch.optim, name)
 }
 
 #: ``optimizer.type`` names refused, with the reason.
 REFUSED_OPTIMIZERS: dict[str, str] = {
     "Lamb": "torch has no Lamb and zerodp does not ship one (its trust ratio needs each whole "
-            "parameter's norm, which a partitioned piece does not have)",
+    "parameter's norm, which a partitioned piece does not have)",
     "OneBitAdam": "1-bit compressed communication is not implemented",
     "ZeroOneAdam": "0/1 Adam compressed communication is not implemented",
     "OneBitLamb": "1-bit compressed communication is not implemented",
-    "MuAdam": "muP optimizers are not implemented", "MuAdamW": "muP optimizers are not implemented",
+    "MuAdam": "muP optimizers are not implemented",
+    "MuAdamW": "muP optimizers are not implemented",
     "MuSGD": "muP optimizers are not implemented",
     "Lion": "torch has no Lion and zerodp does not ship one",
-    "Muon": "its update orthogonalises each whole 2-D parameter; a partitioned 1-D piece would give "
-            "another result",
+    "Muon": "its update orthogonalises each whole 2-D parameter; a partitioned 1-D piece would give another result",
     "Adafactor": "its second moment is factored by the parameter's rows and columns; a partitioned 1-D "
-                 "piece would give another result",
+    "piece would give another result",
     "LBFGS": "it needs a closure re-evaluating the loss, which engine.step() does not take",
     "SparseAdam": "it needs sparse gradients; zerodp reduces dense ones",
 }
@@ -76,7 +75,9 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "zero_optimization.zero_quantized_gradients": _ZERO_PP,
     "zero_optimization.mics_shard_size": _ZERO_PP,
     "bf16.immediate_grad_update": "gradients are reduced and applied at the step",
-    "pipeline": _SCOPE, "compression_training": _SCOPE, "checkpoint": _SCOPE,
+    "pipeline": _SCOPE,
+    "compression_training": _SCOPE,
+    "checkpoint": _SCOPE,
 }
 
 _OFF = "accepted only when disabled"
@@ -84,11 +85,18 @@ _OFF = "accepted only when disabled"
 #: leaves it off by default; zerodp has none of them, so a disabled section changes nothing.
 OFF_SECTIONS: dict[str, str] = {
     "amp": "NVIDIA apex AMP (zerodp trains in bf16/fp16 with the bf16/fp16 sections)",
-    "flops_profiler": "the FLOPs profiler", "tensorboard": "the TensorBoard monitor", "wandb": "the W&B monitor",
-    "csv_monitor": "the CSV monitor", "comms_logger": "the communication logger", "autotuning": "autotuning",
-    "elasticity": "elastic training", "data_efficiency": "data efficiency (curriculum, sampling)",
-    "hybrid_engine": "the hybrid (training + inference) engine", "curriculum_learning": "curriculum learning",
-    "progressive_layer_drop": "progressive layer drop", "eigenvalue": "eigenvalue computation",
+    "flops_profiler": "the FLOPs profiler",
+    "tensorboard": "the TensorBoard monitor",
+    "wandb": "the W&B monitor",
+    "csv_monitor": "the CSV monitor",
+    "comms_logger": "the communication logger",
+    "autotuning": "autotuning",
+    "elasticity": "elastic training",
+    "data_efficiency": "data efficiency (curriculum, sampling)",
+    "hybrid_engine": "the hybrid (training + inference) engine",
+    "curriculum_learning": "curriculum learning",
+    "progressive_layer_drop": "progressive layer drop",
+    "eigenvalue": "eigenvalue computation",
     "nebula": "Nebula checkpointing",
 }
 
@@ -103,8 +111,7 @@ ONLY_VALUE: dict[str, tuple[Any, str]] = {
     "zero_optimization.allgather_partitions": (True, "updated partitions are always all-gathered"),
     "zero_optimization.round_robin_gradients": (False, "gradient partitions are assigned contiguously"),
     "zero_optimization.elastic_checkpoint": (False, "checkpoints load at any world size and stage anyway"),
-    "zero_optimization.ignore_unused_parameters": (True, "a parameter with no gradient on any rank is "
-                                                         "always skipped"),
+    "zero_optimization.ignore_unused_parameters": (True, "a parameter with no gradient on any rank is always skipped"),
     # DeepSpeed's defaults, which leave a feature zerodp lacks off
     "zero_optimization.cpu_offload": (False, "offload is configured with offload_optimizer"),
     "prescale_gradients": (False, "gradients are averaged once, after the reduction"),
@@ -158,8 +165,10 @@ def screen_keys(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
             continue
         given = out.pop(old)
         if new in out and out[new] != given:
-            found.append(f"'{old}' (DeepSpeed's former name of '{new}') and '{new}' are both given, with "
-                         f"different values; give '{new}' only")
+            found.append(
+                f"'{old}' (DeepSpeed's former name of '{new}') and '{new}' are both given, with "
+                f"different values; give '{new}' only"
+            )
         out.setdefault(new, given)
     for section, feature in OFF_SECTIONS.items():
         if section not in out:
@@ -169,8 +178,10 @@ def screen_keys(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if enabled is False or given is None:
             del out[section]  # disabled: DeepSpeed would not run it either
         else:
-            found.append(f"'{section}' is not implemented ({feature}): {_OFF}, i.e. with \"enabled\": false "
-                         f"(got {json.dumps(given, default=repr)})")
+            found.append(
+                f"'{section}' is not implemented ({feature}): {_OFF}, i.e. with \"enabled\": false "
+                f"(got {json.dumps(given, default=repr)})"
+            )
     for path, reason in NOT_IMPLEMENTED.items():
         if _lookup(out, path)[0]:
             found.append(f"'{path}' is not implemented: {reason}")
@@ -181,6 +192,8 @@ def screen_keys(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if _same(given, value):
             del parent[path.rsplit(".", 1)[-1]]
         else:
-            found.append(f"'{path}' is not implemented for {json.dumps(given, default=repr)} (only "
-                         f"{json.dumps(value)} is accepted): {reason}")
+            found.append(
+                f"'{path}' is not implemented for {json.dumps(given, default=repr)} (only "
+                f"{json.dumps(value)} is accepted): {reason}"
+            )
     return out, found

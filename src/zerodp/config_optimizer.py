@@ -80,8 +80,9 @@ class OptimizerConfig(StrictModel):
         if name is None:
             raise ValueError(f"unknown optimizer; allowed: {', '.join(OPTIMIZERS)}")
         if name in REFUSED_OPTIMIZERS:
-            raise ValueError(f"optimizer '{name}' is not implemented: {REFUSED_OPTIMIZERS[name]}; "
-                             f"allowed: {', '.join(OPTIMIZERS)}")
+            raise ValueError(
+                f"optimizer '{name}' is not implemented: {REFUSED_OPTIMIZERS[name]}; allowed: {', '.join(OPTIMIZERS)}"
+            )
         return name
 
     @model_validator(mode="after")
@@ -89,8 +90,10 @@ class OptimizerConfig(StrictModel):
         allowed = optimizer_options(self.type)
         unknown = sorted(set(self.params.torch_kwargs()) - set(allowed))
         if unknown:
-            raise ValueError(f"optimizer.params.{unknown[0]} is not an option of torch.optim.{self.type}; "
-                             f"allowed keys here: {', '.join(allowed)}")
+            raise ValueError(
+                f"optimizer.params.{unknown[0]} is not an option of torch.optim.{self.type}; "
+                f"allowed keys here: {', '.join(allowed)}"
+            )
         return self
 
     def torch_class(self) -> builtins.type[torch.optim.Optimizer]:  # builtins: ``type`` is a field here
@@ -138,8 +141,9 @@ WarmupType = Literal["log", "linear"]
 def _warmup_within_total(params: Any) -> Any:
     """Shared check of the decaying schedules: the warmup fits in the total number of steps."""
     if params.warmup_num_steps > params.total_num_steps:
-        raise ValueError(f"warmup_num_steps ({params.warmup_num_steps}) must not exceed total_num_steps "
-                         f"({params.total_num_steps})")
+        raise ValueError(
+            f"warmup_num_steps ({params.warmup_num_steps}) must not exceed total_num_steps ({params.total_num_steps})"
+        )
     return params
 
 
@@ -174,7 +178,9 @@ class WarmupCosineLRParams(StrictModel):
 
 
 SCHEDULER_PARAMS: dict[str, type[StrictModel]] = {
-    "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams, "WarmupCosineLR": WarmupCosineLRParams,
+    "WarmupLR": WarmupLRParams,
+    "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams,
 }
 
 

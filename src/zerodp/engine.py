@@ -65,8 +65,13 @@ class Engine(CheckpointMethods):
     when they are not all in the same call."""
 
     def __init__(
-        self, module: nn.Module, config: ZeroDPConfig, param_groups: list[ParamGroupSpec],
-        process_group: dist.ProcessGroup | None = None, *, topology: Topology | None = None,
+        self,
+        module: nn.Module,
+        config: ZeroDPConfig,
+        param_groups: list[ParamGroupSpec],
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        topology: Topology | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], LRScheduler] | None = None,
         device: torch.device | None = None,
     ) -> None:
@@ -117,16 +122,29 @@ class Engine(CheckpointMethods):
         zc = self.config.zero_optimization
         self.sharding: Stage3 | None = None
         self.param_offload: ParamOffloadStrategy = build_param_offload(
-            zc.offload_param, self.config.aio, self.rank, self.process_group,
-            self.device if self.device is not None else device_of(self.module.parameters()))
+            zc.offload_param,
+            self.config.aio,
+            self.rank,
+            self.process_group,
+            self.device if self.device is not None else device_of(self.module.parameters()),
+        )
         if self.stage == 3:
-            self.sharding = Stage3(self.module, param_groups, self.rank, self.world_size, self.process_group,
-                                   self.ledger, zc, fetch_check=self.collective_guard.gather_check(self.module),
-                                   read_ahead=self.param_offload.read_ahead_hook())
+            self.sharding = Stage3(
+                self.module,
+                param_groups,
+                self.rank,
+                self.world_size,
+                self.process_group,
+                self.ledger,
+                zc,
+                fetch_check=self.collective_guard.gather_check(self.module),
+                read_ahead=self.param_offload.read_ahead_hook(),
+            )
             self.groups = self.sharding.groups
         else:
-            self.groups = build_flat_groups([spec.params for spec in param_groups], zc.reduce_bucket_size,
-                                            self.world_size)
+            self.groups = build_flat_groups(
+                [spec.params for spec in param_groups], zc.reduce_bucket_size, self.world_size
+            )
         # offload_param (stage 3): from here on every shard lives in its home between uses
         self.param_offload.attach_to(self.sharding)
         in_groups = {id(s.param) for g in self.groups for s in g.slots}
@@ -140,8 +158,9 @@ class Engine(CheckpointMethods):
         self.collective_guard.install_shutdown_check(self)
         self.backward_tags: BackwardAgreement | None = None
         if self.collective_guard.enabled:
-            self.backward_tags = build_backward_agreement(self.collective_guard, self.module, self.groups,
-                                                          self.sharding is not None)
+            self.backward_tags = build_backward_agreement(
+                self.collective_guard, self.module, self.groups, self.sharding is not None
+            )
             self.backward_tags.attach(self.reducer)
 
     def _build_optimizer_update(self) -> None:
@@ -149,7 +168,8 @@ class Engine(CheckpointMethods):
         NVMe offload; masters are copies made by the offload's ``attach``."""
         zc = self.config.zero_optimization
         self.optimizer_offload: OptimizerOffload = build_offload(
-            zc, self.config.aio, self.stage, self.rank, self.process_group, self.groups, self.precision.has_master)
+            zc, self.config.aio, self.stage, self.rank, self.process_group, self.groups, self.precision.has_master
+        )
         for g in self.groups:  # pieces are views of the shards
             with self.shards_resident([g]):
                 assign_pieces(g, self.rank, owns_everything=self.stage == 0)
@@ -166,18 +186,26 @@ class Engine(CheckpointMethods):
         """The stage's gradient reducer; gradients accumulate in ``precision.grad_accum_dtype`` (fp32
         under bf16/fp16 with k > 1 micro-steps)."""
         self.reducer: GradientReducer = build_reducer(
-            self.stage, self.groups, self.rank, self.world_size, self.process_group, self.ledger,
-            self.config.zero_optimization, self.precision.grad_accum_dtype,
+            self.stage,
+            self.groups,
+            self.rank,
+            self.world_size,
+            self.process_group,
+            self.ledger,
+            self.config.zero_optimization,
+            self.precision.grad_accum_dtype,
             # an offload's copies of the boundary's reduced gradients start per bucket
             self._stream_bucket if self.optimizer_offload.streams_grads else None,
             # with NVMe offload (no fp16 scaling), gradients go to disk per unit
             spill=None if self.loss_scaler is not None else self.optimizer_offload.gradient_spill,
             staging_pool=self.sharding.pool if self.sharding is not None else None,
             # stage 3 has one bucket per unit: reduce-scatter units in a few coalesced groups
-            coalesce_elements=self.sharding.reduce_flush_elements if self.sharding is not None else 0)
+            coalesce_elements=self.sharding.reduce_flush_elements if self.sharding is not None else 0,
+        )
         self.reducer.attach()
-        self.grad_placeholders = GradPlaceholders(self.reducer.slots, self.stage, self.loss_scaler is not None,
-                                                  folded=self.reducer.folds)
+        self.grad_placeholders = GradPlaceholders(
+            self.reducer.slots, self.stage, self.loss_scaler is not None, folded=self.reducer.folds
+        )
 
     def refresh_masters(self, param: nn.Parameter) -> None:
         """``param`` was edited under ``GatheredParameters(modifier_rank=...)``: copy its new value into
@@ -252,8 +280,10 @@ class Engine(CheckpointMethods):
             ValueError: ``loss`` is not a scalar tensor that requires grad.
         """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            raise ValueError("engine.backward(loss) needs a scalar tensor that requires grad, got "
-                             f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+            raise ValueError(
+                "engine.backward(loss) needs a scalar tensor that requires grad, got "
+                f"{type(loss).__name__} {getattr(loss, 'shape', '')}"
+            )
         boundary = self.is_gradient_accumulation_boundary()
         after = TrainingState.GRADS_READY if boundary else TrainingState.ACCUMULATING
         with self.phase.during(TrainingState.BACKWARD, "engine.backward", then=after):
@@ -269,8 +299,14 @@ class Engine(CheckpointMethods):
             loss = loss * self.loss_scaler.scale
         # what this backward will gather and reduce, agreed with the other ranks before it starts
         plan = self.output_roots.plan(loss, walk=self.world_size > 1)
-        with self.collective_guard.call("backward", self.global_steps, self.micro_steps, plan.fetch_digest(),
-                             plan.slot_digest(), lambda: plan.fetch_names(self.output_roots.names)):
+        with self.collective_guard.call(
+            "backward",
+            self.global_steps,
+            self.micro_steps,
+            plan.fetch_digest(),
+            plan.slot_digest(),
+            lambda: plan.fetch_names(self.output_roots.names),
+        ):
             tags = self.backward_tags
             if tags is not None:
                 tags.begin(self.global_steps, self.micro_steps)
@@ -278,8 +314,9 @@ class Engine(CheckpointMethods):
                 if boundary:
                     self.optimizer_offload.begin_grads()
                 # the ranks reach different parameters: reduce every bucket at the end, in one order
-                self.reducer.begin_micro_step(reduce=boundary or self.stage >= 2,
-                                              defer=self.collective_guard.aux_differs)
+                self.reducer.begin_micro_step(
+                    reduce=boundary or self.stage >= 2, defer=self.collective_guard.aux_differs
+                )
                 self.output_roots.backward(plan, retain_graph, self.reducer)
                 self.reducer.end_micro_step()
                 if tags is not None:
@@ -303,8 +340,7 @@ class Engine(CheckpointMethods):
         """End a micro-step; at a gradient accumulation boundary, update the parameters."""
         boundary = self.is_gradient_accumulation_boundary()
         # the reduced gradients are consumed (or, off the boundary, the accumulation goes on)
-        with self.phase.during(TrainingState.STEP, "engine.step", then=TrainingState.IDLE,
-                               on_error=TrainingState.IDLE):
+        with self.phase.during(TrainingState.STEP, "engine.step", then=TrainingState.IDLE, on_error=TrainingState.IDLE):
             self.grad_placeholders.check_not_cleared()  # module.zero_grad() between backward and step
             self.grad_placeholders.remove()
             self.micro_steps += 1
@@ -349,8 +385,13 @@ class Engine(CheckpointMethods):
         if self.sharding is not None:
             self.sharding.after_step()
         elif self.stage >= 1:  # every rank's updated shards, all-gathered into the full parameters
-            all_gather_updated_shards(self.groups, self.rank, self.process_group, self.ledger,
-                                      self.config.zero_optimization.allgather_bucket_size)
+            all_gather_updated_shards(
+                self.groups,
+                self.rank,
+                self.process_group,
+                self.ledger,
+                self.config.zero_optimization.allgather_bucket_size,
+            )
         self.optimizer_offload.when_updated(self.reducer.zero_grads)  # its loop may still read them (overlap_step)
         self.training_guards.after_update()
         self.global_steps += 1
@@ -362,8 +403,9 @@ class Engine(CheckpointMethods):
 
     def _has_inf_or_nan(self) -> bool:
         """Any inf/nan in the reduced gradients this rank owns (before the cross-rank check)."""
-        return not all_finite([self.reducer.piece_grad(g, p.lo, p.hi) for g in self.groups for p in g.pieces],
-                              "fp16_overflow")  # one host sync per device
+        return not all_finite(
+            [self.reducer.piece_grad(g, p.lo, p.hi) for g in self.groups for p in g.pieces], "fp16_overflow"
+        )  # one host sync per device
 
     @property
     def loss_scale(self) -> float:

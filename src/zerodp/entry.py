@@ -98,9 +98,11 @@ def place_on_engine_device(model: nn.Module, cfg: ZeroDPConfig, group: dist.Proc
     if check_module_device(model, device):
         for name, p in model.named_parameters():
             if is_sharded(p) and p.device != device:
-                raise DeviceError(f"parameter '{name}' was partitioned by zero.Init on {p.device}, but the "
-                                  f"engine's device is {device}; give Init and initialize the same config "
-                                  "key device")
+                raise DeviceError(
+                    f"parameter '{name}' was partitioned by zero.Init on {p.device}, but the "
+                    f"engine's device is {device}; give Init and initialize the same config "
+                    "key device"
+                )
         model.to(device)
     return device
 
@@ -115,9 +117,11 @@ def _check_lr_scheduler(lr_scheduler: Any, cfg: ZeroDPConfig) -> None:
     if lr_scheduler is None:
         return
     if isinstance(lr_scheduler, LRScheduler) or not callable(lr_scheduler):
-        raise TypeError("lr_scheduler must be a callable taking the engine's optimizer, e.g. "
-                        "lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10); a scheduler "
-                        "object is bound to an optimizer the engine does not use")
+        raise TypeError(
+            "lr_scheduler must be a callable taking the engine's optimizer, e.g. "
+            "lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10); a scheduler "
+            "object is bound to an optimizer the engine does not use"
+        )
     if cfg.scheduler is not None:
         raise ValueError("pass either lr_scheduler to initialize() or 'scheduler' in the config, not both")
 
@@ -136,6 +140,8 @@ def _refuse_init_built_below_stage3(model: nn.Module, stage: int) -> None:
         return
     for name, p in model.named_parameters():
         if is_sharded(p):
-            raise ConfigError(f"zero_optimization.stage is {stage}, but the model was built under zerodp.zero.Init "
-                              f"(parameter '{name}' is partitioned): a model built under Init trains at stage 3; "
-                              "build it without Init for stages 0-2")
+            raise ConfigError(
+                f"zero_optimization.stage is {stage}, but the model was built under zerodp.zero.Init "
+                f"(parameter '{name}' is partitioned): a model built under Init trains at stage 3; "
+                "build it without Init for stages 0-2"
+            )

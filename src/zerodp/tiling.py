@@ -77,9 +77,19 @@ class TiledLinear(nn.Module):
     et al., 2021) section 5.1.3, memory-centric tiling.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, in_splits: int = 1,
-                 out_splits: int = 1, input_is_already_split: bool = False, combine_out_splits: bool = True,
-                 linear_cls: type = nn.Linear, init_linear: nn.Module | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        in_splits: int = 1,
+        out_splits: int = 1,
+        input_is_already_split: bool = False,
+        combine_out_splits: bool = True,
+        linear_cls: type = nn.Linear,
+        init_linear: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__()
         _check_splits("in_splits", in_splits, in_features, "in_features")
         _check_splits("out_splits", out_splits, out_features, "out_features")
@@ -109,13 +119,13 @@ class TiledLinear(nn.Module):
         if init_linear is not None:
             self.copy_params_from(init_linear)
 
-    def forward(self, input_: torch.Tensor | Sequence[torch.Tensor]
-                ) -> torch.Tensor | list[torch.Tensor]:
+    def forward(self, input_: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
         if self.input_is_already_split:
             inputs = list(input_)
             if len(inputs) != self.in_splits:
-                raise ValueError(f"TiledLinear: input_is_already_split expects {self.in_splits} chunks, "
-                                 f"got {len(inputs)}")
+                raise ValueError(
+                    f"TiledLinear: input_is_already_split expects {self.in_splits} chunks, got {len(inputs)}"
+                )
         else:
             x = input_
             if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.in_features:
@@ -153,14 +163,19 @@ class TiledLinear(nn.Module):
         with GatheredParameters([p for p in (weight, src_bias) if isinstance(p, torch.Tensor)]):
             expected = (self.out_features, self.in_features)
             if tuple(weight.shape) != expected:
-                raise ValueError(f"copy_params_from: weight has shape {tuple(weight.shape)}, this TiledLinear "
-                                 f"needs {expected} (out_features, in_features)")
+                raise ValueError(
+                    f"copy_params_from: weight has shape {tuple(weight.shape)}, this TiledLinear "
+                    f"needs {expected} (out_features, in_features)"
+                )
             if self.use_bias != isinstance(src_bias, torch.Tensor):
-                raise ValueError(f"copy_params_from: this TiledLinear has bias={self.use_bias} but the source "
-                                 f"has {'a' if src_bias is not None else 'no'} bias")
+                raise ValueError(
+                    f"copy_params_from: this TiledLinear has bias={self.use_bias} but the source "
+                    f"has {'a' if src_bias is not None else 'no'} bias"
+                )
             if src_bias is not None and tuple(src_bias.shape) != (self.out_features,):
-                raise ValueError(f"copy_params_from: bias has shape {tuple(src_bias.shape)}, needs "
-                                 f"({self.out_features},)")
+                raise ValueError(
+                    f"copy_params_from: bias has shape {tuple(src_bias.shape)}, needs ({self.out_features},)"
+                )
             for o, row in enumerate(cast(Sequence[nn.ModuleList], self.linears)):  # rows of tiles
                 r0, r1 = self.out_parts[o], self.out_parts[o + 1]
                 for i, tile in enumerate(cast(Sequence[nn.Linear], row)):  # Linear-like: weight, bias
@@ -173,8 +188,10 @@ class TiledLinear(nn.Module):
                             tile.bias.copy_(src_bias[r0:r1])
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "
-                f"in_splits={self.in_splits}, out_splits={self.out_splits}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "
+            f"in_splits={self.in_splits}, out_splits={self.out_splits}"
+        )
 
 
 def _cumsum(sizes: list[int]) -> list[int]:

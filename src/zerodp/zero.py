@@ -77,7 +77,8 @@ def _refuse_rebound_shards(units: list[ShardedUnit]) -> None:
                 raise PartitionedParameterError(
                     f"parameter '{u._param_name(s)}' was re-bound with set_() after zerodp.zero.Init partitioned "
                     "it (its values would be lost): inside Init write values with `with torch.no_grad(): "
-                    "p.copy_(t)` or `p.data = t`, which are kept")
+                    "p.copy_(t)` or `p.data = t`, which are kept"
+                )
 
 
 def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
@@ -92,8 +93,10 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
         TypeError: ``module`` is not a Module or ``param`` not a tensor.
     """
     if not isinstance(module, nn.Module) or not isinstance(param, torch.Tensor):
-        raise TypeError("register_external_parameter(module, param) takes an nn.Module and a parameter, got "
-                        f"{type(module).__name__} and {type(param).__name__}")
+        raise TypeError(
+            "register_external_parameter(module, param) takes an nn.Module and a parameter, got "
+            f"{type(module).__name__} and {type(param).__name__}"
+        )
     owner = owner_of(param)
     if owner is None or owner.coordinator is None:
         add_pending_external(module, param)
@@ -155,15 +158,22 @@ class Init:
         DeviceError: (on enter) the config key ``device`` cannot be used here.
     """
 
-    def __init__(self, config: object = None, enabled: bool = True,
-                 process_group: dist.ProcessGroup | None = None, remote_device: str | None = None,
-                 pin_memory: bool | None = None) -> None:
+    def __init__(
+        self,
+        config: object = None,
+        enabled: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        remote_device: str | None = None,
+        pin_memory: bool | None = None,
+    ) -> None:
         self.config = load_config(config)  # type: ignore[arg-type]
         self.enabled = enabled
         if enabled and self.config.zero_optimization.stage != 3:
-            raise ConfigError("zerodp.zero.Init partitions parameters at construction, which needs "
-                              f"zero_optimization.stage 3 (got stage {self.config.zero_optimization.stage}); "
-                              "pass enabled=False for other stages")
+            raise ConfigError(
+                "zerodp.zero.Init partitions parameters at construction, which needs "
+                f"zero_optimization.stage 3 (got stage {self.config.zero_optimization.stage}); "
+                "pass enabled=False for other stages"
+            )
         #: where each shard goes as it is built (``offload_param`` with ``remote_device`` applied)
         self.remote = resolve_remote_device(self.config.zero_optimization.offload_param, remote_device, pin_memory)
         self.pg = process_group
@@ -196,7 +206,8 @@ class Init:
         comm.init_distributed()
         self.device = resolve_device(self.config.device, self.pg)  # each shard is allocated there
         self.remote = po = self.remote.model_copy(
-            update={"pin_memory": resolve_pin_memory(self.remote.pin_memory, self.device)})
+            update={"pin_memory": resolve_pin_memory(self.remote.pin_memory, self.device)}
+        )
         if po.device == "cpu" and devices.is_accelerator(self.device) and self.host_shards is None:
             self.host_shards = HostShards(self.device, bool(po.pin_memory))  # the shards' host homes
         pin_mmap_threshold()  # each module's full values are freed once partitioned: return them
@@ -204,8 +215,10 @@ class Init:
             self.swapper = ParamSwapper(po, self.config.aio, dist.get_rank(self.pg), self.pg)
             self.swapper.open()
         self._touch = InitTouchMode(self.pg, self.config.zero_optimization.stage3_max_live_parameters)
-        self._handles = [register_module_parameter_registration_hook(self._on_parameter),
-                         register_module_module_registration_hook(self._on_register)]
+        self._handles = [
+            register_module_parameter_registration_hook(self._on_parameter),
+            register_module_module_registration_hook(self._on_register),
+        ]
         self._touch.__enter__()
         sharded_param.INIT_ACTIVE[0] += 1  # refusals under Init name what cannot be built here
         return self
@@ -273,8 +286,11 @@ class Init:
         before = self._units_of.get(module, [])
         if before:  # parameters registered after the module was partitioned: one unit for all of them
             self._undo_units(before, params)
-        named = [(n, p) for n, p in module.named_parameters(recurse=False)
-                 if not is_lazy(p) and p.numel() > threshold and owner_of(p) is None]
+        named = [
+            (n, p)
+            for n, p in module.named_parameters(recurse=False)
+            if not is_lazy(p) and p.numel() > threshold and owner_of(p) is None
+        ]
         rank = dist.get_rank(self.pg)
         world = dist.get_world_size(self.pg)
         src = dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
@@ -283,8 +299,7 @@ class Init:
             if world > 1:
                 comm.broadcast(full, src, self.pg, self.ledger, "init")
 
-        dtype = (torch.bfloat16 if self.config.bf16.enabled
-                 else torch.float16 if self.config.fp16.enabled else None)
+        dtype = torch.bfloat16 if self.config.bf16.enabled else torch.float16 if self.config.fp16.enabled else None
         built = named[0][1].dtype
         for _, p in named:  # to the engine's device (a no-op on the CPU); the one cast, after the
             # module's own init (as initialize casts)
@@ -292,8 +307,12 @@ class Init:
             if p.device != self.device or cast != p.dtype:
                 p.data = p.data.to(self.device, cast)
         # a host shard (CPU engine) is page-locked where asked and possible; a device shard's host home is
-        pin = self.remote.device == "cpu" and bool(self.remote.pin_memory) and self.host_shards is None \
+        pin = (
+            self.remote.device == "cpu"
+            and bool(self.remote.pin_memory)
+            and self.host_shards is None
             and pinning_available()
+        )
         unit = shard_unit(name, named, 0, [-1] * len(named), rank, world, sync=sync, pin_memory=pin)
         if built.is_floating_point and built != unit.shard.dtype:
             assert self._touch is not None  # entered: set in __enter__
@@ -335,8 +354,9 @@ class Init:
 REMOTE_DEVICES = ("none", "cpu", "nvme")
 
 
-def resolve_remote_device(po: OffloadParamConfig, remote_device: str | None,
-                          pin_memory: bool | None) -> OffloadParamConfig:
+def resolve_remote_device(
+    po: OffloadParamConfig, remote_device: str | None, pin_memory: bool | None
+) -> OffloadParamConfig:
     """The ``offload_param`` section :class:`Init` builds with: the config's, with ``remote_device``
     (None or "none": the config's device, as DeepSpeed reads an unset one) and ``pin_memory`` (None:
     the config's) applied. A ``str`` enum (DeepSpeed's ``OffloadDeviceEnum``) is read by its value.
@@ -349,19 +369,24 @@ def resolve_remote_device(po: OffloadParamConfig, remote_device: str | None,
     """
     remote = getattr(remote_device, "value", remote_device)
     if remote is not None and remote not in REMOTE_DEVICES:
-        raise ValueError(f"zero.Init(remote_device={remote_device!r}): allowed values are None, "
-                         f"{', '.join(repr(d) for d in REMOTE_DEVICES)}")
+        raise ValueError(
+            f"zero.Init(remote_device={remote_device!r}): allowed values are None, "
+            f"{', '.join(repr(d) for d in REMOTE_DEVICES)}"
+        )
     if pin_memory is not None and not isinstance(pin_memory, bool):
         raise ValueError(f"zero.Init(pin_memory={pin_memory!r}): must be True, False or None")
     device = po.device if remote in (None, "none") else remote
     if device != po.device and po.device != "none":
-        raise ConfigError(f"zero.Init(remote_device={remote!r}) disagrees with the config's "
-                          f"zero_optimization.offload_param.device {po.device!r}; give one of them, or the same")
+        raise ConfigError(
+            f"zero.Init(remote_device={remote!r}) disagrees with the config's "
+            f"zero_optimization.offload_param.device {po.device!r}; give one of them, or the same"
+        )
     if device == "nvme" and not po.nvme_path:
-        raise ConfigError("zero.Init(remote_device='nvme') needs zero_optimization.offload_param.nvme_path in the "
-                          "config (the directory of the parameter swap file)")
-    return po.model_copy(update={"device": device,
-                                 "pin_memory": po.pin_memory if pin_memory is None else pin_memory})
+        raise ConfigError(
+            "zero.Init(remote_device='nvme') needs zero_optimization.offload_param.nvme_path in the "
+            "config (the directory of the parameter swap file)"
+        )
+    return po.model_copy(update={"device": device, "pin_memory": po.pin_memory if pin_memory is None else pin_memory})
 
 
 def _constructing(module: nn.Module) -> bool:
@@ -374,7 +399,19 @@ def _constructing(module: nn.Module) -> bool:
     return False
 
 
-__all__ = ["GatheredParameters", "Init", "REMOTE_DEVICES", "resolve_remote_device", "TiledLinear",
-           "register_external_parameter", "full_numel", "is_partitioned",
-           "safe_get_full_grad", "safe_get_full_fp32_param", "safe_get_full_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "synced_generate"]
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "REMOTE_DEVICES",
+    "resolve_remote_device",
+    "TiledLinear",
+    "register_external_parameter",
+    "full_numel",
+    "is_partitioned",
+    "safe_get_full_grad",
+    "safe_get_full_fp32_param",
+    "safe_get_full_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_optimizer_state",
+    "synced_generate",
+]

@@ -29,8 +29,7 @@ def test_mixed_precision_adam_is_2_2_12_psi(n: int) -> None:
 
 def test_paper_figure1_example() -> None:
     """Psi = 7.5 B, N_d = 64: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per device (paper figure 1)."""
-    got = [human_bytes(sum(model_state_bytes(s, 7_500_000_000, 64, MIXED_PRECISION_ADAM).values()))
-           for s in range(4)]
+    got = [human_bytes(sum(model_state_bytes(s, 7_500_000_000, 64, MIXED_PRECISION_ADAM).values())) for s in range(4)]
     assert got == ["120.0 GB", "31.4 GB", "16.6 GB", "1.9 GB"]
 
 
@@ -38,8 +37,13 @@ def test_categories_partition_by_stage() -> None:
     b = BytesPerElement(param=2, grad=4, optimizer=8, master=4)  # fp32 gradient accumulation
     psi, n = 1000, 4
     s1 = model_state_bytes(1, psi, n, b)
-    assert s1 == {"parameters": 2000, "gradients": 4000, "optimizer_states": 2000, "master_weights": 1000,
-                  "comm_buffers": 0.0}
+    assert s1 == {
+        "parameters": 2000,
+        "gradients": 4000,
+        "optimizer_states": 2000,
+        "master_weights": 1000,
+        "comm_buffers": 0.0,
+    }
     s2 = model_state_bytes(2, psi, n, b)
     assert s2["gradients"] == 1000 and s2["parameters"] == 2000
     assert model_state_bytes(3, psi, n, b)["parameters"] == 500
@@ -58,7 +62,10 @@ def test_traffic_is_2_psi_or_3_psi_and_ledger_counts_all_reduce_twice() -> None:
     ledger.record("all_gather", 10, 2, "parameters")
     assert ledger.traffic_elements() == 40 and ledger.traffic_elements("gradients") == 30
     assert [(r.op, r.count, r.bytes) for r in ledger.records()] == [
-        ("all_gather", 1, 20), ("all_reduce", 1, 40), ("reduce_scatter", 1, 20)]
+        ("all_gather", 1, 20),
+        ("all_reduce", 1, 40),
+        ("reduce_scatter", 1, 20),
+    ]
 
 
 def test_refusals_name_what_is_allowed() -> None:

@@ -14,8 +14,12 @@ import zerodp.deepspeed as deepspeed
 
 
 def _config(stage: int, bf16: bool = False) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "bf16": {"enabled": bf16}, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
 
 
 def _model() -> nn.Sequential:

@@ -42,10 +42,12 @@ def expected(stage: int, precision: str) -> dict[str, int]:
 def test_host_syncs_per_training_step(world1, stage, precision):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0,
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 16,
-                                    "reduce_bucket_size": 300},
-              **PRECISIONS[precision]}
+    config = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 16, "reduce_bucket_size": 300},
+        **PRECISIONS[precision],
+    }
     engine = zerodp.initialize(model, config)
     pieces = sum(len(g.pieces) for g in engine.groups)
     assert pieces >= 2  # a per-piece sync would show as more than one
@@ -63,8 +65,10 @@ def test_host_syncs_per_training_step(world1, stage, precision):
 
 
 def test_parameters_finite_is_one_host_sync(world1):
-    engine = zerodp.initialize(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)),
-                               {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 1}})
+    engine = zerodp.initialize(
+        nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)),
+        {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 1}},
+    )
     device.reset_host_syncs()
     assert engine.parameters_finite()
     with torch.no_grad():

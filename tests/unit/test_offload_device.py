@@ -65,8 +65,12 @@ def _config(stage: int, optimizer_offload: bool, param_offload: bool) -> dict:
         zc["offload_optimizer"] = {"device": "cpu", "cpu_adam": "same"}
     if param_offload:
         zc["offload_param"] = {"device": "cpu"}
-    return {"device": "cpu", "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-            "bf16": {"enabled": True}, "zero_optimization": zc}
+    return {
+        "device": "cpu",
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "bf16": {"enabled": True},
+        "zero_optimization": zc,
+    }
 
 
 def _train(engine: zerodp.Engine, fake: FakeDeviceModule | None, steps: int = 3) -> list[float]:
@@ -89,6 +93,7 @@ def _train(engine: zerodp.Engine, fake: FakeDeviceModule | None, steps: int = 3)
 
 def _weights(engine: zerodp.Engine) -> list[torch.Tensor]:
     from zerodp.accessors import safe_get_full_fp32_param
+
     return [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
 
 
@@ -183,8 +188,12 @@ def test_param_offload_nvme_on_a_device_equals_stage3(world1, on_device, tmp_pat
     reference = zerodp.initialize(_model(None), _config(3, False, False))
     ref_losses = _train(reference, None)
     cfg = _config(3, False, True)
-    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path), "buffer_size": 4096,
-                                                 "buffer_count": 2}
+    cfg["zero_optimization"]["offload_param"] = {
+        "device": "nvme",
+        "nvme_path": str(tmp_path),
+        "buffer_size": 4096,
+        "buffer_count": 2,
+    }
     on_device.clear()
     engine = zerodp.initialize(_model(None), cfg)
     swapper = engine.param_offload.swapper
@@ -232,6 +241,7 @@ def test_delayed_update_on_a_device_equals_the_cpu_path(world1, monkeypatch, sta
     """``delayed_update`` through the device branches (launch value from the masters' cast, edits found
     by fingerprints, copies on the copy stream) gives the CPU path's stale trajectory bitwise, an edit
     through ``.data`` included; test_delayed_update.py checks the CPU path against plain PyTorch."""
+
     def run(device_path: bool) -> tuple[list[float], list[torch.Tensor], dict]:
         with pytest.MonkeyPatch.context() as mp:
             if device_path:

@@ -42,12 +42,12 @@ def test_clean_steps_restart_after_an_overflow() -> None:
 
 def test_default_config_values() -> None:
     s = _scaler()
-    assert (s.scale, s.window, s.hysteresis, s.min_scale) == (2.0 ** 16, 1000, 2, 1.0)
+    assert (s.scale, s.window, s.hysteresis, s.min_scale) == (2.0**16, 1000, 2, 1.0)
     for _ in range(999):
         s.update(False)
-    assert s.scale == 2.0 ** 16
+    assert s.scale == 2.0**16
     s.update(False)
-    assert s.scale == 2.0 ** 17
+    assert s.scale == 2.0**17
 
 
 def test_static_scale_never_moves_and_state_round_trips() -> None:
@@ -64,16 +64,34 @@ def test_static_scale_never_moves_and_state_round_trips() -> None:
     assert LossScaler.from_config(load_config({"bf16": {"enabled": True}})) is None
 
 
-@pytest.mark.parametrize("config, dtype, accum, grad_bytes, base", [
-    ({}, torch.float32, torch.float32, 4, FP32_ADAM),
-    ({"bf16": {"enabled": True}}, torch.bfloat16, torch.bfloat16, 2, MIXED_PRECISION_ADAM),
-    ({"bf16": {"enabled": True}, "gradient_accumulation_steps": 4}, torch.bfloat16, torch.float32, 4,
-     MIXED_PRECISION_ADAM),
-    ({"fp16": {"enabled": True}, "gradient_accumulation_steps": 4, "data_types": {"grad_accum_dtype": "fp16"}},
-     torch.float16, torch.float16, 2, MIXED_PRECISION_ADAM),
-    ({"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, torch.float16, torch.float32, 4,
-     MIXED_PRECISION_ADAM),
-])
+@pytest.mark.parametrize(
+    "config, dtype, accum, grad_bytes, base",
+    [
+        ({}, torch.float32, torch.float32, 4, FP32_ADAM),
+        ({"bf16": {"enabled": True}}, torch.bfloat16, torch.bfloat16, 2, MIXED_PRECISION_ADAM),
+        (
+            {"bf16": {"enabled": True}, "gradient_accumulation_steps": 4},
+            torch.bfloat16,
+            torch.float32,
+            4,
+            MIXED_PRECISION_ADAM,
+        ),
+        (
+            {"fp16": {"enabled": True}, "gradient_accumulation_steps": 4, "data_types": {"grad_accum_dtype": "fp16"}},
+            torch.float16,
+            torch.float16,
+            2,
+            MIXED_PRECISION_ADAM,
+        ),
+        (
+            {"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+            torch.float16,
+            torch.float32,
+            4,
+            MIXED_PRECISION_ADAM,
+        ),
+    ],
+)
 def test_policy_from_config(config: dict, dtype, accum, grad_bytes: int, base) -> None:
     policy = PrecisionPolicy.from_config(load_config(config))
     assert policy.param_dtype == dtype and policy.grad_accum_dtype == accum

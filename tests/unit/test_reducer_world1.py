@@ -37,8 +37,15 @@ class Net(nn.Module):
         return self.frozen(torch.tanh(self.b(torch.tanh(self.a(x))))).square().sum()
 
 
-def _build(model: nn.Module, stage: int, world_size: int, rank: int, bucket_size: int = 25,
-           accumulate_dtype: torch.dtype | None = None, **kwargs):
+def _build(
+    model: nn.Module,
+    stage: int,
+    world_size: int,
+    rank: int,
+    bucket_size: int = 25,
+    accumulate_dtype: torch.dtype | None = None,
+    **kwargs,
+):
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     slots, buckets, total = plan_buckets(named, 0, bucket_size, world_size)
     group = FlatGroup(0, flatten_into(slots, total), buckets, slots)
@@ -96,8 +103,10 @@ def test_reduced_gradient_equals_autograd(world1, stage: int, kwargs: dict, step
     ref.zero_grad()
     ref(batches[0]).backward()
     piece = next(p for p in group.pieces if p.slot.name == "a.weight")
-    torch.testing.assert_close(reducer.piece_grad(group, piece.lo, piece.hi),
-                               ref.a.weight.grad.reshape(-1)[piece.lo - piece.slot.offset:piece.hi - piece.slot.offset])
+    torch.testing.assert_close(
+        reducer.piece_grad(group, piece.lo, piece.hi),
+        ref.a.weight.grad.reshape(-1)[piece.lo - piece.slot.offset : piece.hi - piece.slot.offset],
+    )
 
 
 @pytest.mark.parametrize("stage, kwargs", [(0, {}), (2, {}), (2, {"grad_views": True})])
@@ -175,8 +184,10 @@ def test_repeated_accumulation_in_one_backward_is_summed(world1, stage: int, kwa
         ref(x).backward()
         for piece in group.pieces:
             want = dict(ref.named_parameters())[piece.slot.name].grad.reshape(-1)
-            torch.testing.assert_close(reducer.piece_grad(group, piece.lo, piece.hi),
-                                       want[piece.lo - piece.slot.offset : piece.hi - piece.slot.offset])
+            torch.testing.assert_close(
+                reducer.piece_grad(group, piece.lo, piece.hi),
+                want[piece.lo - piece.slot.offset : piece.hi - piece.slot.offset],
+            )
 
 
 @pytest.mark.parametrize("stage, kwargs", VARIANTS)
@@ -193,9 +204,10 @@ def test_second_backward_on_the_boundary_adds(world1, stage: int, kwargs: dict) 
         grad = dict(ref.named_parameters())[piece.slot.name].grad
         if grad is None:
             continue
-        torch.testing.assert_close(reducer.piece_grad(group, piece.lo, piece.hi),
-                                   grad.reshape(-1)[piece.lo - piece.slot.offset : piece.hi - piece.slot.offset])
-
+        torch.testing.assert_close(
+            reducer.piece_grad(group, piece.lo, piece.hi),
+            grad.reshape(-1)[piece.lo - piece.slot.offset : piece.hi - piece.slot.offset],
+        )
 
 
 class Deep(nn.Module):
@@ -224,14 +236,20 @@ def test_first_micro_step_stages_few_buckets(world1, kwargs: dict) -> None:
     owned = sum(t.numel() * t.element_size() for t in reducer.owned.values())
     held = []  # after each layer's weight gradient: what the reducer and .grad hold besides the partition
     for layer in model.layers:
-        layer.weight.register_post_accumulate_grad_hook(lambda p: held.append(
-            sum(reducer.held_bytes().values()) - owned
-            + sum(q.grad.numel() * q.grad.element_size() for q in model.parameters() if q.grad is not None)))
+        layer.weight.register_post_accumulate_grad_hook(
+            lambda p: held.append(
+                sum(reducer.held_bytes().values())
+                - owned
+                + sum(q.grad.numel() * q.grad.element_size() for q in model.parameters() if q.grad is not None)
+            )
+        )
     x = torch.randn(3, 16)
     _micro_steps(model, reducer, [x], 2)
     assert len(held) == 8 and max(held) <= 3 * bucket * 4, (held, bucket * 4)
     ref(x).backward()
     for piece in group.pieces:
         want = dict(ref.named_parameters())[piece.slot.name].grad.reshape(-1)
-        torch.testing.assert_close(reducer.piece_grad(group, piece.lo, piece.hi),
-                                   want[piece.lo - piece.slot.offset : piece.hi - piece.slot.offset])
+        torch.testing.assert_close(
+            reducer.piece_grad(group, piece.lo, piece.hi),
+            want[piece.lo - piece.slot.offset : piece.hi - piece.slot.offset],
+        )

@@ -39,15 +39,19 @@ def _lrs(scheduler_cfg: dict, steps: int, lr: float = 0.5) -> list[float]:
 
 
 def test_warmup_lr_log() -> None:
-    got = _lrs({"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1,
-                                               "warmup_num_steps": 5}}, 8)
+    got = _lrs({"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 5}}, 8)
     want = [0.01 + 0.09 * math.log(t + 1) / math.log(5) for t in range(5)] + [0.1] * 3
     assert got == pytest.approx(want)
 
 
 def test_warmup_decay_lr_linear() -> None:
-    got = _lrs({"type": "WarmupDecayLR", "params": {"warmup_max_lr": 0.2, "warmup_num_steps": 4,
-                                                    "total_num_steps": 10, "warmup_type": "linear"}}, 12)
+    got = _lrs(
+        {
+            "type": "WarmupDecayLR",
+            "params": {"warmup_max_lr": 0.2, "warmup_num_steps": 4, "total_num_steps": 10, "warmup_type": "linear"},
+        },
+        12,
+    )
     want = [0.2 * t / 4 for t in range(4)] + [0.2 * max(0.0, (10 - t) / 6) for t in range(4, 12)]
     assert got == pytest.approx(want)
     assert got[-1] == 0.0  # decayed to warmup_min_lr and stays there
@@ -69,8 +73,7 @@ def test_runs_of_same_kind() -> None:
 def test_coalesced_all_gathers_fill_every_output(world1) -> None:
     inputs = [torch.randn(n) for n in (3, 5, 2)]
     outputs = [torch.full((n,), float("nan")) for n in (3, 5, 2)]
-    launches = [lambda i=i, o=o: _ALL_GATHER(o, i, async_op=True)
-                for i, o in zip(inputs, outputs, strict=True)]
+    launches = [lambda i=i, o=o: _ALL_GATHER(o, i, async_op=True) for i, o in zip(inputs, outputs, strict=True)]
     work = coalesced(None, launches)
     assert work is not None
     work.wait()

@@ -136,12 +136,15 @@ def _train(stage: int, fake: FakeDeviceModule, monkeypatch: pytest.MonkeyPatch):
         layer.tag, layer.fake = f"{i}", fake
         layers.append(layer)
     model = nn.Sequential(layers[0], nn.Tanh(), layers[1], nn.Tanh(), layers[2], nn.Tanh(), layers[3])
-    config = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                    "reduce_bucket_size": 300}}
+    config = {
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 300},
+    }
     engine = zerodp.initialize(model, config)
-    for name, side in (("reduce", engine.reducer.stream),
-                       ("all_gather", getattr(engine.sharding, "gather_stream", None))):
+    for name, side in (
+        ("reduce", engine.reducer.stream),
+        ("all_gather", getattr(engine.sharding, "gather_stream", None)),
+    ):
         if side is not None:
             side.stream.name = name
 
@@ -150,9 +153,19 @@ def _train(stage: int, fake: FakeDeviceModule, monkeypatch: pytest.MonkeyPatch):
             out, inp = (args[0], args[1]) if kind != "all_reduce" else (args[0], args[0])
             purpose = args[3 if kind == "all_reduce" else 4]
             if purpose in ("gradients", "parameters"):  # not the control collectives (host tensors)
-                fake.log.append(("collective", kind, fake.current.name, out.data_ptr(), inp.data_ptr(),
-                                 dict(fake.default.clock), fake.current.tick()))
+                fake.log.append(
+                    (
+                        "collective",
+                        kind,
+                        fake.current.name,
+                        out.data_ptr(),
+                        inp.data_ptr(),
+                        dict(fake.default.clock),
+                        fake.current.tick(),
+                    )
+                )
             return fn(*args, **kwargs)
+
         return call
 
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
@@ -160,8 +173,9 @@ def _train(stage: int, fake: FakeDeviceModule, monkeypatch: pytest.MonkeyPatch):
     reducer = engine.reducer
     on_grad, complete = reducer._on_grad, reducer._complete
     monkeypatch.setattr(reducer, "_on_grad", lambda s, p: (fake.compute_op("grad", s.name), on_grad(s, p))[1])
-    monkeypatch.setattr(reducer, "_complete", lambda g, b, payload: (fake.compute_op("complete", b.index),
-                                                                      complete(g, b, payload))[1])
+    monkeypatch.setattr(
+        reducer, "_complete", lambda g, b, payload: (fake.compute_op("complete", b.index), complete(g, b, payload))[1]
+    )
     shard_of = {}
     if engine.sharding is not None:
         pool = engine.sharding.pool
@@ -264,9 +278,13 @@ def test_collectives_are_ordered_against_the_compute_stream(world1, monkeypatch,
 
 def test_cpu_run_uses_torch_cpu_no_op_streams(world1):
     """Without the stand-in, the same lines run with torch.cpu's streams (no-ops)."""
-    engine = zerodp.initialize(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)),
-                               {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-                                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    engine = zerodp.initialize(
+        nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)),
+        {
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        },
+    )
     assert isinstance(engine.sharding.gather_stream.stream, torch.cpu.Stream)
     assert isinstance(engine.reducer.stream.stream, torch.cpu.Stream)
     engine.backward(engine(torch.randn(2, 8)).sum())

@@ -30,10 +30,15 @@ def test_micro_steps_walk_the_phases():
     assert phase.state is S.IDLE
 
 
-@pytest.mark.parametrize("inside, call, new", [(S.BACKWARD, "engine.step", S.STEP),
-                                               (S.BACKWARD, "engine.backward", S.BACKWARD),
-                                               (S.STEP, "engine.backward", S.BACKWARD),
-                                               (S.STEP, "engine.step", S.STEP)])
+@pytest.mark.parametrize(
+    "inside, call, new",
+    [
+        (S.BACKWARD, "engine.step", S.STEP),
+        (S.BACKWARD, "engine.backward", S.BACKWARD),
+        (S.STEP, "engine.backward", S.BACKWARD),
+        (S.STEP, "engine.step", S.STEP),
+    ],
+)
 def test_nested_calls_are_refused(inside, call, new):
     phase = TrainingPhase()
     phase.state = S.GRADS_READY  # a backward ran: step() does not warn
@@ -79,8 +84,11 @@ def test_a_second_backward_before_step_warns_once_when_accumulating(recwarn):
     _micro_step(phase, 2, boundary=True)
     (w,) = recwarn.list  # once per engine
     assert w.category is MicroStepOrderWarning
-    for part in ("gradient_accumulation_steps=3", "once every 3 engine.step() calls",
-                 "set_gradient_accumulation_boundary"):
+    for part in (
+        "gradient_accumulation_steps=3",
+        "once every 3 engine.step() calls",
+        "set_gradient_accumulation_boundary",
+    ):
         assert part in str(w.message), str(w.message)
 
 
@@ -109,8 +117,14 @@ def _engine(gas: int):
     import zerodp
 
     model = nn.Linear(4, 2)
-    return zerodp.initialize(model, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
-                                     "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}), torch.randn(2, 4)
+    return zerodp.initialize(
+        model,
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        },
+    ), torch.randn(2, 4)
 
 
 def test_torch_style_accumulation_on_the_engine_warns_at_the_caller(world1):
@@ -143,9 +157,15 @@ def test_accelerate_protocol_through_the_deepspeed_engine_does_not_warn(world1, 
     import zerodp.deepspeed
 
     model = nn.Linear(4, 2)
-    engine, *_ = zerodp.deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine, *_ = zerodp.deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        },
+    )
     x = torch.randn(2, 4)
     for micro in range(6):
         boundary = micro % 2 == 1
@@ -167,8 +187,14 @@ def test_engine_step_from_a_backward_hook_is_refused(world1, stage):
 
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    engine = zerodp.initialize(model, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
-                                       "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine = zerodp.initialize(
+        model,
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        },
+    )
     out = engine(torch.randn(2, 4)).square().mean()
     out.register_hook(lambda g: engine.step())
     with pytest.raises(RuntimeError, match="engine.step cannot run while the engine is in its 'backward' phase"):

@@ -31,8 +31,11 @@ def _model() -> nn.Sequential:
 
 
 def _config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10},
+    }
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])

@@ -39,8 +39,7 @@ def _synthetic_wikitext(n: int) -> Any:
 
     rng = np.random.default_rng(0)
     words = [f"w{i}" for i in range(200)]
-    lines = ["" if i % 4 == 3 else " ".join(rng.choice(words, size=int(rng.integers(8, 40)))) + "\n"
-             for i in range(n)]
+    lines = ["" if i % 4 == 3 else " ".join(rng.choice(words, size=int(rng.integers(8, 40)))) + "\n" for i in range(n)]
     return datasets.Dataset.from_dict({"text": lines})
 
 
@@ -91,9 +90,13 @@ def _patch_engine() -> None:
     def recorded_load(self: Any, load_dir: Any, *args: Any, **kwargs: Any) -> Any:
         out = load(self, load_dir, *args, **kwargs)
         client = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-        RECORD["loads"].append({"dir": str(load_dir), "digest": _digest(self),
-                                "client_state": {k: v for k, v in (client or {}).items()
-                                                 if isinstance(v, (int, float, str))}})
+        RECORD["loads"].append(
+            {
+                "dir": str(load_dir),
+                "digest": _digest(self),
+                "client_state": {k: v for k, v in (client or {}).items() if isinstance(v, (int, float, str))},
+            }
+        )
         return out
 
     DeepSpeedEngine.backward = recorded_backward  # type: ignore[method-assign]

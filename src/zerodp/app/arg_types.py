@@ -33,8 +33,7 @@ def float_in(lo: float, hi: float, lo_open: bool = True) -> Callable[[str], floa
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
         if not (math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi):
-            raise argparse.ArgumentTypeError(
-                f"expected a number in {'(' if lo_open else '['}{lo}, {hi}], got {s}")
+            raise argparse.ArgumentTypeError(f"expected a number in {'(' if lo_open else '['}{lo}, {hi}], got {s}")
         return v
 
     parse.__name__ = "number"

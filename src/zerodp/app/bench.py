@@ -21,6 +21,7 @@ kernels (:mod:`zerodp.app.bench_offload`). ``--sweep-ranks 1,2,3,4`` (launcher s
 checks are :mod:`zerodp.app.bench_args`. ``--device cpu|cuda|auto`` (default cpu) says where every system, its
 batches and its timing run, with peak device memory per rank on CUDA (:mod:`zerodp.app.bench_device`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,7 +76,7 @@ def make_batches(cfg: GPTConfig, micro: int, n: int, rank: int, world: int) -> l
     out = []
     for _ in range(n):
         x = torch.randint(0, cfg.vocab_size, (micro * world, cfg.seq_len + 1), generator=g)
-        x = x[rank * micro: (rank + 1) * micro]
+        x = x[rank * micro : (rank + 1) * micro]
         out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
     return out
 
@@ -87,8 +88,9 @@ def _agree_skip(reason: str | None) -> str | None:
     return next((r for r in reasons if r), None)
 
 
-def _build(build: Builder, cfg: GPTConfig, probe: bool,
-           device: torch.device = bench_device.CPU) -> tuple[System | None, str | None]:
+def _build(
+    build: Builder, cfg: GPTConfig, probe: bool, device: torch.device = bench_device.CPU
+) -> tuple[System | None, str | None]:
     system, reason = None, None
     try:
         system = build(cfg, LR, probe, device=device)
@@ -118,11 +120,20 @@ def _probe(build: Builder, cfg: GPTConfig, batches: list, baseline: frozenset, d
                 system.step()
                 losses.append(loss.item())
         dist.barrier()
-    out = {"family": system.family, "stage": system.stage, "offload": system.offload, "losses": losses,
-           "measured": {c: measured[c] for c in CATEGORIES}, "unattributed": measured["unattributed"],
-           "peak_rss": rss.peak, "rss_before": rss.start,
-           "traffic_elements": traffic.elements, "by_op": {k: list(v) for k, v in traffic.by_op.items()},
-           "traffic_countable": system.traffic_countable, "peak_device": bench_device.peak_memory(device)}
+    out = {
+        "family": system.family,
+        "stage": system.stage,
+        "offload": system.offload,
+        "losses": losses,
+        "measured": {c: measured[c] for c in CATEGORIES},
+        "unattributed": measured["unattributed"],
+        "peak_rss": rss.peak,
+        "rss_before": rss.start,
+        "traffic_elements": traffic.elements,
+        "by_op": {k: list(v) for k, v in traffic.by_op.items()},
+        "traffic_countable": system.traffic_countable,
+        "peak_device": bench_device.peak_memory(device),
+    }
     del system
     return out
 
@@ -154,6 +165,7 @@ def _quartiles(ts: list[float]) -> StepTimes:
 def _deepspeed_version() -> str | None:
     try:
         from importlib.metadata import version
+
         return version("deepspeed")
     except Exception:
         return None
@@ -185,9 +197,15 @@ def run(args: argparse.Namespace) -> BenchResult | None:
 
     # discarded: one-time costs (lazy init, gloo, allocator)
     _probe(systems["DDP"], cfg, probe_batches, baseline, device)
-    release_free_memory()                       # would otherwise land on whichever system runs first
-    probes = {name: ({"reason": f"excluded by --exclude {args.exclude}"} if is_excluded(name)
-                     else _probe(systems[name], cfg, probe_batches, baseline, device)) for name in names}
+    release_free_memory()  # would otherwise land on whichever system runs first
+    probes = {
+        name: (
+            {"reason": f"excluded by --exclude {args.exclude}"}
+            if is_excluded(name)
+            else _probe(systems[name], cfg, probe_batches, baseline, device)
+        )
+        for name in names
+    }
     ran = [n for n in names if "reason" not in probes[n]]
     times: dict[str, list[list[float]]] = {n: [] for n in ran}
     for _ in range(args.rounds):  # interleaved: drift and load hit every system alike
@@ -215,8 +233,9 @@ def run(args: argparse.Namespace) -> BenchResult | None:
     return result
 
 
-def _fresh_rss(args: argparse.Namespace, cfg: GPTConfig, micro: int, systems: dict[str, Builder],
-               names: list[str]) -> dict[str, dict[str, Any]]:
+def _fresh_rss(
+    args: argparse.Namespace, cfg: GPTConfig, micro: int, systems: dict[str, Builder], names: list[str]
+) -> dict[str, dict[str, Any]]:
     """Peak RSS of each of ``names`` in a process of its own on this rank (:mod:`zerodp.app.bench_rss`),
     ``{name: {"rank", "rss_start", "peak_rss"} | {"reason"} | {"error"}}``; empty with
     ``--no-fresh-rss`` or where it cannot run (the reason is reported per system)."""
@@ -230,12 +249,13 @@ def _fresh_rss(args: argparse.Namespace, cfg: GPTConfig, micro: int, systems: di
     # steps, 1027 MiB after 3; docs/benchmarks/2026-12-01-bench.md)
     steps = max(args.probe_steps, FRESH_RSS_STEPS)
     batches = lambda: make_batches(cfg, micro, steps, rank, world)  # noqa: E731
-    return {name: bench_rss.measure(k, functools.partial(_build, systems[name], cfg, probe=False), batches)
-            for k, name in enumerate(names)}
+    return {
+        name: bench_rss.measure(k, functools.partial(_build, systems[name], cfg, probe=False), batches)
+        for k, name in enumerate(names)
+    }
 
 
-def _add_fresh_rss(result: BenchResult, fresh_all: list[dict[str, dict[str, Any]]],
-                   args: argparse.Namespace) -> None:
+def _add_fresh_rss(result: BenchResult, fresh_all: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> None:
     """Fill each ran system's ``fresh_rss`` (per rank) and its ratio to DDP's (highest ranks)."""
     for s in result.systems:
         if s.status != "ran":
@@ -248,8 +268,9 @@ def _add_fresh_rss(result: BenchResult, fresh_all: list[dict[str, dict[str, Any]
             s.fresh_rss_note = (bad or {}).get("error") or (bad or {}).get("reason") or "not measured"
         else:
             measured = [p for p in per_rank if p is not None]  # every rank's: the branch above takes a None
-            s.fresh_rss = [FreshRank(rank=p["rank"], rss_start=p["rss_start"], peak_rss=p["peak_rss"])
-                           for p in measured]
+            s.fresh_rss = [
+                FreshRank(rank=p["rank"], rss_start=p["rss_start"], peak_rss=p["peak_rss"]) for p in measured
+            ]
     ddp = next((s for s in result.systems if s.name == "DDP" and s.fresh_rss), None)
     if ddp is not None:
         base = max(m.peak_rss for m in ddp.fresh_rss)
@@ -258,8 +279,18 @@ def _add_fresh_rss(result: BenchResult, fresh_all: list[dict[str, dict[str, Any]
                 s.fresh_rss_vs_ddp = max(m.peak_rss for m in s.fresh_rss) / base
 
 
-def _assemble(args: argparse.Namespace, cfg: GPTConfig, micro: int, psi: int, world: int, names: list[str],
-              probes: dict, gathered: list, times: dict, load_start: list[float]) -> BenchResult:
+def _assemble(
+    args: argparse.Namespace,
+    cfg: GPTConfig,
+    micro: int,
+    psi: int,
+    world: int,
+    names: list[str],
+    probes: dict,
+    gathered: list,
+    times: dict,
+    load_start: list[float],
+) -> BenchResult:
     systems = []
     ddp_losses = probes["DDP"].get("losses", [])
     for name in names:
@@ -270,8 +301,7 @@ def _assemble(args: argparse.Namespace, cfg: GPTConfig, micro: int, psi: int, wo
             continue
         formula = None
         if p["stage"] is not None and p["offload"] is None:  # offload moves state off the paper's table
-            formula = {c: v for c, v in model_state_bytes(p["stage"], psi, world, FP32_ADAM).items()
-                       if c in CATEGORIES}
+            formula = {c: v for c, v in model_state_bytes(p["stage"], psi, world, FP32_ADAM).items() if c in CATEGORIES}
             formula["buffers"] = float(p["measured"]["buffers"])  # not model state in the paper
         ratios, all_times = [], [t for rnd in times[name] for t in rnd]
         for rnd, base in zip(times[name], times.get("DDP", []), strict=False):
@@ -279,35 +309,75 @@ def _assemble(args: argparse.Namespace, cfg: GPTConfig, micro: int, psi: int, wo
         steps = len(p["losses"])
         counted = p["traffic_countable"] and (p["traffic_elements"] > 0 or world == 1)
         diffs = [abs(a - b) for a, b in zip(p["losses"], ddp_losses, strict=False)]
-        systems.append(SystemResult(
-            name=name, family=p["family"], stage=p["stage"], status="ran",
-            step_time=_quartiles(all_times) if all_times else None,
-            ratio_to_ddp=statistics.median(ratios) if ratios else None, ratio_per_round=ratios,
-            losses=p["losses"], max_loss_diff_vs_ddp=max(diffs) if diffs else None, formula=formula,
-            memory=[RankMemory(rank=r, measured=g[name]["measured"], unattributed=g[name]["unattributed"],
-                               peak_rss=g[name]["peak_rss"], rss_before=g[name]["rss_before"],
-                               peak_device=g[name]["peak_device"])
-                    for r, g in enumerate(gathered)],
-            traffic=None if not counted else Traffic(elements_per_step=p["traffic_elements"] / steps,
-                            psi_per_step=p["traffic_elements"] / steps / psi,
-                            formula_psi=(comm_elements_per_step(p["stage"], psi) // psi
-                                         if p["stage"] is not None and world > 1 else None),
-                            by_op=p["by_op"])))
+        systems.append(
+            SystemResult(
+                name=name,
+                family=p["family"],
+                stage=p["stage"],
+                status="ran",
+                step_time=_quartiles(all_times) if all_times else None,
+                ratio_to_ddp=statistics.median(ratios) if ratios else None,
+                ratio_per_round=ratios,
+                losses=p["losses"],
+                max_loss_diff_vs_ddp=max(diffs) if diffs else None,
+                formula=formula,
+                memory=[
+                    RankMemory(
+                        rank=r,
+                        measured=g[name]["measured"],
+                        unattributed=g[name]["unattributed"],
+                        peak_rss=g[name]["peak_rss"],
+                        rss_before=g[name]["rss_before"],
+                        peak_device=g[name]["peak_device"],
+                    )
+                    for r, g in enumerate(gathered)
+                ],
+                traffic=None
+                if not counted
+                else Traffic(
+                    elements_per_step=p["traffic_elements"] / steps,
+                    psi_per_step=p["traffic_elements"] / steps / psi,
+                    formula_psi=(
+                        comm_elements_per_step(p["stage"], psi) // psi if p["stage"] is not None and world > 1 else None
+                    ),
+                    by_op=p["by_op"],
+                ),
+            )
+        )
     sweep = []
     for path in filter(None, (args.sweep_from or "").split(",")):
         other = BenchResult.model_validate_json(Path(path).read_text())
-        sweep += [SweepPoint(system=s.name, world_size=other.world_size,
-                             measured_total=sum(s.memory[0].measured.values()),
-                             formula_total=sum(s.formula.values()) if s.formula else None)
-                  for s in other.systems if s.status == "ran" and s.memory]
+        sweep += [
+            SweepPoint(
+                system=s.name,
+                world_size=other.world_size,
+                measured_total=sum(s.memory[0].measured.values()),
+                formula_total=sum(s.formula.values()) if s.formula else None,
+            )
+            for s in other.systems
+            if s.status == "ran" and s.memory
+        ]
     return BenchResult(
         command=" ".join(["zerodp bench", *sys.argv[1:]]),
         date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-        preset=args.preset, model={k: v for k, v in vars(cfg).items()}, psi=psi, world_size=world,
-        backend=str(dist.get_backend()), micro_batch=micro, steps=args.steps, warmup=args.warmup,
-        rounds=args.rounds, probe_steps=args.probe_steps, torch_version=torch.__version__,
-        deepspeed_version=_deepspeed_version(), cpu_count=os.cpu_count() or 1,
-        load_average_start=load_start, load_average_end=list(os.getloadavg()), systems=systems, sweep=sweep)
+        preset=args.preset,
+        model={k: v for k, v in vars(cfg).items()},
+        psi=psi,
+        world_size=world,
+        backend=str(dist.get_backend()),
+        micro_batch=micro,
+        steps=args.steps,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        probe_steps=args.probe_steps,
+        torch_version=torch.__version__,
+        deepspeed_version=_deepspeed_version(),
+        cpu_count=os.cpu_count() or 1,
+        load_average_start=load_start,
+        load_average_end=list(os.getloadavg()),
+        systems=systems,
+        sweep=sweep,
+    )
 
 
 def _write(args: argparse.Namespace, result: BenchResult) -> None:

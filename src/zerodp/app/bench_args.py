@@ -32,8 +32,12 @@ def resolve_model(args: argparse.Namespace) -> tuple[GPTConfig, int]:
         raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
     n_layer, n_head, d_model, seq_len, micro = PRESETS[args.preset]
     pick = lambda v, d: d if v is None else v  # noqa: E731
-    cfg = GPTConfig(n_layer=pick(args.n_layer, n_layer), n_head=pick(args.n_head, n_head),
-                    d_model=pick(args.d_model, d_model), seq_len=pick(args.seq_len, seq_len))
+    cfg = GPTConfig(
+        n_layer=pick(args.n_layer, n_layer),
+        n_head=pick(args.n_head, n_head),
+        d_model=pick(args.d_model, d_model),
+        seq_len=pick(args.seq_len, seq_len),
+    )
     return cfg, pick(args.micro_batch, micro)
 
 
@@ -43,9 +47,11 @@ def _names_matching(flag: str, value: str | None) -> list[str]:
     names = [o.strip() for o in (value or "").split(",") if o.strip()]
     for n in names:
         if not any(n in system for system in SYSTEMS):
-            raise ValueError(f"{flag}: {n!r} is part of no system's name; the systems are "
-                             f"{', '.join(repr(k) for k in SYSTEMS)} (a part such as 'stage 3' or "
-                             f"'DeepSpeed' selects every system whose name contains it)")
+            raise ValueError(
+                f"{flag}: {n!r} is part of no system's name; the systems are "
+                f"{', '.join(repr(k) for k in SYSTEMS)} (a part such as 'stage 3' or "
+                f"'DeepSpeed' selects every system whose name contains it)"
+            )
     return names
 
 
@@ -75,21 +81,28 @@ def check_arguments(args: argparse.Namespace) -> None:
             started without the ``zerodp bench`` launcher, or an ``--out`` that cannot be a writable
             directory (it is created here), ``--device cuda`` without CUDA or with ``--offload``.
     """
-    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
-                               ("--rounds", args.rounds, 0), ("--sub-group-size", args.sub_group_size, 1)):
+    for flag, value, least in (
+        ("--steps", args.steps, 1),
+        ("--warmup", args.warmup, 0),
+        ("--rounds", args.rounds, 0),
+        ("--sub-group-size", args.sub_group_size, 1),
+    ):
         if value < least:
-            raise ValueError(f"{flag} must be an integer >= {least}, got {value}"
-                             + (" (0 rounds: nothing is timed, as the --sweep-ranks probes run)"
-                                if flag == "--rounds" else ""))
+            raise ValueError(
+                f"{flag} must be an integer >= {least}, got {value}"
+                + (" (0 rounds: nothing is timed, as the --sweep-ranks probes run)" if flag == "--rounds" else "")
+            )
     if args.probe_steps < 2:
-        raise ValueError(f"--probe-steps must be >= 2 (optimizer states exist from the second step), "
-                         f"got {args.probe_steps}")
+        raise ValueError(
+            f"--probe-steps must be >= 2 (optimizer states exist from the second step), got {args.probe_steps}"
+        )
     if args.micro_batch is not None and args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be an integer >= 1 (sequences per rank per step), got {args.micro_batch}")
     bench_device.check_device(args.device, args.offload)
     if args.nvme_path is not None and not args.offload:
-        raise ValueError(f"--nvme-path {args.nvme_path!r} is used only by the --offload rows; add --offload "
-                         "or drop --nvme-path")
+        raise ValueError(
+            f"--nvme-path {args.nvme_path!r} is used only by the --offload rows; add --offload or drop --nvme-path"
+        )
     resolve_model(args)  # GPTConfig refuses invalid sizes, naming the field and what is allowed
     selected_systems(args, list(SYSTEMS))
     if args.sweep_ranks and not args.sweep_from:
@@ -97,15 +110,18 @@ def check_arguments(args: argparse.Namespace) -> None:
         if not tokens or not all(t.isdigit() and int(t) >= 1 for t in tokens):
             raise ValueError(f"--sweep-ranks takes integers >= 1 separated by commas, got {args.sweep_ranks!r}")
         if "LOCAL_RANK" in os.environ:
-            raise ValueError("--sweep-ranks runs one torchrun job per world size, which the zerodp bench "
-                             "launcher starts: run `zerodp bench ... --sweep-ranks ...` (inside a torchrun "
-                             "job, pass their bench.json files with --sweep-from instead)")
+            raise ValueError(
+                "--sweep-ranks runs one torchrun job per world size, which the zerodp bench "
+                "launcher starts: run `zerodp bench ... --sweep-ranks ...` (inside a torchrun "
+                "job, pass their bench.json files with --sweep-from instead)"
+            )
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"--out {args.out!r} cannot be created as a directory for bench.json and the "
-                         f"charts: {exc}") from None
+        raise ValueError(
+            f"--out {args.out!r} cannot be created as a directory for bench.json and the charts: {exc}"
+        ) from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise ValueError(f"--out {args.out!r} is not a writable directory (bench.json and the charts go there)")
 

@@ -16,9 +16,13 @@ from zerodp.app.launch import add_launcher_arguments, forward_flags, inside_torc
 
 #: help texts of :func:`zerodp.app.bench_args.add_arguments`'s flags (which it declares without help).
 BENCH_HELP = {
-    "n_layer": "transformer blocks", "n_head": "attention heads", "d_model": "model width",
-    "seq_len": "context length in tokens", "micro_batch": "sequences per rank per step",
-    "steps": "timed steps per system and round", "warmup": "untimed steps before them",
+    "n_layer": "transformer blocks",
+    "n_head": "attention heads",
+    "d_model": "model width",
+    "seq_len": "context length in tokens",
+    "micro_batch": "sequences per rank per step",
+    "steps": "timed steps per system and round",
+    "warmup": "untimed steps before them",
     "rounds": "rounds; each rebuilds and runs every system in turn",
     "preset": "model size: tiny (tests), small (~3.3M parameters) or medium (~25M); size flags override it",
     "probe_steps": "untimed steps that measure losses, memory and traffic (>= 2)",
@@ -30,11 +34,11 @@ BENCH_HELP = {
     "sweep_ranks": "first probe DDP and zerodp at these world sizes (e.g. 1,2,3,4) for the memory-vs-ranks chart",
     "sweep_from": "bench.json files of such probes to include (set by --sweep-ranks)",
     "offload": "run the stage-2 rows with offload_optimizer cpu and nvme (skipped without it) and print "
-               "the NVMe swap bandwidth vs raw direct I/O on the same disk, and the CPU Adam kernels",
+    "the NVMe swap bandwidth vs raw direct I/O on the same disk, and the CPU Adam kernels",
     "nvme_path": "directory for the nvme row's swap files (default: a temporary directory)",
     "sub_group_size": "sub_group_size of the nvme row (elements)",
     "device": "where every system runs: cpu, cuda (cuda:LOCAL_RANK, NCCL; refused without CUDA) or auto "
-              "(cuda when available); on cuda the table adds peak GPU memory per rank",
+    "(cuda when available); on cuda the table adds peak GPU memory per rank",
 }
 
 
@@ -43,8 +47,7 @@ class _Recorder:
     text from ``helps`` and its default) and records its (dest, first option string), so the parsed
     values can be forwarded to the workers."""
 
-    def __init__(self, group: Any, add_arguments: Callable[[Any], None],
-                 helps: dict[str, str] | None = None) -> None:
+    def __init__(self, group: Any, add_arguments: Callable[[Any], None], helps: dict[str, str] | None = None) -> None:
         self.group = group
         self.helps = helps or {}
         self.flags: dict[str, str] = {}
@@ -71,10 +74,11 @@ def add_parser(sub: Any) -> None:
         "bench",
         help="zerodp stages 0-3 vs DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed: time, memory, traffic, losses",
         description="zerodp's stages 0-3 against torch DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed "
-                    "(when installed) on the same model, batches and seed, in one run via "
-                    "torch.distributed.run running python -m zerodp.app.bench: step-time ratios to DDP, "
-                    "model-state memory by category, peak RSS, traffic per step and loss agreement; "
-                    "a table, OUT/bench.json and PNG charts.")
+        "(when installed) on the same model, batches and seed, in one run via "
+        "torch.distributed.run running python -m zerodp.app.bench: step-time ratios to DDP, "
+        "model-state memory by category, peak RSS, traffic per step and loss agreement; "
+        "a table, OUT/bench.json and PNG charts.",
+    )
     add_launcher_arguments(be)
     flags = _Recorder(be.add_argument_group("benchmark"), bench_args.add_arguments, BENCH_HELP).flags
     be.set_defaults(handler=command, parser=be, bench_flags=flags)

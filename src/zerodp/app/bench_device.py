@@ -28,8 +28,10 @@ CPU = torch.device("cpu")
 DEVICE_CHOICES = ("cpu", "cuda", "auto")
 
 #: the reason the offload rows give on a GPU
-OFFLOAD_ON_GPU = ("offload is refused on a GPU (zerodp's offload runs on the CPU only, docs/gpu.md): "
-                  "run with --device cpu to measure ZeRO-Offload")
+OFFLOAD_ON_GPU = (
+    "offload is refused on a GPU (zerodp's offload runs on the CPU only, docs/gpu.md): "
+    "run with --device cpu to measure ZeRO-Offload"
+)
 
 #: the reason the fresh-process RSS is not measured on a GPU
 FRESH_RSS_ON_GPU = "measured with --device cpu only (a forked child process cannot use CUDA)"
@@ -47,8 +49,10 @@ def device_type(choice: str) -> str:
         raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {choice!r}")
     cuda = torch.cuda.is_available()
     if choice == "cuda" and not cuda:
-        raise ValueError(f"--device cuda needs a CUDA device, but torch.cuda.is_available() is False here "
-                         f"(torch {torch.__version__}); use --device cpu, or auto")
+        raise ValueError(
+            f"--device cuda needs a CUDA device, but torch.cuda.is_available() is False here "
+            f"(torch {torch.__version__}); use --device cpu, or auto"
+        )
     return "cuda" if choice == "cuda" or (choice == "auto" and cuda) else "cpu"
 
 
@@ -93,7 +97,8 @@ def peak_memory(device: torch.device) -> int | None:
     return int(torch.cuda.max_memory_allocated(device))
 
 
-def to_device(batches: list[tuple[torch.Tensor, torch.Tensor]],
-              device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def to_device(
+    batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``batches`` (token ids, int64 [micro, seq_len]) on ``device`` (the same tensors on the CPU)."""
     return [(x.to(device), y.to(device)) for x, y in batches]

@@ -49,8 +49,9 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
     return None if key[0] == 0 or key[1] == 0 else key
 
 
-def live_storage_bytes(sources: Mapping[str, Iterable[torch.Tensor | None]],
-                       baseline: frozenset[tuple[int, int]] = frozenset()) -> dict[str, int]:
+def live_storage_bytes(
+    sources: Mapping[str, Iterable[torch.Tensor | None]], baseline: frozenset[tuple[int, int]] = frozenset()
+) -> dict[str, int]:
     """Bytes of live storage per category of ``sources``; a storage shared by two categories counts in
     the first one (order of ``sources``). ``unattributed`` adds every other storage reachable from a
     Python tensor object (:func:`gc.get_objects`) that is not in ``baseline`` (storages that existed

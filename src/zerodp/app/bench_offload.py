@@ -32,8 +32,9 @@ from zerodp.offload.config import AioConfig
 NVME_ENGINES: list[Any] = []
 
 
-def raw_direct_io(directory: str, nbytes: int, cfg: AioConfig | None = None, repeats: int = 3,
-                  streams: int = 1) -> tuple[float, float]:
+def raw_direct_io(
+    directory: str, nbytes: int, cfg: AioConfig | None = None, repeats: int = 3, streams: int = 1
+) -> tuple[float, float]:
     """Median seconds to write then read ``nbytes`` sequentially with direct I/O in ``directory``
     (the same thread pool and block size as the swapper); returns (write s, read s). ``streams``
     files are transferred at once, each by its own pool (as that many ranks swapping on one disk do);
@@ -92,21 +93,27 @@ def swap_report(directory: str) -> str:
     busy = moved / st.io_busy_seconds if st.io_busy_seconds else float("nan")
     a = off.aio_cfg
     direct = "O_DIRECT" if off.file.direct else "buffered (no O_DIRECT on this file system)"
-    lines = [f"offload nvme ({direct}, {len(off.subgroups)} sub-groups, {len(off.buffers)} buffers, aio "
-             f"{a.thread_count} thread(s) x queue depth {a.queue_depth} x {a.block_size >> 10} KiB, {ranks} "
-             f"rank(s) on this disk): swap phase {moved / 1e6:.1f} MB read+written in {st.seconds * 1e3:.1f} ms "
-             f"= {swap / 1e6:.0f} MB/s per rank",
-             f"  of which updates {st.update_seconds * 1e3:.1f} ms, blocked on reads {st.read_wait_seconds * 1e3:.1f}"
-             f" ms, on writes {st.write_wait_seconds * 1e3:.1f} ms; disk busy {st.io_busy_seconds * 1e3:.1f} ms"
-             f" ({busy / 1e6:.0f} MB/s while busy)"]
+    lines = [
+        f"offload nvme ({direct}, {len(off.subgroups)} sub-groups, {len(off.buffers)} buffers, aio "
+        f"{a.thread_count} thread(s) x queue depth {a.queue_depth} x {a.block_size >> 10} KiB, {ranks} "
+        f"rank(s) on this disk): swap phase {moved / 1e6:.1f} MB read+written in {st.seconds * 1e3:.1f} ms "
+        f"= {swap / 1e6:.0f} MB/s per rank",
+        f"  of which updates {st.update_seconds * 1e3:.1f} ms, blocked on reads {st.read_wait_seconds * 1e3:.1f}"
+        f" ms, on writes {st.write_wait_seconds * 1e3:.1f} ms; disk busy {st.io_busy_seconds * 1e3:.1f} ms"
+        f" ({busy / 1e6:.0f} MB/s while busy)",
+    ]
     for name, (w, r, together) in raws.items():
-        lines.append(f"  raw sequential direct I/O, {ranks} stream(s) of {st.bytes_read / 1e6:.1f} MB at once "
-                     f"({name}): "
-                     f"write {st.bytes_read / w / 1e6:.0f} MB/s, read {st.bytes_read / r / 1e6:.0f} MB/s, together "
-                     f"{together / 1e6:.0f} MB/s per stream")
+        lines.append(
+            f"  raw sequential direct I/O, {ranks} stream(s) of {st.bytes_read / 1e6:.1f} MB at once "
+            f"({name}): "
+            f"write {st.bytes_read / w / 1e6:.0f} MB/s, read {st.bytes_read / r / 1e6:.0f} MB/s, together "
+            f"{together / 1e6:.0f} MB/s per stream"
+        )
     ideal = max(st.update_seconds, moved / raw)  # perfect overlap: the slower of arithmetic and raw I/O
-    lines.append(f"  swap / raw = {swap / raw:.2f} (raw: {best}); while busy / raw = {busy / raw:.2f}; "
-                 f"overlap: max(updates, raw I/O time) / swap phase = {ideal / st.seconds:.2f}")
+    lines.append(
+        f"  swap / raw = {swap / raw:.2f} (raw: {best}); while busy / raw = {busy / raw:.2f}; "
+        f"overlap: max(updates, raw I/O time) / swap phase = {ideal / st.seconds:.2f}"
+    )
     return "\n".join(lines)
 
 
@@ -114,7 +121,10 @@ def adam_kernels(numel: int, repeats: int = 5) -> str:
     """Median time of one torch AdamW step on ``numel`` fp32 CPU elements per implementation."""
     rows = []
     variants: tuple[tuple[str, dict[str, Any]], ...] = (
-        ("for-loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True}))
+        ("for-loop", {"foreach": False}),
+        ("foreach", {"foreach": True}),
+        ("fused", {"fused": True}),
+    )
     for name, kw in variants:
         try:
             rows.append(f"{name} {_adam_step_s(numel, kw, repeats) * 1e3:.1f} ms")
@@ -144,8 +154,17 @@ def pipeline_phases(numel: int, steps: int = 4) -> dict[str, float]:
         for delayed in (False, True):
             torch.manual_seed(0)
             model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(layers)])
-            engine = zerodp.initialize(model, {"optimizer": {"type": "AdamW"}, "device": "cpu", "zero_optimization": {
-                "stage": 1, "offload_optimizer": {"device": "cpu", "delayed_update": delayed}}})
+            engine = zerodp.initialize(
+                model,
+                {
+                    "optimizer": {"type": "AdamW"},
+                    "device": "cpu",
+                    "zero_optimization": {
+                        "stage": 1,
+                        "offload_optimizer": {"device": "cpu", "delayed_update": delayed},
+                    },
+                },
+            )
             x, steps_s, passes_s = torch.randn(4, side), [], []
             for _ in range(steps + 1):
                 t0 = time.perf_counter()
@@ -177,8 +196,19 @@ def pipeline_phases(numel: int, steps: int = 4) -> dict[str, float]:
 
 
 #: torchrun's environment of a rank, not passed to :func:`pipeline_report`'s child
-_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-               "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCH_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def pipeline_report(numel: int) -> str:
@@ -186,18 +216,35 @@ def pipeline_report(numel: int) -> str:
     already up (the bench's ranks) it runs in a fresh process of its own (a world of one)."""
     if dist.is_initialized():  # torchrun's variables left out: the child is a world of its own
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith("TORCHELASTIC")}
-        proc = subprocess.run([sys.executable, "-m", "zerodp.app.bench_offload", "--pipeline", "--numel", str(numel),
-                               "--nvme-path", tempfile.gettempdir()], capture_output=True, text=True, timeout=900,
-                              env=env)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "zerodp.app.bench_offload",
+                "--pipeline",
+                "--numel",
+                str(numel),
+                "--nvme-path",
+                tempfile.gettempdir(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=env,
+        )
         return proc.stdout.strip() if proc.returncode == 0 else f"offload pipeline: failed ({proc.stderr[-300:]})"
-    f = {k: (v * 1e3 if k not in ("numel", "hidden", "offload", "offload_delayed") else v)
-         for k, v in pipeline_phases(numel).items()}
-    return (f"offload cpu pipeline, host as the device ({int(f['numel']):,} fp32 elements, stage 1, one rank): "
-            f"optimizer phase (engine.step) {f['step']:.1f} ms; CPU Adam alone (fused) {f['adam']:.1f} ms; "
-            f"copies alone {f['copies']:.1f} ms\n"
-            f"  delayed_update: engine.step {f['step_delayed']:.1f} ms (forward+backward {f['fwd_bwd_delayed']:.1f} ms"
-            f" vs {f['fwd_bwd']:.1f} ms without); hidden behind the next forward and backward: "
-            f"1 - step_delayed / step = {f['hidden']:.2f}")
+    f = {
+        k: (v * 1e3 if k not in ("numel", "hidden", "offload", "offload_delayed") else v)
+        for k, v in pipeline_phases(numel).items()
+    }
+    return (
+        f"offload cpu pipeline, host as the device ({int(f['numel']):,} fp32 elements, stage 1, one rank): "
+        f"optimizer phase (engine.step) {f['step']:.1f} ms; CPU Adam alone (fused) {f['adam']:.1f} ms; "
+        f"copies alone {f['copies']:.1f} ms\n"
+        f"  delayed_update: engine.step {f['step_delayed']:.1f} ms (forward+backward {f['fwd_bwd_delayed']:.1f} ms"
+        f" vs {f['fwd_bwd']:.1f} ms without); hidden behind the next forward and backward: "
+        f"1 - step_delayed / step = {f['hidden']:.2f}"
+    )
 
 
 def _adam_step_s(numel: int, kw: dict[str, Any], repeats: int = 5) -> float:
@@ -220,9 +267,16 @@ def _split(numel: int, parts: int = 16) -> list[int]:
     return [base] * (parts - 1) + [numel - base * (parts - 1)]
 
 
-def swapper_only(numel: int, nvme_path: str, sub_group_size: int, steps: int = 3,
-                 thread_count: int = 1, aio: dict[str, Any] | None = None, buffer_count: int = 4,
-                 cpu_adam: str = "fused") -> str:
+def swapper_only(
+    numel: int,
+    nvme_path: str,
+    sub_group_size: int,
+    steps: int = 3,
+    thread_count: int = 1,
+    aio: dict[str, Any] | None = None,
+    buffer_count: int = 4,
+    cpu_adam: str = "fused",
+) -> str:
     """One rank, stage 1, a ``numel``-element stack of 1000 x 1000 linear layers with the optimizer on NVMe: the swap
     report after ``steps`` steps (``python -m zerodp.app.bench_offload``). ``aio``: more ``aio`` keys;
     ``cpu_adam``: ``offload_optimizer.cpu_adam`` (``fused`` or ``same``)."""
@@ -230,18 +284,33 @@ def swapper_only(numel: int, nvme_path: str, sub_group_size: int, steps: int = 3
     layers = max(1, numel // (side * side))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(layers)])
-    engine = zerodp.initialize(model, {
-        "optimizer": {"type": "AdamW"}, "aio": {"thread_count": thread_count, **(aio or {})}, "device": "cpu",
-        "zero_optimization": {"stage": 1, "sub_group_size": sub_group_size,
-                              "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path,
-                                                    "buffer_count": buffer_count, "cpu_adam": cpu_adam}}})
+    engine = zerodp.initialize(
+        model,
+        {
+            "optimizer": {"type": "AdamW"},
+            "aio": {"thread_count": thread_count, **(aio or {})},
+            "device": "cpu",
+            "zero_optimization": {
+                "stage": 1,
+                "sub_group_size": sub_group_size,
+                "offload_optimizer": {
+                    "device": "nvme",
+                    "nvme_path": nvme_path,
+                    "buffer_count": buffer_count,
+                    "cpu_adam": cpu_adam,
+                },
+            },
+        },
+    )
     NVME_ENGINES[:] = [engine]
     x = torch.randn(4, side)
     for _ in range(steps):
         engine.backward(engine(x).square().mean() * 1e-3)
         engine.step()
-    out = (f"{layers * side * side:,} parameters, sub_group_size {sub_group_size:,}, buffer_count {buffer_count}, "
-           f"cpu_adam {cpu_adam}, aio {engine.config.aio.model_dump()}\n")
+    out = (
+        f"{layers * side * side:,} parameters, sub_group_size {sub_group_size:,}, buffer_count {buffer_count}, "
+        f"cpu_adam {cpu_adam}, aio {engine.config.aio.model_dump()}\n"
+    )
     out += swap_report(nvme_path)
     engine.close()
     return out
@@ -257,8 +326,14 @@ def host_step(numel: int, steps: int = 4) -> str:
     for cpu_adam in ("same", "fused"):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(layers)])
-        engine = zerodp.initialize(model, {"optimizer": {"type": "AdamW"}, "device": "cpu", "zero_optimization": {
-            "stage": 1, "offload_optimizer": {"device": "cpu", "cpu_adam": cpu_adam}}})
+        engine = zerodp.initialize(
+            model,
+            {
+                "optimizer": {"type": "AdamW"},
+                "device": "cpu",
+                "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "cpu_adam": cpu_adam}},
+            },
+        )
         x = torch.randn(4, side)
         times = []
         for _ in range(steps + 1):
@@ -271,8 +346,17 @@ def host_step(numel: int, steps: int = 4) -> str:
     return f"offload cpu engine.step(), {layers * side * side:,} fp32 elements, cpu_adam: " + ", ".join(rows)
 
 
-__all__ = ["pipeline_phases", "pipeline_report", "swapper_only", "host_step", "raw_direct_io", "swap_report",
-           "adam_kernels", "DEEP_AIO", "NVME_ENGINES"]
+__all__ = [
+    "pipeline_phases",
+    "pipeline_report",
+    "swapper_only",
+    "host_step",
+    "raw_direct_io",
+    "swap_report",
+    "adam_kernels",
+    "DEEP_AIO",
+    "NVME_ENGINES",
+]
 
 
 if __name__ == "__main__":
@@ -287,16 +371,30 @@ if __name__ == "__main__":
     ap.add_argument("--block-size", type=int, default=1 << 20)
     ap.add_argument("--buffer-count", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--cpu-adam", choices=("fused", "same"), default="fused",
-                    help="offload_optimizer.cpu_adam: the kernel of the swapper's step")
+    ap.add_argument(
+        "--cpu-adam",
+        choices=("fused", "same"),
+        default="fused",
+        help="offload_optimizer.cpu_adam: the kernel of the swapper's step",
+    )
     ap.add_argument("--no-adam", action="store_true", help="skip the CPU Adam kernel timings")
     ap.add_argument("--pipeline", action="store_true", help="only the host offload's pipeline (pipeline_report)")
     a = ap.parse_args()
     if a.pipeline:
         print(pipeline_report(a.numel))
         sys.exit(0)
-    print(swapper_only(a.numel, a.nvme_path, a.sub_group_size, a.steps, a.thread_count,
-                       {"queue_depth": a.queue_depth, "block_size": a.block_size}, a.buffer_count, a.cpu_adam))
+    print(
+        swapper_only(
+            a.numel,
+            a.nvme_path,
+            a.sub_group_size,
+            a.steps,
+            a.thread_count,
+            {"queue_depth": a.queue_depth, "block_size": a.block_size},
+            a.buffer_count,
+            a.cpu_adam,
+        )
+    )
     if not a.no_adam:
         print(adam_kernels(a.numel))
         print(host_step(a.numel))

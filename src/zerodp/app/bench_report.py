@@ -132,11 +132,13 @@ def format_table(res: BenchResult) -> str:
     built in the shared process, marked ``*``. On CUDA a last column ``GPU MiB`` is the highest rank's
     peak device memory (``torch.cuda.max_memory_allocated``); on the CPU it is absent."""
     gpu = res.device != "cpu"
-    lines = [f"GPT {res.psi:,} parameters ({res.preset}), {res.world_size} ranks ({res.backend}, {res.device}), "
-             f"micro-batch {res.micro_batch}, {res.steps} timed steps x {res.rounds} rounds, load average "
-             f"{res.load_average_start[0]:.1f} -> {res.load_average_end[0]:.1f} on {res.cpu_count} CPUs",
-             f"{'system':<34}{'median s':>9}{'IQR s':>8}{'vs DDP':>8}{'range':>13}{'model state':>13}"
-             f"{'formula':>11}{'RSS MiB':>14}{'traffic':>14}{'dloss':>9}" + (f"{'GPU MiB':>9}" if gpu else "")]
+    lines = [
+        f"GPT {res.psi:,} parameters ({res.preset}), {res.world_size} ranks ({res.backend}, {res.device}), "
+        f"micro-batch {res.micro_batch}, {res.steps} timed steps x {res.rounds} rounds, load average "
+        f"{res.load_average_start[0]:.1f} -> {res.load_average_end[0]:.1f} on {res.cpu_count} CPUs",
+        f"{'system':<34}{'median s':>9}{'IQR s':>8}{'vs DDP':>8}{'range':>13}{'model state':>13}"
+        f"{'formula':>11}{'RSS MiB':>14}{'traffic':>14}{'dloss':>9}" + (f"{'GPU MiB':>9}" if gpu else ""),
+    ]
     for s in res.systems:
         if s.status == "skipped":
             lines.append(f"{s.name:<34}skipped: {s.reason}")
@@ -156,11 +158,15 @@ def format_table(res: BenchResult) -> str:
         median = f"{st.median:.4f}" if st else "-"  # not timed (--rounds 0): no figure, not a zero
         iqr = f"{st.q3 - st.q1:.4f}" if st else "-"
         ratio = f"{s.ratio_to_ddp:.2f}x" if s.ratio_to_ddp is not None else "-"
-        lines.append(f"{s.name:<34}{median:>9}{iqr:>8}{ratio:>8}{rng:>13}{state:>13}{formula:>11}{rss:>14}"
-                     f"{traffic:>14}{dl:>9}" + (f"{_peak_device_mib(s):>9}" if gpu else ""))
-    lines.append("RSS MiB: peak resident set of the highest rank, each system in a process of its own, and "
-                 "its ratio to DDP's (* = no such process: rise over the RSS before the system was built "
-                 "in the shared process)")
+        lines.append(
+            f"{s.name:<34}{median:>9}{iqr:>8}{ratio:>8}{rng:>13}{state:>13}{formula:>11}{rss:>14}"
+            f"{traffic:>14}{dl:>9}" + (f"{_peak_device_mib(s):>9}" if gpu else "")
+        )
+    lines.append(
+        "RSS MiB: peak resident set of the highest rank, each system in a process of its own, and "
+        "its ratio to DDP's (* = no such process: rise over the RSS before the system was built "
+        "in the shared process)"
+    )
     return "\n".join(lines)
 
 
@@ -200,17 +206,27 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
             bottom = 0.0
             for c in CATEGORIES:
                 v = values.get(c, 0) / 2**20
-                ax.bar(i + (j - 0.5) * 0.38, v, 0.36, bottom=bottom, color=colors[c],
-                       hatch="//" if label == "formula" else None, edgecolor="white",
-                       label=c if (i == 0 and j == 0) else None)
+                ax.bar(
+                    i + (j - 0.5) * 0.38,
+                    v,
+                    0.36,
+                    bottom=bottom,
+                    color=colors[c],
+                    hatch="//" if label == "formula" else None,
+                    edgecolor="white",
+                    label=c if (i == 0 and j == 0) else None,
+                )
                 bottom += v
     ax.set_xticks(range(len(mem)), [_tick(s.name) for s in mem], fontsize=7)
-    tallest = max((sum(v.values()) for s in mem for v in (s.memory[0].measured, s.formula) if v is not None),
-                  default=0.0)
+    tallest = max(
+        (sum(v.values()) for s in mem for v in (s.memory[0].measured, s.formula) if v is not None), default=0.0
+    )
     ax.set_ylim(0, 1.35 * tallest / 2**20 or 1.0)  # room for the legend above the tallest bar
     ax.set_ylabel("MiB per rank (rank 0)")
-    ax.set_title(f"Model state per rank, {res.world_size} ranks, Psi = {res.psi:,} "
-                 "(left measured, right formula, hatched)", fontsize=8)
+    ax.set_title(
+        f"Model state per rank, {res.world_size} ranks, Psi = {res.psi:,} (left measured, right formula, hatched)",
+        fontsize=8,
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(out_dir / "memory_by_category.png")
@@ -236,17 +252,28 @@ def plot_all(res: BenchResult, out_dir: Path) -> list[Path]:
 
     # (c) memory per rank vs number of ranks
     fig, ax = plt.subplots(figsize=(6, 4))
-    points = res.sweep or [SweepPoint(system=s.name, world_size=res.world_size,
-                                      measured_total=sum(s.memory[0].measured.values()),
-                                      formula_total=sum(s.formula.values()) if s.formula else None)
-                           for s in mem]
+    points = res.sweep or [
+        SweepPoint(
+            system=s.name,
+            world_size=res.world_size,
+            measured_total=sum(s.memory[0].measured.values()),
+            formula_total=sum(s.formula.values()) if s.formula else None,
+        )
+        for s in mem
+    ]
     names = list(dict.fromkeys(p.system for p in points))
     for k, name in enumerate(names):
         ps = sorted((p for p in points if p.system == name), key=lambda p: p.world_size)
         # systems holding the same state (DDP and stage 0) overlap: earlier ones drawn larger and hollow
-        line, = ax.plot([p.world_size for p in ps], [p.measured_total / 2**20 for p in ps], "-",
-                        marker="osD^v<>p"[k % 8], markersize=4 + 2 * (len(names) - k),
-                        markerfacecolor="none" if k < len(names) - 1 else None, label=name)
+        (line,) = ax.plot(
+            [p.world_size for p in ps],
+            [p.measured_total / 2**20 for p in ps],
+            "-",
+            marker="osD^v<>p"[k % 8],
+            markersize=4 + 2 * (len(names) - k),
+            markerfacecolor="none" if k < len(names) - 1 else None,
+            label=name,
+        )
         if all(p.formula_total is not None for p in ps):
             formula = [p.formula_total / 2**20 for p in ps if p.formula_total is not None]
             ax.plot([p.world_size for p in ps], formula, ":", color=line.get_color())

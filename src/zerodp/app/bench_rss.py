@@ -59,10 +59,20 @@ def _child(index: int, train: Callable[[], str | None], wfd: int) -> None:
 
         start = current_rss()
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=False, timeout=timedelta(seconds=600))
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"zerodp_bench_rss/{index}", store),
-                                rank=rank, world_size=world, timeout=timedelta(seconds=600))
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=False,
+            timeout=timedelta(seconds=600),
+        )
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"zerodp_bench_rss/{index}", store),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=600),
+        )
         reason = train()
         dist.barrier()
         out = {"reason": reason} if reason else {"rank": rank, "rss_start": start, "peak_rss": peak_rss()}
@@ -91,6 +101,7 @@ def measure(index: int, build: BuildFn, make_batches: Callable[[], list]) -> dic
     skipped (same reason on every rank), or ``{"error": ...}`` when the child failed. Must be called in
     the same order with the same ``index`` on every rank, before the parent joins a process group.
     """
+
     def train() -> str | None:
         batches = make_batches()
         system, reason = build()

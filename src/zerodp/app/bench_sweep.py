@@ -27,12 +27,21 @@ def sweep_commands(args: argparse.Namespace, prefix: list[str]) -> tuple[list[li
             raise ValueError(f"--sweep-ranks takes integers >= 1 separated by commas, got {tok!r}")
         n = int(tok)
         out = Path(args.out) / f"sweep_{n}"
-        flags = [f"--preset={args.preset}", "--only=DDP,zerodp stage 0,zerodp stage 1,zerodp stage 2,zerodp stage 3",
-                 "--rounds=0", f"--probe-steps={args.probe_steps}", f"--out={out}", "--no-plots",
-                 "--no-fresh-rss", f"--device={args.device}"]
-        flags += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("n_layer", "n_head", "d_model",
-                                                                          "seq_len", "micro_batch")
-                  if getattr(args, k) is not None]
+        flags = [
+            f"--preset={args.preset}",
+            "--only=DDP,zerodp stage 0,zerodp stage 1,zerodp stage 2,zerodp stage 3",
+            "--rounds=0",
+            f"--probe-steps={args.probe_steps}",
+            f"--out={out}",
+            "--no-plots",
+            "--no-fresh-rss",
+            f"--device={args.device}",
+        ]
+        flags += [
+            f"--{k.replace('_', '-')}={getattr(args, k)}"
+            for k in ("n_layer", "n_head", "d_model", "seq_len", "micro_batch")
+            if getattr(args, k) is not None
+        ]
         cmds.append(prefix + ["--nproc-per-node", str(n), "-m", "zerodp.app.bench"] + flags)
         files.append(str(out / "bench.json"))
     return cmds, files

@@ -85,15 +85,20 @@ Builder = Callable[..., System]
 CPU = torch.device("cpu")
 
 
-def _torch_sources(module: nn.Module, opt: Any,
-                   opt_params: Callable[[], list[Any]]) -> Callable[[], dict[str, Tensors]]:
+def _torch_sources(
+    module: nn.Module, opt: Any, opt_params: Callable[[], list[Any]]
+) -> Callable[[], dict[str, Tensors]]:
     def sources() -> dict[str, Tensors]:
         params = list(module.parameters())
         own = {id(p) for p in params}
         masters = [p for p in opt_params() if id(p) not in own]
-        return {"parameters": params, "gradients": list(_grads(params)) + list(_grads(masters)),
-                "optimizer_states": list(_opt_state(opt)), "master_weights": masters,
-                "buffers": list(module.buffers())}
+        return {
+            "parameters": params,
+            "gradients": list(_grads(params)) + list(_grads(masters)),
+            "optimizer_states": list(_opt_state(opt)),
+            "master_weights": masters,
+            "buffers": list(module.buffers()),
+        }
 
     return sources
 
@@ -158,8 +163,15 @@ def build_fsdp2(cfg: GPTConfig, lr: float, probe: bool, device: torch.device = C
     return _plain("FSDP2", 3, module, module, torch.optim.AdamW(module.parameters(), lr=lr))
 
 
-def _engine_system(name: str, family: str, stage: int | None, module: nn.Module, engine: Any,
-                   sources: Callable[[], dict[str, Tensors]], targets: list[tuple[Any, str]]) -> System:
+def _engine_system(
+    name: str,
+    family: str,
+    stage: int | None,
+    module: nn.Module,
+    engine: Any,
+    sources: Callable[[], dict[str, Tensors]],
+    targets: list[tuple[Any, str]],
+) -> System:
     def fb(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = loss_of(engine(x)[0], y)
         engine.backward(loss)
@@ -168,8 +180,7 @@ def _engine_system(name: str, family: str, stage: int | None, module: nn.Module,
     return System(name, family, stage, module, fb, engine.step, sources, targets)
 
 
-def zerodp_builder(stage: int, offload: dict[str, Any] | None = None,
-                   sub_group_size: int | None = None) -> Builder:
+def zerodp_builder(stage: int, offload: dict[str, Any] | None = None, sub_group_size: int | None = None) -> Builder:
     """Builder of zerodp at ``stage`` (fp32 AdamW, DeepSpeed's defaults otherwise, persistence
     threshold 1000 elements at stage 3 so LayerNorms and biases stay gathered); with ``offload``
     (the ``zero_optimization.offload_optimizer`` section) and ``sub_group_size``, ZeRO-Offload.
@@ -182,6 +193,7 @@ def zerodp_builder(stage: int, offload: dict[str, Any] | None = None,
 
         if offload is not None and device.type != "cpu":
             from zerodp.app.bench_device import OFFLOAD_ON_GPU
+
             raise Skipped(OFFLOAD_ON_GPU)
         module = _seeded_gpt(cfg, device)
         zc: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 1000}
@@ -189,9 +201,10 @@ def zerodp_builder(stage: int, offload: dict[str, Any] | None = None,
             zc["offload_optimizer"] = dict(offload)
         if sub_group_size is not None:
             zc["sub_group_size"] = sub_group_size
-        engine = zerodp.initialize(module, {"optimizer": {"type": "AdamW", "params": {"lr": lr}},
-                                            "zero_optimization": zc,
-                                            "device": device.type})  # --device (cpu or cuda)
+        engine = zerodp.initialize(
+            module,
+            {"optimizer": {"type": "AdamW", "params": {"lr": lr}}, "zero_optimization": zc, "device": device.type},
+        )  # --device (cpu or cuda)
         where = offload["device"] if offload is not None else None
         if where == "nvme":
             for old in bench_offload.NVME_ENGINES:
@@ -212,10 +225,13 @@ def zerodp_builder(stage: int, offload: dict[str, Any] | None = None,
             gathered = []
             if engine.sharding is not None:
                 gathered = [u.full for u in engine.sharding.units if u.full is not None]
-            return {"parameters": shards + gathered + params, "gradients": grads,
-                    "optimizer_states": list(_opt_state(engine.optimizer)),
-                    "master_weights": [pc.master for g in engine.groups for pc in g.pieces],
-                    "buffers": list(module.buffers())}
+            return {
+                "parameters": shards + gathered + params,
+                "gradients": grads,
+                "optimizer_states": list(_opt_state(engine.optimizer)),
+                "master_weights": [pc.master for g in engine.groups for pc in g.pieces],
+                "buffers": list(module.buffers()),
+            }
 
         targets = [(comm, "_all_gather_single"), (comm, "_torch_reduce_scatter_single")]
         name = f"zerodp stage {stage}" + (f" + offload {where}" if where else "")
@@ -232,6 +248,7 @@ OFFLOAD_DEVICES = ("cpu", "nvme")
 def _offload_not_requested(cfg: GPTConfig, lr: float, probe: bool, device: torch.device = CPU) -> System:
     if device.type != "cpu":
         from zerodp.app.bench_device import OFFLOAD_ON_GPU
+
         raise Skipped(OFFLOAD_ON_GPU)
     raise Skipped("run with --offload (and --nvme-path DIR for the swap files) to measure ZeRO-Offload")
 
@@ -240,10 +257,14 @@ def offload_systems(nvme_path: str, sub_group_size: int) -> dict[str, Builder]:
     """The real builders of the ``zerodp stage 2 + offload cpu|nvme`` rows of :data:`SYSTEMS`
     (``--offload``): stage 2 with ``offload_optimizer.device`` cpu, and nvme with its swap files in
     ``nvme_path`` and ``sub_group_size`` elements per sub-group (DeepSpeed's keys)."""
-    return {f"zerodp stage 2 + offload {d}": zerodp_builder(
-                2, {"device": d, **({"nvme_path": nvme_path} if d == "nvme" else {})},
-                sub_group_size=sub_group_size if d == "nvme" else None)
-            for d in OFFLOAD_DEVICES}
+    return {
+        f"zerodp stage 2 + offload {d}": zerodp_builder(
+            2,
+            {"device": d, **({"nvme_path": nvme_path} if d == "nvme" else {})},
+            sub_group_size=sub_group_size if d == "nvme" else None,
+        )
+        for d in OFFLOAD_DEVICES
+    }
 
 
 def deepspeed_builder(stage: int, offload: bool = False) -> Builder:
@@ -264,9 +285,12 @@ def deepspeed_builder(stage: int, offload: bool = False) -> Builder:
             zc["stage3_param_persistence_threshold"] = 1000
         if offload:
             zc["offload_optimizer"] = {"device": "cpu"}
-        config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
-                  "optimizer": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True}},
-                  "zero_optimization": zc}
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_clipping": 0.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True}},
+            "zero_optimization": zc,
+        }
         try:
             engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)
         except Exception as exc:  # e.g. an op DeepSpeed would need to compile
@@ -283,9 +307,13 @@ def deepspeed_builder(stage: int, offload: bool = False) -> Builder:
                 val = getattr(zopt, attr, None)
                 if isinstance(val, dict):
                     grads += [t for v in val.values() for t in (v if isinstance(v, list) else [v])]
-            return {"parameters": params + [getattr(p, "ds_tensor", None) for p in params],
-                    "gradients": grads, "optimizer_states": list(_opt_state(inner)),
-                    "master_weights": masters, "buffers": list(module.buffers())}
+            return {
+                "parameters": params + [getattr(p, "ds_tensor", None) for p in params],
+                "gradients": grads,
+                "optimizer_states": list(_opt_state(inner)),
+                "master_weights": masters,
+                "buffers": list(module.buffers()),
+            }
 
         name = f"DeepSpeed stage {stage}" + (" + CPU offload" if offload else "")
         system = _engine_system(name, "deepspeed", stage, module, engine, sources, [])
@@ -300,12 +328,15 @@ def _check_deepspeed_device(device: torch.device) -> None:
     is read once per process: the launcher sets it to cpu for ``--device cpu``)."""
     try:
         from deepspeed.accelerator import get_accelerator
+
         name = get_accelerator().device_name()
     except Exception as exc:  # an accelerator DeepSpeed cannot set up here
         raise Skipped(f"DeepSpeed's accelerator is unavailable: {type(exc).__name__}: {exc}") from None
     if name != device.type:
-        raise Skipped(f"DeepSpeed's accelerator is {name!r} but --device resolved to {device.type!r} "
-                      f"(set DS_ACCELERATOR={device.type})")
+        raise Skipped(
+            f"DeepSpeed's accelerator is {name!r} but --device resolved to {device.type!r} "
+            f"(set DS_ACCELERATOR={device.type})"
+        )
 
 
 def _key(t: torch.Tensor) -> int:

@@ -25,8 +25,11 @@ def run_consolidate(args: argparse.Namespace) -> int:
     # other name is a file (an unknown extension such as .bin is refused by consolidate)
     single = not (os.path.isdir(args.out) or args.out.endswith(os.sep) or not os.path.splitext(args.out)[1])
     if single and args.max_shard_size is not None:
-        print(f"zerodp consolidate: error: --max-shard-size applies to a directory OUT (sharded output); "
-              f"{args.out} names one file", file=sys.stderr)
+        print(
+            f"zerodp consolidate: error: --max-shard-size applies to a directory OUT (sharded output); "
+            f"{args.out} names one file",
+            file=sys.stderr,
+        )
         return 1
     try:
         src = checkpoint.resolve_checkpoint(args.checkpoint_dir, args.tag)
@@ -46,8 +49,10 @@ def run_consolidate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
         print(f"zerodp consolidate: error: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {out} ({len(meta.state_dict_keys) - len(absent)} tensors, {accounting.human_bytes(size)}{what}) "
-          f"from {src} (step {meta.global_steps}, saved by {meta.world_size} ranks at ZeRO stage {meta.stage})")
+    print(
+        f"wrote {out} ({len(meta.state_dict_keys) - len(absent)} tensors, {accounting.human_bytes(size)}{what}) "
+        f"from {src} (step {meta.global_steps}, saved by {meta.world_size} ranks at ZeRO stage {meta.stage})"
+    )
     if absent:
         print(f"absent: {absent_message(absent, src)}")
     cs = meta.client_state
@@ -67,8 +72,11 @@ def run_verify(args: argparse.Namespace) -> int:
         src = checkpoint.resolve_checkpoint(args.checkpoint_dir, args.tag)
         with checkpoint.CheckpointReader(src) as reader:
             files, tensors, nbytes = reader.verify_all()
-            checked = "checksums match" if reader.has_checksums else \
-                "names and shapes match (format version 1 has no checksums)"
+            checked = (
+                "checksums match"
+                if reader.has_checksums
+                else "names and shapes match (format version 1 has no checksums)"
+            )
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
         print(f"zerodp verify: error: {exc}", file=sys.stderr)
         return 1

@@ -15,10 +15,12 @@ from zerodp.offload.swap_dir import find_stale, remove_stale
 def add_parser(sub: Any) -> None:
     """Add the ``clean-swap`` subcommand to ``sub`` (argparse subparsers)."""
     cs = sub.add_parser(
-        "clean-swap", help="remove swap directories of dead jobs under an nvme_path",
+        "clean-swap",
+        help="remove swap directories of dead jobs under an nvme_path",
         description="List the zerodp_<job> swap directories under PATH whose owner processes (host and pid "
-                    "recorded in each rank directory) are gone, with their sizes, and remove them. Directories "
-                    "of running jobs, of other hosts or without an owner record are kept.")
+        "recorded in each rank directory) are gone, with their sizes, and remove them. Directories "
+        "of running jobs, of other hosts or without an owner record are kept.",
+    )
     cs.add_argument("path", metavar="PATH", help="the offload_optimizer / offload_param nvme_path")
     cs.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     cs.set_defaults(handler=run, parser=cs)
@@ -32,8 +34,10 @@ def run(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for s in stale:
         print(f"{verb} {s.path}  {s.bytes:,} bytes  (owner {', '.join(s.owners)}, not running)")
-    print(f"{verb} {len(stale)} swap director{'y' if len(stale) == 1 else 'ies'}, "
-          f"{sum(s.bytes for s in stale):,} bytes under {args.path}")
+    print(
+        f"{verb} {len(stale)} swap director{'y' if len(stale) == 1 else 'ies'}, "
+        f"{sum(s.bytes for s in stale):,} bytes under {args.path}"
+    )
     return 0
 
 

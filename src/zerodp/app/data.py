@@ -58,9 +58,7 @@ def load_text(path: str | os.PathLike | None = None, min_bytes: int = MIN_CORPUS
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(
-                f"data file {where!r} is not UTF-8 text (invalid byte at offset {exc.start})"
-            ) from None
+            raise ValueError(f"data file {where!r} is not UTF-8 text (invalid byte at offset {exc.start})") from None
     n = len(text.encode("utf-8"))
     if n < min_bytes:
         raise ValueError(f"corpus {where!r} has {n} bytes; at least {min_bytes} are needed")
@@ -202,7 +200,7 @@ def rank_slice(global_batch: T_, rank: int, world_size: int) -> T_:
     if n % world_size:
         raise ValueError(f"global batch of {n} rows does not split evenly over {world_size} ranks")
     micro = n // world_size
-    return global_batch[rank * micro:(rank + 1) * micro]
+    return global_batch[rank * micro : (rank + 1) * micro]
 
 
 def heldout_batches(heldout: torch.Tensor, seq_len: int, batch: int, n_batches: int) -> list[Batch]:
@@ -222,4 +220,4 @@ def heldout_batches(heldout: torch.Tensor, seq_len: int, batch: int, n_batches: 
     last = heldout.numel() - seq_len - 1
     starts = torch.linspace(0, last, n).round().long()
     x, y = _windows(heldout, starts, seq_len)
-    return [(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]) for i in range(n_batches)]
+    return [(x[i * batch : (i + 1) * batch], y[i * batch : (i + 1) * batch]) for i in range(n_batches)]

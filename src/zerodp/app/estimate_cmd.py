@@ -55,8 +55,10 @@ def parse_params(spec: str) -> tuple[int, GPTConfig | None]:
             raise ValueError(f"model config {s!r} must hold a JSON object of GPTConfig fields")
         cfg = GPTConfig.from_dict(obj)
         return count_parameters(cfg), cfg
-    raise ValueError(f"expected a parameter count (e.g. 7.5e9), a JSON GPTConfig file or "
-                     f"gpt:n_layer=..,d_model=..,n_head=..; got {spec!r}")
+    raise ValueError(
+        f"expected a parameter count (e.g. 7.5e9), a JSON GPTConfig file or "
+        f"gpt:n_layer=..,d_model=..,n_head=..; got {spec!r}"
+    )
 
 
 def _spec_value(v: str) -> object:
@@ -88,8 +90,10 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     b = accounting.FP32_ADAM if args.fp32 else accounting.MIXED_PRECISION_ADAM
     if args.fp32 and args.grad_accum_dtype not in (None, "fp32"):
-        args.parser.error(f"argument --grad-accum-dtype: {args.grad_accum_dtype} accumulation of fp32 "
-                          "gradients is not supported; allowed with --fp32: fp32")
+        args.parser.error(
+            f"argument --grad-accum-dtype: {args.grad_accum_dtype} accumulation of fp32 "
+            "gradients is not supported; allowed with --fp32: fp32"
+        )
     dtype = grad_accum_dtype(torch.float32 if args.fp32 else torch.bfloat16, args.grad_accum, args.grad_accum_dtype)
     b = dataclasses.replace(b, grad=dtype.itemsize)  # the accumulation buffer holds the gradients
     print(accounting.estimate_table(numel, args.dp, b, args.grad_accum))

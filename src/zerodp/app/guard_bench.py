@@ -50,14 +50,20 @@ def run(args: argparse.Namespace) -> None:
         for stage in args.stages:
             for name, guard in VARIANTS.items():
                 torch.manual_seed(0)
-                engine = zerodp.initialize(GPT(cfg), {
-                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                    "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1000},
-                    "collective_guard": guard, "device": "cpu"})  # a CPU measurement
+                engine = zerodp.initialize(
+                    GPT(cfg),
+                    {
+                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1000},
+                        "collective_guard": guard,
+                        "device": "cpu",
+                    },
+                )  # a CPU measurement
 
                 def step(x: torch.Tensor, y: torch.Tensor, engine: zerodp.Engine = engine) -> None:
                     engine.backward(loss_of(engine(x)[0], y))
                     engine.step()
+
                 for i, (x, y) in enumerate(batches):
                     if i == args.warmup:
                         before = engine.collective_guard.agreements
@@ -79,10 +85,14 @@ def run(args: argparse.Namespace) -> None:
     post = _tag_post_cost(args.latency_reps)
     if rank == 0:
         params = sum(p.numel() for p in GPT(cfg).parameters())
-        print(f"GPT {params:,} parameters, {world} ranks ({dist.get_backend()}), micro-batch "
-              f"{micro} x {cfg.seq_len} tokens, median of {args.steps * args.rounds} steps")
-        print(f"{'stage':<7}{'guard':<10}{'step (s)':>10}{'spread':>16}{'vs off':>9}{'agreements/step':>17}"
-              f"{'tags/step':>11}{'in guard (ms/step)':>20}{'share of step':>15}{'graph walk (ms)':>17}")
+        print(
+            f"GPT {params:,} parameters, {world} ranks ({dist.get_backend()}), micro-batch "
+            f"{micro} x {cfg.seq_len} tokens, median of {args.steps * args.rounds} steps"
+        )
+        print(
+            f"{'stage':<7}{'guard':<10}{'step (s)':>10}{'spread':>16}{'vs off':>9}{'agreements/step':>17}"
+            f"{'tags/step':>11}{'in guard (ms/step)':>20}{'share of step':>15}{'graph walk (ms)':>17}"
+        )
         for stage in args.stages:
             base = statistics.median(times[(stage, "off")])
             for name in VARIANTS:
@@ -90,9 +100,11 @@ def run(args: argparse.Namespace) -> None:
                 med = statistics.median(ts)
                 g = statistics.median(in_guard[(stage, name)])
                 w = statistics.median(walks[(stage, name)])
-                print(f"{stage:<7}{name:<10}{med:>10.4f}{f'{min(ts):.3f}-{max(ts):.3f}':>16}{med / base:>8.3f}x"
-                      f"{agreements[(stage, name)]:>17.1f}{tags[(stage, name)]:>11.1f}"
-                      f"{g * 1e3:>20.3f}{g / base:>14.2%}{w * 1e3:>17.3f}")
+                print(
+                    f"{stage:<7}{name:<10}{med:>10.4f}{f'{min(ts):.3f}-{max(ts):.3f}':>16}{med / base:>8.3f}x"
+                    f"{agreements[(stage, name)]:>17.1f}{tags[(stage, name)]:>11.1f}"
+                    f"{g * 1e3:>20.3f}{g / base:>14.2%}{w * 1e3:>17.3f}"
+                )
         print(f"agreement latency: {latency * 1e6:.1f} us (median of 5 x {args.latency_reps}, ranks in step)")
         print(f"asynchronous tag: {post * 1e6:.1f} us to post (median of 5 x {args.latency_reps})")
         for stage in args.stages:
@@ -101,8 +113,10 @@ def run(args: argparse.Namespace) -> None:
             t = tags[(stage, "default")]
             w = statistics.median(walks[(stage, "default")])
             own = n * latency + t * post + w
-            print(f"stage {stage}: {n:.0f} agreements x {latency * 1e6:.1f} us + {t:.0f} tags x {post * 1e6:.1f} us"
-                  f" + graph walk {w * 1e3:.3f} ms = {own * 1e3:.3f} ms = {own / base:.2%} of the {base:.4f} s step")
+            print(
+                f"stage {stage}: {n:.0f} agreements x {latency * 1e6:.1f} us + {t:.0f} tags x {post * 1e6:.1f} us"
+                f" + graph walk {w * 1e3:.3f} ms = {own * 1e3:.3f} ms = {own / base:.2%} of the {base:.4f} s step"
+            )
     zerodp.shutdown_distributed()
 
 

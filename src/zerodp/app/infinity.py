@@ -129,8 +129,9 @@ def size_gpt(min_params: int, seq_len: int) -> GPTConfig:
     of 128 (heads of 128), ``n_layer = d_model / 64`` for the width found, then as few layers as reach
     the count (at least 2)."""
     d = 128
-    while count_parameters(GPTConfig(n_layer=max(2, d // 64), n_head=d // 128, d_model=d,
-                                     seq_len=seq_len)) < min_params:
+    while (
+        count_parameters(GPTConfig(n_layer=max(2, d // 64), n_head=d // 128, d_model=d, seq_len=seq_len)) < min_params
+    ):
         d += 128
     layers = 2
     while count_parameters(GPTConfig(n_layer=layers, n_head=d // 128, d_model=d, seq_len=seq_len)) < min_params:
@@ -138,9 +139,17 @@ def size_gpt(min_params: int, seq_len: int) -> GPTConfig:
     return GPTConfig(n_layer=layers, n_head=d // 128, d_model=d, seq_len=seq_len)
 
 
-def plan_run(machine: Machine, nproc: int = 1, states_ratio: float = 2.0, seq_len: int = 128,
-             micro_batch: int = 1, steps: int = 3, lr: float | None = None, overlap_step: bool = True,
-             grad_accum: int = 1) -> Plan:
+def plan_run(
+    machine: Machine,
+    nproc: int = 1,
+    states_ratio: float = 2.0,
+    seq_len: int = 128,
+    micro_batch: int = 1,
+    steps: int = 3,
+    lr: float | None = None,
+    overlap_step: bool = True,
+    grad_accum: int = 1,
+) -> Plan:
     """Size the model (states >= ``states_ratio`` x RAM) and the disk and RAM it needs (module docstring).
 
     ``grad_accum`` K > 1 accumulates the reduced gradients in fp32 (zerodp's default
@@ -153,16 +162,22 @@ def plan_run(machine: Machine, nproc: int = 1, states_ratio: float = 2.0, seq_le
     d = model.d_model
     largest_layer = 4 * d * d + 4 * d  # the MLP's up projection
     k = knobs_for(p, largest_layer, nproc, overlap_step)
-    disk = {"optimizer states (fp32 master + Adam m, v)": 12 * p,
-            "parameter shards (bf16)": 2 * p,
-            ("reduced gradient partition (bf16, gradients.swp)" if grad_accum == 1 else
-             "reduced gradient partition (fp32 accumulation, gradients.swp)"): (2 if grad_accum == 1 else 4) * p,
-            "raw-I/O probe file": k.probe_bytes}
+    disk = {
+        "optimizer states (fp32 master + Adam m, v)": 12 * p,
+        "parameter shards (bf16)": 2 * p,
+        (
+            "reduced gradient partition (bf16, gradients.swp)"
+            if grad_accum == 1
+            else "reduced gradient partition (fp32 accumulation, gradients.swp)"
+        ): (2 if grad_accum == 1 else 4) * p,
+        "raw-I/O probe file": k.probe_bytes,
+    }
     disk["slack (3%)"] = math.ceil(0.03 * sum(disk.values()))
     ram, phases = ram_accounting(p, model, micro_batch, largest_layer, nproc, k, 2 if grad_accum == 1 else 4)
     lr = default_lr(model.d_model, model.n_layer) if lr is None else lr
-    return Plan(model, p, nproc, micro_batch, steps, lr, states_ratio, STATE_BYTES * p, disk, ram, k, phases,
-                grad_accum)
+    return Plan(
+        model, p, nproc, micro_batch, steps, lr, states_ratio, STATE_BYTES * p, disk, ram, k, phases, grad_accum
+    )
 
 
 #: the preset's default learning rate is ``min(MAX_LR, LR_SCALE / (d_model x n_layer))``
@@ -187,14 +202,18 @@ def problems(plan: Plan, machine: Machine) -> list[str]:
     """Why the plan cannot run here (empty: it fits)."""
     out = []
     if plan.disk_total > machine.disk_free:
-        out.append(f"not enough free disk at {machine.nvme_path}: the plan needs {human_bytes(plan.disk_total)} "
-                   f"({plan.disk_total:,} bytes), {human_bytes(machine.disk_free)} ({machine.disk_free:,} bytes) "
-                   "are free; free space there or point --nvme-path at a larger disk")
+        out.append(
+            f"not enough free disk at {machine.nvme_path}: the plan needs {human_bytes(plan.disk_total)} "
+            f"({plan.disk_total:,} bytes), {human_bytes(machine.disk_free)} ({machine.disk_free:,} bytes) "
+            "are free; free space there or point --nvme-path at a larger disk"
+        )
     if plan.ram_total > machine.ram_available:
-        out.append(f"not enough RAM: the plan needs {human_bytes(plan.ram_total)} ({plan.ram_total:,} bytes) "
-                   f"in host memory, {human_bytes(machine.ram_available)} ({machine.ram_available:,} bytes) "
-                   "are available; lower --states-ratio (model size), --micro-batch or --seq-len (activations), or use "
-                   "fewer ranks (--nproc)")
+        out.append(
+            f"not enough RAM: the plan needs {human_bytes(plan.ram_total)} ({plan.ram_total:,} bytes) "
+            f"in host memory, {human_bytes(machine.ram_available)} ({machine.ram_available:,} bytes) "
+            "are available; lower --states-ratio (model size), --micro-batch or --seq-len (activations), or use "
+            "fewer ranks (--nproc)"
+        )
     return out
 
 
@@ -220,8 +239,11 @@ def format_plan(plan: Plan, machine: Machine) -> str:
         *[f"  {k:<58}{human_bytes(v):>12}" for k, v in plan.disk_needed.items()],
         f"RAM needed {human_bytes(plan.ram_total)}:",
         *[f"  {k:<58}{human_bytes(v):>12}" for k, v in plan.ram_needed.items()],
-        *[f"    {ph + ': ' + k:<56}{human_bytes(v):>12}"
-          for ph, rows in plan.ram_phases.items() for k, v in rows.items()],
+        *[
+            f"    {ph + ': ' + k:<56}{human_bytes(v):>12}"
+            for ph, rows in plan.ram_phases.items()
+            for k, v in rows.items()
+        ],
     ]
     return "\n".join(lines)
 
@@ -229,22 +251,45 @@ def format_plan(plan: Plan, machine: Machine) -> str:
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     """The preset's flags on ``zerodp train`` (``--nvme-path``, ``--nproc``, ``--steps``, ``--seq-len``
     and ``--micro-batch`` are the train command's own)."""
-    group.add_argument("--preset", choices=("infinity",),
-                       help="infinity: the ZeRO-Infinity scale demo, a GPT whose model states are >= 2x this "
-                            "machine's RAM, stage 3 with optimizer and parameters on NVMe (needs --nvme-path; "
-                            "see docs/infinity.md)")
-    group.add_argument("--dry-run", action="store_const", const=True,
-                       help="with --preset: print the sizing plan (model, disk and RAM needed) and exit")
-    group.add_argument("--states-ratio", metavar="R", type=float,
-                       help="with --preset infinity: model states at least R x RAM (default 2)")
-    group.add_argument("--assume-ram", metavar="BYTES", type=_size,
-                       help="with --preset infinity: size the model for this much RAM instead of /proc/meminfo's "
-                            "MemTotal (the RAM check still uses MemAvailable)")
-    group.add_argument("--assume-disk-free", metavar="BYTES", type=_size,
-                       help="with --preset infinity: size for this much free disk instead of the path's")
-    group.add_argument("--no-overlap-step", action="store_const", const=True,
-                       help="with --preset infinity: run the optimizer step's sub-group loop inside step() "
-                            "(offload_optimizer.overlap_step false) instead of during the next forward")
+    group.add_argument(
+        "--preset",
+        choices=("infinity",),
+        help="infinity: the ZeRO-Infinity scale demo, a GPT whose model states are >= 2x this "
+        "machine's RAM, stage 3 with optimizer and parameters on NVMe (needs --nvme-path; "
+        "see docs/infinity.md)",
+    )
+    group.add_argument(
+        "--dry-run",
+        action="store_const",
+        const=True,
+        help="with --preset: print the sizing plan (model, disk and RAM needed) and exit",
+    )
+    group.add_argument(
+        "--states-ratio",
+        metavar="R",
+        type=float,
+        help="with --preset infinity: model states at least R x RAM (default 2)",
+    )
+    group.add_argument(
+        "--assume-ram",
+        metavar="BYTES",
+        type=_size,
+        help="with --preset infinity: size the model for this much RAM instead of /proc/meminfo's "
+        "MemTotal (the RAM check still uses MemAvailable)",
+    )
+    group.add_argument(
+        "--assume-disk-free",
+        metavar="BYTES",
+        type=_size,
+        help="with --preset infinity: size for this much free disk instead of the path's",
+    )
+    group.add_argument(
+        "--no-overlap-step",
+        action="store_const",
+        const=True,
+        help="with --preset infinity: run the optimizer step's sub-group loop inside step() "
+        "(offload_optimizer.overlap_step false) instead of during the next forward",
+    )
 
 
 def _size(s: str) -> int:
@@ -257,28 +302,47 @@ def _size(s: str) -> int:
 
 
 #: ``zerodp train`` flags the preset uses; any other flag given with it is refused (it would be ignored)
-PRESET_FLAGS = ("nvme_path", "nproc", "steps", "seq_len", "micro_batch", "grad_accum", "lr", "dry_run",
-                "states_ratio", "assume_ram", "assume_disk_free", "no_overlap_step")
+PRESET_FLAGS = (
+    "nvme_path",
+    "nproc",
+    "steps",
+    "seq_len",
+    "micro_batch",
+    "grad_accum",
+    "lr",
+    "dry_run",
+    "states_ratio",
+    "assume_ram",
+    "assume_disk_free",
+    "no_overlap_step",
+)
 _NOT_FLAGS = ("command", "handler", "parser", "preset")
 
 
 def ignored_flags(args: argparse.Namespace) -> list[str]:
     """The flags given on the command line (not None) that the preset does not use, as ``--name``."""
-    return sorted("--" + k.replace("_", "-") for k, v in vars(args).items()
-                  if v is not None and k not in PRESET_FLAGS and k not in _NOT_FLAGS)
+    return sorted(
+        "--" + k.replace("_", "-")
+        for k, v in vars(args).items()
+        if v is not None and k not in PRESET_FLAGS and k not in _NOT_FLAGS
+    )
 
 
 def command(args: argparse.Namespace) -> int:
     """``zerodp train --preset infinity``: print the plan; refuse, stop (``--dry-run``) or launch."""
     if args.nvme_path is None:
-        print("zerodp train: error: --preset infinity needs --nvme-path DIR (a directory on the disk to use)",
-              file=sys.stderr)
+        print(
+            "zerodp train: error: --preset infinity needs --nvme-path DIR (a directory on the disk to use)",
+            file=sys.stderr,
+        )
         return 2
     ignored = ignored_flags(args)
     if ignored:
-        print(f"zerodp train: error: --preset infinity sizes its own model and engine; it does not take "
-              f"{', '.join(ignored)} (it takes {', '.join(sorted('--' + f.replace('_', '-') for f in PRESET_FLAGS))})",
-              file=sys.stderr)
+        print(
+            f"zerodp train: error: --preset infinity sizes its own model and engine; it does not take "
+            f"{', '.join(ignored)} (it takes {', '.join(sorted('--' + f.replace('_', '-') for f in PRESET_FLAGS))})",
+            file=sys.stderr,
+        )
         return 2
     ratio = 2.0 if args.states_ratio is None else args.states_ratio
     if not (math.isfinite(ratio) and ratio > 0):
@@ -289,9 +353,17 @@ def command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"zerodp train: error: {exc}", file=sys.stderr)
         return 2
-    plan = plan_run(machine, nproc=args.nproc, states_ratio=ratio, seq_len=args.seq_len or 128,
-                    micro_batch=args.micro_batch or 4, steps=3 if args.steps is None else args.steps, lr=args.lr,
-                    overlap_step=not args.no_overlap_step, grad_accum=args.grad_accum or 1)
+    plan = plan_run(
+        machine,
+        nproc=args.nproc,
+        states_ratio=ratio,
+        seq_len=args.seq_len or 128,
+        micro_batch=args.micro_batch or 4,
+        steps=3 if args.steps is None else args.steps,
+        lr=args.lr,
+        overlap_step=not args.no_overlap_step,
+        grad_accum=args.grad_accum or 1,
+    )
     print(format_plan(plan, machine), flush=True)
     issues = problems(plan, machine)
     for msg in issues:
@@ -301,8 +373,20 @@ def command(args: argparse.Namespace) -> int:
     if args.dry_run:
         print("dry run: nothing was built")
         return 0
-    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(plan.nproc),
-              "-m", "zerodp.app.infinity_run", "--plan", json.dumps(_plan_json(plan)), "--nvme-path", machine.nvme_path]
+    worker = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(plan.nproc),
+        "-m",
+        "zerodp.app.infinity_run",
+        "--plan",
+        json.dumps(_plan_json(plan)),
+        "--nvme-path",
+        machine.nvme_path,
+    ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc)))
     for key, value in MALLOC_ENV.items():  # the allocator keeps no freed large blocks (module docstring)
@@ -311,7 +395,13 @@ def command(args: argparse.Namespace) -> int:
 
 
 def _plan_json(plan: Plan) -> dict:
-    return {"model": asdict(plan.model), "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum,
-            "steps": plan.steps, "lr": plan.lr,
-            "knobs": asdict(plan.knobs), "probe_bytes": plan.knobs.probe_bytes,
-            "ram_rows_per_rank": sum(v for k, v in plan.ram_needed.items() if not k.startswith("slack")) // plan.nproc}
+    return {
+        "model": asdict(plan.model),
+        "micro_batch": plan.micro_batch,
+        "grad_accum": plan.grad_accum,
+        "steps": plan.steps,
+        "lr": plan.lr,
+        "knobs": asdict(plan.knobs),
+        "probe_bytes": plan.knobs.probe_bytes,
+        "ram_rows_per_rank": sum(v for k, v in plan.ram_needed.items() if not k.startswith("slack")) // plan.nproc,
+    }

@@ -70,11 +70,14 @@ def knobs_for(params: int, largest_layer: int, nproc: int, overlap_step: bool = 
     ``overlap_step``, 8 optimizer buffers (6 sub-groups read ahead while the forward computes), else 4."""
     align = 4096
     shard_bytes = 2 * params
-    return Knobs(sub_group_size=min(12_500_000, max(1_000_000, math.ceil(params / nproc / 4))),
-                 param_buffer_size=min(100_000_000, -(-2 * largest_layer // align) * align),
-                 max_in_cpu=min(1_000_000_000, max(align, shard_bytes // 4)),
-                 probe_bytes=min(GIB, max(256 * 2**20, shard_bytes // 4 // align * align)),
-                 optimizer_buffers=8 if overlap_step else 4, overlap_step=overlap_step)
+    return Knobs(
+        sub_group_size=min(12_500_000, max(1_000_000, math.ceil(params / nproc / 4))),
+        param_buffer_size=min(100_000_000, -(-2 * largest_layer // align) * align),
+        max_in_cpu=min(1_000_000_000, max(align, shard_bytes // 4)),
+        probe_bytes=min(GIB, max(256 * 2**20, shard_bytes // 4 // align * align)),
+        optimizer_buffers=8 if overlap_step else 4,
+        overlap_step=overlap_step,
+    )
 
 
 #: bytes of saved activations per token, layer and d_model element (bf16, no activation checkpointing):

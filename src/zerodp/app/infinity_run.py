@@ -53,16 +53,26 @@ def engine_config(plan: dict, nvme_path: str, world: int) -> dict:
             "stage3_prefetch_bucket_size": 50_000_000,
             "stage3_max_live_parameters": k.get("max_live_parameters", 200_000_000),
             "reduce_bucket_size": k.get("reduce_bucket_size", 50_000_000),
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": k["optimizer_buffers"],
-                                  "overlap_step": k.get("overlap_step", False)},
-            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": k["param_buffer_count"],
-                              "buffer_size": k["param_buffer_size"], "max_in_cpu": k["max_in_cpu"]},
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": nvme_path,
+                "buffer_count": k["optimizer_buffers"],
+                "overlap_step": k.get("overlap_step", False),
+            },
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": nvme_path,
+                "buffer_count": k["param_buffer_count"],
+                "buffer_size": k["param_buffer_size"],
+                "max_in_cpu": k["max_in_cpu"],
+            },
         },
         "aio": {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1},
     }
 
 
 # ---- measurements ---------------------------------------------------------------------------------
+
 
 def proc_io() -> tuple[int, int]:
     """(read_bytes, write_bytes) of this process from /proc/self/io (storage I/O, all threads)."""
@@ -204,15 +214,33 @@ def run_worker(plan: dict, nvme_path: str) -> None:
             seconds = time.perf_counter() - t
             io1, busy1 = proc_io(), disk_busy_ms(device)
             busy = None if busy0 is None or busy1 is None else (busy1 - busy0) / 1e3
-            records.append(StepRecord(step + 1, float(loss.item()), seconds, io1[0] - io0[0], io1[1] - io0[1],
-                                      busy, clock.seconds - wait0, tokens, (growth[0], growth[1], growth[2])))
+            records.append(
+                StepRecord(
+                    step + 1,
+                    float(loss.item()),
+                    seconds,
+                    io1[0] - io0[0],
+                    io1[1] - io0[1],
+                    busy,
+                    clock.seconds - wait0,
+                    tokens,
+                    (growth[0], growth[1], growth[2]),
+                )
+            )
             if rank == 0:
-                print(f"step {step + 1}: loss {records[-1].loss:.4f}, {seconds:.1f} s, "
-                      f"{tokens / seconds:,.1f} tokens/s", flush=True)
+                print(
+                    f"step {step + 1}: loss {records[-1].loss:.4f}, {seconds:.1f} s, {tokens / seconds:,.1f} tokens/s",
+                    flush=True,
+                )
     engine.close()
-    mine = {"rank": rank, "peak_rss": peak_rss_bytes(), "peak_rss_build": peak_build, "rss_after_init": rss_init,
-            "rss_after_initialize": rss_engine,
-            "records": [r.__dict__ for r in records]}
+    mine = {
+        "rank": rank,
+        "peak_rss": peak_rss_bytes(),
+        "peak_rss_build": peak_build,
+        "rss_after_init": rss_init,
+        "rss_after_initialize": rss_engine,
+        "records": [r.__dict__ for r in records],
+    }
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
@@ -224,8 +252,9 @@ def run_worker(plan: dict, nvme_path: str) -> None:
 SLOW_DISK_SHARE = 0.5
 
 
-def disk_throughput(read: int, written: int, busy_s: float | None, seconds: float, raw_read: float,
-                    raw_write: float) -> tuple[float, float, str]:
+def disk_throughput(
+    read: int, written: int, busy_s: float | None, seconds: float, raw_read: float, raw_write: float
+) -> tuple[float, float, str]:
     """(achieved, raw, over) in bytes/s for one step: ``achieved`` = bytes moved (``/proc/self/io`` of
     every rank) / seconds the disk was busy (``io_ticks``; without it the step's wall time, a lower
     bound on the rate: ``over`` says which); ``raw`` = the same bytes / the seconds the raw
@@ -242,9 +271,11 @@ def slow_disk_warning(step: int, achieved: float, raw: float, over: str, share: 
     nothing was moved)."""
     if raw <= 0 or achieved >= share * raw:
         return None
-    return (f"step {step}: the disk slowed down: {achieved / 1e6:,.0f} MB/s (bytes moved / {over}) vs "
-            f"{raw / 1e6:,.0f} MB/s at the start of the run (raw direct I/O, same read/write mix); this step's "
-            "time is the disk's, not zerodp's (sustained direct I/O can exhaust a virtual disk's burst budget)")
+    return (
+        f"step {step}: the disk slowed down: {achieved / 1e6:,.0f} MB/s (bytes moved / {over}) vs "
+        f"{raw / 1e6:,.0f} MB/s at the start of the run (raw direct I/O, same read/write mix); this step's "
+        "time is the disk's, not zerodp's (sustained direct I/O can exhaust a virtual disk's burst budget)"
+    )
 
 
 def plan_match(every: list[dict], plan: dict) -> list[str]:
@@ -253,27 +284,34 @@ def plan_match(every: list[dict], plan: dict) -> list[str]:
     rows = plan.get("ram_rows_per_rank")
     if not rows:
         return []
-    return [f"per rank: peak RSS / the plan's RAM rows ({rows / 1e9:.2f} GB per rank, slack not counted): "
-            + ", ".join(f"rank {r['rank']} {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / rows:.2f}" for r in every)]
+    return [
+        f"per rank: peak RSS / the plan's RAM rows ({rows / 1e9:.2f} GB per rank, slack not counted): "
+        + ", ".join(f"rank {r['rank']} {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / rows:.2f}" for r in every)
+    ]
 
 
-def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, build_s: float,
-           device: str | None) -> str:
+def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, build_s: float, device: str | None) -> str:
     m = plan["model"]
-    lines = ["-" * 100,
-             f"raw sequential direct I/O on this disk ({human_bytes(plan['probe_bytes'])}): write "
-             f"{raw_write / 1e6:,.0f} MB/s, read {raw_read / 1e6:,.0f} MB/s",
-             f"built under zero.Init + initialize in {build_s:.1f} s (GPT {m['n_layer']} x d_model {m['d_model']})",
-             "per rank: peak RSS of the run (getrusage) | peak RSS up to the end of initialize | RSS after "
-             "zero.Init | RSS after initialize"]
+    lines = [
+        "-" * 100,
+        f"raw sequential direct I/O on this disk ({human_bytes(plan['probe_bytes'])}): write "
+        f"{raw_write / 1e6:,.0f} MB/s, read {raw_read / 1e6:,.0f} MB/s",
+        f"built under zero.Init + initialize in {build_s:.1f} s (GPT {m['n_layer']} x d_model {m['d_model']})",
+        "per rank: peak RSS of the run (getrusage) | peak RSS up to the end of initialize | RSS after "
+        "zero.Init | RSS after initialize",
+    ]
     for r in every:
-        lines.append(f"  rank {r['rank']}: {human_bytes(r['peak_rss'])} | {human_bytes(r['peak_rss_build'])} | "
-                     f"{human_bytes(r['rss_after_init'])} | {human_bytes(r['rss_after_initialize'])}")
+        lines.append(
+            f"  rank {r['rank']}: {human_bytes(r['peak_rss'])} | {human_bytes(r['peak_rss_build'])} | "
+            f"{human_bytes(r['rss_after_init'])} | {human_bytes(r['rss_after_initialize'])}"
+        )
     lines += plan_match(every, plan)
     lines.append(f"per step (rank 0; I/O of all ranks summed; disk busy = io_ticks of {device or 'n/a'}):")
-    lines.append(f"  {'step':>4} {'loss':>8} {'time s':>8} {'read':>10} {'written':>10} {'busy s':>8} "
-                 f"{'wait s':>8} {'I/O/raw':>8} {'hidden':>7} {'step/max(c,io)':>15} {'MB/s':>7} {'raw MB/s':>9} "
-                 f"{'tokens/s':>9}")
+    lines.append(
+        f"  {'step':>4} {'loss':>8} {'time s':>8} {'read':>10} {'written':>10} {'busy s':>8} "
+        f"{'wait s':>8} {'I/O/raw':>8} {'hidden':>7} {'step/max(c,io)':>15} {'MB/s':>7} {'raw MB/s':>9} "
+        f"{'tokens/s':>9}"
+    )
     slow = []
     for i, rec in enumerate(every[0]["records"]):
         read = sum(r["records"][i]["read"] for r in every)
@@ -287,21 +325,31 @@ def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, bui
         else:
             eff = hidden = ratio = "n/a"
         achieved, raw, over = disk_throughput(read, written, busy, t, raw_read, raw_write)
-        lines.append(f"  {rec['step']:>4} {rec['loss']:>8.4f} {t:>8.1f} {human_bytes(read):>10} "
-                     f"{human_bytes(written):>10} {busy if busy is not None else float('nan'):>8.1f} {wait:>8.1f} "
-                     f"{eff:>8} {hidden:>7} {ratio:>15} {achieved / 1e6:>7,.0f} {raw / 1e6:>9,.0f} "
-                 f"{rec.get('tokens', 0) / t if t > 0 else 0.0:>9,.1f}")
+        lines.append(
+            f"  {rec['step']:>4} {rec['loss']:>8.4f} {t:>8.1f} {human_bytes(read):>10} "
+            f"{human_bytes(written):>10} {busy if busy is not None else float('nan'):>8.1f} {wait:>8.1f} "
+            f"{eff:>8} {hidden:>7} {ratio:>15} {achieved / 1e6:>7,.0f} {raw / 1e6:>9,.0f} "
+            f"{rec.get('tokens', 0) / t if t > 0 else 0.0:>9,.1f}"
+        )
         slow += [w] if (w := slow_disk_warning(rec["step"], achieved, raw, over)) else []
-    lines.append("  I/O/raw: (read / raw read + written / raw write) / busy; hidden: 1 - wait / busy; "
-                 "compute c = time - wait; MB/s: (read + written) / busy; raw MB/s: the same bytes at the raw "
-                 "figures above; tokens/s: tokens of all ranks in the step (accumulation x micro-batch x "
-                 "sequence x ranks) / step time")
-    lines.append("peak RSS growth per step and phase (rank: forward / backward / step(); the peak was reached in "
-                 "the last phase that grew):")
+    lines.append(
+        "  I/O/raw: (read / raw read + written / raw write) / busy; hidden: 1 - wait / busy; "
+        "compute c = time - wait; MB/s: (read + written) / busy; raw MB/s: the same bytes at the raw "
+        "figures above; tokens/s: tokens of all ranks in the step (accumulation x micro-batch x "
+        "sequence x ranks) / step time"
+    )
+    lines.append(
+        "peak RSS growth per step and phase (rank: forward / backward / step(); the peak was reached in "
+        "the last phase that grew):"
+    )
     for r in every:
-        lines.append(f"  rank {r['rank']}: " + ", ".join(
-            f"step {rec['step']} " + " / ".join(human_bytes(b) for b in rec.get("hwm_growth", (0, 0, 0)))
-            for rec in r["records"]))
+        lines.append(
+            f"  rank {r['rank']}: "
+            + ", ".join(
+                f"step {rec['step']} " + " / ".join(human_bytes(b) for b in rec.get("hwm_growth", (0, 0, 0)))
+                for rec in r["records"]
+            )
+        )
     lines += ["WARNING " + w for w in slow]
     return "\n".join(lines)
 

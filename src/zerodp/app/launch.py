@@ -71,8 +71,11 @@ def report_worker_failure(exc: BaseException, rank: int, stream: TextIO = sys.st
         tmp.write_text(json.dumps({"rank": rank, "time": time.time(), "message": message}))
         os.replace(tmp, path)
         return
-    print(f"{PREFIX}: error on rank {rank}: {message} (--debug or {DEBUG_ENV}=1 for the traceback)",
-          file=stream, flush=True)
+    print(
+        f"{PREFIX}: error on rank {rank}: {message} (--debug or {DEBUG_ENV}=1 for the traceback)",
+        file=stream,
+        flush=True,
+    )
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -193,14 +196,20 @@ def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
     """``--nproc`` and the rendezvous flags, in a group of their own (see :data:`LAUNCHER_FLAGS`)."""
     d = DEFAULTS
     launch = parser.add_argument_group("launcher (passed to torch.distributed.run)")
-    launch.add_argument("--nproc", metavar="N", type=int_at_least(1), default=d.nproc,
-                        help=f"ranks (processes) per node (default {d.nproc})")
+    launch.add_argument(
+        "--nproc",
+        metavar="N",
+        type=int_at_least(1),
+        default=d.nproc,
+        help=f"ranks (processes) per node (default {d.nproc})",
+    )
     launch.add_argument("--nnodes", metavar="N|MIN:MAX", help="number of nodes, or MIN:MAX (default 1)")
     launch.add_argument("--node-rank", metavar="R", type=int_at_least(0), help="this node's rank (static rendezvous)")
     launch.add_argument("--master-addr", metavar="HOST", help="address of the node-rank-0 host")
     launch.add_argument("--master-port", metavar="PORT", type=int_at_least(1), help="port on the master host")
-    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                        help="rendezvous host:port (e.g. for --rdzv-backend c10d)")
+    launch.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous host:port (e.g. for --rdzv-backend c10d)"
+    )
     launch.add_argument("--rdzv-backend", metavar="NAME", help="rendezvous backend, e.g. c10d or static")
     launch.add_argument("--rdzv-id", metavar="ID", help="job id shared by all nodes")
 

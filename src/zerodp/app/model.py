@@ -60,8 +60,11 @@ class GPTConfig:
             )
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"GPTConfig.tie_embeddings must be True or False, got {self.tie_embeddings!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
-                or not 0.0 <= float(self.dropout) < 1.0:
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, (int, float))
+            or not 0.0 <= float(self.dropout) < 1.0
+        ):
             raise ValueError(f"GPTConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
         self.dropout = float(self.dropout)
 

@@ -45,9 +45,11 @@ SYSTEMS = ("plain", "ddp", "fsdp2", "deepspeed", "zerodp_s0", "zerodp_s1", "zero
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zerodp.app.overhead_bench",
-                                description="host CPU microseconds per module per training step, zerodp "
-                                            "stages 0-3 next to DDP and FSDP2, on many tiny Linear layers")
+    p = argparse.ArgumentParser(
+        prog="python -m zerodp.app.overhead_bench",
+        description="host CPU microseconds per module per training step, zerodp "
+        "stages 0-3 next to DDP and FSDP2, on many tiny Linear layers",
+    )
     p.add_argument("--layers", type=int_at_least(1), default=64, help="number of Linear modules (64)")
     p.add_argument("--width", type=int_at_least(1), default=64, help="in and out features of each Linear (64)")
     p.add_argument("--batch", type=int_at_least(1), default=4, help="rows per rank and step (4)")
@@ -55,8 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int_at_least(1), default=3, help="untimed steps before them (3)")
     p.add_argument("--rounds", type=int_at_least(1), default=3, help="rounds; the median is reported (3)")
     p.add_argument("--ranks", type=int_at_least(1), default=2, help="ranks launched without torchrun (2)")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), metavar="SYSTEM",
-                   help=f"systems to measure, of {', '.join(SYSTEMS)} (all)")
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        choices=SYSTEMS,
+        default=list(SYSTEMS),
+        metavar="SYSTEM",
+        help=f"systems to measure, of {', '.join(SYSTEMS)} (all)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures there (rank 0)")
     return p
 
@@ -75,13 +83,19 @@ def _build(name: str, layers: int, width: int) -> StepFn:
     if name.startswith("zerodp_s"):
         import zerodp
 
-        engine = zerodp.initialize(model, {
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "device": "cpu",
-            "zero_optimization": {"stage": int(name[-1]), "stage3_param_persistence_threshold": 0}})
+        engine = zerodp.initialize(
+            model,
+            {
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "device": "cpu",
+                "zero_optimization": {"stage": int(name[-1]), "stage3_param_persistence_threshold": 0},
+            },
+        )
 
         def engine_step(x: torch.Tensor) -> None:
             engine.backward(engine(x).square().mean())
             engine.step()
+
         return engine_step
     if name == "deepspeed":
         try:
@@ -107,6 +121,7 @@ def _build(name: str, layers: int, width: int) -> StepFn:
         module(x).square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -132,7 +147,7 @@ def measure(args: argparse.Namespace) -> dict:
                 step(x)
             dist.barrier()
             c0, w0 = time.thread_time(), time.perf_counter()
-            for x in xs[args.warmup:]:
+            for x in xs[args.warmup :]:
                 step(x)
             c1, w1 = time.thread_time(), time.perf_counter()
             per = 1e6 / (args.steps * args.layers)
@@ -160,9 +175,11 @@ def with_ratios(figures: dict) -> dict:
 
 
 def table(figures: dict, args: argparse.Namespace, world: int) -> str:
-    lines = [f"host cost per module per step: {args.layers} x Linear({args.width}, {args.width}), batch {args.batch} "
-             f"per rank, {world} ranks (gloo, CPU), {args.steps} steps x {args.rounds} rounds (median)",
-             f"{'system':<11} {'cpu_us':>8} {'wall_us':>8} {'cpu/ddp':>8} {'cpu/fsdp2':>9}"]
+    lines = [
+        f"host cost per module per step: {args.layers} x Linear({args.width}, {args.width}), batch {args.batch} "
+        f"per rank, {world} ranks (gloo, CPU), {args.steps} steps x {args.rounds} rounds (median)",
+        f"{'system':<11} {'cpu_us':>8} {'wall_us':>8} {'cpu/ddp':>8} {'cpu/fsdp2':>9}",
+    ]
     for name, row in figures.items():
         if "skipped" in row:
             lines.append(f"{name:<11} skipped: {row['skipped']}")
@@ -181,16 +198,32 @@ def run(args: argparse.Namespace) -> None:
         print(table(figures, args, dist.get_world_size()), flush=True)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"args": {k: v for k, v in vars(args).items()}, "world_size": dist.get_world_size(),
-                           "torch": torch.__version__, "figures": figures}, f, indent=1)
+                json.dump(
+                    {
+                        "args": {k: v for k, v in vars(args).items()},
+                        "world_size": dist.get_world_size(),
+                        "torch": torch.__version__,
+                        "figures": figures,
+                    },
+                    f,
+                    indent=1,
+                )
     zerodp.shutdown_distributed()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ:  # launch the ranks
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-               "-m", "zerodp.app.overhead_bench", *(sys.argv[1:] if argv is None else argv)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.ranks}",
+            "-m",
+            "zerodp.app.overhead_bench",
+            *(sys.argv[1:] if argv is None else argv),
+        ]
         return subprocess.call(cmd)
     run(args)
     return 0

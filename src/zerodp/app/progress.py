@@ -30,9 +30,15 @@ class ProgressLog:
         clock: seconds (monotonic); injectable for tests.
     """
 
-    def __init__(self, total: int, initial: int = 0, stream: TextIO = sys.stderr,
-                 interval_s: float = LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
-                 desc: str = "train") -> None:
+    def __init__(
+        self,
+        total: int,
+        initial: int = 0,
+        stream: TextIO = sys.stderr,
+        interval_s: float = LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        desc: str = "train",
+    ) -> None:
         self.total, self.n, self.stream = total, initial, stream
         self.interval_s, self.clock, self.desc = interval_s, clock, desc
         self.start = clock()
@@ -58,13 +64,20 @@ class ProgressLog:
         """Prints nothing: a line now could follow the previous one within ``interval_s``."""
 
 
-def progress_bar(total: int, enabled: bool, initial: int = 0,
-                 stream: TextIO | None = None) -> tqdm | ProgressLog:
+def progress_bar(total: int, enabled: bool, initial: int = 0, stream: TextIO | None = None) -> tqdm | ProgressLog:
     """tqdm on a terminal (``stream``, default stderr), else a :class:`ProgressLog`; disabled: a
     tqdm that prints nothing."""
     stream = stream if stream is not None else sys.stderr
     tty = stream.isatty()
     if enabled and not tty:
         return ProgressLog(total, initial, stream)
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step",
-                dynamic_ncols=True, mininterval=0.2, file=stream)
+    return tqdm(
+        total=total,
+        initial=initial,
+        disable=not enabled,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=0.2,
+        file=stream,
+    )

@@ -20,17 +20,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
-def add_parser(sub: Any, add_launcher_arguments: Callable[[Any], None],
-               torchrun_prefix: Callable[[argparse.Namespace], list[str]]) -> None:
+def add_parser(
+    sub: Any, add_launcher_arguments: Callable[[Any], None], torchrun_prefix: Callable[[argparse.Namespace], list[str]]
+) -> None:
     """Add the ``run`` subcommand to ``sub`` (argparse subparsers); ``add_launcher_arguments(parser)``
     adds ``--nproc`` and the rendezvous flags (those of ``zerodp train``), ``torchrun_prefix(args)``
     turns them into the ``python -m torch.distributed.run ...`` command (both from zerodp.app.launch)."""
     ru = sub.add_parser(
-        "run", help="run a DeepSpeed / HF Trainer script on zerodp registered as `deepspeed`",
+        "run",
+        help="run a DeepSpeed / HF Trainer script on zerodp registered as `deepspeed`",
         description="Launch SCRIPT on N ranks (torch.distributed.run) with zerodp.deepspeed registered as the "
-                    "`deepspeed` module, so that the script and the libraries it uses (transformers' Trainer "
-                    "with deepspeed=..., accelerate) run on zerodp without DeepSpeed installed. Refuses where "
-                    "a real DeepSpeed is installed.")
+        "`deepspeed` module, so that the script and the libraries it uses (transformers' Trainer "
+        "with deepspeed=..., accelerate) run on zerodp without DeepSpeed installed. Refuses where "
+        "a real DeepSpeed is installed.",
+    )
     add_launcher_arguments(ru)
     ru.add_argument("script", metavar="SCRIPT", help="the Python script to run")
     ru.add_argument("script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="SCRIPT's own arguments")

@@ -63,9 +63,14 @@ def client_state(s: RunSettings, corpus: dict[str, int], world: int, loss_before
     """What ``zerodp train`` stores in each checkpoint's ``client_state`` (JSON)."""
     ecfg = s.engine_config
     return {
-        "zerodp_train": CLIENT_STATE_VERSION, "seed": s.seed, "model": asdict(s.model), "corpus": corpus,
-        "micro_batch": ecfg.train_micro_batch_size_per_gpu, "grad_accum": ecfg.gradient_accumulation_steps,
-        "world_size": world, "loss_before": loss_before,
+        "zerodp_train": CLIENT_STATE_VERSION,
+        "seed": s.seed,
+        "model": asdict(s.model),
+        "corpus": corpus,
+        "micro_batch": ecfg.train_micro_batch_size_per_gpu,
+        "grad_accum": ecfg.gradient_accumulation_steps,
+        "world_size": world,
+        "loss_before": loss_before,
     }
 
 
@@ -88,14 +93,17 @@ def check_resume(s: RunSettings, corpus: dict[str, int] | None = None) -> tuple[
 
     d = Path(s.save_dir)
     if s.resume_tag is None and not (d / checkpoint.LATEST_FILE).is_file() and not (d / checkpoint.META_FILE).is_file():
-        raise ValueError(f"--resume: no checkpoint in {d} (no '{checkpoint.LATEST_FILE}' file); save one "
-                         "with --save-every N first, or point --save-dir at the directory holding it")
+        raise ValueError(
+            f"--resume: no checkpoint in {d} (no '{checkpoint.LATEST_FILE}' file); save one "
+            "with --save-every N first, or point --save-dir at the directory holding it"
+        )
     path = checkpoint.resolve_checkpoint(d, s.resume_tag)  # CheckpointError is a ValueError
     meta = checkpoint.read_meta(path)
     cs = meta.client_state
     if not isinstance(cs, dict) or cs.get("zerodp_train") != CLIENT_STATE_VERSION:
-        raise ValueError(f"cannot resume from {path}: it was not written by `zerodp train` (no "
-                         "zerodp_train client_state)")
+        raise ValueError(
+            f"cannot resume from {path}: it was not written by `zerodp train` (no zerodp_train client_state)"
+        )
     diffs = []
     if cs.get("seed") != s.seed:
         diffs.append(f"seed {cs.get('seed')} (this run: {s.seed})")
@@ -108,14 +116,21 @@ def check_resume(s: RunSettings, corpus: dict[str, int] | None = None) -> tuple[
         diffs.append(f"model {shown} (this run: {s.model})")
     if corpus is not None and cs.get("corpus") != corpus:
         c = cs.get("corpus") or {}
-        diffs.append(f"corpus of {c.get('bytes')} bytes, crc32 {c.get('crc32')} (this run: "
-                     f"{corpus['bytes']} bytes, crc32 {corpus['crc32']})")
+        diffs.append(
+            f"corpus of {c.get('bytes')} bytes, crc32 {c.get('crc32')} (this run: "
+            f"{corpus['bytes']} bytes, crc32 {corpus['crc32']})"
+        )
     if diffs:
-        raise ValueError(f"cannot resume from {path}: it was trained with " + "; ".join(diffs)
-                         + ". Use the same --seed/model flags/--data, or another --save-dir")
+        raise ValueError(
+            f"cannot resume from {path}: it was trained with "
+            + "; ".join(diffs)
+            + ". Use the same --seed/model flags/--data, or another --save-dir"
+        )
     if meta.global_steps >= s.steps:
-        raise ValueError(f"cannot resume from {path}: it is at step {meta.global_steps}, and --steps is "
-                         f"{s.steps}; pass a larger --steps to train further")
+        raise ValueError(
+            f"cannot resume from {path}: it is at step {meta.global_steps}, and --steps is "
+            f"{s.steps}; pass a larger --steps to train further"
+        )
     return path, cs, meta.global_steps
 
 
@@ -158,10 +173,11 @@ def _step_losses(value: float) -> list[float]:
 
 
 def _diverged(what: str, step: int, last_saved: Path | None) -> TrainingDiverged:
-    kept = (f"the last checkpoint, {last_saved}, was kept" if last_saved is not None
-            else "no checkpoint was written")
-    return TrainingDiverged(f"{what} at step {step}; training stopped and {kept}. Lower the learning rate "
-                            "(--lr, optimizer.params.lr), or set gradient_clipping in a --config file")
+    kept = f"the last checkpoint, {last_saved}, was kept" if last_saved is not None else "no checkpoint was written"
+    return TrainingDiverged(
+        f"{what} at step {step}; training stopped and {kept}. Lower the learning rate "
+        "(--lr, optimizer.params.lr), or set gradient_clipping in a --config file"
+    )
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -193,8 +209,11 @@ def _precision_text(s: RunSettings) -> str:
     if e.bf16.enabled:
         return "bf16 (fp32 master weights)"
     if e.fp16.enabled:
-        scale = (f"static loss scale {e.fp16.loss_scale:g}" if e.fp16.loss_scale > 0
-                 else f"dynamic loss scale from 2^{e.fp16.initial_scale_power}")
+        scale = (
+            f"static loss scale {e.fp16.loss_scale:g}"
+            if e.fp16.loss_scale > 0
+            else f"dynamic loss scale from 2^{e.fp16.initial_scale_power}"
+        )
         return f"fp16 ({scale}, fp32 master weights)"
     return "fp32"
 
@@ -231,19 +250,26 @@ def _run(s: RunSettings, t_start: float) -> None:
     tokens_per_step = micro * accum * world * mcfg.seq_len
     if rank == 0:
         schedule = f", {ecfg.scheduler.type} schedule" if ecfg.scheduler is not None else ""
-        print(f"zerodp train: {world} rank{'s' if world != 1 else ''}, ZeRO stage {ecfg.zero_optimization.stage}, "
-              f"{_precision_text(s)}{schedule}, "
-              f"GPT {mcfg.n_layer} layers x d_model {mcfg.d_model} ({count_parameters(mcfg):,} params), "
-              f"corpus {len(train_tokens):,} train + {len(heldout_tokens):,} held-out bytes, "
-              f"{s.steps} steps x {tokens_per_step:,} tokens", flush=True)
+        print(
+            f"zerodp train: {world} rank{'s' if world != 1 else ''}, ZeRO stage {ecfg.zero_optimization.stage}, "
+            f"{_precision_text(s)}{schedule}, "
+            f"GPT {mcfg.n_layer} layers x d_model {mcfg.d_model} ({count_parameters(mcfg):,} params), "
+            f"corpus {len(train_tokens):,} train + {len(heldout_tokens):,} held-out bytes, "
+            f"{s.steps} steps x {tokens_per_step:,} tokens",
+            flush=True,
+        )
         if saved is not None:
-            print(f"resumed from {path} at step {start} (data continues at micro-step {start * accum})",
-                  flush=True)
-            if (saved.get("micro_batch", 0) * saved.get("world_size", 0), saved.get("grad_accum")) \
-                    != (micro * world, accum):  # GlobalBatches depend on micro * world only
-                print(f"note: the checkpoint was trained with {saved.get('world_size')} ranks x micro-batch "
-                      f"{saved.get('micro_batch')} x {saved.get('grad_accum')} accumulation steps; this run's "
-                      f"batches differ from what an uninterrupted run would have read", flush=True)
+            print(f"resumed from {path} at step {start} (data continues at micro-step {start * accum})", flush=True)
+            if (saved.get("micro_batch", 0) * saved.get("world_size", 0), saved.get("grad_accum")) != (
+                micro * world,
+                accum,
+            ):  # GlobalBatches depend on micro * world only
+                print(
+                    f"note: the checkpoint was trained with {saved.get('world_size')} ranks x micro-batch "
+                    f"{saved.get('micro_batch')} x {saved.get('grad_accum')} accumulation steps; this run's "
+                    f"batches differ from what an uninterrupted run would have read",
+                    flush=True,
+                )
 
     saved_paths: list[Path] = []
     save_s = 0.0
@@ -252,8 +278,11 @@ def _run(s: RunSettings, t_start: float) -> None:
     def save(step: int) -> None:
         nonlocal save_s
         if not engine.parameters_finite():
-            raise _diverged("the parameters became non-finite (inf/nan) in the update", step,
-                            saved_paths[-1] if saved_paths else path)
+            raise _diverged(
+                "the parameters became non-finite (inf/nan) in the update",
+                step,
+                saved_paths[-1] if saved_paths else path,
+            )
         t0 = time.perf_counter()
         saved_paths.append(Path(engine.save_checkpoint(s.save_dir, client_state=state)))
         save_s += time.perf_counter() - t0
@@ -273,8 +302,12 @@ def _run(s: RunSettings, t_start: float) -> None:
         step_loss = sum(losses) / world
         if check_loss and not math.isfinite(step_loss):
             bad = [r for r, v in enumerate(losses) if not math.isfinite(v)]
-            raise _diverged(f"the training loss is {losses[bad[0]]} on rank{'s' if len(bad) > 1 else ''} "
-                            f"{', '.join(map(str, bad))}", step + 1, saved_paths[-1] if saved_paths else path)
+            raise _diverged(
+                f"the training loss is {losses[bad[0]]} on rank{'s' if len(bad) > 1 else ''} "
+                f"{', '.join(map(str, bad))}",
+                step + 1,
+                saved_paths[-1] if saved_paths else path,
+            )
         if s.save_every and (step + 1) % s.save_every == 0:
             save(step + 1)
         elapsed = time.perf_counter() - t_train - save_s
@@ -312,26 +345,32 @@ def _run(s: RunSettings, t_start: float) -> None:
         rule = "-" * 72
         print(rule)
         which = f"steps {start + 1}-{s.steps} ({n_steps} steps, " if start else f"{n_steps} steps ("
-        print(f"trained {which}{n_steps * tokens_per_step:,} tokens) in {train_s:.1f} s, "
-              f"{n_steps * tokens_per_step / max(train_s, 1e-9):,.0f} tokens/s; worker wall time {total_s:.1f} s")
+        print(
+            f"trained {which}{n_steps * tokens_per_step:,} tokens) in {train_s:.1f} s, "
+            f"{n_steps * tokens_per_step / max(train_s, 1e-9):,.0f} tokens/s; worker wall time {total_s:.1f} s"
+        )
         print(f"held-out loss (nats/byte): {loss_before:.6f} -> {loss_after:.6f}")
         if ecfg.fp16.enabled:
-            print(f"fp16 loss scale at the end {engine.loss_scale:g}; {engine.skipped_steps} of "
-                  f"{engine.global_steps} steps skipped (gradient overflow)")
+            print(
+                f"fp16 loss scale at the end {engine.loss_scale:g}; {engine.skipped_steps} of "
+                f"{engine.global_steps} steps skipped (gradient overflow)"
+            )
         if saved_paths:
-            print(f"checkpoints saved in {s.save_dir}: "
-                  + ", ".join(p.name for p in saved_paths)
-                  + f" ({save_s:.1f} s, not counted above; continue with --resume, export with "
-                    f"`zerodp consolidate {s.save_dir} model.safetensors`)")
+            print(
+                f"checkpoints saved in {s.save_dir}: "
+                + ", ".join(p.name for p in saved_paths)
+                + f" ({save_s:.1f} s, not counted above; continue with --resume, export with "
+                f"`zerodp consolidate {s.save_dir} model.safetensors`)"
+            )
         print(rule)
         print("model-state memory per rank (measured from the engine's tensors vs the ZeRO paper formula)")
         for table in gathered or []:
             print(table)
         print(rule)
-        psi_per_step = accounting.comm_elements_per_step(ecfg.zero_optimization.stage, 1,
-                                                         ecfg.gradient_accumulation_steps)
-        print(f"communication of rank 0 over the {n_steps} training steps "
-              f"(ZeRO formula: {psi_per_step} Psi per step)")
+        psi_per_step = accounting.comm_elements_per_step(
+            ecfg.zero_optimization.stage, 1, ecfg.gradient_accumulation_steps
+        )
+        print(f"communication of rank 0 over the {n_steps} training steps (ZeRO formula: {psi_per_step} Psi per step)")
         print(comm_table)
         print(rule)
         print(f"sample ({s.sample_tokens} bytes, temperature {s.temperature}, seed {s.seed}):")
@@ -356,6 +395,18 @@ def _synced_sample(engine: zerodp.Engine, prompt: torch.Tensor, s: RunSettings, 
     return state["idx"]
 
 
-__all__ = ["CLIENT_STATE_VERSION", "DEFAULTS", "ENGINE_FLAGS", "RunSettings", "TrainDefaults", "TrainingDiverged",
-           "check_resume", "client_state", "corpus_fingerprint", "engine_config_from_flags", "evaluate",
-           "resolve_settings", "run_worker"]
+__all__ = [
+    "CLIENT_STATE_VERSION",
+    "DEFAULTS",
+    "ENGINE_FLAGS",
+    "RunSettings",
+    "TrainDefaults",
+    "TrainingDiverged",
+    "check_resume",
+    "client_state",
+    "corpus_fingerprint",
+    "engine_config_from_flags",
+    "evaluate",
+    "resolve_settings",
+    "run_worker",
+]

@@ -84,8 +84,17 @@ class RunSettings:
 
 
 #: engine flags that ``--config`` excludes (the file sets them).
-ENGINE_FLAGS = ("stage", "lr", "micro_batch", "grad_accum", "bf16", "fp16", "offload_optimizer", "offload_param",
-                "nvme_path")
+ENGINE_FLAGS = (
+    "stage",
+    "lr",
+    "micro_batch",
+    "grad_accum",
+    "bf16",
+    "fp16",
+    "offload_optimizer",
+    "offload_param",
+    "nvme_path",
+)
 
 
 def _pick(args: argparse.Namespace, name: str) -> Any:
@@ -108,8 +117,7 @@ def engine_config_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": _pick(args, "micro_batch"),
         "gradient_accumulation_steps": _pick(args, "grad_accum"),
-        "optimizer": {"type": "AdamW", "params": {"lr": _pick(args, "lr"), "betas": [0.9, 0.95],
-                                                  "weight_decay": 0.0}},
+        "optimizer": {"type": "AdamW", "params": {"lr": _pick(args, "lr"), "betas": [0.9, 0.95], "weight_decay": 0.0}},
         "zero_optimization": zero,
         "gradient_clipping": DEFAULTS.gradient_clipping,
         "seed": _pick(args, "seed"),
@@ -149,24 +157,39 @@ def resolve_settings(args: argparse.Namespace) -> RunSettings:
     if config_path is not None:
         clash = [f"--{n.replace('_', '-')}" for n in ENGINE_FLAGS if getattr(args, n, None) not in (None, False)]
         if clash:
-            raise ValueError(f"--config sets the engine; do not combine it with {', '.join(clash)} "
-                             f"(put those values in the config file instead)")
+            raise ValueError(
+                f"--config sets the engine; do not combine it with {', '.join(clash)} "
+                f"(put those values in the config file instead)"
+            )
         engine_config = load_config(config_path).require_batch_size(f"--config {config_path}")
-        seed = args.seed if getattr(args, "seed", None) is not None else (
-            engine_config.seed if engine_config.seed is not None else DEFAULTS.seed)
+        seed = (
+            args.seed
+            if getattr(args, "seed", None) is not None
+            else (engine_config.seed if engine_config.seed is not None else DEFAULTS.seed)
+        )
     else:
         engine_config = load_config(engine_config_from_flags(args))
         seed = _pick(args, "seed")
     prompt = _pick(args, "prompt")
     if not prompt:
         raise ValueError("--prompt must not be empty")
-    model = GPTConfig(n_layer=_pick(args, "n_layer"), n_head=_pick(args, "n_head"),
-                      d_model=_pick(args, "d_model"), seq_len=_pick(args, "seq_len"))
+    model = GPTConfig(
+        n_layer=_pick(args, "n_layer"),
+        n_head=_pick(args, "n_head"),
+        d_model=_pick(args, "d_model"),
+        seq_len=_pick(args, "seq_len"),
+    )
     return RunSettings(
-        engine_config=engine_config, model=model, data=getattr(args, "data", None),
-        steps=_pick(args, "steps"), seed=seed, eval_batches=_pick(args, "eval_batches"),
-        sample_tokens=_pick(args, "sample_tokens"), prompt=prompt,
-        temperature=_pick(args, "temperature"), save_dir=_pick(args, "save_dir"),
+        engine_config=engine_config,
+        model=model,
+        data=getattr(args, "data", None),
+        steps=_pick(args, "steps"),
+        seed=seed,
+        eval_batches=_pick(args, "eval_batches"),
+        sample_tokens=_pick(args, "sample_tokens"),
+        prompt=prompt,
+        temperature=_pick(args, "temperature"),
+        save_dir=_pick(args, "save_dir"),
         save_every=_pick(args, "save_every"),
         resume=bool(getattr(args, "resume", False)) or getattr(args, "resume_tag", None) is not None,
         resume_tag=getattr(args, "resume_tag", None),

@@ -72,11 +72,11 @@ restored either way).
 from zerodp.checkpoint.consolidation import consolidate, load_full_state_dict
 from zerodp.checkpoint.format import EXTRA_FILE, LATEST_FILE, META_FILE, CheckpointError, check_tag
 from zerodp.checkpoint.layout import (
-                                      LAYOUTS,
-                                      CheckpointLayout,
-                                      ReplicatedParamsLayout,
-                                      ShardedParamsLayout,
-                                      module_state_dict,
+    LAYOUTS,
+    CheckpointLayout,
+    ReplicatedParamsLayout,
+    ShardedParamsLayout,
+    module_state_dict,
 )
 from zerodp.checkpoint.load import load_checkpoint
 from zerodp.checkpoint.meta import CheckpointMeta, read_meta
@@ -86,8 +86,24 @@ from zerodp.checkpoint.save import save_checkpoint
 from zerodp.checkpoint.sharded_export import export_sharded_safetensors
 
 __all__ = [
-    "CheckpointError", "CheckpointMeta", "CheckpointLayout", "CheckpointReader", "ReplicatedParamsLayout",
-    "ShardedParamsLayout", "LAYOUTS", "EXTRA_FILE", "LATEST_FILE", "META_FILE",
-    "save_checkpoint", "load_checkpoint", "module_state_dict", "consolidate", "load_full_state_dict",
-    "resolve_checkpoint", "read_meta", "check_tag", "load_safetensors_weights", "export_sharded_safetensors",
+    "CheckpointError",
+    "CheckpointMeta",
+    "CheckpointLayout",
+    "CheckpointReader",
+    "ReplicatedParamsLayout",
+    "ShardedParamsLayout",
+    "LAYOUTS",
+    "EXTRA_FILE",
+    "LATEST_FILE",
+    "META_FILE",
+    "save_checkpoint",
+    "load_checkpoint",
+    "module_state_dict",
+    "consolidate",
+    "load_full_state_dict",
+    "resolve_checkpoint",
+    "read_meta",
+    "check_tag",
+    "load_safetensors_weights",
+    "export_sharded_safetensors",
 ]

@@ -47,8 +47,9 @@ def check_same_on_ranks(engine: Engine, what: str, values: Mapping[str, Any]) ->
     if engine.world_size == 1:
         return
     texts = {k: _text(v) for k, v in values.items()}
-    mine = torch.tensor([zlib.crc32(t.encode()) for t in texts.values()], dtype=torch.int64,
-                        device=_comm_device(engine))
+    mine = torch.tensor(
+        [zlib.crc32(t.encode()) for t in texts.values()], dtype=torch.int64, device=_comm_device(engine)
+    )
     table = torch.empty(engine.world_size * len(texts), dtype=torch.int64, device=mine.device)
     comm.all_gather_single(table, mine, group=engine.process_group)
     rows = table.view(engine.world_size, len(texts))
@@ -61,9 +62,11 @@ def check_same_on_ranks(engine: Engine, what: str, values: Mapping[str, Any]) ->
         seen = [r[k] for r in every]
         if len(set(seen)) > 1:
             lines.append(f"{k}: " + ", ".join(f"rank {i} {v!r}" for i, v in enumerate(seen)))
-    raise CheckpointError(f"{what}: the ranks passed different arguments; every rank must pass the same "
-                          f"ones (e.g. a directory named from each rank's own clock differs per rank: "
-                          f"name it on rank 0 and broadcast it). " + "; ".join(lines))
+    raise CheckpointError(
+        f"{what}: the ranks passed different arguments; every rank must pass the same "
+        f"ones (e.g. a directory named from each rank's own clock differs per rank: "
+        f"name it on rank 0 and broadcast it). " + "; ".join(lines)
+    )
 
 
 def _text(v: Any) -> str:

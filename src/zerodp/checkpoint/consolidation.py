@@ -63,8 +63,10 @@ def consolidate(checkpoint_dir: PathLike, out_path: PathLike, tag: str | None = 
             out.parent.mkdir(parents=True, exist_ok=True)
             write_safetensors_streaming(reader, out)
         return out
-    sd = {k: (v.to(value_dtype(v.dtype)) if v.is_floating_point() else v).contiguous()
-          for k, v in load_full_state_dict(checkpoint_dir, tag).items()}
+    sd = {
+        k: (v.to(value_dtype(v.dtype)) if v.is_floating_point() else v).contiguous()
+        for k, v in load_full_state_dict(checkpoint_dir, tag).items()
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     torch.save(sd, tmp)

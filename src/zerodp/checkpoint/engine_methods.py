@@ -39,27 +39,40 @@ class CheckpointMethods:
     stage: int
     rank: int
 
-    def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: Mapping[str, Any] | None = None,
-                        exclude_frozen_parameters: bool = False) -> Any:
+    def save_checkpoint(
+        self,
+        save_dir: Any,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        exclude_frozen_parameters: bool = False,
+    ) -> Any:
         """Collective: write a sharded checkpoint to ``save_dir/<tag>`` (default ``global_step{N}``) and
         point ``save_dir/latest`` at it; returns that directory. ``exclude_frozen_parameters``: only trained
         parameters and their optimizer states. See :func:`zerodp.checkpoint.save_checkpoint`."""
         with self.collective_call("save_checkpoint"), self._states_resident():
-            return save.save_checkpoint(cast(CheckpointableEngine, self), self._checkpoint_dir(save_dir), tag,
-                                        client_state, exclude_frozen_parameters)
+            return save.save_checkpoint(
+                cast(CheckpointableEngine, self),
+                self._checkpoint_dir(save_dir),
+                tag,
+                client_state,
+                exclude_frozen_parameters,
+            )
 
-    def load_checkpoint(self, load_dir: Any, tag: str | None = None,
-                        load_optimizer_states: bool = True) -> tuple[Any, Any]:
+    def load_checkpoint(
+        self, load_dir: Any, tag: str | None = None, load_optimizer_states: bool = True
+    ) -> tuple[Any, Any]:
         """Collective: load ``load_dir/<tag>`` (default: ``latest``), saved at any world size and stage;
         returns (checkpoint directory, client_state). ``load_optimizer_states=False``: the optimizer's
         state and hyperparameters stay (e.g. a checkpoint saved with another optimizer). See
         :func:`zerodp.checkpoint.load_checkpoint`."""
         with self.collective_call("load_checkpoint"), self._states_resident(write=True):
-            return load.load_checkpoint(cast(CheckpointableEngine, self), self._checkpoint_dir(load_dir), tag,
-                                        load_optimizer_states)
+            return load.load_checkpoint(
+                cast(CheckpointableEngine, self), self._checkpoint_dir(load_dir), tag, load_optimizer_states
+            )
 
-    def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
+    def save_16bit_model(
+        self, save_dir: Any, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
         """Collective: write the full weights in the module's dtype (bf16/fp16 under mixed precision) to
         ``save_dir/save_filename`` with ``torch.save`` on rank 0; returns True on every rank once the file
         exists (DeepSpeed's method). ``exclude_frozen_parameters``: without parameters whose
@@ -87,11 +100,15 @@ class CheckpointMethods:
         """
         gathered = []
         if self.sharding is not None:
-            gathered = [GatheredCopy(u.group, u.full) for u in self.sharding.units
-                        if u.full is not None and u.full.untyped_storage().nbytes() > 0]
+            gathered = [
+                GatheredCopy(u.group, u.full)
+                for u in self.sharding.units
+                if u.full is not None and u.full.untyped_storage().nbytes() > 0
+            ]
         with self._states_resident(write=True):  # NVMe offload: masters are placeholders between steps
-            return load_module_state(self.module, self.groups, self.frozen, gathered, state_dict, strict,
-                                     self.process_group, self.ledger)
+            return load_module_state(
+                self.module, self.groups, self.frozen, gathered, state_dict, strict, self.process_group, self.ledger
+            )
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """Full state dict keyed like ``module.state_dict()``, fresh copies, on every rank (a

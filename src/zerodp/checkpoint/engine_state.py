@@ -68,8 +68,7 @@ def full_master_values(engine: Engine) -> dict[int, torch.Tensor]:
         slots = [s for s in g.slots if id(s.param) in trained]
         if not slots:
             continue
-        full = torch.full((max(s.offset + s.numel for s in slots),), -0.0, dtype=torch.float32,
-                          device=g.buffer.device)
+        full = torch.full((max(s.offset + s.numel for s in slots),), -0.0, dtype=torch.float32, device=g.buffer.device)
         for piece in g.pieces:
             if piece.master is not None:
                 full[piece.lo : piece.hi] = piece.master
@@ -78,6 +77,7 @@ def full_master_values(engine: Engine) -> dict[int, torch.Tensor]:
         for s in slots:
             out[id(s.param)] = s.view(full[s.offset : s.offset + s.numel]).clone()
     return out
+
 
 _NOT_JSON = object()
 
@@ -117,7 +117,6 @@ def scheduler_state(engine: Engine) -> SchedulerRecord | None:
     return SchedulerRecord(type=type(scheduler).__name__, state=_json_part(scheduler.state_dict()))
 
 
-
 def describe_model(engine: Engine) -> tuple[list[TensorRecord], list[TensorRecord], list[str]]:
     """(parameter records, buffer records, state_dict keys) of ``engine.module`` as it is now."""
     slots = {id(s.param): s for g in engine.groups for s in g.slots}
@@ -135,11 +134,16 @@ def describe_model(engine: Engine) -> tuple[list[TensorRecord], list[TensorRecor
         t = first[i]
         s = slots.get(i)  # a slot's parameter may be a placeholder (stage 3): take the slot's shape
         name, shape = (s.name, s.shape) if s is not None else (names[0], t.shape)
-        rec = TensorRecord(name=name, aliases=[name] + [n for n in names if n != name], shape=list(shape),
-                           numel=prod(list(shape)), dtype=dtype_name(t.dtype),
-                           requires_grad=bool(t.requires_grad), trained=i in trained_ids,
-                           strides=list(s.stride) if s is not None and s.stride is not None and i in trained_ids
-                           else None)  # trained values are stored in slot order; others as tensors
+        rec = TensorRecord(
+            name=name,
+            aliases=[name] + [n for n in names if n != name],
+            shape=list(shape),
+            numel=prod(list(shape)),
+            dtype=dtype_name(t.dtype),
+            requires_grad=bool(t.requires_grad),
+            trained=i in trained_ids,
+            strides=list(s.stride) if s is not None and s.stride is not None and i in trained_ids else None,
+        )  # trained values are stored in slot order; others as tensors
         (params if i in param_ids else buffers).append(rec)
     return params, buffers, list(sd.keys())
 
@@ -179,12 +183,19 @@ def group_hyperparameters(meta: CheckpointMeta, names: list[str]) -> dict[str, A
         g = saved_group.get(canonical.get(n, n))
         if g is not None:
             found.setdefault(g.index, (g, n))
-    hps = {json.dumps({k: v for k, v in g.hyperparameters.items() if k not in IMPLEMENTATION_OPTIONS},
-                      sort_keys=True): (g, n) for g, n in found.values()}
+    hps = {
+        json.dumps({k: v for k, v in g.hyperparameters.items() if k not in IMPLEMENTATION_OPTIONS}, sort_keys=True): (
+            g,
+            n,
+        )
+        for g, n in found.values()
+    }
     if len(hps) > 1:
         (g1, n1), (g2, n2) = list(hps.values())[:2]
-        raise CheckpointError(f"its parameters {n1!r} and {n2!r} were in saved param groups {g1.index} and "
-                              f"{g2.index} with different hyperparameters; group them as when saving")
+        raise CheckpointError(
+            f"its parameters {n1!r} and {n2!r} were in saved param groups {g1.index} and "
+            f"{g2.index} with different hyperparameters; group them as when saving"
+        )
     return next(iter(found.values()))[0].hyperparameters if found else None
 
 
@@ -208,8 +219,9 @@ def group_records(engine: Engine) -> list[GroupRecord]:
     return out
 
 
-def keyed_like_state_dict(engine: Engine, full: dict[int, torch.Tensor],
-                           other: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+def keyed_like_state_dict(
+    engine: Engine, full: dict[int, torch.Tensor], other: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """``module.state_dict()``'s keys mapped to ``full[id(tensor)]`` where present (tied names: the
     first takes that tensor, the others their own copy), else to ``other(tensor)``."""
     out: dict[str, torch.Tensor] = {}

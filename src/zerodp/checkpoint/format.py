@@ -67,10 +67,19 @@ def check_tag(tag: str) -> str:
         CheckpointError: empty, a path (contains a separator), ``.``/``..``, starts with ``.``, or is
             ``latest``.
     """
-    if (not isinstance(tag, str) or not tag or tag in (".", "..", LATEST_FILE) or tag.startswith(".")
-            or "/" in tag or os.sep in tag or (os.altsep and os.altsep in tag) or "\n" in tag):
-        raise CheckpointError(f"invalid checkpoint tag {tag!r}: use a plain directory name (not starting "
-                              f"with '.', not {LATEST_FILE!r})")
+    if (
+        not isinstance(tag, str)
+        or not tag
+        or tag in (".", "..", LATEST_FILE)
+        or tag.startswith(".")
+        or "/" in tag
+        or os.sep in tag
+        or (os.altsep and os.altsep in tag)
+        or "\n" in tag
+    ):
+        raise CheckpointError(
+            f"invalid checkpoint tag {tag!r}: use a plain directory name (not starting with '.', not {LATEST_FILE!r})"
+        )
     return tag
 
 

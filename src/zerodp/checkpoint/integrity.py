@@ -65,8 +65,7 @@ def decode(metadata: Mapping[str, str] | None, where: str) -> dict[str, int]:
         crcs = json.loads(raw) if raw is not None else None
     except json.JSONDecodeError:
         crcs = None
-    if not isinstance(crcs, dict) or not all(isinstance(v, int) and not isinstance(v, bool)
-                                             for v in crcs.values()):
+    if not isinstance(crcs, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in crcs.values()):
         raise CheckpointError(f"{where} carries no readable {CRC_METADATA_KEY!r} checksums in its metadata")
     return {str(k): int(v) for k, v in crcs.items()}
 
@@ -79,5 +78,7 @@ def check(file: str, key: str, t: torch.Tensor, expected: int) -> None:
     """
     actual = tensor_crc32(t)
     if actual != expected:
-        raise CheckpointError(f"checkpoint file {file}: tensor {key!r} is corrupt (its CRC-32 is "
-                              f"{actual:08x}, meta.json recorded {expected:08x} when it was saved)")
+        raise CheckpointError(
+            f"checkpoint file {file}: tensor {key!r} is corrupt (its CRC-32 is "
+            f"{actual:08x}, meta.json recorded {expected:08x} when it was saved)"
+        )

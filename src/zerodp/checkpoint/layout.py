@@ -81,8 +81,9 @@ class ReplicatedParamsLayout:
         return [p for g in engine.groups for p in g.pieces]
 
     def value_targets(self, engine: Engine) -> list[Target]:
-        return [Target(s.name, 0, s.numel, g.buffer[s.offset : s.offset + s.numel])
-                for g in engine.groups for s in g.slots]
+        return [
+            Target(s.name, 0, s.numel, g.buffer[s.offset : s.offset + s.numel]) for g in engine.groups for s in g.slots
+        ]
 
     def extra_values(self, engine: Engine, frozen: bool = True) -> dict[str, torch.Tensor]:
         return self.extra_targets(engine)
@@ -95,8 +96,11 @@ class ReplicatedParamsLayout:
         1-2, see :func:`full_master_values`), else the module's values cast to fp32."""
         masters = full_master_values(engine)
         trained = {id(s.param) for s in trained_slots(engine)}
-        return keyed_like_state_dict(engine, masters, lambda v: v.detach().to(
-            dtype=value_dtype(v.dtype) if id(v) in trained else v.dtype, copy=True))
+        return keyed_like_state_dict(
+            engine,
+            masters,
+            lambda v: v.detach().to(dtype=value_dtype(v.dtype) if id(v) in trained else v.dtype, copy=True),
+        )
 
     def before_load(self, engine: Engine) -> None:
         pass
@@ -157,8 +161,9 @@ class ShardedParamsLayout:
             with torch.no_grad(), GatheredParameters([s.param for s in rest]):
                 for s in rest:
                     v = s.param.detach()
-                    full[id(s.param)] = v.to(dtype=value_dtype(v.dtype) if id(s.param) in trained else v.dtype,
-                                             copy=True)
+                    full[id(s.param)] = v.to(
+                        dtype=value_dtype(v.dtype) if id(s.param) in trained else v.dtype, copy=True
+                    )
                     del v  # a view of the gathered storage: alive at the release, it would keep that memory
         return keyed_like_state_dict(engine, full, lambda v: v.detach().clone())
 
@@ -178,9 +183,14 @@ class ShardedParamsLayout:
                     u.finish_gather()
                 comm.all_gather(u.full_buffer, u.shard, sharding.pg, sharding.ledger, "parameters")
 
+
 #: layout per ZeRO stage.
-LAYOUTS: dict[int, CheckpointLayout] = {0: ReplicatedParamsLayout(), 1: ReplicatedParamsLayout(),
-                                        2: ReplicatedParamsLayout(), 3: ShardedParamsLayout()}
+LAYOUTS: dict[int, CheckpointLayout] = {
+    0: ReplicatedParamsLayout(),
+    1: ReplicatedParamsLayout(),
+    2: ReplicatedParamsLayout(),
+    3: ShardedParamsLayout(),
+}
 
 
 def layout_for(engine: Engine) -> CheckpointLayout:
@@ -192,8 +202,10 @@ def layout_for(engine: Engine) -> CheckpointLayout:
     try:
         return LAYOUTS[engine.stage]
     except KeyError:
-        raise NotImplementedError(f"checkpoints are not implemented for ZeRO stage {engine.stage}: register a "
-                                  "CheckpointLayout in zerodp.checkpoint.LAYOUTS") from None
+        raise NotImplementedError(
+            f"checkpoints are not implemented for ZeRO stage {engine.stage}: register a "
+            "CheckpointLayout in zerodp.checkpoint.LAYOUTS"
+        ) from None
 
 
 def module_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
@@ -202,4 +214,3 @@ def module_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
     fp32 master values under bf16/fp16 (collective: assembled across ranks), else the module's values;
     frozen parameters and buffers keep the module's dtype."""
     return layout_for(engine).full_state_dict(engine)
-

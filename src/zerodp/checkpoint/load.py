@@ -42,13 +42,15 @@ def check_compatible(meta: CheckpointMeta, engine: Engine) -> None:
     mine = {a: r for r in params + buffers for a in r.aliases}
     theirs = {a: r for r in meta.params + meta.buffers for a in r.aliases}
     kind_mine, kind_theirs = _kinds(params, buffers), _kinds(meta.params, meta.buffers)
-    problems = [f"checkpoint has {kind_theirs[k]} {k!r} that the model lacks"
-                for k in meta.state_dict_keys if k not in mine]
+    problems = [
+        f"checkpoint has {kind_theirs[k]} {k!r} that the model lacks" for k in meta.state_dict_keys if k not in mine
+    ]
     problems += [f"model has {kind_mine[k]} {k!r} missing from checkpoint" for k in keys if k not in theirs]
     for k in keys:
         if k in theirs and k == mine[k].name:  # report each tensor once, under its first name
-            problems += _tensor_problems(k, theirs[k], mine[k], (kind_theirs[k], kind_mine[k]),
-                                         k in meta.excluded_frozen)
+            problems += _tensor_problems(
+                k, theirs[k], mine[k], (kind_theirs[k], kind_mine[k]), k in meta.excluded_frozen
+            )
     if not problems:
         for i, names in enumerate(optimizer_group_names(engine)):
             try:
@@ -76,14 +78,18 @@ def _tensor_problems(k: str, a: TensorRecord, b: TensorRecord, kinds: tuple[str,
     elif a.shape != b.shape:
         out.append(f"{kinds[1]} {k!r} has shape {a.shape} in the checkpoint but {b.shape} in the model")
     elif a.strides != b.strides and a.trained and b.trained:
-        out.append(f"parameter {k!r} was saved in the element order of strides {a.strides} but the "
-                   f"model's has strides {b.strides} (None: row-major); give the parameter the "
-                   "memory format it had when saved (e.g. model.to(memory_format=torch.channels_last)) "
-                   "before zerodp.initialize, or load zerodp.checkpoint.load_full_state_dict(...) "
-                   "with engine.load_module_state_dict")
+        out.append(
+            f"parameter {k!r} was saved in the element order of strides {a.strides} but the "
+            f"model's has strides {b.strides} (None: row-major); give the parameter the "
+            "memory format it had when saved (e.g. model.to(memory_format=torch.channels_last)) "
+            "before zerodp.initialize, or load zerodp.checkpoint.load_full_state_dict(...) "
+            "with engine.load_module_state_dict"
+        )
     elif kinds[1] == "parameter" and _trains(a) != _trains(b):
-        out.append(_training_mismatch(k, a, b) + (" (its values were not saved either: "
-                   "exclude_frozen_parameters=True)" if excluded else ""))
+        out.append(
+            _training_mismatch(k, a, b)
+            + (" (its values were not saved either: exclude_frozen_parameters=True)" if excluded else "")
+        )
     return out
 
 
@@ -98,15 +104,19 @@ def _training_mismatch(name: str, saved: TensorRecord, mine: TensorRecord) -> st
     """The problem line for a parameter trained on one side and frozen at initialize on the other."""
     if _trains(saved):
         when = " (frozen mid-run when saved)" if saved.trained and not saved.requires_grad else ""
-        return (f"parameter {name!r} is trained in the checkpoint{when} but was frozen (requires_grad=False) "
-                "at zerodp.initialize of this engine, so its saved optimizer state would be dropped: set "
-                "requires_grad=True before zerodp.initialize (freeze it after initialize if it should not "
-                "train yet), or load only the values with zerodp.checkpoint.load_full_state_dict(...) and "
-                "engine.load_module_state_dict")
-    return (f"parameter {name!r} was frozen (requires_grad=False) at zerodp.initialize of the engine that saved "
-            "the checkpoint (no optimizer state saved) but trains in this engine: freeze it before "
-            "zerodp.initialize as when saving, or load only the values with "
-            "zerodp.checkpoint.load_full_state_dict(...) and engine.load_module_state_dict")
+        return (
+            f"parameter {name!r} is trained in the checkpoint{when} but was frozen (requires_grad=False) "
+            "at zerodp.initialize of this engine, so its saved optimizer state would be dropped: set "
+            "requires_grad=True before zerodp.initialize (freeze it after initialize if it should not "
+            "train yet), or load only the values with zerodp.checkpoint.load_full_state_dict(...) and "
+            "engine.load_module_state_dict"
+        )
+    return (
+        f"parameter {name!r} was frozen (requires_grad=False) at zerodp.initialize of the engine that saved "
+        "the checkpoint (no optimizer state saved) but trains in this engine: freeze it before "
+        "zerodp.initialize as when saving, or load only the values with "
+        "zerodp.checkpoint.load_full_state_dict(...) and engine.load_module_state_dict"
+    )
 
 
 @dataclass
@@ -123,8 +133,9 @@ class _StagedLoad:
     lr_scheduler: dict[str, Any] | None = None  # state_dict() entries to load; None: leave as is
 
 
-def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointReader,
-                load_optimizer_states: bool = True) -> _StagedLoad:
+def _stage_load(
+    engine: Engine, layout: CheckpointLayout, reader: CheckpointReader, load_optimizer_states: bool = True
+) -> _StagedLoad:
     """Read everything the load copies in (values in this engine's layout, optimizer states and
     hyperparameters unless ``load_optimizer_states`` is False, RNG, scaler and scheduler states); the
     engine is not touched.
@@ -152,19 +163,28 @@ def _stage_load(engine: Engine, layout: CheckpointLayout, reader: CheckpointRead
     values = [(live, new) for _, live, new in named]
     states = _stage_optimizer_states(engine, reader, values, load_optimizer_states)
     rng = reader.read_rng(engine.rank) if reader.meta.world_size == engine.world_size else {}
-    hps = [group_hyperparameters(reader.meta, names) if load_optimizer_states else None
-           for names in optimizer_group_names(engine)]
+    hps = [
+        group_hyperparameters(reader.meta, names) if load_optimizer_states else None
+        for names in optimizer_group_names(engine)
+    ]
     scaler, saved_scaler = getattr(engine, "loss_scaler", None), reader.meta.loss_scaler
-    scaler_state = (saved_scaler.model_dump() if scaler is not None and scaler.dynamic and saved_scaler is not None
-                    and saved_scaler.dynamic else None)
+    scaler_state = (
+        saved_scaler.model_dump()
+        if scaler is not None and scaler.dynamic and saved_scaler is not None and saved_scaler.dynamic
+        else None
+    )
     scheduler, saved_scheduler = getattr(engine, "lr_scheduler", None), reader.meta.lr_scheduler
-    scheduler_state = (copy.deepcopy(saved_scheduler.state) if scheduler is not None and saved_scheduler
-                       is not None and saved_scheduler.type == type(scheduler).__name__ else None)
+    scheduler_state = (
+        copy.deepcopy(saved_scheduler.state)
+        if scheduler is not None and saved_scheduler is not None and saved_scheduler.type == type(scheduler).__name__
+        else None
+    )
     return _StagedLoad(reader.path, reader.meta, values, states, rng, hps, scaler_state, scheduler_state)
 
 
-def _stage_optimizer_states(engine: Engine, reader: CheckpointReader, values: list[tuple[torch.Tensor, torch.Tensor]],
-                            with_states: bool = True) -> list[tuple[torch.Tensor, dict[str, torch.Tensor] | None]]:
+def _stage_optimizer_states(
+    engine: Engine, reader: CheckpointReader, values: list[tuple[torch.Tensor, torch.Tensor]], with_states: bool = True
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor] | None]]:
     """``(optimizer parameter, its new state or None)`` for each of this rank's pieces, read for the
     piece's range (none at all when not ``with_states``: the optimizer state stays); a piece's fp32
     master gets its values appended to ``values``. Scalar states go to the parameter's device under
@@ -200,8 +220,9 @@ def _stage_optimizer_states(engine: Engine, reader: CheckpointReader, values: li
     return states
 
 
-def _check_representable(path: Path, named: list[tuple[str, torch.Tensor, torch.Tensor]], theirs: str,
-                         mine: str) -> None:
+def _check_representable(
+    path: Path, named: list[tuple[str, torch.Tensor, torch.Tensor]], theirs: str, mine: str
+) -> None:
     """A checkpoint of another precision loads only if no finite saved value becomes inf in the dtype
     this engine holds it in (e.g. a weight above 65504 in an fp16 module). Rounding to the engine's
     dtype is not refused: the fp32 masters get the exact values, and frozen parameters and buffers are
@@ -224,11 +245,13 @@ def _check_representable(path: Path, named: list[tuple[str, torch.Tensor, torch.
         raise CheckpointError(
             f"checkpoint {path} was saved with {theirs} and this engine uses {mine}: values of {names[:5]}"
             f"{' and others' if len(names) > 5 else ''} exceed the largest finite {dtype_name(dtype)} "
-            f"({torch.finfo(dtype).max:g}) and would become inf; load it into an engine with {theirs} or fp32")
+            f"({torch.finfo(dtype).max:g}) and would become inf; load it into an engine with {theirs} or fp32"
+        )
 
 
-def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None,
-                    load_optimizer_states: bool = True) -> tuple[Path, Any]:
+def load_checkpoint(
+    engine: Engine, load_dir: PathLike, tag: str | None = None, load_optimizer_states: bool = True
+) -> tuple[Path, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` into ``engine``, any world size or stage.
 
     Collective: every rank calls it. Every rank reads ``meta.json``, checks it against the engine and
@@ -264,8 +287,11 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None,
             optimizer or with other state keys (:func:`~zerodp.checkpoint.optimizer_match.check_optimizer_state`);
             the ranks passed different ``load_dir``s, tags or ``load_optimizer_states`` (names each rank's).
     """
-    check_same_on_ranks(engine, "load_checkpoint", {"load_dir": Path(load_dir), "tag": tag,
-                                                    "load_optimizer_states": load_optimizer_states})
+    check_same_on_ranks(
+        engine,
+        "load_checkpoint",
+        {"load_dir": Path(load_dir), "tag": tag, "load_optimizer_states": load_optimizer_states},
+    )
     layout = layout_for(engine)
     staged = _stage_on_every_rank(engine, layout, load_dir, tag, load_optimizer_states)
     layout.before_load(engine)
@@ -279,8 +305,9 @@ def load_checkpoint(engine: Engine, load_dir: PathLike, tag: str | None = None,
     return staged.path, staged.meta.client_state
 
 
-def _stage_on_every_rank(engine: Engine, layout: CheckpointLayout, load_dir: PathLike,
-                         tag: str | None, load_optimizer_states: bool = True) -> _StagedLoad:
+def _stage_on_every_rank(
+    engine: Engine, layout: CheckpointLayout, load_dir: PathLike, tag: str | None, load_optimizer_states: bool = True
+) -> _StagedLoad:
     """Collective: each rank resolves, checks and reads the checkpoint into new tensors; every rank
     raises the first error any rank met (:func:`zerodp.checkpoint.collective.collectively`)."""
 

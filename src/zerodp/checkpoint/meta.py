@@ -180,13 +180,14 @@ class CheckpointMeta(_Record):
             if key not in obj:
                 raise CheckpointError(f"meta.json: missing key {key!r}")
             if not isinstance(obj[key], typ) or isinstance(obj[key], bool):
-                raise CheckpointError(f"meta.json: {key!r} should be {typ.__name__}, "
-                                      f"got {type(obj[key]).__name__}")
+                raise CheckpointError(f"meta.json: {key!r} should be {typ.__name__}, got {type(obj[key]).__name__}")
         if obj["format"] != FORMAT:
             raise CheckpointError(f"'format' is {obj['format']!r}, not {FORMAT!r}")
         if obj["version"] not in READABLE_VERSIONS:
-            raise CheckpointError(f"format version {obj['version']} is not supported (this zerodp reads "
-                                  f"versions {list(READABLE_VERSIONS)})")
+            raise CheckpointError(
+                f"format version {obj['version']} is not supported (this zerodp reads "
+                f"versions {list(READABLE_VERSIONS)})"
+            )
         data = dict(obj)
         data["torch_version"] = str(data.get("torch_version", ""))
         try:
@@ -219,8 +220,10 @@ class CheckpointMeta(_Record):
             raise CheckpointError(f"'precision' is {self.precision!r}; expected one of {list(PRECISIONS)}")
         frozen = {r.name for r in self.params if not r.trained}
         if len(set(self.excluded_frozen)) != len(self.excluded_frozen) or not set(self.excluded_frozen) <= frozen:
-            raise CheckpointError(f"'excluded_frozen' must name distinct frozen parameters; got "
-                                  f"{sorted(set(self.excluded_frozen) - frozen)[:5]} that are not")
+            raise CheckpointError(
+                f"'excluded_frozen' must name distinct frozen parameters; got "
+                f"{sorted(set(self.excluded_frozen) - frozen)[:5]} that are not"
+            )
         if self.skipped_steps < 0:
             raise CheckpointError(f"'skipped_steps' is {self.skipped_steps}; expected >= 0")
         if len(self.ranks) != self.world_size or [r.rank for r in self.ranks] != list(range(self.world_size)):
@@ -244,23 +247,28 @@ class CheckpointMeta(_Record):
                         f"zerodp while {p.name!r} was frozen mid-run (requires_grad_(False) after "
                         "zerodp.initialize), which recorded it wrongly; its values are not in model_extra "
                         "and it cannot be loaded. Save again with this version (freezing mid-run is "
-                        "recorded correctly now)")
+                        "recorded correctly now)"
+                    )
                 if rec is None or not rec.trained:
-                    raise CheckpointError(f"{rr.file} holds a piece of {p.name!r}, which is not a trained "
-                                          "parameter")
+                    raise CheckpointError(f"{rr.file} holds a piece of {p.name!r}, which is not a trained parameter")
                 if not 0 <= p.start < p.end <= rec.numel:
-                    raise CheckpointError(f"{rr.file}: piece [{p.start}, {p.end}) of {p.name!r} lies outside "
-                                          f"its {rec.numel} elements")
+                    raise CheckpointError(
+                        f"{rr.file}: piece [{p.start}, {p.end}) of {p.name!r} lies outside its {rec.numel} elements"
+                    )
                 for k, shape in p.state.items():
                     if shape not in ([], [p.numel]):
-                        raise CheckpointError(f"{rr.file}: state {k!r} of {p.name!r} [{p.start}, {p.end}) has "
-                                              f"shape {shape}; expected [] or [{p.numel}]")
+                        raise CheckpointError(
+                            f"{rr.file}: state {k!r} of {p.name!r} [{p.start}, {p.end}) has "
+                            f"shape {shape}; expected [] or [{p.numel}]"
+                        )
                 covered[p.name].append(p)
         for name, pieces in covered.items():
             gap = _first_gap(pieces, by_name[name].numel)
             if gap is not None:
-                raise CheckpointError(f"the saved pieces of parameter {name!r} do not cover its elements "
-                                      f"(elements from {gap} are missing)")
+                raise CheckpointError(
+                    f"the saved pieces of parameter {name!r} do not cover its elements "
+                    f"(elements from {gap} are missing)"
+                )
             kinds = {tuple(sorted(p.state)) for p in pieces}
             if len(kinds) > 1:
                 raise CheckpointError(f"the pieces of parameter {name!r} disagree on its optimizer state")
@@ -270,8 +278,9 @@ class CheckpointMeta(_Record):
         for rr in self.ranks:
             if rr.crc32 is None or sorted(rr.crc32) != sorted(rr.tensor_names()):
                 raise CheckpointError(f"{rr.file}: 'crc32' must list a checksum for each of its tensors")
-        extra = sorted(r.name for r in self.params + self.buffers
-                       if not r.trained and r.name not in self.excluded_frozen)
+        extra = sorted(
+            r.name for r in self.params + self.buffers if not r.trained and r.name not in self.excluded_frozen
+        )
         if self.extra_crc32 is None or sorted(self.extra_crc32) != extra:
             raise CheckpointError("'extra_crc32' must list a checksum for each frozen parameter and buffer")
 
@@ -297,8 +306,15 @@ def read_meta(path: Path) -> CheckpointMeta:
         raise CheckpointError(f"{file} is corrupt: {e}") from None
 
 
-_TYPE_NAMES = {"int_type": "int", "string_type": "str", "bool_type": "bool", "list_type": "list",
-               "dict_type": "dict", "float_type": "number", "model_type": "object"}
+_TYPE_NAMES = {
+    "int_type": "int",
+    "string_type": "str",
+    "bool_type": "bool",
+    "list_type": "list",
+    "dict_type": "dict",
+    "float_type": "number",
+    "model_type": "object",
+}
 
 
 def _describe(error: ValidationError) -> str:
@@ -333,13 +349,15 @@ def _first_gap(pieces: list[PieceRecord], numel: int) -> int | None:
 
 def _dump_json(v: Any, indent: str) -> str:
     """Objects whose values are all scalars or lists of scalars go on one line; others are expanded."""
+
     def scalars(x: Any) -> bool:
         return isinstance(x, list) and all(map(_scalar, x))
 
     def flat(x: Any) -> bool:
         if isinstance(x, dict):
-            return all(_scalar(y) or scalars(y) or (isinstance(y, dict) and all(map(scalars, y.values())))
-                       for y in x.values())
+            return all(
+                _scalar(y) or scalars(y) or (isinstance(y, dict) and all(map(scalars, y.values()))) for y in x.values()
+            )
         return scalars(x)
 
     if _scalar(v) or flat(v):

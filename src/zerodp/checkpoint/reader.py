@@ -53,8 +53,10 @@ def resolve_checkpoint(checkpoint_dir: PathLike, tag: str | None = None) -> Path
         elif not d.is_dir():
             raise CheckpointError(f"checkpoint directory {d} does not exist")
         else:
-            raise CheckpointError(f"no checkpoint in {d}: it has neither a {LATEST_FILE!r} file nor a "
-                                  f"{META_FILE}; name one with a tag (--tag in the CLI)" + foreign_format_hint(d))
+            raise CheckpointError(
+                f"no checkpoint in {d}: it has neither a {LATEST_FILE!r} file nor a "
+                f"{META_FILE}; name one with a tag (--tag in the CLI)" + foreign_format_hint(d)
+            )
     path = d / check_tag(tag)
     if (path / META_FILE).is_file():
         return path
@@ -74,10 +76,12 @@ def foreign_format_hint(path: Path) -> str:
     """A sentence for a directory that holds a DeepSpeed checkpoint instead of zerodp's; "" otherwise."""
     if not path.is_dir() or not any(next(path.glob(pat), None) is not None for pat in DEEPSPEED_FILE_PATTERNS):
         return ""
-    return (f": {path} holds a DeepSpeed checkpoint ({', '.join(DEEPSPEED_FILE_PATTERNS[:2])}), which zerodp "
-            "cannot read (its format pickles DeepSpeed's own objects). Convert it to full weights with the "
-            "zero_to_fp32.py script DeepSpeed saves next to it, load them into the model before "
-            "zerodp.initialize, and save a zerodp checkpoint from there")
+    return (
+        f": {path} holds a DeepSpeed checkpoint ({', '.join(DEEPSPEED_FILE_PATTERNS[:2])}), which zerodp "
+        "cannot read (its format pickles DeepSpeed's own objects). Convert it to full weights with the "
+        "zero_to_fp32.py script DeepSpeed saves next to it, load them into the model before "
+        "zerodp.initialize, and save a zerodp checkpoint from there"
+    )
 
 
 class AbsentParametersWarning(UserWarning):
@@ -87,9 +91,11 @@ class AbsentParametersWarning(UserWarning):
 
 def absent_message(absent: list[str], path: Path) -> str:
     """What to tell the user about the ``absent`` state_dict keys of checkpoint ``path``."""
-    return (f"{len(absent)} frozen parameter(s) are absent from checkpoint {path} (saved with "
-            f"exclude_frozen_parameters=True, only trained parameters and their optimizer states): "
-            f"{', '.join(absent)}. Load them from their own source (e.g. the base model's weights)")
+    return (
+        f"{len(absent)} frozen parameter(s) are absent from checkpoint {path} (saved with "
+        f"exclude_frozen_parameters=True, only trained parameters and their optimizer states): "
+        f"{', '.join(absent)}. Load them from their own source (e.g. the base model's weights)"
+    )
 
 
 class CheckpointReader:
@@ -174,12 +180,15 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint file {self.path / name} is corrupt: {e}") from None
         missing, unexpected = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
         if missing or unexpected:
-            raise CheckpointError(f"checkpoint file {self.path / name} does not match {META_FILE}: missing "
-                                  f"tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+            raise CheckpointError(
+                f"checkpoint file {self.path / name} does not match {META_FILE}: missing "
+                f"tensors {missing[:5]}, unexpected tensors {unexpected[:5]}"
+            )
         for k, shape in expected.items():
             if shape is not None and actual[k] != shape:
-                raise CheckpointError(f"checkpoint file {self.path / name}: tensor {k!r} has shape {actual[k]}, "
-                                      f"{META_FILE} says {shape}")
+                raise CheckpointError(
+                    f"checkpoint file {self.path / name}: tensor {k!r} has shape {actual[k]}, {META_FILE} says {shape}"
+                )
 
     def _read(self, file: str, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         try:
@@ -235,8 +244,10 @@ class CheckpointReader:
         """
         rec = self.record(name)
         if rec.name in self.excluded:
-            raise CheckpointError(f"frozen parameter {rec.name!r} is not in checkpoint {self.path}: it was saved "
-                                  "with exclude_frozen_parameters=True (only trained parameters)")
+            raise CheckpointError(
+                f"frozen parameter {rec.name!r} is not in checkpoint {self.path}: it was saved "
+                "with exclude_frozen_parameters=True (only trained parameters)"
+            )
         if not rec.trained:
             return self._read(EXTRA_FILE, rec.name).reshape(-1)[start:end]
         return self.read_range(PARAM_KEY, rec.name, start, end, value_dtype(parse_dtype(rec.dtype)))
@@ -258,8 +269,11 @@ class CheckpointReader:
         Raises:
             CheckpointError: overlapping pieces hold different values.
         """
-        values = [self._read(rr.file, p.key(kind)) for rr, p in self.pieces.get(name, [])
-                  if max(start, p.start) < min(end, p.end)]
+        values = [
+            self._read(rr.file, p.key(kind))
+            for rr, p in self.pieces.get(name, [])
+            if max(start, p.start) < min(end, p.end)
+        ]
         if any(not torch.equal(v, values[0]) for v in values[1:]):
             raise CheckpointError(f"pieces of {name!r} disagree on optimizer state {kind!r}")
         return values[0]
@@ -277,8 +291,11 @@ class CheckpointReader:
         """Full tensors keyed like the saved module's ``state_dict()`` (tied names as separate copies):
         trained parameters in fp32, frozen parameters and buffers in their dtype. Frozen parameters
         left out of the checkpoint (:meth:`absent_keys`) are absent."""
-        full = {r.name: r.unflatten(self.read_values(r.name, 0, r.numel)) for r in self.records.values()
-                if r.name not in self.excluded}
+        full = {
+            r.name: r.unflatten(self.read_values(r.name, 0, r.numel))
+            for r in self.records.values()
+            if r.name not in self.excluded
+        }
         out: dict[str, torch.Tensor] = {}
         for k in self.meta.state_dict_keys:
             name = self.canonical[k]

@@ -50,8 +50,13 @@ from zerodp.checkpoint.meta import CheckpointMeta, PieceRecord, RankRecord
 from zerodp.checkpoint.protocol import CheckpointableEngine as Engine
 
 
-def save_checkpoint(engine: Engine, save_dir: PathLike, tag: str | None = None,
-                    client_state: Mapping[str, Any] | None = None, exclude_frozen_parameters: bool = False) -> Path:
+def save_checkpoint(
+    engine: Engine,
+    save_dir: PathLike,
+    tag: str | None = None,
+    client_state: Mapping[str, Any] | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> Path:
     """Write a checkpoint of ``engine`` to ``save_dir/<tag>`` and point ``save_dir/latest`` at it.
 
     Collective: every rank of the engine's group must call it with the same ``save_dir`` and ``tag``.
@@ -85,12 +90,19 @@ def save_checkpoint(engine: Engine, save_dir: PathLike, tag: str | None = None,
     tmp = save_dir / f"{TMP_PREFIX}{tag}"
     collectively(engine, "save_checkpoint", lambda: _check_can_save(engine, tag, client_state))
     collectively(engine, "save_checkpoint", lambda: _prepare_dir(tmp) if engine.rank == 0 else None)
-    extra = collectively(engine, "save_checkpoint",
-                         lambda: _copy_extra_values(engine, layout, exclude_frozen_parameters))
+    extra = collectively(
+        engine, "save_checkpoint", lambda: _copy_extra_values(engine, layout, exclude_frozen_parameters)
+    )
     collectively(engine, "save_checkpoint", lambda: _write_rank_file(engine, layout, tmp))
-    collectively(engine, "save_checkpoint",
-                  lambda: _finish_save(engine, extra, save_dir, tag, client_state, exclude_frozen_parameters)
-                  if engine.rank == 0 else None)
+    collectively(
+        engine,
+        "save_checkpoint",
+        lambda: (
+            _finish_save(engine, extra, save_dir, tag, client_state, exclude_frozen_parameters)
+            if engine.rank == 0
+            else None
+        ),
+    )
     return save_dir / tag
 
 
@@ -100,13 +112,15 @@ def _check_can_save(engine: Engine, tag: str, client_state: Any) -> None:
         raise CheckpointError(
             f"save_checkpoint at micro-step {engine.micro_steps} is inside a gradient accumulation window "
             f"of {engine.gradient_accumulation_steps}: the partial gradients would be lost; save right "
-            "after the engine.step() that updates the parameters")
+            "after the engine.step() that updates the parameters"
+        )
     if client_state is not None:
         try:
             json.dumps(client_state, allow_nan=True)
         except (TypeError, ValueError) as e:
-            raise CheckpointError(f"client_state must be JSON-serialisable (dicts, lists, str, numbers, "
-                                  f"bools, None): {e}") from None
+            raise CheckpointError(
+                f"client_state must be JSON-serialisable (dicts, lists, str, numbers, bools, None): {e}"
+            ) from None
 
 
 def _prepare_dir(tmp: Path) -> None:
@@ -134,8 +148,10 @@ def _frozen_names(engine: Engine) -> list[str]:
 def _write_rank_file(engine: Engine, layout: CheckpointLayout, tmp: Path) -> Path:
     """Write this rank's pieces and RNG states to ``tmp/rank{r}.safetensors`` (fsynced)."""
     if not tmp.is_dir():
-        raise CheckpointError(f"rank {engine.rank} does not see {tmp}, which rank 0 created: save_dir must be "
-                              "on a filesystem shared by all ranks")
+        raise CheckpointError(
+            f"rank {engine.rank} does not see {tmp}, which rank 0 created: save_dir must be "
+            "on a filesystem shared by all ranks"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for piece in layout.saved_pieces(engine):
         s = piece.slot
@@ -144,9 +160,11 @@ def _write_rank_file(engine: Engine, layout: CheckpointLayout, tmp: Path) -> Pat
         tensors[rec.key(PARAM_KEY)] = value.detach().to("cpu", value_dtype(value.dtype), copy=True)
         for k, v in engine.optimizer.state.get(value, {}).items():
             if not isinstance(v, torch.Tensor) or list(v.shape) not in ([], [rec.numel]):
-                raise CheckpointError(f"optimizer state {k!r} of {s.name!r} is {type(v).__name__} "
-                                      f"{list(getattr(v, 'shape', []))}; only scalar tensors and tensors "
-                                      "shaped like the parameter piece can be saved")
+                raise CheckpointError(
+                    f"optimizer state {k!r} of {s.name!r} is {type(v).__name__} "
+                    f"{list(getattr(v, 'shape', []))}; only scalar tensors and tensors "
+                    "shaped like the parameter piece can be saved"
+                )
             if k in (PARAM_KEY, RNG_PREFIX[:-1]) or "/" in k:
                 raise CheckpointError(f"optimizer state key {k!r} collides with checkpoint tensor names")
             tensors[rec.key(k)] = v.detach().to("cpu", copy=True)
@@ -154,8 +172,12 @@ def _write_rank_file(engine: Engine, layout: CheckpointLayout, tmp: Path) -> Pat
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors[RNG_PREFIX + "torch_cuda"] = torch.cuda.get_rng_state()
     path = tmp / rank_file(engine.rank)
-    metadata = {"format": FORMAT, "version": str(VERSION), "rank": str(engine.rank),
-                **integrity.encode(integrity.checksums(tensors))}
+    metadata = {
+        "format": FORMAT,
+        "version": str(VERSION),
+        "rank": str(engine.rank),
+        **integrity.encode(integrity.checksums(tensors)),
+    }
     save_file(tensors, str(path), metadata=metadata)
     fsync(path)
     return path
@@ -168,7 +190,7 @@ def _scan_rank_file(path: Path, rank: int) -> RankRecord:
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():
             if key.startswith(RNG_PREFIX):
-                rng.append(key[len(RNG_PREFIX):])
+                rng.append(key[len(RNG_PREFIX) :])
                 continue
             kind, name, start, end = parse_key(key)
             pieces.setdefault((name, start, end), {})[kind] = list(f.get_slice(key).get_shape())
@@ -181,8 +203,9 @@ def _scan_rank_file(path: Path, rank: int) -> RankRecord:
     return RankRecord(rank=rank, file=path.name, pieces=records, rng=sorted(rng), crc32=crc32)
 
 
-def _finish_save(engine: Engine, extra: dict[str, torch.Tensor], save_dir: Path, tag: str,
-                 client_state: Any, exclude_frozen: bool) -> None:
+def _finish_save(
+    engine: Engine, extra: dict[str, torch.Tensor], save_dir: Path, tag: str, client_state: Any, exclude_frozen: bool
+) -> None:
     """Rank 0, after every rank wrote its file: extra file, meta.json, rename, ``latest``."""
     tmp = save_dir / f"{TMP_PREFIX}{tag}"
     extra_crc32 = integrity.checksums(extra)
@@ -196,13 +219,24 @@ def _finish_save(engine: Engine, extra: dict[str, torch.Tensor], save_dir: Path,
             raise CheckpointError(f"rank {r} did not write {path}")
         ranks.append(_scan_rank_file(path, r))
     meta = CheckpointMeta(
-        version=VERSION, stage=engine.stage, world_size=engine.world_size,
+        version=VERSION,
+        stage=engine.stage,
+        world_size=engine.world_size,
         dtype=dtype_name(value_dtype(engine.groups[0].buffer.dtype if engine.groups else torch.float32)),
-        optimizer=type(engine.optimizer).__name__, params=params, buffers=buffers, state_dict_keys=keys,
-        groups=group_records(engine), ranks=ranks, global_steps=engine.global_steps,
-        micro_steps=engine.micro_steps, client_state=client_state, precision=engine_precision(engine),
-        skipped_steps=int(getattr(engine, "skipped_steps", 0)), loss_scaler=loss_scaler_state(engine),
-        lr_scheduler=scheduler_state(engine), extra_crc32=extra_crc32,
+        optimizer=type(engine.optimizer).__name__,
+        params=params,
+        buffers=buffers,
+        state_dict_keys=keys,
+        groups=group_records(engine),
+        ranks=ranks,
+        global_steps=engine.global_steps,
+        micro_steps=engine.micro_steps,
+        client_state=client_state,
+        precision=engine_precision(engine),
+        skipped_steps=int(getattr(engine, "skipped_steps", 0)),
+        loss_scaler=loss_scaler_state(engine),
+        lr_scheduler=scheduler_state(engine),
+        extra_crc32=extra_crc32,
         excluded_frozen=[r.name for r in params if not r.trained] if exclude_frozen else [],
     )
     write_text(tmp / META_FILE, meta.to_json())

@@ -37,11 +37,30 @@ from zerodp.checkpoint.safetensors_dir import INDEX_FILE
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 SHARD_NAME = "model-{k:05d}-of-{n:05d}.safetensors"
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -55,8 +74,10 @@ def parse_size(size: int | str) -> int:
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
         if not m or m.group(2) not in _UNITS:
-            raise ValueError(f"max shard size {size!r}: give bytes or a number with KB, MB, GB, TB (powers of "
-                             "1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '5GB'")
+            raise ValueError(
+                f"max shard size {size!r}: give bytes or a number with KB, MB, GB, TB (powers of "
+                "1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '5GB'"
+            )
         n = int(float(m.group(1)) * _UNITS[m.group(2)])
     if n <= 0:
         raise ValueError(f"max shard size must be positive, got {size!r}")
@@ -93,8 +114,10 @@ def output_dtype(stored: str) -> torch.dtype:
     dtype = parse_dtype(stored)
     out = value_dtype(dtype) if dtype.is_floating_point else dtype
     if out not in _ST_DTYPES:
-        raise CheckpointError(f"cannot export a tensor of dtype {stored} to safetensors here "
-                              f"(supported: {', '.join(str(d).removeprefix('torch.') for d in _ST_DTYPES)})")
+        raise CheckpointError(
+            f"cannot export a tensor of dtype {stored} to safetensors here "
+            f"(supported: {', '.join(str(d).removeprefix('torch.') for d in _ST_DTYPES)})"
+        )
     return out
 
 
@@ -156,9 +179,13 @@ def write_safetensors_streaming(reader: CheckpointReader, out_path: Path) -> Non
     _write_shard(reader, whole, out_path)
 
 
-def export_sharded_safetensors(checkpoint_dir: PathLike, out_dir: PathLike, tag: str | None = None,
-                               max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                               verify: bool = True) -> Path:
+def export_sharded_safetensors(
+    checkpoint_dir: PathLike,
+    out_dir: PathLike,
+    tag: str | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    verify: bool = True,
+) -> Path:
     """Write a checkpoint's full state dict as HF-style sharded safetensors in ``out_dir``, streaming.
 
     Pure function: no process group, CPU only, reads only the checkpoint's files. Shards are written
@@ -198,8 +225,10 @@ def export_sharded_safetensors(checkpoint_dir: PathLike, out_dir: PathLike, tag:
         out.mkdir(parents=True, exist_ok=True)
         for shard in shards:
             _write_shard(reader, shard, out / shard.file)
-    index = {"metadata": {"total_size": sum(s.nbytes for s in shards)},
-             "weight_map": {t.key: s.file for s in shards for t in s.tensors}}
+    index = {
+        "metadata": {"total_size": sum(s.nbytes for s in shards)},
+        "weight_map": {t.key: s.file for s in shards for t in s.tensors},
+    }
     write_text(out / INDEX_FILE, json.dumps(index, indent=2) + "\n")
     keep = {s.file for s in shards}
     for stale in out.iterdir():

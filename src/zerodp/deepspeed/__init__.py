@@ -51,29 +51,47 @@ from zerodp.runtime import comm as _runtime_comm  # not zerodp.deepspeed.comm (D
 __version__ = "0.0.0+zerodp"  # not DeepSpeed: scripts that check deepspeed.__version__ see this
 
 
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int = 29500, verbose: bool = True, timeout: Any = None,
-                     init_method: str | None = None, dist_init_required: bool | None = None,
-                     config: Any = None, rank: int = -1, world_size: int = -1) -> None:
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout: Any = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
     """Initialise the default process group from torchrun's environment (:func:`zerodp.init_distributed`).
 
     Raises:
         NotImplementedError: ``init_method``, ``rank`` or ``world_size`` given (use torchrun's env).
     """
     if init_method is not None or rank != -1 or world_size != -1:
-        raise NotImplementedError("init_distributed(init_method/rank/world_size) is not implemented in zerodp; "
-                                  "launch with torchrun (RANK, WORLD_SIZE, MASTER_ADDR in the environment)")
+        raise NotImplementedError(
+            "init_distributed(init_method/rank/world_size) is not implemented in zerodp; "
+            "launch with torchrun (RANK, WORLD_SIZE, MASTER_ADDR in the environment)"
+        )
     timeout_s = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
     _runtime_comm.init_distributed(backend=dist_backend, timeout_s=timeout_s)
 
 
-def initialize(args: Any = None, model: nn.Module | None = None,
-               optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
-               model_parameters: Iterable[Any] | None = None, training_data: Dataset | None = None,
-               lr_scheduler: LRScheduler | Callable[[torch.optim.Optimizer], Any] | None = None,
-               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
-               collate_fn: Callable | None = None, config: Any = None, mesh_param: Any = None,
-               config_params: Any = None) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, DataLoader | None, Any]:
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Dataset | None = None,
+    lr_scheduler: LRScheduler | Callable[[torch.optim.Optimizer], Any] | None = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable | None = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, DataLoader | None, Any]:
     """``deepspeed.initialize``: wrap ``model`` in a ZeRO engine.
 
     Args:
@@ -130,17 +148,22 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     given = {"config": config, "config_params": config_params, "args.deepspeed_config": from_args}
     named = [k for k, v in given.items() if v is not None]
     if not named:
-        raise ConfigError("initialize() was given no config: pass config= (a dict or a JSON file path), "
-                          "config_params=, or args with args.deepspeed_config (--deepspeed_config FILE)")
+        raise ConfigError(
+            "initialize() was given no config: pass config= (a dict or a JSON file path), "
+            "config_params=, or args with args.deepspeed_config (--deepspeed_config FILE)"
+        )
     if len(named) > 1:
         shown = ", ".join(f"{k}={given[k]!r}" if isinstance(given[k], (str, os.PathLike)) else k for k in named)
-        raise ConfigError(f"initialize() was given more than one config ({shown}); give one of them "
-                          "(e.g. drop --deepspeed_config from the command line, or the config= argument)")
+        raise ConfigError(
+            f"initialize() was given more than one config ({shown}); give one of them "
+            "(e.g. drop --deepspeed_config from the command line, or the config= argument)"
+        )
     return given[named[0]]
 
 
-def _adopt_client_optimizer(raw: dict[str, Any], optimizer: Any, model: nn.Module, model_parameters: Any
-                            ) -> tuple[torch.optim.Optimizer | None, Any]:
+def _adopt_client_optimizer(
+    raw: dict[str, Any], optimizer: Any, model: nn.Module, model_parameters: Any
+) -> tuple[torch.optim.Optimizer | None, Any]:
     """Turn a client optimizer (an object, or a callable ``f(params)`` built here over ``model_parameters``
     or the model's parameters) into the config's ``optimizer`` section, written into ``raw``.
 
@@ -155,8 +178,9 @@ def _adopt_client_optimizer(raw: dict[str, Any], optimizer: Any, model: nn.Modul
     if optimizer is None:
         return None, model_parameters
     if raw.get("optimizer") is not None:
-        raise ConfigError("initialize() got a client optimizer and the config has an 'optimizer' section; "
-                          "give one of them")
+        raise ConfigError(
+            "initialize() got a client optimizer and the config has an 'optimizer' section; give one of them"
+        )
     if not isinstance(optimizer, torch.optim.Optimizer):
         params = list(model_parameters) if model_parameters is not None else list(model.parameters())
         optimizer = optimizer(params)
@@ -199,8 +223,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     :func:`initialize` from ``args``), ``--deepscale`` / ``--deepscale_config`` (DeepSpeed's former
     names) and ``--deepspeed_mpi``; returns ``parser``."""
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
-    group.add_argument("--deepspeed", default=False, action="store_true",
-                       help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument(
+        "--deepspeed",
+        default=False,
+        action="store_true",
+        help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)",
+    )
     group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
     group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
@@ -215,18 +243,21 @@ def _from_client_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, Any], 
     """The config ``optimizer`` section and param groups that rebuild ``opt`` over the engine's pieces."""
     name = "Adam" if isinstance(opt, FusedAdam) else type(opt).__name__  # DeepSpeed's names, torch's Adam
     if OPTIMIZERS.get(name) is not type(opt) and not isinstance(opt, FusedAdam):
-        raise NotImplementedError(f"client optimizer {type(opt).__module__}.{name} is not implemented in zerodp; "
-                                  f"give one of torch.optim.{', torch.optim.'.join(OPTIMIZERS)}")
+        raise NotImplementedError(
+            f"client optimizer {type(opt).__module__}.{name} is not implemented in zerodp; "
+            f"give one of torch.optim.{', torch.optim.'.join(OPTIMIZERS)}"
+        )
     if opt.state:
-        raise NotImplementedError("a client optimizer that has already stepped (it has state) is not "
-                                  "implemented: pass it before its first step")
+        raise NotImplementedError(
+            "a client optimizer that has already stepped (it has state) is not "
+            "implemented: pass it before its first step"
+        )
     # only what the class's constructor takes (AdamW's defaults also hold decoupled_weight_decay=True)
     accepted = set(optimizer_options(name)) - set(_IMPLEMENTATION_KEYS)
     defaults = {k: _plain(v) for k, v in opt.defaults.items() if v is not None and k in accepted}
     groups = []
     for g in opt.param_groups:
-        options = {k: _plain(v) for k, v in g.items()
-                   if k in accepted and _plain(v) != defaults.get(k)}
+        options = {k: _plain(v) for k, v in g.items() if k in accepted and _plain(v) != defaults.get(k)}
         groups.append({"params": g["params"], **options})
     if name == "Adam":  # torch's Adam (decay as its decoupled_weight_decay says), not DeepSpeed's config Adam
         defaults["adam_w_mode"] = False
@@ -249,8 +280,10 @@ def _scheduler_factory(sched: Any, client_opt: torch.optim.Optimizer | None) -> 
             raise TypeError(f"lr_scheduler must be a torch LRScheduler or a callable, got {type(sched).__name__}")
         return sched
     if client_opt is None or sched.optimizer is not client_opt:
-        raise NotImplementedError("an lr_scheduler object bound to an optimizer other than the client optimizer "
-                                  "passed to initialize() is not implemented; pass a callable f(optimizer)")
+        raise NotImplementedError(
+            "an lr_scheduler object bound to an optimizer other than the client optimizer "
+            "passed to initialize() is not implemented; pass a callable f(optimizer)"
+        )
 
     def rebind(opt: torch.optim.Optimizer) -> LRScheduler:
         for g, cg in zip(opt.param_groups, client_opt.param_groups, strict=True):
@@ -287,5 +320,14 @@ def _track_step_called(opt: torch.optim.Optimizer) -> None:
     opt.step = wrapper  # type: ignore[method-assign]
 
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "checkpointing", "DeepSpeedEngine",
-           "HfDeepSpeedConfig", "ConfigError", "get_accelerator"]
+__all__ = [
+    "initialize",
+    "init_distributed",
+    "add_config_arguments",
+    "zero",
+    "checkpointing",
+    "DeepSpeedEngine",
+    "HfDeepSpeedConfig",
+    "ConfigError",
+    "get_accelerator",
+]

@@ -60,6 +60,8 @@ def drop_auto(node: Any) -> Any:
     if isinstance(node, dict):
         return {k: drop_auto(v) for k, v in node.items() if not (isinstance(v, str) and v == AUTO)}
     return node
+
+
 #: DeepSpeed's former names, renamed as DeepSpeed itself does
 RENAMED = {"stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
 
@@ -94,8 +96,9 @@ def _floating_dtype(model: nn.Module | None) -> torch.dtype | None:
     return None
 
 
-def resolve_deepspeed_config(raw: Mapping[str, Any], model: nn.Module | None = None,
-                             optimizer_lr: float | None = None) -> dict[str, Any]:
+def resolve_deepspeed_config(
+    raw: Mapping[str, Any], model: nn.Module | None = None, optimizer_lr: float | None = None
+) -> dict[str, Any]:
     """Resolve ``"auto"`` values and DeepSpeed optimizer spellings in ``raw`` (not modified).
 
     Args:
@@ -124,9 +127,14 @@ def resolve_deepspeed_config(raw: Mapping[str, Any], model: nn.Module | None = N
     _resolve_scheduler(cfg, optimizer_lr)
     left = [p for p in _auto_paths(cfg) if p != "device"]  # zerodp's own key: "auto" is its default
     if left:
-        raise ConfigError("invalid zerodp config:\n  " + "\n  ".join(
-            f"'{p}' is \"auto\", which zerodp cannot resolve (the HF Trainer fills it from its "
-            "TrainingArguments); give a value" for p in left))
+        raise ConfigError(
+            "invalid zerodp config:\n  "
+            + "\n  ".join(
+                f"'{p}' is \"auto\", which zerodp cannot resolve (the HF Trainer fills it from its "
+                "TrainingArguments); give a value"
+                for p in left
+            )
+        )
     return cfg
 
 
@@ -142,7 +150,8 @@ def _resolve_batch(cfg: dict[str, Any]) -> None:
         raise ConfigError(
             "invalid zerodp config:\n  'train_batch_size', 'train_micro_batch_size_per_gpu' and "
             "'gradient_accumulation_steps' are all \"auto\": zerodp has no trainer arguments to fill them "
-            "from; set train_micro_batch_size_per_gpu (and gradient_accumulation_steps) to numbers")
+            "from; set train_micro_batch_size_per_gpu (and gradient_accumulation_steps) to numbers"
+        )
     for k in autos:
         del cfg[k]  # derived from the others by ZeroDPConfig.for_world_size, as DeepSpeed does
 
@@ -156,11 +165,19 @@ def _resolve_hidden_size_keys(cfg: dict[str, Any], model: nn.Module | None) -> N
         return
     h = hidden_size_of(model)
     if h is None:
-        where = "zerodp.deepspeed.zero.Init (no model yet)" if model is None else \
-            f"the model ({type(model).__name__}) has no config.hidden_size or config.hidden_sizes"
-        raise ConfigError("invalid zerodp config:\n  " + "\n  ".join(
-            f"'zero_optimization.{k}' is \"auto\" (= {HIDDEN_SIZE_KEYS[k][0]}, as the HF Trainer fills "
-            f"it) but {where}; give a number" for k in autos))
+        where = (
+            "zerodp.deepspeed.zero.Init (no model yet)"
+            if model is None
+            else f"the model ({type(model).__name__}) has no config.hidden_size or config.hidden_sizes"
+        )
+        raise ConfigError(
+            "invalid zerodp config:\n  "
+            + "\n  ".join(
+                f"'zero_optimization.{k}' is \"auto\" (= {HIDDEN_SIZE_KEYS[k][0]}, as the HF Trainer fills "
+                f"it) but {where}; give a number"
+                for k in autos
+            )
+        )
     for k in autos:
         zo[k] = HIDDEN_SIZE_KEYS[k][1](h)
 
@@ -179,8 +196,10 @@ def _resolve_scheduler(cfg: dict[str, Any], optimizer_lr: float | None) -> None:
             given = (opt.get("params") or {}).get("lr")
             lr = given if isinstance(given, (int, float)) and not isinstance(given, bool) else None
         if lr is None:
-            raise ConfigError("invalid zerodp config:\n  'scheduler.params.warmup_max_lr' is \"auto\" (= the "
-                              "optimizer's lr) but no optimizer lr is given; set optimizer.params.lr")
+            raise ConfigError(
+                "invalid zerodp config:\n  'scheduler.params.warmup_max_lr' is \"auto\" (= the "
+                "optimizer's lr) but no optimizer lr is given; set optimizer.params.lr"
+            )
         params["warmup_max_lr"] = float(lr)
 
 

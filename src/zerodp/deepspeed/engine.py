@@ -34,7 +34,8 @@ NO_SYNC_PARTITIONED = (
     "rank's partition, so there is no full local gradient to hold back until the boundary. Set "
     "gradient_accumulation_steps in the config instead and call engine.backward(loss) and engine.step() "
     "every micro-batch: the engine accumulates the gradients over the window (in fp32 under bf16/fp16) "
-    "and updates only at the boundary. Stages 0-1 accept no_sync (they reduce only at the boundary)")
+    "and updates only at the boundary. Stages 0-1 accept no_sync (they reduce only at the boundary)"
+)
 
 
 class DeepSpeedEngine(DeepSpeedCheckpointMethods):
@@ -44,8 +45,9 @@ class DeepSpeedEngine(DeepSpeedCheckpointMethods):
     Call it like the model; ``backward(loss)`` and ``step()`` every micro-batch, as in DeepSpeed.
     """
 
-    def __init__(self, engine: Engine, training_dataloader: Any = None,
-                 ds_config: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, engine: Engine, training_dataloader: Any = None, ds_config: Mapping[str, Any] | None = None
+    ) -> None:
         self.engine = engine
         self.training_dataloader = training_dataloader
         #: DeepSpeed's ``engine.config``: the config dict given to initialize ("auto" resolved)
@@ -69,8 +71,10 @@ class DeepSpeedEngine(DeepSpeedCheckpointMethods):
         try:
             return getattr(self.engine.module, name)
         except AttributeError:
-            raise AttributeError(f"'{type(self).__name__}' object (and its module "
-                                 f"{type(self.engine.module).__name__}) has no attribute '{name}'") from None
+            raise AttributeError(
+                f"'{type(self).__name__}' object (and its module "
+                f"{type(self.engine.module).__name__}) has no attribute '{name}'"
+            ) from None
 
     # ---- the module --------------------------------------------------------------------------------
     @property
@@ -110,8 +114,14 @@ class DeepSpeedEngine(DeepSpeedCheckpointMethods):
         return self.module.named_parameters(*args, **kwargs)
 
     # ---- training ----------------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True, release_loss: bool = False,
-                 retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(
+        self,
+        loss: torch.Tensor,
+        allreduce_gradients: bool = True,
+        release_loss: bool = False,
+        retain_graph: bool = False,
+        scale_wrt_gas: bool = True,
+    ) -> torch.Tensor:
         """Back-propagate ``loss / gradient_accumulation_steps``, or ``loss`` as given with
         ``scale_wrt_gas=False`` (a loss already normalised over the accumulation window, e.g. by the
         window's token count); returns ``loss``.
@@ -120,14 +130,17 @@ class DeepSpeedEngine(DeepSpeedCheckpointMethods):
             NotImplementedError: ``allreduce_gradients=False``, ``retain_graph=True``, or a boundary
                 micro-step inside :meth:`no_sync`.
         """
-        for name, value, default in (("allreduce_gradients", allreduce_gradients, True),
-                                     ("retain_graph", retain_graph, False)):
+        for name, value, default in (
+            ("allreduce_gradients", allreduce_gradients, True),
+            ("retain_graph", retain_graph, False),
+        ):
             if value != default:
                 raise NotImplementedError(f"engine.backward({name}={value!r}) is not implemented in zerodp")
         if self._no_sync and self.is_gradient_accumulation_boundary():
             raise NotImplementedError(
                 "engine.backward inside no_sync() on a gradient accumulation boundary is not implemented: "
-                "zerodp reduces gradients in the boundary micro-step's backward; leave no_sync() for it")
+                "zerodp reduces gradients in the boundary micro-step's backward; leave no_sync() for it"
+            )
         t0 = time.perf_counter()
         self.engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
         self._times["backward"] += time.perf_counter() - t0
@@ -169,7 +182,8 @@ class DeepSpeedEngine(DeepSpeedCheckpointMethods):
             if self.is_gradient_accumulation_boundary():
                 raise NotImplementedError(
                     "set_gradient_accumulation_boundary: the last backward ended the accumulation window and "
-                    "was not followed by engine.step(); call step() after the window's last backward")
+                    "was not followed by engine.step(); call step() after the window's last backward"
+                )
             self._backward_unstepped = False
             self.engine.step()  # a non-boundary micro-step: counts it, updates nothing
             self.tput_timer.stop(global_step=False)
@@ -180,20 +194,27 @@ class DeepSpeedEngine(DeepSpeedCheckpointMethods):
                 f"set_gradient_accumulation_boundary(is_boundary={bool(is_boundary)}) at micro-step "
                 f"{self.engine.micro_steps % gas + 1} of {gas}: zerodp's accumulation window is fixed by "
                 f"gradient_accumulation_steps={gas} and a window cut short is not implemented. Give the "
-                "Trainer/accelerate the config's gradient_accumulation_steps (\"auto\" does) and a number of "
-                "micro-batches per epoch that it divides")
+                'Trainer/accelerate the config\'s gradient_accumulation_steps ("auto" does) and a number of '
+                "micro-batches per epoch that it divides"
+            )
 
     def _report(self) -> None:
         cfg = self.engine.config
         if cfg.steps_per_print is None or self.engine.global_steps % cfg.steps_per_print:
             return  # None: never (steps_per_print inf, as accelerate sets it)
         if self.engine.rank == 0:
-            print(f"[zerodp] step={self.engine.global_steps}, skipped={self.engine.skipped_steps}, "
-                  f"lr={self.get_lr()}, mom={self.get_mom()}, loss_scale={self.engine.loss_scale}", flush=True)
+            print(
+                f"[zerodp] step={self.engine.global_steps}, skipped={self.engine.skipped_steps}, "
+                f"lr={self.get_lr()}, mom={self.get_mom()}, loss_scale={self.engine.loss_scale}",
+                flush=True,
+            )
             if cfg.wall_clock_breakdown:
                 t = self._times
-                print(f"[zerodp] time (s) over the last {cfg.steps_per_print} steps: forward={t['forward']:.4f} "
-                      f"backward={t['backward']:.4f} step={t['step']:.4f}", flush=True)
+                print(
+                    f"[zerodp] time (s) over the last {cfg.steps_per_print} steps: forward={t['forward']:.4f} "
+                    f"backward={t['backward']:.4f} step={t['step']:.4f}",
+                    flush=True,
+                )
         self._times = dict.fromkeys(self._times, 0.0)
 
     def zero_grad(self) -> None:
@@ -304,8 +325,9 @@ class DeepSpeedEngine(DeepSpeedCheckpointMethods):
         return self.engine.device
 
     # ---- states between phases (RLHF) --------------------------------------------------------------
-    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
-                       non_blocking: bool = False) -> None:
+    def offload_states(
+        self, include: Any = None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False
+    ) -> None:
         """Move optimizer states and fp32 masters to the host (see :mod:`zerodp.deepspeed.engine_states`)."""
         offload_states(self, include, device, pin_memory, non_blocking)
 

@@ -74,15 +74,17 @@ class DeepSpeedCheckpointMethods:
                     if name in state_dict:
                         src = state_dict[name]
                         if tuple(src.shape) != tuple(p.shape):
-                            raise ValueError(f"load_state_dict: {name} has shape {tuple(src.shape)}, the model "
-                                             f"{tuple(p.shape)}")
+                            raise ValueError(
+                                f"load_state_dict: {name} has shape {tuple(src.shape)}, the model {tuple(p.shape)}"
+                            )
                         p.copy_(src)
         for name, b in buffers.items():
             if name in state_dict:
                 b.copy_(state_dict[name])
 
-    def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
+    def save_16bit_model(
+        self, save_dir: Any, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
         """Collective: :meth:`zerodp.Engine.save_16bit_model` (the full weights in the module's dtype
         to ``save_dir/save_filename``, rank 0; True).
 
@@ -92,8 +94,14 @@ class DeepSpeedCheckpointMethods:
         """
         return self.engine.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
 
-    def save_checkpoint(self, save_dir: Any, tag: Any = None, client_state: Mapping[str, Any] | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    def save_checkpoint(
+        self,
+        save_dir: Any,
+        tag: Any = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
         """Collective: DeepSpeed's signature over :meth:`zerodp.Engine.save_checkpoint`. ``tag`` may be
         an int; ``client_state`` may hold tensors and any picklable object (stored with torch.save in the
         checkpoint directory, and returned as saved); ``save_latest=False`` leaves ``latest`` as it was.
@@ -104,8 +112,9 @@ class DeepSpeedCheckpointMethods:
         tag = None if tag is None else str(tag)
         latest = Path(save_dir) / "latest"
         before = latest.read_text(encoding="utf-8") if latest.is_file() else None
-        path = self.engine.save_checkpoint(save_dir, tag, {CLIENT_STATE_MARKER: CLIENT_STATE_FILE},
-                                           exclude_frozen_parameters=exclude_frozen_parameters)
+        path = self.engine.save_checkpoint(
+            save_dir, tag, {CLIENT_STATE_MARKER: CLIENT_STATE_FILE}, exclude_frozen_parameters=exclude_frozen_parameters
+        )
         if self.engine.rank == 0:
             torch.save(dict(client_state or {}), Path(path) / CLIENT_STATE_FILE)
             if not save_latest:
@@ -117,9 +126,16 @@ class DeepSpeedCheckpointMethods:
             dist.barrier(self.engine.process_group)
         return True
 
-    def load_checkpoint(self, load_dir: Any, tag: Any = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
+    def load_checkpoint(
+        self,
+        load_dir: Any,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[Any, Any]:
         """Collective: DeepSpeed's signature over :meth:`zerodp.Engine.load_checkpoint`.
 
         Returns ``(checkpoint path, client_state)``, or ``(None, None)`` with a warning when ``tag`` is

@@ -36,8 +36,13 @@ def _flat_buffers(engine: Any) -> list[torch.Tensor]:
     return [g.buffer for g in engine.groups]
 
 
-def offload_states(ds_engine: Any, include: Iterable[Any] | None = None,
-                   device: Any = OffloadDeviceEnum.cpu, pin_memory: bool = True, non_blocking: bool = False) -> None:
+def offload_states(
+    ds_engine: Any,
+    include: Iterable[Any] | None = None,
+    device: Any = OffloadDeviceEnum.cpu,
+    pin_memory: bool = True,
+    non_blocking: bool = False,
+) -> None:
     """Move the ``include``d states (default: all) to the host; see the module docstring.
 
     Raises:
@@ -50,17 +55,21 @@ def offload_states(ds_engine: Any, include: Iterable[Any] | None = None,
         raise NotImplementedError(f"offload_states(device={device!r}) is not implemented: only cpu, as DeepSpeed")
     zc = engine.config.zero_optimization
     if zc.offload_optimizer.device != "none" or zc.offload_param.device != "none":
-        raise NotImplementedError("offload_states with offload_optimizer/offload_param configured is not "
-                                  "implemented (as in DeepSpeed): those states already live on the host")
+        raise NotImplementedError(
+            "offload_states with offload_optimizer/offload_param configured is not "
+            "implemented (as in DeepSpeed): those states already live on the host"
+        )
     if getattr(ds_engine, "_offloaded", None) is not None:
         raise NotImplementedError("offload_states called twice without reload_states in between")
     wanted = [OffloadStateTypeEnum(s) for s in (include if include is not None else ALL_STATES)]
     host = torch.device("cpu")
     stuck = [s.value for s in wanted if s not in MOVED and any(b.device != host for b in _flat_buffers(engine))]
     if stuck:
-        raise NotImplementedError(f"offload_states(include={stuck}) is not implemented in zerodp for accelerator "
-                                  "engines (the parameters and gradients view these flat buffers); include "
-                                  "optim_states and hp_params")
+        raise NotImplementedError(
+            f"offload_states(include={stuck}) is not implemented in zerodp for accelerator "
+            "engines (the parameters and gradients view these flat buffers); include "
+            "optim_states and hp_params"
+        )
     moved: list[tuple[str, Any, Any, torch.device]] = []
     pin = bool(pin_memory)  # host_empty pins only where CUDA is present
     if OffloadStateTypeEnum.optim_states in wanted:

@@ -34,8 +34,10 @@ class HfDeepSpeedConfig:
             try:
                 config = json.loads(base64.urlsafe_b64decode(config_file_or_dict).decode("utf-8"))
             except (ValueError, TypeError, UnicodeDecodeError):
-                raise ValueError("HfDeepSpeedConfig expects a dict, a path to a JSON file or base64-encoded "
-                                 f"JSON, got {config_file_or_dict!r}") from None
+                raise ValueError(
+                    "HfDeepSpeedConfig expects a dict, a path to a JSON file or base64-encoded "
+                    f"JSON, got {config_file_or_dict!r}"
+                ) from None
         self.config: dict[str, Any] = config
         self.set_stage_and_offload()
 
@@ -43,8 +45,10 @@ class HfDeepSpeedConfig:
         self._stage = self.get_value("zero_optimization.stage", -1)
         self._offload = False
         if self.is_zero2() or self.is_zero3():
-            devices = {self.get_value("zero_optimization.offload_optimizer.device"),
-                       self.get_value("zero_optimization.offload_param.device")}
+            devices = {
+                self.get_value("zero_optimization.offload_optimizer.device"),
+                self.get_value("zero_optimization.offload_param.device"),
+            }
             self._offload = bool(devices & {"cpu", "nvme"})
 
     def find_config_node(self, ds_key_long: str) -> tuple[dict | None, str]:

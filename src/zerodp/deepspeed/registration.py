@@ -37,8 +37,12 @@ DEEPSPEED_API_VERSION = "0.19.8"
 
 #: Modules that read DeepSpeed's availability once, when they are imported; registering after them
 #: would leave them without DeepSpeed (accelerate) or half-configured (transformers).
-DECIDED_AT_IMPORT = ("accelerate.accelerator", "accelerate.utils.deepspeed", "transformers.integrations.deepspeed",
-                     "transformers.trainer")
+DECIDED_AT_IMPORT = (
+    "accelerate.accelerator",
+    "accelerate.utils.deepspeed",
+    "transformers.integrations.deepspeed",
+    "transformers.trainer",
+)
 
 #: submodules DeepSpeed's ``__init__`` imports, so ``deepspeed.comm.get_rank()`` works after ``import
 #: deepspeed`` (transformers' ZeRO-3 weight initialisation); zerodp.deepspeed imports the others itself.
@@ -88,9 +92,11 @@ class _Distribution(importlib.metadata.Distribution):
 
     def read_text(self, filename: str) -> str | None:
         if filename == "METADATA":
-            return (f"Metadata-Version: 2.1\nName: {_NAME}\nVersion: {version()}\n"
-                    "Summary: zerodp.deepspeed registered as deepspeed (zerodp.deepspeed.registration); "
-                    "not DeepSpeed\n")
+            return (
+                f"Metadata-Version: 2.1\nName: {_NAME}\nVersion: {version()}\n"
+                "Summary: zerodp.deepspeed registered as deepspeed (zerodp.deepspeed.registration); "
+                "not DeepSpeed\n"
+            )
         return None
 
     def locate_file(self, path: Any) -> Path:
@@ -103,14 +109,15 @@ class ZerodpDeepSpeedFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname != _NAME and not fullname.startswith(_NAME + "."):
             return None
-        real = _TARGET + fullname[len(_NAME):]
+        real = _TARGET + fullname[len(_NAME) :]
         if importlib.util.find_spec(real) is None:
             raise ModuleNotFoundError(
                 f"No module named {fullname!r}: zerodp is registered as 'deepspeed' and has no {real} "
-                "(that part of DeepSpeed is not implemented in zerodp; see docs/deepspeed.md)", name=fullname)
+                "(that part of DeepSpeed is not implemented in zerodp; see docs/deepspeed.md)",
+                name=fullname,
+            )
         module = importlib.import_module(real)
-        spec = importlib.machinery.ModuleSpec(fullname, _AliasLoader(real),
-                                              is_package=hasattr(module, "__path__"))
+        spec = importlib.machinery.ModuleSpec(fullname, _AliasLoader(real), is_package=hasattr(module, "__path__"))
         if hasattr(module, "__path__"):
             spec.submodule_search_locations = list(module.__path__)
         return spec
@@ -146,13 +153,15 @@ def install() -> ModuleType:
     if present is not None:
         raise DeepSpeedShadowError(
             f"a 'deepspeed' module is already imported ({getattr(present, '__file__', present)!r}); zerodp does "
-            "not replace a real DeepSpeed. Use `import zerodp.deepspeed as deepspeed` in your own code instead")
+            "not replace a real DeepSpeed. Use `import zerodp.deepspeed as deepspeed` in your own code instead"
+        )
     spec = importlib.util.find_spec(_NAME)
     if spec is not None:
         raise DeepSpeedShadowError(
             f"a real DeepSpeed is installed ({spec.origin or list(spec.submodule_search_locations or [])}); "
             "zerodp refuses to shadow it. Uninstall it (`pip uninstall deepspeed`) to run on zerodp through "
-            "this registration, or use `import zerodp.deepspeed as deepspeed` in your own code")
+            "this registration, or use `import zerodp.deepspeed as deepspeed` in your own code"
+        )
     try:
         dist = importlib.metadata.distribution(_NAME)
     except importlib.metadata.PackageNotFoundError:
@@ -160,13 +169,15 @@ def install() -> ModuleType:
     if dist is not None:
         raise DeepSpeedShadowError(
             f"a 'deepspeed' distribution (version {dist.version}) is installed although its module is not "
-            "importable; zerodp refuses to shadow it. Uninstall it (`pip uninstall deepspeed`) first")
+            "importable; zerodp refuses to shadow it. Uninstall it (`pip uninstall deepspeed`) first"
+        )
     early = [m for m in DECIDED_AT_IMPORT if m in sys.modules]
     if early:
         raise DeepSpeedShadowError(
             f"register zerodp as deepspeed before importing transformers' Trainer or accelerate: {early} "
             "already decided that DeepSpeed is unavailable. Put `import zerodp.deepspeed.as_deepspeed` "
-            "first in the script, or start it with `zerodp run SCRIPT`")
+            "first in the script, or start it with `zerodp run SCRIPT`"
+        )
     module = importlib.import_module(_TARGET)
     for name in EAGER_SUBMODULES:  # attributes clients reach without importing them (deepspeed.comm.get_rank)
         importlib.import_module(f"{_TARGET}.{name}")

@@ -54,26 +54,47 @@ class Init(_zero.Init):
             disagreeing with the config's ``offload_param`` (or "nvme" without its ``nvme_path``).
     """
 
-    def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
-                 mem_efficient_linear: bool = True, remote_device: str | None = None,
-                 pin_memory: bool = False, config_dict_or_path: Any = None, config: Any = None,
-                 enabled: bool = True, dtype: torch.dtype | None = None, mpu: Any = None,
-                 zero_param_parallel_group: Any = None, zero_quantized_weights: bool = False,
-                 zero_quantized_nontrainable_weights: bool = False, sequence_data_parallel_group: Any = None,
-                 param_swapper: Any = None) -> None:
-        refused = {"module": module is not None, "mpu": mpu is not None,
-                   "zero_param_parallel_group": zero_param_parallel_group is not None,
-                   "zero_quantized_weights": bool(zero_quantized_weights),
-                   "zero_quantized_nontrainable_weights": bool(zero_quantized_nontrainable_weights),
-                   "sequence_data_parallel_group": sequence_data_parallel_group is not None,
-                   "param_swapper": param_swapper is not None}
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: Any = None,
+        zero_param_parallel_group: Any = None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        sequence_data_parallel_group: Any = None,
+        param_swapper: Any = None,
+    ) -> None:
+        refused = {
+            "module": module is not None,
+            "mpu": mpu is not None,
+            "zero_param_parallel_group": zero_param_parallel_group is not None,
+            "zero_quantized_weights": bool(zero_quantized_weights),
+            "zero_quantized_nontrainable_weights": bool(zero_quantized_nontrainable_weights),
+            "sequence_data_parallel_group": sequence_data_parallel_group is not None,
+            "param_swapper": param_swapper is not None,
+        }
         bad = [k for k, v in refused.items() if v]
         if bad:
-            raise NotImplementedError(f"zerodp.deepspeed.zero.Init({bad[0]}=...) is not implemented in zerodp "
-                                      "(no model parallelism or quantization)")
+            raise NotImplementedError(
+                f"zerodp.deepspeed.zero.Init({bad[0]}=...) is not implemented in zerodp "
+                "(no model parallelism or quantization)"
+            )
         cfg = _init_config(config_dict_or_path, config, dtype)
-        super().__init__(config=cfg, enabled=enabled, process_group=data_parallel_group,
-                         remote_device=remote_device, pin_memory=None if pin_memory is False else pin_memory)
+        super().__init__(
+            config=cfg,
+            enabled=enabled,
+            process_group=data_parallel_group,
+            remote_device=remote_device,
+            pin_memory=None if pin_memory is False else pin_memory,
+        )
 
     def _partitioned(self, unit: ShardedUnit) -> None:
         for s in unit.slots:
@@ -98,11 +119,18 @@ def _init_config(config_dict_or_path: Any, config: Any, dtype: torch.dtype | Non
         raw["zero_optimization"] = {}
     raw["zero_optimization"].setdefault("stage", 3)
     cfg = resolve_deepspeed_config(raw, model=None)
-    implied = (torch.bfloat16 if (cfg.get("bf16") or {}).get("enabled") else
-               torch.float16 if (cfg.get("fp16") or {}).get("enabled") else None)
+    implied = (
+        torch.bfloat16
+        if (cfg.get("bf16") or {}).get("enabled")
+        else torch.float16
+        if (cfg.get("fp16") or {}).get("enabled")
+        else None
+    )
     if dtype is not None and dtype != (implied or torch.float32):
-        raise ConfigError(f"zero.Init(dtype={dtype}) disagrees with the config's precision "
-                          f"({implied or 'fp32'}); zerodp partitions in the config's dtype")
+        raise ConfigError(
+            f"zero.Init(dtype={dtype}) disagrees with the config's precision "
+            f"({implied or 'fp32'}); zerodp partitions in the config's dtype"
+        )
     return cfg
 
 
@@ -123,5 +151,12 @@ def set_ds_attributes(p: nn.Parameter, shape: tuple[int, ...] | None) -> None:
         save_as_placeholders(p)
 
 
-__all__ = ["Init", "ZeroParamStatus", "GatheredParameters", "TiledLinear", "register_external_parameter", "full_numel",
-           "is_partitioned"]
+__all__ = [
+    "Init",
+    "ZeroParamStatus",
+    "GatheredParameters",
+    "TiledLinear",
+    "register_external_parameter",
+    "full_numel",
+    "is_partitioned",
+]

@@ -40,7 +40,7 @@ def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
     n = align_up(nbytes)
     raw = host_empty(n + ALIGN, torch.uint8, pin)
     skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip: skip + n]
+    return raw[skip : skip + n]
 
 
 class SwapFile:
@@ -122,14 +122,18 @@ class AsyncIO:
 
     def _submit(self, f: SwapFile, buf: torch.Tensor, offset: int, write: bool) -> IOHandle:
         if offset % ALIGN or buf.numel() % ALIGN or buf.data_ptr() % ALIGN:
-            raise ValueError(f"direct I/O needs {ALIGN}-byte alignment: offset {offset}, "
-                             f"{buf.numel()} bytes at address {buf.data_ptr():#x}")
+            raise ValueError(
+                f"direct I/O needs {ALIGN}-byte alignment: offset {offset}, "
+                f"{buf.numel()} bytes at address {buf.data_ptr():#x}"
+            )
         mv = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers; typeshed's Buffer misses it
         handle = IOHandle(nbytes=buf.numel())
         span = self.block * self.per_call
         for start in range(0, buf.numel(), span):
-            views = [mv[s: min(s + self.block, start + span, buf.numel())]
-                     for s in range(start, min(start + span, buf.numel()), self.block)]
+            views = [
+                mv[s : min(s + self.block, start + span, buf.numel())]
+                for s in range(start, min(start + span, buf.numel()), self.block)
+            ]
             handle.futures.append(self.pool.submit(self._timed, f, views, offset + start, write))
         return handle
 
@@ -156,11 +160,17 @@ def _transfer(f: SwapFile, views: list[memoryview], offset: int, write: bool) ->
         try:
             n = os.pwritev(f.fd, views, offset) if write else os.preadv(f.fd, views, offset)
         except OSError as exc:
-            raise OSError(exc.errno, f"{'writing' if write else 'reading'} {want} bytes at offset "
-                                     f"{offset} of swap file {f.path}: {os.strerror(exc.errno or 0)}") from None
+            raise OSError(
+                exc.errno,
+                f"{'writing' if write else 'reading'} {want} bytes at offset "
+                f"{offset} of swap file {f.path}: {os.strerror(exc.errno or 0)}",
+            ) from None
         if n == 0:
-            raise OSError(errno.EIO, f"{'writing' if write else 'reading'} swap file {f.path} at offset "
-                                     f"{offset}: end of file ({want} bytes wanted; was it truncated?)")
+            raise OSError(
+                errno.EIO,
+                f"{'writing' if write else 'reading'} swap file {f.path} at offset "
+                f"{offset}: end of file ({want} bytes wanted; was it truncated?)",
+            )
         # partial transfer: continue after what was done
         while views and n >= len(views[0]):
             n -= len(views[0])

@@ -66,8 +66,15 @@ class OptimizerOffload(Protocol):
 HOST_PIPELINE_ON_CPU_ENV = "ZERODP_HOST_OFFLOAD_ON_CPU"
 
 
-def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int, process_group: dist.ProcessGroup | None,
-                  groups: list[FlatGroup], has_master: bool) -> OptimizerOffload:
+def build_offload(
+    zc: ZeroConfig,
+    aio: AioConfig,
+    stage: int,
+    rank: int,
+    process_group: dist.ProcessGroup | None,
+    groups: list[FlatGroup],
+    has_master: bool,
+) -> OptimizerOffload:
     """:class:`~zerodp.offload.no_offload.NoOffload` for ``device: none`` (fp32 masters on the
     training device when ``has_master``); else the host or NVMe offload (not yet attached).
 
@@ -89,8 +96,10 @@ def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int, process
     if not cfg.enabled:
         return NoOffload(has_master)
     if stage == 0:
-        raise ConfigError("zero_optimization.offload_optimizer needs zero_optimization.stage 1, 2 or 3 "
-                         "(it offloads this rank's partition of the optimizer states); got stage 0")
+        raise ConfigError(
+            "zero_optimization.offload_optimizer needs zero_optimization.stage 1, 2 or 3 "
+            "(it offloads this rank's partition of the optimizer states); got stage 0"
+        )
     device = devices.device_of(g.buffer for g in groups)  # the engine's device
     cfg = cfg.model_copy(update={"pin_memory": devices.resolve_pin_memory(cfg.pin_memory, device)})
     if cfg.device == "cpu" and cfg.delayed_update:  # host memory, the update one step late
@@ -99,10 +108,13 @@ def build_offload(zc: ZeroConfig, aio: AioConfig, stage: int, rank: int, process
         on_cpu = not devices.is_accelerator(device)
         if on_cpu and os.environ.get(HOST_PIPELINE_ON_CPU_ENV) != "1":
             if rank == 0:
-                warnings.warn("zero_optimization.offload_optimizer.device 'cpu': training runs on the CPU, so the "
-                              "optimizer states are in host memory already; nothing is offloaded and no memory "
-                              "is added (the engine runs as without offload). Use device 'nvme' to take them "
-                              "out of RAM", stacklevel=3)
+                warnings.warn(
+                    "zero_optimization.offload_optimizer.device 'cpu': training runs on the CPU, so the "
+                    "optimizer states are in host memory already; nothing is offloaded and no memory "
+                    "is added (the engine runs as without offload). Use device 'nvme' to take them "
+                    "out of RAM",
+                    stacklevel=3,
+                )
             return NoOffload(has_master)
         return HostOptimizerOffload(bool(cfg.pin_memory), cfg.cpu_adam, device)
     user_size = zc.sub_group_size if "sub_group_size" in zc.model_fields_set else None

@@ -37,10 +37,13 @@ class _OffloadTarget(_StrictModel):
 
     device: OffloadDevice = Field("none", description="none | cpu | nvme")
     nvme_path: str | None = Field(None, description="directory for swap files (device nvme)")
-    remove_stale_swap: bool = Field(False, description="zerodp's own key: remove swap directories under "
-                                                       "nvme_path left by jobs whose processes are gone "
-                                                       "(else they are named in a warning; see "
-                                                       "zerodp.offload.swap_dir)")
+    remove_stale_swap: bool = Field(
+        False,
+        description="zerodp's own key: remove swap directories under "
+        "nvme_path left by jobs whose processes are gone "
+        "(else they are named in a warning; see "
+        "zerodp.offload.swap_dir)",
+    )
 
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> _OffloadTarget:
@@ -68,34 +71,50 @@ class OffloadOptimizerConfig(_OffloadTarget):
     own key, ``cpu`` only) applies each step's update one step late (:mod:`zerodp.offload.delayed`).
     """
 
-    pin_memory: bool | None = Field(None, description="page-lock the host buffers; unset: true when the engine's "
-                                                      "device is CUDA, false on the CPU")
+    pin_memory: bool | None = Field(
+        None, description="page-lock the host buffers; unset: true when the engine's device is CUDA, false on the CPU"
+    )
     buffer_count: int = Field(4, ge=3, description="nvme: aligned sub-group buffers (>= 3: read, update, write)")
     fast_init: bool = Field(False, description="nvme: sparse swap files instead of preallocating them")
     ratio: float = Field(1.0, gt=0.0, le=1.0, description="fraction offloaded; only 1.0 is implemented")
-    cpu_adam: CpuAdam = Field("fused", description="zerodp's own key: the CPU Adam/AdamW kernel of the "
-                                                   "offloaded step, 'fused' (torch's fused CPU kernel) or "
-                                                   "'same' (the non-offloaded engine's, bitwise equal); "
-                                                   "see zerodp.offload.cpu_adam")
-    overlap_step: bool = Field(False, description="nvme, stage 3 with offload_param nvme (zerodp's own key): "
-                                                  "step() returns once the persistent parameters are "
-                                                  "updated; the other sub-groups are updated during the "
-                                                  "next forward, each before its parameters' first use "
-                                                  "(same values; see zerodp.offload.step_pipeline)")
-    delayed_update: bool = Field(False, description="cpu (zerodp's own key): step t's CPU update runs during step "
-                                                    "t+1's forward and backward and reaches the module at step "
-                                                    "t+1, so every forward sees the parameters one update behind "
-                                                    "(ZeRO-Offload section 4.3; see zerodp.offload.delayed)")
-    host_buffer_bytes: int = Field(256 * 2**20, ge=0, description="nvme (zerodp's own key): host bytes of the "
-                                                                 "swapper's buffers when sub_group_size is not "
-                                                                 "set (see zerodp.offload.sizing)")
+    cpu_adam: CpuAdam = Field(
+        "fused",
+        description="zerodp's own key: the CPU Adam/AdamW kernel of the "
+        "offloaded step, 'fused' (torch's fused CPU kernel) or "
+        "'same' (the non-offloaded engine's, bitwise equal); "
+        "see zerodp.offload.cpu_adam",
+    )
+    overlap_step: bool = Field(
+        False,
+        description="nvme, stage 3 with offload_param nvme (zerodp's own key): "
+        "step() returns once the persistent parameters are "
+        "updated; the other sub-groups are updated during the "
+        "next forward, each before its parameters' first use "
+        "(same values; see zerodp.offload.step_pipeline)",
+    )
+    delayed_update: bool = Field(
+        False,
+        description="cpu (zerodp's own key): step t's CPU update runs during step "
+        "t+1's forward and backward and reaches the module at step "
+        "t+1, so every forward sees the parameters one update behind "
+        "(ZeRO-Offload section 4.3; see zerodp.offload.delayed)",
+    )
+    host_buffer_bytes: int = Field(
+        256 * 2**20,
+        ge=0,
+        description="nvme (zerodp's own key): host bytes of the "
+        "swapper's buffers when sub_group_size is not "
+        "set (see zerodp.offload.sizing)",
+    )
 
     @model_validator(mode="after")
     def _delayed_needs_cpu(self) -> OffloadOptimizerConfig:
         if self.delayed_update and self.device != "cpu":
-            raise ValueError(f"delayed_update needs offload_optimizer.device 'cpu' (the update runs on the host "
-                             f"while the next forward runs); got device {self.device!r}. Set device 'cpu' or "
-                             "delayed_update false")
+            raise ValueError(
+                f"delayed_update needs offload_optimizer.device 'cpu' (the update runs on the host "
+                f"while the next forward runs); got device {self.device!r}. Set device 'cpu' or "
+                "delayed_update false"
+            )
         return self
 
     @field_validator("host_buffer_bytes", mode="before")
@@ -149,14 +168,21 @@ class OffloadParamConfig(_OffloadTarget):
       already being all-gathered.
     """
 
-    pin_memory: bool | None = Field(None, description="page-lock the host shards and buffers; unset: true when the "
-                                                      "engine's device is CUDA, false on the CPU")
+    pin_memory: bool | None = Field(
+        None,
+        description="page-lock the host shards and buffers; unset: true when the "
+        "engine's device is CUDA, false on the CPU",
+    )
     buffer_count: int = Field(5, ge=1, description="nvme: aligned I/O buffers in the pool")
     buffer_size: int = Field(100_000_000, ge=4096, description="nvme: bytes per I/O buffer (rounded down to 4096)")
     max_in_cpu: int = Field(1_000_000_000, ge=0, description="nvme: bytes of shards read ahead of use, at most")
-    prefetch_depth: int = Field(3, ge=0, description="nvme (zerodp's own key): modules ahead (beyond those "
-                                                     "being all-gathered) whose shards are read while "
-                                                     "earlier ones run (0: off)")
+    prefetch_depth: int = Field(
+        3,
+        ge=0,
+        description="nvme (zerodp's own key): modules ahead (beyond those "
+        "being all-gathered) whose shards are read while "
+        "earlier ones run (0: off)",
+    )
 
     @field_validator("buffer_size", "max_in_cpu", mode="before")
     @classmethod

@@ -37,8 +37,11 @@ def fused_groups(optimizer: torch.optim.Optimizer, choice: CpuAdam) -> list[dict
     ``foreach`` set (None: torch's default) and ``differentiable`` off."""
     if choice != "fused" or not isinstance(optimizer, torch.optim.Adam):
         return []
-    return [g for g in optimizer.param_groups
-            if g.get("fused") is None and g.get("foreach") is None and not g.get("differentiable", False)]
+    return [
+        g
+        for g in optimizer.param_groups
+        if g.get("fused") is None and g.get("foreach") is None and not g.get("differentiable", False)
+    ]
 
 
 @contextlib.contextmanager

@@ -25,8 +25,7 @@ from zerodp.runtime.partition import Piece
 class DeferredGradOffload(HostOptimizerOffload):
     """The host offload's gradient calls, deferred when the gradients are in host memory (module docstring)."""
 
-    def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused",
-                 train_device: torch.device | str = "cpu") -> None:
+    def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused", train_device: torch.device | str = "cpu") -> None:
         super().__init__(pin_memory, cpu_adam, train_device)
         self.deferred = False  # gradients read from the reducer's host partition (set at attach: engine on the CPU)
         self._norm_scratch: torch.Tensor | None = None  # fp32, largest piece, during a step's norm only
@@ -93,8 +92,9 @@ class DeferredGradOffload(HostOptimizerOffload):
             return super().norm_grads(pieces)
         return (g for g in (self.grad_of(p) for p in pieces) if g is not None)
 
-    def _materialise(self, i: int, lo: int, hi: int, out: torch.Tensor | None,
-                     ref: torch.Tensor | None = None) -> torch.Tensor:
+    def _materialise(
+        self, i: int, lo: int, hi: int, out: torch.Tensor | None, ref: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Elements ``lo:hi`` of piece ``i``'s fp32 gradient in ``out``: the eager path's copy, then its
         in-place scalings. ``out`` None (the reducer's partition is fp32, as the eager path's gradient
         is then): scaled in place there, as the eager path scales it. ``ref``: those elements read

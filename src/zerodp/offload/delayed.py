@@ -87,8 +87,9 @@ class DelayedHostOffload(HostOptimizerOffload):
         if self.launched is None:
             return super().fold_edits()
         # on a device only the pieces whose fingerprint moved are copied to the host and compared
-        changed = self.edits.changed([p.tensor for p in self.pieces]) if self.edits is not None \
-            else [True] * len(self.pieces)
+        changed = (
+            self.edits.changed([p.tensor for p in self.pieces]) if self.edits is not None else [True] * len(self.pieces)
+        )
         for i, (piece, before) in enumerate(zip(self.pieces, self.launched, strict=True)):
             if changed[i]:
                 _keep_edits(piece.tensor, before, piece.master_copy)
@@ -119,8 +120,10 @@ class DelayedHostOffload(HostOptimizerOffload):
         present = [i for i, p in enumerate(self._present) if p]
         # the module's values now: on a device the masters' cast (the pieces hold it since fold_edits),
         # made on the host instead of copying the partition from the device
-        self.launched = [p.master_copy.to(p.tensor.dtype, copy=True) if self.on_device
-                         else p.tensor.detach().to("cpu", copy=True) for p in self.pieces]
+        self.launched = [
+            p.master_copy.to(p.tensor.dtype, copy=True) if self.on_device else p.tensor.detach().to("cpu", copy=True)
+            for p in self.pieces
+        ]
         shadow = copy.copy(optimizer)  # same state dict; param groups copied: hyperparameters as of now
         shadow.param_groups = [dict(g) for g in optimizer.param_groups]
         optimizer._opt_called = True  # type: ignore[attr-defined]  # what optimizer.step() records for an LR scheduler's check

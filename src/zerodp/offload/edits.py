@@ -75,8 +75,10 @@ class EditWatch:
         sync per device."""
         if len(self.prints) != len(tensors):
             return [True] * len(tensors)
-        flags = [fingerprint(t) != p if p is not None else torch.ones((), dtype=torch.bool, device=t.device)
-                 for t, p in zip(tensors, self.prints, strict=True)]
+        flags = [
+            fingerprint(t) != p if p is not None else torch.ones((), dtype=torch.bool, device=t.device)
+            for t, p in zip(tensors, self.prints, strict=True)
+        ]
         self.taken += len(tensors)
         return host_flags("offload_edits", flags)
 

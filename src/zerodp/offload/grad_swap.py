@@ -79,8 +79,9 @@ def _pages(t: torch.Tensor, nbytes: int) -> torch.Tensor:
     raw = t.view(torch.uint8)
     if raw.data_ptr() % ALIGN or raw.untyped_storage().nbytes() < raw.storage_offset() + align_up(nbytes):
         raise ValueError("a gradient partition given to GradSwap does not come from GradSwap.empty")
-    return torch.empty(0, dtype=torch.uint8).set_(raw.untyped_storage(), raw.storage_offset(),
-                                                  (align_up(nbytes),), (1,))
+    return torch.empty(0, dtype=torch.uint8).set_(
+        raw.untyped_storage(), raw.storage_offset(), (align_up(nbytes),), (1,)
+    )
 
 
 class GradSwap:
@@ -163,8 +164,10 @@ class GradSwap:
         buffer of their own); returns the handle and one view per span, valid once it is waited for."""
         for index, _, _ in spans:
             if index not in self.on_disk:
-                raise RuntimeError(f"the gradient of group {index} was read from the gradient swap file "
-                                   "before it was written there this step")
+                raise RuntimeError(
+                    f"the gradient of group {index} was read from the gradient swap file "
+                    "before it was written there this step"
+                )
             self._wait_group(index)
         byte = [self.byte_range(*s) for s in spans]
         runs = merged_runs(byte)
@@ -181,7 +184,7 @@ class GradSwap:
         for lo, hi in runs:
             start = lo // ALIGN * ALIGN
             n = align_up(hi) - start
-            sub = self.io.read(self.file, buf[at: at + n], start)
+            sub = self.io.read(self.file, buf[at : at + n], start)
             handle.futures += sub.futures
             handle.nbytes += sub.nbytes
             where.append((start, at))
@@ -191,7 +194,7 @@ class GradSwap:
         for (index, _lo, _hi), (b0, b1) in zip(spans, byte, strict=False):
             start, at = next((s, a) for (s, a), (rlo, rhi) in zip(where, runs, strict=False) if rlo <= b0 and b1 <= rhi)
             dtype = self.extents[index].dtype
-            views.append(buf[at + b0 - start: at + b1 - start].view(dtype))
+            views.append(buf[at + b0 - start : at + b1 - start].view(dtype))
         return handle, views
 
     def host_bytes(self) -> int:
@@ -206,10 +209,18 @@ def span_bytes(swap_extents: dict[int, Extent], at: tuple[int, int], lo: int, hi
     return e.offset + (at[1] + lo) * e.dtype.itemsize, e.offset + (at[1] + hi) * e.dtype.itemsize
 
 
-def open_grad_swap(directory: str, nvme_path: str, fast_init: bool, io: AsyncIO, files: list,
-                   sizes: list[tuple[int, int, torch.dtype]], at: list[tuple[int, int]],
-                   subgroup_spans: list[list[tuple[int, int, int]]], rank: int,
-                   pg: dist.ProcessGroup | None) -> GradSwap:
+def open_grad_swap(
+    directory: str,
+    nvme_path: str,
+    fast_init: bool,
+    io: AsyncIO,
+    files: list,
+    sizes: list[tuple[int, int, torch.dtype]],
+    at: list[tuple[int, int]],
+    subgroup_spans: list[list[tuple[int, int, int]]],
+    rank: int,
+    pg: dist.ProcessGroup | None,
+) -> GradSwap:
     """Collective: create ``directory/gradients.swp`` for partitions of ``sizes`` (group index,
     elements, dtype) and the :class:`GradSwap` reading it through two buffers of the largest
     sub-group's ranges (``subgroup_spans``: per sub-group, (piece position, lo, hi); ``at``: per piece,
@@ -224,14 +235,21 @@ def open_grad_swap(directory: str, nvme_path: str, fast_init: bool, io: AsyncIO,
     from zerodp.offload.swap_job import OffloadError, raise_if_any_rank_failed
 
     extents, nbytes = plan_extents(sizes)
-    read = max((run_buffer_bytes(merged_runs([span_bytes(extents, at[i], lo, hi) for i, lo, hi in spans]))
-                for spans in subgroup_spans), default=0)
+    read = max(
+        (
+            run_buffer_bytes(merged_runs([span_bytes(extents, at[i], lo, hi) for i, lo, hi in spans]))
+            for spans in subgroup_spans
+        ),
+        default=0,
+    )
     error, file = None, None
     try:
         free = shutil.disk_usage(nvme_path).free
         if nbytes > free:
-            raise OffloadError(f"offload_optimizer.nvme_path {nvme_path!r}: the gradient swap file needs "
-                               f"{nbytes:,} bytes, {free:,} bytes are free")
+            raise OffloadError(
+                f"offload_optimizer.nvme_path {nvme_path!r}: the gradient swap file needs "
+                f"{nbytes:,} bytes, {free:,} bytes are free"
+            )
         file = SwapFile(os.path.join(directory, "gradients.swp"))
         files.append(file)
         if fast_init or not nbytes:
@@ -250,15 +268,21 @@ class StepGradReads:
     the sub-group before it) and issues the next one's into the other buffer. ``order``: sub-group
     indices in update order; ``spans_of(index)``: (piece position, lo, hi) to read for it."""
 
-    def __init__(self, swap: GradSwap, at: list[tuple[int, int]], order: list[int],
-                 spans_of: Callable[[int], list[tuple[int, int, int]]]) -> None:
+    def __init__(
+        self,
+        swap: GradSwap,
+        at: list[tuple[int, int]],
+        order: list[int],
+        spans_of: Callable[[int], list[tuple[int, int, int]]],
+    ) -> None:
         self.swap, self.at, self.order, self.spans_of = swap, at, order, spans_of
         self.reads: dict[int, tuple[IOHandle, list[int], list[torch.Tensor]]] = {}
 
     def _issue(self, index: int, slot: int | None) -> None:
         spans = self.spans_of(index)
-        handle, views = self.swap.read_ranges([(self.at[i][0], self.at[i][1] + lo, self.at[i][1] + hi)
-                                               for i, lo, hi in spans], slot)
+        handle, views = self.swap.read_ranges(
+            [(self.at[i][0], self.at[i][1] + lo, self.at[i][1] + hi) for i, lo, hi in spans], slot
+        )
         self.reads[index] = (handle, [i for i, _, _ in spans], views)
 
     def take(self, index: int) -> dict[int, torch.Tensor]:
@@ -278,5 +302,14 @@ class StepGradReads:
         self.reads.clear()
 
 
-__all__ = ["Extent", "GradSwap", "MAX_WRITES_IN_FLIGHT", "StepGradReads", "merged_runs", "open_grad_swap",
-           "plan_extents", "run_buffer_bytes", "span_bytes"]
+__all__ = [
+    "Extent",
+    "GradSwap",
+    "MAX_WRITES_IN_FLIGHT",
+    "StepGradReads",
+    "merged_runs",
+    "open_grad_swap",
+    "plan_extents",
+    "run_buffer_bytes",
+    "span_bytes",
+]

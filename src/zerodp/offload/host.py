@@ -85,8 +85,7 @@ class HostOptimizerOffload:
     #: stages one sub-group at a time instead (:class:`zerodp.offload.nvme_device.ModuleWriter`)
     stages_per_piece = True
 
-    def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused",
-                 train_device: torch.device | str = "cpu") -> None:
+    def __init__(self, pin_memory: bool, cpu_adam: CpuAdam = "fused", train_device: torch.device | str = "cpu") -> None:
         self.pin = pin_memory  # page-locked host buffers (masters, gradients, staging)
         self.cpu_adam = cpu_adam  # the Adam/AdamW kernel of the CPU step (zerodp.offload.cpu_adam)
         #: where the module's pieces live (the engine's device); not the CPU: the copy stream's device
@@ -125,8 +124,11 @@ class HostOptimizerOffload:
         self._streamed.append(False)
         self._grad_ticket.append(None)
         fp32 = piece.tensor.dtype == torch.float32
-        self.staging.append(None if fp32 or not self.on_device or not self.stages_per_piece else
-                            host_empty(piece.hi - piece.lo, piece.tensor.dtype, self.pin))
+        self.staging.append(
+            None
+            if fp32 or not self.on_device or not self.stages_per_piece
+            else host_empty(piece.hi - piece.lo, piece.tensor.dtype, self.pin)
+        )
 
     def _grad_buffer(self, piece: Piece) -> torch.Tensor:
         """``piece``'s host fp32 gradient buffer (ZeRO-Offload's host gradient)."""
@@ -297,8 +299,9 @@ class HostOptimizerOffload:
 
     def host_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Host bytes by category, measured from the live storages."""
-        states = [t for st in optimizer.state.values() for t in st.values()
-                  if isinstance(t, torch.Tensor) and t.dim() > 0]
+        states = [
+            t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0
+        ]
         return {
             "master_weights": storage_bytes([p.master_copy for p in self.pieces if p.master_copy.numel()]),
             "optimizer_states": storage_bytes(states),

@@ -76,8 +76,15 @@ class NvmeOptimizerOffload(DeferredGradOffload):
     device = "nvme"
     stages_per_piece = False  # the writer's staging slots, one sub-group at a time
 
-    def __init__(self, cfg: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: int | None,
-                 rank: int, process_group: dist.ProcessGroup | None, train_device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        cfg: OffloadOptimizerConfig,
+        aio: AioConfig,
+        sub_group_size: int | None,
+        rank: int,
+        process_group: dist.ProcessGroup | None,
+        train_device: torch.device | str = "cpu",
+    ) -> None:
         super().__init__(bool(cfg.pin_memory), cfg.cpu_adam, train_device)  # pin_memory resolved by build_offload
         self.edits = None  # on a device: fingerprints per sub-group span (span_prints), not per piece
         self.writer = ModuleWriter(self.copies, self.pin)  # updated masters -> module (nvme_device)
@@ -118,11 +125,18 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         order = [i for i, s in enumerate(swapped) if not s] + [i for i, s in enumerate(swapped) if s]
         self.deferred = not self.on_device  # gradients in host memory already (the engine on the CPU)
         # fp32 on the CPU, shards always resident: the module's tensors serve as the masters
-        self.in_place = self.shard_access is None and self.deferred and \
-            all(p.tensor.dtype == torch.float32 for p in pieces)
+        self.in_place = (
+            self.shard_access is None and self.deferred and all(p.tensor.dtype == torch.float32 for p in pieces)
+        )
         owned = sum(p.hi - p.lo for p in pieces)
-        self.sub_group_size, layout = configured_buffers(owned, self.user_sub_group_size, self.cfg.buffer_count,
-                                                         self.cfg.host_buffer_bytes, self.in_place, self.deferred)
+        self.sub_group_size, layout = configured_buffers(
+            owned,
+            self.user_sub_group_size,
+            self.cfg.buffer_count,
+            self.cfg.host_buffer_bytes,
+            self.in_place,
+            self.deferred,
+        )
         self.subgroups = _plan(pieces, order, self.sub_group_size, layout.segments)
         count = max(1, min(self.cfg.buffer_count, len(self.subgroups)))  # more would never be used
         self.layout = BufferLayout(layout.segments, count, layout.scratch)
@@ -148,8 +162,9 @@ class NvmeOptimizerOffload(DeferredGradOffload):
             self.grad_scratch = torch.empty(largest, dtype=torch.float32)
         biggest = max((sg.nbytes for sg in self.subgroups), default=0)
         self.buffers = [aligned_buffer(biggest, self.pin) for _ in range(count)]
-        self.writer.plan([[(hi - lo) * self.pieces[i].tensor.element_size() for i, lo, hi in sg.spans]
-                          for sg in self.subgroups])
+        self.writer.plan(
+            [[(hi - lo) * self.pieces[i].tensor.element_size() for i, lo, hi in sg.spans] for sg in self.subgroups]
+        )
         if not self.in_place:  # the masters go to the file
             swap_masters.write_masters(self)
         for p in pieces:
@@ -197,18 +212,29 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         in host memory (:func:`zerodp.offload.grad_swap.open_grad_swap`; raises its errors)."""
         if not self.deferred or self.file is None:
             return None
-        self._grad_at = [(g.index, reducer.owned_offset(g, p.lo, p.hi))
-                         for p, g in zip(self.pieces, self._group_of, strict=False)]
+        self._grad_at = [
+            (g.index, reducer.owned_offset(g, p.lo, p.hi)) for p, g in zip(self.pieces, self._group_of, strict=False)
+        ]
         assert self.dir is not None and self.cfg.nvme_path is not None, "the swap file exists (checked above)"
-        self.spill = open_grad_swap(self.dir, self.cfg.nvme_path, self.cfg.fast_init, self.swap_io, self._files,
-                                    reducer.owned_sizes, self._grad_at, [sg.spans for sg in self.subgroups],
-                                    self.rank, self.pg)
+        self.spill = open_grad_swap(
+            self.dir,
+            self.cfg.nvme_path,
+            self.cfg.fast_init,
+            self.swap_io,
+            self._files,
+            reducer.owned_sizes,
+            self._grad_at,
+            [sg.spans for sg in self.subgroups],
+            self.rank,
+            self.pg,
+        )
         return self.spill
 
     def _spilled_spans(self, index: int) -> list[tuple[int, int, int]]:
         """Spans of sub-group ``index`` whose gradient is in the gradient swap file."""
-        return [(i, lo, hi) for i, lo, hi in self.subgroups[index].spans
-                if self._present[i] and self._grad_refs[i] is None]
+        return [
+            (i, lo, hi) for i, lo, hi in self.subgroups[index].spans if self._present[i] and self._grad_refs[i] is None
+        ]
 
     def set_shard_access(self, access: ShardAccess) -> None:
         """Pin parameter shards per sub-group during the step, if the parameters are on NVMe; with
@@ -288,8 +314,10 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         """Collective: every rank raises :class:`OffloadError` if any rank's swap file is gone."""
         error = None
         if self.file is None or self.file.deleted():
-            error = (f"rank {self.rank}: swap file {self.file.path if self.file else self.dir} was deleted "
-                     "or replaced while training; the optimizer state in it is lost, the step is not taken")
+            error = (
+                f"rank {self.rank}: swap file {self.file.path if self.file else self.dir} was deleted "
+                "or replaced while training; the optimizer state in it is lost, the step is not taken"
+            )
         raise_if_any_rank_failed(error, self.pg)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -307,16 +335,18 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         if not self.in_place:  # the module's tensors are the masters: nothing to fold
             idle = [sg for sg in self.subgroups if not any(self._present[i] for i in sg.pieces)]
             fold_idle(self, self.span_prints, idle, self._edited)
-        loop = SubGroupPipeline(self, optimizer, todo, lambda sg, buf: self._update(sg, buf, optimizer),
-                                self._loop_done)
+        loop = SubGroupPipeline(
+            self, optimizer, todo, lambda sg, buf: self._update(sg, buf, optimizer), self._loop_done
+        )
         self.stats = loop.stats
         self.pending = loop
         if not self.cfg.overlap_step or self.shard_access is None:
             loop.finish()
             loop.stats.updated_in_step = len(todo)
             return
-        eager = [k for k, sg in enumerate(todo)
-                 if any(not self.shard_access.swapped(self._group_of[i]) for i in sg.pieces)]
+        eager = [
+            k for k, sg in enumerate(todo) if any(not self.shard_access.swapped(self._group_of[i]) for i in sg.pieces)
+        ]
         loop.advance(max(eager, default=-1))
         loop.shards.keep = True  # from here on the next forward uses each shard right after its update
         loop.stats.updated_in_step = loop.next  # the rest: at each use in the next forward (pump there)
@@ -352,8 +382,11 @@ class NvmeOptimizerOffload(DeferredGradOffload):
                 continue
             master = self.pieces[i].master_copy
             master.data = masters[i]
-            master.grad = self._materialise(i, lo, hi, scratch.get(i), spilled.get(i)) if self.deferred \
+            master.grad = (
+                self._materialise(i, lo, hi, scratch.get(i), spilled.get(i))
+                if self.deferred
                 else self.grad_buffers[i][lo:hi]
+            )
             if (i, lo) not in self.steps:  # fresh state, exactly what torch's lazy initialisation makes
                 m[i].zero_()
                 v[i].zero_()
@@ -418,9 +451,14 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         largest = float(max((sg.numel for sg in self.subgroups), default=0))
         assert self.layout is not None, "attach() plans the buffers before any report"
         scratch = (largest if self.layout.scratch else 0.0) if self.deferred else None
-        out = offload_formula(self.device, numel_per_rank, host["swap_buffers"], scratch,
-                              masters_in_file=not self.in_place,
-                              grad_read_bytes=self.spill.host_bytes() if self.spill else 0)
+        out = offload_formula(
+            self.device,
+            numel_per_rank,
+            host["swap_buffers"],
+            scratch,
+            masters_in_file=not self.in_place,
+            grad_read_bytes=self.spill.host_bytes() if self.spill else 0,
+        )
         if self.spill is not None:  # the reduced gradient partition, in the reducer's dtype
             out["nvme"]["gradients"] = max(e.dtype.itemsize for e in self.spill.extents.values()) * numel_per_rank
         return out

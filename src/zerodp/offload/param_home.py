@@ -62,8 +62,11 @@ class HostShards:
         Raises:
             ValueError: the shard does not own exactly its storage (it could not be freed alone).
         """
-        if shard.storage_offset() != 0 or not shard.is_contiguous() or \
-                shard.untyped_storage().nbytes() != shard.numel() * shard.element_size():
+        if (
+            shard.storage_offset() != 0
+            or not shard.is_contiguous()
+            or shard.untyped_storage().nbytes() != shard.numel() * shard.element_size()
+        ):
             raise ValueError(f"unit '{name}': an offloaded shard must own exactly its storage")
         home = HostShard(self, name, shard, host_empty(shard.numel(), shard.dtype, self.pin))
         home.host.copy_(shard.detach())  # once, at construction (blocking)
@@ -73,8 +76,10 @@ class HostShards:
 
     def host_bytes(self) -> dict[str, int]:
         """Host bytes of the shards' homes and device bytes of the shards resident now (live storages)."""
-        return {"host_shards": sum(h.host.untyped_storage().nbytes() for h in self.shards),
-                "resident_shards": sum(h.shard.untyped_storage().nbytes() for h in self.shards)}
+        return {
+            "host_shards": sum(h.host.untyped_storage().nbytes() for h in self.shards),
+            "resident_shards": sum(h.shard.untyped_storage().nbytes() for h in self.shards),
+        }
 
     def close(self) -> None:
         """Finish the copies in flight."""

@@ -58,8 +58,9 @@ class ParamOffloadStrategy(ShardAccess, Protocol):
 
     def read_ahead_hook(self) -> ReadAhead | None: ...
     def attach_to(self, sharding: Stage3 | None) -> None: ...
-    def resident(self, groups: Sequence[FlatGroup] | None, write: bool,
-                 settle: Callable[[], None]) -> AbstractContextManager[None]: ...
+    def resident(
+        self, groups: Sequence[FlatGroup] | None, write: bool, settle: Callable[[], None]
+    ) -> AbstractContextManager[None]: ...
     def check_health(self) -> None: ...
     def format(self, rank: int, steps: int) -> str | None: ...
     def close(self) -> None: ...
@@ -70,8 +71,9 @@ class ParamOffload:
     shards, read-ahead along the trace, and residency for the engine calls that touch shards (step,
     checkpoints, accessors)."""
 
-    def __init__(self, cfg: OffloadParamConfig, aio: AioConfig, rank: int,
-                 process_group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, cfg: OffloadParamConfig, aio: AioConfig, rank: int, process_group: dist.ProcessGroup | None
+    ) -> None:
         self.cfg = cfg
         self.aio = aio
         self.rank = rank
@@ -128,8 +130,9 @@ class ParamOffload:
             elif self.host_shards is not None and u.home is None:
                 u.home = self.host_shards.add(u.name, u.shard)
 
-    def resident(self, groups: Sequence[FlatGroup] | None, write: bool,
-                 settle: Callable[[], None]) -> AbstractContextManager[None]:
+    def resident(
+        self, groups: Sequence[FlatGroup] | None, write: bool, settle: Callable[[], None]
+    ) -> AbstractContextManager[None]:
         """Every offloaded shard (or those of ``groups``) holds its values for the block; with
         ``write``, changed values are written home afterwards. ``settle`` is called first (an
         optimizer step still updating shards, ``overlap_step``, ends before they move)."""
@@ -139,8 +142,7 @@ class ParamOffload:
     @contextlib.contextmanager
     def _resident(self, groups: Sequence[FlatGroup] | None, write: bool) -> Iterator[None]:
         """All reads are queued first, so they pipeline through the buffer pool."""
-        units = self.units if groups is None else [self._by_group[id(g)] for g in groups
-                                                    if id(g) in self._by_group]
+        units = self.units if groups is None else [self._by_group[id(g)] for g in groups if id(g) in self._by_group]
         homes = [u.home for u in units if u.home is not None]
         if self.swapper is not None:
             for h in homes:
@@ -230,20 +232,24 @@ class ParamOffload:
         line = f"rank {rank}  offload_param.device = {self.device}  units {len(self.units)}"
         if self.host_shards is not None:
             hc = self.host_shards.counters
-            return line + (f"  shards in host memory {fmt_bytes(self.host_shards.host_bytes()['host_shards'])}  "
-                           f"host->device {fmt_bytes(hc.bytes_to_device / max(steps, 1))}/step  "
-                           f"device->host {fmt_bytes(hc.bytes_to_host / max(steps, 1))}/step")
+            return line + (
+                f"  shards in host memory {fmt_bytes(self.host_shards.host_bytes()['host_shards'])}  "
+                f"host->device {fmt_bytes(hc.bytes_to_device / max(steps, 1))}/step  "
+                f"device->host {fmt_bytes(hc.bytes_to_host / max(steps, 1))}/step"
+            )
         if self.swapper is None:
             held = sum(u.shard.untyped_storage().nbytes() for u in self.units)
             return line + f"  shards in host memory {fmt_bytes(held)}"
         sw, c = self.swapper, self.swapper.counters
         host = sw.host_bytes()
         per = max(steps, 1)
-        return (line + f"  swap file {fmt_bytes(sw.end)}  resident now {fmt_bytes(host['resident_shards'])}  "
-                f"pool {fmt_bytes(host['swap_buffers'])}\n  read {fmt_bytes(c.bytes_read / per)}/step  "
-                f"written {fmt_bytes(c.bytes_written / per)}/step  ({steps} steps, construction included; "
-                f"shard reads: {c.reads_ahead} issued ahead of use, {c.demand_reads} on demand; "
-                f"{c.waits} uses waited for a read in flight)")
+        return (
+            line + f"  swap file {fmt_bytes(sw.end)}  resident now {fmt_bytes(host['resident_shards'])}  "
+            f"pool {fmt_bytes(host['swap_buffers'])}\n  read {fmt_bytes(c.bytes_read / per)}/step  "
+            f"written {fmt_bytes(c.bytes_written / per)}/step  ({steps} steps, construction included; "
+            f"shard reads: {c.reads_ahead} issued ahead of use, {c.demand_reads} on demand; "
+            f"{c.waits} uses waited for a read in flight)"
+        )
 
     def close(self) -> None:
         if self.swapper is not None:
@@ -276,8 +282,9 @@ class NoParamOffload:
         for owner in built.values():
             owner.close()
 
-    def resident(self, groups: Sequence[FlatGroup] | None, write: bool,
-                 settle: Callable[[], None]) -> AbstractContextManager[None]:
+    def resident(
+        self, groups: Sequence[FlatGroup] | None, write: bool, settle: Callable[[], None]
+    ) -> AbstractContextManager[None]:
         """A no-op: the shards hold their values already (``settle`` is not needed)."""
         return contextlib.nullcontext()
 
@@ -307,8 +314,9 @@ class NoParamOffload:
         """Nothing to release."""
 
 
-def build_param_offload(cfg: OffloadParamConfig, aio: AioConfig, rank: int, process_group: dist.ProcessGroup | None,
-                        device: torch.device) -> ParamOffloadStrategy:
+def build_param_offload(
+    cfg: OffloadParamConfig, aio: AioConfig, rank: int, process_group: dist.ProcessGroup | None, device: torch.device
+) -> ParamOffloadStrategy:
     """:class:`NoParamOffload` for ``offload_param.device: none``; else the engine's parameter offload
     (``pin_memory`` resolved for the engine's ``device``), built before the stage-3 units (their
     coordinator gets its :meth:`~ParamOffloadStrategy.read_ahead_hook`) and attached to them by

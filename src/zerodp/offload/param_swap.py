@@ -135,8 +135,9 @@ class SwapCounters:
 class ParamSwapper:
     """This rank's parameter swap file, its buffer pool and the residency of its shards."""
 
-    def __init__(self, cfg: OffloadParamConfig, aio: AioConfig, rank: int,
-                 process_group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, cfg: OffloadParamConfig, aio: AioConfig, rank: int, process_group: dist.ProcessGroup | None
+    ) -> None:
         self.cfg = cfg
         self.aio_cfg = aio
         self.rank = rank
@@ -207,8 +208,11 @@ class ParamSwapper:
         Raises:
             OffloadError: the disk is full (the message names the path, bytes needed and free).
         """
-        if shard.storage_offset() != 0 or not shard.is_contiguous() or \
-                shard.untyped_storage().nbytes() != shard.numel() * shard.element_size():
+        if (
+            shard.storage_offset() != 0
+            or not shard.is_contiguous()
+            or shard.untyped_storage().nbytes() != shard.numel() * shard.element_size()
+        ):
             raise ValueError(f"unit '{name}': a swappable shard must own exactly its storage")
         nbytes = shard.numel() * shard.element_size()
         if self.copies is None:
@@ -219,8 +223,10 @@ class ParamSwapper:
         assert self.dir is not None, "open() makes the swap directory before any shard is added"
         free = shutil.disk_usage(self.dir).free
         if align_up(nbytes) > free:
-            raise OffloadError(f"offload_param.nvme_path {self.cfg.nvme_path!r}: unit '{name}' needs "
-                               f"{align_up(nbytes):,} bytes in {self.swap_file.path}, {free:,} bytes are free")
+            raise OffloadError(
+                f"offload_param.nvme_path {self.cfg.nvme_path!r}: unit '{name}' needs "
+                f"{align_up(nbytes):,} bytes in {self.swap_file.path}, {free:,} bytes are free"
+            )
         self.shards.append(s)
         s.pins = 1
         self.release(s, dirty=True)
@@ -301,7 +307,7 @@ class ParamSwapper:
             n = min(self.chunk, s.nbytes - start)
             buf = self._buffer(n)
             op = _Op(s, start, n, write=True, buf=buf)
-            buf[:n].copy_(data[start: start + n])
+            buf[:n].copy_(data[start : start + n])
             op.handle = self.swap_io.write(self.swap_file, buf[: align_up(n)], s.offset + start)
             self.counters.bytes_written += align_up(n)
             self.counters.chunk_writes += 1
@@ -364,7 +370,7 @@ class ParamSwapper:
         s = op.shard
         if not op.write:
             assert self.copies is not None  # made by add()
-            ticket = self.copies.copy(_bytes(s.shard)[op.start: op.start + op.nbytes], op.buf[: op.nbytes])
+            ticket = self.copies.copy(_bytes(s.shard)[op.start : op.start + op.nbytes], op.buf[: op.nbytes])
             if ticket is not None:
                 self._reading[id(op.buf)] = ticket
         self.free.append(op.buf)
@@ -378,8 +384,10 @@ class ParamSwapper:
         """Collective: every rank raises :class:`OffloadError` if any rank's swap file is gone."""
         error = None
         if self.file is None or self.file.deleted():
-            error = (f"rank {self.rank}: parameter swap file {self.file.path if self.file else self.dir} was "
-                     "deleted or replaced while training; the parameters in it are lost")
+            error = (
+                f"rank {self.rank}: parameter swap file {self.file.path if self.file else self.dir} was "
+                "deleted or replaced while training; the parameters in it are lost"
+            )
         raise_if_any_rank_failed(error, self.pg)
 
     def close(self) -> None:
@@ -397,8 +405,10 @@ class ParamSwapper:
 
     def host_bytes(self) -> dict[str, int]:
         """Host bytes measured from live storages: resident shards and the buffer pool."""
-        return {"resident_shards": sum(s.storage_bytes() for s in self.shards),
-                "swap_buffers": sum(b.untyped_storage().nbytes() for b in self.pool)}
+        return {
+            "resident_shards": sum(s.storage_bytes() for s in self.shards),
+            "swap_buffers": sum(b.untyped_storage().nbytes() for b in self.pool),
+        }
 
 
 def fmt_bytes(n: float) -> str:

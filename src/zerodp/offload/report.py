@@ -17,9 +17,14 @@ if TYPE_CHECKING:  # annotation only: zerodp.config is not imported at run time 
     from zerodp.config import ZeroDPConfig
 
 
-def offload_formula(device: str, numel_per_rank: float, buffer_bytes: int = 0,
-                    grad_numel: float | None = None, masters_in_file: bool = True,
-                    grad_read_bytes: int = 0) -> dict[str, dict[str, float]]:
+def offload_formula(
+    device: str,
+    numel_per_rank: float,
+    buffer_bytes: int = 0,
+    grad_numel: float | None = None,
+    masters_in_file: bool = True,
+    grad_read_bytes: int = 0,
+) -> dict[str, dict[str, float]]:
     """Expected host / NVMe bytes for one rank with ``numel_per_rank`` = Psi / N_d owned elements:
     fp32 master 4, Adam moments 8 and fp32 gradient 4 bytes per element (ZeRO-Offload section 4);
     with NVMe, the master and moments (12 bytes) move to the swap file and host memory keeps the
@@ -32,13 +37,19 @@ def offload_formula(device: str, numel_per_rank: float, buffer_bytes: int = 0,
     n = numel_per_rank
     g = n if grad_numel is None else grad_numel
     if device == "cpu":
-        return {"host": {"master_weights": 4 * n, "optimizer_states": 8 * n, "gradients": 4 * n,
-                         "swap_buffers": 0},
-                "nvme": {"master_weights": 0, "optimizer_states": 0}}
-    return {"host": {"master_weights": 0, "optimizer_states": 0, "gradients": 4 * g + grad_read_bytes,
-                     "swap_buffers": buffer_bytes},
-            "nvme": {"master_weights": 4 * n if masters_in_file else 0, "optimizer_states": 8 * n}}
-
+        return {
+            "host": {"master_weights": 4 * n, "optimizer_states": 8 * n, "gradients": 4 * n, "swap_buffers": 0},
+            "nvme": {"master_weights": 0, "optimizer_states": 0},
+        }
+    return {
+        "host": {
+            "master_weights": 0,
+            "optimizer_states": 0,
+            "gradients": 4 * g + grad_read_bytes,
+            "swap_buffers": buffer_bytes,
+        },
+        "nvme": {"master_weights": 4 * n if masters_in_file else 0, "optimizer_states": 8 * n},
+    }
 
 
 @dataclass(frozen=True)
@@ -53,16 +64,17 @@ class OffloadReport:
     formula: dict[str, dict[str, float]]
 
     def format(self) -> str:
-        lines = [f"rank {self.rank}  offload_optimizer.device = {self.device}  owned elements {self.owned_numel:,}",
-                 f"  {'where':<6}{'category':<18}{'measured':>14}{'formula':>14}"]
+        lines = [
+            f"rank {self.rank}  offload_optimizer.device = {self.device}  owned elements {self.owned_numel:,}",
+            f"  {'where':<6}{'category':<18}{'measured':>14}{'formula':>14}",
+        ]
         for where, measured in (("host", self.host), ("nvme", self.nvme)):
             for c, v in measured.items():
                 lines.append(f"  {where:<6}{c:<18}{human_bytes(v):>14}{human_bytes(self.formula[where][c]):>14}")
         return "\n".join(lines)
 
 
-def host_total(memory: MemoryReport, offload: OffloadReport | None,
-               param_host: dict[str, int] | None = None) -> int:
+def host_total(memory: MemoryReport, offload: OffloadReport | None, param_host: dict[str, int] | None = None) -> int:
     """Host bytes of this rank's model states, measured: ``engine.memory_report().total`` (parameters,
     gradients, optimizer states, masters and communication buffers in memory) plus what only the
     offload holds (``engine.offload_report()``: the NVMe swapper's buffers and the fp32 host
@@ -83,8 +95,10 @@ def offload_estimate_table(numel: int, world_size: int, b: BytesPerElement) -> s
     keeps the module's parameters and its gradient partition (stage 1: full gradients); host memory
     takes the fp32 gradient copy and, for cpu, the fp32 masters and Adam moments; NVMe takes the
     masters and moments."""
-    rows = [f"offload (Psi = {numel:,}, N_d = {world_size}, bytes/element: param {b.param}, grad {b.grad})",
-            f"{'stage':<22}{'offload':<9}{'device':>14}{'host':>14}{'nvme':>14}"]
+    rows = [
+        f"offload (Psi = {numel:,}, N_d = {world_size}, bytes/element: param {b.param}, grad {b.grad})",
+        f"{'stage':<22}{'offload':<9}{'device':>14}{'host':>14}{'nvme':>14}",
+    ]
     for stage in (1, 2, 3):
         f = model_state_bytes(stage, numel, world_size, b)
         owned = numel / world_size
@@ -95,8 +109,10 @@ def offload_estimate_table(numel: int, world_size: int, b: BytesPerElement) -> s
                 form = offload_formula(device, owned)
                 dev = f["parameters"] + f["gradients"]
                 host, nvme = sum(form["host"].values()), sum(form["nvme"].values())
-            rows.append(f"{STAGE_NAMES[stage]:<22}{device:<9}{human_bytes(dev):>14}{human_bytes(host):>14}"
-                        f"{human_bytes(nvme):>14}")
+            rows.append(
+                f"{STAGE_NAMES[stage]:<22}{device:<9}{human_bytes(dev):>14}{human_bytes(host):>14}"
+                f"{human_bytes(nvme):>14}"
+            )
     return "\n".join(rows)
 
 
@@ -108,8 +124,14 @@ def offload_report(engine: Any) -> OffloadReport | None:
         return None
     owned = sum(p.hi - p.lo for g in engine.groups for p in g.pieces)
     host = offload.host_bytes(engine.optimizer)
-    return OffloadReport(offload.device, engine.rank, owned, host, offload.nvme_bytes(),
-                         offload.formula(engine.numel / engine.world_size, host))
+    return OffloadReport(
+        offload.device,
+        engine.rank,
+        owned,
+        host,
+        offload.nvme_bytes(),
+        offload.formula(engine.numel / engine.world_size, host),
+    )
 
 
 def configured_offload_table(numel: int, world_size: int, cfg: ZeroDPConfig) -> str:
@@ -125,8 +147,10 @@ def configured_offload_table(numel: int, world_size: int, cfg: ZeroDPConfig) -> 
     owned = -(-numel // world_size)
     low = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
     accum = grad_accum_dtype(low, cfg.gradient_accumulation_steps or 1, cfg.data_types.grad_accum_dtype)
-    rows = [f"offload as configured (stage {zc.stage}, {str(accum).replace('torch.', '')} gradients, "
-            f"{owned:,} owned elements per rank):"]
+    rows = [
+        f"offload as configured (stage {zc.stage}, {str(accum).replace('torch.', '')} gradients, "
+        f"{owned:,} owned elements per rank):"
+    ]
     oo, op = zc.offload_optimizer, zc.offload_param
     if oo.device == "nvme":
         user = zc.sub_group_size if "sub_group_size" in zc.model_fields_set else None
@@ -134,25 +158,36 @@ def configured_offload_table(numel: int, world_size: int, cfg: ZeroDPConfig) -> 
         spill = zc.stage >= 2 and not cfg.fp16.enabled  # zerodp.runtime.grad_spill
         e = estimate_offload_bytes(owned, user, oo.buffer_count, oo.host_buffer_bytes, in_place, accum.itemsize, spill)
         how = "set" if user else f"chosen from host_buffer_bytes {oo.host_buffer_bytes:,}"
-        rows += [f"  offload_optimizer nvme: sub_group_size {e['sub_group_size']:,} ({how}), "
-                 f"{e['buffer_count']} buffers",
-                 f"    host  sub-group buffers + gradient scratch  {human_bytes(e['host_buffers']):>12}",
-                 f"    host  gradient swap read buffers            {human_bytes(e['host_gradient_reads']):>12}",
-                 f"    nvme  {'Adam moments' if in_place else 'fp32 masters + Adam moments':<38}"
-                 f"{human_bytes(e['nvme_states']):>12}",
-                 f"    nvme  reduced gradient partition            {human_bytes(e['nvme_gradients']):>12}"]
+        rows += [
+            f"  offload_optimizer nvme: sub_group_size {e['sub_group_size']:,} ({how}), {e['buffer_count']} buffers",
+            f"    host  sub-group buffers + gradient scratch  {human_bytes(e['host_buffers']):>12}",
+            f"    host  gradient swap read buffers            {human_bytes(e['host_gradient_reads']):>12}",
+            f"    nvme  {'Adam moments' if in_place else 'fp32 masters + Adam moments':<38}"
+            f"{human_bytes(e['nvme_states']):>12}",
+            f"    nvme  reduced gradient partition            {human_bytes(e['nvme_gradients']):>12}",
+        ]
     elif oo.device == "cpu":
-        rows.append(f"  offload_optimizer cpu: host fp32 masters, moments and gradients {human_bytes(16 * owned)} "
-                    "(on a CPU-only machine nothing moves: see zerodp.offload.build)")
+        rows.append(
+            f"  offload_optimizer cpu: host fp32 masters, moments and gradients {human_bytes(16 * owned)} "
+            "(on a CPU-only machine nothing moves: see zerodp.offload.build)"
+        )
     if op.device == "nvme":
         shard = (low.itemsize if low != torch.float32 else 4) * owned
-        rows += [f"  offload_param nvme: host pool {op.buffer_count} x {human_bytes(op.buffer_size)} + read-ahead "
-                 f"{human_bytes(op.max_in_cpu)} = {human_bytes(op.buffer_count * op.buffer_size + op.max_in_cpu)}, "
-                 f"nvme parameter shards {human_bytes(shard)}"]
+        rows += [
+            f"  offload_param nvme: host pool {op.buffer_count} x {human_bytes(op.buffer_size)} + read-ahead "
+            f"{human_bytes(op.max_in_cpu)} = {human_bytes(op.buffer_count * op.buffer_size + op.max_in_cpu)}, "
+            f"nvme parameter shards {human_bytes(shard)}"
+        ]
     if len(rows) == 1:
         rows.append("  no offload configured (zero_optimization.offload_optimizer / offload_param)")
     return "\n".join(rows)
 
 
-__all__ = ["OffloadReport", "configured_offload_table", "host_total", "offload_formula", "offload_estimate_table",
-           "offload_report"]
+__all__ = [
+    "OffloadReport",
+    "configured_offload_table",
+    "host_total",
+    "offload_formula",
+    "offload_estimate_table",
+    "offload_report",
+]

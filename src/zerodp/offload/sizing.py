@@ -72,25 +72,34 @@ def auto_sub_group_size(owned_numel: int, layout: BufferLayout, budget_bytes: in
     return max(MIN_AUTO_NUMEL, numel)
 
 
-def oversize_warning(sub_group_size: int, largest_numel: int, layout: BufferLayout, owned_numel: int,
-                     masters_moved: bool) -> str | None:
+def oversize_warning(
+    sub_group_size: int, largest_numel: int, layout: BufferLayout, owned_numel: int, masters_moved: bool
+) -> str | None:
     """The warning for a ``sub_group_size`` the user set whose buffers take more host memory than the
     offload moves off (None when they take less)."""
     buffers = layout.host_bytes(largest_numel)
     moved = moved_off_bytes(owned_numel, masters_moved)
     if buffers <= moved:
         return None
-    return (f"zero_optimization.sub_group_size {sub_group_size:,} makes the NVMe offload's host buffers "
-            f"{buffers:,} bytes ({layout.count} buffer(s) x {4 * layout.segments} bytes + "
-            f"{4 * layout.scratch} bytes of scratch per element of the largest sub-group, "
-            f"{largest_numel:,} elements) while it moves {moved:,} bytes of optimizer state off host "
-            f"memory: offloading costs this rank {buffers - moved:,} bytes more than it saves. Leave "
-            f"sub_group_size unset (zerodp then chooses it from offload_optimizer.host_buffer_bytes) or "
-            f"set it below {max(1, moved // layout.bytes_per_element):,}")
+    return (
+        f"zero_optimization.sub_group_size {sub_group_size:,} makes the NVMe offload's host buffers "
+        f"{buffers:,} bytes ({layout.count} buffer(s) x {4 * layout.segments} bytes + "
+        f"{4 * layout.scratch} bytes of scratch per element of the largest sub-group, "
+        f"{largest_numel:,} elements) while it moves {moved:,} bytes of optimizer state off host "
+        f"memory: offloading costs this rank {buffers - moved:,} bytes more than it saves. Leave "
+        f"sub_group_size unset (zerodp then chooses it from offload_optimizer.host_buffer_bytes) or "
+        f"set it below {max(1, moved // layout.bytes_per_element):,}"
+    )
 
 
-def configured_buffers(owned_numel: int, user_sub_group_size: int | None, buffer_count: int, budget_bytes: int,
-                       in_place: bool, deferred: bool) -> tuple[int, BufferLayout]:
+def configured_buffers(
+    owned_numel: int,
+    user_sub_group_size: int | None,
+    buffer_count: int,
+    budget_bytes: int,
+    in_place: bool,
+    deferred: bool,
+) -> tuple[int, BufferLayout]:
     """(``sub_group_size``, buffer layout) the NVMe swapper uses for ``owned_numel`` elements: the
     user's size or :func:`auto_sub_group_size`; ``in_place``: the module's fp32 CPU tensors are the
     masters (2 segments, no scratch); ``deferred``: gradients in host memory (a low-precision scratch).
@@ -101,8 +110,15 @@ def configured_buffers(owned_numel: int, user_sub_group_size: int | None, buffer
     return size, BufferLayout(plan.segments, max(1, min(buffer_count, subgroups)), 0 if in_place or not deferred else 1)
 
 
-def estimate_offload_bytes(owned_numel: int, user_sub_group_size: int | None, buffer_count: int,
-                           budget_bytes: int, in_place: bool, grad_itemsize: int, spill: bool) -> dict[str, int]:
+def estimate_offload_bytes(
+    owned_numel: int,
+    user_sub_group_size: int | None,
+    buffer_count: int,
+    budget_bytes: int,
+    in_place: bool,
+    grad_itemsize: int,
+    spill: bool,
+) -> dict[str, int]:
     """Host and NVMe bytes of one rank's NVMe optimizer offload as configured (CPU training), before
     padding to 4096 bytes per segment: ``host_buffers`` (the sub-group pool and gradient scratch, as
     :meth:`zerodp.offload.nvme.NvmeOptimizerOffload.attach` sizes them), ``host_gradient_reads`` (with
@@ -110,12 +126,24 @@ def estimate_offload_bytes(owned_numel: int, user_sub_group_size: int | None, bu
     unless ``in_place``, and Adam moments) and ``nvme_gradients`` (with ``spill``)."""
     size, layout = configured_buffers(owned_numel, user_sub_group_size, buffer_count, budget_bytes, in_place, True)
     largest = min(size, owned_numel)
-    return {"sub_group_size": size, "buffer_count": layout.count,
-            "host_buffers": layout.host_bytes(largest),
-            "host_gradient_reads": 2 * grad_itemsize * largest if spill else 0,
-            "nvme_states": 4 * layout.segments * owned_numel,
-            "nvme_gradients": grad_itemsize * owned_numel if spill else 0}
+    return {
+        "sub_group_size": size,
+        "buffer_count": layout.count,
+        "host_buffers": layout.host_bytes(largest),
+        "host_gradient_reads": 2 * grad_itemsize * largest if spill else 0,
+        "nvme_states": 4 * layout.segments * owned_numel,
+        "nvme_gradients": grad_itemsize * owned_numel if spill else 0,
+    }
 
 
-__all__ = ["AUTO_SHARE", "BufferLayout", "MIN_AUTO_NUMEL", "SPLIT_ALIGN", "auto_sub_group_size",
-           "configured_buffers", "estimate_offload_bytes", "moved_off_bytes", "oversize_warning"]
+__all__ = [
+    "AUTO_SHARE",
+    "BufferLayout",
+    "MIN_AUTO_NUMEL",
+    "SPLIT_ALIGN",
+    "auto_sub_group_size",
+    "configured_buffers",
+    "estimate_offload_bytes",
+    "moved_off_bytes",
+    "oversize_warning",
+]

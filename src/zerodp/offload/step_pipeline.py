@@ -97,9 +97,14 @@ class SubGroupPipeline:
     """The sub-group loop of one step (module docstring). ``todo``: the sub-groups with a gradient,
     in update order; ``update(sg, buf)`` updates one in its buffer (``buf``: uint8, ``sg.nbytes``)."""
 
-    def __init__(self, offload: SwapOwner, optimizer: torch.optim.Optimizer,
-                 todo: list[SubGroup], update: Callable[[SubGroup, torch.Tensor], None],
-                 on_done: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        offload: SwapOwner,
+        optimizer: torch.optim.Optimizer,
+        todo: list[SubGroup],
+        update: Callable[[SubGroup, torch.Tensor], None],
+        on_done: Callable[[], None],
+    ) -> None:
         self.off = offload
         self.optimizer = optimizer
         self.todo = todo

@@ -41,7 +41,7 @@ class SubGroup:
         """(piece position, lo, hi, the span's fp32 view) inside one fp32 segment of this sub-group's buffer."""
         at = 0
         for i, lo, hi in self.spans:
-            yield i, lo, hi, seg[at: at + hi - lo]
+            yield i, lo, hi, seg[at : at + hi - lo]
             at += hi - lo
 
     def buffer_segments(self, buf: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -49,7 +49,7 @@ class SubGroup:
         masters None when the module's tensors are the masters (2 segments)."""
         f32 = buf.view(torch.float32)
         per = self.seg // 4
-        segs = [f32[j * per: (j + 1) * per] for j in range(self.segments)]
+        segs = [f32[j * per : (j + 1) * per] for j in range(self.segments)]
         if self.segments == 2:
             return None, segs[0], segs[1]
         return segs[0], segs[1], segs[2]

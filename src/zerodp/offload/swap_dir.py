@@ -219,14 +219,30 @@ def check_stale(base: str, remove: bool, key: str, rank: int) -> None:
     total = sum(s.bytes for s in stale)
     if remove:
         remove_stale(base)
-        warnings.warn(f"{key} {base!r}: removed {len(stale)} swap director{'y' if len(stale) == 1 else 'ies'} "
-                      f"left by jobs whose processes are gone ({total:,} bytes): {describe(stale)}", stacklevel=3)
+        warnings.warn(
+            f"{key} {base!r}: removed {len(stale)} swap director{'y' if len(stale) == 1 else 'ies'} "
+            f"left by jobs whose processes are gone ({total:,} bytes): {describe(stale)}",
+            stacklevel=3,
+        )
         return
-    warnings.warn(f"{key} {base!r} holds {len(stale)} swap director{'y' if len(stale) == 1 else 'ies'} left by "
-                  f"jobs whose processes are gone, {total:,} bytes in all: {describe(stale)}. Remove them with "
-                  f"`zerodp clean-swap {base}` or set {key.rsplit('.', 1)[0]}.remove_stale_swap true",
-                  stacklevel=3)
+    warnings.warn(
+        f"{key} {base!r} holds {len(stale)} swap director{'y' if len(stale) == 1 else 'ies'} left by "
+        f"jobs whose processes are gone, {total:,} bytes in all: {describe(stale)}. Remove them with "
+        f"`zerodp clean-swap {base}` or set {key.rsplit('.', 1)[0]}.remove_stale_swap true",
+        stacklevel=3,
+    )
 
 
-__all__ = ["OWNER_FILE", "StaleDir", "check_stale", "describe", "find_stale", "make_rank_dir", "owner_alive",
-           "owner_record", "release", "remove_stale", "unlink_live"]
+__all__ = [
+    "OWNER_FILE",
+    "StaleDir",
+    "check_stale",
+    "describe",
+    "find_stale",
+    "make_rank_dir",
+    "owner_alive",
+    "owner_record",
+    "release",
+    "remove_stale",
+    "unlink_live",
+]

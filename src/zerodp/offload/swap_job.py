@@ -54,8 +54,10 @@ def check_swap_dir(base: str, key: str) -> None:
         os.close(fd)
         os.remove(probe)
     except OSError as exc:
-        raise OffloadError(f"{key} {base!r} is not writable: creating a file there failed with "
-                           f"[Errno {exc.errno}] {exc.strerror}; give a writable directory on the NVMe disk") from None
+        raise OffloadError(
+            f"{key} {base!r} is not writable: creating a file there failed with "
+            f"[Errno {exc.errno}] {exc.strerror}; give a writable directory on the NVMe disk"
+        ) from None
 
 
 def check_swap_space(base: str, needed: int, key: str) -> None:
@@ -83,8 +85,10 @@ def allocate_swap_file(file: SwapFile, needed: int, fast_init: bool, key: str, b
         elif needed:
             os.posix_fallocate(file.fd, 0, needed)
     except OSError as exc:
-        raise OffloadError(f"{key} {base!r}: cannot allocate the swap file {file.path} ({needed:,} bytes, "
-                           f"{shutil.disk_usage(base).free:,} free): {os.strerror(exc.errno or 0)}") from None
+        raise OffloadError(
+            f"{key} {base!r}: cannot allocate the swap file {file.path} ({needed:,} bytes, "
+            f"{shutil.disk_usage(base).free:,} free): {os.strerror(exc.errno or 0)}"
+        ) from None
 
 
 def agree_job_id(pg: dist.ProcessGroup | None) -> str:
@@ -114,5 +118,12 @@ def raise_if_any_rank_failed(error: str | None, pg: dist.ProcessGroup | None) ->
         raise OffloadError("; ".join(e for e in errors if e))
 
 
-__all__ = ["OffloadError", "agree_job_id", "allocate_swap_file", "check_swap_dir", "check_swap_space",
-           "raise_if_any_rank_failed", "remove_swap_dir"]
+__all__ = [
+    "OffloadError",
+    "agree_job_id",
+    "allocate_swap_file",
+    "check_swap_dir",
+    "check_swap_space",
+    "raise_if_any_rank_failed",
+    "remove_swap_dir",
+]

@@ -61,8 +61,7 @@ def refresh_master(states: SwappedStates, i: int) -> None:
         states.write_region(buf, sg.offset).wait()
 
 
-def fold_masters(states: SwappedStates, subgroups: list[SubGroup],
-                 edited: set[tuple[int, int]] | None = None) -> None:
+def fold_masters(states: SwappedStates, subgroups: list[SubGroup], edited: set[tuple[int, int]] | None = None) -> None:
     """Compare the module's values of ``subgroups``' pieces with their masters and fold edits in.
     Only the masters segment of a sub-group is read (4 bytes per element; ``buffer_count`` reads in
     flight) and it is written back only if an element changed. ``edited``: the spans ``(piece
@@ -86,9 +85,11 @@ def fold_masters(states: SwappedStates, subgroups: list[SubGroup],
         reads.pop(k).wait()
         seg = buffers[k % nbuf][: sg.seg]
         with states.pinned(sg.pieces, dirty=False):  # with shard_access: this sub-group's shards only
-            changed = [fold_edit(states.pieces[i].tensor[lo:hi], view)
-                       for i, lo, hi, view in sg.views(seg.view(torch.float32))
-                       if edited is None or (i, lo) in edited]
+            changed = [
+                fold_edit(states.pieces[i].tensor[lo:hi], view)
+                for i, lo, hi, view in sg.views(seg.view(torch.float32))
+                if edited is None or (i, lo) in edited
+            ]
         if any(changed):
             writes[k % nbuf] = states.write_region(seg, sg.offset)
         if k + nbuf < len(subgroups):
@@ -113,8 +114,11 @@ def _read_all(states: SwappedStates, optimizer: torch.optim.Optimizer) -> None:
     full: dict[int, list[torch.Tensor]] = {}
     for i, p in enumerate(states.pieces):
         n = p.hi - p.lo
-        full[i] = [p.tensor if states.in_place else torch.empty(n, dtype=torch.float32),
-                   torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)]
+        full[i] = [
+            p.tensor if states.in_place else torch.empty(n, dtype=torch.float32),
+            torch.empty(n, dtype=torch.float32),
+            torch.empty(n, dtype=torch.float32),
+        ]
     step_of: dict[int, torch.Tensor] = {}
     for sg in states.subgroups:
         buf = states.buffers[0][: sg.nbytes]
@@ -128,8 +132,11 @@ def _read_all(states: SwappedStates, optimizer: torch.optim.Optimizer) -> None:
     for i, p in enumerate(states.pieces):
         p.master_copy.data = full[i][0]
         if i in step_of:
-            optimizer.state[p.master_copy] = {"step": step_of[i].clone(), "exp_avg": full[i][1],
-                                              "exp_avg_sq": full[i][2]}
+            optimizer.state[p.master_copy] = {
+                "step": step_of[i].clone(),
+                "exp_avg": full[i][1],
+                "exp_avg_sq": full[i][2],
+            }
 
 
 def _write_all(states: SwappedStates, optimizer: torch.optim.Optimizer) -> None:

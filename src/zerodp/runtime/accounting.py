@@ -98,13 +98,14 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def estimate_table(numel: int, world_size: int, b: BytesPerElement = MIXED_PRECISION_ADAM,
-                   grad_accum: int = 1) -> str:
+def estimate_table(numel: int, world_size: int, b: BytesPerElement = MIXED_PRECISION_ADAM, grad_accum: int = 1) -> str:
     """Text table of per-rank model-state bytes and traffic per optimizer step (of ``grad_accum``
     micro-steps, :func:`comm_elements_per_step`) for stages 0-3."""
-    rows = [f"Psi = {numel:,} trainable parameters, N_d = {world_size}, "
-            f"bytes/element: param {b.param}, grad {b.grad}, K = {b.k}; "
-            f"{grad_accum} micro-step(s) per optimizer step"]
+    rows = [
+        f"Psi = {numel:,} trainable parameters, N_d = {world_size}, "
+        f"bytes/element: param {b.param}, grad {b.grad}, K = {b.k}; "
+        f"{grad_accum} micro-step(s) per optimizer step"
+    ]
     rows.append(f"{'stage':<22}{'per-rank model states':>24}  {'traffic per optimizer step, per rank':>38}")
     for stage in STAGES:
         total = sum(model_state_bytes(stage, numel, world_size, b).values())
@@ -112,8 +113,7 @@ def estimate_table(numel: int, world_size: int, b: BytesPerElement = MIXED_PRECI
         # stages 0-1 reduce the gradient buffer at its dtype (b.grad: fp32 with fp32 accumulation), then
         # stage 1 all-gathers parameters; stages 2-3 reduce-scatter every micro-step in the module dtype
         traffic = {0: 2 * b.grad, 1: b.grad + b.param}.get(stage, psi * b.param) * numel
-        rows.append(f"{STAGE_NAMES[stage]:<22}{human_bytes(total):>24}  "
-                    f"{f'{psi} Psi = ' + human_bytes(traffic):>38}")
+        rows.append(f"{STAGE_NAMES[stage]:<22}{human_bytes(total):>24}  {f'{psi} Psi = ' + human_bytes(traffic):>38}")
     return "\n".join(rows)
 
 
@@ -145,8 +145,10 @@ class MemoryReport:
         return sum(self.formula.values())
 
     def format(self) -> str:
-        lines = [f"rank {self.rank}/{self.world_size}  stage {self.stage}  Psi = {self.numel:,}"
-                 + (f" (+{self.frozen_numel:,} frozen)" if self.frozen_numel else "")]
+        lines = [
+            f"rank {self.rank}/{self.world_size}  stage {self.stage}  Psi = {self.numel:,}"
+            + (f" (+{self.frozen_numel:,} frozen)" if self.frozen_numel else "")
+        ]
         lines.append(f"  {'category':<18}{'measured':>14}{'formula':>14}")
         for c in CATEGORIES:
             lines.append(f"  {c:<18}{human_bytes(self.measured[c]):>14}{human_bytes(self.formula[c]):>14}")
@@ -184,8 +186,10 @@ class CommReport:
         if self.steps:
             ratio = self.elements_per_step / self.numel if self.numel else 0.0
             want = self.expected_elements_per_step // max(self.numel, 1)
-            lines.append(f"  per step: {self.elements_per_step:,.0f} elements = {ratio:.3f} Psi "
-                         f"(formula {want} Psi = {self.expected_elements_per_step:,})")
+            lines.append(
+                f"  per step: {self.elements_per_step:,.0f} elements = {ratio:.3f} Psi "
+                f"(formula {want} Psi = {self.expected_elements_per_step:,})"
+            )
         return "\n".join(lines)
 
 
@@ -202,6 +206,7 @@ class ReportedEngine(Protocol):
 
     @property  # read-only: the engine's is a Literal[0, 1, 2, 3]
     def stage(self) -> int: ...
+
     param_offload: Any  # zerodp.offload.param_offload.ParamOffloadStrategy
     sharding: Any | None  # zerodp.stage3.sharding.Stage3
     precision: Any  # zerodp.runtime.precision.PrecisionPolicy
@@ -221,11 +226,14 @@ def _measured(engine: ReportedEngine, frozen_bytes: int) -> dict[str, int]:
     held = engine.reducer.held_bytes()
     return {
         # stage 3: shards, from their live storage (0 bytes while offload_param has one swapped out)
-        "parameters": sum(g.buffer.untyped_storage().nbytes() if engine.stage == 3 else _nbytes(g.buffer)
-                          for g in engine.groups) + frozen_bytes,
+        "parameters": sum(
+            g.buffer.untyped_storage().nbytes() if engine.stage == 3 else _nbytes(g.buffer) for g in engine.groups
+        )
+        + frozen_bytes,
         "gradients": held["gradients"],
-        "optimizer_states": sum(_nbytes(t) for st in engine.optimizer.state.values() for t in st.values()
-                                if isinstance(t, torch.Tensor)),
+        "optimizer_states": sum(
+            _nbytes(t) for st in engine.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)
+        ),
         # fp32 training: none, the optimizer updates views of the parameters
         "master_weights": sum(_nbytes(p.master) for g in engine.groups for p in g.pieces if p.master is not None),
         "comm_buffers": held["comm_buffers"],
@@ -251,11 +259,19 @@ def memory_report(engine: ReportedEngine) -> MemoryReport:
         peak["gathered_parameters"] = engine.sharding.coordinator.peak_gathered_bytes
         # idle + lent slabs of the gather pool (see zerodp.stage3.pool), largest seen
         peak["gather_pool"] = engine.sharding.pool.peak_bytes
-    frozen_numel = (sum(s.numel for g in engine.groups for s in g.slots
-                        if not (s.group_index >= 0 and s.param.requires_grad))
-                    + sum(p.numel() for p in engine.frozen))
-    return MemoryReport(stage=engine.stage, rank=engine.rank, world_size=engine.world_size, numel=numel,
-                        frozen_numel=frozen_numel, measured=measured, formula=formula, peak=peak)
+    frozen_numel = sum(
+        s.numel for g in engine.groups for s in g.slots if not (s.group_index >= 0 and s.param.requires_grad)
+    ) + sum(p.numel() for p in engine.frozen)
+    return MemoryReport(
+        stage=engine.stage,
+        rank=engine.rank,
+        world_size=engine.world_size,
+        numel=numel,
+        frozen_numel=frozen_numel,
+        measured=measured,
+        formula=formula,
+        peak=peak,
+    )
 
 
 def comm_report(stage: int, numel: int, ledger: Any, grad_accum: int = 1) -> CommReport:
@@ -263,6 +279,12 @@ def comm_report(stage: int, numel: int, ledger: Any, grad_accum: int = 1) -> Com
     last reset, with the gradient and parameter traffic the paper's formula counts (``grad_accum``
     micro-steps per optimizer step)."""
     model = ledger.traffic_elements("gradients") + ledger.traffic_elements("parameters")
-    return CommReport(stage=stage, numel=numel, steps=ledger.steps, records=ledger.records(),
-                      traffic_elements=ledger.traffic_elements(), model_traffic_elements=model,
-                      grad_accum=grad_accum)
+    return CommReport(
+        stage=stage,
+        numel=numel,
+        steps=ledger.steps,
+        records=ledger.records(),
+        traffic_elements=ledger.traffic_elements(),
+        model_traffic_elements=model,
+        grad_accum=grad_accum,
+    )

@@ -62,10 +62,16 @@ class CheckpointingOptions:
 _options: CheckpointingOptions | None = None
 
 
-def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
-              contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
-              checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
-              profile: bool | None = None) -> None:
+def configure(
+    mpu_: Any = None,
+    deepspeed_config: Any = None,
+    partition_activations: bool | None = None,
+    contiguous_checkpointing: bool | None = None,
+    num_checkpoints: int | None = None,
+    checkpoint_in_cpu: bool | None = None,
+    synchronize: bool | None = None,
+    profile: bool | None = None,
+) -> None:
     """Set how :func:`checkpoint` keeps activations (``deepspeed.checkpointing.configure``'s signature).
 
     Args:
@@ -89,21 +95,25 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
         return value if value is not None else base.get(key, default)
 
     if pick(contiguous_checkpointing, "contiguous_memory_optimization", False):
-        raise NotImplementedError("activation_checkpointing.contiguous_memory_optimization is not implemented "
-                                  "(a CUDA memory-fragmentation remedy); leave it false")
+        raise NotImplementedError(
+            "activation_checkpointing.contiguous_memory_optimization is not implemented "
+            "(a CUDA memory-fragmentation remedy); leave it false"
+        )
     del num_checkpoints  # only meaningful with contiguous_memory_optimization
     partition = bool(pick(partition_activations, "partition_activations", False))
     mp_group = None
     if mpu_ is not None:
-        get = getattr(mpu_, "get_model_parallel_group", None) or getattr(mpu_, "get_tensor_model_parallel_group",
-                                                                         None)
+        get = getattr(mpu_, "get_model_parallel_group", None) or getattr(mpu_, "get_tensor_model_parallel_group", None)
         if get is None:
             raise TypeError(f"mpu_ must implement get_model_parallel_group(); {type(mpu_).__name__} does not")
         mp_group = get()
     _options = CheckpointingOptions(
-        partition_activations=partition, cpu_checkpointing=bool(pick(checkpoint_in_cpu, "cpu_checkpointing", False)),
+        partition_activations=partition,
+        cpu_checkpointing=bool(pick(checkpoint_in_cpu, "cpu_checkpointing", False)),
         synchronize_checkpoint_boundary=bool(pick(synchronize, "synchronize_checkpoint_boundary", False)),
-        profile=bool(pick(profile, "profile", False)), mp_group=mp_group)
+        profile=bool(pick(profile, "profile", False)),
+        mp_group=mp_group,
+    )
 
 
 def is_configured() -> bool:
@@ -166,12 +176,12 @@ def _sync(opts: CheckpointingOptions) -> None:
 
 class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, run_function: Callable[..., Any], opts: CheckpointingOptions,
-                dummy: torch.Tensor, *args: Any) -> Any:
+    def forward(
+        ctx: Any, run_function: Callable[..., Any], opts: CheckpointingOptions, dummy: torch.Tensor, *args: Any
+    ) -> Any:
         ctx.run_function, ctx.opts = run_function, opts
         ctx.cpu_rng = torch.get_rng_state()
-        ctx.cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() \
-            else None
+        ctx.cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         _sync(opts)
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -202,15 +212,19 @@ class _CheckpointFunction(torch.autograd.Function):
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if isinstance(o, torch.Tensor) and o.requires_grad
-                 and g is not None]
+        pairs = [
+            (o, g)
+            for o, g in zip(outputs, grads, strict=True)
+            if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+        ]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         _sync(opts)
         if opts.profile:
             opts.timings["recompute"].append(time.perf_counter() - t0)
-        return (None, None, None) + tuple(i.grad if isinstance(i, torch.Tensor) and i.requires_grad else None
-                                          for i in inputs)
+        return (None, None, None) + tuple(
+            i.grad if isinstance(i, torch.Tensor) and i.requires_grad else None for i in inputs
+        )
 
 
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:

@@ -222,8 +222,9 @@ class BackwardAgreement(TagWaits):
     def wait_data(self, work: Work, on_device: bool = False) -> None:
         """Wait for one data collective issued inside backward, at most the guard's ``timeout_s``,
         comparing the tags that complete meanwhile (a diverged peer is seen as soon as its tag is)."""
-        comm.wait_polling(work, self.guard.timeout_s, "backward", self._explain_failure, self._check_completed,
-                          on_device)
+        comm.wait_polling(
+            work, self.guard.timeout_s, "backward", self._explain_failure, self._check_completed, on_device
+        )
 
     def _check_completed(self) -> None:
         while self._checked < len(self._tags) and self._tags[self._checked].work.is_completed():
@@ -238,8 +239,10 @@ class BackwardAgreement(TagWaits):
     def _describe(self, kind: int, ident: int) -> str:
         if kind == 0:
             posted, fetches, digest = ident & 0xFFFFF, (ident >> 20) & 0x3FF, ident >> 30
-            return (f"the end of backward (after {posted} collectives and {fetches} module fetches, "
-                    f"fetch order digest {digest:08x})")
+            return (
+                f"the end of backward (after {posted} collectives and {fetches} module fetches, "
+                f"fetch order digest {digest:08x})"
+            )
         name = self.names[kind].get(ident)
         if name is None:
             name = "a coalesced group of other gradient buckets" if ident >> 62 else f"#{ident}"
@@ -252,15 +255,21 @@ class BackwardAgreement(TagWaits):
             return
         me = self.guard.rank
         mine = self._describe(int(table[me, 0]), int(table[me, 1]))
-        others = "; ".join(f"rank {r} is in {self._describe(int(table[r, 0]), int(table[r, 1]))}"
-                           for r in range(self.guard.world_size) if r != me)
-        self.guard._raise(CollectiveMismatchError(
-            f"collective mismatch in backward at step {self.step} (micro-step {self.micro_step}), "
-            f"collective #{i} of this backward: rank {me} entered {mine}; {others}. The ranks agreed on "
-            "what their backward passes reach, but reach it in another order (forward operations that "
-            "differ between ranks), so their collectives no longer pair up; no parameter or optimizer "
-            "state was updated, the job must restart. Make the order of the forward's operations the "
-            "same on every rank; see README, 'Collective safety'."))
+        others = "; ".join(
+            f"rank {r} is in {self._describe(int(table[r, 0]), int(table[r, 1]))}"
+            for r in range(self.guard.world_size)
+            if r != me
+        )
+        self.guard._raise(
+            CollectiveMismatchError(
+                f"collective mismatch in backward at step {self.step} (micro-step {self.micro_step}), "
+                f"collective #{i} of this backward: rank {me} entered {mine}; {others}. The ranks agreed on "
+                "what their backward passes reach, but reach it in another order (forward operations that "
+                "differ between ranks), so their collectives no longer pair up; no parameter or optimizer "
+                "state was updated, the job must restart. Make the order of the forward's operations the "
+                "same on every rank; see README, 'Collective safety'."
+            )
+        )
 
     def _fail(self, i: int, exc: BaseException) -> NoReturn:
         kind, ident = (int(self._tags[i].send[0]), int(self._tags[i].send[1])) if i < len(self._tags) else (0, 0)

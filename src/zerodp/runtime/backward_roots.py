@@ -81,8 +81,9 @@ class BackwardPlan:
         return [names.get(p, f"#{p}") + (f" x{n}" if n > 1 else "") for p, n in sorted(self.fetches.items())]
 
 
-def _walk(roots: list[Any], nodes: dict[int, Any], params: set[int], fetches: dict[int, int],
-          positions: dict[int, int]) -> bool:
+def _walk(
+    roots: list[Any], nodes: dict[int, Any], params: set[int], fetches: dict[int, int], positions: dict[int, int]
+) -> bool:
     """Walk the autograd graph from ``roots`` (``grad_fn`` objects) along ``next_functions``, adding to
     ``nodes`` (by id, kept alive), ``params`` (ids of ``AccumulateGrad`` variables) and ``fetches``
     (stage-3 fetch hooks, see :mod:`zerodp.stage3.hooks`). Returns whether a reentrant checkpoint

@@ -49,8 +49,18 @@ from zerodp.runtime import comm
 from zerodp.runtime.forward_agreement import ForwardAgreement, build_names, crc, is_tag, mismatch_message
 
 #: calls the guard knows; the index is the code exchanged between ranks (same on every rank).
-CALLS: tuple[str, ...] = ("forward", "backward", "step", "gather", "save_checkpoint", "load_checkpoint",
-                          "module_state_dict", "shutdown_distributed", "synced_generate", "clip_grad_norm_")
+CALLS: tuple[str, ...] = (
+    "forward",
+    "backward",
+    "step",
+    "gather",
+    "save_checkpoint",
+    "load_checkpoint",
+    "module_state_dict",
+    "shutdown_distributed",
+    "synced_generate",
+    "clip_grad_norm_",
+)
 _WIDTH = 5  # int64 per rank in an agreement: call, crc32(detail), step, micro-step, aux
 _STORE_WAIT_S = 3.0  # how long a failing rank waits for the others' post-mortem reports
 
@@ -95,8 +105,16 @@ class CallSite:
         return f"{what} at step {self.step} (micro-step {self.micro_step})"
 
     def encode(self) -> torch.Tensor:
-        return torch.tensor([CALLS.index(self.call), zlib.crc32(self.detail.encode()) & 0x7FFFFFFF,
-                             self.step, self.micro_step, self.aux], dtype=torch.int64)
+        return torch.tensor(
+            [
+                CALLS.index(self.call),
+                zlib.crc32(self.detail.encode()) & 0x7FFFFFFF,
+                self.step,
+                self.micro_step,
+                self.aux,
+            ],
+            dtype=torch.int64,
+        )
 
 
 class CollectiveGuard:
@@ -112,8 +130,14 @@ class CollectiveGuard:
 
     _instances = 0
 
-    def __init__(self, process_group: dist.ProcessGroup | None, timeout_s: float,
-                 check_gathers: bool = True, enabled: bool = True, ledger: comm.CommLedger | None = None) -> None:
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None,
+        timeout_s: float,
+        check_gathers: bool = True,
+        enabled: bool = True,
+        ledger: comm.CommLedger | None = None,
+    ) -> None:
         """``ledger``: the engine's, passed with every collective it issues; the forward and backward
         agreements set its ``watch`` while they run (a fresh one when None)."""
         if timeout_s <= 0:
@@ -139,15 +163,22 @@ class CollectiveGuard:
         self._names: dict[int, str] = {}  # module position -> name (messages from a table alone)
         self._details: dict[int, str] = {}  # crc32(module name) -> module name
         CollectiveGuard._instances += 1
-        ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
-                 else list(range(dist.get_world_size())))
+        ranks = (
+            dist.get_process_group_ranks(process_group)
+            if process_group is not None
+            else list(range(dist.get_world_size()))
+        )
         # post-mortem keys: per guard (same count on every rank of a group) and per group of ranks
         self._key = f"zerodp/guard{CollectiveGuard._instances}/{'-'.join(map(str, ranks))}"
         self.group: dist.ProcessGroup | None = None
         if self.enabled:
             # only this group's ranks build it (a data-parallel subgroup of a larger world)
-            self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
-                                        use_local_synchronization=process_group is not None)
+            self.group = dist.new_group(
+                ranks=ranks,
+                backend="gloo",
+                timeout=timedelta(seconds=timeout_s),
+                use_local_synchronization=process_group is not None,
+            )
         self._send = torch.zeros(_WIDTH, dtype=torch.int64)
         self._recv = torch.zeros(self.world_size * _WIDTH, dtype=torch.int64)  # gloo: a 1-D output
         self.aux_differs = False  # the last agreement's ``aux`` values were not all equal
@@ -177,12 +208,16 @@ class CollectiveGuard:
             self.aux_differs = bool((table[:, 4] != table[0, 4]).any())
             return
         if any(is_tag(row) for row in table):  # a peer posted a forward fetch tag: it is not exchanging
-            self._raise(CollectiveMismatchError(mismatch_message(  # descriptions, the table says enough
-                table, self.rank, CALLS, self._names, self._details, mine=site.describe())))
+            self._raise(
+                CollectiveMismatchError(
+                    mismatch_message(  # descriptions, the table says enough
+                        table, self.rank, CALLS, self._names, self._details, mine=site.describe()
+                    )
+                )
+            )
         told: list = [None] * self.world_size
         try:  # every rank is here (the table arrived), so this pairs up
-            dist.all_gather_object(told, (site.describe(), site.reach() if site.reach else None),
-                                   group=self.group)
+            dist.all_gather_object(told, (site.describe(), site.reach() if site.reach else None), group=self.group)
         except Exception as exc:
             self._fail(site, exc)
         sites = [t[0] for t in told]
@@ -190,15 +225,25 @@ class CollectiveGuard:
         if all(r is not None for r in reaches) and bool((table[:, [0, 2, 3]] == table[0, [0, 2, 3]]).all()):
             self._raise(CollectiveMismatchError(_reach_message(site, self.rank, reaches)))
         others = "; ".join(f"rank {r} is in {s}" for r, s in enumerate(sites) if r != self.rank)
-        self._raise(CollectiveMismatchError(
-            f"collective mismatch: rank {self.rank} entered {site.describe()}; {others}. Every rank must "
-            f"make the same collective engine calls in the same order (e.g. call {site.call} on every "
-            "rank, not under `if rank == 0`); at stage 3 every rank must run the same modules, see "
-            "zerodp.zero.synced_generate for generation loops of different lengths."))
+        self._raise(
+            CollectiveMismatchError(
+                f"collective mismatch: rank {self.rank} entered {site.describe()}; {others}. Every rank must "
+                f"make the same collective engine calls in the same order (e.g. call {site.call} on every "
+                "rank, not under `if rank == 0`); at stage 3 every rank must run the same modules, see "
+                "zerodp.zero.synced_generate for generation loops of different lengths."
+            )
+        )
 
     @contextlib.contextmanager
-    def call(self, name: str, step: int, micro_step: int, detail: str = "", aux: int = 0,
-             reach: Callable[[], list[str]] | None = None) -> Iterator[None]:
+    def call(
+        self,
+        name: str,
+        step: int,
+        micro_step: int,
+        detail: str = "",
+        aux: int = 0,
+        reach: Callable[[], list[str]] | None = None,
+    ) -> Iterator[None]:
         """Agree on entry; inside, a failure of a real collective is diagnosed the same way."""
         self.aux_differs = False
         if not self.enabled or self.current is not None:  # nested: the outer call already agreed
@@ -251,6 +296,7 @@ class CollectiveGuard:
                 tags.note_fetch(positions.get(id(module), -1), name)
                 return
             self.agree(CallSite("gather", name, outer.step if outer else -1, outer.micro_step if outer else -1))
+
         def before_launch() -> None:
             outer = self.current
             if outer is not None and outer.call == "backward":
@@ -258,6 +304,7 @@ class CollectiveGuard:
                     self.backward_launch()
                 return
             tags.before_launch()
+
         return _FetchCheck(check, before_launch)
 
     def install_shutdown_check(self, engine: Any = None) -> None:
@@ -277,14 +324,16 @@ class CollectiveGuard:
             owner = engine_ref() if engine_ref is not None else None
             done = (int(owner.global_steps), int(owner.micro_steps)) if owner is not None else None
             guard.agree(CallSite("shutdown_distributed", "", -1, -1, done=done))
+
         comm.SHUTDOWN_CHECK[:] = [check]
 
     # ---- failure path ------------------------------------------------------------------------------
     def check_usable(self) -> None:
         """Raise the earlier error again if one left this engine unusable."""
         if self.broken is not None:
-            raise type(self.broken)(f"{self.broken} (an earlier collective error left this engine "
-                                    "unusable; restart the job)")
+            raise type(self.broken)(
+                f"{self.broken} (an earlier collective error left this engine unusable; restart the job)"
+            )
 
     def fail_at(self, detail: str, step: int, micro_step: int, exc: BaseException) -> NoReturn:
         """:meth:`_fail` for a forward fetch tag (``detail``: which tag)."""
@@ -302,24 +351,29 @@ class CollectiveGuard:
         silent = [r for r in range(self.world_size) if r != self.rank and r not in answered]
         seen = "; ".join(f"rank {r} reported {d}" for r, d in sorted(answered.items()) if r != self.rank)
         where = f"rank {self.rank} was in {site.describe()}"
-        advice = (f"Every rank must make the same collective engine calls in the same order (e.g. "
-                  f"{site.call} on every rank). Cause: {_first_line(text)}")
+        advice = (
+            f"Every rank must make the same collective engine calls in the same order (e.g. "
+            f"{site.call} on every rank). Cause: {_first_line(text)}"
+        )
         err: CollectiveError
         if silent and not _is_timeout(text):
             err = RankLostError(
                 f"rank(s) {_fmt(silent)} lost: {where} when the connection to it broke, and it did not "
                 f"answer within {min(_STORE_WAIT_S, self.timeout_s):g} s (killed, crashed or exited)"
                 f"{'; ' + seen if seen else ''}. The job cannot continue; restart it from the last "
-                f"checkpoint (a save in progress is never published). Cause: {_first_line(text)}")
+                f"checkpoint (a save in progress is never published). Cause: {_first_line(text)}"
+            )
         elif silent:
             err = CollectiveTimeoutError(
                 f"collective timeout after {self.timeout_s:g} s: {where}; rank(s) {_fmt(silent)} never "
                 f"reached a matching call (busy outside zerodp's collective calls, stuck, or dead)"
-                f"{'; ' + seen if seen else ''}. {advice}")
+                f"{'; ' + seen if seen else ''}. {advice}"
+            )
         else:
             err = CollectiveTimeoutError(
                 f"collective timeout after {self.timeout_s:g} s: {where}; not every rank arrived in "
-                f"time and the waiting ones gave up ({seen}, after the wait). {advice}")
+                f"time and the waiting ones gave up ({seen}, after the wait). {advice}"
+            )
         self._raise(err, cause=exc)
 
     def _raise(self, err: CollectiveError, cause: BaseException | None = None) -> None:
@@ -377,13 +431,27 @@ def _is_timeout(text: str) -> bool:
 
 def _is_connection_loss(text: str) -> bool:
     t = text.lower()
-    return any(k in t for k in ("connection closed", "connection reset", "broken pipe", "connection refused",
-                                "read error", "write error", "eof"))
+    return any(
+        k in t
+        for k in (
+            "connection closed",
+            "connection reset",
+            "broken pipe",
+            "connection refused",
+            "read error",
+            "write error",
+            "eof",
+        )
+    )
 
 
 def _is_comm_failure(exc: RuntimeError) -> bool:
-    return (isinstance(exc, getattr(dist, "DistBackendError", ())) or "gloo" in str(exc).lower()
-            or _is_connection_loss(str(exc)) or "collective mismatch" in str(exc).lower())
+    return (
+        isinstance(exc, getattr(dist, "DistBackendError", ()))
+        or "gloo" in str(exc).lower()
+        or _is_connection_loss(str(exc))
+        or "collective mismatch" in str(exc).lower()
+    )
 
 
 def _reach_message(site: CallSite, rank: int, reaches: list[list[str]]) -> str:
@@ -393,12 +461,14 @@ def _reach_message(site: CallSite, rank: int, reaches: list[list[str]]) -> str:
     for r, reach in enumerate(reaches):
         only = sorted(set(reach) - common)
         parts.append(f"rank {r}'s {site.call} reaches {', '.join(only) if only else 'nothing more'}")
-    return (f"collective mismatch in {site.call} at step {site.step} (micro-step {site.micro_step}) on "
-            f"rank {rank}: the ranks' losses reach different modules, so the collectives of their "
-            f"backward passes would not pair up (nothing was issued or updated): {'; '.join(parts)} "
-            "(beyond what every rank's reaches). Make every rank's loss use the same modules' outputs "
-            "(an output the engine's forward returns may go unused on some ranks: zerodp then "
-            "back-propagates a zero gradient through it); see README, 'Collective safety'.")
+    return (
+        f"collective mismatch in {site.call} at step {site.step} (micro-step {site.micro_step}) on "
+        f"rank {rank}: the ranks' losses reach different modules, so the collectives of their "
+        f"backward passes would not pair up (nothing was issued or updated): {'; '.join(parts)} "
+        "(beyond what every rank's reaches). Make every rank's loss use the same modules' outputs "
+        "(an output the engine's forward returns may go unused on some ranks: zerodp then "
+        "back-propagates a zero gradient through it); see README, 'Collective safety'."
+    )
 
 
 def _fmt(ranks: list[int]) -> str:

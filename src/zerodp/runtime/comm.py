@@ -82,9 +82,15 @@ def sums_by_all_to_all(tensor: torch.Tensor, group: ProcessGroup | None) -> bool
     return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
 
 
-def _reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM,
-                           group: ProcessGroup | None = None, async_op: bool = False, *,
-                           received: torch.Tensor | None = None) -> Work | None:
+def _reduce_scatter_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: ReduceOp.RedOpType = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    received: torch.Tensor | None = None,
+) -> Work | None:
     """torch's ``reduce_scatter_single``, except for a SUM of host tensors on gloo: there it is an
     all-to-all (rank r receives every rank's chunk r) followed by a local sum of the received chunks.
 
@@ -107,15 +113,19 @@ def _reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Reduce
         return _torch_reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
     world = dist.get_world_size(group)
     if input.numel() != world * output.numel():
-        raise ValueError(f"reduce-scatter: input must hold {world} x output.numel() = "
-                         f"{world * output.numel()} elements, got {input.numel()}")
+        raise ValueError(
+            f"reduce-scatter: input must hold {world} x output.numel() = "
+            f"{world * output.numel()} elements, got {input.numel()}"
+        )
     if output.dim() != 1:  # summed as one row: keep the caller's shape (a contiguous output, as torch's)
         output = output.view(-1)
     if received is None:
         received = torch.empty_like(input)
     elif received.shape != input.shape or received.dtype != input.dtype:
-        raise ValueError(f"received must be like input ({tuple(input.shape)}, {input.dtype}), "
-                         f"got ({tuple(received.shape)}, {received.dtype})")
+        raise ValueError(
+            f"received must be like input ({tuple(input.shape)}, {input.dtype}), "
+            f"got ({tuple(received.shape)}, {received.dtype})"
+        )
     work = dist.all_to_all_single(received, input, group=group, async_op=True)
     summed = _SumOnWait(work, received, output)
     if async_op:
@@ -179,6 +189,7 @@ def shutdown_distributed() -> None:
 #: of waiting for the process-group timeout.
 SHUTDOWN_CHECK: list = []
 
+
 class WatchedWork:
     """A ``Work`` whose ``wait()`` is the watch's bounded wait; everything else passes through.
     ``on_device``: the collective's tensors are on an accelerator (its ``wait()`` orders streams and
@@ -221,8 +232,14 @@ POLL_S = 0.05
 FIRST_PAUSE_S, MAX_PAUSE_S = 2e-5, 1e-3
 
 
-def wait_polling(work: Work, timeout_s: float, what: str, on_failure: Callable[[BaseException], NoReturn],
-                 between: Callable[[], None], on_device: bool = False) -> None:
+def wait_polling(
+    work: Work,
+    timeout_s: float,
+    what: str,
+    on_failure: Callable[[BaseException], NoReturn],
+    between: Callable[[], None],
+    on_device: bool = False,
+) -> None:
     """Wait for ``work`` without ever giving it a timeout, calling ``between()`` (the guard's
     agreements compare the tags completed meanwhile) every :data:`POLL_S` seconds.
 
@@ -320,53 +337,71 @@ class CommLedger:
     def traffic_elements(self, purpose: str | None = None) -> int:
         """Psi-equivalent element traffic per rank (all-reduce counted twice), optionally one purpose."""
         return sum(
-            TRAFFIC_FACTOR[op] * e
-            for (op, p), (_, e, _) in self._totals.items()
-            if purpose is None or p == purpose
+            TRAFFIC_FACTOR[op] * e for (op, p), (_, e, _) in self._totals.items() if purpose is None or p == purpose
         )
 
 
 def all_reduce(
-    tensor: torch.Tensor, group: ProcessGroup | None, ledger: CommLedger, purpose: str,
-    op: ReduceOp.RedOpType = ReduceOp.SUM, async_op: bool = False,
+    tensor: torch.Tensor,
+    group: ProcessGroup | None,
+    ledger: CommLedger,
+    purpose: str,
+    op: ReduceOp.RedOpType = ReduceOp.SUM,
+    async_op: bool = False,
 ) -> Work | None:
     """In-place all-reduce of ``tensor`` (any shape) across ``group`` (a host tensor on an NCCL-only
     group: over its gloo side group, see [Note: control group])."""
     ledger.record("all_reduce", tensor.numel(), tensor.element_size(), purpose)
     group = control.route(tensor, group)
-    return _watched(dist.all_reduce(tensor, op=op, group=group, async_op=async_op or ledger.watch is not None),
-                    async_op, ledger, tensor)
+    return _watched(
+        dist.all_reduce(tensor, op=op, group=group, async_op=async_op or ledger.watch is not None),
+        async_op,
+        ledger,
+        tensor,
+    )
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, ledger: CommLedger,
-    purpose: str, async_op: bool = False, received: torch.Tensor | None = None,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None,
+    ledger: CommLedger,
+    purpose: str,
+    async_op: bool = False,
+    received: torch.Tensor | None = None,
 ) -> Work | None:
     """Sum ``input`` (1-D, N x ``output.numel()`` elements) across ranks; rank r gets chunk r in ``output``.
     ``received``: scratch like ``input`` for the all-to-all of host tensors on gloo (see
     [Note: gloo reduce-scatter]); unused otherwise."""
     kw = {} if received is None else {"received": received}
     group = control.route(input, group)
-    work = _reduce_scatter_single(output, input, op=ReduceOp.SUM, group=group,
-                                  async_op=async_op or ledger.watch is not None, **kw)
+    work = _reduce_scatter_single(
+        output, input, op=ReduceOp.SUM, group=group, async_op=async_op or ledger.watch is not None, **kw
+    )
     ledger.record("reduce_scatter", input.numel(), input.element_size(), purpose)  # once launched
     return _watched(work, async_op, ledger, input)
 
 
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, ledger: CommLedger,
-    purpose: str, async_op: bool = False,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None,
+    ledger: CommLedger,
+    purpose: str,
+    async_op: bool = False,
 ) -> Work | None:
     """Concatenate every rank's 1-D ``input`` into ``output`` (N x ``input.numel()``); may be in place."""
     ledger.record("all_gather", output.numel(), output.element_size(), purpose)
     group = control.route(output, group)
-    return _watched(_all_gather_single(output, input, group=group, async_op=async_op or ledger.watch is not None),
-                    async_op, ledger, output)
+    return _watched(
+        _all_gather_single(output, input, group=group, async_op=async_op or ledger.watch is not None),
+        async_op,
+        ledger,
+        output,
+    )
 
 
-def broadcast(
-    tensor: torch.Tensor, src: int, group: ProcessGroup | None, ledger: CommLedger, purpose: str
-) -> None:
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, ledger: CommLedger, purpose: str) -> None:
     """Overwrite ``tensor`` on every rank with global rank ``src``'s copy."""
     ledger.record("broadcast", tensor.numel(), tensor.element_size(), purpose)
     group = control.route(tensor, group)

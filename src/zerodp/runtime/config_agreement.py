@@ -21,8 +21,7 @@ from zerodp.runtime import control
 from zerodp.runtime.optim import ParamGroupSpec
 
 #: keys whose value may differ between ranks: a swap directory per rank or node, a seed per rank
-PER_RANK_KEYS = ("zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.nvme_path",
-                 "seed")
+PER_RANK_KEYS = ("zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.nvme_path", "seed")
 
 
 def flat_settings(cfg: ZeroDPConfig, specs: Sequence[ParamGroupSpec]) -> dict[str, str]:
@@ -68,8 +67,10 @@ def agree_on_settings(settings: dict[str, str], group: dist.ProcessGroup | None)
     dist.all_gather_object(gathered, settings, group=control.control_group(group))
     lines = differences(gathered)
     if lines:
-        raise ConfigError("the data-parallel ranks were given different settings (every rank must pass the "
-                          "same config and param groups to initialize):\n  " + "\n  ".join(lines))
+        raise ConfigError(
+            "the data-parallel ranks were given different settings (every rank must pass the "
+            "same config and param groups to initialize):\n  " + "\n  ".join(lines)
+        )
 
 
 __all__ = ["PER_RANK_KEYS", "agree_on_settings", "differences", "flat_settings"]

@@ -43,8 +43,7 @@ def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     if group_takes("cpu", group):
         chosen = group
     else:
-        ranks = (dist.get_process_group_ranks(group) if group is not None
-                 else list(range(dist.get_world_size())))
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         # only this group's ranks build it (a data-parallel subgroup of a larger world)
         chosen = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=group is not None)
         SIDE_GROUPS_BUILT.append(chosen)

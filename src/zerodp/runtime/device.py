@@ -75,8 +75,10 @@ def _local_cuda_index() -> int:
     local = os.environ.get("LOCAL_RANK")
     index = int(local) if local is not None else torch.cuda.current_device()
     if index >= count:
-        raise DeviceError(f"LOCAL_RANK is {index}, but this machine has {count} CUDA device(s): launch at most "
-                          f"{count} rank(s) per node, or set the config key device to 'cpu'")
+        raise DeviceError(
+            f"LOCAL_RANK is {index}, but this machine has {count} CUDA device(s): launch at most "
+            f"{count} rank(s) per node, or set the config key device to 'cpu'"
+        )
     if torch.cuda.current_device() != index:
         torch.cuda.set_device(index)
     return index
@@ -104,10 +106,15 @@ def resolve_device(choice: str = "auto", group: dist.ProcessGroup | None = None)
     cuda = torch.cuda.is_available()
     takes_cuda = cuda and group_takes("cuda", group)
     if choice == "cuda" and not takes_cuda:
-        why = ("torch.cuda.is_available() is False" if not cuda else
-               f"the data-parallel group's backend ({dist.get_backend(group)}) takes no CUDA tensors")
-        raise DeviceError(f"config key device is 'cuda', but {why}; initialise with NCCL "
-                          "(zerodp.init_distributed() does on a CUDA machine) or set device to 'cpu' or 'auto'")
+        why = (
+            "torch.cuda.is_available() is False"
+            if not cuda
+            else f"the data-parallel group's backend ({dist.get_backend(group)}) takes no CUDA tensors"
+        )
+        raise DeviceError(
+            f"config key device is 'cuda', but {why}; initialise with NCCL "
+            "(zerodp.init_distributed() does on a CUDA machine) or set device to 'cpu' or 'auto'"
+        )
     if not takes_cuda:
         return torch.device("cpu")
     return torch.device("cuda", _local_cuda_index())
@@ -129,9 +136,11 @@ def check_module_device(module: torch.nn.Module, device: torch.device) -> bool:
         if d.type in ("cpu", "meta"):
             move = True
             continue
-        raise DeviceError(f"the model's tensor '{name}' is on {d}, but this rank's engine device is {device} "
-                          "(cuda:LOCAL_RANK); build the model on the CPU or on that device, or set the config "
-                          "key device")
+        raise DeviceError(
+            f"the model's tensor '{name}' is on {d}, but this rank's engine device is {device} "
+            "(cuda:LOCAL_RANK); build the model on the CPU or on that device, or set the config "
+            "key device"
+        )
     return move
 
 
@@ -182,8 +191,9 @@ def synchronize(reason: str, value: torch.Tensor) -> torch.Tensor: ...
 def synchronize(reason: str, value: None = None, device: torch.device | None = None) -> None: ...
 
 
-def synchronize(reason: str, value: torch.Tensor | None = None,
-                device: torch.device | None = None) -> torch.Tensor | None:
+def synchronize(
+    reason: str, value: torch.Tensor | None = None, device: torch.device | None = None
+) -> torch.Tensor | None:
     """The one host sync of the runtime (see [Note: host syncs]), counted in :data:`HOST_SYNCS`.
 
     Args:

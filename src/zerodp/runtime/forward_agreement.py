@@ -103,8 +103,7 @@ def is_tag(row: torch.Tensor) -> bool:
     return int(row[4]) < 0
 
 
-def describe_row(row: torch.Tensor, calls: Sequence[str], names: dict[int, str],
-                 details: dict[int, str]) -> str:
+def describe_row(row: torch.Tensor, calls: Sequence[str], names: dict[int, str], details: dict[int, str]) -> str:
     """``gather(blocks.2) at step 3 (micro-step 3)`` from one agreement row alone.
 
     Args:
@@ -251,8 +250,9 @@ class ForwardAgreement(TagWaits):
     def wait_data(self, work: Work, on_device: bool = False) -> None:
         """Wait for one data collective issued inside the forward, at most the guard's ``timeout_s``,
         comparing the tags that complete meanwhile."""
-        comm.wait_polling(work, self.guard.timeout_s, "forward", self._explain_failure, self._check_completed,
-                          on_device)
+        comm.wait_polling(
+            work, self.guard.timeout_s, "forward", self._explain_failure, self._check_completed, on_device
+        )
 
     def _check_completed(self) -> None:
         while self._checked < len(self._tags) and self._tags[self._checked].work.is_completed():
@@ -267,28 +267,39 @@ class ForwardAgreement(TagWaits):
 
     def _fail(self, i: int, exc: BaseException, send: torch.Tensor | None = None) -> NoReturn:
         row = send if send is not None else (self._tags[i].send if i < len(self._tags) else None)
-        what = (describe_row(row, self.calls, self.names, self.details).split(" at step")[0]
-                if row is not None else "forward")
+        what = (
+            describe_row(row, self.calls, self.names, self.details).split(" at step")[0]
+            if row is not None
+            else "forward"
+        )
         self.guard.fail_at(f"{what}, fetch tag #{i}", self.step, self.micro_step, exc)
         raise AssertionError("unreachable")  # fail_at always raises
 
 
-def mismatch_message(table: torch.Tensor, rank: int, calls: Sequence[str], names: dict[int, str],
-                     details: dict[int, str], mine: str | None = None) -> str:
+def mismatch_message(
+    table: torch.Tensor,
+    rank: int,
+    calls: Sequence[str],
+    names: dict[int, str],
+    details: dict[int, str],
+    mine: str | None = None,
+) -> str:
     """The guard's mismatch message from an agreement table (int64[world, WIDTH]) alone, used when a
     row is a tag (its rank is not in a synchronous exchange of descriptions). ``mine``: this rank's
     own description when it is in a synchronous agreement."""
     me = mine or describe_row(table[rank], calls, names, details)
-    others = "; ".join(f"rank {r} is in {describe_row(table[r], calls, names, details)}"
-                       for r in range(table.shape[0]) if r != rank)
-    return (f"collective mismatch: rank {rank} entered {me}; {others}. Every rank must make the same "
-            "collective engine calls in the same order; at stage 3 every rank must run the same modules "
-            "in the same order in each forward (checked without a round trip per module once the "
-            "module trace is recorded), see zerodp.zero.synced_generate for generation loops of "
-            "different lengths. No parameter or optimizer state was updated; the job must restart.")
+    others = "; ".join(
+        f"rank {r} is in {describe_row(table[r], calls, names, details)}" for r in range(table.shape[0]) if r != rank
+    )
+    return (
+        f"collective mismatch: rank {rank} entered {me}; {others}. Every rank must make the same "
+        "collective engine calls in the same order; at stage 3 every rank must run the same modules "
+        "in the same order in each forward (checked without a round trip per module once the "
+        "module trace is recorded), see zerodp.zero.synced_generate for generation loops of "
+        "different lengths. No parameter or optimizer state was updated; the job must restart."
+    )
 
 
 def build_names(module: torch.nn.Module) -> dict[int, str]:
     """Module position (``named_modules()`` order) -> qualified name, ``<root>`` for the root."""
     return {i: name or "<root>" for i, (name, _) in enumerate(module.named_modules())}
-

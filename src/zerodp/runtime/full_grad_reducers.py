@@ -91,8 +91,7 @@ class AllReduceReducer(_FullGradBuffer[None]):
         self._track(async_work(work), [(b, g, None)])
 
     def held_bytes(self) -> dict[str, int]:
-        return {"gradients": sum(t.numel() * t.element_size() for t in self.grad_buffers.values()),
-                "comm_buffers": 0}
+        return {"gradients": sum(t.numel() * t.element_size() for t in self.grad_buffers.values()), "comm_buffers": 0}
 
 
 class FullGradReduceScatter(_FullGradBuffer[torch.Tensor]):
@@ -143,8 +142,10 @@ class FullGradReduceScatter(_FullGradBuffer[torch.Tensor]):
 
     def held_bytes(self) -> dict[str, int]:
         recv = sum(p.numel() * p.element_size() for _, entries in self._in_flight for _, _, p in entries)
-        return {"gradients": sum(t.numel() * t.element_size() for t in self.grad_buffers.values()),
-                "comm_buffers": recv}
+        return {
+            "gradients": sum(t.numel() * t.element_size() for t in self.grad_buffers.values()),
+            "comm_buffers": recv,
+        }
 
 
 __all__ = ["AllReduceReducer", "FullGradReduceScatter"]

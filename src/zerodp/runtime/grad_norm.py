@@ -64,8 +64,13 @@ class ClipState:
         return self.pending if self.window == global_steps else 1.0
 
 
-def norm_of(grads_by_kind: tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]], topology: Topology,
-            reduce_dp: bool, all_reduce: Callable[..., Any], norm_type: float) -> float:
+def norm_of(
+    grads_by_kind: tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]],
+    topology: Topology,
+    reduce_dp: bool,
+    all_reduce: Callable[..., Any],
+    norm_type: float,
+) -> float:
     """``norm_type``-norm of the full gradient of the (model-parallel) model, as
     :func:`zerodp.runtime.topology.global_grad_norm` (which gives the L2 norm, used for 2.0).
 
@@ -79,8 +84,9 @@ def norm_of(grads_by_kind: tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]]
         The norm as a float (fp64 arithmetic across tensors and ranks).
     """
     if norm_type == 2.0:
-        return global_grad_norm(grads_by_kind, topology, reduce_dp,
-                                lambda t, group: all_reduce(t, group, dist.ReduceOp.SUM))
+        return global_grad_norm(
+            grads_by_kind, topology, reduce_dp, lambda t, group: all_reduce(t, group, dist.ReduceOp.SUM)
+        )
     inf = math.isinf(norm_type)
     parts = []
     for grads in grads_by_kind:
@@ -91,7 +97,7 @@ def norm_of(grads_by_kind: tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]]
         acc = torch.zeros((), dtype=torch.float64)
         for per_device in norms.values():  # one host sync per device, not one per gradient
             n = synchronize("grad_norm", torch.stack(per_device))
-            acc = torch.maximum(acc, n.max()) if inf else acc + (n ** norm_type).sum()
+            acc = torch.maximum(acc, n.max()) if inf else acc + (n**norm_type).sum()
         parts.append(acc)
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     both = torch.stack(parts)
@@ -134,8 +140,9 @@ def check_clip_arguments(max_norm: Any, norm_type: Any) -> tuple[float, float]:
     try:
         max_norm, norm_type = float(max_norm), float(norm_type)
     except (TypeError, ValueError):
-        raise ValueError(f"clip_grad_norm_: max_norm and norm_type must be numbers, got {max_norm!r}, "
-                         f"{norm_type!r}") from None
+        raise ValueError(
+            f"clip_grad_norm_: max_norm and norm_type must be numbers, got {max_norm!r}, {norm_type!r}"
+        ) from None
     if not max_norm >= 0:
         raise ValueError(f"clip_grad_norm_: max_norm must be >= 0 (inf to only measure), got {max_norm}")
     if not norm_type > 0:
@@ -165,8 +172,9 @@ def _clip_grad_norm(engine: Any, max_norm: float, norm_type: float) -> torch.Ten
         raise RuntimeError(
             "engine.clip_grad_norm_ needs the reduced gradients of a complete accumulation: call it after "
             "engine.backward on the last micro-step of an accumulation (engine.is_gradient_accumulation_boundary() "
-            "is True then) and before engine.step(); or set \"gradient_clipping\" in the config to clip at "
-            "every optimizer step")
+            'is True then) and before engine.step(); or set "gradient_clipping" in the config to clip at '
+            "every optimizer step"
+        )
     state = engine.grad_clip.current(engine.global_steps)
     grads = _owned_grads(engine, lambda g, p: engine.reducer.piece_grad(g, p.lo, p.hi))
     unscale = state.pending / engine.loss_scale  # the engine's gradients are scaled (fp16) and not yet clipped

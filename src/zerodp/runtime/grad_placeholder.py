@@ -40,11 +40,12 @@ from zerodp.runtime.partition import ParamSlot
 
 #: what every message ends with: the ways to reach the gradients that do work
 ALTERNATIVES = (
-    "To clip gradients, set \"gradient_clipping\" in the config or call engine.clip_grad_norm_(max_norm, "
+    'To clip gradients, set "gradient_clipping" in the config or call engine.clip_grad_norm_(max_norm, '
     "norm_type=2.0) after engine.backward on the last micro-step of an accumulation (it returns the global "
     "norm as torch.nn.utils.clip_grad_norm_ does, which cannot see the engine's gradients); "
     "engine.get_global_grad_norm() is the norm at the last step; zerodp.zero.safe_get_full_grad(param), "
-    "called on every rank, gives one parameter's full averaged gradient")
+    "called on every rank, gives one parameter's full averaged gradient"
+)
 
 
 class HiddenGradient(torch.Tensor):
@@ -55,8 +56,9 @@ class HiddenGradient(torch.Tensor):
 
     @staticmethod
     def __new__(cls, param: torch.Tensor, message: str) -> HiddenGradient:
-        t = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device,
-                                                 requires_grad=False)
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False
+        )
         t.message = message
         return t
 
@@ -100,18 +102,26 @@ class GradPlaceholders:
 
     def _reason(self) -> str:
         if self.stage >= 1:
-            return (f"ZeRO stage {self.stage} keeps each rank's partition of the averaged gradient in the "
-                    "engine, so param.grad holds no value between engine.backward and engine.step")
+            return (
+                f"ZeRO stage {self.stage} keeps each rank's partition of the averaged gradient in the "
+                "engine, so param.grad holds no value between engine.backward and engine.step"
+            )
         if self.loss_scaled:
-            return ("under fp16 loss scaling the engine's gradient is multiplied by the loss scale until "
-                    "engine.step() unscales it, so param.grad holds no value between engine.backward and "
-                    "engine.step")
+            return (
+                "under fp16 loss scaling the engine's gradient is multiplied by the loss scale until "
+                "engine.step() unscales it, so param.grad holds no value between engine.backward and "
+                "engine.step"
+            )
         if self.folded:
-            return ("the engine accumulates gradients in an fp32 buffer (data_types.grad_accum_dtype) and "
-                    "the module's 16-bit param.grad cannot hold it, so param.grad holds no value between "
-                    "engine.backward and engine.step")
-        return ("gradients are averaged across ranks only by the engine.backward of the last micro-step of "
-                "an accumulation, so param.grad holds no value after the others")
+            return (
+                "the engine accumulates gradients in an fp32 buffer (data_types.grad_accum_dtype) and "
+                "the module's 16-bit param.grad cannot hold it, so param.grad holds no value between "
+                "engine.backward and engine.step"
+            )
+        return (
+            "gradients are averaged across ranks only by the engine.backward of the last micro-step of "
+            "an accumulation, so param.grad holds no value after the others"
+        )
 
     def _hides(self, current: torch.Tensor | None, reduced: bool) -> bool:
         if self.stage >= 1 or self.loss_scaled or self.folded:
@@ -154,7 +164,8 @@ class GradPlaceholders:
                 "(module.zero_grad(), optimizer.zero_grad() or p.grad = None). zerodp keeps the gradients in "
                 "its own buffers, so this would not discard them and the step would apply them anyway. Zero "
                 "gradients after engine.step() (the engine does it itself), or call engine.zero_grad() of "
-                "zerodp.deepspeed's engine to discard this accumulation's gradients")
+                "zerodp.deepspeed's engine to discard this accumulation's gradients"
+            )
 
     def forget_backward(self) -> None:
         """The engine's gradients were discarded (``engine.zero_grad``): nothing to check at the step."""

@@ -47,11 +47,13 @@ MAX_BUCKETS_IN_FLIGHT = 2
 DIRECT_BACKWARD_MESSAGE = (
     "loss.backward() was called on a model wrapped by a zerodp engine; call engine.backward(loss) "
     "instead (it divides the loss by gradient_accumulation_steps, applies the fp16 loss scale and "
-    "reduces the gradients across ranks during backward), then engine.step()")
+    "reduces the gradients across ranks during backward), then engine.step()"
+)
 DROPPED_ENGINE_MESSAGE = (
     "loss.backward() was called on a model whose zerodp engine was dropped; its parameters are still laid "
     "out for that engine (a model is wrapped once): keep the engine and call engine.backward(loss), or "
-    "build a new model")
+    "build a new model"
+)
 
 
 class StagingPool(Protocol):
@@ -86,9 +88,16 @@ class GradientReducer(Generic[PayloadT]):
     repairs_late = False
 
     def __init__(
-        self, groups: list[FlatGroup], rank: int, world_size: int, group: ProcessGroup | None,
-        ledger: CommLedger, overlap_comm: bool, accumulate_dtype: torch.dtype | None = None,
-        on_reduced: Callable[[FlatGroup, Bucket], None] | None = None) -> None:
+        self,
+        groups: list[FlatGroup],
+        rank: int,
+        world_size: int,
+        group: ProcessGroup | None,
+        ledger: CommLedger,
+        overlap_comm: bool,
+        accumulate_dtype: torch.dtype | None = None,
+        on_reduced: Callable[[FlatGroup, Bucket], None] | None = None,
+    ) -> None:
         self.groups = groups
         #: dtype gradients accumulate in across micro-steps (None: each group's parameter dtype)
         self.accumulate_dtype = accumulate_dtype
@@ -166,8 +175,10 @@ class GradientReducer(Generic[PayloadT]):
         if not self._in_backward:  # a plain loss.backward(): nothing would be reduced or scaled
             raise RuntimeError(DIRECT_BACKWARD_MESSAGE)
         if param.grad is not None and param.grad.layout != torch.strided:
-            raise RuntimeError(f"parameter '{slot.name}' received a {param.grad.layout} gradient; zerodp "
-                               "reduces dense gradients only (use sparse=False in nn.Embedding)")
+            raise RuntimeError(
+                f"parameter '{slot.name}' received a {param.grad.layout} gradient; zerodp "
+                "reduces dense gradients only (use sparse=False in nn.Embedding)"
+            )
         self._count_np[slot.index] += 1
         if self._count_np[slot.index] > 1:
             _, b = self._slot_bucket[slot.index]
@@ -180,7 +191,8 @@ class GradientReducer(Generic[PayloadT]):
                     f"parameter '{slot.name}' received another gradient contribution in this backward "
                     "after its bucket was reduced (the first micro-step had none: reentrant "
                     "checkpointing or a repeated backward through a shared parameter started later). "
-                    "Use the same structure from the first micro-step, or use_reentrant=False")
+                    "Use the same structure from the first micro-step, or use_reentrant=False"
+                )
         self._on_grad(slot, param)
 
     # ---- micro-step protocol -----------------------------------------------------------------------
@@ -327,5 +339,13 @@ class GradientReducer(Generic[PayloadT]):
         self.peak_grad_bytes = max(self.peak_grad_bytes, sum(self.held_bytes().values()))
 
 
-__all__ = ["DIRECT_BACKWARD_MESSAGE", "DROPPED_ENGINE_MESSAGE", "MAX_BUCKETS_IN_FLIGHT", "GradientReducer",
-           "PayloadT", "StagingPool", "async_work", "trainable"]
+__all__ = [
+    "DIRECT_BACKWARD_MESSAGE",
+    "DROPPED_ENGINE_MESSAGE",
+    "MAX_BUCKETS_IN_FLIGHT",
+    "GradientReducer",
+    "PayloadT",
+    "StagingPool",
+    "async_work",
+    "trainable",
+]

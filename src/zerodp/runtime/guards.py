@@ -135,20 +135,25 @@ def check_model_at_initialize(model: nn.Module, stage: int) -> None:
                 raise RefusedError(
                     f"'{mname or type(m).__name__}.weight' produces sparse gradients ({type(m).__name__}"
                     "(..., sparse=True)); zerodp reduces and partitions dense gradients only. Build the "
-                    "embedding with sparse=False (the default) before zerodp.initialize")
+                    "embedding with sparse=False (the default) before zerodp.initialize"
+                )
         if stage == 3 and _is_compiled(m):
             raise RefusedError(
                 f"module '{mname or type(m).__name__}' is compiled with torch.compile; ZeRO stage 3 swaps "
                 "parameter storage around each module's forward, which compiled graphs do not see. "
                 "Pass the uncompiled module to zerodp.initialize at stage 3, or use stage 0-2 (which "
-                "compose with torch.compile)")
+                "compose with torch.compile)"
+            )
     names = _names(model)
     for p in model.parameters():
         if p.dim() > 1 and not p.is_contiguous() and memory_stride(p) is None:
             warnings.warn(
                 f"parameter '{names.get(id(p), '?')}' is not dense (overlapping or with gaps, e.g. a "
                 "strided view); zerodp lays each parameter out densely in a flat buffer, so after "
-                "initialize it is contiguous: values are unchanged", UserWarning, stacklevel=3)
+                "initialize it is contiguous: values are unchanged",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _is_compiled(m: nn.Module) -> bool:
@@ -167,7 +172,8 @@ def refuse_add_param_group(optimizer: torch.optim.Optimizer) -> None:
             "engine.optimizer.add_param_group() after zerodp.initialize is not supported: the new "
             "parameters would get no partition and no gradient reduction (each rank would update them "
             "with its own gradient). Pass every param group to zerodp.initialize(model_parameters=[...]) "
-            "instead (a group may start with lr=0 and be enabled later via its 'lr')")
+            "instead (a group may start with lr=0 and be enabled later via its 'lr')"
+        )
 
     optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 
@@ -177,14 +183,14 @@ class TrainingGuards:
 
     def __init__(self, engine: GuardedEngine) -> None:
         self.engine = engine
-        trained = {id(s.param) for g in engine.groups for s in g.slots
-                   if s.group_index >= 0 and s.param.requires_grad}
+        trained = {id(s.param) for g in engine.groups for s in g.slots if s.group_index >= 0 and s.param.requires_grad}
         self.known = {id(p) for p in engine.module.parameters()}
         self.untrained = [p for p in engine.module.parameters() if id(p) not in trained]
         self.was_frozen = {id(p) for p in self.untrained if not p.requires_grad}
         units = engine.sharding.units if engine.stage == 3 and engine.sharding is not None else []
         self._partitioned: list[tuple[str, nn.Parameter, GuardedUnit]] = [
-            (s.name, s.param, u) for u in units if not u.persistent for s in u.group.slots]
+            (s.name, s.param, u) for u in units if not u.persistent for s in u.group.slots
+        ]
         #: id(group) -> the persistent (always gathered) stage-3 unit whose group it is
         self._persistent: dict[int, GuardedUnit] = {id(u.group): u for u in units if u.persistent}
         self.record_versions()
@@ -196,12 +202,12 @@ class TrainingGuards:
 
     def _check_partitioned_edits(self) -> None:
         for (name, p, unit), v in zip(self._partitioned, self._versions, strict=True):
-            if (p._version != v and unit.sharded
-                    and getattr(p, ACK_ATTR, None) != p._version):
+            if p._version != v and unit.sharded and getattr(p, ACK_ATTR, None) != p._version:
                 raise RefusedError(
                     f"parameter '{name}' was modified in place while partitioned (ZeRO stage 3: outside a "
                     "forward this rank holds only a shard, so the edit would be lost). Make the edit "
-                    f"inside `with zerodp.zero.GatheredParameters([param], modifier_rank=0):`")
+                    f"inside `with zerodp.zero.GatheredParameters([param], modifier_rank=0):`"
+                )
         self.record_versions()
 
     # ---- unfreezing ---------------------------------------------------------------------------------
@@ -215,14 +221,16 @@ class TrainingGuards:
                     "unfrozen (requires_grad_(True)) since; zerodp gives it no partition, gradient "
                     "reduction or optimizer state, so it would silently not train. Keep it frozen, or "
                     "leave it trainable at initialize and freeze it until needed (freezing mid-run is "
-                    "supported), or build a new engine with zerodp.initialize")
+                    "supported), or build a new engine with zerodp.initialize"
+                )
         if not _has_unknown_trainable(self.engine.module, self.known):
             return
         for n, p in self.engine.module.named_parameters():  # the first one, by name
             if id(p) not in self.known and p.requires_grad:
                 raise RefusedError(
                     f"parameter '{n}' was added to the module after zerodp.initialize; it has no "
-                    "partition, gradient reduction or optimizer state. Add it before initialize")
+                    "partition, gradient reduction or optimizer state. Add it before initialize"
+                )
 
     # ---- hooks called by the engine -----------------------------------------------------------------
     def before_forward(self) -> None:
@@ -257,7 +265,8 @@ class TrainingGuards:
                     raise RefusedError(
                         f"parameter '{s.name}' was re-bound (p.data = ...) to a {s.param.dtype} tensor of shape "
                         f"{tuple(s.param.shape)}; zerodp keeps {base.dtype} {tuple(s.shape)}. Assign a tensor of "
-                        "the same shape and dtype, or copy into it in place")
+                        "the same shape and dtype, or copy into it in place"
+                    )
                 view.copy_(s.flat_values(s.param.detach()))
                 s.param.data = s.view(view)
 
@@ -283,4 +292,3 @@ class TrainingGuards:
     def after_update(self) -> None:
         if self._partitioned:
             self.record_versions()
-

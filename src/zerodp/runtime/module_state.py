@@ -42,9 +42,14 @@ class GatheredCopy(NamedTuple):
 
 
 def load_module_state(
-    module: nn.Module, groups: Sequence[FlatGroup], frozen: Sequence[nn.Parameter],
-    gathered: Sequence[GatheredCopy], state_dict: Mapping[str, torch.Tensor], strict: bool,
-    pg: ProcessGroup | None, ledger: CommLedger,
+    module: nn.Module,
+    groups: Sequence[FlatGroup],
+    frozen: Sequence[nn.Parameter],
+    gathered: Sequence[GatheredCopy],
+    state_dict: Mapping[str, torch.Tensor],
+    strict: bool,
+    pg: ProcessGroup | None,
+    ledger: CommLedger,
 ) -> LoadResult:
     """Collective: load ``state_dict`` (keys and shapes as ``module.state_dict()`` before ``initialize``)
     into the engine's parameters, fp32 masters and buffers. Every rank must pass the same values.
@@ -61,7 +66,8 @@ def load_module_state(
     names = _param_names(module)  # id(param) -> every qualified name
     buffers = dict(module.named_buffers(remove_duplicate=False))
     expected = {n for ns in names.values() for n in ns} | {
-        n for n in buffers if n.rsplit(".", 1)[-1] not in _non_persistent(module, n)}
+        n for n in buffers if n.rsplit(".", 1)[-1] not in _non_persistent(module, n)
+    }
     missing, unexpected = _check_keys(names, expected, state_dict, strict)
     values = _ParamValues(names, state_dict)
     checksum = torch.zeros(1, dtype=torch.float64)  # every loaded value, summed in load order
@@ -77,16 +83,19 @@ def load_module_state(
     return LoadResult(missing, unexpected)
 
 
-def _check_keys(names: dict[int, list[str]], expected: set[str], state_dict: Mapping[str, torch.Tensor],
-                strict: bool) -> tuple[list[str], list[str]]:
+def _check_keys(
+    names: dict[int, list[str]], expected: set[str], state_dict: Mapping[str, torch.Tensor], strict: bool
+) -> tuple[list[str], list[str]]:
     """(missing, unexpected) keys; a tied parameter needs one of its names (HF's save_pretrained writes a
     tied weight once). Raises RuntimeError with ``strict`` if either is not empty."""
     aliases = {n: ns for ns in names.values() for n in ns}
     missing = sorted(n for n in expected - set(state_dict) if not any(a in state_dict for a in aliases.get(n, ())))
     unexpected = sorted(set(state_dict) - expected)
     if strict and (missing or unexpected):
-        raise RuntimeError(f"load_module_state_dict(strict=True): missing keys {missing}, unexpected keys "
-                           f"{unexpected} (the keys are those of module.state_dict() before initialize)")
+        raise RuntimeError(
+            f"load_module_state_dict(strict=True): missing keys {missing}, unexpected keys "
+            f"{unexpected} (the keys are those of module.state_dict() before initialize)"
+        )
     return missing, unexpected
 
 
@@ -101,8 +110,9 @@ class _ParamValues:
         self.names = names
         self.state_dict = state_dict
 
-    def of(self, param: nn.Parameter, shape: torch.Size,
-           flat: Callable[[torch.Tensor], torch.Tensor] = _flatten) -> torch.Tensor | None:
+    def of(
+        self, param: nn.Parameter, shape: torch.Size, flat: Callable[[torch.Tensor], torch.Tensor] = _flatten
+    ) -> torch.Tensor | None:
         """``flat(value)`` in fp32, or None if no name of ``param`` is in the state dict.
 
         Raises:
@@ -111,14 +121,17 @@ class _ParamValues:
             if n in self.state_dict:
                 v = self.state_dict[n].detach()
                 if tuple(v.shape) != tuple(shape):
-                    raise RuntimeError(f"load_module_state_dict: '{n}' has shape {tuple(v.shape)}, the parameter "
-                                       f"has shape {tuple(shape)}")
+                    raise RuntimeError(
+                        f"load_module_state_dict: '{n}' has shape {tuple(v.shape)}, the parameter "
+                        f"has shape {tuple(shape)}"
+                    )
                 return flat(v).to(torch.float32)
         return None
 
 
-def _load_groups(groups: Sequence[FlatGroup], gathered: Sequence[GatheredCopy], values: _ParamValues,
-                 checksum: torch.Tensor) -> None:
+def _load_groups(
+    groups: Sequence[FlatGroup], gathered: Sequence[GatheredCopy], values: _ParamValues, checksum: torch.Tensor
+) -> None:
     """Each trained parameter's value into the flat buffer or this rank's shard, the gathered copy of a
     unit kept gathered, and the fp32 master pieces (from the given values, not their rounded copies)."""
     full_of = {id(c.group): c.full for c in gathered}
@@ -143,15 +156,18 @@ def _load_groups(groups: Sequence[FlatGroup], gathered: Sequence[GatheredCopy], 
                 piece.master.copy_(v[piece.lo - piece.slot.offset : piece.hi - piece.slot.offset])
 
 
-def _load_buffers(buffers: dict[str, torch.Tensor], expected: set[str], state_dict: Mapping[str, torch.Tensor],
-                  checksum: torch.Tensor) -> None:
+def _load_buffers(
+    buffers: dict[str, torch.Tensor], expected: set[str], state_dict: Mapping[str, torch.Tensor], checksum: torch.Tensor
+) -> None:
     """The persistent buffers given in ``state_dict`` (floating ones counted in ``checksum``)."""
     for n, b in buffers.items():
         if n in state_dict and n in expected:
             v = state_dict[n].detach()
             if v.shape != b.shape:
-                raise RuntimeError(f"load_module_state_dict: buffer '{n}' has shape {tuple(v.shape)}, "
-                                   f"the module's has {tuple(b.shape)}")
+                raise RuntimeError(
+                    f"load_module_state_dict: buffer '{n}' has shape {tuple(v.shape)}, "
+                    f"the module's has {tuple(b.shape)}"
+                )
             b.copy_(v)
             if v.is_floating_point():
                 checksum += v.double().sum()
@@ -164,8 +180,10 @@ def _check_same_values(checksum: torch.Tensor, pg: ProcessGroup | None, ledger: 
         comm.all_reduce(lo_sum, pg, ledger, "load_state_dict", op=ReduceOp.MIN)
         comm.all_reduce(hi_sum, pg, ledger, "load_state_dict", op=ReduceOp.MAX)
         if not torch.equal(lo_sum, hi_sum):
-            raise RuntimeError("load_module_state_dict: ranks passed different values (every rank must load "
-                               "the same state dict; the engine's replicas would diverge)")
+            raise RuntimeError(
+                "load_module_state_dict: ranks passed different values (every rank must load "
+                "the same state dict; the engine's replicas would diverge)"
+            )
 
 
 def guard_module_load_state_dict(module: nn.Module, stage: int, has_master: bool) -> list[RemovableHandle]:
@@ -174,13 +192,18 @@ def guard_module_load_state_dict(module: nn.Module, stage: int, has_master: bool
     next step copies them back); nothing is guarded otherwise."""
     if stage != 3 and not has_master:
         return []
-    why = ("stage 3 keeps each parameter as a shard; outside forward the module's parameters hold no values"
-           if stage == 3 else "the next step would copy the fp32 master weights back over them")
+    why = (
+        "stage 3 keeps each parameter as a shard; outside forward the module's parameters hold no values"
+        if stage == 3
+        else "the next step would copy the fp32 master weights back over them"
+    )
 
     def refuse(*_args: object, **_kwargs: object) -> None:
-        raise RuntimeError(f"module.load_state_dict on a module wrapped by a zerodp engine would be undone "
-                           f"({why}); call engine.load_module_state_dict(state_dict) instead (collective: "
-                           "every rank calls it with the same values)")
+        raise RuntimeError(
+            f"module.load_state_dict on a module wrapped by a zerodp engine would be undone "
+            f"({why}); call engine.load_module_state_dict(state_dict) instead (collective: "
+            "every rank calls it with the same values)"
+        )
 
     return [m.register_load_state_dict_pre_hook(refuse) for m in module.modules()]
 

@@ -20,10 +20,29 @@ from zerodp.runtime.partition import FlatGroup
 
 #: options a param-group dict may carry besides ``params``; :func:`build_optimizer` further checks
 #: that the configured torch optimizer takes each one.
-GROUP_OPTIONS = ("lr", "betas", "eps", "weight_decay", "name", "momentum", "dampening", "nesterov",
-                 "amsgrad", "maximize", "lr_decay", "initial_accumulator_value", "rho", "alpha",
-                 "centered", "momentum_decay", "decoupled_weight_decay", "etas", "step_sizes", "lambd",
-                 "t0")
+GROUP_OPTIONS = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "name",
+    "momentum",
+    "dampening",
+    "nesterov",
+    "amsgrad",
+    "maximize",
+    "lr_decay",
+    "initial_accumulator_value",
+    "rho",
+    "alpha",
+    "centered",
+    "momentum_decay",
+    "decoupled_weight_decay",
+    "etas",
+    "step_sizes",
+    "lambd",
+    "t0",
+)
 
 
 @dataclass
@@ -52,8 +71,10 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable[Any] | 
         elif all(isinstance(x, torch.Tensor) for x in items):
             raw = [{"params": items}]
         else:
-            raise ValueError("model_parameters must be an iterable of parameters or of param-group "
-                             "dicts ({'params': [...], 'weight_decay': ...}), not a mix")
+            raise ValueError(
+                "model_parameters must be an iterable of parameters or of param-group "
+                "dicts ({'params': [...], 'weight_decay': ...}), not a mix"
+            )
     seen: set[int] = set()
     specs = []
     for gi, group in enumerate(raw):
@@ -61,15 +82,18 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable[Any] | 
             raise ValueError(f"param group {gi} has no 'params' key")
         unknown = sorted(set(group) - {"params", *GROUP_OPTIONS})
         if unknown:
-            raise ValueError(f"param group {gi} has unsupported option(s) {unknown}; allowed: "
-                             f"{', '.join(GROUP_OPTIONS)}")
+            raise ValueError(
+                f"param group {gi} has unsupported option(s) {unknown}; allowed: {', '.join(GROUP_OPTIONS)}"
+            )
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         named = []
         for p in params:
             if id(p) not in names:
-                raise ValueError(f"param group {gi} holds a tensor of shape {tuple(p.shape)} that is not "
-                                 "a parameter of the model passed to initialize()")
+                raise ValueError(
+                    f"param group {gi} holds a tensor of shape {tuple(p.shape)} that is not "
+                    "a parameter of the model passed to initialize()"
+                )
             if id(p) in seen:
                 raise ValueError(f"parameter '{names[id(p)]}' appears in more than one param group")
             seen.add(id(p))
@@ -83,7 +107,8 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable[Any] | 
         raise ValueError(
             "model_parameters holds no parameter (an exhausted generator? model.parameters() can be iterated "
             "only once); torch's optimizers refuse an empty parameter list as well. Pass model.parameters() "
-            "afresh or a list of parameters, or leave model_parameters out to train every parameter")
+            "afresh or a list of parameters, or leave model_parameters out to train every parameter"
+        )
     return [s for s in specs if s.params] or specs[:1]
 
 
@@ -103,8 +128,10 @@ def build_optimizer(
     for gi, s in enumerate(specs):
         unknown = sorted(set(s.options) - allowed)
         if unknown:
-            raise ValueError(f"param group {gi} has option(s) {unknown} that torch.optim.{cfg.type} does not "
-                             f"take; allowed: {', '.join(sorted(allowed))}")
+            raise ValueError(
+                f"param group {gi} has option(s) {unknown} that torch.optim.{cfg.type} does not "
+                f"take; allowed: {', '.join(sorted(allowed))}"
+            )
     torch_groups: list[dict[str, Any]] = [{"params": [], **s.options} for s in specs] or [{"params": []}]
     for g in groups:
         for piece in g.pieces:

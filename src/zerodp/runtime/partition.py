@@ -140,7 +140,10 @@ class FlatGroup:
 
 
 def plan_buckets(
-    named: list[tuple[str, nn.Parameter]], first_index: int, bucket_size: int, world_size: int,
+    named: list[tuple[str, nn.Parameter]],
+    first_index: int,
+    bucket_size: int,
+    world_size: int,
     group_index: int = 0,
 ) -> tuple[list[ParamSlot], list[Bucket], int]:
     """Assign flat-buffer offsets and buckets to ``named`` (in registration order).
@@ -191,8 +194,9 @@ def flatten_into(group_slots: list[ParamSlot], padded_numel: int) -> torch.Tenso
     return buffer
 
 
-def build_flat_groups(named_groups: Sequence[Sequence[tuple[str, nn.Parameter]]], bucket_size: int,
-                      world_size: int) -> list[FlatGroup]:
+def build_flat_groups(
+    named_groups: Sequence[Sequence[tuple[str, nn.Parameter]]], bucket_size: int, world_size: int
+) -> list[FlatGroup]:
     """The flat groups of stages 0-2: one per optimizer param group (``named_groups``, each a list of
     ``(name, parameter)``) and dtype/device, bucketed by :func:`plan_buckets`, parameters moved into
     their buffer by :func:`flatten_into`; slot indices run over all groups."""
@@ -234,8 +238,9 @@ def pieces_by_bucket(groups: Sequence[FlatGroup]) -> dict[int, list[Piece]]:
     return out
 
 
-def pieces_by_param(groups: Sequence[FlatGroup], keep: Callable[[Piece], bool]
-                    ) -> dict[int, tuple[FlatGroup, list[Piece]]]:
+def pieces_by_param(
+    groups: Sequence[FlatGroup], keep: Callable[[Piece], bool]
+) -> dict[int, tuple[FlatGroup, list[Piece]]]:
     """``id(param)`` -> its flat group and this rank's pieces of it that ``keep`` selects (parameters
     with no such piece are left out)."""
     out: dict[int, tuple[FlatGroup, list[Piece]]] = {}
@@ -273,8 +278,9 @@ def zero_unwritten(buf: torch.Tensor, b: Bucket, written: list[bool]) -> None:
         buf[lo:hi].zero_()
 
 
-def all_gather_updated_shards(groups: Sequence[FlatGroup], rank: int, process_group: dist.ProcessGroup | None,
-                              ledger: comm.CommLedger, limit: int) -> None:
+def all_gather_updated_shards(
+    groups: Sequence[FlatGroup], rank: int, process_group: dist.ProcessGroup | None, ledger: comm.CommLedger, limit: int
+) -> None:
     """Stages 1-2 after the optimizer step: rebuild the full parameters from every rank's updated
     shard, in place in each flat buffer, bucket by bucket, with at most ``limit`` elements
     (``allgather_bucket_size``) in flight (recorded as ``parameters``)."""

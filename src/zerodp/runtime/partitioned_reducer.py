@@ -34,15 +34,23 @@ class PartitionedGradReducer(GradientReducer[StagedPayload]):
 
     repairs_late = True
 
-    def __init__(self, *args, contiguous_gradients: bool = True, grad_views: bool = False,
-                 staging_pool: StagingPool | None = None, coalesce_elements: int = 0, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        contiguous_gradients: bool = True,
+        grad_views: bool = False,
+        staging_pool: StagingPool | None = None,
+        coalesce_elements: int = 0,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.contiguous = contiguous_gradients
         #: id(bucket) -> its views maker ([Note: gradient views]); empty where gradients are copied
         self._bucket_views: dict[int, BucketViews] = {}
         if contiguous_gradients and grad_views:
-            self._bucket_views = {id(b): BucketViews(b, [s for s in b.slots if trainable(s)])
-                                  for g in self.groups for b in g.buckets}
+            self._bucket_views = {
+                id(b): BucketViews(b, [s for s in b.slots if trainable(s)]) for g in self.groups for b in g.buckets
+            }
         self._views: dict[int, torch.Tensor] = {}  # slot index -> view of its open bucket's staging buffer
         # stage 3 (one bucket per unit): complete buckets are held until they reach this many elements,
         # then reduce-scattered in one coalesced collective (0: each at once); see zerodp.runtime.coalesce
@@ -167,8 +175,9 @@ class PartitionedGradReducer(GradientReducer[StagedPayload]):
         result to the owned partition, as a later micro-step's reduction is added."""
         for g, b in buckets:
             late = self._late_staging.pop(id(b), None)
-            self._staging[id(b)] = late if late is not None else \
-                torch.zeros(b.numel, dtype=g.buffer.dtype, device=g.buffer.device)
+            self._staging[id(b)] = (
+                late if late is not None else torch.zeros(b.numel, dtype=g.buffer.dtype, device=g.buffer.device)
+            )
             self._launch(g, b)
         self._flush()
         self._drain(0)
@@ -197,13 +206,19 @@ class PartitionedGradReducer(GradientReducer[StagedPayload]):
             # on gloo, all-to-alls: not coalescable, cheaper apart, receiving into staging-pool buffers
             apart = comm.sums_by_all_to_all(run[0][2], self.pg)
             scratch = [self._receive_buffer(buf) if apart else None for _, _, buf, _, _ in run]
-            launches = [lambda buf=buf, out=out, rx=rx: comm.reduce_scatter(
-                            out, buf, self.pg, self.ledger, self.collective_purpose, async_op=True, received=rx)
-                        for (_, _, buf, out, _), rx in zip(run, scratch, strict=True)]
+            launches = [
+                lambda buf=buf, out=out, rx=rx: comm.reduce_scatter(
+                    out, buf, self.pg, self.ledger, self.collective_purpose, async_op=True, received=rx
+                )
+                for (_, _, buf, out, _), rx in zip(run, scratch, strict=True)
+            ]
             self.stream.after_compute()  # the buckets' staging buffers are written on the compute stream
             with self.stream.issuing():
-                work = comm.AllOf([async_work(launch()) for launch in launches]) if apart \
+                work = (
+                    comm.AllOf([async_work(launch()) for launch in launches])
+                    if apart
                     else async_work(coalesced(self.pg, launches))
+                )
             self.reduce_collectives += 1
             self._track(work, [(b, g, (buf, recv, rx)) for (g, b, buf, _, recv), rx in zip(run, scratch, strict=True)])
 
@@ -278,8 +293,11 @@ class PartitionedGradReducer(GradientReducer[StagedPayload]):
     def held_bytes(self) -> dict[str, int]:
         owned = sum(t.numel() * t.element_size() for t in self.owned.values())
         staging = sum(t.numel() * t.element_size() for t in [*self._staging.values(), *self._late_staging.values()])
-        flight = sum(sum(t.numel() * t.element_size() for t in payload if t is not None)
-                     for _, entries in self._in_flight for _, _, payload in entries)
+        flight = sum(
+            sum(t.numel() * t.element_size() for t in payload if t is not None)
+            for _, entries in self._in_flight
+            for _, _, payload in entries
+        )
         return {"gradients": owned + staging, "comm_buffers": flight}
 
 

@@ -54,9 +54,11 @@ class PrecisionPolicy:
     @staticmethod
     def from_config(cfg: ZeroDPConfig) -> PrecisionPolicy:
         dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
-        return PrecisionPolicy(dtype, loss_scaling=cfg.fp16.enabled,
-                               grad_accum_dtype=grad_accum_dtype(dtype, cfg.gradient_accumulation_steps,
-                                                                 cfg.data_types.grad_accum_dtype))
+        return PrecisionPolicy(
+            dtype,
+            loss_scaling=cfg.fp16.enabled,
+            grad_accum_dtype=grad_accum_dtype(dtype, cfg.gradient_accumulation_steps, cfg.data_types.grad_accum_dtype),
+        )
 
 
 _ACCUM_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -87,9 +89,11 @@ def cast_module(module: nn.Module, dtype: torch.dtype, *, partitioned: Callable[
             if p is None or not p.is_floating_point() or p.dtype == dtype:
                 continue
             if partitioned(p):
-                raise ConfigError(f"parameter '{name}' of {type(m).__name__} was partitioned by zero.Init in "
-                                  f"{p.dtype}, but the engine trains in {dtype}: give Init and initialize the same "
-                                  "bf16/fp16 settings")
+                raise ConfigError(
+                    f"parameter '{name}' of {type(m).__name__} was partitioned by zero.Init in "
+                    f"{p.dtype}, but the engine trains in {dtype}: give Init and initialize the same "
+                    "bf16/fp16 settings"
+                )
             with torch.no_grad():
                 p.data = p.data.to(dtype)
             if p.grad is not None:
@@ -102,10 +106,16 @@ def cast_module(module: nn.Module, dtype: torch.dtype, *, partitioned: Callable[
 class LossScaler:
     """fp16 loss scale, static (``loss_scale > 0``) or dynamic. See the module docstring."""
 
-    def __init__(self, loss_scale: float = 0.0, initial_scale_power: int = 16, loss_scale_window: int = 1000,
-                 hysteresis: int = 2, min_loss_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        loss_scale: float = 0.0,
+        initial_scale_power: int = 16,
+        loss_scale_window: int = 1000,
+        hysteresis: int = 2,
+        min_loss_scale: float = 1.0,
+    ) -> None:
         self.dynamic = loss_scale == 0.0
-        self.scale: float = float(2 ** initial_scale_power) if self.dynamic else float(loss_scale)
+        self.scale: float = float(2**initial_scale_power) if self.dynamic else float(loss_scale)
         self.window = loss_scale_window
         self.hysteresis = hysteresis
         self.min_scale = min_loss_scale

@@ -48,10 +48,21 @@ from zerodp.runtime.partition import Bucket, FlatGroup
 from zerodp.runtime.partitioned_reducer import PartitionedGradReducer
 
 
-def build_reducer(stage: int, groups: list[FlatGroup], rank: int, world_size: int, pg: ProcessGroup | None,
-                  ledger: CommLedger, zc: ZeroConfig, accumulate_dtype: torch.dtype | None,
-                  on_reduced: Callable[[FlatGroup, Bucket], None] | None, *, spill: SpillFactory | None,
-                  staging_pool: StagingPool | None, coalesce_elements: int) -> GradientReducer:
+def build_reducer(
+    stage: int,
+    groups: list[FlatGroup],
+    rank: int,
+    world_size: int,
+    pg: ProcessGroup | None,
+    ledger: CommLedger,
+    zc: ZeroConfig,
+    accumulate_dtype: torch.dtype | None,
+    on_reduced: Callable[[FlatGroup, Bucket], None] | None,
+    *,
+    spill: SpillFactory | None,
+    staging_pool: StagingPool | None,
+    coalesce_elements: int,
+) -> GradientReducer:
     """The reducer of ``stage``, chosen once at engine construction (not yet attached): stage 0
     :class:`AllReduceReducer`, 1 :class:`FullGradReduceScatter`, 2-3 the partitioned reducer
     (:func:`zerodp.runtime.grad_spill.partitioned_reducer`), which alone takes ``spill`` (gradients
@@ -64,9 +75,24 @@ def build_reducer(stage: int, groups: list[FlatGroup], rank: int, world_size: in
         return AllReduceReducer(*args)
     if stage == 1:
         return FullGradReduceScatter(*args)
-    return partitioned_reducer(*args, contiguous_gradients=zc.contiguous_gradients, grad_views=stage == 2,
-                               spill=spill, staging_pool=staging_pool, coalesce_elements=coalesce_elements)
+    return partitioned_reducer(
+        *args,
+        contiguous_gradients=zc.contiguous_gradients,
+        grad_views=stage == 2,
+        spill=spill,
+        staging_pool=staging_pool,
+        coalesce_elements=coalesce_elements,
+    )
 
 
-__all__ = ["DIRECT_BACKWARD_MESSAGE", "DROPPED_ENGINE_MESSAGE", "MAX_BUCKETS_IN_FLIGHT", "AllReduceReducer",
-           "FullGradReduceScatter", "GradientReducer", "PartitionedGradReducer", "StagingPool", "build_reducer"]
+__all__ = [
+    "DIRECT_BACKWARD_MESSAGE",
+    "DROPPED_ENGINE_MESSAGE",
+    "MAX_BUCKETS_IN_FLIGHT",
+    "AllReduceReducer",
+    "FullGradReduceScatter",
+    "GradientReducer",
+    "PartitionedGradReducer",
+    "StagingPool",
+    "build_reducer",
+]

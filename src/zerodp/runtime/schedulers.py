@@ -83,8 +83,9 @@ def build_scheduler(cfg: SchedulerConfig, optimizer: Optimizer) -> LRScheduler:
     return cls(optimizer, cfg.parsed_params())
 
 
-def engine_scheduler(factory: Callable[[Optimizer], LRScheduler] | None, cfg: SchedulerConfig | None,
-                     optimizer: Optimizer) -> LRScheduler | None:
+def engine_scheduler(
+    factory: Callable[[Optimizer], LRScheduler] | None, cfg: SchedulerConfig | None, optimizer: Optimizer
+) -> LRScheduler | None:
     """The engine's scheduler: ``factory(optimizer)`` (``initialize(lr_scheduler=...)``), else the
     config's ``scheduler`` section, else None.
 
@@ -95,6 +96,7 @@ def engine_scheduler(factory: Callable[[Optimizer], LRScheduler] | None, cfg: Sc
         return build_scheduler(cfg, optimizer) if cfg is not None else None
     scheduler = factory(optimizer)
     if not isinstance(scheduler, LRScheduler):
-        raise TypeError(f"lr_scheduler(optimizer) returned {type(scheduler).__name__}, "
-                        "not a torch.optim.lr_scheduler.LRScheduler")
+        raise TypeError(
+            f"lr_scheduler(optimizer) returned {type(scheduler).__name__}, not a torch.optim.lr_scheduler.LRScheduler"
+        )
     return scheduler

@@ -57,8 +57,10 @@ def _call(mpu: Any, *names: str) -> Any:
         fn = getattr(mpu, n, None)
         if callable(fn):
             return fn()
-    raise TypeError(f"mpu must implement {names[0]}() (DeepSpeed's model-parallel unit protocol); "
-                    f"{type(mpu).__name__} has none of {list(names)}")
+    raise TypeError(
+        f"mpu must implement {names[0]}() (DeepSpeed's model-parallel unit protocol); "
+        f"{type(mpu).__name__} has none of {list(names)}"
+    )
 
 
 def resolve_topology(process_group: Any = None, mpu: Any = None) -> Topology:
@@ -71,8 +73,10 @@ def resolve_topology(process_group: Any = None, mpu: Any = None) -> Topology:
             more than one dimension (pass ``mesh["dp"]``).
     """
     if process_group is not None and mpu is not None:
-        raise ValueError("pass either process_group or mpu to zerodp.initialize, not both: with an mpu the "
-                         "data-parallel group is mpu.get_data_parallel_group()")
+        raise ValueError(
+            "pass either process_group or mpu to zerodp.initialize, not both: with an mpu the "
+            "data-parallel group is mpu.get_data_parallel_group()"
+        )
     if mpu is None:
         return Topology(dp_group=_as_group(process_group))
     dp = _call(mpu, "get_data_parallel_group")
@@ -80,8 +84,10 @@ def resolve_topology(process_group: Any = None, mpu: Any = None) -> Topology:
     mp_rank = int(_call(mpu, "get_model_parallel_rank", "get_tensor_model_parallel_rank"))
     mp_world = int(_call(mpu, "get_model_parallel_world_size", "get_tensor_model_parallel_world_size"))
     if mp is not None and (dist.get_rank(mp) != mp_rank or dist.get_world_size(mp) != mp_world):
-        raise ValueError(f"mpu is inconsistent: get_model_parallel_rank()={mp_rank} and world size {mp_world}, "
-                         f"but this rank is {dist.get_rank(mp)} of {dist.get_world_size(mp)} in its group")
+        raise ValueError(
+            f"mpu is inconsistent: get_model_parallel_rank()={mp_rank} and world size {mp_world}, "
+            f"but this rank is {dist.get_rank(mp)} of {dist.get_world_size(mp)} in its group"
+        )
     if dist.get_rank(dp) < 0:
         raise ValueError("mpu.get_data_parallel_group() does not contain this rank")
     return Topology(dp_group=dp, mp_group=mp, mp_rank=mp_rank, mp_world_size=mp_world)
@@ -92,8 +98,9 @@ def _as_group(process_group: Any) -> dist.ProcessGroup | None:
     if process_group is None or isinstance(process_group, dist.ProcessGroup) or not callable(get_group):
         return process_group
     if getattr(process_group, "ndim", 1) != 1:
-        raise TypeError(f"process_group is a {process_group.ndim}-D DeviceMesh; pass its data-parallel "
-                        "dimension, e.g. mesh['dp']")
+        raise TypeError(
+            f"process_group is a {process_group.ndim}-D DeviceMesh; pass its data-parallel dimension, e.g. mesh['dp']"
+        )
     return get_group()
 
 
@@ -153,8 +160,12 @@ def _sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def global_grad_norm(grads_by_kind: tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]], topology: Topology,
-                     reduce_dp: bool, all_reduce: Any) -> float:
+def global_grad_norm(
+    grads_by_kind: tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]],
+    topology: Topology,
+    reduce_dp: bool,
+    all_reduce: Any,
+) -> float:
     """L2 norm of the full gradient of the whole (model-parallel) model.
 
     Args:

@@ -57,13 +57,15 @@ BACKWARD_AGAIN = (
     "engine.step() after every micro-batch's backward (it updates the parameters at the window's last one), or, "
     "through zerodp.deepspeed, accelerate's protocol: set_gradient_accumulation_boundary(is_boundary) before each "
     "backward and step() after the window's last. Several losses of one micro-batch back-propagated one by one are "
-    "fine. Shown once per engine.")
+    "fine. Shown once per engine."
+)
 STEP_WITHOUT_BACKWARD = (
     "engine.step() was called with no engine.backward() since the last step: it still counts a micro-step, and at the "
     "end of the accumulation window (every gradient_accumulation_steps={gas} step() calls) it runs the optimizer on "
     "the gradients accumulated so far (none if the window had no backward: parameters unchanged) and advances "
     "global_steps and the LR scheduler all the same. Call engine.step() once after each micro-batch's "
-    "engine.backward(loss). Shown once per engine.")
+    "engine.backward(loss). Shown once per engine."
+)
 
 
 class TrainingPhase:
@@ -86,10 +88,12 @@ class TrainingPhase:
                 ``engine.step`` called from inside another ``engine.backward`` or ``engine.step``).
         """
         if self.state not in _ALLOWED[new]:
-            raise RuntimeError(f"{call} cannot run while the engine is in its {self.state.value!r} phase "
-                               f"(allowed from: {', '.join(sorted(s.value for s in _ALLOWED[new]))}); "
-                               "engine.backward and engine.step must not be called from inside each other "
-                               "(e.g. from a hook)")
+            raise RuntimeError(
+                f"{call} cannot run while the engine is in its {self.state.value!r} phase "
+                f"(allowed from: {', '.join(sorted(s.value for s in _ALLOWED[new]))}); "
+                "engine.backward and engine.step must not be called from inside each other "
+                "(e.g. from a hook)"
+            )
         if new is S.BACKWARD and self.state is not S.IDLE and self.gradient_accumulation_steps > 1:
             self._warn_once(BACKWARD_AGAIN)
         elif new is S.STEP and self.state is S.IDLE:
@@ -103,8 +107,9 @@ class TrainingPhase:
             warnings.warn(MicroStepOrderWarning(template.format(gas=self.gradient_accumulation_steps)), stacklevel=6)
 
     @contextlib.contextmanager
-    def during(self, new: TrainingState, call: str, then: TrainingState,
-               on_error: TrainingState | None = None) -> Iterator[None]:
+    def during(
+        self, new: TrainingState, call: str, then: TrainingState, on_error: TrainingState | None = None
+    ) -> Iterator[None]:
         """``new`` for the block, ``then`` after it; if the block raises, ``on_error`` (default: the
         state before the block)."""
         before = self.state

@@ -66,8 +66,7 @@ class ZeroPageBuffer:
     tail: torch.Tensor | None = None
 
     @classmethod
-    def like(cls, t: torch.Tensor, lazy: bool | None = None,
-             dtype: torch.dtype | None = None) -> ZeroPageBuffer:
+    def like(cls, t: torch.Tensor, lazy: bool | None = None, dtype: torch.dtype | None = None) -> ZeroPageBuffer:
         """A zeroed 1-D buffer of ``t.numel()`` elements of ``dtype`` (default ``t``'s) on ``t``'s device.
         ``lazy`` (default: :func:`huge_pages_available`, and ``t`` on the CPU and at least one huge page
         of bytes) selects the mapping."""

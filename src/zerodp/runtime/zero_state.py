@@ -208,4 +208,5 @@ def refuse_wrapped(model: nn.Module) -> None:
                 f"zerodp.initialize: the model is already wrapped by an engine ({engine}; parameter "
                 f"'{name}'); keep using that engine, or build a new model (a model, or any module sharing "
                 "its parameters, can be wrapped once, also after its engine was dropped: its parameters "
-                "stay laid out for that engine)")
+                "stay laid out for that engine)"
+            )

@@ -95,10 +95,12 @@ class _SavedAlias:
                 f"a view of a parameter of module '{u.name or '<root>'}' ({u.param_names()}) saved by autograd "
                 "in forward is needed by backward while the parameter is released (ZeRO stage 3): the "
                 "module's backward did not gather it first. Compute the view inside the module that owns "
-                "the parameter, or register it with zerodp.zero.register_external_parameter(module, param)")
+                "the parameter, or register it with zerodp.zero.register_external_parameter(module, param)"
+            )
         with torch.no_grad():
-            return torch.empty(0, dtype=self.dtype, device=buf.device).set_(storage, self.offset, self.size,
-                                                                             self.stride)
+            return torch.empty(0, dtype=self.dtype, device=buf.device).set_(
+                storage, self.offset, self.size, self.stride
+            )
 
 
 @dataclasses.dataclass(eq=False)

@@ -54,8 +54,7 @@ def pin_mmap_threshold(nbytes: int = STAGE3_MMAP_THRESHOLD) -> int | None:
         try:
             nbytes = int(override)
         except ValueError:
-            raise ValueError(
-                f"ZERODP_STAGE3_MMAP_THRESHOLD must be a byte count (0: off), got {override!r}") from None
+            raise ValueError(f"ZERODP_STAGE3_MMAP_THRESHOLD must be a byte count (0: off), got {override!r}") from None
         if nbytes == 0:
             return None
     if not 0 < nbytes <= 32 * 1024 * 1024:

@@ -89,9 +89,15 @@ class ParameterCoordinator:
     """Gathers and releases stage-3 units around each module's forward and backward."""
 
     def __init__(
-        self, index: UnitIndex, module_positions: dict[int, int], pg: ProcessGroup | None,
-        ledger: CommLedger, prefetch_bucket_size: int, max_live_parameters: int,
-        max_reuse_distance: int = 0, fetch_check: FetchCheck | None = None,
+        self,
+        index: UnitIndex,
+        module_positions: dict[int, int],
+        pg: ProcessGroup | None,
+        ledger: CommLedger,
+        prefetch_bucket_size: int,
+        max_live_parameters: int,
+        max_reuse_distance: int = 0,
+        fetch_check: FetchCheck | None = None,
         read_ahead: Callable[[list[list[ShardedUnit]]], None] | None = None,
     ) -> None:
         self.index = index
@@ -158,7 +164,8 @@ class ParameterCoordinator:
             raise RuntimeError(
                 "ZeRO stage 3: ranks ran different submodules or in a different order in this iteration "
                 f"(this rank: {len(ids)} module fetches). Stage 3 requires every rank to run the same "
-                "modules in the same order; make control flow independent of the rank's data.")
+                "modules in the same order; make control flow independent of the rank's data."
+            )
 
     # ---- fetch / release ---------------------------------------------------------------------------
     def fetch(self, module: nn.Module) -> None:
@@ -167,8 +174,13 @@ class ParameterCoordinator:
         if not units:
             return
         if self.fetch_check is not None:  # on the agreed trace: the ranks' gathers follow it (see the guard)
-            self.fetch_check(module, self.active and self.mode is TraceMode.COMPLETE
-                             and self.cursor < len(self.trace) and self.trace[self.cursor] is module)
+            self.fetch_check(
+                module,
+                self.active
+                and self.mode is TraceMode.COMPLETE
+                and self.cursor < len(self.trace)
+                and self.trace[self.cursor] is module,
+            )
         if self.active:
             self._follow_trace(module)
         self.busy = True
@@ -217,7 +229,7 @@ class ParameterCoordinator:
         if self.live_elements() > self.max_live:
             return False
         distance = 0
-        for module in self.trace[self.cursor:]:
+        for module in self.trace[self.cursor :]:
             units = self.index.by_module.get(id(module), ())
             if any(x is unit for x in units):
                 self.reuse_hits += 1

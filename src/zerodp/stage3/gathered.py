@@ -62,8 +62,9 @@ class GatheredParameters:
             units, or (with ``modifier_rank``) differently shaped non-partitioned parameters in order.
     """
 
-    def __init__(self, params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None,
-                 enabled: bool = True) -> None:
+    def __init__(
+        self, params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None, enabled: bool = True
+    ) -> None:
         self.params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
@@ -83,8 +84,12 @@ class GatheredParameters:
                 seen.setdefault(id(owner.unit), (owner.unit, owner))
         ordered = sorted(seen.values(), key=lambda uo: uo[0].ds_id_base)
         if ordered:
-            _agree([u.ds_id_base for u, _ in ordered], ordered[0][1].pg, ordered[0][0].shard.device,
-                   "partitioned units (ds_id of their first parameter)")
+            _agree(
+                [u.ds_id_base for u, _ in ordered],
+                ordered[0][1].pg,
+                ordered[0][0].shard.device,
+                "partitioned units (ds_id of their first parameter)",
+            )
         for u, owner in ordered:
             with coordinator_busy(owner):
                 if u.state is ShardState.SHARDED:
@@ -110,8 +115,13 @@ class GatheredParameters:
                 comm.broadcast(u.full_buffer, src, owner.pg, owner.ledger, "gathered_parameters")
             # tensors that are not parameters (e.g. state_dict()'s detached views, which transformers 4.x
             # passes in set order) are left alone, as DeepSpeed keeps only tensors with a ds_id
-            plain = list({id(p): p for p in self.params if id(p) not in partitioned
-                          and (isinstance(p, torch.nn.Parameter) or INIT_SEQ in p.__dict__)}.values())
+            plain = list(
+                {
+                    id(p): p
+                    for p in self.params
+                    if id(p) not in partitioned and (isinstance(p, torch.nn.Parameter) or INIT_SEQ in p.__dict__)
+                }.values()
+            )
             if plain:
                 _broadcast_plain(plain, self.modifier_rank)
         if modify:
@@ -137,8 +147,12 @@ def _broadcast_plain(plain: list[torch.Tensor], src: int) -> None:
         plain = [p for _, p in sorted(zip(known, plain, strict=True), key=lambda sp: sp[0])]
         _agree(sorted(known), None, plain[0].device, "non-partitioned parameters built under zero.Init")
     else:
-        _agree([f"{tuple(p.shape)}:{p.dtype}" for p in plain], None, plain[0].device,
-               "non-partitioned parameters (their shapes, in the order given)")
+        _agree(
+            [f"{tuple(p.shape)}:{p.dtype}" for p in plain],
+            None,
+            plain[0].device,
+            "non-partitioned parameters (their shapes, in the order given)",
+        )
     for p in plain:
         dist.broadcast(p.data, src=src)
 
@@ -156,6 +170,8 @@ def _agree(keys: list, pg: dist.ProcessGroup | None, device: torch.device, what:
     rows = table.view(-1, 2).tolist()
     if any(r != rows[0] for r in rows):
         counts = ", ".join(f"rank {i}: {r[0]}" for i, r in enumerate(rows))
-        raise ValueError(f"GatheredParameters: the ranks passed different {what} ({counts} of them; the "
-                         "lists differ even where the counts agree). Every rank must pass the same "
-                         "parameters; their order does not matter for partitioned ones")
+        raise ValueError(
+            f"GatheredParameters: the ranks passed different {what} ({counts} of them; the "
+            "lists differ even where the counts agree). Every rank must pass the same "
+            "parameters; their order does not matter for partitioned ones"
+        )

@@ -149,8 +149,14 @@ class _ParamCast(torch.autograd.Function):
 
 
 #: the Tensor methods treated as dtype casts of a parameter
-_CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half,
-          torch.Tensor.bfloat16, torch.Tensor.type}
+_CASTS = {
+    torch.Tensor.to,
+    torch.Tensor.float,
+    torch.Tensor.double,
+    torch.Tensor.half,
+    torch.Tensor.bfloat16,
+    torch.Tensor.type,
+}
 
 
 class ExternalParameterMode(TorchFunctionMode):
@@ -183,9 +189,16 @@ def _cast_buffer_output(c: ParameterCoordinator, param: nn.Parameter, out: Any) 
     """Replace ``out`` (``param`` cast to another dtype) with the same values in ``param``'s unit's
     cast buffer, so that the memory is freed with the unit. Anything else is returned unchanged."""
     u = c.index.by_param.get(id(param))
-    if (u is None or u.persistent or u.state is not ShardState.UNSHARDED or not isinstance(out, torch.Tensor)
-            or out is param or out.dtype == param.dtype or out.device != param.device
-            or out.shape != param.shape):
+    if (
+        u is None
+        or u.persistent
+        or u.state is not ShardState.UNSHARDED
+        or not isinstance(out, torch.Tensor)
+        or out is param
+        or out.dtype == param.dtype
+        or out.device != param.device
+        or out.shape != param.shape
+    ):
         return out
     buf = u.cast(param, out.dtype)
     c._note_live()

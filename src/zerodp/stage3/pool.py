@@ -82,12 +82,14 @@ class GatherPool:
         """
         self._lend_to(t.untyped_storage(), int(t.storage_offset() + t.numel()) * t.element_size(), t.device, waiter)
 
-    def _lend_to(self, storage: torch.UntypedStorage, need: int, device: torch.device,
-                 waiter: Waiter | None = None) -> None:
+    def _lend_to(
+        self, storage: torch.UntypedStorage, need: int, device: torch.device, waiter: Waiter | None = None
+    ) -> None:
         key = storage._cdata
         if key in self._lent or storage.nbytes() != 0:
-            raise RuntimeError("GatherPool.lend: the tensor's storage is not empty "
-                               f"({storage.nbytes()} bytes); release it first")
+            raise RuntimeError(
+                f"GatherPool.lend: the tensor's storage is not empty ({storage.nbytes()} bytes); release it first"
+            )
         slab = self._take_free(need, device)
         if slab is None:
             slab = torch.UntypedStorage(need, device=device)
@@ -127,8 +129,9 @@ class GatherPool:
         if self._lent.pop(key, None) is not None:
             self._lent_sizes.pop(key)
 
-    def empty_tensor(self, numel: int, dtype: torch.dtype, device: torch.device,
-                     waiter: Waiter | None = None) -> torch.Tensor:
+    def empty_tensor(
+        self, numel: int, dtype: torch.dtype, device: torch.device, waiter: Waiter | None = None
+    ) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements whose memory is lent from the pool (contents undefined);
         hand it back with :meth:`take_back`. ``waiter``: as in :meth:`lend`."""
         storage = torch.UntypedStorage(0, device=device)
@@ -139,8 +142,11 @@ class GatherPool:
         best = None
         for i, slab in enumerate(self._free):
             size = slab.nbytes()
-            if slab.device == device and need <= size <= 2 * max(need, 1) and (
-                    best is None or size < self._free[best].nbytes()):
+            if (
+                slab.device == device
+                and need <= size <= 2 * max(need, 1)
+                and (best is None or size < self._free[best].nbytes())
+            ):
                 best = i
         return self._free.pop(best) if best is not None else None
 

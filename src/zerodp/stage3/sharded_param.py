@@ -51,11 +51,13 @@ class PartitionedParameterError(RefusedError):
 
 
 def _message(name: str, what: str) -> str:
-    return (f"parameter '{name}' is partitioned (ZeRO stage 3): outside its module's forward/backward "
-            f"each rank holds only a shard of it, so {what} cannot run on it. Read or edit it inside "
-            "`with zerodp.zero.GatheredParameters([param], modifier_rank=0):` (modifier_rank keeps "
-            "in-place edits; None discards them), or use the collective accessors "
-            "zerodp.zero.safe_get_full_fp32_param(param) / safe_set_full_fp32_param(param, value)")
+    return (
+        f"parameter '{name}' is partitioned (ZeRO stage 3): outside its module's forward/backward "
+        f"each rank holds only a shard of it, so {what} cannot run on it. Read or edit it inside "
+        "`with zerodp.zero.GatheredParameters([param], modifier_rank=0):` (modifier_rank keeps "
+        "in-place edits; None discards them), or use the collective accessors "
+        "zerodp.zero.safe_get_full_fp32_param(param) / safe_set_full_fp32_param(param, value)"
+    )
 
 
 def _func_name(func: Any) -> str:
@@ -67,17 +69,61 @@ def _func_name(func: Any) -> str:
 
 
 #: Tensor properties that read metadata only
-_METADATA_GETTERS = ("shape", "dtype", "device", "ndim", "layout", "names", "is_leaf", "grad_fn", "_version",
-                     "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested",
-                     "is_mps", "is_xpu", "itemsize", "nbytes", "output_nr", "_base", "retains_grad", "name",
-                     "_is_view")
+_METADATA_GETTERS = (
+    "shape",
+    "dtype",
+    "device",
+    "ndim",
+    "layout",
+    "names",
+    "is_leaf",
+    "grad_fn",
+    "_version",
+    "is_cuda",
+    "is_cpu",
+    "is_meta",
+    "is_sparse",
+    "is_quantized",
+    "is_mkldnn",
+    "is_nested",
+    "is_mps",
+    "is_xpu",
+    "itemsize",
+    "nbytes",
+    "output_nr",
+    "_base",
+    "retains_grad",
+    "name",
+    "_is_view",
+)
 #: Tensor properties that read or set metadata only
 _METADATA_SETTABLE = ("requires_grad", "grad", "_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
 #: Tensor methods that read or set metadata only
-_METADATA_METHODS = ("size", "dim", "numel", "nelement", "stride", "is_contiguous", "element_size",
-                     "is_floating_point", "is_complex", "is_signed", "storage_offset", "get_device",
-                     "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
-                     "__hash__", "__len__", "__dir__", "_is_view", "untyped_storage", "data_ptr", "is_shared")
+_METADATA_METHODS = (
+    "size",
+    "dim",
+    "numel",
+    "nelement",
+    "stride",
+    "is_contiguous",
+    "element_size",
+    "is_floating_point",
+    "is_complex",
+    "is_signed",
+    "storage_offset",
+    "get_device",
+    "requires_grad_",
+    "register_hook",
+    "register_post_accumulate_grad_hook",
+    "retain_grad",
+    "__hash__",
+    "__len__",
+    "__dir__",
+    "_is_view",
+    "untyped_storage",
+    "data_ptr",
+    "is_shared",
+)
 
 
 def _metadata() -> frozenset:
@@ -103,11 +149,13 @@ _MEMORY_ACCESS = frozenset({torch.Tensor.untyped_storage, torch.Tensor.data_ptr,
 #: the metadata a :class:`ShardedData` (a state-dict value at stage 3) answers; anything else raises
 _DATA_METADATA = METADATA - _MEMORY_ACCESS
 #: how to save a stage-3 model instead (every refusal of a state-dict value names these)
-SAVE_HINT = ("; to save the model at stage 3 use engine.save_16bit_model(save_dir) (gathers the full "
-             "weights once, in the module's dtype; needs zero_optimization.stage3_gather_16bit_weights_on_model_save), "
-             "engine.module_state_dict() (full fp32 values, collective), zerodp.zero.GatheredParameters "
-             "around module.state_dict(), or `zerodp consolidate CHECKPOINT_DIR OUT` on a checkpoint "
-             "written by engine.save_checkpoint")
+SAVE_HINT = (
+    "; to save the model at stage 3 use engine.save_16bit_model(save_dir) (gathers the full "
+    "weights once, in the module's dtype; needs zero_optimization.stage3_gather_16bit_weights_on_model_save), "
+    "engine.module_state_dict() (full fp32 values, collective), zerodp.zero.GatheredParameters "
+    "around module.state_dict(), or `zerodp consolidate CHECKPOINT_DIR OUT` on a checkpoint "
+    "written by engine.save_checkpoint"
+)
 
 
 #: number of active ``zerodp.zero.Init`` contexts (set by :class:`zerodp.zero.Init`): refusals under
@@ -128,7 +176,8 @@ def _deepcopy_error(name: str, hint: str = "") -> PartitionedParameterError:
         "layer cannot be built under zero.Init: nn.TransformerEncoder / nn.TransformerDecoder (they copy "
         "the encoder_layer / decoder_layer given), copy.deepcopy(module) of a module built there. Build that "
         "module outside `with zerodp.zero.Init(...)` (zerodp.initialize partitions it at stage 3), or "
-        "build each copy separately, e.g. nn.ModuleList([nn.TransformerEncoderLayer(...) for _ in range(n)])")
+        "build each copy separately, e.g. nn.ModuleList([nn.TransformerEncoderLayer(...) for _ in range(n)])"
+    )
 
 
 def _parameter_from_sharded_error(name: str) -> PartitionedParameterError:
@@ -142,7 +191,8 @@ def _parameter_from_sharded_error(name: str) -> PartitionedParameterError:
         "originals) cannot register on a partitioned parameter: build that module outside "
         "`with zerodp.zero.Init(...)` with its parametrization and let zerodp.initialize partition it at "
         "stage 3 (it trains there), or use a parametrization that keeps one original "
-        "(parametrizations.orthogonal, spectral_norm), which works under Init")
+        "(parametrizations.orthogonal, spectral_norm), which works under Init"
+    )
 
 
 def refuse_parameter_from_sharded(func: Callable, args: tuple) -> None:
@@ -188,8 +238,12 @@ _DATA_SET = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # idem
 _DETACH = torch.Tensor.detach
 #: conversions that return the tensor itself when they change nothing (``module.to(device)`` on a
 #: module already there, ``module.float()`` on an fp32 one): a partitioned parameter allows those
-_DTYPE_OF = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64,
-             torch.Tensor.half: torch.float16, torch.Tensor.bfloat16: torch.bfloat16}
+_DTYPE_OF = {
+    torch.Tensor.float: torch.float32,
+    torch.Tensor.double: torch.float64,
+    torch.Tensor.half: torch.float16,
+    torch.Tensor.bfloat16: torch.bfloat16,
+}
 
 
 def _noop_conversion(p: torch.Tensor, func: Any, args: tuple, kwargs: dict) -> bool:
@@ -205,8 +259,11 @@ def _noop_conversion(p: torch.Tensor, func: Any, args: tuple, kwargs: dict) -> b
             device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         except (TypeError, RuntimeError):
             return False
-        return ((device is None or torch.device(device) == p.device) and (dtype is None or dtype == p.dtype)
-                and memory_format in (None, torch.preserve_format))
+        return (
+            (device is None or torch.device(device) == p.device)
+            and (dtype is None or dtype == p.dtype)
+            and memory_format in (None, torch.preserve_format)
+        )
     return False
 
 
@@ -251,8 +308,10 @@ class ShardedParameter(nn.Parameter):
         raise PartitionedParameterError(_message(_name(sharded), _func_name(func)))
 
     def __repr__(self) -> str:  # type: ignore[override]  # Tensor.__repr__ takes a keyword tensor_contents
-        return (f"ShardedParameter('{_name(self)}', shape={tuple(self.shape)}, dtype={self.dtype}, "
-                "partitioned: gather it with zerodp.zero.GatheredParameters to read its values)")
+        return (
+            f"ShardedParameter('{_name(self)}', shape={tuple(self.shape)}, dtype={self.dtype}, "
+            "partitioned: gather it with zerodp.zero.GatheredParameters to read its values)"
+        )
 
     def __format__(self, spec: str) -> str:
         return repr(self)
@@ -279,8 +338,9 @@ class ShardedData(torch.Tensor):
     def __new__(cls, name: str, like: torch.Tensor, save: SavePolicy = REFUSE_SAVE) -> ShardedData:
         with torch._C.DisableTorchFunctionSubclass():
             shape, stride, dtype, device = like.shape, like.stride(), like.dtype, like.device
-        t = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, dtype=dtype, device=device,
-                                                requires_grad=False)
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=stride, dtype=dtype, device=device, requires_grad=False
+        )
         t._zerodp_name = name
         t._zerodp_save = save
         return t
@@ -294,8 +354,9 @@ class ShardedData(torch.Tensor):
         if func in _DATA_METADATA or func == _DETACH or func == _DATA_GET:
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
         name = next((a._zerodp_name for a in _flat(args, kwargs or {}) if isinstance(a, ShardedData)), "?")
-        raise PartitionedParameterError(_message(name, f"{_func_name(func)} (on its .data or state-dict value)")
-                                        + SAVE_HINT)
+        raise PartitionedParameterError(
+            _message(name, f"{_func_name(func)} (on its .data or state-dict value)") + SAVE_HINT
+        )
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None):  # type: ignore[override]  # torch's stub is an instance method
@@ -315,8 +376,10 @@ class ShardedData(torch.Tensor):
         return repr(self)
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return (f"ShardedData('{self._zerodp_name}', shape={tuple(self.shape)}, dtype={self.dtype}, "
-                "partitioned: no values on this rank)")
+        return (
+            f"ShardedData('{self._zerodp_name}', shape={tuple(self.shape)}, dtype={self.dtype}, "
+            "partitioned: no values on this rank)"
+        )
 
 
 def _name(p: torch.Tensor | None) -> str:

@@ -43,8 +43,15 @@ class Stage3:
     """Owns the units, the coordinator and the hooks of one engine."""
 
     def __init__(
-        self, module: nn.Module, specs: list[ParamGroupSpec], rank: int, world_size: int,
-        pg: dist.ProcessGroup | None, ledger: CommLedger, zc: ZeroConfig, fetch_check: Any = None,
+        self,
+        module: nn.Module,
+        specs: list[ParamGroupSpec],
+        rank: int,
+        world_size: int,
+        pg: dist.ProcessGroup | None,
+        ledger: CommLedger,
+        zc: ZeroConfig,
+        fetch_check: Any = None,
         read_ahead: Any = None,
     ) -> None:
         """``fetch_check``: the collective guard's gather agreement, called by the coordinator before
@@ -69,8 +76,16 @@ class Stage3:
         self._build_gather_memory(zc.stage3_max_live_parameters)
         positions = {id(m): i for i, m in enumerate(module.modules())}
         self.coordinator = ParameterCoordinator(
-            self.index, positions, pg, ledger, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
-            zc.stage3_max_reuse_distance, fetch_check, read_ahead)
+            self.index,
+            positions,
+            pg,
+            ledger,
+            zc.stage3_prefetch_bucket_size,
+            zc.stage3_max_live_parameters,
+            zc.stage3_max_reuse_distance,
+            fetch_check,
+            read_ahead,
+        )
         self.coordinator.stream = self.gather_stream
         self._set_owners(module)
         self.stack = ModuleStack()
@@ -83,8 +98,10 @@ class Stage3:
         #: all-gathers are issued here, ordered against the compute stream by events (see [Note: comm
         #: streams] in zerodp.runtime.streams; no-ops on the CPU)
         self.gather_stream = SideStream(device, "all_gather")
-        self.pool = GatherPool(_pool_limit(self.index.units, max_live_parameters, self.reduce_flush_elements),
-                               release_event=self.gather_stream.compute_event)
+        self.pool = GatherPool(
+            _pool_limit(self.index.units, max_live_parameters, self.reduce_flush_elements),
+            release_event=self.gather_stream.compute_event,
+        )
         for u in self.index.units:
             if not u.persistent:
                 u.pool = self.pool
@@ -134,8 +151,7 @@ class Stage3:
                 s.name, s.index, s.group_index = pname, first + i, gi
         else:
             materialize([p for _, p in named])
-            u = shard_unit(name, named, first, groups, self.rank, self.world_size, persistent=persistent,
-                           sync=sync)
+            u = shard_unit(name, named, first, groups, self.rank, self.world_size, persistent=persistent, sync=sync)
         self.index.units.append(u)
         if not u.persistent:
             u.attach_aliases(self.index.aliases)

@@ -52,8 +52,9 @@ def allocate_storage(t: torch.Tensor, pool: GatherPool | None = None, waiter: Si
             waiter.after_compute()
 
 
-def empty_buffer(numel: int, dtype: torch.dtype, device: torch.device, pool: GatherPool | None,
-                 waiter: SideStream | None = None) -> torch.Tensor:
+def empty_buffer(
+    numel: int, dtype: torch.dtype, device: torch.device, pool: GatherPool | None, waiter: SideStream | None = None
+) -> torch.Tensor:
     """A new 1-D buffer of ``numel`` elements: a slab of ``pool``, or a fresh allocation."""
     if pool is not None:
         return pool.empty_tensor(numel, dtype, device, waiter)
@@ -68,5 +69,4 @@ def issuing_on(stream: SideStream | None) -> contextlib.AbstractContextManager:
     return stream.issuing() if stream is not None else contextlib.nullcontext()
 
 
-__all__ = ["allocate_storage", "empty_buffer", "free_storage", "issuing_on", "row_major_strides",
-           "unowned_alias"]
+__all__ = ["allocate_storage", "empty_buffer", "free_storage", "issuing_on", "row_major_strides", "unowned_alias"]

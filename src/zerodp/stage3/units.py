@@ -257,6 +257,7 @@ class ShardedUnit:
     def _leave_escaped_views(self, allow: dict[int, int]) -> None:
         """Give each buffer whose storage has more references than :attr:`refs` (+ ``allow``) a new
         empty storage, leaving the old one, memory and values, to the tensors that view it."""
+
         def escaped(key: object, buf: torch.Tensor) -> bool:
             sk = storage_key(buf)
             return storage_refs(buf) > self.refs.get(key, 1 << 62) + (allow.get(sk, 0) if sk is not None else 0)
@@ -280,7 +281,10 @@ class ShardedUnit:
                 "Its memory is kept for it, so it stays valid, but it holds the values of that moment and "
                 "no longer follows the parameter (an optimizer step does not update it). Store a copy "
                 "(.clone()) instead, or keep the parameter gathered (stage3_param_persistence_threshold). "
-                "Reported once per module.", RuntimeWarning, stacklevel=2)
+                "Reported once per module.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _replace_buffer(self, old: torch.Tensor, key: object) -> torch.Tensor:
         """A new buffer like ``old`` (same shape and strides), empty; ``old`` keeps its memory."""
@@ -289,8 +293,9 @@ class ShardedUnit:
         if self.aliases is not None:
             self.aliases.drop(old)
         extent = old.untyped_storage().nbytes() // old.element_size()
-        new = empty_buffer(extent, old.dtype, old.device, self.pool).as_strided(old.shape, old.stride(),
-                                                                         old.storage_offset())
+        new = empty_buffer(extent, old.dtype, old.device, self.pool).as_strided(
+            old.shape, old.stride(), old.storage_offset()
+        )
         if self.aliases is not None:
             self.aliases.add(new, self, key)
         self.refs[key] = storage_refs(new) + (len(self.slots) if key is None else 0)  # re-pointed next
@@ -316,7 +321,8 @@ class ShardedUnit:
         if buf is None:
             s = self.slots[pos]
             buf = empty_buffer(s.numel, dtype, self.shard.device, self.pool).as_strided(
-                s.shape, s.stride or row_major_strides(s.shape))
+                s.shape, s.stride or row_major_strides(s.shape)
+            )
             self.casts[(pos, dtype)] = buf
             if self.aliases is not None:
                 self.aliases.add(buf, self, (pos, dtype))
@@ -362,7 +368,8 @@ class ShardedUnit:
                 raise PartitionedParameterError(
                     f"parameter '{self._param_name(s)}' (ZeRO stage 3) was re-bound to a tensor of shape "
                     f"{tuple(p.shape)} while gathered; its shape is {tuple(view.shape)}: a partitioned "
-                    "parameter keeps its shape (assign a new nn.Parameter to the module attribute instead)")
+                    "parameter keeps its shape (assign a new nn.Parameter to the module attribute instead)"
+                )
             with torch.no_grad():
                 view.copy_(p.detach())
             p.data = view
@@ -390,9 +397,17 @@ class ShardedUnit:
             self.home.release(dirty=write)
 
 
-def shard_unit(name: str, named: list[tuple[str, nn.Parameter]], first_index: int, group_indices: list[int],
-               rank: int, world_size: int, persistent: bool = False,
-               sync: Callable[[torch.Tensor], None] | None = None, pin_memory: bool = False) -> ShardedUnit:
+def shard_unit(
+    name: str,
+    named: list[tuple[str, nn.Parameter]],
+    first_index: int,
+    group_indices: list[int],
+    rank: int,
+    world_size: int,
+    persistent: bool = False,
+    sync: Callable[[torch.Tensor], None] | None = None,
+    pin_memory: bool = False,
+) -> ShardedUnit:
     """Lay out ``named`` (full, identical on every rank) as one unit and keep only shard ``rank``.
     ``pin_memory``: allocate the shard page-locked (host parameters only; the caller checks CUDA).
 

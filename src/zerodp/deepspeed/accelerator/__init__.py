@@ -50,5 +50,10 @@ def is_current_accelerator_supported() -> bool:
     return get_accelerator().device_name() in ("cpu", "cuda")
 
 
-__all__ = ["get_accelerator", "set_accelerator", "is_current_accelerator_supported", "CPU_Accelerator",
-           "CUDA_Accelerator"]
+__all__ = [
+    "get_accelerator",
+    "set_accelerator",
+    "is_current_accelerator_supported",
+    "CPU_Accelerator",
+    "CUDA_Accelerator",
+]

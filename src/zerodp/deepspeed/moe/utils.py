@@ -37,8 +37,10 @@ def split_params_into_different_moe_groups_for_optimizer(param_groups: Any, max_
 def _refuse_moe(params: Any) -> None:
     for p in params:
         if isinstance(p, torch.Tensor) and is_moe_param(p):
-            raise NotImplementedError("a parameter is marked as a mixture-of-experts expert parameter "
-                                      "(allreduce=False): MoE is not implemented in zerodp")
+            raise NotImplementedError(
+                "a parameter is marked as a mixture-of-experts expert parameter "
+                "(allreduce=False): MoE is not implemented in zerodp"
+            )
 
 
 __all__ = ["is_moe_param", "has_moe_layers", "split_params_into_different_moe_groups_for_optimizer"]

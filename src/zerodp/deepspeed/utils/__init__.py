@@ -19,8 +19,9 @@ from zerodp.zero import (
 logger = logging.getLogger("DeepSpeed")
 if not logger.handlers:
     _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
-                                            "%(message)s"))
+    _handler.setFormatter(
+        logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] %(message)s")
+    )
     logger.addHandler(_handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
@@ -34,5 +35,12 @@ def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logg
         logger.log(level, f"[Rank {rank}] {message}")
 
 
-__all__ = ["logger", "log_dist", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_optimizer_state"]
+__all__ = [
+    "logger",
+    "log_dist",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_optimizer_state",
+]

@@ -17,8 +17,9 @@ class CIFAR10:
     has its own mean colour plus noise, so a small net can learn it. Items: (transform(HWC uint8
     array), int label)."""
 
-    def __init__(self, root: str, train: bool = True, download: bool = False,
-                 transform: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self, root: str, train: bool = True, download: bool = False, transform: Callable[[Any], Any] | None = None
+    ) -> None:
         n = int(os.environ.get("ZERODP_CIFAR_TRAIN" if train else "ZERODP_CIFAR_TEST", "64" if train else "20"))
         rng = np.random.default_rng(0 if train else 1)
         self.targets = [int(t) for t in rng.permutation(np.arange(n) % 10)]  # every class present

@@ -34,15 +34,34 @@ class FusedAdam(torch.optim.Adam):
         NotImplementedError: ``bias_correction=False``.
     """
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
-                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+    ) -> None:
         if not bias_correction:
-            raise NotImplementedError(f"{type(self).__name__}(bias_correction=False) is not implemented in zerodp "
-                                      "(torch's Adam always corrects the bias)")
+            raise NotImplementedError(
+                f"{type(self).__name__}(bias_correction=False) is not implemented in zerodp "
+                "(torch's Adam always corrects the bias)"
+            )
         params = list(params)
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         decoupled_weight_decay=bool(adam_w_mode), **_kernel(params))
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            decoupled_weight_decay=bool(adam_w_mode),
+            **_kernel(params),
+        )
 
 
 class DeepSpeedCPUAdam(FusedAdam):
@@ -52,14 +71,32 @@ class DeepSpeedCPUAdam(FusedAdam):
         NotImplementedError: ``bias_correction=False`` or ``fp32_optimizer_states=False``.
     """
 
-    def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True) -> None:
+    def __init__(
+        self,
+        model_params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
         if not fp32_optimizer_states:
-            raise NotImplementedError("DeepSpeedCPUAdam(fp32_optimizer_states=False) is not implemented in zerodp "
-                                      "(optimizer states are fp32)")
-        super().__init__(model_params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                         adam_w_mode=adamw_mode, weight_decay=weight_decay, amsgrad=amsgrad)
+            raise NotImplementedError(
+                "DeepSpeedCPUAdam(fp32_optimizer_states=False) is not implemented in zerodp (optimizer states are fp32)"
+            )
+        super().__init__(
+            model_params,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            adam_w_mode=adamw_mode,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+        )
 
 
 __all__ = ["FusedAdam", "DeepSpeedCPUAdam"]

@@ -15,8 +15,9 @@ from zerodp.deepspeed.zero import GatheredParameters, Init, ZeroParamStatus, reg
 _orig_torch_arange = torch.arange
 
 
-def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.dtype | None = None,
-                                           target_device: Any = None) -> Callable:
+def zero_wrapper_for_fp_tensor_constructor(
+    fn: Callable, target_fp_dtype: torch.dtype | None = None, target_device: Any = None
+) -> Callable:
     """DeepSpeed's ``zero.Init`` wraps torch's tensor constructors with this (allocate on the device,
     cast floating dtypes to the config's). zerodp's ``Init`` patches no constructor (it partitions from
     torch's registration hooks, :class:`zerodp.zero.Init`), so nothing here calls it; it exists for
@@ -24,5 +25,10 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.
     return fn
 
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_external_parameter",
-           "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "register_external_parameter",
+    "zero_wrapper_for_fp_tensor_constructor",
+]
