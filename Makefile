@@ -5,9 +5,8 @@
 #   make gpu-check  on an NVIDIA GPU machine: tools/gpu_check.sh (installs a CUDA torch into .venv-gpu,
 #                runs the CUDA checks, writes gpu_check_out/gpu_check.json; see docs/gpu.md)
 #   make test-unit  the in-process tier alone (tests/unit: no torchrun, under a minute); make test runs it too
-#   make lint   ruff check on src, tests and tools, then mypy on src/zerodp (both configured in
-#                pyproject.toml); .ci/run runs it before make test. ruff format is configured but not
-#                enforced (see CONTRIBUTING.md)
+#   make lint   ruff check and ruff format --check on src, tests and tools, then mypy on src/zerodp
+#                (all configured in pyproject.toml); .ci/run runs it before make test
 #   make typecheck  mypy alone
 #   make mutants applies named faults to a copy of src/ one at a time; each must fail its tests (slow,
 #                not part of make test); prints "N/N mutants killed" last
