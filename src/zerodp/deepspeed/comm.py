@@ -121,16 +121,8 @@ def all_reduce(
     return _dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-def inference_all_reduce(
-    tensor: torch.Tensor,
-    op: Any = ReduceOp.SUM,
-    group: Group = None,
-    async_op: bool = False,
-    prof: bool = False,
-    log_name: str = "all_reduce",
-    debug: Any = None,
-) -> Any:
-    return _dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+#: DeepSpeed's inference variant takes all_reduce's arguments; over torch.distributed it is the same call
+inference_all_reduce = all_reduce
 
 
 def reduce(
