@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import gc
 import json
 import os
@@ -39,30 +38,12 @@ import threading
 import time
 import weakref
 from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mallinfo import mallinfo, malloc_in_use  # noqa: E402  (tools/, next to this file)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (n, ctypes.c_size_t)
-        for n in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
 
 
 def rss() -> int:
@@ -76,11 +57,6 @@ def status(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def malloc_in_use() -> int:
-    m = libc.mallinfo2()
-    return m.uordblks + m.hblkhd
 
 
 def mb(n: float) -> str:
@@ -220,7 +196,7 @@ class Sampler:
 
 
 def point(name: str) -> str:
-    m = libc.mallinfo2()
+    m = mallinfo()
     return (
         f"  {name:<28} VmRSS {mb(rss())} MB  VmHWM {mb(status('VmHWM'))} MB  malloc in use "
         f"{mb(m.uordblks + m.hblkhd)} MB (mmapped {mb(m.hblkhd)}, heap {mb(m.arena)}, free in heap {mb(m.fordblks)})"

@@ -12,11 +12,11 @@ RSS came from").
         --nproc-per-node 2 tools/rss_breakdown.py ddp,0
 """
 
-import ctypes
 import json
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import torch.distributed as dist  # noqa: F401  (imported before the fork, as in the bench)
 
@@ -26,30 +26,11 @@ from zerodp.app.bench_args import PRESETS
 from zerodp.app.bench_systems import SYSTEMS
 from zerodp.app.model import GPTConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mallinfo import malloc_in_use  # noqa: E402  (tools/, next to this file)
+
 STEPS = 3
 KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "malloc")
-
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (n, ctypes.c_size_t)
-        for n in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
 
 
 def sample(rows: list, name: str) -> None:
@@ -58,8 +39,7 @@ def sample(rows: list, name: str) -> None:
         key = line.split(":")[0]
         if key in KEYS:
             row[key] = int(line.split()[1]) / 1024
-    m = libc.mallinfo2()
-    row["malloc"] = (m.uordblks + m.hblkhd) / 2**20
+    row["malloc"] = malloc_in_use() / 2**20
     rows.append(row)
 
 
