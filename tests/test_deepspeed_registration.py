@@ -149,3 +149,15 @@ def test_zerodp_run_command_line(tmp_path: Path) -> None:
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "3", "--standalone"]
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["run", "--nproc", "2"])  # SCRIPT missing
+
+
+def test_module_version_is_the_registered_version() -> None:
+    """``deepspeed.__version__`` is what importlib.metadata reports once installed (a client's
+    ``version.parse(deepspeed.__version__) >= version.parse("0.9")`` holds, as with DeepSpeed)."""
+    from packaging.version import Version
+
+    import zerodp.deepspeed as zd
+    from zerodp.deepspeed.registration import version
+
+    assert zd.__version__ == version()
+    assert Version(zd.__version__) >= Version("0.16.4") and zd.__version__.startswith("0.19.8+zerodp.")

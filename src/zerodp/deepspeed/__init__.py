@@ -42,13 +42,17 @@ from zerodp.deepspeed.config import read_config, resolve_deepspeed_config
 from zerodp.deepspeed.engine import DeepSpeedEngine
 from zerodp.deepspeed.hf_config import HfDeepSpeedConfig
 from zerodp.deepspeed.ops.adam import FusedAdam
+from zerodp.deepspeed.registration import version as _registration_version
 from zerodp.deepspeed.runtime import lr_schedules as _lr_schedules  # noqa: F401
 from zerodp.deepspeed.runtime.zero import partition_parameters as _partition_parameters  # noqa: F401
 from zerodp.engine import Engine
 from zerodp.entry import initialize as _zerodp_initialize
 from zerodp.runtime import comm as _runtime_comm  # not zerodp.deepspeed.comm (DeepSpeed's API)
 
-__version__ = "0.0.0+zerodp"  # not DeepSpeed: scripts that check deepspeed.__version__ see this
+#: what ``importlib.metadata.version("deepspeed")`` reports once the shim is installed, e.g.
+#: "0.19.8+zerodp.0.2.0": the DeepSpeed API followed, then zerodp's own version as PEP 440's local label
+#: (a script's ``version.parse(deepspeed.__version__) >= version.parse("0.9")`` holds, as with DeepSpeed)
+__version__ = _registration_version()
 
 
 def init_distributed(

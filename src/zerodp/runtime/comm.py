@@ -11,6 +11,7 @@ buffer moves Psi elements per rank; an all-reduce moves 2 Psi (reduce-scatter + 
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from collections import defaultdict
@@ -165,15 +166,22 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, **kwargs)
+    if settle_worker_threads not in _AT_EXIT:  # once per process: atexit runs before finalization
+        atexit.register(settle_worker_threads)
+        _AT_EXIT.append(settle_worker_threads)
+
+
+#: what :func:`init_distributed` registered with atexit (once per process)
+_AT_EXIT: list[Callable[[], None]] = []
 
 
 def shutdown_distributed() -> None:
     """Barrier, then destroy the default process group (no-op when none is initialised).
 
-    Call it at the end of a script instead of ``destroy_process_group()`` alone. Seen here with gloo:
-    a rank that tears down while a peer is still receiving the last messages of a collective can make
-    that peer abort ("terminate called without an active exception"); the barrier makes every rank
-    finish its collectives first. Do not call it on an error path where other ranks may never arrive.
+    Call it at the end of a script instead of ``destroy_process_group()`` alone: the barrier makes every
+    rank finish its collectives first, then zerodp drops its own references to the groups and lets
+    gloo's worker threads finish (see [Note: gloo teardown abort]). Do not call it on an error path
+    where other ranks may never arrive.
     """
     if not dist.is_initialized():
         return
@@ -182,6 +190,31 @@ def shutdown_distributed() -> None:
     dist.barrier()
     SHUTDOWN_CHECK.clear()
     dist.destroy_process_group()
+    control.forget()
+    settle_worker_threads()
+
+
+# [Note: gloo teardown abort] Seen here as a rare "terminate called without an active exception"
+# (SIGABRT) at exit, after every rank had finished (3 in 80 runs of tests/config_agreement_worker.py
+# --case lr). A core dump showed the main thread in Py_FinalizeEx and a ProcessGroupGloo worker
+# thread (runLoop) destroying a finished barrier work that still held the previous all_gather's
+# tensors: their Python objects were owned by C++ by then (Python had dropped its references while
+# the work was in flight), so the decref took the GIL, and a thread that takes the GIL during
+# finalization exits through a forced unwind that std::terminate stops. torch knows the kind
+# (destroy_process_group's comment on _wait_for_pending_works; pytorch/pytorch#179291). The worker
+# only needs the GIL once more: releasing it for a moment after the last collective, before
+# finalization starts, lets it finish.
+
+#: seconds the main thread sleeps (GIL released) so gloo's worker threads can drop their last works
+SETTLE_S = 0.05
+
+
+def settle_worker_threads() -> None:
+    """Release the GIL for :data:`SETTLE_S` so process-group worker threads drop their finished works
+    while the interpreter is alive ([Note: gloo teardown abort]); also run at interpreter exit
+    (registered by :func:`init_distributed`), before finalization, for scripts that never call
+    :func:`shutdown_distributed`."""
+    time.sleep(SETTLE_S)
 
 
 #: set by :mod:`zerodp.runtime.collective_guard` (the latest engine's guard): run before the final
