@@ -17,7 +17,10 @@ its own, as in DeepSpeed). Sub-group k is one contiguous region of the file (mas
   the largest sub-group by the same fp32 ``copy_`` and ``mul_`` the eager path applies, so the values
   are bitwise the same.
 - Gradients on a CUDA device: streamed into an fp32 host buffer per piece during backward on the copy
-  stream (:class:`zerodp.offload.host.HostOptimizerOffload`), scaled there in place; the updated masters
+  stream (:class:`zerodp.offload.host.HostOptimizerOffload`); the step does not wait for them all: each
+  sub-group waits for the copies of its own pieces just before its update, and applies the scale
+  factors there ([Note: lazy scaling] in :mod:`zerodp.offload.host`), so sub-group k is updated while
+  later pieces' gradients may still be crossing; the updated masters
   go back through the copy stream and edits are found by fingerprints (:mod:`zerodp.offload.nvme_device`).
 
 With ``offload_param`` on NVMe (stage 3) the engine does not make every parameter shard resident for
@@ -327,7 +330,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         ``offload_optimizer.overlap_step`` the loop returns once the sub-groups of the parameters
         that are not swapped are updated and goes on during the next forward (:attr:`pending`)."""
         self.settle()
-        self._sync_copies()
+        # no wait for the gradient copies here: each sub-group waits for those of its own pieces (_update)
         todo = [sg for sg in self.subgroups if any(self._present[i] for i in sg.pieces)]
         if self.spill is not None:
             self._grad_reads = StepGradReads(self.spill, self._grad_at, [sg.index for sg in todo], self._spilled_spans)
@@ -385,7 +388,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
             master.grad = (
                 self._materialise(i, lo, hi, scratch.get(i), spilled.get(i))
                 if self.deferred
-                else self.grad_buffers[i][lo:hi]
+                else self._host_grad(i)[lo:hi]  # the host waits for this piece's copy, if not yet done
             )
             if (i, lo) not in self.steps:  # fresh state, exactly what torch's lazy initialisation makes
                 m[i].zero_()
@@ -414,6 +417,9 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         (:meth:`_loop_done`), which with ``overlap_step`` may be after this returns."""
 
     def _forget_grads(self) -> None:
+        for i in range(len(self.pieces)):  # copies of gradients not read (no gradient this step) done
+            self._grad_arrived(i)  # before the reducer reuses their memory
+        self._forget_factors()
         self._present = [False] * len(self.pieces)
         self._streamed = [False] * len(self.pieces)
         self._forget_deferred()
