@@ -175,27 +175,43 @@ def test_offload_param_config():
     )
     po = cfg.zero_optimization.offload_param
     assert (po.buffer_size, po.max_in_cpu, po.buffer_count, po.prefetch_depth) == (10**8, 10**9, 5, 3)
-    # overlap_step: a boolean, and only with both offloads on NVMe (the message names both devices)
+    # overlap_step: a boolean, and only with the NVMe optimizer offload at stage 3 and offload_param
+    # none or nvme (the message names both devices, the stage and why)
     nv = {"device": "nvme", "nvme_path": "/x"}
     with pytest.raises(zerodp.ConfigError, match="'zero_optimization.offload_optimizer.overlap_step'.*boolean"):
         zerodp.load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {**nv, "overlap_step": "maybe"}}})
-    for opt, par in (("nvme", "none"), ("cpu", "nvme"), ("nvme", "cpu")):
+    for stage, opt, par, why in (
+        (3, "cpu", "nvme", "only the NVMe offload's step is a sub-group loop"),
+        (3, "cpu", "none", "updates the whole partition inside step"),
+        (3, "nvme", "cpu", "host home has no use hook"),
+        (2, "nvme", "none", "at stages 1-2 step.. all-gathers"),
+        (1, "nvme", "none", "no per-use hook"),
+    ):
         with pytest.raises(
-            zerodp.ConfigError, match=f"overlap_step' needs .*got offload_optimizer '{opt}', offload_param '{par}'"
+            zerodp.ConfigError,
+            match=f"overlap_step' needs .*got offload_optimizer '{opt}', offload_param '{par}' "
+            f"at stage {stage}: .*{why}",
         ):
             zerodp.load_config(
                 {
                     "zero_optimization": {
-                        "stage": 3,
+                        "stage": stage,
                         "offload_optimizer": {**(nv if opt == "nvme" else {"device": opt}), "overlap_step": True},
                         "offload_param": nv if par == "nvme" else {"device": par},
                     }
                 }
             )
-    ok = zerodp.load_config(
-        {"zero_optimization": {"stage": 3, "offload_optimizer": {**nv, "overlap_step": True}, "offload_param": nv}}
-    )
-    assert ok.zero_optimization.offload_optimizer.overlap_step is True
+    for par in ("nvme", "none"):
+        ok = zerodp.load_config(
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {**nv, "overlap_step": True},
+                    "offload_param": nv if par == "nvme" else {"device": par},
+                }
+            }
+        )
+        assert ok.zero_optimization.offload_optimizer.overlap_step is True
 
 
 def test_overlap_step_dropin_zero_grad_after_step(tmp_path):

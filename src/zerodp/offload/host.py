@@ -308,6 +308,13 @@ class HostOptimizerOffload:
         self._scaled[i] = len(self._host_factors)
         return buf
 
+    def _forget_host_grads(self) -> None:
+        """After a step: every gradient copy done (also of pieces without a gradient this step, before the
+        reducer reuses their memory); no factor recorded, no reduced gradient referenced."""
+        for i in range(len(self.pieces)):
+            self._grad_arrived(i)
+        self._forget_factors()
+
     def _forget_factors(self) -> None:
         """A new step's gradients: no factor recorded, no reduced gradient referenced."""
         self._host_factors = []
@@ -329,13 +336,11 @@ class HostOptimizerOffload:
         self.copies.device_wait()
         if self.edits is not None:
             self.edits.take([p.tensor for p in self.pieces])
-        for i in range(len(self.pieces)):  # copies of gradients not read (no gradient this step) done
-            self._grad_arrived(i)  # before the reducer reuses their memory
+        self._forget_host_grads()
         for i, piece in enumerate(self.pieces):
             piece.master_copy.grad = None
             self._present[i] = False
             self._streamed[i] = False
-        self._forget_factors()
 
     def _sync_copies(self) -> None:
         """The host waits for every copy in flight (all gradients have arrived) and applies the
