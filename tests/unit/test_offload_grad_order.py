@@ -80,9 +80,10 @@ def _check_per_subgroup(log: list[tuple], steps: int) -> None:
         assert any(e[0] == "wait" for e in window[first_adam:]), "the last sub-group's wait came after the first Adam"
 
 
+@pytest.mark.usefixtures("on_device")
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_step_waits_for_each_subgroups_copies_only(world1, on_device, monkeypatch, tmp_path, stage, offload):  # noqa: F811
+def test_step_waits_for_each_subgroups_copies_only(world1, monkeypatch, tmp_path, stage, offload):
     ref_cfg = _config(stage, False, False)
     ref_cfg["gradient_clipping"] = CLIP
     reference = zerodp.initialize(_model(None), ref_cfg)
@@ -102,5 +103,53 @@ def test_step_waits_for_each_subgroups_copies_only(world1, on_device, monkeypatc
     assert losses == ref_losses
     for a, b in zip(_weights(reference), _weights(engine), strict=True):
         assert torch.equal(a, b)
+    _check_per_subgroup(log, steps=3)
+    engine.close()
+
+
+@pytest.mark.usefixtures("on_device")
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_unscaling_and_clipping_factors_applied_per_subgroup(world1, monkeypatch, tmp_path, stage, offload):
+    """fp16: two factors per step (loss unscaling, then clipping) recorded before the update and applied
+    to each host gradient after its copy: the same order of waits, bitwise the non-offloaded engine."""
+
+    def fp16(cfg: dict) -> dict:
+        del cfg["bf16"]
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+        cfg["gradient_clipping"] = CLIP
+        return cfg
+
+    def train(engine: zerodp.Engine) -> list[float]:
+        losses = []
+        for step in range(3):
+            x = torch.randn(4, 12, generator=torch.Generator().manual_seed(step)).half()
+            loss = engine(x).float().square().mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    reference = zerodp.initialize(_model(None), fp16(_config(stage, False, False)))
+    ref_losses = train(reference)
+    assert reference.skipped_steps == 0 and reference.get_global_grad_norm() > 10 * CLIP
+    monkeypatch.setattr(device, "device_handle", lambda d: FakeDeviceModule())
+    monkeypatch.setattr(host, "MIN_CHUNK_NUMEL", 1)
+    cfg = _nvme_config(stage, str(tmp_path)) if offload == "nvme" else _config(stage, True, False)
+    engine = zerodp.initialize(_model(None), fp16(cfg))
+    log: list[tuple] = []
+    _recording(engine, log)
+    factors: list[int] = []
+    real_step = engine.optimizer_offload.step
+
+    def step(optimizer):
+        factors.append(len(engine.optimizer_offload._host_factors))
+        real_step(optimizer)
+
+    engine.optimizer_offload.step = step
+    assert train(engine) == ref_losses
+    for a, b in zip(_weights(reference), _weights(engine), strict=True):
+        assert torch.equal(a, b)
+    assert factors == [2, 2, 2]  # unscaling and clipping, both applied lazily
     _check_per_subgroup(log, steps=3)
     engine.close()
