@@ -214,10 +214,12 @@ def test_offload_param_config():
         assert ok.zero_optimization.offload_optimizer.overlap_step is True
 
 
-def test_overlap_step_dropin_zero_grad_after_step(tmp_path):
+@pytest.mark.parametrize("param_device", ["nvme", "none"])
+def test_overlap_step_dropin_zero_grad_after_step(tmp_path, param_device):
     """DeepSpeed's loop (HF Trainer's too) calls ``engine.zero_grad()`` right after ``engine.step()``.
     With ``overlap_step`` most sub-groups are updated during the next forward from the reduced
-    gradients, which ``zero_grad`` must not clear before then: the run equals overlap off bitwise."""
+    gradients, which ``zero_grad`` must not clear before then: the run equals overlap off bitwise
+    (parameters on NVMe, or not offloaded)."""
     import zerodp.deepspeed as ds
 
     runs, pending = {}, []
@@ -231,7 +233,9 @@ def test_overlap_step_dropin_zero_grad_after_step(tmp_path):
                 "stage": 3,
                 "stage3_param_persistence_threshold": 20,
                 "sub_group_size": 60,
-                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2, "buffer_size": 4096},
+                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2, "buffer_size": 4096}
+                if param_device == "nvme"
+                else {"device": "none"},
                 "offload_optimizer": {
                     "device": "nvme",
                     "nvme_path": str(tmp_path),

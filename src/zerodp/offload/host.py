@@ -26,9 +26,10 @@ global norm (:meth:`HostOptimizerOffload.norm_grads`) come before the update, so
 gradients the host would wait for every copy before the first chunk (or NVMe sub-group) is updated.
 Instead the factors are recorded, in order, and each host gradient is multiplied by them
 (``Tensor.mul_``, fp32, the same operations in the same order as an eager scaling) right after the
-host waited for its copy (:meth:`HostOptimizerOffload._host_grad`); the norm reads the reduced
-gradients the copies read (on the engine's device), made fp32 and scaled the same way. The values
-are bitwise those of scaling the host copies at once.
+host waited for its copy (:meth:`HostOptimizerOffload._host_grad`): bitwise what scaling them at once
+gives. The norm reads the reduced gradients the copies read (on the engine's device), made fp32 and
+scaled the same way: the same values, summed where they are (on a device as without offload; in the
+CPU tests, the same bits as a norm of the host copies).
 
 The kernel is torch's fused CPU Adam/AdamW by default (``offload_optimizer.cpu_adam = "fused"``,
 :mod:`zerodp.offload.cpu_adam`): same formula, different rounding order, so the result equals the
