@@ -175,33 +175,51 @@ def test_offload_param_config():
     )
     po = cfg.zero_optimization.offload_param
     assert (po.buffer_size, po.max_in_cpu, po.buffer_count, po.prefetch_depth) == (10**8, 10**9, 5, 3)
-    # overlap_step: a boolean, and only with both offloads on NVMe (the message names both devices)
+    # overlap_step: a boolean, and only with the NVMe optimizer offload at stage 3 and offload_param
+    # none or nvme (the message names both devices, the stage and why)
     nv = {"device": "nvme", "nvme_path": "/x"}
     with pytest.raises(zerodp.ConfigError, match="'zero_optimization.offload_optimizer.overlap_step'.*boolean"):
         zerodp.load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {**nv, "overlap_step": "maybe"}}})
-    for opt, par in (("nvme", "none"), ("cpu", "nvme"), ("nvme", "cpu")):
+    for stage, opt, par, why in (
+        (3, "cpu", "nvme", "only the NVMe offload's step is a sub-group loop"),
+        (3, "cpu", "none", "updates the whole partition inside step"),
+        (3, "nvme", "cpu", "host home has no use hook"),
+        (2, "nvme", "none", "at stages 1-2 step.. all-gathers"),
+        (1, "nvme", "none", "no per-use hook"),
+    ):
         with pytest.raises(
-            zerodp.ConfigError, match=f"overlap_step' needs .*got offload_optimizer '{opt}', offload_param '{par}'"
+            zerodp.ConfigError,
+            match=f"overlap_step' needs .*got offload_optimizer '{opt}', offload_param '{par}' "
+            f"at stage {stage}: .*{why}",
         ):
             zerodp.load_config(
                 {
                     "zero_optimization": {
-                        "stage": 3,
+                        "stage": stage,
                         "offload_optimizer": {**(nv if opt == "nvme" else {"device": opt}), "overlap_step": True},
                         "offload_param": nv if par == "nvme" else {"device": par},
                     }
                 }
             )
-    ok = zerodp.load_config(
-        {"zero_optimization": {"stage": 3, "offload_optimizer": {**nv, "overlap_step": True}, "offload_param": nv}}
-    )
-    assert ok.zero_optimization.offload_optimizer.overlap_step is True
+    for par in ("nvme", "none"):
+        ok = zerodp.load_config(
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {**nv, "overlap_step": True},
+                    "offload_param": nv if par == "nvme" else {"device": par},
+                }
+            }
+        )
+        assert ok.zero_optimization.offload_optimizer.overlap_step is True
 
 
-def test_overlap_step_dropin_zero_grad_after_step(tmp_path):
+@pytest.mark.parametrize("param_device", ["nvme", "none"])
+def test_overlap_step_dropin_zero_grad_after_step(tmp_path, param_device):
     """DeepSpeed's loop (HF Trainer's too) calls ``engine.zero_grad()`` right after ``engine.step()``.
     With ``overlap_step`` most sub-groups are updated during the next forward from the reduced
-    gradients, which ``zero_grad`` must not clear before then: the run equals overlap off bitwise."""
+    gradients, which ``zero_grad`` must not clear before then: the run equals overlap off bitwise
+    (parameters on NVMe, or not offloaded)."""
     import zerodp.deepspeed as ds
 
     runs, pending = {}, []
@@ -215,7 +233,9 @@ def test_overlap_step_dropin_zero_grad_after_step(tmp_path):
                 "stage": 3,
                 "stage3_param_persistence_threshold": 20,
                 "sub_group_size": 60,
-                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2, "buffer_size": 4096},
+                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2, "buffer_size": 4096}
+                if param_device == "nvme"
+                else {"device": "none"},
                 "offload_optimizer": {
                     "device": "nvme",
                     "nvme_path": str(tmp_path),

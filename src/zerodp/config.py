@@ -137,12 +137,13 @@ class ZeroConfig(StrictModel):
                 f"{self.offload_param.device!r}) is not implemented; set offload_param.device 'none' "
                 "or delayed_update false"
             )
-        if oo.overlap_step and not (oo.device == "nvme" and self.offload_param.device == "nvme"):
+        why = _overlap_step_refusal(self.stage, oo.device, self.offload_param.device) if oo.overlap_step else None
+        if why is not None:
             raise ValueError(
-                "'zero_optimization.offload_optimizer.overlap_step' needs offload_optimizer.device "
-                "'nvme' and offload_param.device 'nvme' at stage 3 (the next forward waits for a "
-                "parameter's update when it reads its shard from NVMe); got offload_optimizer "
-                f"{oo.device!r}, offload_param {self.offload_param.device!r}. Set overlap_step false"
+                "'zero_optimization.offload_optimizer.overlap_step' needs zero_optimization.stage 3, "
+                "offload_optimizer.device 'nvme' and offload_param.device 'none' or 'nvme'; got "
+                f"offload_optimizer {oo.device!r}, offload_param {self.offload_param.device!r} at stage "
+                f"{self.stage}: {why}. Set overlap_step false"
             )
         return self
 
@@ -162,6 +163,30 @@ class ZeroConfig(StrictModel):
         if isinstance(v, float) and v.is_integer():
             return int(v)
         return v
+
+
+def _overlap_step_refusal(stage: int, optimizer_device: str, param_device: str) -> str | None:
+    """Why ``offload_optimizer.overlap_step`` cannot run with these settings (None: it can). The step
+    leaves sub-groups to the next forward only where every later read of a parameter shard passes
+    through a hook that updates its sub-groups first (docs/offload.md, ``overlap_step``)."""
+    if optimizer_device != "nvme":
+        return (
+            "only the NVMe offload's step is a sub-group loop that can stop and go on later; the cpu "
+            "offload updates the whole partition inside step() (and in CPU training it is the "
+            "non-offloaded engine)"
+        )
+    if stage != 3:
+        return (
+            "at stages 1-2 step() all-gathers every rank's updated partition into the full parameters "
+            "before it returns, and the next forward reads those parameters directly (no per-use hook), "
+            "so no update can be left to it"
+        )
+    if param_device == "cpu":
+        return (
+            "with offload_param 'cpu' a shard's host home has no use hook yet, so the next forward "
+            "could read a shard before its update"
+        )
+    return None
 
 
 class BF16Config(StrictModel):

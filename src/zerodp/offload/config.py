@@ -86,7 +86,7 @@ class OffloadOptimizerConfig(_OffloadTarget):
     )
     overlap_step: bool = Field(
         False,
-        description="nvme, stage 3 with offload_param nvme (zerodp's own key): "
+        description="nvme, stage 3 with offload_param nvme or none (zerodp's own key): "
         "step() returns once the persistent parameters are "
         "updated; the other sub-groups are updated during the "
         "next forward, each before its parameters' first use "

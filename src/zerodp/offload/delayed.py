@@ -149,6 +149,7 @@ class DelayedHostOffload(HostOptimizerOffload):
             self.updates_overlapped += 1
         self._present = [False] * len(self.pieces)
         self._streamed = [False] * len(self.pieces)
+        self._forget_factors()  # step() applied them to the host gradients the update reads
 
     # ---- checkpoints, reports, close -----------------------------------------------------------
     @contextlib.contextmanager

@@ -14,10 +14,22 @@ gradient buffer of the same size. The pipeline (:class:`zerodp.offload.stream.Co
    into its host buffer asynchronously (a side CUDA stream and an event; on a CPU-only machine a
    worker thread between the module's tensors and the host partition) while backward goes on.
 2. At the step, :meth:`HostOptimizerOffload.stage_grad` marks the pieces that have a gradient (and
-   copies any piece that was not streamed); the copies are waited for before the gradients are read.
-3. torch's Adam/AdamW runs on the masters chunk by chunk (:data:`STEP_CHUNKS`); each chunk's updated
-   masters are copied host -> device into the module's parameters (cast to its dtype) asynchronously
-   while the next chunk is updated; :meth:`HostOptimizerOffload.finish_step` waits for the last.
+   copies any piece that was not streamed); a piece's copy is waited for when the CPU first reads
+   its host gradient, not before.
+3. torch's Adam/AdamW runs on the masters chunk by chunk (:data:`STEP_CHUNKS`), each chunk once the
+   copies of its own pieces have arrived; each chunk's updated masters are copied host -> device
+   into the module's parameters (cast to its dtype) asynchronously while the next chunk is updated;
+   :meth:`HostOptimizerOffload.finish_step` waits for the last.
+
+[Note: lazy scaling] Loss unscaling and clipping (:meth:`HostOptimizerOffload.scale_grads`) and the
+global norm (:meth:`HostOptimizerOffload.norm_grads`) come before the update, so if they read the host
+gradients the host would wait for every copy before the first chunk (or NVMe sub-group) is updated.
+Instead the factors are recorded, in order, and each host gradient is multiplied by them
+(``Tensor.mul_``, fp32, the same operations in the same order as an eager scaling) right after the
+host waited for its copy (:meth:`HostOptimizerOffload._host_grad`): bitwise what scaling them at once
+gives. The norm reads the reduced gradients the copies read (on the engine's device), made fp32 and
+scaled the same way: the same values, summed where they are (on a device as without offload; in the
+CPU tests, the same bits as a norm of the host copies).
 
 The kernel is torch's fused CPU Adam/AdamW by default (``offload_optimizer.cpu_adam = "fused"``,
 :mod:`zerodp.offload.cpu_adam`): same formula, different rounding order, so the result equals the
@@ -101,6 +113,10 @@ class HostOptimizerOffload:
         self._present: list[bool] = []
         self._streamed: list[bool] = []  # gradient copy submitted during this step's backward
         self._grad_ticket: list[object | None] = []  # per piece: its gradient copy, until the host waited
+        #: per piece: the reduced gradient its copy reads (the engine's device); the norm reads it there
+        self._dev_grads: list[torch.Tensor | None] = []
+        self._host_factors: list[float] = []  # this step's scale factors, in order (see [Note: lazy scaling])
+        self._scaled: list[int] = []  # per piece: how many of them its host gradient has taken
         self._param_tickets: list[object] = []  # the last step's host -> device copies (read masters, staging)
         self.copies = CopyStream(self.train_device)
         self.edits: EditWatch | None = EditWatch() if self.on_device else None
@@ -123,6 +139,8 @@ class HostOptimizerOffload:
         self._present.append(False)
         self._streamed.append(False)
         self._grad_ticket.append(None)
+        self._dev_grads.append(None)
+        self._scaled.append(0)
         fp32 = piece.tensor.dtype == torch.float32
         self.staging.append(
             None
@@ -180,6 +198,7 @@ class HostOptimizerOffload:
         if not self.on_device:
             self.copies.wait()
         self._streamed = [False] * len(self.pieces)
+        self._forget_factors()
 
     def gradient_spill(self, reducer: SpillingGradReducer) -> GradSpill | None:
         """No gradient swap file: host offload keeps the fp32 host gradients (see the NVMe offload's)."""
@@ -191,6 +210,7 @@ class HostOptimizerOffload:
         the step (a later reduction of the same bucket streams it again, in order)."""
         i = self._index[id(piece)]
         self._grad_ticket[i] = self.copies.copy(self.grad_buffers[i], grad)
+        self._dev_grads[i] = grad
         self._streamed[i] = True
 
     def stage_grad(self, piece: Piece, grad: torch.Tensor | None) -> None:
@@ -199,34 +219,56 @@ class HostOptimizerOffload:
         if not self._streamed[i]:
             assert grad is not None  # None only from a gradient spill, which only the NVMe offload makes
             self._grad_ticket[i] = self.copies.copy(self.grad_buffers[i], grad)
+        if grad is not None:
+            self._dev_grads[i] = grad
         self._present[i] = True
 
     def grads(self) -> list[torch.Tensor]:
-        """The host gradients staged this step (for loss unscaling and clipping, in place)."""
+        """The host gradients staged this step, every copy waited for and every factor applied."""
         self._sync_copies()
         return [b for b, present in zip(self.grad_buffers, self._present, strict=True) if present]
 
     def scale_grads(self, factor: float) -> None:
-        """Multiply this step's staged gradients by ``factor`` in place (fp32, ``Tensor.mul_``): loss
-        unscaling with ``1 / scale``, then clipping with ``max_norm / (norm + 1e-6)``."""
-        for t in self.grads():
-            t.mul_(factor)
+        """Multiply this step's staged gradients by ``factor`` (fp32, ``Tensor.mul_``): loss unscaling
+        with ``1 / scale``, then clipping with ``max_norm / (norm + 1e-6)``. Recorded, and applied to
+        each host gradient when the host has waited for its copy ([Note: lazy scaling])."""
+        self._host_factors.append(factor)
 
     def norm_grads(self, pieces: list[Piece]) -> Iterable[torch.Tensor]:
         """The fp32 gradients of those of ``pieces`` that have one this step, in order, as the global
-        norm reads them (:func:`zerodp.runtime.topology.global_grad_norm` reads each one before the next
-        is produced)."""
-        return [g for g in (self.grad_of(p) for p in pieces) if g is not None]
+        norm reads them (a generator: :func:`zerodp.runtime.topology.global_grad_norm` reads each one
+        before the next is produced). Made from the reduced gradients the copies read, on the engine's
+        device, not from the host copies: the norm makes the host wait for no copy ([Note: lazy
+        scaling]). Each is ``copy_`` into an fp32 scratch of the largest piece on that device (one per
+        call, freed at its end), then ``mul_`` by each recorded factor: the host copy's operations,
+        so the same values (an fp32 gradient without a factor is read in place)."""
+        scratch: torch.Tensor | None = None
+        for piece in pieces:
+            i = self._index[id(piece)]
+            ref = self._dev_grads[i]
+            if not self._present[i]:
+                continue
+            assert ref is not None, "a staged gradient on the host offload has its reduced gradient"
+            if ref.dtype == torch.float32 and not self._host_factors:
+                yield ref
+                continue
+            if scratch is None or scratch.device != ref.device:
+                scratch = torch.empty(max(p.hi - p.lo for p in self.pieces), dtype=torch.float32, device=ref.device)
+            out = scratch[: ref.numel()]
+            out.copy_(ref)
+            for f in self._host_factors:
+                out.mul_(f)
+            yield out
 
     def set_shard_access(self, access: ShardAccess) -> None:
         """The engine's parameter offload (stage 3, ``offload_param``). Host memory updates every piece
         at once, so the engine keeps the shards resident for the step: nothing to do here."""
 
     def grad_of(self, piece: Piece) -> torch.Tensor | None:
-        """``piece``'s host gradient staged this step, or None if it has none."""
+        """``piece``'s host gradient staged this step (its copy waited for, the factors applied), or
+        None if it has none."""
         i = self._index[id(piece)]
-        self._grad_arrived(i)
-        return self.grad_buffers[i] if self._present[i] else None
+        return self._host_grad(i) if self._present[i] else None
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Run ``optimizer`` (whose parameters are the masters) on the staged host gradients, chunk
@@ -238,9 +280,7 @@ class HostOptimizerOffload:
         self._param_tickets = []
         for chunk in _chunks(self.pieces, self._present):
             for i, piece in enumerate(self.pieces):
-                if i in chunk:
-                    self._grad_arrived(i)
-                piece.master_copy.grad = self.grad_buffers[i] if i in chunk else None
+                piece.master_copy.grad = self._host_grad(i) if i in chunk else None
             with cpu_adam_kernel(optimizer, self.cpu_adam):
                 optimizer.step()
             for i in sorted(chunk):
@@ -259,6 +299,29 @@ class HostOptimizerOffload:
         ticket, self._grad_ticket[i] = self._grad_ticket[i], None
         self.copies.host_wait(ticket)
 
+    def _host_grad(self, i: int) -> torch.Tensor:
+        """Piece ``i``'s host fp32 gradient, ready for the CPU: its copy waited for, then multiplied
+        by the factors recorded since it was last read, in order ([Note: lazy scaling])."""
+        self._grad_arrived(i)
+        buf = self.grad_buffers[i]
+        for f in self._host_factors[self._scaled[i] :]:
+            buf.mul_(f)
+        self._scaled[i] = len(self._host_factors)
+        return buf
+
+    def _forget_host_grads(self) -> None:
+        """After a step: every gradient copy done (also of pieces without a gradient this step, before the
+        reducer reuses their memory); no factor recorded, no reduced gradient referenced."""
+        for i in range(len(self.pieces)):
+            self._grad_arrived(i)
+        self._forget_factors()
+
+    def _forget_factors(self) -> None:
+        """A new step's gradients: no factor recorded, no reduced gradient referenced."""
+        self._host_factors = []
+        self._scaled = [0] * len(self.pieces)
+        self._dev_grads = [None] * len(self.pieces)
+
     def settle(self) -> None:
         """Nothing to finish: :meth:`step` updates everything before it returns."""
 
@@ -274,17 +337,20 @@ class HostOptimizerOffload:
         self.copies.device_wait()
         if self.edits is not None:
             self.edits.take([p.tensor for p in self.pieces])
-        for i in range(len(self.pieces)):  # copies of gradients not read (no gradient this step) done
-            self._grad_arrived(i)  # before the reducer reuses their memory
+        self._forget_host_grads()
         for i, piece in enumerate(self.pieces):
             piece.master_copy.grad = None
             self._present[i] = False
             self._streamed[i] = False
 
     def _sync_copies(self) -> None:
-        """The host waits for every copy in flight (all gradients have arrived)."""
+        """The host waits for every copy in flight (all gradients have arrived) and applies the
+        recorded factors to every staged host gradient."""
         self.copies.wait()
         self._grad_ticket = [None] * len(self.pieces)
+        for i, present in enumerate(self._present):
+            if present:
+                self._host_grad(i)
 
     # ---- checkpoints and reports ---------------------------------------------------------------
     @contextlib.contextmanager

@@ -17,7 +17,8 @@ its own, as in DeepSpeed). Sub-group k is one contiguous region of the file (mas
   the largest sub-group by the same fp32 ``copy_`` and ``mul_`` the eager path applies, so the values
   are bitwise the same.
 - Gradients on a CUDA device: streamed into an fp32 host buffer per piece during backward on the copy
-  stream (:class:`zerodp.offload.host.HostOptimizerOffload`), scaled there in place; the updated masters
+  stream (:class:`zerodp.offload.host.HostOptimizerOffload`), each sub-group waiting for its own pieces'
+  copies only and scaling them then ([Note: lazy scaling] in :mod:`zerodp.offload.host`); the updated masters
   go back through the copy stream and edits are found by fingerprints (:mod:`zerodp.offload.nvme_device`).
 
 With ``offload_param`` on NVMe (stage 3) the engine does not make every parameter shard resident for
@@ -109,6 +110,8 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         self.grad_scratch = torch.empty(0, dtype=torch.float32)  # fp32, largest sub-group (deferred, not fp32)
         self._group_of: list[FlatGroup] = []  # per piece: its flat group (= stage-3 unit)
         self.shard_access: ShardAccess | None = None
+        #: the parameter offload whose use hook is set: its deferrable groups' updates may follow step()
+        self.hooks: ShardAccess | None = None
         self.pending: SubGroupPipeline | None = None  # a step's loop still running (overlap_step)
         self._grad_reads: StepGradReads | None = None  # this step's reads of the gradient swap file
         self._files: list[SwapFile | None] = []
@@ -119,9 +122,9 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         """Plan the sub-groups, create the swap file (collective: every rank raises if one fails)
         and write the initial masters."""
         pieces = [p for g in groups for p in g.pieces]
-        # pieces of groups not swapped (the persistent unit) first: their sub-groups are updated
-        # inside step() even with overlap_step, because forward reads them without asking
-        swapped = [self.shard_access is not None and self.shard_access.swapped(g) for g in groups for _ in g.pieces]
+        # pieces of groups whose uses are not hooked (the persistent unit) first: their sub-groups are
+        # updated inside step() even with overlap_step, because forward reads them without asking
+        swapped = [self._deferrable(g) for g in groups for _ in g.pieces]
         order = [i for i, s in enumerate(swapped) if not s] + [i for i, s in enumerate(swapped) if s]
         self.deferred = not self.on_device  # gradients in host memory already (the engine on the CPU)
         # fp32 on the CPU, shards always resident: the module's tensors serve as the masters
@@ -238,10 +241,17 @@ class NvmeOptimizerOffload(DeferredGradOffload):
 
     def set_shard_access(self, access: ShardAccess) -> None:
         """Pin parameter shards per sub-group during the step, if the parameters are on NVMe; with
-        ``overlap_step``, a shard's first use after a step waits for its sub-groups' update."""
+        ``overlap_step``, a shard's first use after a step waits for its sub-groups' update (the hook)."""
         if getattr(access, "swapper", None) is not None:
             self.shard_access = access
-            access.set_use_hook(self._before_use, self._pending_group)
+        elif not self.cfg.overlap_step:
+            return
+        self.hooks = access
+        access.set_use_hook(self._before_use, self._pending_group)
+
+    def _deferrable(self, group: FlatGroup) -> bool:
+        """Every use of ``group``'s shard calls :meth:`_before_use` (its update may wait for it)."""
+        return self.hooks is not None and self.hooks.deferrable(group)
 
     def group_of(self, i: int) -> FlatGroup:
         """The flat group (stage-3 unit) of the piece at position ``i``."""
@@ -327,7 +337,6 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         ``offload_optimizer.overlap_step`` the loop returns once the sub-groups of the parameters
         that are not swapped are updated and goes on during the next forward (:attr:`pending`)."""
         self.settle()
-        self._sync_copies()
         todo = [sg for sg in self.subgroups if any(self._present[i] for i in sg.pieces)]
         if self.spill is not None:
             self._grad_reads = StepGradReads(self.spill, self._grad_at, [sg.index for sg in todo], self._spilled_spans)
@@ -340,13 +349,11 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         )
         self.stats = loop.stats
         self.pending = loop
-        if not self.cfg.overlap_step or self.shard_access is None:
+        if not self.cfg.overlap_step or self.hooks is None:
             loop.finish()
             loop.stats.updated_in_step = len(todo)
             return
-        eager = [
-            k for k, sg in enumerate(todo) if any(not self.shard_access.swapped(self._group_of[i]) for i in sg.pieces)
-        ]
+        eager = [k for k, sg in enumerate(todo) if any(not self._deferrable(self._group_of[i]) for i in sg.pieces)]
         loop.advance(max(eager, default=-1))
         loop.shards.keep = True  # from here on the next forward uses each shard right after its update
         loop.stats.updated_in_step = loop.next  # the rest: at each use in the next forward (pump there)
@@ -385,7 +392,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
             master.grad = (
                 self._materialise(i, lo, hi, scratch.get(i), spilled.get(i))
                 if self.deferred
-                else self.grad_buffers[i][lo:hi]
+                else self._host_grad(i)[lo:hi]  # the host waits for this piece's copy, if not yet done
             )
             if (i, lo) not in self.steps:  # fresh state, exactly what torch's lazy initialisation makes
                 m[i].zero_()
@@ -414,6 +421,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         (:meth:`_loop_done`), which with ``overlap_step`` may be after this returns."""
 
     def _forget_grads(self) -> None:
+        self._forget_host_grads()
         self._present = [False] * len(self.pieces)
         self._streamed = [False] * len(self.pieces)
         self._forget_deferred()

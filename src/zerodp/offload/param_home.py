@@ -27,12 +27,14 @@ GPU (docs/gpu.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from zerodp.offload.stream import CopyStream
 from zerodp.runtime.device import host_empty
+from zerodp.runtime.partition import FlatGroup
 
 
 @dataclass
@@ -138,4 +140,23 @@ class HostShard:
         return self.shard.untyped_storage().nbytes()
 
 
-__all__ = ["HostShard", "HostShardCounters", "HostShards"]
+@dataclass(eq=False)
+class UseHook:
+    """The home of a shard that is not offloaded (it stays in memory) but whose every use must first
+    call ``before_use(group)``: ``offload_optimizer.overlap_step`` without a parameter offload
+    (:meth:`zerodp.offload.param_offload.NoParamOffload.set_use_hook`). Stage 3 reads a non-persistent
+    unit's shard only through its home (:meth:`zerodp.stage3.units.ShardedUnit.prepare_gather` for an
+    all-gather, :meth:`~zerodp.stage3.units.ShardedUnit.resident` for the engine's calls), so each
+    read first updates the optimizer step's sub-groups that hold the shard's pieces."""
+
+    before_use: Callable[[FlatGroup], None]
+    group: FlatGroup
+
+    def acquire(self) -> None:
+        self.before_use(self.group)
+
+    def release(self, dirty: bool) -> None:
+        """Nothing to write: the shard never left memory."""
+
+
+__all__ = ["HostShard", "HostShardCounters", "HostShards", "UseHook"]

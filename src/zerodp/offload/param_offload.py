@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from zerodp.offload.config import AioConfig, OffloadParamConfig
-from zerodp.offload.param_home import HostShard, HostShards
+from zerodp.offload.param_home import HostShard, HostShards, UseHook
 from zerodp.offload.param_swap import ParamSwapper, Residency, SwappedShard, fmt_bytes
 from zerodp.offload.shard_window import ShardAccess
 from zerodp.runtime import device as devices
@@ -204,6 +204,11 @@ class ParamOffload:
         self.swapper.before_use = lambda s: before_use(group_of[id(s)]) if id(s) in group_of else None
         self._pending = pending
 
+    def deferrable(self, group: FlatGroup) -> bool:
+        """True if every use of ``group``'s shard calls the use hook (its home is in the swap file)."""
+        u = self._by_group.get(id(group))
+        return u is not None and isinstance(u.home, SwappedShard)
+
     def read_ahead(self, upcoming: Sequence[Sequence[ShardedUnit]]) -> None:
         """The coordinator's hook: ``upcoming`` are the units of the next modules of the trace, in
         order; queue reads for the first ``prefetch_depth`` of them, within ``max_in_cpu`` (a unit
@@ -266,6 +271,10 @@ class NoParamOffload:
     #: no parameter swap file (the NVMe optimizer offload pins shards per sub-group only with one)
     swapper: ParamSwapper | None = None
 
+    def __init__(self) -> None:
+        self.units: list[ShardedUnit] = []  # stage 3: the non-persistent units (attach_to)
+        self._hooked: set[int] = set()  # id(group) of the units given a UseHook home (set_use_hook)
+
     def read_ahead_hook(self) -> ReadAhead | None:
         """None: nothing to read ahead, the coordinator skips its trace walk."""
         return None
@@ -274,6 +283,7 @@ class NoParamOffload:
         """Bring the shards ``zero.Init(remote_device=...)`` sent to its swap file or host homes back
         into memory for good, and close those homes: this engine does not offload."""
         built = {}
+        self.units = [u for u in sharding.units if not u.persistent] if sharding is not None else []
         for u in sharding.units if sharding is not None else ():
             if u.home is not None:
                 home, u.home = u.home, None
@@ -285,7 +295,10 @@ class NoParamOffload:
     def resident(
         self, groups: Sequence[FlatGroup] | None, write: bool, settle: Callable[[], None]
     ) -> AbstractContextManager[None]:
-        """A no-op: the shards hold their values already (``settle`` is not needed)."""
+        """The shards hold their values already: a no-op, but with use hooks (``overlap_step``) an
+        optimizer step still updating shards ends first (``settle``)."""
+        if self._hooked:
+            settle()
         return contextlib.nullcontext()
 
     def prefetch(self, groups: Sequence[FlatGroup]) -> None:
@@ -301,7 +314,18 @@ class NoParamOffload:
         return False
 
     def set_use_hook(self, before_use: Callable[[FlatGroup], None], pending: Callable[[FlatGroup], bool]) -> None:
-        """No shard is ever read back, so there is no use to hook."""
+        """Give each non-persistent unit's shard a :class:`zerodp.offload.param_home.UseHook` home, so
+        that every use of it (an all-gather, residency for an engine call) first calls
+        ``before_use(group)``. Called by the NVMe optimizer offload only with ``overlap_step``: the
+        shards stay in memory, nothing is read ahead (``pending`` is not needed)."""
+        for u in self.units:
+            if u.home is None:
+                u.home = UseHook(before_use, u.group)
+                self._hooked.add(id(u.group))
+
+    def deferrable(self, group: FlatGroup) -> bool:
+        """True if every use of ``group``'s shard calls the use hook (:meth:`set_use_hook`)."""
+        return id(group) in self._hooked
 
     def check_health(self) -> None:
         """No swap file to lose."""

@@ -8,7 +8,7 @@ one transfer at a time). The loop is an object rather than a ``for`` statement s
 after any sub-group and go on later:
 
 - run to the end inside ``step()`` (the default): the step returns with every parameter updated;
-- ``offload_optimizer.overlap_step`` (stage 3 with ``offload_param`` on NVMe): ``step()`` updates the
+- ``offload_optimizer.overlap_step`` (stage 3, ``offload_param`` on NVMe or none): ``step()`` updates the
   sub-groups that hold the always-gathered (persistent) parameters, queues the reads of the next
   ones and returns. The rest is done during the next forward: before any parameter shard is used (an
   all-gather, ``GatheredParameters``, a checkpoint), :meth:`SubGroupPipeline.ready_for` updates
