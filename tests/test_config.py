@@ -209,8 +209,62 @@ def test_warmup_cosine_formula() -> None:
         opt.step()
         sched.step()
     want = [0.2 * (0.1 + 0.9 * t / 4) for t in range(4)]
-    want += [0.2 * (0.05 + 0.95 * (1 + math.cos(math.pi * (t - 4) / 6)) / 2) for t in range(4, 11)]
+    # DeepSpeed's real_last_step = t - W + 1: the first step after warmup already decays; floor from t = T - 1
+    want += [0.2 * (0.05 + 0.95 * (1 + math.cos(math.pi * min(1.0, (t - 3) / 6))) / 2) for t in range(4, 11)]
     assert got == pytest.approx(want)
+    assert got[4] == pytest.approx(0.1872724, abs=1e-7) and got[9] == got[10] == pytest.approx(0.2 * 0.05)
+
+
+def deepspeed_lr(kind: str, params: dict, base_lr: float, t: int) -> float:
+    """The lr of DeepSpeed's schedule after t steps, transcribed from deepspeed/runtime/lr_schedules.py
+    (WarmupLR._get_gamma, WarmupDecayLR._get_gamma, WarmupCosineLR.get_lr_ratio): the reference."""
+    import math
+
+    w = max(2, params.get("warmup_num_steps", 1000))  # DeepSpeed: self.warmup_num_steps = max(2, ...)
+    kind_of_warmup = params.get("warmup_type", "log")
+    gamma = math.log(t + 1) / math.log(w) if kind_of_warmup == "log" else t / w
+    if kind == "WarmupCosineLR":
+        if t < w:
+            lo = params.get("warmup_min_ratio", 0.0)
+            return base_lr * (lo + gamma * (1.0 - lo))
+        cos_min = params.get("cos_min_ratio", 0.0001)
+        progress = min(1.0, (t - w + 1) / max(1, params["total_num_steps"] - w))
+        return base_lr * max(0.0, cos_min + (1.0 - cos_min) * (1 + math.cos(math.pi * progress)) / 2)
+    lo, hi = params.get("warmup_min_lr", 0.0), params.get("warmup_max_lr", 0.001)
+    if t >= w:
+        gamma = (
+            1.0
+            if kind == "WarmupLR"
+            else max(0.0, (params["total_num_steps"] - t) / max(1.0, params["total_num_steps"] - w))
+        )
+    return lo + (hi - lo) * gamma
+
+
+@pytest.mark.parametrize(
+    "kind,params",
+    [
+        ("WarmupCosineLR", {"total_num_steps": 8, "warmup_num_steps": 3}),
+        ("WarmupCosineLR", {"total_num_steps": 6, "warmup_num_steps": 1, "warmup_type": "linear"}),
+        ("WarmupLR", {"warmup_num_steps": 1, "warmup_max_lr": 0.1}),
+        ("WarmupLR", {"warmup_num_steps": 1, "warmup_max_lr": 0.1, "warmup_type": "linear"}),
+        ("WarmupDecayLR", {"total_num_steps": 5, "warmup_num_steps": 1, "warmup_max_lr": 0.1}),
+    ],
+)
+def test_config_schedules_follow_deepspeed_step_for_step(kind: str, params: dict) -> None:
+    """A DeepSpeed config's scheduler gives DeepSpeed's lr at every step (warmup of 1 step is 2, as
+    in DeepSpeed; the cosine phase starts decaying on the first step after warmup)."""
+    from zerodp.config import SchedulerConfig
+    from zerodp.runtime.schedulers import build_scheduler
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.2)
+    sched = build_scheduler(SchedulerConfig(type=kind, params=params), opt)
+    got = []
+    for _ in range(10):
+        got.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert got == pytest.approx([deepspeed_lr(kind, params, 0.2, t) for t in range(10)], abs=1e-12)
 
 
 def test_init_distributed_leaves_environment_alone() -> None:
