@@ -250,9 +250,10 @@ def deepspeed_lr(kind: str, params: dict, base_lr: float, t: int) -> float:
         ("WarmupDecayLR", {"total_num_steps": 5, "warmup_num_steps": 1, "warmup_max_lr": 0.1}),
     ],
 )
-def test_config_schedules_follow_deepspeed_step_for_step(kind: str, params: dict) -> None:
-    """A DeepSpeed config's scheduler gives DeepSpeed's lr at every step (warmup of 1 step is 2, as
-    in DeepSpeed; the cosine phase starts decaying on the first step after warmup)."""
+def test_config_schedules_follow_deepspeed_formulas(kind: str, params: dict) -> None:
+    """A config's scheduler gives DeepSpeed's lr(t) for every t (a warmup of 1 step is 2, as in
+    DeepSpeed; the cosine phase starts decaying on the first step after warmup). t counts torch-style
+    (t = 0 at construction); DeepSpeed's schedulers start at last_batch_iteration -1 (see the report)."""
     from zerodp.config import SchedulerConfig
     from zerodp.runtime.schedulers import build_scheduler
 

@@ -11,7 +11,9 @@ then 1.
                   for t < W, then cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * p)) / 2 with
                   p = min(1, (t - W + 1) / max(1, T - W)): the first step after warmup already decays
 
-Source: DeepSpeed's ``deepspeed/runtime/lr_schedules.py`` (the same numbers step for step).
+Source: DeepSpeed's ``deepspeed/runtime/lr_schedules.py`` (the same lr(t) as its ``get_lr()`` at
+``last_batch_iteration = t``). These are torch ``LRScheduler``s, which take step t = 0 at construction;
+DeepSpeed's start at ``last_batch_iteration = -1`` (lr = min, or 0 for WarmupCosineLR) for the first step.
 """
 
 from __future__ import annotations
