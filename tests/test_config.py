@@ -253,7 +253,8 @@ def deepspeed_lr(kind: str, params: dict, base_lr: float, t: int) -> float:
 def test_config_schedules_follow_deepspeed_formulas(kind: str, params: dict) -> None:
     """A config's scheduler gives DeepSpeed's lr(t) for every t (a warmup of 1 step is 2, as in
     DeepSpeed; the cosine phase starts decaying on the first step after warmup). t counts torch-style
-    (t = 0 at construction); DeepSpeed's schedulers start at last_batch_iteration -1 (see the report)."""
+    (t = 0 at construction); DeepSpeed's start at last_batch_iteration -1, so DeepSpeed's step k + 1 uses
+    the lr of zerodp's step k (docs/mixed-precision.md)."""
     from zerodp.config import SchedulerConfig
     from zerodp.runtime.schedulers import build_scheduler
 
