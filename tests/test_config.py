@@ -152,6 +152,22 @@ def test_bad_param_groups() -> None:
         engine.backward(torch.ones(2))
 
 
+@pytest.mark.parametrize(
+    "model_parameters,words",
+    [
+        (lambda m: m.named_parameters(), r"a tuple .*model.named_parameters\(\).*model.parameters\(\)"),
+        (lambda m: [{"params": m.named_parameters()}], r"param group 0 holds a tuple .*model.parameters\(\)"),
+        (lambda m: [{"params": ["weight"]}], r"param group 0 holds a str .*model.parameters\(\)"),
+    ],
+)
+def test_param_groups_of_names_are_refused_naming_what_was_given(model_parameters, words: str) -> None:
+    """(name, parameter) pairs or names instead of parameters: a ValueError naming what was given and
+    what is allowed (it was an AttributeError: 'tuple' object has no attribute 'shape')."""
+    model = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=words):
+        zerodp.initialize(model, {}, model_parameters=model_parameters(model))
+
+
 def test_mixed_precision_and_scheduler_config_errors() -> None:
     with pytest.raises(ConfigError, match="bf16.enabled and fp16.enabled are both true"):
         load_config({"bf16": {"enabled": True}, "fp16": {"enabled": True}})

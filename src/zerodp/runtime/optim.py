@@ -53,6 +53,13 @@ class ParamGroupSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+def _named_hint(x: Any) -> str:
+    """What a non-parameter entry of ``model_parameters`` probably is, for the error message."""
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str):
+        return f"({x[0]!r}, parameter): from model.named_parameters()?"
+    return repr(x)[:60]
+
+
 def normalize_param_groups(module: nn.Module, model_parameters: Iterable[Any] | None) -> list[ParamGroupSpec]:
     """Turn ``model_parameters`` (None, parameters, or param-group dicts) into named groups.
 
@@ -71,9 +78,11 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable[Any] | 
         elif all(isinstance(x, torch.Tensor) for x in items):
             raw = [{"params": items}]
         else:
+            odd = next(x for x in items if not isinstance(x, torch.Tensor))
             raise ValueError(
-                "model_parameters must be an iterable of parameters or of param-group "
-                "dicts ({'params': [...], 'weight_decay': ...}), not a mix"
+                f"model_parameters holds a {type(odd).__name__} ({_named_hint(odd)}); it must be an iterable "
+                "of parameters (model.parameters()) or of param-group dicts ({'params': [...], "
+                "'weight_decay': ...}), not a mix"
             )
     seen: set[int] = set()
     specs = []
@@ -88,6 +97,12 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable[Any] | 
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         named = []
+        odd = next((x for x in params if not isinstance(x, torch.Tensor)), None)
+        if odd is not None:
+            raise ValueError(
+                f"param group {gi} holds a {type(odd).__name__} ({_named_hint(odd)}); its 'params' must be "
+                "parameters of the model (model.parameters())"
+            )
         for p in params:
             if id(p) not in names:
                 raise ValueError(
