@@ -231,6 +231,20 @@ def test_warmup_cosine_formula() -> None:
     assert got[4] == pytest.approx(0.1872724, abs=1e-7) and got[9] == got[10] == pytest.approx(0.2 * 0.05)
 
 
+def test_warmup_lr_without_max_warms_up_to_the_optimizer_lr() -> None:
+    """WarmupLR without warmup_max_lr ends at the optimizer's lr (DeepSpeed's WarmupLR: the first
+    group's lr; a fixed 0.001 default trained at 3.3x the configured 3e-4, deepspeedai/DeepSpeed#7303);
+    WarmupDecayLR keeps DeepSpeed's 0.001 default."""
+    opt = {"type": "AdamW", "params": {"lr": 3e-4}}
+    for kind, extra, want in (("WarmupLR", {}, 3e-4), ("WarmupDecayLR", {"total_num_steps": 100}, 0.001)):
+        sched = {"type": kind, "params": {"warmup_num_steps": 2, "warmup_type": "linear", **extra}}
+        engine = zerodp.initialize(nn.Linear(2, 2), {"optimizer": opt, "scheduler": sched})
+        for _ in range(2):
+            engine.backward(engine(torch.ones(1, 2)).sum())
+            engine.step()
+        assert engine.get_lr() == pytest.approx([want])
+
+
 def deepspeed_lr(kind: str, params: dict, base_lr: float, t: int) -> float:
     """The lr of DeepSpeed's schedule after t steps, transcribed from deepspeed/runtime/lr_schedules.py
     (WarmupLR._get_gamma, WarmupDecayLR._get_gamma, WarmupCosineLR.get_lr_ratio): the reference."""

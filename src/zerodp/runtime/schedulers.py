@@ -5,7 +5,7 @@ at least 2 (DeepSpeed's ``max(2, warmup_num_steps)``), ``T`` the total steps. Wa
 ``gamma(t) = log(t + 1) / log(W)`` (``warmup_type="log"``) or ``t / W`` (``"linear"``) while ``t < W``,
 then 1.
 
-- WarmupLR:       lr(t) = min + (max - min) * gamma(t)
+- WarmupLR:       lr(t) = min + (max - min) * gamma(t); max defaults to the first param group's lr
 - WarmupDecayLR:  as WarmupLR for t < W, then lr(t) = min + (max - min) * max(0, (T - t) / max(1, T - W))
 - WarmupCosineLR: lr(t) = base_lr * r(t), r = warmup_min_ratio + (1 - warmup_min_ratio) * gamma(t)
                   for t < W, then cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * p)) / 2 with
@@ -56,9 +56,8 @@ class WarmupLR(_ClosedForm):
 
     def lr_at(self, t: int, base_lr: float) -> float:
         p = self.p
-        return p.warmup_min_lr + (p.warmup_max_lr - p.warmup_min_lr) * warmup_gamma(
-            t, warmup_steps_of(p), p.warmup_type
-        )
+        hi = float(self.base_lrs[0]) if p.warmup_max_lr is None else p.warmup_max_lr  # DeepSpeed: group 0's lr
+        return p.warmup_min_lr + (hi - p.warmup_min_lr) * warmup_gamma(t, warmup_steps_of(p), p.warmup_type)
 
 
 class WarmupDecayLR(WarmupLR):
