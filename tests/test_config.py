@@ -152,6 +152,22 @@ def test_bad_param_groups() -> None:
         engine.backward(torch.ones(2))
 
 
+@pytest.mark.parametrize(
+    "model_parameters,words",
+    [
+        (lambda m: m.named_parameters(), r"a tuple .*model.named_parameters\(\).*model.parameters\(\)"),
+        (lambda m: [{"params": m.named_parameters()}], r"param group 0 holds a tuple .*model.parameters\(\)"),
+        (lambda m: [{"params": ["weight"]}], r"param group 0 holds a str .*model.parameters\(\)"),
+    ],
+)
+def test_param_groups_of_names_are_refused_naming_what_was_given(model_parameters, words: str) -> None:
+    """(name, parameter) pairs or names instead of parameters: a ValueError naming what was given and
+    what is allowed (it was an AttributeError: 'tuple' object has no attribute 'shape')."""
+    model = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=words):
+        zerodp.initialize(model, {}, model_parameters=model_parameters(model))
+
+
 def test_mixed_precision_and_scheduler_config_errors() -> None:
     with pytest.raises(ConfigError, match="bf16.enabled and fp16.enabled are both true"):
         load_config({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
@@ -209,8 +225,78 @@ def test_warmup_cosine_formula() -> None:
         opt.step()
         sched.step()
     want = [0.2 * (0.1 + 0.9 * t / 4) for t in range(4)]
-    want += [0.2 * (0.05 + 0.95 * (1 + math.cos(math.pi * (t - 4) / 6)) / 2) for t in range(4, 11)]
+    # DeepSpeed's real_last_step = t - W + 1: the first step after warmup already decays; floor from t = T - 1
+    want += [0.2 * (0.05 + 0.95 * (1 + math.cos(math.pi * min(1.0, (t - 3) / 6))) / 2) for t in range(4, 11)]
     assert got == pytest.approx(want)
+    assert got[4] == pytest.approx(0.1872724, abs=1e-7) and got[9] == got[10] == pytest.approx(0.2 * 0.05)
+
+
+def test_warmup_lr_without_max_warms_up_to_the_optimizer_lr() -> None:
+    """WarmupLR without warmup_max_lr ends at the optimizer's lr (DeepSpeed's WarmupLR: the first
+    group's lr; a fixed 0.001 default trained at 3.3x the configured 3e-4, deepspeedai/DeepSpeed#7303);
+    WarmupDecayLR keeps DeepSpeed's 0.001 default."""
+    opt = {"type": "AdamW", "params": {"lr": 3e-4}}
+    for kind, extra, want in (("WarmupLR", {}, 3e-4), ("WarmupDecayLR", {"total_num_steps": 100}, 0.001)):
+        sched = {"type": kind, "params": {"warmup_num_steps": 2, "warmup_type": "linear", **extra}}
+        engine = zerodp.initialize(nn.Linear(2, 2), {"optimizer": opt, "scheduler": sched})
+        for _ in range(2):
+            engine.backward(engine(torch.ones(1, 2)).sum())
+            engine.step()
+        assert engine.get_lr() == pytest.approx([want])
+
+
+def deepspeed_lr(kind: str, params: dict, base_lr: float, t: int) -> float:
+    """The lr of DeepSpeed's schedule after t steps, transcribed from deepspeed/runtime/lr_schedules.py
+    (WarmupLR._get_gamma, WarmupDecayLR._get_gamma, WarmupCosineLR.get_lr_ratio): the reference."""
+    import math
+
+    w = max(2, params.get("warmup_num_steps", 1000))  # DeepSpeed: self.warmup_num_steps = max(2, ...)
+    kind_of_warmup = params.get("warmup_type", "log")
+    gamma = math.log(t + 1) / math.log(w) if kind_of_warmup == "log" else t / w
+    if kind == "WarmupCosineLR":
+        if t < w:
+            lo = params.get("warmup_min_ratio", 0.0)
+            return base_lr * (lo + gamma * (1.0 - lo))
+        cos_min = params.get("cos_min_ratio", 0.0001)
+        progress = min(1.0, (t - w + 1) / max(1, params["total_num_steps"] - w))
+        return base_lr * max(0.0, cos_min + (1.0 - cos_min) * (1 + math.cos(math.pi * progress)) / 2)
+    lo, hi = params.get("warmup_min_lr", 0.0), params.get("warmup_max_lr", 0.001)
+    if t >= w:
+        gamma = (
+            1.0
+            if kind == "WarmupLR"
+            else max(0.0, (params["total_num_steps"] - t) / max(1.0, params["total_num_steps"] - w))
+        )
+    return lo + (hi - lo) * gamma
+
+
+@pytest.mark.parametrize(
+    "kind,params",
+    [
+        ("WarmupCosineLR", {"total_num_steps": 8, "warmup_num_steps": 3}),
+        ("WarmupCosineLR", {"total_num_steps": 6, "warmup_num_steps": 1, "warmup_type": "linear"}),
+        ("WarmupLR", {"warmup_num_steps": 1, "warmup_max_lr": 0.1}),
+        ("WarmupLR", {"warmup_num_steps": 1, "warmup_max_lr": 0.1, "warmup_type": "linear"}),
+        ("WarmupDecayLR", {"total_num_steps": 5, "warmup_num_steps": 1, "warmup_max_lr": 0.1}),
+    ],
+)
+def test_config_schedules_follow_deepspeed_formulas(kind: str, params: dict) -> None:
+    """A config's scheduler gives DeepSpeed's lr(t) for every t (a warmup of 1 step is 2, as in
+    DeepSpeed; the cosine phase starts decaying on the first step after warmup). t counts torch-style
+    (t = 0 at construction); DeepSpeed's start at last_batch_iteration -1, so DeepSpeed's step k + 1 uses
+    the lr of zerodp's step k (docs/mixed-precision.md)."""
+    from zerodp.config import SchedulerConfig
+    from zerodp.runtime.schedulers import build_scheduler
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.2)
+    sched = build_scheduler(SchedulerConfig(type=kind, params=params), opt)
+    got = []
+    for _ in range(10):
+        got.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert got == pytest.approx([deepspeed_lr(kind, params, 0.2, t) for t in range(10)], abs=1e-12)
 
 
 def test_init_distributed_leaves_environment_alone() -> None:

@@ -239,6 +239,7 @@ def test_train_flag_errors(capsys, tmp_path, monkeypatch) -> None:
         (["--resume", "--save-dir", str(tmp_path / "none")], "no checkpoint in"),
         (["--n-head", "3"], "n_head"),
         (["--data", str(tmp_path / "none")], "cannot read"),
+        (["--seq-len", "100000"], "smaller --seq-len"),  # the stdlib corpus is too short for it: say which flag
     ]:
         with pytest.raises(SystemExit) as exc:
             cli.main(["train", *argv])

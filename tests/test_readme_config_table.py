@@ -169,6 +169,18 @@ def test_enabled_features_are_refused_by_name(key, value, fragment):
     assert f"'{key}'" in str(err.value) and fragment in str(err.value), str(err.value)
 
 
+def test_stage3_gather_fp16_weights_is_the_16bit_key():
+    """DeepSpeed's deprecated zero_optimization.stage3_gather_fp16_weights_on_model_save (older HF
+    example configs carry it) is read as stage3_gather_16bit_weights_on_model_save; it was refused as
+    an unknown key."""
+    old = "stage3_gather_fp16_weights_on_model_save"
+    cfg = zerodp.load_config({"zero_optimization": {"stage": 3, old: True}})
+    assert cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
+    both = {"stage": 3, old: True, "stage3_gather_16bit_weights_on_model_save": False}
+    with pytest.raises(zerodp.ConfigError, match=f"'zero_optimization.{old}'.*are both given"):
+        zerodp.load_config({"zero_optimization": both})
+
+
 def test_bfloat16_is_bf16():
     assert zerodp.load_config({"bfloat16": {"enabled": True}}).bf16.enabled
     assert zerodp.load_config({"bfloat16": {"enabled": True}, "bf16": {"enabled": True}}).bf16.enabled

@@ -13,7 +13,7 @@
 - :data:`OFF_SECTIONS`: DeepSpeed sections for features zerodp lacks (monitors, profilers, the hybrid
   engine...): accepted and dropped when disabled (``enabled`` false, or absent: DeepSpeed's default),
   refused as not implemented when enabled.
-- :data:`ALIASES`: DeepSpeed's former section names (``bfloat16`` for ``bf16``), read as DeepSpeed does.
+- :data:`ALIASES`: DeepSpeed's former key names (``bfloat16`` for ``bf16``; dotted paths), read as DeepSpeed does.
 
 The "DeepSpeed config keys" table of docs/deepspeed.md lists the same keys (tests/test_readme_config_table.py).
 """
@@ -101,7 +101,13 @@ OFF_SECTIONS: dict[str, str] = {
 }
 
 #: DeepSpeed's former top-level names -> the name it reads them as (when the new name is absent).
-ALIASES: dict[str, str] = {"bfloat16": "bf16"}
+ALIASES: dict[str, str] = {
+    "bfloat16": "bf16",
+    # DeepSpeed's deprecated name (still read by DeepSpeed's config; in older HF example configs)
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": (
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save"
+    ),
+}
 
 
 #: dotted key path -> (the one value accepted: what zerodp always does, why another is refused). The
@@ -160,16 +166,18 @@ def screen_keys(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """
     out = copy.deepcopy(dict(config))
     found = []
-    for old, new in ALIASES.items():
-        if old not in out:
+    for old, new in ALIASES.items():  # an alias and its key share a parent section
+        present, given, parent = _lookup(out, old)
+        if not present:
             continue
-        given = out.pop(old)
-        if new in out and out[new] != given:
+        old_leaf, new_leaf = old.rsplit(".", 1)[-1], new.rsplit(".", 1)[-1]
+        del parent[old_leaf]
+        if new_leaf in parent and parent[new_leaf] != given:
             found.append(
                 f"'{old}' (DeepSpeed's former name of '{new}') and '{new}' are both given, with "
                 f"different values; give '{new}' only"
             )
-        out.setdefault(new, given)
+        parent.setdefault(new_leaf, given)
     for section, feature in OFF_SECTIONS.items():
         if section not in out:
             continue

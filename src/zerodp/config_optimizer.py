@@ -151,7 +151,12 @@ class WarmupLRParams(StrictModel):
     """lr(t) = min + (max - min) * gamma(t); gamma = log(t+1)/log(W) or t/W while t < W, then 1."""
 
     warmup_min_lr: float = Field(0.0, ge=0.0)
-    warmup_max_lr: float = Field(0.001, ge=0.0)
+    warmup_max_lr: float | None = Field(
+        None,
+        ge=0.0,
+        description="None: the first param group's lr, as DeepSpeed's WarmupLR (deepspeedai/DeepSpeed#7303: "
+        "a fixed 0.001 default overrode the optimizer's lr)",
+    )
     warmup_num_steps: int = Field(1000, gt=0)
     warmup_type: WarmupType = "log"
 
@@ -159,6 +164,7 @@ class WarmupLRParams(StrictModel):
 class WarmupDecayLRParams(WarmupLRParams):
     """As WarmupLR, then linear decay: gamma(t) = max(0, (T - t) / (T - W)) for t >= W."""
 
+    warmup_max_lr: float = Field(0.001, ge=0.0, description="DeepSpeed's WarmupDecayLR default")
     total_num_steps: int = Field(..., gt=0)
 
     _warmup_within_total = model_validator(mode="after")(lambda self: _warmup_within_total(self))

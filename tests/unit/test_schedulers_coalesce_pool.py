@@ -58,7 +58,7 @@ def test_warmup_decay_lr_linear() -> None:
 
 
 def test_warmup_gamma_edges() -> None:
-    assert warmup_gamma(0, 1, "log") == 1.0  # W = 1: no warmup
+    assert warmup_gamma(0, 2, "log") == 0.0 and warmup_gamma(1, 2, "log") == 1.0  # the shortest warmup
     assert warmup_gamma(3, 3, "linear") == 1.0 and warmup_gamma(1, 4, "linear") == 0.25
 
 

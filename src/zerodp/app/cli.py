@@ -342,7 +342,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if not inside_torchrun():
             from zerodp.app import data
 
-            text = data.load_text(settings.data, min_bytes=data.min_corpus_bytes(settings.model.seq_len))
+            need = data.min_corpus_bytes(settings.model.seq_len)
+            try:
+                text = data.load_text(settings.data, min_bytes=need)
+            except ValueError as exc:
+                if "at least" not in str(exc):
+                    raise
+                raise ValueError(
+                    f"{exc} for --seq-len {settings.model.seq_len} (the held-out tenth must hold one window of "
+                    "seq_len + 1 bytes): use a smaller --seq-len or a longer --data file"
+                ) from None
             if settings.resume:
                 train.check_resume(settings, train.corpus_fingerprint(data.encode(text)))
     except ValueError as exc:

@@ -62,10 +62,6 @@ def drop_auto(node: Any) -> Any:
     return node
 
 
-#: DeepSpeed's former names, renamed as DeepSpeed itself does
-RENAMED = {"stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
-
-
 def read_config(config: Any) -> dict[str, Any]:
     """A config dict from a dict or a JSON file path (None: empty).
 
@@ -113,11 +109,6 @@ def resolve_deepspeed_config(
         ConfigError: an ``"auto"`` that cannot be resolved (names the key and what must fill it).
     """
     cfg = copy.deepcopy(dict(raw))
-    zo = cfg.get("zero_optimization")
-    if isinstance(zo, dict):
-        for old, new in RENAMED.items():
-            if old in zo:
-                zo.setdefault(new, zo.pop(old))
     _resolve_batch(cfg)
     _resolve_hidden_size_keys(cfg, model)
     for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):

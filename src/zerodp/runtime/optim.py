@@ -53,6 +53,38 @@ class ParamGroupSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+def _refuse_non_tensors(items: list[Any], where: str, allowed: str) -> None:
+    """Raises ValueError naming the first entry of ``items`` that is not a tensor (a (name, parameter)
+    pair of ``model.named_parameters()``, a name...) and saying what ``allowed`` is."""
+    odd = next((x for x in items if not isinstance(x, torch.Tensor)), None)
+    if odd is None:
+        return
+    if isinstance(odd, tuple) and len(odd) == 2 and isinstance(odd[0], str):
+        what = f"({odd[0]!r}, parameter): from model.named_parameters()?"
+    else:
+        what = repr(odd)[:60]
+    raise ValueError(f"{where} holds a {type(odd).__name__} ({what}); {allowed}")
+
+
+def _raw_groups(module: nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
+    """``model_parameters`` as a list of param-group dicts (all of ``module``'s parameters for None).
+
+    Raises ValueError: an entry is neither a parameter nor a dict (or they are mixed).
+    """
+    if model_parameters is None:
+        return [{"params": list(module.parameters())}]
+    items = list(model_parameters)
+    if items and all(isinstance(x, dict) for x in items):
+        return [dict(x) for x in items]
+    _refuse_non_tensors(
+        items,
+        "model_parameters",
+        "it must be an iterable of parameters (model.parameters()) or of param-group dicts "
+        "({'params': [...], 'weight_decay': ...}), not a mix",
+    )
+    return [{"params": items}]
+
+
 def normalize_param_groups(module: nn.Module, model_parameters: Iterable[Any] | None) -> list[ParamGroupSpec]:
     """Turn ``model_parameters`` (None, parameters, or param-group dicts) into named groups.
 
@@ -62,19 +94,7 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable[Any] | 
     lists no parameter at all (an empty list, an exhausted generator, groups with empty ``params``).
     """
     names = {id(p): n for n, p in module.named_parameters()}
-    if model_parameters is None:
-        raw: list[dict[str, Any]] = [{"params": list(module.parameters())}]
-    else:
-        items = list(model_parameters)
-        if items and all(isinstance(x, dict) for x in items):
-            raw = [dict(x) for x in items]
-        elif all(isinstance(x, torch.Tensor) for x in items):
-            raw = [{"params": items}]
-        else:
-            raise ValueError(
-                "model_parameters must be an iterable of parameters or of param-group "
-                "dicts ({'params': [...], 'weight_decay': ...}), not a mix"
-            )
+    raw = _raw_groups(module, model_parameters)
     seen: set[int] = set()
     specs = []
     for gi, group in enumerate(raw):
@@ -88,6 +108,9 @@ def normalize_param_groups(module: nn.Module, model_parameters: Iterable[Any] | 
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         named = []
+        _refuse_non_tensors(
+            params, f"param group {gi}", "its 'params' must be parameters of the model (model.parameters())"
+        )
         for p in params:
             if id(p) not in names:
                 raise ValueError(

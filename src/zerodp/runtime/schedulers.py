@@ -1,13 +1,19 @@
 """DeepSpeed's warmup learning-rate schedules as torch ``LRScheduler`` subclasses.
 
 ``t`` is the number of optimizer steps already taken (0 for the first step); ``W`` the warmup steps,
-``T`` the total steps. Warmup factor: ``gamma(t) = log(t + 1) / log(W)`` (``warmup_type="log"``) or
-``t / W`` (``"linear"``) while ``t < W``, then 1.
+at least 2 (DeepSpeed's ``max(2, warmup_num_steps)``), ``T`` the total steps. Warmup factor:
+``gamma(t) = log(t + 1) / log(W)`` (``warmup_type="log"``) or ``t / W`` (``"linear"``) while ``t < W``,
+then 1.
 
-- WarmupLR:       lr(t) = min + (max - min) * gamma(t)
-- WarmupDecayLR:  as WarmupLR for t < W, then lr(t) = min + (max - min) * max(0, (T - t) / (T - W))
+- WarmupLR:       lr(t) = min + (max - min) * gamma(t); max defaults to the first param group's lr
+- WarmupDecayLR:  as WarmupLR for t < W, then lr(t) = min + (max - min) * max(0, (T - t) / max(1, T - W))
 - WarmupCosineLR: lr(t) = base_lr * r(t), r = warmup_min_ratio + (1 - warmup_min_ratio) * gamma(t)
-                  for t < W, then cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi (t - W)/(T - W))) / 2
+                  for t < W, then cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * p)) / 2 with
+                  p = min(1, (t - W + 1) / max(1, T - W)): the first step after warmup already decays
+
+Source: DeepSpeed's ``deepspeed/runtime/lr_schedules.py`` (the same lr(t) as its ``get_lr()`` at
+``last_batch_iteration = t``). These are torch ``LRScheduler``s, which take step t = 0 at construction;
+DeepSpeed's start at ``last_batch_iteration = -1`` (lr = min, or 0 for WarmupCosineLR) for the first step.
 """
 
 from __future__ import annotations
@@ -21,11 +27,17 @@ from torch.optim.lr_scheduler import LRScheduler
 from zerodp.config import SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams
 
 
+def warmup_steps_of(p: WarmupLRParams | WarmupCosineLRParams) -> int:
+    """``W``: ``warmup_num_steps``, at least 2 as in DeepSpeed (whose log warmup divides by log(W))."""
+    return max(2, p.warmup_num_steps)
+
+
 def warmup_gamma(t: int, warmup_steps: int, warmup_type: str) -> float:
+    """The warmup factor in [0, 1] after ``t`` steps of a ``warmup_steps`` (>= 2) step warmup."""
     if t >= warmup_steps:
         return 1.0
     if warmup_type == "log":
-        return math.log(t + 1) / math.log(warmup_steps) if warmup_steps > 1 else 1.0
+        return math.log(t + 1) / math.log(warmup_steps)
     return t / warmup_steps
 
 
@@ -44,9 +56,8 @@ class WarmupLR(_ClosedForm):
 
     def lr_at(self, t: int, base_lr: float) -> float:
         p = self.p
-        return p.warmup_min_lr + (p.warmup_max_lr - p.warmup_min_lr) * warmup_gamma(
-            t, p.warmup_num_steps, p.warmup_type
-        )
+        hi = float(self.base_lrs[0]) if p.warmup_max_lr is None else p.warmup_max_lr  # DeepSpeed: group 0's lr
+        return p.warmup_min_lr + (hi - p.warmup_min_lr) * warmup_gamma(t, warmup_steps_of(p), p.warmup_type)
 
 
 class WarmupDecayLR(WarmupLR):
@@ -57,9 +68,10 @@ class WarmupDecayLR(WarmupLR):
 
     def lr_at(self, t: int, base_lr: float) -> float:
         p = self.p
-        if t < p.warmup_num_steps:
+        w = warmup_steps_of(p)
+        if t < w:
             return super().lr_at(t, base_lr)
-        gamma = max(0.0, (p.total_num_steps - t) / max(1.0, p.total_num_steps - p.warmup_num_steps))
+        gamma = max(0.0, (p.total_num_steps - t) / max(1.0, p.total_num_steps - w))
         return p.warmup_min_lr + (p.warmup_max_lr - p.warmup_min_lr) * gamma
 
 
@@ -70,11 +82,11 @@ class WarmupCosineLR(_ClosedForm):
 
     def lr_at(self, t: int, base_lr: float) -> float:
         p = self.p
-        if t < p.warmup_num_steps:
-            g = warmup_gamma(t, p.warmup_num_steps, p.warmup_type)
+        w = warmup_steps_of(p)
+        if t < w:
+            g = warmup_gamma(t, w, p.warmup_type)
             return base_lr * (p.warmup_min_ratio + (1.0 - p.warmup_min_ratio) * g)
-        span = max(1, p.total_num_steps - p.warmup_num_steps)
-        progress = min(1.0, (t - p.warmup_num_steps) / span)
+        progress = min(1.0, (t - w + 1) / max(1, p.total_num_steps - w))
         return base_lr * (p.cos_min_ratio + (1.0 - p.cos_min_ratio) * (1.0 + math.cos(math.pi * progress)) / 2.0)
 
 
