@@ -203,7 +203,7 @@ def shutdown_distributed() -> None:
 # finalization exits through a forced unwind that std::terminate stops. torch knows the kind
 # (destroy_process_group's comment on _wait_for_pending_works; pytorch/pytorch#179291). The worker
 # only needs the GIL once more: releasing it for a moment after the last collective, before
-# finalization starts, lets it finish.
+# finalization starts, lets it finish (the same worker: 0 aborts in 150 runs with this, load 5-12).
 
 #: seconds the main thread sleeps (GIL released) so gloo's worker threads can drop their last works
 SETTLE_S = 0.05
