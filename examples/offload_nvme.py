@@ -16,7 +16,7 @@ config = {
     "train_micro_batch_size_per_gpu": 16,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
     "zero_optimization": {
-        "stage": 3, "stage3_param_persistence_threshold": 1000, "sub_group_size": 100_000,
+        "stage": 3, "stage3_param_persistence_threshold": 1000,
         "offload_param": {"device": "nvme", "nvme_path": args.nvme_path},
         "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme_path},
     },
