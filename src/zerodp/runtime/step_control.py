@@ -3,26 +3,29 @@ rank overflowed (fp16), and, where it can be taken first, the gradient norm's su
 all-reduce where there were two (docs/benchmarks/2026-12-02-host-overhead.md, "Presence flags and
 norm in one all-reduce").
 
-Before, ``engine.step`` all-reduced the presence flags (MAX), then staged the present gradients for the
-optimizer, then all-reduced the L2 norm's sum of squares (SUM, one fp64 element). The norm needs the
-staged gradients, which need the global flags, so the second collective waited for the first. But a
-rank on which *every* parameter received a gradient knows the global flags already (all set), so it
-can stage its gradients and take its sum of squares first. Where the step may do so on every rank
-(:func:`fusable`, decided from the configuration, the same on every rank), the step sends one fp64
-all-reduce (SUM) of
+Before, ``engine.step`` all-reduced the presence flags (MAX), then staged the gradients present on any
+rank for the optimizer, then all-reduced the L2 norm's sum of squares (SUM, one fp64 element). The norm
+needs the staged gradients, which need the global flags, so the second collective waited for the first.
+Now, where the step may take the norm early on every rank (:func:`fusable`, decided from the
+configuration, the same on every rank), each rank stages the gradients of the slots flagged *here*,
+takes their sum of squares, and sends one fp64 all-reduce (SUM) of
 
-    [sum of squares (0 where not taken), 1 if this rank could not take it, flag per parameter slot]
+    [sum of squares, flag per parameter slot (0 or 1)]
 
-and reads from it: present = flag sum > 0 (what MAX gave; the flags are 0 or 1), and, when no rank
-reports that it could not take its part, the norm, ``sqrt`` of element 0. The sum of squares is element
-0 so that gloo sums it exactly as it summed the one-element norm tensor (checked at 2-3 ranks: bitwise
-the same on 1,200 random cases; at 2 ranks the sum of two values is the same in either order). When
-some rank could not (a parameter without a gradient on it this step), the norm is taken as before, by
-:func:`zerodp.runtime.grad_norm.clip_at_step`'s own all-reduce, on every rank (the decision comes from
-the reduced element 1, the same on every rank). Not fused (the two collectives as before): fp16 (the
-norm is taken after the loss unscaling, which needs the overflow flag), model parallelism (two norm
-parts on two groups), stage 0 (no norm all-reduce), a world of one, an offload whose gradients are
-not the staged tensors (only :class:`zerodp.offload.no_offload.NoOffload` sets ``fuses_step_norm``).
+Every slot's sum is then 0 or the world size exactly when all ranks had the same flags; each rank sees
+the same sums, so every rank takes the same branch. Same flags (the usual case: every rank's loss
+reaches the same parameters): the staged set is the set present on any rank (what MAX gave), and the
+norm is ``sqrt`` of element 0. Otherwise: the slots present elsewhere only are staged too, and
+:func:`zerodp.runtime.grad_norm.clip_at_step` takes the norm with its own all-reduce, as before. The
+sum of squares is element 0 so that gloo sums it as it summed the one-element norm tensor (checked at 3
+ranks: bitwise the same on 1,200 random cases, element 0 of tensors of 2-301 elements; at 2 ranks a
+sum of two values is the same in either order); the flags are small integers, exact in fp64.
+
+Not fused (the two collectives as before): fp16 (the norm is taken after the loss unscaling, which
+needs the overflow flag), model parallelism (two norm parts on two groups), stage 0 (no norm
+all-reduce), a world of one, an offload whose norm does not read the staged tensors (only
+:class:`zerodp.offload.no_offload.NoOffload` sets ``fuses_step_norm``), a ``clip_grad_norm_`` factor
+still pending.
 """
 
 from __future__ import annotations
@@ -50,11 +53,11 @@ def fusable(engine: Any) -> bool:
     )
 
 
-def _stage(engine: Any, present: list[int] | None) -> None:
-    """Hand the gradient of every piece whose slot is ``present`` (all: None) to the optimizer."""
+def _stage(engine: Any, present: list[int]) -> None:
+    """Hand the gradient of every piece whose slot is flagged in ``present`` to the optimizer."""
     for g in engine.groups:
         for piece in g.pieces:
-            if present is None or present[piece.slot.index]:
+            if present[piece.slot.index]:
                 engine.optimizer_offload.stage_grad(piece, engine.reducer.held_grad(g, piece.lo, piece.hi))
 
 
@@ -73,16 +76,14 @@ def presence_and_stage(engine: Any, local_overflow: bool) -> tuple[bool, float |
             _stage(engine, flags.tolist())  # one conversion, not one tensor index per piece
         return overflow, None
     local = reducer.presence_flags()
-    control = torch.empty(2 + local.numel(), dtype=torch.float64)
-    ready = bool(local.all())  # every slot present here: present on every rank
-    if ready:
-        _stage(engine, None)
-        control[:1] = local_sum_of_squares(step_grads(engine))
-    else:
-        control[0] = 0.0
-    control[1] = 0.0 if ready else 1.0
-    control[2:] = local
+    mine = local.tolist()
+    _stage(engine, mine)  # what this rank has; complete when every rank has the same
+    control = torch.empty(1 + local.numel(), dtype=torch.float64)
+    control[:1] = local_sum_of_squares(step_grads(engine))
+    control[1:] = local
     comm.all_reduce(control, reducer.pg, engine.ledger, "grad_presence", op=ReduceOp.SUM)
-    if not ready:
-        _stage(engine, (control[2:] > 0).tolist())
-    return False, (float(control[:1].sqrt()) if control[1] == 0 else None)
+    counts = control[1:]
+    if bool(((counts == 0) | (counts == engine.world_size)).all()):  # every rank had the same flags
+        return False, float(control[:1].sqrt())
+    _stage(engine, [int(c > 0 and not m) for c, m in zip(counts.tolist(), mine, strict=True)])
+    return False, None  # the norm over what this rank lacked too: clip_at_step's own all-reduce
