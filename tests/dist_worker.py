@@ -791,6 +791,7 @@ def reports(stage: int) -> dict:
         "padded": padded,
         "owned": owned,
         "n_pieces": n_pieces,
+        "n_slots": len(engine.reducer.slots),
         "measured": mem.measured,
         "formula": mem.formula,
         "peak": mem.peak,

@@ -184,6 +184,9 @@ def test_comm_report_is_two_psi(launches: dict, world_size: int, stage: int) -> 
             assert ops["all_gather/parameters"][1] == steps * padded
             assert ops["reduce_scatter/gradients"][0] == steps * res["n_buckets"]
         assert ops.get("all_reduce/grad_presence", [0])[0] == (steps if n > 1 else 0)
+        if stage >= 1 and n > 1:  # every rank has the same gradients: the norm rides on the flags
+            assert "all_reduce/grad_norm" not in ops, ops
+            assert ops["all_reduce/grad_presence"][1] == steps * (res["n_slots"] + 1)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -15,6 +15,7 @@ FULL_GRAD_REDUCERS = "src/zerodp/runtime/full_grad_reducers.py"
 PARTITIONED_REDUCER = "src/zerodp/runtime/partitioned_reducer.py"
 PARTITION = "src/zerodp/runtime/partition.py"
 PRECISION = "src/zerodp/runtime/precision.py"
+STEP_CONTROL = "src/zerodp/runtime/step_control.py"
 SHARDING = "src/zerodp/stage3/sharding.py"
 HOOKS = "src/zerodp/stage3/hooks.py"
 CHECKPOINT = "src/zerodp/checkpoint/load.py"
@@ -151,9 +152,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "clip_with_local_grad_norm",
-        GRAD_NORM,
-        "    norm = norm_of(grads, engine.topology, _reduce_dp(engine), _all_reduce(engine), 2.0)\n",
-        "    norm = norm_of(grads, engine.topology, False, _all_reduce(engine), 2.0)\n",
+        STEP_CONTROL,
+        "        return False, float(control[:1].sqrt())\n",
+        "        return False, float(local_sum_of_squares(step_grads(engine)).sqrt())\n",
         [f"{FAULTS}::test_accumulation_with_clipping_below_the_norm[2-1]"],
     ),
     Mutant(
@@ -214,9 +215,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "unused_parameter_gets_zero_gradient",
-        ENGINE,
-        "                if present[piece.slot.index]:\n",
-        "                if True:\n",
+        STEP_CONTROL,
+        "            if present[piece.slot.index]:\n",
+        "            if True:\n",
         [f"{STAGES}::test_matches_reference[2-2-no_grad_some_steps]"],
     ),
     Mutant(

@@ -27,7 +27,7 @@ from zerodp.config import ConfigError, ZeroDPConfig
 from zerodp.offload.build import OptimizerOffload, build_offload
 from zerodp.offload.param_offload import ParamOffloadStrategy, build_param_offload
 from zerodp.offload.report import OffloadReport, offload_report
-from zerodp.runtime import accounting, comm, grad_norm
+from zerodp.runtime import accounting, comm, grad_norm, step_control
 from zerodp.runtime.accounting import CATEGORIES, CommReport, MemoryReport
 from zerodp.runtime.backward_agreement import BackwardAgreement, build_backward_agreement
 from zerodp.runtime.backward_roots import OutputRoots
@@ -358,7 +358,7 @@ class Engine(CheckpointMethods):
         self.optimizer_offload.check_health()  # collective: a lost swap file stops every rank here
         self.training_guards.before_update()
         local_overflow = self.loss_scaler is not None and self._has_inf_or_nan()
-        present_flags, overflow = self.reducer.presence(local_overflow)
+        overflow, norm = step_control.presence_and_stage(self, local_overflow)  # stages the gradients
         if overflow:  # every rank skips: parameters and optimizer states stay exactly as they were
             self.optimizer_offload.skipped_step()  # edits still reach the masters (NVMe folds them at the step)
             self.reducer.zero_grads()
@@ -368,14 +368,9 @@ class Engine(CheckpointMethods):
             self.global_steps += 1
             self.ledger.steps += 1
             return
-        present = present_flags.tolist()  # one conversion, not one tensor index per piece
-        for g in self.groups:
-            for piece in g.pieces:
-                if present[piece.slot.index]:
-                    self.optimizer_offload.stage_grad(piece, self.reducer.held_grad(g, piece.lo, piece.hi))
         if self.loss_scaler is not None:
             self._scale_grads(1.0 / self.loss_scaler.scale)
-        self._global_grad_norm = grad_norm.clip_at_step(self, self.config.gradient_clipping, self._scale_grads)
+        self._global_grad_norm = grad_norm.clip_at_step(self, self.config.gradient_clipping, self._scale_grads, norm)
         self.optimizer_offload.step(self.optimizer)
         self.optimizer_offload.finish_step()  # the module's parameters now hold the update
         if self.lr_scheduler is not None:

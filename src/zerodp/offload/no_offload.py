@@ -28,6 +28,9 @@ class NoOffload:
     #: the reduced gradients stay in the reducer's buffers until the step (nothing streams at backward,
     #: so a ``clip_grad_norm_`` factor scales them at once)
     streams_grads = False
+    #: the staged gradients are what the step's norm reads, so the step may take the norm with the
+    #: presence flags (:mod:`zerodp.runtime.step_control`)
+    fuses_step_norm = True
     #: the engine keeps every shard resident for the whole step
     shard_access: object | None = None
 

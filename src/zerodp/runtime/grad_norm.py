@@ -16,7 +16,8 @@ for the L2 norm). Two entry points:
 - :func:`clip_at_step` (``engine.step``): the L2 norm of the gradients the optimizer is about to use
   (after loss unscaling and any ``clip_grad_norm_``), then clipping to ``"gradient_clipping"`` when it
   is > 0. The norm is computed at every step, with or without clipping (one pass over the owned
-  gradients and one all-reduce of one fp64 element; ~1.3-1.8 ms per 5 M elements on one CPU thread,
+  gradients and one all-reduce of one fp64 element, or none of its own where it travels with the
+  presence flags, see :mod:`zerodp.runtime.step_control`; ~1.3-1.8 ms per 5 M elements on one CPU thread,
   see :func:`zerodp.runtime.topology._sum_of_squares`), for ``engine.get_global_grad_norm()``: the
   L2 norm of the gradient the step received, before ``"gradient_clipping"`` (as DeepSpeed's), so
   after any clipping by the user (``clip_grad_norm_``, or torch's on ``param.grad`` at stage 0, which
@@ -122,6 +123,11 @@ def _owned_grads(engine: Any, read: Callable[[Any, Any], torch.Tensor | None]) -
     return by_kind
 
 
+def step_grads(engine: Any) -> tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]]:
+    """(MP-partitioned, replicated) gradients staged for the optimizer on this rank's pieces."""
+    return tuple(engine.optimizer_offload.norm_grads(ps) for ps in _owned_grads(engine, lambda g, p: p))
+
+
 def _all_reduce(engine: Any) -> Callable[..., Any]:
     return lambda t, group, op: comm.all_reduce(t, group, engine.ledger, "grad_norm", op=op)
 
@@ -190,19 +196,22 @@ def _clip_grad_norm(engine: Any, max_norm: float, norm_type: float) -> torch.Ten
     return torch.tensor(norm, dtype=torch.float32, device=device)
 
 
-def clip_at_step(engine: Any, max_norm: float, scale_grads: Callable[[float], None]) -> float:
+def clip_at_step(
+    engine: Any, max_norm: float, scale_grads: Callable[[float], None], norm: float | None = None
+) -> float:
     """In ``engine.step``, after the gradients were staged for the optimizer and unscaled: apply a
-    ``clip_grad_norm_`` factor still pending (offload), take the L2 norm, and if ``max_norm > 0`` scale
-    the gradients (``scale_grads(factor)``) so that it is at most ``max_norm``.
+    ``clip_grad_norm_`` factor still pending (offload), take the L2 norm (unless ``norm`` is given:
+    taken already with the presence flags, :mod:`zerodp.runtime.step_control`), and if ``max_norm > 0``
+    scale the gradients (``scale_grads(factor)``) so that it is at most ``max_norm``.
 
     Returns:
         The value for ``engine.get_global_grad_norm()``: the L2 norm before the ``max_norm`` clipping.
     """
     state = engine.grad_clip.current(engine.global_steps)
-    if state.pending != 1.0:
-        scale_grads(state.pending)
-    grads = tuple(engine.optimizer_offload.norm_grads(ps) for ps in _owned_grads(engine, lambda g, p: p))
-    norm = norm_of(grads, engine.topology, _reduce_dp(engine), _all_reduce(engine), 2.0)
+    if norm is None:
+        if state.pending != 1.0:
+            scale_grads(state.pending)
+        norm = norm_of(step_grads(engine), engine.topology, _reduce_dp(engine), _all_reduce(engine), 2.0)
     state.reset()
     if max_norm > 0:
         coef = max_norm / (norm + CLIP_EPS)

@@ -160,6 +160,13 @@ def _sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def local_sum_of_squares(grads_by_kind: tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]]) -> torch.Tensor:
+    """This rank's part of the squared L2 norm without model parallelism: the sums of squares of both
+    kinds of :func:`global_grad_norm`'s ``grads_by_kind``, added, as a 1-element fp64 CPU tensor."""
+    parts = [_sum_of_squares(grads) for grads in grads_by_kind]
+    return (parts[0] + parts[1]).reshape(1)
+
+
 def global_grad_norm(
     grads_by_kind: tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]],
     topology: Topology,
@@ -178,13 +185,12 @@ def global_grad_norm(
     Returns:
         sqrt(sum over MP ranks of the partitioned parts + the replicated part counted once), in fp64.
     """
-    parts = [_sum_of_squares(grads) for grads in grads_by_kind]
     if not topology.model_parallel:  # one element, as without tensor parallelism
-        sq = (parts[0] + parts[1]).reshape(1)
+        sq = local_sum_of_squares(grads_by_kind)
         if reduce_dp:
             all_reduce(sq, topology.dp_group)
         return float(sq.sqrt())
-    sq = torch.stack(parts)
+    sq = torch.stack([_sum_of_squares(grads) for grads in grads_by_kind])
     if reduce_dp:
         all_reduce(sq, topology.dp_group)
     mp_part = sq[:1].clone()
