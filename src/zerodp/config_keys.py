@@ -126,6 +126,10 @@ ONLY_VALUE: dict[str, tuple[Any, str]] = {
     "communication_data_type": (None, "gradients are reduced in the module's dtype"),
     "fp16.auto_cast": (False, "inputs are not cast; the module runs in fp16"),
     "fp16.fp16_master_weights_and_grads": (False, "masters are always fp32"),
+    "fp16.consecutive_hysteresis": (False, "the hysteresis budget is restored when the loss scale grows"),
+    "dataloader_drop_last": (False, "zerodp builds no data loader (DeepSpeed's deepspeed_io)"),
+    "memory_breakdown": (False, "memory is reported by engine.memory_report()"),
+    "dump_state": (False, "the engine's state is not printed at the first step"),
 }
 
 
