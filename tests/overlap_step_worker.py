@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import zerodp  # noqa: E402
 from distributed import run_selected, worker_args  # noqa: E402
-from param_offload_worker import Chain, same  # noqa: E402
+from param_offload_worker import Chain, same, same_run  # noqa: E402
 from zerodp.offload.param_home import UseHook  # noqa: E402
 
 MICRO = 2  # rows per rank and micro-step
@@ -99,18 +99,9 @@ def no_param_offload() -> dict:
     out: dict = {}
     for precision in ("fp32", "bf16"):
         runs = {mode: _train(mode, precision) for mode in ("plain", "nvme", "overlap")}
-
-        def eq(a: tuple, b: tuple) -> bool:
-            return (
-                a[0] == b[0]
-                and len(a[1]) == len(b[1])
-                and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
-                and same(a[2], b[2])
-            )
-
         out[precision] = {
-            "overlap_vs_nvme": eq(runs["overlap"][0], runs["nvme"][0]),
-            "overlap_vs_plain": eq(runs["overlap"][0], runs["plain"][0]),
+            "overlap_vs_nvme": same_run(runs["overlap"][0], runs["nvme"][0]),
+            "overlap_vs_plain": same_run(runs["overlap"][0], runs["plain"][0]),
             "changed": not same(runs["plain"][0][2], _initial_state(precision)),
             **runs["overlap"][2],
         }

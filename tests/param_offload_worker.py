@@ -161,6 +161,17 @@ def same(a: dict, b: dict) -> bool:
     return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def same_run(a: tuple, b: tuple) -> bool:
+    """Two runs' ``(losses, tensors read, state dict, *rest)`` bitwise equal (rest compared with ==)."""
+    return (
+        a[0] == b[0]
+        and len(a[1]) == len(b[1])
+        and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+        and same(a[2], b[2])
+        and a[3:] == b[3:]
+    )
+
+
 def equality(name: str, under_init: bool = False) -> dict:
     """Losses and final parameters of none / cpu / nvme, bitwise."""
     spec = SPECS[name]
@@ -413,17 +424,8 @@ def overlap_step() -> dict:
         runs[mode] = (losses, seen, engine.module_state_dict(), engine.get_lr())
         engine.close()
 
-    def eq(a: tuple, b: tuple) -> bool:
-        return (
-            a[0] == b[0]
-            and len(a[1]) == len(b[1])
-            and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
-            and same(a[2], b[2])
-            and a[3] == b[3]
-        )
-
     return {
-        "equal": {"nvme": eq(runs["nvme"], runs["none"]), "overlap": eq(runs["overlap"], runs["none"])},
+        "equal": {"nvme": same_run(runs["nvme"], runs["none"]), "overlap": same_run(runs["overlap"], runs["none"])},
         "deferred": deferred,
         "lrs": runs["none"][3],
     }
