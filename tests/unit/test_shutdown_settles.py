@@ -2,7 +2,7 @@
 during interpreter finalization ([Note: gloo teardown abort] in zerodp.runtime.comm): it drops zerodp's
 own references to the groups (the control-group cache) and releases the GIL for ``SETTLE_S`` after
 destroying the group; ``init_distributed`` registers the same settle with atexit, once per process.
-The abort itself is a rare race (3 in 80 runs before the fix); tests/test_config_agreement.py runs the
+The abort itself is a rare race (7 in 217 runs before the fix); tests/test_config_agreement.py runs the
 worker where it was seen."""
 
 from __future__ import annotations
