@@ -1,4 +1,4 @@
-"""``zerodp train --preset infinity --nvme-path DIR``: the ZeRO-Infinity scale demo (issue 14).
+"""``zerodp train --preset infinity --nvme-path DIR``: the ZeRO-Infinity scale demo.
 
 Sizes a GPT from this machine's RAM and free disk so that its model states (16 bytes per parameter
 in mixed precision: bf16 parameter and gradient, fp32 master, Adam moments) are at least

@@ -1,6 +1,6 @@
 """The RAM rows of ``zerodp train --preset infinity``'s plan (:func:`ram_accounting`): host bytes per
 rank at the run's peak, each row bounded by a layer, a sub-group, a configured pool or the activations,
-none by the parameter count (issue 31 item 3).
+none by the parameter count.
 
 Every row names a holder that :file:`tools/infinity_rss_probe.py` measures from live storages (the
 engine's buffers, pools and shards, and ``mallinfo2`` / ``VmRSS`` for the rest). On the 3.8B run's knobs

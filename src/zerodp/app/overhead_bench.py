@@ -1,6 +1,5 @@
 """``python -m zerodp.app.overhead_bench``: the host CPU cost of a training step per module, where
-compute is negligible (issue 28's benchmark: on a GPU this cost decides whether the host keeps ahead
-of the device).
+compute is negligible (on a GPU this cost decides whether the host keeps ahead of the device).
 
 The model is ``--layers`` x ``nn.Linear(--width, --width)`` (64 x Linear(64, 64) by default) on a batch
 of ``--batch`` rows, trained with AdamW on the CPU over gloo, at ``--ranks`` ranks (2). Systems, each

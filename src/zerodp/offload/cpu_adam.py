@@ -2,10 +2,10 @@
 (``zero_optimization.offload_optimizer.cpu_adam``, zerodp's own key).
 
 - ``"fused"`` (default): torch's fused CPU kernel (``torch._fused_adam_`` / ``torch._fused_adamw_``,
-  selected by ``fused=True`` on the param group). Measured on this project's 2-core machine in
-  ``docs/benchmarks/2026-12-01-offload.md``: about 4x faster than the for-loop kernel the non-offloaded engine uses on
-  CPU tensors. Its arithmetic differs in rounding order, so the parameters equal the non-offloaded
-  engine's within about 1e-6 relative, not bitwise.
+  selected by ``fused=True`` on the param group), faster than the for-loop kernel the non-offloaded
+  engine uses on CPU tensors (``docs/benchmarks/2026-12-01-offload.md``, "CPU Adam kernel"). Its
+  arithmetic differs in rounding order, so the parameters equal the non-offloaded engine's within
+  about 1e-6 relative, not bitwise.
 - ``"same"``: the non-offloaded engine's kernel (torch's default choice for the optimizer's
   options), so the offloaded run is bitwise equal to the non-offloaded one.
 

@@ -96,10 +96,9 @@ def _reduce_scatter_single(
     all-to-all (rank r receives every rank's chunk r) followed by a local sum of the received chunks.
 
     [Note: gloo reduce-scatter] gloo's own reduce-scatter copies its input and costs more than its
-    all-reduce of the same buffer: with 2 ranks and 3.26 M fp32 elements, 18-22 ms per call against
-    11-13 ms for an all-reduce and 7.5-8 ms for the all-to-all plus the sum; a coalesced group of
-    four stage-3 units (787 K elements) 9-10.5 ms against 5.1-5.6 ms for four all-to-alls
-    (docs/benchmarks/2026-12-01-bench.md, "Reduce-scatter on gloo"). Each rank sends and receives the (N-1)/N of the
+    all-reduce of the same buffer, and the all-to-all plus the sum less than either, also for a
+    coalesced group of stage-3 units (figures and command: docs/benchmarks/2026-12-01-bench.md,
+    "Reduce-scatter on gloo"). Each rank sends and receives the (N-1)/N of the
     buffer that a reduce-scatter moves, so the traffic is the same. The received chunks are summed in rank order;
     with 2 ranks the result equals the reduce-scatter's bit for bit (a + b = b + a). The receive
     buffer (``received``, or a new tensor like ``input``) is held until the wait, as gloo's own copy of

@@ -17,8 +17,8 @@ for the L2 norm). Two entry points:
   (after loss unscaling and any ``clip_grad_norm_``), then clipping to ``"gradient_clipping"`` when it
   is > 0. The norm is computed at every step, with or without clipping (one pass over the owned
   gradients and one all-reduce of one fp64 element, or none of its own where it travels with the
-  presence flags, see :mod:`zerodp.runtime.step_control`; ~1.3-1.8 ms per 5 M elements on one CPU thread,
-  see :func:`zerodp.runtime.topology._sum_of_squares`), for ``engine.get_global_grad_norm()``: the
+  presence flags, see :mod:`zerodp.runtime.step_control`; its cost:
+  :func:`zerodp.runtime.topology._sum_of_squares`), for ``engine.get_global_grad_norm()``: the
   L2 norm of the gradient the step received, before ``"gradient_clipping"`` (as DeepSpeed's), so
   after any clipping by the user (``clip_grad_norm_``, or torch's on ``param.grad`` at stage 0, which
   the engine cannot tell apart from a smaller gradient).

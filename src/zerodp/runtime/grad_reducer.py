@@ -110,8 +110,8 @@ class GradientReducer(Generic[PayloadT]):
         self.slots: list[ParamSlot] = [s for g in groups for s in g.slots if trainable(s)]
         n_slots = max((s.index for g in groups for s in g.slots), default=-1) + 1
         self._present = torch.zeros(n_slots, dtype=torch.int32)
-        # numpy views sharing the flags' memory: the per-gradient hooks index them ~50x cheaper than
-        # the tensors (one torch op per index costs microseconds; see docs/benchmarks/2026-12-01-bench.md)
+        # numpy views sharing the flags' memory: the per-gradient hooks index them far more cheaply than
+        # the tensors, a torch op per index (docs/benchmarks/2026-12-01-bench.md)
         self._present_np = self._present.numpy()
         self._slot_bucket: dict[int, tuple[FlatGroup, Bucket]] = {
             s.index: (g, b) for g in groups for b in g.buckets for s in b.slots

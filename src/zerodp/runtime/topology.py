@@ -122,12 +122,10 @@ def _sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     """Sum of the squared elements of ``grads``: a 0-d fp64 tensor on the CPU. The L2 norm of each
     chunk of :data:`NORM_CHUNK` elements of each gradient is taken in fp32 (fp64 for fp64 gradients)
     and the squares of those norms are summed in fp64. One fp32 norm per whole tensor (as
-    ``torch.nn.utils.clip_grad_norm_`` takes) loses precision with the tensor's size: on random fp32
-    gradients, relative error 2e-5 in the sum of squares at 1 M elements, 1.6e-4 at 4 M, 8e-3 at 50 M,
-    against 3e-7 in chunks at the same cost (24 ms for 50 M). On the bench's 3.3M-parameter GPT with
-    random gradients, one norm per tensor took 0.7 ms per call against 18-20 ms for an fp64 sum
-    (docs/benchmarks/2026-12-01-bench.md, "Gradient norm"); on 94 tensors of 5.3 M elements in all, 1.3 ms with one norm
-    per tensor, 1.8 ms in chunks (one thread). One device-to-host copy per device, not one per gradient.
+    ``torch.nn.utils.clip_grad_norm_`` takes) loses precision as the tensor grows; chunks keep the
+    relative error near fp32's rounding at a cost close to it and far below an fp64 sum's (errors and
+    timings with their command: docs/benchmarks/2026-12-01-bench.md, "Gradient norm"). One
+    device-to-host copy per device, not one per gradient.
 
     When ``grads`` is a list (every gradient already materialised), consecutive CPU gradients of one
     dtype with fewer than :data:`NORM_CHUNK` elements are normed by one ``torch._foreach_norm`` call,

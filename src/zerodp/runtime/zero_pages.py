@@ -14,14 +14,13 @@ extra peak RSS came from").
 zeroes it with ``madvise(MADV_DONTNEED)``: the kernel drops the pages, and the next access to each
 page reads zeros, so the values are exactly those of ``zero_()`` (bitwise) while the buffer holds
 memory only where backward has written a gradient. With 4 KiB pages the page faults that follow cost
-several times a ``zero_()`` (13 MB: 14 ms against 1.5 ms per step, measured), so the buffer starts on
-a 2 MiB boundary and its whole 2 MiB pages are marked ``MADV_HUGEPAGE`` and released; the partial
-last one (the tail, under 2 MiB) is not marked, so that it holds no more than base pages would, and
-is zeroed with ``zero_()`` (it stays resident): releasing its 4 KiB pages made backward fault each
-one in again at every step, about 4 us per page (1 MiB: ~1 ms of the training thread's CPU time
-per step, docs/benchmarks/2026-12-02-host-overhead.md). A buffer under 2 MiB, or where transparent
-huge pages are off (or not Linux, or not on the CPU), is a plain ``torch.zeros`` tensor zeroed with
-``zero_()``.
+several times a ``zero_()`` (docs/benchmarks/2026-12-01-bench.md, "Where stage 0's extra peak RSS
+came from"), so the buffer starts on a 2 MiB boundary and its whole 2 MiB pages are marked
+``MADV_HUGEPAGE`` and released; the partial last one (the tail, under 2 MiB) is not marked, so that it
+holds no more than base pages would, and is zeroed with ``zero_()`` (it stays resident): releasing its
+4 KiB pages made backward fault each one in again at every step, on the training thread
+(docs/benchmarks/2026-12-02-host-overhead.md). A buffer under 2 MiB, or where transparent huge pages
+are off (or not Linux, or not on the CPU), is a plain ``torch.zeros`` tensor zeroed with ``zero_()``.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ with ``mallopt`` turns that off and leaves the trim threshold at its 128 KiB def
 that leaves more than 128 KiB unused at the top of the heap shrinks it and the next allocation faults
 those pages in again (the gather pool's slabs freed after each backward, gloo's per-call copies below
 the mmap threshold). Pinning therefore also sets ``M_TRIM_THRESHOLD`` to twice the pinned value, as the
-dynamic rule would (unless the user set ``MALLOC_TRIM_THRESHOLD_``): on the bench's small GPT this cut
-the page faults per step by about a third (docs/benchmarks/2026-12-01-bench.md, "Stage-3 copies").
+dynamic rule would (unless the user set ``MALLOC_TRIM_THRESHOLD_``), which cuts the page faults per
+step (docs/benchmarks/2026-12-01-bench.md, "Stage-3 copies").
 
 This is process-wide and cannot be undone by zerodp; it is applied once, when a stage-3 engine (or
 ``zero.Init``) is built, only on glibc, and never when the user set ``MALLOC_MMAP_THRESHOLD_`` (their

@@ -379,7 +379,7 @@ class ParameterCoordinator:
         """Update the peaks after a gather. Only units not SHARDED are read: a SHARDED unit's storages
         hold 0 bytes (its release emptied them; :meth:`gathered_bytes` reads every unit and the
         memory reports and tests rely on it), so the sum is the same at a fraction of the cost of
-        reading every unit at every fetch (about 10 ms per step on the bench's small GPT, 19 units)."""
+        reading every unit at every fetch."""
         live = [u for u in self.index.units if u.state is not ShardState.SHARDED]
         self.peak_live_elements = max(self.peak_live_elements, sum(u.numel for u in live))
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(u.gathered_bytes() for u in live))
