@@ -152,16 +152,9 @@ class Engine(CheckpointMethods):
         self._broadcast_from_rank0()
 
     def _build_guards(self) -> None:
-        """The training-loop guards, the shutdown check and, with the collective guard on, the agreement
-        on each backward's collectives (:mod:`zerodp.runtime.backward_agreement`)."""
+        """The training-loop guards and the shutdown check."""
         self.training_guards = TrainingGuards(self)
         self.collective_guard.install_shutdown_check(self)
-        self.backward_tags: BackwardAgreement | None = None
-        if self.collective_guard.enabled:
-            self.backward_tags = build_backward_agreement(
-                self.collective_guard, self.module, self.groups, self.sharding is not None
-            )
-            self.backward_tags.attach(self.reducer)
 
     def _build_optimizer_update(self) -> None:
         """This rank's pieces and the optimizer update, chosen once: in place (NoOffload) or the host /
@@ -184,7 +177,15 @@ class Engine(CheckpointMethods):
 
     def _build_reducer(self) -> None:
         """The stage's gradient reducer; gradients accumulate in ``precision.grad_accum_dtype`` (fp32
-        under bf16/fp16 with k > 1 micro-steps)."""
+        under bf16/fp16 with k > 1 micro-steps). With the collective guard on, the agreement on each
+        backward's collectives (:mod:`zerodp.runtime.backward_agreement`) is built first: the reducer
+        gets its tag as ``launch_check``."""
+        self.backward_tags: BackwardAgreement | None = None
+        if self.collective_guard.enabled:
+            self.backward_tags = build_backward_agreement(
+                self.collective_guard, self.module, self.groups, self.sharding is not None
+            )
+            self.backward_tags.attach()
         self.reducer: GradientReducer = build_reducer(
             self.stage,
             self.groups,
@@ -196,6 +197,7 @@ class Engine(CheckpointMethods):
             self.precision.grad_accum_dtype,
             # an offload's copies of the boundary's reduced gradients start per bucket
             self._stream_bucket if self.optimizer_offload.streams_grads else None,
+            launch_check=self.backward_tags.note_reduce if self.backward_tags is not None else None,
             # with NVMe offload (no fp16 scaling), gradients go to disk per unit
             spill=None if self.loss_scaler is not None else self.optimizer_offload.gradient_spill,
             staging_pool=self.sharding.pool if self.sharding is not None else None,

@@ -64,7 +64,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn, Protocol
+from typing import NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -142,12 +142,11 @@ class BackwardAgreement(TagWaits):
         the crc32 of their positions (32 bits), so that a differing fetch order or count differs."""
         return ((digest & 0xFFFFFFFF) << 30) | ((fetches & 0x3FF) << 20) | (posted & 0xFFFFF)
 
-    def attach(self, reducer: Any) -> None:
-        """Tag the guard's backward fetches and launches and ``reducer``'s (a
-        :class:`~zerodp.runtime.reducer.GradientReducer`) bucket reductions."""
+    def attach(self) -> None:
+        """Tag the guard's backward fetches and launches (the reducer's bucket reductions are tagged
+        through :meth:`note_reduce`, its ``launch_check`` given at its construction)."""
         self.guard.backward_gather = self.note_gather
         self.guard.backward_launch = self.before_launch
-        reducer.launch_check = self.note_reduce
 
     # ---- backward boundaries -------------------------------------------------------------------------
     def begin(self, step: int, micro_step: int) -> None:

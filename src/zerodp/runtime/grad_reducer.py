@@ -97,6 +97,7 @@ class GradientReducer(Generic[PayloadT]):
         overlap_comm: bool,
         accumulate_dtype: torch.dtype | None = None,
         on_reduced: Callable[[FlatGroup, Bucket], None] | None = None,
+        launch_check: Callable[[list[tuple[int, int]]], None] | None = None,
     ) -> None:
         self.groups = groups
         #: dtype gradients accumulate in across micro-steps (None: each group's parameter dtype)
@@ -142,7 +143,7 @@ class GradientReducer(Generic[PayloadT]):
         #: called with the (group index, bucket index) list of the buckets one collective reduces (one
         #: bucket, or a coalesced stage-3 group) just before it is launched (the backward agreement's
         #: tag, :mod:`zerodp.runtime.backward_agreement`); None: no check
-        self.launch_check: Callable[[list[tuple[int, int]]], None] | None = None
+        self.launch_check = launch_check
         self.defer_once = False  # this micro-step only: launch every bucket when backward returns
 
     # ---- hook wiring -------------------------------------------------------------------------------

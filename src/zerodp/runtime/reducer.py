@@ -59,6 +59,7 @@ def build_reducer(
     accumulate_dtype: torch.dtype | None,
     on_reduced: Callable[[FlatGroup, Bucket], None] | None,
     *,
+    launch_check: Callable[[list[tuple[int, int]]], None] | None = None,
     spill: SpillFactory | None,
     staging_pool: StagingPool | None,
     coalesce_elements: int,
@@ -69,14 +70,16 @@ def build_reducer(
     written out per unit), ``staging_pool`` and ``coalesce_elements`` (stage 3's coalesced
     reduce-scatters); at stage 2 autograd accumulates into views of the staging buffers
     ([Note: gradient views] in :mod:`zerodp.runtime.grad_views`). ``on_reduced(group, bucket)``: called
-    once each bucket is reduced."""
+    once each bucket is reduced. ``launch_check(buckets)``: called before each collective is launched
+    (the backward agreement's tag; None: no check)."""
     args = (groups, rank, world_size, pg, ledger, zc.overlap_comm, accumulate_dtype, on_reduced)
     if stage == 0:
-        return AllReduceReducer(*args)
+        return AllReduceReducer(*args, launch_check=launch_check)
     if stage == 1:
-        return FullGradReduceScatter(*args)
+        return FullGradReduceScatter(*args, launch_check=launch_check)
     return partitioned_reducer(
         *args,
+        launch_check=launch_check,
         contiguous_gradients=zc.contiguous_gradients,
         grad_views=stage == 2,
         spill=spill,
