@@ -1,9 +1,12 @@
 """``zerodp train --preset infinity`` sizing (issue 14): the plan printed by ``--dry-run`` at tiny
-assumed sizes, the refusals (disk, RAM, missing path), and the worker's measurement helpers. The real
-run is a separate command (docs/infinity.md), not part of the suite."""
+assumed sizes, the refusals (disk, RAM, missing path), the worker's measurement helpers, and one
+whole run of the preset at a tiny assumed RAM (the worker under torchrun, 1 rank, 2 steps). The runs
+at scale are a separate command (docs/infinity.md), not part of the suite."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -324,3 +327,80 @@ def test_grad_accum_amortises_the_optimizer_and_swaps_fp32_gradients(
         == 0
     )
     assert "3 steps of 4 x 2 x 128 tokens per rank" in capsys.readouterr().out
+
+
+def test_report_attributes_time_per_phase_and_probes_the_disk_again() -> None:
+    """Issue 31 items 4 and 7: per phase (forward, backward, step()) the wall time, this rank's I/O wait
+    and the disk's idle time (wall - io_ticks busy) are reported, and the raw probe is run again after
+    the run; a disk below half of its start figure then is named as slower (numbers injected)."""
+    rec = {
+        "step": 2,
+        "loss": 5.0,
+        "seconds": 30.0,
+        "read": 10**9,
+        "written": 10**9,
+        "busy_s": 20.0,
+        "wait_s": 6.0,
+        "phases": [[10.0, 1.0, 8.0], [12.0, 2.0, 12.0], [8.0, 3.0, -1.0]],
+    }
+    every = [
+        {
+            "rank": 0,
+            "peak_rss": 2**30,
+            "peak_rss_build": 2**29,
+            "rss_after_init": 2**28,
+            "rss_after_initialize": 2**28,
+            "records": [rec],
+        }
+    ]
+    plan = {"model": {"n_layer": 2, "d_model": 128}, "probe_bytes": 2**20}
+    text = infinity_run.report(every, plan, 2e9, 2e9, 1.0, "vda", (1.9e9, 1.5e9)).splitlines()
+    assert "  step 2: forward 10.0 / 1.0 / 2.0, backward 12.0 / 2.0 / 0.0, step() 8.0 / 3.0 / n/a" in text
+    probe = next(line for line in text if line.startswith("raw sequential direct I/O after the run"))
+    assert "write 1,900 MB/s (0.95 of the start), read 1,500 MB/s (0.75 of the start)" in probe
+    assert not any(line.startswith("WARNING the disk itself") for line in text)
+    slow = infinity_run.report(every, plan, 2e9, 2e9, 1.0, "vda", (1.9e9, 0.9e9))
+    assert "WARNING the disk itself is slower after the run" in slow
+    # without the probe after the run (older records, rank != 0) nothing is claimed about it
+    assert "after the run" not in infinity_run.report(every, plan, 2e9, 2e9, 1.0, "vda")
+
+
+def test_phase_meter_sums_micro_batches_per_phase() -> None:
+    """The meter adds each phase's wall time and I/O wait over micro-batches (disk busy -1 without a
+    device) and keeps the phases apart."""
+    clock = infinity_run.IOWaitClock()
+    meter = infinity_run.PhaseMeter(clock, None)
+    for _ in range(2):
+        meter.start()
+        clock.seconds += 0.5
+        meter.end(0)
+        meter.end(1)
+        clock.seconds += 0.25
+        meter.end(2)
+    (f, b, s) = meter.phases()
+    assert (f[1], b[1], s[1]) == (1.0, 0.0, 0.5) and f[2] == b[2] == s[2] == -1.0
+    assert f[0] >= 0 and b[0] >= 0 and s[0] >= 0 and len(meter.growth) == 3
+
+
+def test_a_tiny_run_trains_reports_and_removes_its_swap_files(tmp_path: Path) -> None:
+    """The worker end to end (``zerodp train --preset infinity`` at ``--assume-ram 64MB``): it trains
+    2 steps with a falling loss, its report carries every part (per-step table, per-phase times, the
+    probe after the run, each rank's peak RSS against the plan), and the swap files are gone."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    cmd = [sys.executable, "-m", "zerodp.app.cli", "train", "--preset", "infinity", "--nvme-path", str(nvme)]
+    out = subprocess.run(
+        cmd + ["--nproc", "1", "--assume-ram", "64MB", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    losses = [float(line.split()[3].rstrip(",")) for line in lines if line.startswith("step ") and ": loss" in line]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    assert any(line.startswith("raw sequential direct I/O after the run (same probe): write ") for line in lines)
+    phases = [line for line in lines if line.startswith("  step ") and ", backward " in line]
+    assert len(phases) == 2 and all(" step() " in line for line in phases)
+    assert any(line.startswith("per rank: peak RSS / the plan's RAM rows") for line in lines)
+    assert not any(p.is_file() for p in nvme.rglob("*")), sorted(map(str, nvme.rglob("*")))

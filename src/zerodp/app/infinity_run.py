@@ -37,6 +37,12 @@ from zerodp.offload import aio
 from zerodp.runtime.accounting import human_bytes
 
 
+#: the swappers' direct-I/O settings, also those of the raw probe: two threads per pool keep a read
+#: and a write in flight at once, the optimizer step's mix (one thread moves that mix markedly slower
+#: than the disk allows: docs/benchmarks/2026-12-02-infinity-3x.md, tools/disk_mix_probe.py)
+PRESET_AIO = {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 2}
+
+
 def engine_config(plan: dict, nvme_path: str, world: int) -> dict:
     k = plan["knobs"]
     return {
@@ -67,7 +73,7 @@ def engine_config(plan: dict, nvme_path: str, world: int) -> dict:
                 "max_in_cpu": k["max_in_cpu"],
             },
         },
-        "aio": {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1},
+        "aio": dict(PRESET_AIO),
     }
 
 
@@ -155,13 +161,51 @@ class StepRecord:
     wait_s: float
     tokens: int = 0  # tokens of all ranks in this step (accumulation x micro-batch x sequence x ranks)
     hwm_growth: tuple[int, int, int] = (0, 0, 0)  # bytes the peak RSS grew by in forward, backward, step()
+    #: per phase (forward, backward, step()): (wall s, I/O wait s of this rank, disk busy s or -1)
+    phases: tuple[tuple[float, float, float], ...] = ()
+
+
+PHASES = ("forward", "backward", "step()")
+
+
+class PhaseMeter:
+    """Wall time, I/O wait (``clock``) and disk busy time (``io_ticks``) per phase of one step, summed
+    over its micro-batches, with the peak-RSS growth of each phase."""
+
+    def __init__(self, clock: IOWaitClock, device: str | None) -> None:
+        self.clock, self.device = clock, device
+        self.sums = [[0.0, 0.0, 0.0] for _ in PHASES]
+        self.growth = [0, 0, 0]
+        self._mark = self._now()
+
+    def _now(self) -> tuple[float, float, int | None, int]:
+        return time.perf_counter(), self.clock.seconds, disk_busy_ms(self.device), peak_rss_bytes()
+
+    def start(self) -> None:
+        self._mark = self._now()
+
+    def end(self, phase: int) -> None:
+        """Add the time since :meth:`start` (or the previous :meth:`end`) to ``phase``."""
+        now, was = self._now(), self._mark
+        row = self.sums[phase]
+        row[0] += now[0] - was[0]
+        row[1] += now[1] - was[1]
+        if now[2] is None or was[2] is None or row[2] < 0:
+            row[2] = -1.0  # no io_ticks for this disk: unknown
+        else:
+            row[2] += (now[2] - was[2]) / 1e3
+        self.growth[phase] += now[3] - was[3]
+        self._mark = now
+
+    def phases(self) -> tuple[tuple[float, float, float], ...]:
+        return tuple((t, w, b) for t, w, b in self.sums)
 
 
 def _raw_bandwidth(nvme_path: str, nbytes: int) -> tuple[float, float]:
     from zerodp.app.bench_offload import raw_direct_io
     from zerodp.offload.config import AioConfig
 
-    w, r = raw_direct_io(nvme_path, nbytes, AioConfig(block_size=1_048_576, queue_depth=8, thread_count=1), repeats=1)
+    w, r = raw_direct_io(nvme_path, nbytes, AioConfig.model_validate(PRESET_AIO), repeats=1)
     return nbytes / w, nbytes / r
 
 
@@ -197,20 +241,20 @@ def run_worker(plan: dict, nvme_path: str) -> None:
     with clock.active():
         for step in range(plan["steps"]):
             io0, busy0, wait0, t = proc_io(), disk_busy_ms(device), clock.seconds, time.perf_counter()
-            growth = [0, 0, 0]  # where the peak RSS rises: forward, backward, step() (with overlap_step the
-            # previous step's sub-group loop runs inside the forward)
+            # where time, I/O wait, disk busy time and the peak RSS go: forward, backward, step() (with
+            # overlap_step the previous step's sub-group loop runs inside the forward)
+            meter = PhaseMeter(clock, device)
             for micro in range(accum):  # DeepSpeed's protocol: the optimizer steps at the K-th engine.step()
                 x, y = data.rank_slice(batches.batch(step * accum + micro), rank, world)
-                h0 = peak_rss_bytes()
+                meter.start()
                 _, loss = engine(x, y)
-                h1 = peak_rss_bytes()
+                meter.end(0)
                 engine.backward(loss)
-                h2 = peak_rss_bytes()
+                meter.end(1)
                 engine.step()
-                h3 = peak_rss_bytes()
-                growth = [growth[0] + h1 - h0, growth[1] + h2 - h1, growth[2] + h3 - h2]
-            if step + 1 == plan["steps"]:
-                engine.optimizer_offload.settle()  # overlap_step: the last step's loop has no next forward to run in
+                if micro + 1 == accum and step + 1 == plan["steps"]:
+                    engine.optimizer_offload.settle()  # overlap_step: the last loop has no next forward to run in
+                meter.end(2)
             seconds = time.perf_counter() - t
             io1, busy1 = proc_io(), disk_busy_ms(device)
             busy = None if busy0 is None or busy1 is None else (busy1 - busy0) / 1e3
@@ -224,7 +268,8 @@ def run_worker(plan: dict, nvme_path: str) -> None:
                     busy,
                     clock.seconds - wait0,
                     tokens,
-                    (growth[0], growth[1], growth[2]),
+                    (meter.growth[0], meter.growth[1], meter.growth[2]),
+                    meter.phases(),
                 )
             )
             if rank == 0:
@@ -232,7 +277,12 @@ def run_worker(plan: dict, nvme_path: str) -> None:
                     f"step {step + 1}: loss {records[-1].loss:.4f}, {seconds:.1f} s, {tokens / seconds:,.1f} tokens/s",
                     flush=True,
                 )
-    engine.close()
+    engine.close()  # swap files removed: the probe file fits again
+    dist.barrier()
+    end = torch.zeros(2, dtype=torch.float64)
+    if rank == 0:  # the same probe after the run: has the disk itself slowed down?
+        end[:] = torch.tensor(_raw_bandwidth(nvme_path, plan["probe_bytes"]), dtype=torch.float64)
+    raw_end = (float(end[0]), float(end[1]))
     mine = {
         "rank": rank,
         "peak_rss": peak_rss_bytes(),
@@ -244,7 +294,7 @@ def run_worker(plan: dict, nvme_path: str) -> None:
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
-        print(report(every, plan, raw_write, raw_read, build_s, device), flush=True)
+        print(report(every, plan, raw_write, raw_read, build_s, device, raw_end), flush=True)
     zerodp.shutdown_distributed()
 
 
@@ -290,12 +340,55 @@ def plan_match(every: list[dict], plan: dict) -> list[str]:
     ]
 
 
-def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, build_s: float, device: str | None) -> str:
+def end_probe_lines(raw_write: float, raw_read: float, raw_end: tuple[float, float] | None) -> list[str]:
+    """The raw figures measured again after the run (swap files removed), as shares of the start's,
+    and a warning when either is below :data:`SLOW_DISK_SHARE` of it (the disk itself slowed down)."""
+    if raw_end is None or min(raw_end) <= 0:
+        return []
+    w, r = raw_end[0] / raw_write, raw_end[1] / raw_read
+    lines = [
+        f"raw sequential direct I/O after the run (same probe): write {raw_end[0] / 1e6:,.0f} MB/s ({w:.2f} of "
+        f"the start), read {raw_end[1] / 1e6:,.0f} MB/s ({r:.2f} of the start)"
+    ]
+    if min(w, r) < SLOW_DISK_SHARE:
+        lines.append(
+            "WARNING the disk itself is slower after the run than at its start (the same probe, nothing "
+            "else of this job running): the steps' I/O ran against a disk slower than the raw figure"
+        )
+    return lines
+
+
+def phase_lines(every: list[dict]) -> list[str]:
+    """Per step and phase (rank 0): wall s, I/O wait s and disk idle s (wall - disk busy: time in which
+    no transfer of any rank was in flight, compute not overlapped with I/O)."""
+    recs = every[0]["records"]
+    if not recs or not recs[0].get("phases"):
+        return []
+    lines = ["per step and phase (rank 0; wall s / I/O wait s / disk idle s = wall - disk busy):"]
+    for rec in recs:
+        cells = []
+        for name, (t, w, b) in zip(PHASES, rec["phases"], strict=True):
+            idle = f"{max(0.0, t - b):.1f}" if b >= 0 else "n/a"
+            cells.append(f"{name} {t:.1f} / {w:.1f} / {idle}")
+        lines.append(f"  step {rec['step']}: " + ", ".join(cells))
+    return lines
+
+
+def report(
+    every: list[dict],
+    plan: dict,
+    raw_write: float,
+    raw_read: float,
+    build_s: float,
+    device: str | None,
+    raw_end: tuple[float, float] | None = None,
+) -> str:
     m = plan["model"]
     lines = [
         "-" * 100,
         f"raw sequential direct I/O on this disk ({human_bytes(plan['probe_bytes'])}): write "
         f"{raw_write / 1e6:,.0f} MB/s, read {raw_read / 1e6:,.0f} MB/s",
+        *end_probe_lines(raw_write, raw_read, raw_end),
         f"built under zero.Init + initialize in {build_s:.1f} s (GPT {m['n_layer']} x d_model {m['d_model']})",
         "per rank: peak RSS of the run (getrusage) | peak RSS up to the end of initialize | RSS after "
         "zero.Init | RSS after initialize",
@@ -338,6 +431,7 @@ def report(every: list[dict], plan: dict, raw_write: float, raw_read: float, bui
         "figures above; tokens/s: tokens of all ranks in the step (accumulation x micro-batch x "
         "sequence x ranks) / step time"
     )
+    lines += phase_lines(every)
     lines.append(
         "peak RSS growth per step and phase (rank: forward / backward / step(); the peak was reached in "
         "the last phase that grew):"
