@@ -36,7 +36,6 @@ from zerodp.app.model import GPT, GPTConfig
 from zerodp.offload import aio
 from zerodp.runtime.accounting import human_bytes
 
-
 #: the swappers' direct-I/O settings, also those of the raw probe: two threads per pool keep a read
 #: and a write in flight at once, the optimizer step's mix (one thread moves that mix markedly slower
 #: than the disk allows: docs/benchmarks/2026-12-02-infinity-3x.md, tools/disk_mix_probe.py)
