@@ -145,11 +145,22 @@ STATE_DICT_USES = {
     "cpu_clone": lambda sd, v: v.cpu().clone(),
     "to_bf16": lambda sd, v: v.to(torch.bfloat16),
 }
+#: the same with the parameters themselves (not their state-dict values): safetensors reads a tensor's
+#: memory at data_ptr(), which a partitioned parameter answers (0 bytes) for zerodp's own use
+PARAM_USES = {
+    "safetensors.save_file(named_parameters)": lambda m: __import__("safetensors.torch").torch.save_file(
+        dict(m.named_parameters()), os.path.join(tempfile.mkdtemp(), "p.safetensors")
+    ),
+    "safetensors.save_file(keep_vars)": lambda m: __import__("safetensors.torch").torch.save_file(
+        m.state_dict(keep_vars=True), os.path.join(tempfile.mkdtemp(), "k.safetensors")
+    ),
+}
 SAVE_WORDS = ("save_16bit_model", "GatheredParameters", "zerodp consolidate")
 
 
 def state_dict_uses(stage: int, dtype: str, offload: bool) -> dict:
-    """Every use in :data:`STATE_DICT_USES` of ``engine.module.state_dict()``: whether it raised zerodp's
+    """Every use in :data:`STATE_DICT_USES` of ``engine.module.state_dict()`` (and :data:`PARAM_USES` of
+    the module's parameters): whether it raised zerodp's
     PartitionedParameterError naming the parameter and :data:`SAVE_WORDS`; then the documented way
     (GatheredParameters around state_dict, safetensors) saves the plain model's values."""
     from safetensors.torch import load_file, save_file
@@ -171,9 +182,11 @@ def state_dict_uses(stage: int, dtype: str, offload: bool) -> dict:
     engine = zerodp.initialize(model, cfg)
     sd = engine.module.state_dict()
     out: dict = {"uses": {}}
-    for name, use in STATE_DICT_USES.items():
+    uses = [(name, lambda use=use: use(sd, sd["0.weight"])) for name, use in STATE_DICT_USES.items()]
+    uses += [(name, lambda use=use: use(engine.module)) for name, use in PARAM_USES.items()]
+    for name, use in uses:
         try:
-            use(sd, sd["0.weight"])
+            use()
             out["uses"][name] = "ok"
         except PartitionedParameterError as e:
             named = "'0.weight'" in str(e) and all(w in str(e) for w in SAVE_WORDS)

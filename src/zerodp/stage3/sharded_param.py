@@ -22,7 +22,9 @@ and costs nothing extra.
 Pickling a sharded parameter or its state-dict value (``torch.save(module.state_dict())``) does what the
 parameter's save policy says (:data:`SAVE_ATTR`, set once, when the parameter is partitioned): zerodp's
 own API refuses (:class:`RefuseSave`); ``zerodp.deepspeed`` writes DeepSpeed's placeholders
-(:mod:`zerodp.stage3.placeholder`).
+(:mod:`zerodp.stage3.placeholder`). safetensors reads a tensor's memory at ``data_ptr()`` without a torch
+op: a sharded parameter refuses ``data_ptr()``/``untyped_storage()`` when safetensors asks
+(:data:`_RAW_READERS`), and answers them (0 bytes) for zerodp's and torch's own use.
 """
 
 from __future__ import annotations
@@ -148,6 +150,27 @@ METADATA = _metadata()
 _MEMORY_ACCESS = frozenset({torch.Tensor.untyped_storage, torch.Tensor.data_ptr, torch.Tensor.is_shared})
 #: the metadata a :class:`ShardedData` (a state-dict value at stage 3) answers; anything else raises
 _DATA_METADATA = METADATA - _MEMORY_ACCESS
+#: libraries that serialise a tensor by reading its memory at ``data_ptr()`` (no torch op): a partitioned
+#: *parameter* handed to them (``save_file(dict(model.named_parameters()))``, ``state_dict(keep_vars=True)``)
+#: is refused there with :data:`SAVE_HINT`; zerodp and torch read these pointers of parameters themselves
+_RAW_READERS = ("safetensors",)
+
+
+def _read_by_raw_reader() -> bool:
+    """Whether the code that called the refused or memory-reading Tensor function (the first frame above
+    this one outside ``torch``: ``Tensor.storage`` goes through torch's Python dispatch) is one of
+    :data:`_RAW_READERS`."""
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return False
+        module = frame.f_globals.get("__name__", "")
+        if module != "torch" and not module.startswith("torch."):
+            return module.split(".")[0] in _RAW_READERS
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 #: how to save a stage-3 model instead (every refusal of a state-dict value names these)
 SAVE_HINT = (
     "; to save the model at stage 3 use engine.save_16bit_model(save_dir) (gathers the full "
@@ -293,8 +316,14 @@ class ShardedParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        if func in METADATA:
+        if func in METADATA and func not in _MEMORY_ACCESS:
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        if func in _MEMORY_ACCESS:  # a raw reader would serialise 0 bytes or fail inside itself
+            if not _read_by_raw_reader():
+                return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+            raise PartitionedParameterError(
+                _message(_name(args[0]), f"{_func_name(func)} (reading its memory)") + SAVE_HINT
+            )
         if (func == _DATA_GET or func == _DETACH) and args and isinstance(args[0], ShardedParameter):
             refuse_parameter_from_sharded(func, args)
             return ShardedData.of(args[0])
@@ -305,7 +334,8 @@ class ShardedParameter(nn.Parameter):
         if func is torch._has_compatible_shallow_copy_type:  # module._apply's check: tensor types only
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
         sharded = next((a for a in _flat(args, kwargs) if isinstance(a, ShardedParameter)), None)
-        raise PartitionedParameterError(_message(_name(sharded), _func_name(func)))
+        hint = SAVE_HINT if _read_by_raw_reader() else ""  # safetensors' fallback to Tensor.storage()
+        raise PartitionedParameterError(_message(_name(sharded), _func_name(func)) + hint)
 
     def __repr__(self) -> str:  # type: ignore[override]  # Tensor.__repr__ takes a keyword tensor_contents
         return (
