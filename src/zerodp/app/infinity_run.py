@@ -316,14 +316,17 @@ def disk_throughput(
 
 
 def slow_disk_warning(step: int, achieved: float, raw: float, over: str, share: float = SLOW_DISK_SHARE) -> str | None:
-    """The line that attributes a slow step to the disk (None when ``achieved >= share x raw``, or
-    nothing was moved)."""
+    """The line that flags a step whose disk throughput fell below ``share`` of the short raw probe's
+    (None when ``achieved >= share x raw``, or nothing was moved). It does not say whose the time is: a
+    virtual disk can stall under sustained writes, and the swappers' request pattern can fall short;
+    ``tools/disk_mix_probe.py --sustained`` measures the disk alone."""
     if raw <= 0 or achieved >= share * raw:
         return None
     return (
-        f"step {step}: the disk slowed down: {achieved / 1e6:,.0f} MB/s (bytes moved / {over}) vs "
-        f"{raw / 1e6:,.0f} MB/s at the start of the run (raw direct I/O, same read/write mix); this step's "
-        "time is the disk's, not zerodp's (sustained direct I/O can exhaust a virtual disk's burst budget)"
+        f"step {step}: disk throughput fell: {achieved / 1e6:,.0f} MB/s (bytes moved / {over}) vs "
+        f"{raw / 1e6:,.0f} MB/s at the start of the run (the short raw probe, same read/write mix); a "
+        "virtual disk can stall under sustained writes (tools/disk_mix_probe.py --sustained measures the "
+        "disk alone, without zerodp)"
     )
 
 
