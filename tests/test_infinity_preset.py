@@ -5,8 +5,10 @@ at scale are a separate command (docs/infinity.md), not part of the suite."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -201,7 +203,6 @@ def test_measurement_helpers_read_the_kernel(tmp_path: Path) -> None:
     r0, w0 = infinity_run.proc_io()
     f = tmp_path / "x"
     f.write_bytes(b"x" * (1 << 20))
-    import os
 
     fd = os.open(f, os.O_RDONLY)
     os.fsync(fd)
@@ -403,4 +404,31 @@ def test_a_tiny_run_trains_reports_and_removes_its_swap_files(tmp_path: Path) ->
     phases = [line for line in lines if line.startswith("  step ") and ", backward " in line]
     assert len(phases) == 2 and all(" step() " in line for line in phases)
     assert any(line.startswith("per rank: peak RSS / the plan's RAM rows") for line in lines)
+    assert any(line.startswith("disk rate per 5 s window") for line in lines)
     assert not any(p.is_file() for p in nvme.rglob("*")), sorted(map(str, nvme.rglob("*")))
+
+
+def test_disk_rate_windows_and_their_summary(tmp_path: Path) -> None:
+    """The per-window disk rate (a stall then full speed is told apart from a steady half speed): the
+    windows inside a span from injected samples, the summary against the probe, and the sampler
+    reading this machine's disk while a file is written and synced."""
+    from zerodp.app import disk_rate
+
+    sampler = disk_rate.DiskRateSampler(None)
+    sampler.samples = [(0.0, 0), (5.0, 10**9), (10.0, 2 * 10**9), (15.0, 17 * 10**9), (20.0, 32 * 10**9)]
+    assert sampler.windows(4.0, 20.0) == [2e8, 3e9, 3e9]  # the 0-5 s window starts outside the span
+    line = disk_rate.summary(sampler.windows(0.0, 20.0), 2e9)
+    assert line == "200 / 1,600 / 3,000 MB/s, 2 of 4 windows below half the probe"
+    assert disk_rate.summary([], 2e9) == "n/a (no full window)"
+    device = infinity_run.disk_device(str(tmp_path))
+    if device is None or disk_rate.disk_bytes(device) is None:
+        pytest.skip(f"{tmp_path} is not on a block device listed in /proc/diskstats")
+    with disk_rate.DiskRateSampler(device, period_s=0.05) as live:
+        f = tmp_path / "x"
+        f.write_bytes(b"x" * (8 << 20))
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        time.sleep(0.3)
+    rates = live.windows(0.0, float("inf"))
+    assert len(rates) >= 3 and all(r >= 0 for r in rates) and sum(rates) > 0

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import zerodp
 from zerodp.app import data
+from zerodp.app.disk_rate import DiskRateSampler, summary
 from zerodp.app.model import GPT, GPTConfig
 from zerodp.offload import aio
 from zerodp.runtime.accounting import human_bytes
@@ -162,6 +163,8 @@ class StepRecord:
     hwm_growth: tuple[int, int, int] = (0, 0, 0)  # bytes the peak RSS grew by in forward, backward, step()
     #: per phase (forward, backward, step()): (wall s, I/O wait s of this rank, disk busy s or -1)
     phases: tuple[tuple[float, float, float], ...] = ()
+    #: the disk's rate (bytes/s, every process) in each full sampling window of the step
+    disk_windows: tuple[float, ...] = ()
 
 
 PHASES = ("forward", "backward", "step()")
@@ -237,9 +240,10 @@ def run_worker(plan: dict, nvme_path: str) -> None:
     engine.train()
     accum = plan.get("grad_accum", 1)
     tokens = accum * plan["micro_batch"] * mcfg.seq_len * world
-    with clock.active():
+    with clock.active(), DiskRateSampler(device) as sampler:
         for step in range(plan["steps"]):
             io0, busy0, wait0, t = proc_io(), disk_busy_ms(device), clock.seconds, time.perf_counter()
+            m0 = time.monotonic()
             # where time, I/O wait, disk busy time and the peak RSS go: forward, backward, step() (with
             # overlap_step the previous step's sub-group loop runs inside the forward)
             meter = PhaseMeter(clock, device)
@@ -269,6 +273,7 @@ def run_worker(plan: dict, nvme_path: str) -> None:
                     tokens,
                     (meter.growth[0], meter.growth[1], meter.growth[2]),
                     meter.phases(),
+                    tuple(sampler.windows(m0, time.monotonic())),
                 )
             )
             if rank == 0:
@@ -407,7 +412,7 @@ def report(
         f"{'wait s':>8} {'I/O/raw':>8} {'hidden':>7} {'step/max(c,io)':>15} {'MB/s':>7} {'raw MB/s':>9} "
         f"{'tokens/s':>9}"
     )
-    slow = []
+    slow, windows = [], []
     for i, rec in enumerate(every[0]["records"]):
         read = sum(r["records"][i]["read"] for r in every)
         written = sum(r["records"][i]["written"] for r in every)
@@ -427,6 +432,8 @@ def report(
             f"{rec.get('tokens', 0) / t if t > 0 else 0.0:>9,.1f}"
         )
         slow += [w] if (w := slow_disk_warning(rec["step"], achieved, raw, over)) else []
+        if rec.get("disk_windows") is not None:
+            windows.append(f"  step {rec['step']}: {summary(list(rec['disk_windows']), raw)}")
     lines.append(
         "  I/O/raw: (read / raw read + written / raw write) / busy; hidden: 1 - wait / busy; "
         "compute c = time - wait; MB/s: (read + written) / busy; raw MB/s: the same bytes at the raw "
@@ -434,6 +441,12 @@ def report(
         "sequence x ranks) / step time"
     )
     lines += phase_lines(every)
+    if windows:
+        lines.append(
+            "disk rate per 5 s window (/proc/diskstats, every process; min / median / max, and windows below "
+            "half of the raw MB/s above):"
+        )
+        lines += windows
     lines.append(
         "peak RSS growth per step and phase (rank: forward / backward / step(); the peak was reached in "
         "the last phase that grew):"
