@@ -17,14 +17,21 @@ import time
 SECTOR = 512
 
 
-def disk_bytes(device: str) -> int | None:
-    """Bytes read + written by ``device`` since boot (``/proc/diskstats`` sectors), None if absent."""
+def diskstats(device: str) -> list[str] | None:
+    """``device``'s row of ``/proc/diskstats`` split into fields (index 2 the name, 5 sectors read, 9
+    sectors written, 12 ``io_ticks`` ms), None if absent."""
     with open("/proc/diskstats", encoding="ascii") as f:
         for line in f:
             parts = line.split()
             if parts[2] == device:
-                return (int(parts[5]) + int(parts[9])) * SECTOR
+                return parts
     return None
+
+
+def disk_bytes(device: str) -> int | None:
+    """Bytes read + written by ``device`` since boot (``/proc/diskstats`` sectors), None if absent."""
+    row = diskstats(device)
+    return None if row is None else (int(row[5]) + int(row[9])) * SECTOR
 
 
 class DiskRateSampler:
@@ -76,4 +83,4 @@ def summary(rates: list[float], probe: float) -> str:
     )
 
 
-__all__ = ["DiskRateSampler", "disk_bytes", "summary"]
+__all__ = ["DiskRateSampler", "disk_bytes", "diskstats", "summary"]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import zerodp
 from zerodp.app import data
-from zerodp.app.disk_rate import DiskRateSampler, summary
+from zerodp.app.disk_rate import DiskRateSampler, diskstats, summary
 from zerodp.app.model import GPT, GPTConfig
 from zerodp.offload import aio
 from zerodp.runtime.accounting import human_bytes
@@ -114,12 +114,8 @@ def disk_device(path: str) -> str | None:
 def disk_busy_ms(device: str | None) -> int | None:
     if device is None:
         return None
-    with open("/proc/diskstats", encoding="ascii") as f:
-        for line in f:
-            parts = line.split()
-            if parts[2] == device:
-                return int(parts[12])  # io_ticks: milliseconds the device had I/O in flight
-    return None
+    row = diskstats(device)
+    return None if row is None else int(row[12])  # io_ticks: milliseconds the device had I/O in flight
 
 
 class IOWaitClock:
