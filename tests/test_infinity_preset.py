@@ -20,6 +20,20 @@ from zerodp.app.model import GPTConfig, count_parameters
 MB = 10**6
 
 
+def one_rank(rec: dict) -> list[dict]:
+    """What the worker gathers from a single rank whose only step record is ``rec`` (RSS figures fixed)."""
+    return [
+        {
+            "rank": 0,
+            "peak_rss": 2**30,
+            "peak_rss_build": 2**29,
+            "rss_after_init": 2**28,
+            "rss_after_initialize": 2**28,
+            "records": [rec],
+        }
+    ]
+
+
 def test_dry_run_sizes_states_to_twice_the_assumed_ram(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     rc = main(
         [
@@ -221,16 +235,7 @@ def test_measurement_helpers_read_the_kernel(tmp_path: Path) -> None:
         "tokens": 4096,
         "hwm_growth": [0, 10**6, 0],
     }
-    every = [
-        {
-            "rank": 0,
-            "peak_rss": 2**30,
-            "peak_rss_build": 2**29,
-            "rss_after_init": 2**28,
-            "rss_after_initialize": 2**28,
-            "records": [rec],
-        }
-    ]
+    every = one_rank(rec)
     text = infinity_run.report(
         every, {"model": {"n_layer": 2, "d_model": 128}, "probe_bytes": 2**20}, 10**9, 10**9, 1.0, "vda"
     )
@@ -263,16 +268,7 @@ def test_a_slow_step_is_attributed_to_the_disk() -> None:
         "busy_s": 20.0,
         "wait_s": 1100.0,
     }
-    every = [
-        {
-            "rank": 0,
-            "peak_rss": 2**30,
-            "peak_rss_build": 2**29,
-            "rss_after_init": 2**28,
-            "rss_after_initialize": 2**28,
-            "records": [rec],
-        }
-    ]
+    every = one_rank(rec)
     # the plan's RAM rows per rank beside each rank's measured peak (issue 31 item 2)
     plan = infinity.plan_run(infinity.read_machine("/tmp", assume_ram=64 * MB), nproc=2)
     rows = infinity._plan_json(plan)["ram_rows_per_rank"]
@@ -344,16 +340,7 @@ def test_report_attributes_time_per_phase_and_probes_the_disk_again() -> None:
         "wait_s": 6.0,
         "phases": [[10.0, 1.0, 8.0], [12.0, 2.0, 12.0], [8.0, 3.0, -1.0]],
     }
-    every = [
-        {
-            "rank": 0,
-            "peak_rss": 2**30,
-            "peak_rss_build": 2**29,
-            "rss_after_init": 2**28,
-            "rss_after_initialize": 2**28,
-            "records": [rec],
-        }
-    ]
+    every = one_rank(rec)
     plan = {"model": {"n_layer": 2, "d_model": 128}, "probe_bytes": 2**20}
     text = infinity_run.report(every, plan, 2e9, 2e9, 1.0, "vda", (1.9e9, 1.5e9)).splitlines()
     assert "  step 2: forward 10.0 / 1.0 / 2.0, backward 12.0 / 2.0 / 0.0, step() 8.0 / 3.0 / n/a" in text
