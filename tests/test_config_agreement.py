@@ -4,36 +4,26 @@ Python message); keys meant to differ per rank (nvme_path) are accepted."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
+from distributed import run_worker
 from zerodp.runtime.config_agreement import differences
 
 WORKER = Path(__file__).with_name("config_agreement_worker.py")
 
 
-def run(case: str) -> list[str]:
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(WORKER),
-            "--out",
-            out,
-            "--case",
-            case,
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+@pytest.fixture(scope="module")
+def launch() -> dict[str, list[str]]:
+    """One 2-rank launch runs every case (tests/config_agreement_worker.py); {case: per-rank result}."""
+    ranks = run_worker(2, worker=WORKER)
+    return {case: [r[case].get("result", r[case].get("error")) for r in ranks] for case in ranks[0]}
+
+
+def run(launch: dict[str, list[str]], case: str) -> list[str]:
+    assert case in launch, f"case {case!r} did not run"
+    return launch[case]
 
 
 @pytest.mark.parametrize(
@@ -43,16 +33,18 @@ def run(case: str) -> list[str]:
         ("stage", "zero_optimization.stage", ("rank 0 2", "rank 1 3")),
     ],
 )
-def test_different_settings_are_refused_on_every_rank(case: str, key: str, values: tuple[str, str]) -> None:
-    for message in run(case):
+def test_different_settings_are_refused_on_every_rank(
+    launch: dict[str, list[str]], case: str, key: str, values: tuple[str, str]
+) -> None:
+    for message in run(launch, case):
         assert "different settings" in message and key in message, message
         for v in values:
             assert v in message, message
 
 
 @pytest.mark.parametrize("case", ["same", "nvme_path"])
-def test_same_settings_and_per_rank_keys_pass(case: str) -> None:
-    assert run(case) == ["ok", "ok"]
+def test_same_settings_and_per_rank_keys_pass(launch: dict[str, list[str]], case: str) -> None:
+    assert run(launch, case) == ["ok", "ok"]
 
 
 def test_differences_lists_each_key_once_and_bounds_the_list() -> None:
