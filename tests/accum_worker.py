@@ -1,5 +1,5 @@
 """Per-rank worker for tests/test_grad_accumulation.py (issue 26, items 1 and 6), launched by torchrun
-through tests/distributed.py at world sizes 1-3. Every scenario runs at every requested stage; the
+through tests/distributed.py at world sizes 1 and 3. Every scenario runs at every requested stage; the
 expected values are computed here from plain PyTorch on one process.
 
 - ``recipe_bf16`` / ``recipe_fp16``: deepspeedai/DeepSpeed#1800's smallest input. ``Linear(4, 1,

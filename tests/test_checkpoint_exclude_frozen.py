@@ -3,7 +3,7 @@ checkpoints) writes only the trained parameters and their optimizer states; ``lo
 model whose frozen part was loaded separately resumes exactly; ``zerodp consolidate`` names the absent
 parameters.
 
-One torchrun launch per world size (1-3) runs tests/exclude_frozen_worker.py at every stage, precision
+One torchrun launch per world size (1 and 3) runs tests/exclude_frozen_worker.py at every stage, precision
 (fp32, bf16, fp16) and optimizer offload (none, cpu); the trained values are compared with plain PyTorch
 computed in the worker, and the resumed run with the uninterrupted one bitwise.
 """
@@ -41,7 +41,7 @@ def launch(tmp_path_factory: pytest.TempPathFactory):
 def cases() -> list:
     return [
         pytest.param(w, s, p, o, id=f"w{w}-stage{s}-{p}-{o}")
-        for w in (1, 2, 3)
+        for w in (1, 3)  # 3: several ranks and uneven shards; 2 adds no path (see tests/test_stages.py)
         for s in (0, 1, 2, 3)
         for p in ("fp32", "bf16", "fp16")
         for o in (("none",) if s == 0 else ("none", "cpu"))
@@ -67,7 +67,7 @@ def test_exclude_frozen_parameters(launch, world_size: int, stage: int, precisio
 
 
 def test_consolidate_names_absent_parameters(launch, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    d, _ = launch(2)
+    d, _ = launch(3)
     src = d / "stage3-bf16-none"
     out = tmp_path / "lora.safetensors"
     assert main(["consolidate", str(src), str(out)]) == 0

@@ -6,7 +6,7 @@ is a placeholder that raises on use wherever it is not the gradient (zerodp.runt
 ``engine.clip_grad_norm_(max_norm, norm_type)`` clips the engine's gradients and returns the global
 norm, and ``engine.get_global_grad_norm()`` is the step's norm without ``gradient_clipping``.
 
-One torchrun launch per world size (1-3) runs tests/clip_worker.py at every stage, precision (fp32,
+One torchrun launch per world size (1 and 3) runs tests/clip_worker.py at every stage, precision (fp32,
 bf16, fp16) and optimizer offload (none, cpu, nvme); every value is compared with plain PyTorch on the
 same global batch, computed in the worker.
 """
@@ -44,7 +44,7 @@ def per_rank(world_size: int, key: str) -> list[dict]:
 def cases() -> list:
     return [
         pytest.param(w, s, p, o, id=f"w{w}-stage{s}-{p}-{o}")
-        for w in (1, 2, 3)
+        for w in (1, 3)  # 3: several ranks and uneven shards; 2 adds no path (see tests/test_stages.py)
         for s in STAGES
         for p in PRECISIONS
         for o in (("none",) if s == 0 else ("none", "cpu", "nvme"))

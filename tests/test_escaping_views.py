@@ -3,7 +3,7 @@
 Releasing a unit empties its storage; a kernel reading a view of it killed the process (SIGSEGV). Each
 scenario of tests/alias_worker.py lets a view of the ``pos`` table escape one way (returned alone or in
 a structure, the parameter itself, saved by autograd inside the module, stored on the module, captured
-in a closure), trains 4 steps at stages 0-3 (and stage 3 with offload_param) on world sizes 1-3, and
+in a closure), trains 4 steps at stages 0-3 (and stage 3 with offload_param) on world sizes 1 and 3, and
 compares with single-process plain PyTorch on the same global batch (err <= 1: within 1e-5 relative).
 Returned and autograd-saved views must cost nothing (no storage kept: no warning); stored and captured
 views keep their storage, hold the right values after the forward, and are reported once, by name.
@@ -20,6 +20,8 @@ from distributed import run_worker
 WORKER = Path(__file__).with_name("alias_worker.py")
 FREE = ("returned", "returned_in_tuple", "parameter", "saved")  # copied or saved without the storage
 KEPT = ("stored", "closure")  # the storage is left to the view, with a warning
+#: 3: several ranks and uneven shards; 2 adds no path (world size 2 is tests/test_stages.py's)
+WORLDS = (1, 3)
 _cache: dict[int, list[dict]] = {}
 
 
@@ -38,7 +40,7 @@ def check_trained(res: dict) -> None:
     assert res.get("live_after", 0) == 0, "a unit stayed gathered after the step"
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("how", FREE + KEPT)
@@ -57,7 +59,7 @@ def test_escaping_view_trains_right(world: int, stage: int, offload: bool, how: 
 
 
 # ---- item 4: module.state_dict() at stage 3 used outside zerodp --------------------------------------
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -447,7 +447,7 @@ MUTANTS: list[Mutant] = [
         "src/zerodp/runtime/grad_placeholder.py",
         "            p.grad = entry[0]\n",
         "            pass\n",
-        [f"{CLIP}[w2-stage1-fp32-none]"],
+        [f"{CLIP}[w3-stage1-fp32-none]"],
     ),
     Mutant(
         "excluded_frozen_not_recorded",
@@ -518,21 +518,21 @@ MUTANTS: list[Mutant] = [
         "src/zerodp/stage3/aliases.py",
         "            if hit is not None:\n                return _SavedAlias(",
         "            if False:\n                return _SavedAlias(",
-        ["tests/test_escaping_views.py::test_escaping_view_trains_right[saved-False-3-2]"],
+        ["tests/test_escaping_views.py::test_escaping_view_trains_right[saved-False-3-3]"],
     ),
     Mutant(
         "returned_view_not_copied",
         HOOKS,
         "        if copies:  # views of the module's parameters returned",
         "        if copies and False:  # views of the module's parameters returned",
-        ["tests/test_escaping_views.py::test_escaping_view_trains_right[returned-False-3-2]"],
+        ["tests/test_escaping_views.py::test_escaping_view_trains_right[returned-False-3-3]"],
     ),
     Mutant(
         "escaped_view_storage_freed",
         "src/zerodp/stage3/units.py",
         "        if self.refs:\n            self._leave_escaped_views(allow or {})",
         "        if False:\n            self._leave_escaped_views(allow or {})",
-        ["tests/test_escaping_views.py::test_escaping_view_trains_right[stored-False-3-2]"],
+        ["tests/test_escaping_views.py::test_escaping_view_trains_right[stored-False-3-3]"],
     ),
     Mutant(
         "state_dict_value_reads_storage",
