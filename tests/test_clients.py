@@ -4,7 +4,6 @@ DeepSpeed-Chat, transformers), written here, run on ``zerodp.deepspeed`` with 2 
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
@@ -15,16 +14,38 @@ from distributed import run_worker
 WORKER = Path(__file__).with_name("clients_worker.py")
 
 
-@functools.cache
-def scenario(name: str) -> list[dict]:
-    results = run_worker(2, stages="3", scenarios=name, worker=WORKER)
-    for rank, r in enumerate(results):
-        assert r[name]["ok"], f"rank {rank}: {r[name].get('error')}"
-    return [r[name] for r in results]
+#: the worker's scenario each 2-rank test asserts on
+SCENARIO_OF = {
+    "test_gathered_parameters_any_order_per_rank": "gathered_order",
+    "test_gathered_parameters_before_initialize_pairs_persistent_ones_by_creation": "gathered_before_initialize",
+    "test_ranks_passing_different_save_dirs_are_told_so": "save_dir_mismatch",
+    "test_cifar_script_with_its_own_config_trains_at_every_stage_and_precision": "cifar",
+    "test_deepspeed_chat_pattern": "chat",
+    "test_offload_states_round_trip": "offload_round_trip",
+}
 
 
-def test_gathered_parameters_any_order_per_rank() -> None:
-    r0, r1 = scenario("gathered_order")
+@pytest.fixture(scope="module")
+def launch(request: pytest.FixtureRequest) -> list[dict]:
+    """One 2-rank launch of tests/clients_worker.py running the scenarios of the selected tests (in
+    :data:`SCENARIO_OF`'s order); per rank, {scenario: result}."""
+    selected = {i.originalname for i in request.session.items if getattr(i, "module", None) is request.module}
+    names = [name for test, name in SCENARIO_OF.items() if test in selected]
+    return run_worker(2, stages="3", scenarios=",".join(names), worker=WORKER)
+
+
+@pytest.fixture
+def scenario(request: pytest.FixtureRequest, launch: list[dict]) -> list[dict]:
+    """The per-rank results of the scenario the requesting test asserts on (a rank's error named)."""
+    name = SCENARIO_OF[request.node.originalname]
+    for rank, r in enumerate(launch):
+        assert name in r, f"scenario {name} did not run"
+        assert r[name]["ok"], f"rank {rank}, {name}: {r[name].get('error')}"
+    return [r[name] for r in launch]
+
+
+def test_gathered_parameters_any_order_per_rank(scenario: list[dict]) -> None:
+    r0, r1 = scenario
     assert r0["all_ds_ids"][0] == r0["all_ds_ids"][1] == r0["ds_ids"] == r1["ds_ids"]  # the same on every rank
     assert len(set(r0["ds_ids"])) == len(r0["ds_ids"])
     for r in (r0, r1):
@@ -36,16 +57,16 @@ def test_gathered_parameters_any_order_per_rank() -> None:
         assert "the ranks passed different partitioned units" in r["refused"], r["refused"]
 
 
-def test_gathered_parameters_before_initialize_pairs_persistent_ones_by_creation() -> None:
+def test_gathered_parameters_before_initialize_pairs_persistent_ones_by_creation(scenario: list[dict]) -> None:
     """DS-Chat's from_pretrained at ZeRO-3 (transformers 4.x _initialize_missing_keys): a set-ordered
     list of partitioned and persistent parameters, modifier_rank=0, before initialize."""
-    for r in scenario("gathered_before_initialize"):
+    for r in scenario:
         assert r["orders_differ"] and r["plain"] == [f"layers.{i}.bias" for i in range(4)] + ["head.bias"]
         assert r["got"] == r["want"], r
 
 
-def test_ranks_passing_different_save_dirs_are_told_so() -> None:
-    for r in scenario("save_dir_mismatch"):
+def test_ranks_passing_different_save_dirs_are_told_so(scenario: list[dict]) -> None:
+    for r in scenario:
         assert r["dir"].startswith("CheckpointError") and "the ranks passed different arguments" in r["dir"]
         assert "save_dir: rank 0 " in r["dir"] and "rank 1 " in r["dir"] and "run-1" in r["dir"], r["dir"]
         assert "tag: rank 0 'step0', rank 1 'step1'" in r["tag"], r["tag"]
@@ -55,8 +76,8 @@ def test_ranks_passing_different_save_dirs_are_told_so() -> None:
 TOL = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 1e-2}
 
 
-def test_cifar_script_with_its_own_config_trains_at_every_stage_and_precision() -> None:
-    for r in scenario("cifar"):
+def test_cifar_script_with_its_own_config_trains_at_every_stage_and_precision(scenario: list[dict]) -> None:
+    for r in scenario:
         for dtype, tol in TOL.items():
             base = r[f"0-{dtype}"]
             # DeepSpeed's adam_w_mode defaults to true: the config's Adam with weight_decay is AdamW
@@ -67,8 +88,8 @@ def test_cifar_script_with_its_own_config_trains_at_every_stage_and_precision() 
                 assert got == pytest.approx(base["losses"], rel=tol, abs=tol), (stage, dtype, got, base["losses"])
 
 
-def test_deepspeed_chat_pattern() -> None:
-    for r in scenario("chat"):
+def test_deepspeed_chat_pattern(scenario: list[dict]) -> None:
+    for r in scenario:
         base = r["0-FusedAdam"]
         for key, res in ((k, v) for k, v in r.items() if k != "ok"):
             assert res["losses"] == pytest.approx(base["losses"], rel=5e-2, abs=5e-2), key  # bf16
@@ -80,8 +101,8 @@ def test_deepspeed_chat_pattern() -> None:
         assert base["losses"][-1] < base["losses"][0]
 
 
-def test_offload_states_round_trip() -> None:
-    for r in scenario("offload_round_trip"):
+def test_offload_states_round_trip(scenario: list[dict]) -> None:
+    for r in scenario:
         assert r["on_host"] and r["states_equal"] and r["masters_equal"]
         assert "only cpu" in r["nvme"]
         assert r["losses_offload"] == r["losses_plain"]
