@@ -35,7 +35,11 @@ from distributed import run_worker
 from zerodp.checkpoint import CheckpointError, consolidate, load_full_state_dict
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
-#: (world size, scenarios), run in this order: later launches load earlier launches' checkpoints.
+#: stages of the mid-run freeze round trip, and the offloaded ones (offload_optimizer needs stage >= 1;
+#: "offload": device cpu, "nvme": device nvme)
+FREEZE_CASES = [(s, "") for s in (0, 1, 2, 3)] + [(s, "offload") for s in (1, 2, 3)] + [(s, "nvme") for s in (2, 3)]
+#: (world size, scenarios), run in this order: later launches load earlier launches' checkpoints. World
+#: size 2's also runs the mid-run freeze round trips (test_checkpoint_saved_while_frozen_midrun).
 LAUNCHES = (
     (4, "reshard_save@2"),
     (
@@ -43,7 +47,8 @@ LAUNCHES = (
         "exact_resume@0,exact_resume@1,exact_resume@2,exact_resume@3:tied,exact_resume@0:bf16+tied,"
         "exact_resume@1:bf16+tied,exact_resume@2:bf16+tied,exact_resume@3:bf16+tied,exact_resume@2:fp16,"
         "reshard_save@1,reshard_save@3,reshard_load@0:w4-s2,reshard_load@3:w4-s2,consolidate_tied@2,"
-        "consolidate_tied@3,refuse_mismatch@3,crash_safety@1",
+        "consolidate_tied@3,refuse_mismatch@3,crash_safety@1,"
+        + ",".join(f"freeze_midrun@{s}" + (f":{a}" if a else "") for s, a in FREEZE_CASES),
     ),
     (3, "reshard_load@2:w2-s1,reshard_load@1:w2-s3"),
 )
@@ -201,27 +206,13 @@ def test_crash_between_rank_writes(launches: dict) -> None:
         assert res["listing_final"] == ["global_step2", "global_step4", "latest"]
 
 
-#: stages of the mid-run freeze round trip, and the offloaded ones (offload_optimizer needs stage >= 1;
-#: "offload": device cpu, "nvme": device nvme)
-FREEZE_CASES = [(s, "") for s in (0, 1, 2, 3)] + [(s, "offload") for s in (1, 2, 3)] + [(s, "nvme") for s in (2, 3)]
-
-
-@pytest.fixture(scope="module")
-def freeze_launch(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """One world-2 launch of every :data:`FREEZE_CASES` scenario (its own checkpoint directory)."""
-    scenarios = ",".join(f"freeze_midrun@{s}" + (f":{a}" if a else "") for s, a in FREEZE_CASES)
-    return run_worker(
-        2, "0", scenarios, worker=WORKER, extra_args=["--ckpt-dir", str(tmp_path_factory.mktemp("ckpt-freeze"))]
-    )
-
-
 @pytest.mark.parametrize("stage,arg", FREEZE_CASES)
-def test_checkpoint_saved_while_frozen_midrun(freeze_launch: list[dict], stage: int, arg: str) -> None:
+def test_checkpoint_saved_while_frozen_midrun(launches: dict[int, list[dict]], stage: int, arg: str) -> None:
     """A parameter trained at initialize and frozen (requires_grad_(False)) when the checkpoint is
     saved is recorded as trained with its optimizer state, loads into an engine where it trains, and
     the run continues bit for bit as without the save/load (and as plain PyTorch does)."""
     key = f"freeze_midrun/stage{stage}" + (f":{arg}" if arg else "")
-    results = per_rank({2: freeze_launch}, 2, key)
+    results = per_rank(launches, 2, key)
     for r, res in enumerate(results):
         frozen = {"fc1.bias", "fc2.weight", "scale"}
         assert res["records"] == {n: [True, n not in frozen] for n in res["records"]}, res["records"]
