@@ -1,12 +1,10 @@
 """API misuse is refused with a message saying what to do instead, at every stage.
 
-In-process (1 rank) here; the same refusals at 2-4 ranks run in tests/dist_worker.py's ``misuse``
-scenario (asserted in tests/test_stages.py).
+In-process (1 rank) here; the same refusals at 2 and 4 ranks run in tests/dist_worker.py's ``misuse``
+scenario, within tests/test_stages.py's launches (asserted there: test_refusals_on_every_rank).
 """
 
 from __future__ import annotations
-
-import re
 
 import pytest
 import torch
@@ -54,23 +52,3 @@ def test_plain_loss_backward_refused(stage: int) -> None:
         loss.backward()
     assert str(exc.value) == DIRECT_BACKWARD_MESSAGE
     assert "call engine.backward(loss) instead" in str(exc.value)
-
-
-@pytest.fixture(scope="module")
-def misuse_launches() -> dict[int, list[dict]]:
-    """tests/dist_worker.py's ``misuse`` scenario at every stage, on 2 and 4 ranks."""
-    from distributed import run_worker
-
-    return {ws: run_worker(ws, ",".join(map(str, STAGES)), "misuse") for ws in (2, 4)}
-
-
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("world_size", (2, 4))
-def test_refusals_on_every_rank(misuse_launches: dict[int, list[dict]], world_size: int, stage: int) -> None:
-    from test_stages import per_rank
-
-    res = per_rank(misuse_launches, world_size, stage, "misuse")
-    assert len(res) == world_size
-    for r in res:
-        assert re.search(f"already wrapped by an engine \\(ZeRO stage {stage}; parameter", r["rewrap"]), r
-        assert r["direct_backward"] == DIRECT_BACKWARD_MESSAGE, r
