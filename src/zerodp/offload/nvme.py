@@ -1,7 +1,6 @@
-"""ZeRO-Offload to NVMe (``offload_optimizer.device = "nvme"``): the fp32 master partition and Adam
-moments of this rank live in a swap file and are updated sub-group by sub-group through a fixed pool
-of aligned buffers, while the next sub-group is read and the previous one written (DeepSpeed's
-pipelined optimizer swapper; ZeRO-Infinity, Rajbhandari et al. SC21, section 5.2).
+"""ZeRO-Offload to NVMe (``offload_optimizer.device = "nvme"``): this rank's fp32 masters and Adam moments
+live in a swap file, updated sub-group by sub-group through a fixed pool of aligned buffers while the next
+is read and the previous written (DeepSpeed's pipelined optimizer swapper; ZeRO-Infinity, SC21 5.2).
 
 Layout: ``nvme_path/zerodp_<job>/rank<r>/optimizer.swp``. This rank's pieces are grouped in order into
 sub-groups of at most ``zero_optimization.sub_group_size`` elements (a larger piece is a sub-group of
@@ -10,7 +9,7 @@ its own, as in DeepSpeed). Sub-group k is one contiguous region of the file (mas
 ``buffer_count`` buffers of the largest region, one ``step`` scalar per piece, and the gradients:
 
 - CPU training, stages 2-3 without loss scaling: the reduced gradients go to ``gradients.swp`` per
-  unit (:mod:`zerodp.offload.grad_swap`), read back per sub-group during the step.
+  unit (:mod:`zerodp.offload.grad_swap`, through an I/O pool of its own), read back per sub-group.
 - Otherwise on the CPU: no second copy (:mod:`zerodp.offload.deferred_grads`). The offload reads the
   reducer's partition (unchanged until the step) and records the engine's scale factors (loss
   unscaling, clipping) in order; a piece's fp32 gradient is made just in time in one scratch buffer of
@@ -30,9 +29,8 @@ During a step, sub-group k's masters and moments are bound to the torch optimize
 state (views of the buffer), the optimizer runs on that sub-group only, the masters are cast into the
 module's parameters, and the buffer is written back. The kernel is torch's fused CPU Adam/AdamW
 (``offload_optimizer.cpu_adam``: within about 1e-6 relative of the non-offloaded engine; ``"same"``:
-bitwise). Between steps the masters are
-empty placeholders and the optimizer has no state in memory (:meth:`NvmeOptimizerOffload.resident`
-materialises both for a checkpoint; the reads and writes outside a step: :mod:`zerodp.offload.swap_masters`).
+bitwise). Between steps the masters are empty placeholders and the optimizer has no state in memory
+(:meth:`NvmeOptimizerOffload.resident` materialises both for a checkpoint; :mod:`.swap_masters`).
 
 Errors, raised on every rank (collective) before any training state changes: a missing or
 unwritable ``nvme_path``, too little free space (bytes needed vs free), a swap file deleted or
@@ -103,6 +101,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         self.steps: dict[tuple[int, int], torch.Tensor] = {}  # (piece position, span lo) -> Adam's step
         self.buffers: list[torch.Tensor] = []
         self.io: AsyncIO | None = None
+        self.grad_io: AsyncIO | None = None  # the gradient swap file's pool (gradient_spill)
         self.file: SwapFile | None = None
         self.dir: str | None = None
         self.stats = SwapStats()
@@ -219,11 +218,12 @@ class NvmeOptimizerOffload(DeferredGradOffload):
             (g.index, reducer.owned_offset(g, p.lo, p.hi)) for p, g in zip(self.pieces, self._group_of, strict=False)
         ]
         assert self.dir is not None and self.cfg.nvme_path is not None, "the swap file exists (checked above)"
+        self.grad_io = AsyncIO(self.aio_cfg)  # own pool: not queued behind the optimizer's read-ahead
         self.spill = open_grad_swap(
             self.dir,
             self.cfg.nvme_path,
             self.cfg.fast_init,
-            self.swap_io,
+            self.grad_io,
             self._files,
             reducer.owned_sizes,
             self._grad_at,
@@ -489,9 +489,10 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         self.copies.close()
         if self.spill is not None:
             self.spill.drain()
-        if self.io is not None:
-            self.io.close()
-            self.io = None
+        for io in (self.grad_io, self.io):
+            if io is not None:
+                io.close()
+        self.grad_io = self.io = None
         if self._finalizer is not None:
             self._finalizer()
 
