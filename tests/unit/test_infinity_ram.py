@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import zerodp
-from zerodp.app.infinity_ram import largest_reduce_group, reduce_flush, unit_sizes
+from zerodp.app.infinity_ram import knobs_for, largest_reduce_group, reduce_flush, unit_sizes
 from zerodp.app.model import GPT, GPTConfig
 from zerodp.stage3.sharding import reduce_flush_elements
 
@@ -35,3 +35,17 @@ def test_largest_group_adds_units_until_the_flush() -> None:
     assert largest_reduce_group([2, 5, 1], 3) == 7  # 2 + 5 | 1: the first crosses the flush by a whole unit
     assert largest_reduce_group([1, 2, 5, 1], 3) == 5  # 1 + 2 | 5 | 1 (flushed when backward returns)
     assert largest_reduce_group([1, 1], 10) == 2
+
+
+@pytest.mark.parametrize("params", [4_787_155_968, 800_000_000])
+def test_swap_buffers_are_a_job_budget_divided_among_the_ranks(params: int) -> None:
+    """Issue 31 item 4 (the same with ``--nproc 2``): the optimizer's sub-group buffers and the
+    parameter read-ahead of all ranks together do not grow with the number of ranks; each rank still
+    has at least 4 sub-groups and at least one page of read-ahead."""
+    k1, k2, k4 = (knobs_for(params, 35_000_000, n) for n in (1, 2, 4))
+    for n, k in ((2, k2), (4, k4)):
+        assert n * k.optimizer_buffers * k.sub_group_size <= k1.optimizer_buffers * k1.sub_group_size
+        assert n * k.max_in_cpu <= k1.max_in_cpu
+        assert k.max_in_cpu >= 4096 and params / n / k.sub_group_size >= 4
+    if params > 4e9:  # one rank keeps the sizes the 3x runs measured
+        assert (k1.sub_group_size, k1.max_in_cpu) == (12_500_000, 1_000_000_000)

@@ -62,18 +62,21 @@ class Knobs:
 
 
 def knobs_for(params: int, largest_layer: int, nproc: int, overlap_step: bool = True) -> Knobs:
-    """Sub-groups of at most 12.5M elements (150 MB of fp32 state per swap read: large sequential I/O;
+    """Sizes chosen from job-wide budgets divided among the ``nproc`` ranks, so that the host bytes of
+    the swap buffers do not grow with the number of ranks on the machine: sub-groups of at most
+    12.5M / ``nproc`` elements (150 MB of fp32 state per swap read with one rank: large sequential I/O;
     the 3.8B run peaked at 9.0 GB RSS with 25M), at least 4 per rank down to 1M, so reads, updates and
-    writes pipeline; parameter swap buffers that hold the largest layer in bf16
-    (at most DeepSpeed's default 1e8 bytes); read-ahead of at most 1 GB or a quarter of the bf16
-    shards; a raw-I/O probe of a quarter of the bf16 shards, between 256 MiB and 1 GiB. With
-    ``overlap_step``, 8 optimizer buffers (6 sub-groups read ahead while the forward computes), else 4."""
+    writes pipeline; parameter swap buffers that hold the largest layer in bf16 (at most DeepSpeed's
+    default 1e8 bytes); read-ahead of at most 1 GB / ``nproc`` or a quarter of the rank's bf16 shards; a
+    raw-I/O probe of a quarter of the bf16 shards, between 256 MiB and 1 GiB. With ``overlap_step``, 8
+    optimizer buffers (6 sub-groups read ahead while the forward computes), else 4."""
     align = 4096
     shard_bytes = 2 * params
+    rank_shard_bytes = -(-shard_bytes // nproc)
     return Knobs(
-        sub_group_size=min(12_500_000, max(1_000_000, math.ceil(params / nproc / 4))),
+        sub_group_size=min(12_500_000 // nproc, max(1_000_000, math.ceil(params / nproc / 4))),
         param_buffer_size=min(100_000_000, -(-2 * largest_layer // align) * align),
-        max_in_cpu=min(1_000_000_000, max(align, shard_bytes // 4)),
+        max_in_cpu=max(align, min(1_000_000_000 // nproc, rank_shard_bytes // 4)),
         probe_bytes=min(GIB, max(256 * 2**20, shard_bytes // 4 // align * align)),
         optimizer_buffers=8 if overlap_step else 4,
         overlap_step=overlap_step,
