@@ -85,6 +85,19 @@ def test_dry_run_sizes_states_to_twice_the_assumed_ram(tmp_path: Path, capsys: p
     assert f"disk needed {infinity.human_bytes(plan.disk_total)}" in out
 
 
+@pytest.mark.parametrize(("nproc", "per_rank"), [(1, 4), (2, 2), (4, 1), (8, 1)])
+def test_default_micro_batch_is_four_sequences_over_all_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture, nproc: int, per_rank: int
+) -> None:
+    """Without ``--micro-batch`` the job's activations do not grow with ``--nproc`` (issue 31 item 4:
+    the same RAM bound with ``--nproc 2``)."""
+    argv = ["train", "--preset", "infinity", "--nvme-path", str(tmp_path), "--dry-run", "--assume-ram", "64MB"]
+    assert main([*argv, "--nproc", str(nproc)]) == 0
+    assert f"of 1 x {per_rank} x 128 tokens per rank" in capsys.readouterr().out
+    assert main([*argv, "--nproc", str(nproc), "--micro-batch", "3"]) == 0  # a given value is kept
+    assert "of 1 x 3 x 128 tokens per rank" in capsys.readouterr().out
+
+
 def test_states_ratio_and_three_gib(tmp_path: Path) -> None:
     gib3 = infinity.read_machine(str(tmp_path), assume_ram=3 * 2**30)
     for ratio in (1.0, 2.0, 3.5):

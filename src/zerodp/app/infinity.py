@@ -319,6 +319,12 @@ PRESET_FLAGS = (
 _NOT_FLAGS = ("command", "handler", "parser", "preset")
 
 
+def default_micro_batch(nproc: int) -> int:
+    """Sequences per rank when ``--micro-batch`` is not given: 4 per micro-step over all ranks (at
+    least 1 per rank), so the job's activations and tokens per step do not grow with ``--nproc``."""
+    return max(1, 4 // nproc)
+
+
 def ignored_flags(args: argparse.Namespace) -> list[str]:
     """The flags given on the command line (not None) that the preset does not use, as ``--name``."""
     return sorted(
@@ -358,7 +364,7 @@ def command(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         states_ratio=ratio,
         seq_len=args.seq_len or 128,
-        micro_batch=args.micro_batch or 4,
+        micro_batch=args.micro_batch or default_micro_batch(args.nproc),
         steps=3 if args.steps is None else args.steps,
         lr=args.lr,
         overlap_step=not args.no_overlap_step,

@@ -26,8 +26,8 @@ that do not overlap:
 - forward: the gathered window, the pinned shards, the activations; with ``overlap_step`` the step's
   sub-group loop (fp32 gradient scratch, resident shards of two sub-groups, Adam's temporaries) runs
   during it;
-- step: the gradient norm (one piece of a unit read back from ``gradients.swp`` and made fp32 at a
-  time), and without ``overlap_step`` the loop.
+- step: the gradient norm (pieces of a unit read back from ``gradients.swp`` one ahead, one made fp32
+  at a time), and without ``overlap_step`` the loop.
 """
 
 from __future__ import annotations
@@ -186,8 +186,8 @@ def transient_phases(
             "resident shards (2 sub-groups + 2 layers, bf16)": nproc * 2 * (2 * s_ + 2 * u),
             "Adam temporaries (2 x fp32 sub-group)": nproc * 8 * s_,
         },
-        # each rank reads one piece (its 1/N of a unit) from gradients.swp and makes it fp32 in the norm scratch
-        "step": {"grad norm: one piece read back and made fp32": (grad_bytes + 4) * u},
+        # each rank reads pieces (its 1/N of a unit) from gradients.swp one ahead and makes one fp32 in the norm scratch
+        "step": {"grad norm: two pieces read (one ahead), one made fp32": (2 * grad_bytes + 4) * u},
     }
 
 

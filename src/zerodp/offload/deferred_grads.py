@@ -12,10 +12,11 @@ Without ``deferred`` (gradients on a device) every call is the host offload's
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
+from zerodp.offload.aio import IOHandle
 from zerodp.offload.cpu_adam import CpuAdam
 from zerodp.offload.grad_swap import GradSwap
 from zerodp.offload.host import HostOptimizerOffload
@@ -75,22 +76,60 @@ class DeferredGradOffload(HostOptimizerOffload):
         i = self._index[id(piece)]
         if not self._present[i]:
             return None
-        ref, n = self._grad_refs[i], piece.hi - piece.lo
-        fresh = ref is None  # in the gradient swap file: this piece read into a buffer of its own
-        if ref is None:
-            assert self.spill is not None, "a staged gradient without a partition view is in the swap file"
-            ref = self.spill.read_elements(self._grad_at[i][0], self._grad_at[i][1], self._grad_at[i][1] + n)
+        ref = self._grad_refs[i]
+        if ref is None:  # in the gradient swap file: this piece read into a buffer of its own
+            handle, views = self._read_piece(i)
+            handle.wait()
+            return self._fp32_of(i, views[0], fresh=True)
+        return self._fp32_of(i, ref, fresh=False)
+
+    def norm_grads(self, pieces: list[Piece]) -> Iterable[torch.Tensor]:
+        """Deferred: a generator; each piece's fp32 gradient overwrites the previous one's. Pieces in
+        the gradient swap file are read one ahead: piece k+1's read is in flight while piece k is
+        made fp32 and summed (two pieces' read buffers at a time, freed as the pass goes)."""
+        if not self.deferred:
+            return super().norm_grads(pieces)
+        return self._norm_pass([self._index[id(p)] for p in pieces])
+
+    def _norm_pass(self, todo: list[int]) -> Iterator[torch.Tensor]:
+        todo = [i for i in todo if self._present[i]]
+        ahead: dict[int, tuple[IOHandle, list[torch.Tensor]]] = {}
+
+        def issue(k: int) -> None:
+            if k < len(todo) and self._grad_refs[todo[k]] is None:
+                ahead[k] = self._read_piece(todo[k])
+
+        try:
+            issue(0)
+            for k, i in enumerate(todo):
+                issue(k + 1)
+                if k in ahead:
+                    handle, views = ahead.pop(k)
+                    handle.wait()
+                    yield self._fp32_of(i, views[0], fresh=True)
+                else:
+                    ref = self._grad_refs[i]
+                    assert ref is not None
+                    yield self._fp32_of(i, ref, fresh=False)
+        finally:  # a pass stopped early (an error in the consumer): no read left writing into memory
+            for handle, _ in ahead.values():
+                handle.wait()
+
+    def _read_piece(self, i: int) -> tuple[IOHandle, list[torch.Tensor]]:
+        """Start reading piece ``i``'s gradient from the swap file into a buffer of its own."""
+        assert self.spill is not None, "a staged gradient without a partition view is in the swap file"
+        group, at = self._grad_at[i]
+        return self.spill.read_ranges([(group, at, at + self.pieces[i].hi - self.pieces[i].lo)], slot=None)
+
+    def _fp32_of(self, i: int, ref: torch.Tensor, fresh: bool) -> torch.Tensor:
+        """Piece ``i``'s fp32 gradient from ``ref`` (its elements; ``fresh``: a buffer read for this
+        call, which may be scaled in place)."""
+        n = self.pieces[i].hi - self.pieces[i].lo
         if ref.dtype == torch.float32 and (fresh or not self._factors):
             return self._materialise(i, 0, n, None, ref) if fresh else ref
         if self._norm_scratch is None:
             self._norm_scratch = torch.empty(max(p.hi - p.lo for p in self.pieces), dtype=torch.float32)
         return self._materialise(i, 0, n, self._norm_scratch[:n], ref)
-
-    def norm_grads(self, pieces: list[Piece]) -> Iterable[torch.Tensor]:
-        """Deferred: a generator; each piece's fp32 gradient overwrites the previous one's."""
-        if not self.deferred:
-            return super().norm_grads(pieces)
-        return (g for g in (self.grad_of(p) for p in pieces) if g is not None)
 
     def _materialise(
         self, i: int, lo: int, hi: int, out: torch.Tensor | None, ref: torch.Tensor | None = None
