@@ -41,11 +41,12 @@ def test_largest_group_adds_units_until_the_flush() -> None:
 def test_swap_buffers_are_a_job_budget_divided_among_the_ranks(params: int) -> None:
     """Issue 31 item 4 (the same with ``--nproc 2``): the optimizer's sub-group buffers and the
     parameter read-ahead of all ranks together do not grow with the number of ranks; each rank still
-    has at least 4 sub-groups and at least one page of read-ahead."""
+    has at least 4 sub-groups, at least one page of read-ahead and a live window of two layers."""
     k1, k2, k4 = (knobs_for(params, 35_000_000, n) for n in (1, 2, 4))
     for n, k in ((2, k2), (4, k4)):
         assert n * k.optimizer_buffers * k.sub_group_size <= k1.optimizer_buffers * k1.sub_group_size
         assert n * k.max_in_cpu <= k1.max_in_cpu
+        assert n * k.max_live_parameters <= k1.max_live_parameters or k.max_live_parameters == 2 * 35_000_000
         assert k.max_in_cpu >= 4096 and params / n / k.sub_group_size >= 4
     if params > 4e9:  # one rank keeps the sizes the 3x runs measured
         assert (k1.sub_group_size, k1.max_in_cpu) == (12_500_000, 1_000_000_000)

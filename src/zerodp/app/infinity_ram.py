@@ -68,6 +68,7 @@ def knobs_for(params: int, largest_layer: int, nproc: int, overlap_step: bool = 
     the 3.8B run peaked at 9.0 GB RSS with 25M), at least 4 per rank down to 1M, so reads, updates and
     writes pipeline; parameter swap buffers that hold the largest layer in bf16 (at most DeepSpeed's
     default 1e8 bytes); read-ahead of at most 1 GB / ``nproc`` or a quarter of the rank's bf16 shards; a
+    live window of 200M / ``nproc`` elements gathered ahead (at least two of the largest layer); a
     raw-I/O probe of a quarter of the bf16 shards, between 256 MiB and 1 GiB. With ``overlap_step``, 8
     optimizer buffers (6 sub-groups read ahead while the forward computes), else 4."""
     align = 4096
@@ -79,6 +80,7 @@ def knobs_for(params: int, largest_layer: int, nproc: int, overlap_step: bool = 
         max_in_cpu=max(align, min(1_000_000_000 // nproc, rank_shard_bytes // 4)),
         probe_bytes=min(GIB, max(256 * 2**20, shard_bytes // 4 // align * align)),
         optimizer_buffers=8 if overlap_step else 4,
+        max_live_parameters=min(200_000_000, max(200_000_000 // nproc, 2 * largest_layer)),
         overlap_step=overlap_step,
     )
 
