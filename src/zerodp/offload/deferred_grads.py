@@ -16,9 +16,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from zerodp.offload.aio import IOHandle
 from zerodp.offload.cpu_adam import CpuAdam
-from zerodp.offload.grad_swap import GradSwap
+from zerodp.offload.grad_swap import GradSwap, StepGradReads
 from zerodp.offload.host import HostOptimizerOffload
 from zerodp.runtime.partition import Piece
 
@@ -78,48 +77,42 @@ class DeferredGradOffload(HostOptimizerOffload):
             return None
         ref = self._grad_refs[i]
         if ref is None:  # in the gradient swap file: this piece read into a buffer of its own
-            handle, views = self._read_piece(i)
-            handle.wait()
-            return self._fp32_of(i, views[0], fresh=True)
+            assert self.spill is not None, "a staged gradient without a partition view is in the swap file"
+            group, at = self._grad_at[i]
+            return self._fp32_of(i, self.spill.read_elements(group, at, at + piece.hi - piece.lo), fresh=True)
         return self._fp32_of(i, ref, fresh=False)
 
     def norm_grads(self, pieces: list[Piece]) -> Iterable[torch.Tensor]:
         """Deferred: a generator; each piece's fp32 gradient overwrites the previous one's. Pieces in
-        the gradient swap file are read one ahead: piece k+1's read is in flight while piece k is
-        made fp32 and summed (two pieces' read buffers at a time, freed as the pass goes)."""
+        the gradient swap file are read one ahead (:class:`zerodp.offload.grad_swap.StepGradReads`):
+        piece k+1's read is in flight while piece k is made fp32 and summed (two pieces' read buffers
+        at a time, freed as the pass goes)."""
         if not self.deferred:
             return super().norm_grads(pieces)
         return self._norm_pass([self._index[id(p)] for p in pieces])
 
     def _norm_pass(self, todo: list[int]) -> Iterator[torch.Tensor]:
         todo = [i for i in todo if self._present[i]]
-        ahead: dict[int, tuple[IOHandle, list[torch.Tensor]]] = {}
-
-        def issue(k: int) -> None:
-            if k < len(todo) and self._grad_refs[todo[k]] is None:
-                ahead[k] = self._read_piece(todo[k])
-
+        spilled = [i for i in todo if self._grad_refs[i] is None]
+        reads = None
+        if spilled:
+            assert self.spill is not None, "a staged gradient without a partition view is in the swap file"
+            reads = StepGradReads(self.spill, self._grad_at, spilled, self._whole_piece, own_buffers=True)
         try:
-            issue(0)
-            for k, i in enumerate(todo):
-                issue(k + 1)
-                if k in ahead:
-                    handle, views = ahead.pop(k)
-                    handle.wait()
-                    yield self._fp32_of(i, views[0], fresh=True)
+            for i in todo:
+                ref = self._grad_refs[i]
+                if ref is None:
+                    assert reads is not None
+                    yield self._fp32_of(i, reads.take(i)[i], fresh=True)
                 else:
-                    ref = self._grad_refs[i]
-                    assert ref is not None
                     yield self._fp32_of(i, ref, fresh=False)
         finally:  # a pass stopped early (an error in the consumer): no read left writing into memory
-            for handle, _ in ahead.values():
-                handle.wait()
+            if reads is not None:
+                reads.close()
 
-    def _read_piece(self, i: int) -> tuple[IOHandle, list[torch.Tensor]]:
-        """Start reading piece ``i``'s gradient from the swap file into a buffer of its own."""
-        assert self.spill is not None, "a staged gradient without a partition view is in the swap file"
-        group, at = self._grad_at[i]
-        return self.spill.read_ranges([(group, at, at + self.pieces[i].hi - self.pieces[i].lo)], slot=None)
+    def _whole_piece(self, i: int) -> list[tuple[int, int, int]]:
+        """Piece ``i``'s span for :class:`StepGradReads`: all its elements."""
+        return [(i, 0, self.pieces[i].hi - self.pieces[i].lo)]
 
     def _fp32_of(self, i: int, ref: torch.Tensor, fresh: bool) -> torch.Tensor:
         """Piece ``i``'s fp32 gradient from ``ref`` (its elements; ``fresh``: a buffer read for this

@@ -266,7 +266,9 @@ def open_grad_swap(
 class StepGradReads:
     """One step's gradient reads: :meth:`take` waits for sub-group ``k``'s (issued by the call for
     the sub-group before it) and issues the next one's into the other buffer. ``order``: sub-group
-    indices in update order; ``spans_of(index)``: (piece position, lo, hi) to read for it."""
+    indices in update order; ``spans_of(index)``: (piece position, lo, hi) to read for it;
+    ``own_buffers``: each read into a buffer of its own instead of the two read buffers (reads larger
+    than a sub-group: the gradient-norm pass, a whole piece each)."""
 
     def __init__(
         self,
@@ -274,14 +276,17 @@ class StepGradReads:
         at: list[tuple[int, int]],
         order: list[int],
         spans_of: Callable[[int], list[tuple[int, int, int]]],
+        own_buffers: bool = False,
     ) -> None:
         self.swap, self.at, self.order, self.spans_of = swap, at, order, spans_of
+        self.own_buffers = own_buffers
         self.reads: dict[int, tuple[IOHandle, list[int], list[torch.Tensor]]] = {}
 
     def _issue(self, index: int, slot: int | None) -> None:
         spans = self.spans_of(index)
         handle, views = self.swap.read_ranges(
-            [(self.at[i][0], self.at[i][1] + lo, self.at[i][1] + hi) for i, lo, hi in spans], slot
+            [(self.at[i][0], self.at[i][1] + lo, self.at[i][1] + hi) for i, lo, hi in spans],
+            None if self.own_buffers else slot,
         )
         self.reads[index] = (handle, [i for i, _, _ in spans], views)
 
