@@ -91,11 +91,35 @@ def test_default_micro_batch_is_four_sequences_over_all_ranks(
 ) -> None:
     """Without ``--micro-batch`` the job's activations do not grow with ``--nproc`` (issue 31 item 4:
     the same RAM bound with ``--nproc 2``)."""
-    argv = ["train", "--preset", "infinity", "--nvme-path", str(tmp_path), "--dry-run", "--assume-ram", "64MB"]
+    argv = ["train", "--preset", "infinity", "--nvme-path", str(tmp_path), "--dry-run", "--assume-ram", "16GB"]
+    argv += ["--states-ratio", "0.05"]  # a small model: activations and pools far below a third of RAM
     assert main([*argv, "--nproc", str(nproc)]) == 0
-    assert f"of 1 x {per_rank} x 128 tokens per rank" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"of 1 x {per_rank} x 128 tokens per rank" in out and "(default)" not in out
     assert main([*argv, "--nproc", str(nproc), "--micro-batch", "3"]) == 0  # a given value is kept
     assert "of 1 x 3 x 128 tokens per rank" in capsys.readouterr().out
+
+
+def test_default_micro_batch_keeps_the_rows_within_a_third_of_ram(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Issue 31 item 4 (peak RSS <= 8 GB with ``--nproc 2`` as with one rank): on the issue's 24 GiB
+    machine at 3x, two ranks of 2 sequences would plan more than a third of RAM of rows (the gather
+    pools and weight-gradient temporaries are per rank), so the default drops to 1 and says why; one
+    rank keeps 4. A given ``--micro-batch`` is kept."""
+    argv = ["train", "--preset", "infinity", "--nvme-path", str(tmp_path), "--dry-run", "--states-ratio", "3"]
+    argv += ["--assume-ram", "25276059648", "--assume-disk-free", "90GB"]
+    machine = infinity.read_machine(str(tmp_path), 25_276_059_648, 90 * 10**9)
+    third = infinity.RAM_TARGET_SHARE * machine.ram_total
+    for nproc, chosen in ((1, 4), (2, 1)):
+        assert main([*argv, "--nproc", str(nproc)]) == 0
+        out = capsys.readouterr().out
+        assert f"of 1 x {chosen} x 128 tokens per rank" in out
+        assert infinity.plan_run(machine, nproc=nproc, states_ratio=3, micro_batch=chosen).ram_rows <= third
+        assert ("micro-batch 1 per rank (default): 2 would need" in out) == (nproc == 2)
+    assert infinity.plan_run(machine, nproc=2, states_ratio=3, micro_batch=2).ram_rows > third
+    assert main([*argv, "--nproc", "2", "--micro-batch", "2"]) == 0
+    assert "of 1 x 2 x 128 tokens per rank" in capsys.readouterr().out
 
 
 def test_states_ratio_and_three_gib(tmp_path: Path) -> None:

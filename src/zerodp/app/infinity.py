@@ -44,6 +44,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from zerodp.app.infinity_ram import Knobs, knobs_for, ram_accounting
@@ -89,6 +90,11 @@ class Plan:
     @property
     def ram_total(self) -> int:
         return sum(self.ram_needed.values())
+
+    @property
+    def ram_rows(self) -> int:
+        """The RAM rows without the slack (bytes, all ranks): what measured peaks are compared with."""
+        return sum(v for k, v in self.ram_needed.items() if not k.startswith("slack"))
 
 
 def read_machine(nvme_path: str, assume_ram: int | None = None, assume_disk_free: int | None = None) -> Machine:
@@ -319,10 +325,21 @@ PRESET_FLAGS = (
 _NOT_FLAGS = ("command", "handler", "parser", "preset")
 
 
-def default_micro_batch(nproc: int) -> int:
-    """Sequences per rank when ``--micro-batch`` is not given: 4 per micro-step over all ranks (at
-    least 1 per rank), so the job's activations and tokens per step do not grow with ``--nproc``."""
-    return max(1, 4 // nproc)
+#: the default micro-batch keeps the plan's RAM rows (without slack, all ranks) within this share of
+#: RAM (issue 31: peak RSS <= 8 GB on a 24 GiB machine; measured peaks were 0.85-0.93 of the rows)
+RAM_TARGET_SHARE = 1 / 3
+
+
+def default_micro_batch(nproc: int, rows_for: Callable[[int], int] | None = None, ram_total: int = 0) -> int:
+    """Sequences per rank when ``--micro-batch`` is not given: at most 4 per micro-step over all ranks
+    (4 / ``nproc`` per rank, at least 1), so the job's activations and tokens per step do not grow with
+    ``--nproc``; then halved while ``rows_for(m)`` (the plan's RAM rows without slack, bytes, for ``m``
+    sequences per rank) exceeds :data:`RAM_TARGET_SHARE` of ``ram_total`` (never below 1)."""
+    m = max(1, 4 // nproc)
+    if rows_for is not None:
+        while m > 1 and rows_for(m) > RAM_TARGET_SHARE * ram_total:
+            m //= 2
+    return m
 
 
 def ignored_flags(args: argparse.Namespace) -> list[str]:
@@ -359,18 +376,30 @@ def command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"zerodp train: error: {exc}", file=sys.stderr)
         return 2
-    plan = plan_run(
-        machine,
-        nproc=args.nproc,
-        states_ratio=ratio,
-        seq_len=args.seq_len or 128,
-        micro_batch=args.micro_batch or default_micro_batch(args.nproc),
-        steps=3 if args.steps is None else args.steps,
-        lr=args.lr,
-        overlap_step=not args.no_overlap_step,
-        grad_accum=args.grad_accum or 1,
+
+    def plan_for(micro_batch: int) -> Plan:
+        return plan_run(
+            machine,
+            nproc=args.nproc,
+            states_ratio=ratio,
+            seq_len=args.seq_len or 128,
+            micro_batch=micro_batch,
+            steps=3 if args.steps is None else args.steps,
+            lr=args.lr,
+            overlap_step=not args.no_overlap_step,
+            grad_accum=args.grad_accum or 1,
+        )
+
+    plan = plan_for(
+        args.micro_batch or default_micro_batch(args.nproc, lambda m: plan_for(m).ram_rows, machine.ram_total)
     )
     print(format_plan(plan, machine), flush=True)
+    if args.micro_batch is None and plan.micro_batch < max(1, 4 // args.nproc):
+        print(
+            f"micro-batch {plan.micro_batch} per rank (default): {2 * plan.micro_batch} would need "
+            f"{human_bytes(plan_for(2 * plan.micro_batch).ram_rows)} of RAM rows, more than "
+            f"{human_bytes(int(RAM_TARGET_SHARE * machine.ram_total))} (a third of RAM); --micro-batch sets it"
+        )
     issues = problems(plan, machine)
     for msg in issues:
         print(f"zerodp train: refused: {msg}", file=sys.stderr)
@@ -409,5 +438,5 @@ def _plan_json(plan: Plan) -> dict:
         "lr": plan.lr,
         "knobs": asdict(plan.knobs),
         "probe_bytes": plan.knobs.probe_bytes,
-        "ram_rows_per_rank": sum(v for k, v in plan.ram_needed.items() if not k.startswith("slack")) // plan.nproc,
+        "ram_rows_per_rank": plan.ram_rows // plan.nproc,
     }
