@@ -50,6 +50,7 @@ def test_the_norm_pass_reads_one_piece_ahead_and_gives_the_same_gradients(world1
     engine.backward(engine(x).float().square().mean())
     spill = off.spill
     assert spill is not None and spill.on_disk
+    spill.span_norms.clear()  # as when they were not taken at the put (a clip_grad_norm_ factor, fp16)
     issued: list = []
     read_ranges, norm_grads = spill.read_ranges, off.norm_grads
     passes: list = []

@@ -26,8 +26,10 @@ that do not overlap:
 - forward: the gathered window, the pinned shards, the activations; with ``overlap_step`` the step's
   sub-group loop (fp32 gradient scratch, resident shards of two sub-groups, Adam's temporaries) runs
   during it;
-- step: the gradient norm (pieces of a unit read back from ``gradients.swp`` one ahead, one made fp32
-  at a time), and without ``overlap_step`` the loop.
+- step: nothing of its own (the gradient norm is taken as the boundary backward writes
+  ``gradients.swp``, in a scratch counted with the gradient swap: :mod:`zerodp.offload.grad_swap`;
+  the preset trains bf16 without ``clip_grad_norm_``, so no factor makes the step read the gradients
+  back), and without ``overlap_step`` the loop.
 """
 
 from __future__ import annotations
@@ -36,9 +38,14 @@ import math
 from dataclasses import dataclass
 
 from zerodp.app.model import GPTConfig
-from zerodp.offload.grad_swap import MAX_WRITES_IN_FLIGHT
+from zerodp.offload.grad_swap import MAX_WRITES_IN_FLIGHT, NORM_BLOCK
 from zerodp.runtime.grad_reducer import MAX_BUCKETS_IN_FLIGHT
 from zerodp.stage3.sharding import REDUCE_GROUPS_PER_BACKWARD
+
+#: the gradient swap's RAM row: two read buffers of a sub-group, the partitions being reduced or
+#: written, and the 16 MiB scratch of the norm taken as they are written
+_GROUPS = MAX_BUCKETS_IN_FLIGHT + MAX_WRITES_IN_FLIGHT
+GRAD_SWAP_ROW = f"gradient swap: 2 reads + {_GROUPS} groups + norm scratch per rank"
 
 GIB = 2**30
 
@@ -149,9 +156,7 @@ def ram_accounting(
         "optimizer sub-group buffers per rank": nproc * k.optimizer_buffers * -(-12 * s_ // align) * align,
         "parameter swap pool + read-ahead per rank": nproc
         * (k.param_buffer_count * k.param_buffer_size + min(k.max_in_cpu, -(-2 * p // nproc))),
-        f"gradient swap: 2 read buffers + {MAX_BUCKETS_IN_FLIGHT + MAX_WRITES_IN_FLIGHT} reduced groups per rank": nproc
-        * 2
-        * (grad_bytes * s_ + 2**20)
+        GRAD_SWAP_ROW: nproc * (2 * (grad_bytes * s_ + 2**20) + 4 * NORM_BLOCK)
         + (MAX_BUCKETS_IN_FLIGHT + MAX_WRITES_IN_FLIGHT) * grad_bytes * min(group, p),
         f"transients per rank: {larger}": sums[larger],
     }
@@ -188,13 +193,13 @@ def transient_phases(
             "resident shards (2 sub-groups + 2 layers, bf16)": nproc * 2 * (2 * s_ + 2 * u),
             "Adam temporaries (2 x fp32 sub-group)": nproc * 8 * s_,
         },
-        # each rank reads pieces (its 1/N of a unit) from gradients.swp one ahead and makes one fp32 in the norm scratch
-        "step": {"grad norm: two pieces read (one ahead), one made fp32": (2 * grad_bytes + 4) * u},
+        "step": {},  # the norm was taken as gradients.swp was written (module docstring)
     }
 
 
 __all__ = [
     "ACTIVATION_BYTES",
+    "GRAD_SWAP_ROW",
     "WEIGHT_GRAD_BYTES",
     "largest_reduce_group",
     "ram_accounting",

@@ -20,6 +20,7 @@ from zerodp.offload.cpu_adam import CpuAdam
 from zerodp.offload.grad_swap import GradSwap, StepGradReads
 from zerodp.offload.host import HostOptimizerOffload
 from zerodp.runtime.partition import Piece
+from zerodp.runtime.topology import ChunkNorms
 
 
 class DeferredGradOffload(HostOptimizerOffload):
@@ -82,18 +83,37 @@ class DeferredGradOffload(HostOptimizerOffload):
             return self._fp32_of(i, self.spill.read_elements(group, at, at + piece.hi - piece.lo), fresh=True)
         return self._fp32_of(i, ref, fresh=False)
 
-    def norm_grads(self, pieces: list[Piece]) -> Iterable[torch.Tensor]:
-        """Deferred: a generator; each piece's fp32 gradient overwrites the previous one's. Pieces in
-        the gradient swap file are read one ahead (:class:`zerodp.offload.grad_swap.StepGradReads`):
-        piece k+1's read is in flight while piece k is made fp32 and summed (two pieces' read buffers
-        at a time, freed as the pass goes)."""
+    def norm_grads(self, pieces: list[Piece]) -> Iterable[torch.Tensor | ChunkNorms]:
+        """Deferred: a generator; each piece's fp32 gradient overwrites the previous one's. A piece in
+        the gradient swap file whose chunk norms were taken as it was written (:meth:`begin_grads`)
+        gives those (:class:`zerodp.runtime.topology.ChunkNorms`) when no scale factor is recorded
+        (fp16's loss unscaling or a ``clip_grad_norm_`` factor would change them); the others are read
+        one ahead (:class:`zerodp.offload.grad_swap.StepGradReads`): piece k+1's read is in flight
+        while piece k is made fp32 and summed (two pieces' read buffers at a time, freed as the pass
+        goes)."""
         if not self.deferred:
             return super().norm_grads(pieces)
         return self._norm_pass([self._index[id(p)] for p in pieces])
 
-    def _norm_pass(self, todo: list[int]) -> Iterator[torch.Tensor]:
+    def begin_grads(self) -> None:
+        """As the host offload's; with a gradient swap file, its :meth:`GradSwap.put` takes each piece's
+        chunk norms during this (boundary) backward, until the step forgets the gradients."""
+        super().begin_grads()
+        if self.deferred and self.spill is not None:
+            spans: dict[int, list[tuple[int, int, int]]] = {}
+            for i, (group, at) in enumerate(self._grad_at):
+                spans.setdefault(group, []).append((i, at, at + self.pieces[i].hi - self.pieces[i].lo))
+            self.spill.take_norms(spans)
+
+    def _norm_pass(self, todo: list[int]) -> Iterator[torch.Tensor | ChunkNorms]:
         todo = [i for i in todo if self._present[i]]
-        spilled = [i for i in todo if self._grad_refs[i] is None]
+        early: dict[int, torch.Tensor] = {}  # pieces normed as they were written (no factor to apply)
+        if self.spill is not None and not self._factors:
+            for i in todo:
+                norms = self.spill.span_norms.get(self._grad_at[i][0], {}).get(i)
+                if norms is not None and self._grad_refs[i] is None:
+                    early[i] = norms
+        spilled = [i for i in todo if self._grad_refs[i] is None and i not in early]
         reads = None
         if spilled:
             assert self.spill is not None, "a staged gradient without a partition view is in the swap file"
@@ -101,7 +121,9 @@ class DeferredGradOffload(HostOptimizerOffload):
         try:
             for i in todo:
                 ref = self._grad_refs[i]
-                if ref is None:
+                if i in early:
+                    yield ChunkNorms(early[i])
+                elif ref is None:
                     assert reads is not None
                     yield self._fp32_of(i, reads.take(i)[i], fresh=True)
                 else:
@@ -148,6 +170,8 @@ class DeferredGradOffload(HostOptimizerOffload):
         self._grad_refs = [None] * len(self.pieces)
         self._factors = []
         self._norm_scratch = None
+        if self.spill is not None:
+            self.spill.take_norms(None)
 
 
 __all__ = ["DeferredGradOffload"]

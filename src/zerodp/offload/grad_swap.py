@@ -18,6 +18,12 @@ ranges of its spans, merged when contiguous, each read as its aligned superset) 
 buffers, so the next sub-group's gradients are read while one is updated
 (:class:`zerodp.offload.nvme.NvmeOptimizerOffload`). Host memory: the partitions whose writes are in
 flight (a unit each) and the two read buffers (a sub-group each, plus 8 KiB per merged range).
+
+The gradient norm needs every gradient before the first update. On the accumulation boundary's
+backward (:meth:`GradSwap.take_norms`, set by the offload) :meth:`GradSwap.put` takes the fp32 chunk
+norms of each piece of a partition before writing it (the CPU work the norm needs anyway, in a 16 MiB
+scratch), so ``step()`` reads no byte of the file for the norm; before, a pass read the whole
+partition once more (2 bytes/param per step, serial between backward and the sub-group loop).
 """
 
 from __future__ import annotations
@@ -29,9 +35,12 @@ import torch
 import torch.distributed as dist
 
 from zerodp.offload.aio import ALIGN, AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
+from zerodp.runtime.topology import NORM_CHUNK, chunk_norms_fp32
 
 #: partitions whose writes may be in flight at once (each one unit's shard; the oldest is waited for)
 MAX_WRITES_IN_FLIGHT = 2
+#: fp32 elements of the scratch in which :meth:`GradSwap.put` makes a bf16 span fp32 for its norm (16 MiB)
+NORM_BLOCK = 64 * NORM_CHUNK
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,12 @@ class GradSwap:
         self.read_buffers = [aligned_buffer(read_buffer_bytes) for _ in range(2)] if read_buffer_bytes else []
         self.bytes_written = 0
         self.bytes_read = 0
+        #: group index -> spans ``(key, lo, hi)`` (elements of its partition) whose fp32 chunk norms
+        #: :meth:`put` takes while set (:meth:`take_norms`); None: it takes none
+        self.norm_spans: dict[int, list[tuple[int, int, int]]] | None = None
+        #: group index -> key -> the chunk norms of that span as last put (a put without norms drops them)
+        self.span_norms: dict[int, dict[int, torch.Tensor]] = {}
+        self._norm_scratch: torch.Tensor | None = None  # fp32, NORM_BLOCK elements, while norm_spans is set
 
     # ---- the reducer's side --------------------------------------------------------------------
     def empty(self, index: int) -> torch.Tensor:
@@ -103,9 +118,25 @@ class GradSwap:
         e = self.extents[index]
         return aligned_buffer(e.nbytes)[: e.nbytes].view(e.dtype).zero_()
 
+    def take_norms(self, spans: dict[int, list[tuple[int, int, int]]] | None) -> None:
+        """From now on :meth:`put` takes the fp32 chunk norms of ``spans`` (group index -> ``(key, lo,
+        hi)``) of each partition it writes, into :attr:`span_norms` (the gradient norm then reads no
+        byte of the file); None: it stops, and the scratch (:data:`NORM_BLOCK` fp32) goes."""
+        self.norm_spans = spans
+        self._norm_scratch = torch.empty(NORM_BLOCK, dtype=torch.float32) if spans is not None else None
+
     def put(self, index: int, owned: torch.Tensor) -> None:
         """Write group ``index``'s complete partition (a tensor from :meth:`empty`); the caller drops
-        ``owned`` after this (kept here until its write lands)."""
+        ``owned`` after this (kept here until its write lands). While :meth:`take_norms` is set, the
+        chunk norms of its spans are taken first (CPU, during backward); else any it had are dropped,
+        so :attr:`span_norms` always describes what the file holds."""
+        self.span_norms.pop(index, None)
+        if self.norm_spans is not None and index in self.norm_spans:
+            assert self._norm_scratch is not None, "take_norms allocates it with norm_spans"
+            scratch = self._norm_scratch
+            self.span_norms[index] = {
+                k: chunk_norms_fp32(owned[lo:hi], scratch) for k, lo, hi in self.norm_spans[index]
+            }
         self._wait_group(index)
         e = self.extents[index]
         whole = _pages(owned, e.nbytes)
@@ -139,6 +170,7 @@ class GradSwap:
         """The step consumed the gradients: the file's contents are stale from here on."""
         self.drain()
         self.on_disk.clear()
+        self.span_norms.clear()
 
     def drain(self) -> None:
         for _, h, _ in self._writes:
@@ -198,8 +230,10 @@ class GradSwap:
         return handle, views
 
     def host_bytes(self) -> int:
-        """Bytes of the read buffers and of the partitions whose writes are in flight."""
+        """Bytes of the read buffers, of the partitions whose writes are in flight and of the norm scratch."""
         held = sum(t.untyped_storage().nbytes() for _, _, t in self._writes)
+        if self._norm_scratch is not None:
+            held += self._norm_scratch.untyped_storage().nbytes()
         return sum(b.untyped_storage().nbytes() for b in self.read_buffers) + held
 
 

@@ -56,6 +56,7 @@ from zerodp.runtime import device as devices
 from zerodp.runtime.device import host_empty
 from zerodp.runtime.grad_spill import GradSpill, SpillingGradReducer
 from zerodp.runtime.partition import FlatGroup, Piece
+from zerodp.runtime.topology import GradOrNorms
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -234,7 +235,7 @@ class HostOptimizerOffload:
         each host gradient when the host has waited for its copy ([Note: lazy scaling])."""
         self._host_factors.append(factor)
 
-    def norm_grads(self, pieces: list[Piece]) -> Iterable[torch.Tensor]:
+    def norm_grads(self, pieces: list[Piece]) -> Iterable[GradOrNorms]:
         """The fp32 gradients of those of ``pieces`` that have one this step, in order, as the global
         norm reads them (a generator: :func:`zerodp.runtime.topology.global_grad_norm` reads each one
         before the next is produced). Made from the reduced gradients the copies read, on the engine's

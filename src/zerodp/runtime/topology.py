@@ -118,7 +118,46 @@ def _chunk_norms(g: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+@dataclass(frozen=True)
+class ChunkNorms:
+    """One gradient's fp32 chunk norms (:func:`_chunk_norms`: 1-D fp32, one per :data:`NORM_CHUNK`
+    elements, in order), taken before the norm pass by whoever held the gradient last (the NVMe
+    offload, as it wrote it: :mod:`zerodp.offload.grad_swap`); :func:`_sum_of_squares` uses them in
+    the gradient's place, so the sum is bitwise the one the gradient would give."""
+
+    norms: torch.Tensor
+
+
+#: what the norm functions below read per gradient: the gradient, or its :class:`ChunkNorms`
+GradOrNorms = torch.Tensor | ChunkNorms
+
+
+def chunk_norms_fp32(g: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """``_chunk_norms(g as fp32, fp32)`` without an fp32 copy of all of ``g``: a 1-D bf16/fp16 ``g`` is
+    made fp32 in ``scratch`` (1-D fp32, a multiple of :data:`NORM_CHUNK` elements) one block at a
+    time; an fp32 ``g`` is normed in place. Every chunk norm is one row of ``vector_norm(dim=1)`` over
+    the same elements, so the blocks change no bit (tests/unit/test_grad_norm_early.py).
+
+    Raises:
+        ValueError: ``scratch`` is not a multiple of :data:`NORM_CHUNK` fp32 elements."""
+    if g.dtype == torch.float32:
+        return _chunk_norms(g, torch.float32)
+    block = scratch.numel()
+    if scratch.dtype != torch.float32 or block == 0 or block % NORM_CHUNK:
+        raise ValueError(f"chunk_norms_fp32: scratch must hold a multiple of {NORM_CHUNK} fp32 elements")
+    flat = g.detach().reshape(-1)
+    if flat.numel() == 0:
+        return _chunk_norms(flat.float(), torch.float32)
+    parts = []
+    for lo in range(0, flat.numel(), block):
+        part = flat[lo : lo + block]
+        out = scratch[: part.numel()]
+        out.copy_(part)
+        parts.append(_chunk_norms(out, torch.float32))
+    return torch.cat(parts) if len(parts) != 1 else parts[0]
+
+
+def _sum_of_squares(grads: Iterable[GradOrNorms]) -> torch.Tensor:
     """Sum of the squared elements of ``grads``: a 0-d fp64 tensor on the CPU. The L2 norm of each
     chunk of :data:`NORM_CHUNK` elements of each gradient is taken in fp32 (fp64 for fp64 gradients)
     and the squares of those norms are summed in fp64. One fp32 norm per whole tensor (as
@@ -143,6 +182,10 @@ def _sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:
 
     with torch.no_grad():  # values only (for the run, instead of a detach per gradient)
         for g in grads:  # read once, in order: an offload may materialise them one at a time
+            if isinstance(g, ChunkNorms):  # normed already, as _chunk_norms below would
+                flush()
+                norms.setdefault(g.norms.device, []).append(g.norms)
+                continue
             small = batch and g.device.type == "cpu" and 0 < g.numel() < NORM_CHUNK
             if not small or (run and g.dtype != run[0].dtype):
                 flush()
@@ -158,7 +201,7 @@ def _sum_of_squares(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def local_sum_of_squares(grads_by_kind: tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]]) -> torch.Tensor:
+def local_sum_of_squares(grads_by_kind: tuple[Iterable[GradOrNorms], Iterable[GradOrNorms]]) -> torch.Tensor:
     """This rank's part of the squared L2 norm without model parallelism: the sums of squares of both
     kinds of :func:`global_grad_norm`'s ``grads_by_kind``, added, as a 1-element fp64 CPU tensor."""
     parts = [_sum_of_squares(grads) for grads in grads_by_kind]
@@ -166,7 +209,7 @@ def local_sum_of_squares(grads_by_kind: tuple[Iterable[torch.Tensor], Iterable[t
 
 
 def global_grad_norm(
-    grads_by_kind: tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]],
+    grads_by_kind: tuple[Iterable[GradOrNorms], Iterable[GradOrNorms]],
     topology: Topology,
     reduce_dp: bool,
     all_reduce: Any,
