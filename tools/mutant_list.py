@@ -833,4 +833,20 @@ MUTANTS: list[Mutant] = [
         '            guard.agree(CallSite("shutdown_distributed", "", -1, -1))',
         ["tests/test_collective_guard.py::test_shutdown_mismatch_names_the_steps_done"],
     ),
+    Mutant(
+        "early_norm_ignores_a_clip_factor",
+        DEFERRED_GRADS,
+        "        if self.spill is not None and not self._factors:",
+        "        if self.spill is not None:",
+        ["tests/unit/test_grad_norm_early.py::test_a_pending_clip_factor_makes_the_step_read_the_gradients"],
+    ),
+    Mutant(
+        "early_norm_survives_a_put_without_norms",
+        "src/zerodp/offload/grad_swap.py",
+        "        self.span_norms.pop(index, None)\n",
+        "",
+        [
+            "tests/unit/test_grad_norm_early.py::test_the_step_reads_no_gradient_for_the_norm_and_matches_the_read_pass[3-3]"
+        ],
+    ),
 ]

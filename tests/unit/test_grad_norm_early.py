@@ -5,12 +5,17 @@ and the update are bitwise those of the read pass."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from test_offload_device import _model
 from test_offload_nvme_device import _nvme_config
 
 import zerodp
+from zerodp.offload.aio import AsyncIO, SwapFile
+from zerodp.offload.config import AioConfig
+from zerodp.offload.grad_swap import GradSwap, plan_extents
 from zerodp.runtime.topology import NORM_CHUNK, ChunkNorms, _chunk_norms, _sum_of_squares, chunk_norms_fp32
 
 SIZES = [0, 1, NORM_CHUNK - 1, NORM_CHUNK, 2 * NORM_CHUNK, 2 * NORM_CHUNK + 1, 5 * NORM_CHUNK + 17]
@@ -37,11 +42,11 @@ def test_chunk_norms_stand_in_for_their_gradient_in_the_sum():
     assert torch.equal(_sum_of_squares(mixed), _sum_of_squares(grads))  # a list: the batched small ones
 
 
-def _run(tmp_path, accumulation: int, read_pass: bool, clip: float | None = None) -> tuple:
+def _run(tmp_path, accumulation: int, read_pass: bool, clip: float | None = None, stage: int = 3) -> tuple:
     """Two optimizer steps; returns (global norms, parameters, bytes the norm passes read, norms taken
     by put per backward)."""
     tmp_path.mkdir()
-    cfg = _nvme_config(3, str(tmp_path))
+    cfg = _nvme_config(stage, str(tmp_path))
     cfg["gradient_accumulation_steps"] = accumulation
     with pytest.warns(UserWarning, match="sub_group_size 100"):  # tiny sub-groups: several per piece
         engine = zerodp.initialize(_model(None), cfg)
@@ -73,10 +78,10 @@ def _run(tmp_path, accumulation: int, read_pass: bool, clip: float | None = None
     return norms, params, read, taken
 
 
-@pytest.mark.parametrize("accumulation", [1, 3])
-def test_the_step_reads_no_gradient_for_the_norm_and_matches_the_read_pass(world1, tmp_path, accumulation):
-    norms, params, read, taken = _run(tmp_path / "a", accumulation, read_pass=False)
-    ref_norms, ref_params, ref_read, _ = _run(tmp_path / "b", accumulation, read_pass=True)
+@pytest.mark.parametrize(("stage", "accumulation"), [(3, 1), (3, 3), (2, 1)])
+def test_the_step_reads_no_gradient_for_the_norm_and_matches_the_read_pass(world1, tmp_path, stage, accumulation):
+    norms, params, read, taken = _run(tmp_path / "a", accumulation, read_pass=False, stage=stage)
+    ref_norms, ref_params, ref_read, _ = _run(tmp_path / "b", accumulation, read_pass=True, stage=stage)
     assert len(read) == len(ref_read) == 4  # two steps, two kinds of gradient (MP-partitioned, replicated)
     assert sum(read) == 0 and ref_read[1] > 0 and ref_read[3] > 0, (read, ref_read)
     # norms are taken on the boundary backward only (its puts), never on the micro-steps before it
@@ -94,3 +99,25 @@ def test_a_pending_clip_factor_makes_the_step_read_the_gradients(world1, tmp_pat
     assert read[1] > 0 and read[3] > 0, read
     assert norms == ref_norms and all(n < 1e-3 * 1.01 for n in norms), norms
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
+
+
+def test_span_norms_always_describe_what_the_file_holds(tmp_path):
+    """A put while norms are taken records them; a later put of the same group without norms drops
+    them (the file changed), and ``forget`` drops all: a stale norm is never handed to a step."""
+    extents, nbytes = plan_extents([(0, 300, torch.bfloat16), (1, 100, torch.bfloat16)])
+    file = SwapFile(str(tmp_path / "gradients.swp"))
+    os.ftruncate(file.fd, nbytes)
+    swap = GradSwap(AsyncIO(AioConfig()), file, extents, 0)
+    swap.take_norms({0: [(7, 0, 200), (8, 200, 300)], 1: [(9, 0, 100)]})
+    g = swap.empty(0).copy_(torch.linspace(-1, 1, 300))
+    swap.put(0, g)
+    assert set(swap.span_norms[0]) == {7, 8} and 1 not in swap.span_norms
+    assert torch.equal(swap.span_norms[0][8], _chunk_norms(swap.get(0)[200:300].float(), torch.float32))
+    swap.take_norms(None)
+    swap.put(0, swap.empty(0).fill_(2.0))
+    assert 0 not in swap.span_norms  # written again without norms: the old ones went
+    swap.take_norms({1: [(9, 0, 100)]})
+    swap.put(1, swap.empty(1).fill_(1.0))
+    swap.forget()
+    assert swap.span_norms == {}
+    file.close()
