@@ -847,4 +847,18 @@ MUTANTS: list[Mutant] = [
         "",
         ["tests/unit/test_grad_norm_early.py::test_span_norms_always_describe_what_the_file_holds"],
     ),
+    Mutant(
+        "init_write_back_reads_the_shard",
+        "src/zerodp/stage3/units.py",
+        "        with self.resident(write=True, fill=False):",
+        "        with self.resident(write=True):",
+        ["tests/unit/test_build_reads.py::test_init_and_initialize_read_no_shard_they_overwrite_or_only_view"],
+    ),
+    Mutant(
+        "blank_shard_kept_as_read_ahead",
+        "src/zerodp/offload/param_swap.py",
+        "        if keep and not s.blank and self._unused_bytes() <= self.cfg.max_in_cpu:",
+        "        if keep and self._unused_bytes() <= self.cfg.max_in_cpu:",
+        ["tests/unit/test_build_reads.py::test_a_shard_pinned_without_values_refuses_a_read_of_its_values"],
+    ),
 ]

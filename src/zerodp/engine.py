@@ -163,8 +163,8 @@ class Engine(CheckpointMethods):
         self.optimizer_offload: OptimizerOffload = build_offload(
             zc, self.config.aio, self.stage, self.rank, self.process_group, self.groups, self.precision.has_master
         )
-        for g in self.groups:  # pieces are views of the shards
-            with self.shards_resident([g]):
+        for g in self.groups:  # pieces are views of the shards: their storage is needed, not their values
+            with self.shards_resident([g], fill=False):
                 assign_pieces(g, self.rank, owns_everything=self.stage == 0)
         # NVMe both ways: attach and step make shards resident per sub-group
         self.optimizer_offload.set_shard_access(self.param_offload)
@@ -459,12 +459,14 @@ class Engine(CheckpointMethods):
     def reset_comm_report(self) -> None:
         self.ledger.reset()
 
-    def shards_resident(self, groups: Sequence[FlatGroup] | None = None, write: bool = False) -> AbstractContextManager:
+    def shards_resident(
+        self, groups: Sequence[FlatGroup] | None = None, write: bool = False, fill: bool = True
+    ) -> AbstractContextManager:
         """Stage 3 with ``offload_param``: this rank's shards (all, or those of ``groups``) hold their
-        values for the block, written home afterwards with ``write`` (see
-        :mod:`zerodp.offload.param_offload`); otherwise a no-op."""
+        values for the block (``fill`` False: their storage only, nothing read), written home
+        afterwards with ``write`` (see :mod:`zerodp.offload.param_offload`); otherwise a no-op."""
         # an optimizer step still updating shards (overlap_step) ends first
-        return self.param_offload.resident(groups, write, settle=self.optimizer_offload.settle)
+        return self.param_offload.resident(groups, write, settle=self.optimizer_offload.settle, fill=fill)
 
     def close(self) -> None:
         """Release offload resources now (swap files, I/O threads); also done at interpreter exit."""

@@ -281,8 +281,9 @@ class NvmeOptimizerOffload(DeferredGradOffload):
             self._after.append(fn)
 
     @contextlib.contextmanager
-    def pinned(self, positions: Iterable[int], dirty: bool) -> Iterator[None]:
-        """The shards of the pieces at ``positions`` resident for the block (no-op without access)."""
+    def pinned(self, positions: Iterable[int], dirty: bool, keep: bool = False) -> Iterator[None]:
+        """The shards of the pieces at ``positions`` resident for the block (no-op without access);
+        ``keep``: left resident afterwards within the read-ahead budget (``max_in_cpu``)."""
         groups = unique_groups(self._group_of[i] for i in positions)
         if self.shard_access is None:
             yield
@@ -291,7 +292,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         try:
             yield
         finally:
-            self.shard_access.unpin(groups, dirty)
+            self.shard_access.unpin(groups, dirty, keep)
 
     def refresh_master(self, piece: Piece) -> None:
         """Write the module's (edited) value of ``piece`` into its master in the swap file (nothing to

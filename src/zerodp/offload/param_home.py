@@ -103,11 +103,12 @@ class HostShard:
     def nbytes(self) -> int:
         return self.shard.numel() * self.shard.element_size()
 
-    def acquire(self) -> None:
+    def acquire(self, fill: bool = True) -> None:
         """Pin: the first pin re-allocates the device storage and copies the values in (copy stream;
-        the compute stream waits for it)."""
+        the compute stream waits for it); ``fill`` False: no copy (the block overwrites it all)."""
         if self.pins == 0:
             self.shard.untyped_storage().resize_(self.nbytes)
+        if self.pins == 0 and fill:
             self.owner.copies.copy(self.shard, self.host)
             self.owner.copies.device_wait()
             self.owner.counters.to_device += 1
@@ -152,7 +153,8 @@ class UseHook:
     before_use: Callable[[FlatGroup], None]
     group: FlatGroup
 
-    def acquire(self) -> None:
+    def acquire(self, fill: bool = True) -> None:
+        """The use hook; the shard is in memory either way."""
         self.before_use(self.group)
 
     def release(self, dirty: bool) -> None:

@@ -59,7 +59,7 @@ class ParamOffloadStrategy(ShardAccess, Protocol):
     def read_ahead_hook(self) -> ReadAhead | None: ...
     def attach_to(self, sharding: Stage3 | None) -> None: ...
     def resident(
-        self, groups: Sequence[FlatGroup] | None, write: bool, settle: Callable[[], None]
+        self, groups: Sequence[FlatGroup] | None, write: bool, settle: Callable[[], None], fill: bool = True
     ) -> AbstractContextManager[None]: ...
     def check_health(self) -> None: ...
     def format(self, rank: int, steps: int) -> str | None: ...
@@ -131,27 +131,28 @@ class ParamOffload:
                 u.home = self.host_shards.add(u.name, u.shard)
 
     def resident(
-        self, groups: Sequence[FlatGroup] | None, write: bool, settle: Callable[[], None]
+        self, groups: Sequence[FlatGroup] | None, write: bool, settle: Callable[[], None], fill: bool = True
     ) -> AbstractContextManager[None]:
         """Every offloaded shard (or those of ``groups``) holds its values for the block; with
-        ``write``, changed values are written home afterwards. ``settle`` is called first (an
+        ``write``, changed values are written home afterwards; ``fill`` False: storage only, nothing
+        read (the block reads no value, e.g. it only makes views). ``settle`` is called first (an
         optimizer step still updating shards, ``overlap_step``, ends before they move)."""
         settle()
-        return self._resident(groups, write)
+        return self._resident(groups, write, fill)
 
     @contextlib.contextmanager
-    def _resident(self, groups: Sequence[FlatGroup] | None, write: bool) -> Iterator[None]:
+    def _resident(self, groups: Sequence[FlatGroup] | None, write: bool, fill: bool = True) -> Iterator[None]:
         """All reads are queued first, so they pipeline through the buffer pool."""
         units = self.units if groups is None else [self._by_group[id(g)] for g in groups if id(g) in self._by_group]
         homes = [u.home for u in units if u.home is not None]
-        if self.swapper is not None:
+        if self.swapper is not None and fill:
             for h in homes:
                 if isinstance(h, SwappedShard) and h.state is Residency.SWAPPED:
                     h.swapper._start_read(h)
         taken = []
         try:
             for h in homes:
-                h.acquire()
+                h.acquire(fill)
                 taken.append(h)
             yield
         finally:
@@ -293,7 +294,7 @@ class NoParamOffload:
             owner.close()
 
     def resident(
-        self, groups: Sequence[FlatGroup] | None, write: bool, settle: Callable[[], None]
+        self, groups: Sequence[FlatGroup] | None, write: bool, settle: Callable[[], None], fill: bool = True
     ) -> AbstractContextManager[None]:
         """The shards hold their values already: a no-op, but with use hooks (``overlap_step``) an
         optimizer step still updating shards ends first (``settle``)."""

@@ -102,14 +102,15 @@ class SwappedShard:
     state: Residency = Residency.RESIDENT
     pins: int = 0
     dirty: bool = False  # changed by a user since it was last written home
+    blank: bool = False  # resident without its values (acquired with fill=False), until written or evicted
     ops: list[_Op] = field(default_factory=list)  # reads or writes queued or in flight
 
-    def acquire(self) -> None:
+    def acquire(self, fill: bool = True) -> None:
         """Pin for a use: first the use hook (:meth:`ParamOffload.set_use_hook`), then
-        :meth:`ParamSwapper.acquire`."""
+        :meth:`ParamSwapper.acquire` (``fill`` False: no read, see there)."""
         if self.swapper.before_use is not None:
             self.swapper.before_use(self)
-        self.swapper.acquire(self)
+        self.swapper.acquire(self, fill)
 
     def release(self, dirty: bool) -> None:
         self.swapper.release(self, dirty)
@@ -130,6 +131,7 @@ class SwapCounters:
     reads_ahead: int = 0
     demand_reads: int = 0  # acquisitions of a swapped-out shard (not read ahead): read, then waited for
     waits: int = 0  # acquisitions of a shard read ahead whose read was still in flight
+    blank_acquires: int = 0  # acquisitions of a swapped-out shard without a read (fill=False)
 
 
 class ParamSwapper:
@@ -238,8 +240,23 @@ class ParamSwapper:
         self.shards.remove(s)
 
     # ---- residency -----------------------------------------------------------------------------
-    def acquire(self, s: SwappedShard) -> None:
-        """Pin ``s``; read it first if swapped out, wait for its read if one is queued or in flight."""
+    def acquire(self, s: SwappedShard, fill: bool = True) -> None:
+        """Pin ``s``; read it first if swapped out, wait for its read if one is queued or in flight.
+        ``fill`` False (the caller overwrites all of it, or reads none of it): a swapped-out shard gets
+        its storage without a read (``blank_acquires``), once any write of it still in flight has
+        landed (the next write of it must not overtake that one)."""
+        if s.blank and fill:
+            raise RuntimeError(
+                f"unit '{s.name}': its shard is pinned without its values (fill=False) and was acquired "
+                "for its values meanwhile"
+            )
+        if s.state is Residency.SWAPPED and not fill:
+            while s.ops:
+                self._complete(s.ops[0], remove_inflight=True)
+            s.shard.untyped_storage().resize_(s.nbytes)
+            s.state = Residency.RESIDENT
+            s.blank = True
+            self.counters.blank_acquires += 1
         if s.state is Residency.SWAPPED:
             self.counters.demand_reads += 1
             self._start_read(s)
@@ -265,9 +282,10 @@ class ParamSwapper:
             return
         if s.dirty:
             self._write(s)
-            s.dirty = False
-        if keep and self._unused_bytes() <= self.cfg.max_in_cpu:
+            s.dirty = s.blank = False
+        if keep and not s.blank and self._unused_bytes() <= self.cfg.max_in_cpu:
             return
+        s.blank = False
         s.shard.untyped_storage().resize_(0)
         s.state = Residency.SWAPPED
         if self.events is not None:

@@ -34,7 +34,9 @@ class SwappedStates(Protocol):
 
     def read_region(self, buf: torch.Tensor, offset: int) -> IOHandle: ...
     def write_region(self, buf: torch.Tensor, offset: int) -> IOHandle: ...
-    def pinned(self, positions: Iterable[int], dirty: bool) -> contextlib.AbstractContextManager[None]: ...
+    def pinned(
+        self, positions: Iterable[int], dirty: bool, keep: bool = False
+    ) -> contextlib.AbstractContextManager[None]: ...
 
 
 def write_masters(states: SwappedStates) -> None:
@@ -42,7 +44,9 @@ def write_masters(states: SwappedStates) -> None:
     for sg in states.subgroups:
         buf = states.buffers[0][: sg.nbytes]
         masters = buf[: sg.seg].view(torch.float32)
-        with states.pinned(sg.pieces, dirty=False):  # with shard_access: only this sub-group's shards
+        # with shard_access: only this sub-group's shards; kept within the read-ahead budget, so a
+        # shard whose pieces continue in the next sub-group is not read twice
+        with states.pinned(sg.pieces, dirty=False, keep=True):
             for i, lo, hi, view in sg.views(masters):
                 p = states.pieces[i]
                 view.copy_((p.master if p.master is not None else p.tensor)[lo:hi])

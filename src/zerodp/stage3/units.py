@@ -70,8 +70,9 @@ class ShardHome(Protocol):
     """Where a unit's shard lives between uses (``offload_param``); the shard tensor keeps its identity
     (optimizer pieces are views of it), only its storage comes and goes."""
 
-    def acquire(self) -> None:
-        """Make the shard's storage hold its values until the matching :meth:`release`."""
+    def acquire(self, fill: bool = True) -> None:
+        """Make the shard's storage hold its values until the matching :meth:`release`; ``fill``
+        False: the storage only (the block overwrites all of it or reads none of it: no read)."""
 
     def release(self, dirty: bool) -> None:
         """End one use; ``dirty``: the values were changed and must reach the home."""
@@ -375,22 +376,24 @@ class ShardedUnit:
             p.data = view
 
     def write_back(self) -> None:
-        """Copy this rank's slice of the (possibly edited) full parameters into its shard."""
+        """Copy this rank's slice of the (possibly edited) full parameters into its shard (all of it:
+        an offloaded shard is not read back first)."""
         assert self.full is not None
         lo = self.rank * self.shard.numel()
-        with self.resident(write=True):
+        with self.resident(write=True, fill=False):
             self.shard.copy_(self.full[lo : lo + self.shard.numel()])
         if self.stream is not None:
             self.stream.stale = True  # a prefetch must not read the shard before this copy
 
     @contextlib.contextmanager
-    def resident(self, write: bool = False) -> Iterator[torch.Tensor]:
+    def resident(self, write: bool = False, fill: bool = True) -> Iterator[torch.Tensor]:
         """The shard, holding its values for the duration of the block (read back from its
-        :attr:`home` if offloaded; with ``write``, written home afterwards). A no-op without a home."""
+        :attr:`home` if offloaded, unless ``fill`` is False: the block overwrites it all; with
+        ``write``, written home afterwards). A no-op without a home."""
         if self.home is None:
             yield self.shard
             return
-        self.home.acquire()
+        self.home.acquire(fill)
         try:
             yield self.shard
         finally:
