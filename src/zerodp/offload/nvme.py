@@ -282,8 +282,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
 
     @contextlib.contextmanager
     def pinned(self, positions: Iterable[int], dirty: bool, keep: bool = False) -> Iterator[None]:
-        """The shards of the pieces at ``positions`` resident for the block (no-op without access);
-        ``keep``: left resident afterwards within the read-ahead budget (``max_in_cpu``)."""
+        """The shards of the pieces at ``positions`` resident for the block (no-op without access)."""
         groups = unique_groups(self._group_of[i] for i in positions)
         if self.shard_access is None:
             yield
