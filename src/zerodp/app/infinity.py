@@ -394,7 +394,7 @@ def command(args: argparse.Namespace) -> int:
         args.micro_batch or default_micro_batch(args.nproc, lambda m: plan_for(m).ram_rows, machine.ram_total)
     )
     print(format_plan(plan, machine), flush=True)
-    if args.micro_batch is None and plan.micro_batch < max(1, 4 // args.nproc):
+    if args.micro_batch is None and plan.micro_batch < default_micro_batch(args.nproc):
         print(
             f"micro-batch {plan.micro_batch} per rank (default): {2 * plan.micro_batch} would need "
             f"{human_bytes(plan_for(2 * plan.micro_batch).ram_rows)} of RAM rows, more than "

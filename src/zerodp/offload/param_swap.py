@@ -251,9 +251,7 @@ class ParamSwapper:
                 "for its values meanwhile"
             )
         if s.state is Residency.SWAPPED and not fill:
-            while s.ops:
-                self._complete(s.ops[0], remove_inflight=True)
-            s.shard.untyped_storage().resize_(s.nbytes)
+            self._allocate(s)
             s.state = Residency.RESIDENT
             s.blank = True
             self.counters.blank_acquires += 1
@@ -306,10 +304,15 @@ class ParamSwapper:
         """Bytes of shards resident (or being read) and not in use: read ahead, or kept."""
         return sum(x.nbytes for x in self.shards if x.pins == 0 and x.state is not Residency.SWAPPED)
 
-    def _start_read(self, s: SwappedShard) -> None:
-        while s.ops:  # a write of this shard still in flight: it must land before the read
+    def _allocate(self, s: SwappedShard) -> None:
+        """Give swapped-out ``s`` its storage, once any write of it still in flight has landed (a
+        later read, or a later write of new values, must not overtake it)."""
+        while s.ops:
             self._complete(s.ops[0], remove_inflight=True)
         s.shard.untyped_storage().resize_(s.nbytes)
+
+    def _start_read(self, s: SwappedShard) -> None:
+        self._allocate(s)
         s.state = Residency.READING
         for start in range(0, s.nbytes, self.chunk):
             op = _Op(s, start, min(self.chunk, s.nbytes - start), write=False)
