@@ -861,4 +861,32 @@ MUTANTS: list[Mutant] = [
         "        if keep and self._unused_bytes() <= self.cfg.max_in_cpu:",
         ["tests/unit/test_build_reads.py::test_a_shard_pinned_without_values_refuses_a_read_of_its_values"],
     ),
+    Mutant(
+        "step_cast_survives_another_dirty_release",
+        "src/zerodp/offload/param_swap.py",
+        "        s.changed = s.changed or (dirty and not by_step)\n",
+        "",
+        ["tests/unit/test_step_cast_reads.py::test_a_step_reads_no_shard_the_last_step_wrote_and_matches_reading_them"],
+    ),
+    Mutant(
+        "step_blanks_a_unit_without_a_gradient",
+        "src/zerodp/offload/shard_window.py",
+        "    return trusted, frozenset(current - partial)",
+        "    return trusted, frozenset(current)",
+        ["tests/unit/test_step_cast_reads.py::test_a_unit_without_a_gradient_is_read_not_blanked"],
+    ),
+    Mutant(
+        "blank_pin_leaves_padding",
+        "src/zerodp/offload/param_offload.py",
+        "    group.buffer[cursor:].zero_()\n",
+        "",
+        ["tests/unit/test_step_cast_reads.py::test_pinning_without_a_read_zeroes_what_no_piece_covers"],
+    ),
+    Mutant(
+        "abandoned_loop_counts_as_cast",
+        "src/zerodp/offload/shard_window.py",
+        "            self.access.unpin(held, dirty=True, keep=self.keep, by_step=complete)",
+        "            self.access.unpin(held, dirty=True, keep=self.keep, by_step=True)",
+        ["tests/unit/test_step_cast_reads.py::test_an_abandoned_loop_does_not_count_its_shards_as_cast"],
+    ),
 ]

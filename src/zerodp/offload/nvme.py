@@ -58,12 +58,11 @@ from zerodp.offload.grad_swap import GradSwap, StepGradReads, open_grad_swap
 from zerodp.offload.host import fold_edit, storage_bytes
 from zerodp.offload.nvme_device import ModuleWriter, SpanKey, SpanPrints, edited_spans, fold_idle
 from zerodp.offload.report import offload_formula
-from zerodp.offload.shard_window import ShardAccess, unique_groups
+from zerodp.offload.shard_window import ShardAccess, step_current_groups, unique_groups
 from zerodp.offload.sizing import BufferLayout, configured_buffers, oversize_warning
 from zerodp.offload.step_pipeline import SubGroupPipeline, SwapStats
 from zerodp.offload.subgroups import SubGroup
 from zerodp.offload.subgroups import plan_subgroups as _plan
-from zerodp.offload.swap_dir import check_stale, make_rank_dir
 from zerodp.offload.swap_job import OffloadError, agree_job_id, raise_if_any_rank_failed, remove_swap_dir
 from zerodp.runtime.grad_spill import SpillingGradReducer
 from zerodp.runtime.partition import FlatGroup, Piece
@@ -89,6 +88,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         self.writer = ModuleWriter(self.copies, self.pin)  # updated masters -> module (nvme_device)
         self.span_prints = SpanPrints(lambda i: self.pieces[i].tensor, self._watched) if self.on_device else None
         self._edited: set[SpanKey] | None = None  # this step's spans to compare (None: all, on the CPU)
+        self._trusted: set[int] = set()  # this step's pieces whose shards hold the last step's cast
         self.cfg = cfg
         self.aio_cfg = aio
         self.user_sub_group_size = sub_group_size  # None: chosen at attach (zerodp.offload.sizing)
@@ -195,17 +195,11 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         return self.swap_io.write(self.swap_file, buf, offset)
 
     def _open(self, job: str, needed: int) -> None:
-        base = self.cfg.nvme_path
+        base, key = self.cfg.nvme_path, "offload_optimizer.nvme_path"
         assert base is not None, "OffloadOptimizerConfig refuses device 'nvme' without nvme_path"
-        swap_job.check_swap_space(base, needed, "offload_optimizer.nvme_path")
-        check_stale(base, self.cfg.remove_stale_swap, "offload_optimizer.nvme_path", self.rank)
-        rank_dir = make_rank_dir(base, job, self.rank, self._files)  # owner record; unlinked on SIGTERM/SIGINT
-        self.dir = rank_dir
-        path = os.path.join(rank_dir, "optimizer.swp")
-        self._finalizer = weakref.finalize(self, remove_swap_dir, rank_dir, self._files)
-        self.file = file = SwapFile(path)
-        self._files.append(file)
-        swap_job.allocate_swap_file(file, needed, self.cfg.fast_init, "offload_optimizer.nvme_path", base)
+        args = (needed, self.cfg.fast_init, self.cfg.remove_stale_swap, key, self._files)
+        self.dir, self.file = swap_job.open_rank_file(base, job, self.rank, "optimizer.swp", *args)
+        self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir, self._files)
         self.io = AsyncIO(self.aio_cfg)
 
     def gradient_spill(self, reducer: SpillingGradReducer) -> GradSwap | None:
@@ -304,14 +298,12 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         swap_masters.refresh_master(self, self._index[id(piece)])
 
     def fold_edits(self) -> None:
-        """Nothing before the update: the masters are in the swap file, so in-place edits of module
-        parameters (``w.mul_(0.5)`` under ``no_grad``, also through ``w.data``, which moves no version
-        counter) are folded during :meth:`step`, with the rule of
-        :meth:`zerodp.runtime.guards.TrainingGuards.before_update`: each sub-group the step updates is
-        compared in its buffer (all its pieces, with or without a gradient, :meth:`_update`); the
-        masters of the other sub-groups are read and compared by
-        :func:`~zerodp.offload.swap_masters.fold_masters`; a skipped step folds every sub-group
-        (:meth:`skipped_step`)."""
+        """Nothing before the update: in-place edits of module parameters (``w.mul_(0.5)`` under
+        ``no_grad``, also through ``w.data``) are folded during :meth:`step` with the rule of
+        :meth:`zerodp.runtime.guards.TrainingGuards.before_update`: in the buffer of each sub-group the
+        step updates (all its pieces, :meth:`_update`, except those of shards the last step wrote and no
+        use changed since: :func:`~zerodp.offload.shard_window.step_current_groups`), by
+        :func:`~zerodp.offload.swap_masters.fold_masters` for the others, all after a skipped step."""
 
     def skipped_step(self) -> None:
         """The update was skipped (fp16 overflow): fold the edits :meth:`step` would have folded."""
@@ -344,8 +336,9 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         if not self.in_place:  # the module's tensors are the masters: nothing to fold
             idle = [sg for sg in self.subgroups if not any(self._present[i] for i in sg.pieces)]
             fold_idle(self, self.span_prints, idle, self._edited)
+        self._trusted, blank = step_current_groups(self.shard_access, self._group_of, self._present, not self.in_place)
         loop = SubGroupPipeline(
-            self, optimizer, todo, lambda sg, buf: self._update(sg, buf, optimizer), self._loop_done
+            self, optimizer, todo, lambda sg, buf: self._update(sg, buf, optimizer), self._loop_done, blank
         )
         self.stats = loop.stats
         self.pending = loop
@@ -379,7 +372,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         else:
             masters = {i: view for i, _, _, view in sg.views(seg_m)}
             for i, (lo, hi) in spans.items():  # an in-place edit since the last step (fold_edits)
-                if self._edited is None or (i, lo) in self._edited:
+                if (self._edited is None or (i, lo) in self._edited) and i not in self._trusted:
                     fold_edit(self.pieces[i].tensor[lo:hi], masters[i])
         assert self.layout is not None, "attach() plans the buffers before any step"
         scratch = {i: view for i, _, _, view in sg.views(self.grad_scratch)} if self.layout.scratch else {}
@@ -439,6 +432,8 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         self.settle()
         with swap_masters.resident(self, optimizer):
             yield
+        if self.shard_access is not None:  # a load may have replaced the masters
+            self.shard_access.forget_step_writes()
 
     def adjust_formula(self, formula: dict[str, float], numel_per_rank: float) -> None:
         """Masters and optimizer states live in the swap file: none in memory."""

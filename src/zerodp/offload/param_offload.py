@@ -160,9 +160,12 @@ class ParamOffload:
                 h.release(dirty=write)
 
     # ---- per-group residency (the NVMe optimizer step, zerodp.offload.nvme.ShardAccess) ----------
+    def _home(self, group: FlatGroup) -> Home | None:
+        u = self._by_group.get(id(group))
+        return u.home if u is not None and isinstance(u.home, (SwappedShard, HostShard)) else None
+
     def _homes(self, groups: Sequence[FlatGroup]) -> list[Home]:
-        units = [self._by_group.get(id(g)) for g in groups]
-        return [u.home for u in units if u is not None and isinstance(u.home, (SwappedShard, HostShard))]
+        return [h for h in map(self._home, groups) if h is not None]
 
     def prefetch(self, groups: Sequence[FlatGroup]) -> None:
         """Queue reads of the swapped-out shards of ``groups`` (no pin; :meth:`pin` waits for them)."""
@@ -170,23 +173,41 @@ class ParamOffload:
             if isinstance(h, SwappedShard) and h.state is Residency.SWAPPED:
                 h.swapper._start_read(h)
 
-    def pin(self, groups: Sequence[FlatGroup]) -> None:
+    def pin(self, groups: Sequence[FlatGroup], fill: bool = True) -> None:
         """Acquire the shards of ``groups`` (reading them if needed; the use hook is not called: the
-        optimizer step pins them to update them); pair with :meth:`unpin`."""
-        for h in self._homes(groups):
+        optimizer step pins them to update them); pair with :meth:`unpin`. ``fill`` False: the caller
+        writes every piece of each group; a swapped-out shard gets its storage without a read and its
+        elements outside the pieces (padding) are zeroed."""
+        for g in groups:
+            h = self._home(g)
             if isinstance(h, SwappedShard):
-                h.swapper.acquire(h)
-            else:
+                h.swapper.acquire(h, fill)
+                if h.blank:
+                    _zero_outside_pieces(g)
+            elif h is not None:
                 h.acquire()
 
-    def unpin(self, groups: Sequence[FlatGroup], dirty: bool, keep: bool = False) -> None:
+    def unpin(self, groups: Sequence[FlatGroup], dirty: bool, keep: bool = False, by_step: bool = False) -> None:
         """Release the shards of ``groups``; the last release writes a ``dirty`` shard home and, with
-        ``keep``, leaves it resident within the read-ahead budget (:meth:`ParamSwapper.release`)."""
+        ``keep``, leaves it resident within the read-ahead budget (:meth:`ParamSwapper.release`;
+        ``by_step``: the optimizer step's release of shards it cast its masters into)."""
         for h in self._homes(groups):
             if isinstance(h, SwappedShard):
-                h.swapper.release(h, dirty, keep)
+                h.swapper.release(h, dirty, keep, by_step)
             else:
                 h.release(dirty)
+
+    def step_current(self, group: FlatGroup) -> bool:
+        """True if ``group``'s shard file holds what the last optimizer step cast into it and no use
+        has changed it since (:attr:`SwappedShard.step_current`)."""
+        h = self._home(group)
+        return isinstance(h, SwappedShard) and h.step_current
+
+    def forget_step_writes(self) -> None:
+        """The masters were written outside a step (a checkpoint load, an edited parameter): no shard
+        counts as the cast of its masters until the next step has checked it."""
+        for s in self.swapper.shards if self.swapper is not None else ():
+            s.step_current = False
 
     def swapped(self, group: FlatGroup) -> bool:
         """True if ``group``'s shard lives elsewhere between uses (the swap file, or host memory while
@@ -305,14 +326,21 @@ class NoParamOffload:
     def prefetch(self, groups: Sequence[FlatGroup]) -> None:
         """Nothing to read."""
 
-    def pin(self, groups: Sequence[FlatGroup]) -> None:
+    def pin(self, groups: Sequence[FlatGroup], fill: bool = True) -> None:
         """Nothing to read."""
 
-    def unpin(self, groups: Sequence[FlatGroup], dirty: bool, keep: bool = False) -> None:
+    def unpin(self, groups: Sequence[FlatGroup], dirty: bool, keep: bool = False, by_step: bool = False) -> None:
         """Nothing to write."""
 
     def swapped(self, group: FlatGroup) -> bool:
         return False
+
+    def step_current(self, group: FlatGroup) -> bool:
+        """False: no shard lives in a file (the step checks every piece it has)."""
+        return False
+
+    def forget_step_writes(self) -> None:
+        """Nothing recorded."""
 
     def set_use_hook(self, before_use: Callable[[FlatGroup], None], pending: Callable[[FlatGroup], bool]) -> None:
         """Give each non-persistent unit's shard a :class:`zerodp.offload.param_home.UseHook` home, so
@@ -350,6 +378,18 @@ def build_param_offload(
         return NoParamOffload()
     cfg = cfg.model_copy(update={"pin_memory": devices.resolve_pin_memory(cfg.pin_memory, device)})
     return ParamOffload(cfg, aio, rank, process_group)
+
+
+def _zero_outside_pieces(group: FlatGroup) -> None:
+    """Zero the elements of ``group``'s shard (its ``buffer``) that no piece of this rank covers (the
+    padding; the pieces are disjoint ranges of it)."""
+    base = int(group.buffer.storage_offset())
+    cursor = 0
+    for start, n in sorted((int(p.tensor.storage_offset()) - base, p.tensor.numel()) for p in group.pieces):
+        if start > cursor:
+            group.buffer[cursor:start].zero_()
+        cursor = max(cursor, start + n)
+    group.buffer[cursor:].zero_()
 
 
 def _owner(home: object) -> ParamSwapper | HostShards:

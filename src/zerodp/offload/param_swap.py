@@ -103,6 +103,10 @@ class SwappedShard:
     pins: int = 0
     dirty: bool = False  # changed by a user since it was last written home
     blank: bool = False  # resident without its values (acquired with fill=False), until written or evicted
+    #: the file holds what the optimizer step last cast into the shard, and no other use has changed
+    #: it since (``release(..., by_step=True)``): the step's in-place-edit check has nothing to find
+    step_current: bool = False
+    changed: bool = False  # released dirty by a use other than the step since the last write home
     ops: list[_Op] = field(default_factory=list)  # reads or writes queued or in flight
 
     def acquire(self, fill: bool = True) -> None:
@@ -269,18 +273,22 @@ class ParamSwapper:
             self.copies.device_wait()
         s.pins += 1
 
-    def release(self, s: SwappedShard, dirty: bool, keep: bool = False) -> None:
+    def release(self, s: SwappedShard, dirty: bool, keep: bool = False, by_step: bool = False) -> None:
         """Unpin ``s``; at the last unpin write it home if ``dirty``, then free its storage, unless
         ``keep`` and the read-ahead budget (``max_in_cpu`` bytes of resident shards not in use) has
-        room: then it stays resident as if read ahead (its next use needs no read)."""
+        room: then it stays resident as if read ahead (its next use needs no read). ``by_step``: the
+        optimizer step's release of a shard it updated (:attr:`SwappedShard.step_current` after the
+        write, unless another use released it dirty meanwhile)."""
         assert s.pins > 0, f"unit '{s.name}': shard released more often than acquired"
         s.pins -= 1
         s.dirty = s.dirty or dirty
+        s.changed = s.changed or (dirty and not by_step)
         if s.pins > 0:
             return
         if s.dirty:
             self._write(s)
-            s.dirty = s.blank = False
+            s.step_current = not s.changed
+            s.dirty = s.blank = s.changed = False
         if keep and not s.blank and self._unused_bytes() <= self.cfg.max_in_cpu:
             return
         s.blank = False

@@ -95,7 +95,8 @@ class _Hyper:
 
 class SubGroupPipeline:
     """The sub-group loop of one step (module docstring). ``todo``: the sub-groups with a gradient,
-    in update order; ``update(sg, buf)`` updates one in its buffer (``buf``: uint8, ``sg.nbytes``)."""
+    in update order; ``update(sg, buf)`` updates one in its buffer (``buf``: uint8, ``sg.nbytes``);
+    ``blank``: ids of the flat groups whose shards it overwrites whole (pinned without a read)."""
 
     def __init__(
         self,
@@ -104,6 +105,7 @@ class SubGroupPipeline:
         todo: list[SubGroup],
         update: Callable[[SubGroup, torch.Tensor], None],
         on_done: Callable[[], None],
+        blank: frozenset[int] = frozenset(),
     ) -> None:
         self.off = offload
         self.optimizer = optimizer
@@ -134,7 +136,7 @@ class SubGroupPipeline:
             for g in groups:
                 self.last_of[id(g)] = k
         # every piece of an updated sub-group is compared with its master (edits), so all its shards
-        self.shards = ShardWindow(offload.shard_access, need)
+        self.shards = ShardWindow(offload.shard_access, need, blank)
         self._issue_reads(block=True)
 
     # ---- progress ------------------------------------------------------------------------------
@@ -194,7 +196,7 @@ class SubGroupPipeline:
             h.wait()
         self.reads.clear()
         self.writes.clear()
-        self.shards.close()
+        self.shards.close(complete=False)
 
     # ---- one sub-group -------------------------------------------------------------------------
     def _issue_reads(self, block: bool) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from zerodp.offload.aio import SwapFile
-from zerodp.offload.swap_dir import release
+from zerodp.offload.swap_dir import check_stale, make_rank_dir, release
 from zerodp.runtime import control
 
 
@@ -89,6 +89,38 @@ def allocate_swap_file(file: SwapFile, needed: int, fast_init: bool, key: str, b
             f"{key} {base!r}: cannot allocate the swap file {file.path} ({needed:,} bytes, "
             f"{shutil.disk_usage(base).free:,} free): {os.strerror(exc.errno or 0)}"
         ) from None
+
+
+def open_rank_file(
+    base: str,
+    job: str,
+    rank: int,
+    name: str,
+    needed: int,
+    fast_init: bool,
+    remove_stale: bool,
+    key: str,
+    files: list[SwapFile | None],
+) -> tuple[str, SwapFile]:
+    """Create ``base/zerodp_<job>/rank<rank>/<name>`` with ``needed`` bytes (config key ``key``), after
+    the checks of :func:`check_swap_space` and :func:`zerodp.offload.swap_dir.check_stale`; the file
+    is appended to ``files`` (removed with the directory on SIGTERM/SIGINT). Returns (directory, file);
+    if the allocation fails the directory is removed before the error propagates.
+
+    Raises:
+        OffloadError: as :func:`check_swap_space`, :func:`check_stale` and :func:`allocate_swap_file`.
+    """
+    check_swap_space(base, needed, key)
+    check_stale(base, remove_stale, key, rank)
+    rank_dir = make_rank_dir(base, job, rank, files)  # owner record; unlinked on SIGTERM/SIGINT
+    file = SwapFile(os.path.join(rank_dir, name))
+    files.append(file)
+    try:
+        allocate_swap_file(file, needed, fast_init, key, base)
+    except OffloadError:
+        remove_swap_dir(rank_dir, files)
+        raise
+    return rank_dir, file
 
 
 def agree_job_id(pg: dist.ProcessGroup | None) -> str:
