@@ -16,7 +16,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fork_launcher import ForkLauncher
+
 WORKER = Path(__file__).with_name("dist_worker.py")
+#: ``torchrun``: every worker run under torchrun (:func:`run_worker`)
+LAUNCHER_ENV = "ZERODP_TEST_LAUNCHER"
+FORK_LAUNCHER = ForkLauncher()
 TIMEOUT_S = 600
 TEARDOWN_ABORT = "terminate called without an active exception"
 
@@ -27,29 +32,24 @@ def run_worker(
     scenarios: str = "all",
     worker: Path = WORKER,
     extra_args: Sequence[str] = (),
+    torchrun: bool = False,
 ) -> list[dict]:
     """Run the worker on ``world_size`` local gloo ranks; return one results dict per rank.
 
-    ``extra_args`` are appended to the worker's command line (e.g. ``["--ckpt-dir", d]``).
+    ``extra_args`` are appended to the worker's command line (e.g. ``["--ckpt-dir", d]``). The ranks are
+    forked by :class:`fork_launcher.ForkLauncher` (torchrun's environment, without its 5 s start), or
+    launched by torchrun itself with ``torchrun`` or ``ZERODP_TEST_LAUNCHER=torchrun``.
     """
     with tempfile.TemporaryDirectory() as out:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={world_size}",
-            str(worker),
-            "--out",
-            out,
-            "--stages",
-            stages,
-            "--scenarios",
-            scenarios,
-            *extra_args,
-        ]
+        argv = ["--out", out, "--stages", stages, "--scenarios", scenarios, *extra_args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+        if torchrun or os.environ.get(LAUNCHER_ENV) == "torchrun":
+            launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
+            proc = subprocess.run(
+                [*launch, str(worker), *argv], capture_output=True, text=True, timeout=TIMEOUT_S, env=env
+            )
+        else:
+            proc = FORK_LAUNCHER.run(str(worker), argv, world_size, env, TIMEOUT_S)
         files = [Path(out, f"rank{r}.json") for r in range(world_size)]
         if proc.returncode != 0:
             complete = all(f.exists() for f in files)
