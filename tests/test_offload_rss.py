@@ -24,7 +24,8 @@ WORLD = 2
 def results(monkeypatch_module: pytest.MonkeyPatch) -> list[dict]:
     monkeypatch_module.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed blocks return to the OS
     monkeypatch_module.delenv("ZERODP_HOST_OFFLOAD_ON_CPU", raising=False)  # the user's default
-    return run_worker(WORLD, "1,2,3", SCENARIOS, worker=WORKER)
+    # RSS of a fresh interpreter: a rank forked from the launcher starts with its heap (fork_launcher)
+    return run_worker(WORLD, "1,2,3", SCENARIOS, worker=WORKER, torchrun=True)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ def growth(monkeypatch_module: pytest.MonkeyPatch) -> dict[int, list[float]]:
     monkeypatch_module.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed blocks return to the OS
     out = {}
     for stage in (0, 2, 3):
-        res = run_worker(2, str(stage), "rss", worker=WORKER)
+        res = run_worker(2, str(stage), "rss", worker=WORKER, torchrun=True)  # RSS of a fresh interpreter
         out[stage] = [r["rss"]["growth"] for r in res]
         out[f"psi{stage}"] = res[0]["rss"]["psi"]
     return out
