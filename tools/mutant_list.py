@@ -889,4 +889,11 @@ MUTANTS: list[Mutant] = [
         "            self.access.unpin(held, dirty=True, keep=self.keep, by_step=True)",
         ["tests/unit/test_step_cast_reads.py::test_an_abandoned_loop_does_not_count_its_shards_as_cast"],
     ),
+    Mutant(
+        "step_blanks_a_unit_with_a_frozen_parameter",
+        "src/zerodp/offload/shard_window.py",
+        "    partial |= {k for k in current if not pieces_cover_parameters(groups[k])}\n",
+        "",
+        ["tests/unit/test_step_cast_reads.py::test_a_frozen_parameter_in_a_trained_unit_keeps_its_values"],
+    ),
 ]

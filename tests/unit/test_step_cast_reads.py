@@ -28,16 +28,27 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 4))
 
 
-def _run(tmp_path, monkeypatch, trust: bool, edit: bool = False, skip: int | None = None, steps: int = 3):
+def _run(
+    tmp_path,
+    monkeypatch,
+    trust: bool,
+    edit: bool = False,
+    skip: int | None = None,
+    frozen: bool = False,
+    steps: int = 3,
+):
     """Train ``steps`` steps; returns (params.swp bytes read inside each ``step()``, parameters, shard
     bytes). ``trust`` False: every shard is read and checked (the step before this change); ``edit``:
     layer 2's weight halved under ``GatheredParameters`` after step 1; ``skip``: the step whose forward
-    leaves out layer 2 (its unit gets no gradient)."""
+    leaves out layer 2 (its unit gets no gradient); ``frozen``: layer 2's weight frozen (its unit's
+    shard holds elements no optimizer piece covers)."""
     tmp_path.mkdir()
     cfg = _nvme_config(3, str(tmp_path), param_nvme=True)
     cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 0  # no shard stays resident between uses
     with pytest.warns(UserWarning, match="sub_group_size 100"):  # tiny sub-groups: several per piece
-        engine = zerodp.initialize(_model(), cfg)
+        model = _model()
+        model[2].weight.requires_grad_(not frozen)
+        engine = zerodp.initialize(model, cfg)
     if not trust:
         monkeypatch.setattr(engine.param_offload, "step_current", lambda group: False)
     sw = engine.param_offload.swapper
@@ -93,6 +104,16 @@ def test_a_unit_without_a_gradient_is_read_not_blanked(world1, tmp_path, monkeyp
     reads, params, shard_bytes = _run(tmp_path / "a", monkeypatch, trust=True, skip=1)
     _, ref_params, _ = _run(tmp_path / "b", monkeypatch, trust=False, skip=1)
     assert 0 < reads[1] < shard_bytes, (reads, shard_bytes)  # layer 2's shard is read for its other pieces
+    assert _equal(params, ref_params)
+
+
+def test_a_frozen_parameter_in_a_trained_unit_keeps_its_values(world1, tmp_path, monkeypatch):
+    """A unit's shard holds its frozen parameters too; no optimizer piece covers them, so the step
+    that writes every piece still needs the shard's values: it reads the shard."""
+    reads, params, shard_bytes = _run(tmp_path / "a", monkeypatch, trust=True, frozen=True)
+    _, ref_params, _ = _run(tmp_path / "b", monkeypatch, trust=False, frozen=True)
+    assert 0 < reads[2] < shard_bytes, (reads, shard_bytes)  # layer 2's shard, every step
+    assert torch.equal(params[2], _model()[2].weight.detach().bfloat16()) and params[2].abs().sum() > 0
     assert _equal(params, ref_params)
 
 

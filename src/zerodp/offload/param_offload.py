@@ -176,8 +176,9 @@ class ParamOffload:
     def pin(self, groups: Sequence[FlatGroup], fill: bool = True) -> None:
         """Acquire the shards of ``groups`` (reading them if needed; the use hook is not called: the
         optimizer step pins them to update them); pair with :meth:`unpin`. ``fill`` False: the caller
-        writes every piece of each group; a swapped-out shard gets its storage without a read and its
-        elements outside the pieces (padding) are zeroed."""
+        writes every piece of each group, and the pieces cover every parameter element of its shard
+        (:func:`~zerodp.offload.shard_window.pieces_cover_parameters`); a swapped-out shard gets its
+        storage without a read and its elements outside the pieces (padding) are zeroed."""
         for g in groups:
             h = self._home(g)
             if isinstance(h, SwappedShard):

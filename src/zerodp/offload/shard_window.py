@@ -84,9 +84,10 @@ class ShardWindow:
         self.access.unpin(drop, dirty=True, keep=self.keep, by_step=True)
 
     def close(self, complete: bool = True) -> None:
-        """Unpin what is still held (dirty: it may have been updated). ``complete`` False (the loop was
-        abandoned): a shard pinned without a read may hold pieces never written, so the step's write
-        of it does not count as the cast of its masters (the next step checks it)."""
+        """Unpin what is still held (dirty: it may have been updated). ``complete`` False: the loop was
+        abandoned because the job is closing (:meth:`SubGroupPipeline.abandon`); a shard pinned
+        without a read may then hold pieces never written, and its write does not count as the cast
+        of its masters. Nothing reads such a shard again: the swap files are removed next."""
         if self.access is not None and self.held:
             held, self.held = self.held, []
             self.access.unpin(held, dirty=True, keep=self.keep, by_step=complete)
@@ -98,14 +99,26 @@ def step_current_groups(
     """For a step's loop: the piece positions whose shard needs no in-place-edit check (its file
     holds what the last step cast into it, unchanged since: :meth:`ShardAccess.step_current`), and the
     ids of the groups among them the loop overwrites whole (every piece has a gradient: ``present``,
-    per piece position), to pin without a read. ``masters_apart`` False (the module's fp32 tensors are
-    the masters): none, the update reads the shard itself."""
+    per piece position; the pieces cover every parameter element of the shard), to pin without a
+    read. ``masters_apart`` False (the module's fp32 tensors are the masters): none, the update
+    reads the shard itself."""
     if access is None or not masters_apart:
         return set(), frozenset()
-    current = {k for k, g in {id(g): g for g in group_of}.items() if access.step_current(g)}
+    groups = {id(g): g for g in group_of}
+    current = {k for k, g in groups.items() if access.step_current(g)}
     trusted = {i for i, g in enumerate(group_of) if id(g) in current}
     partial = {id(group_of[i]) for i in trusted if not present[i]}
+    partial |= {k for k in current if not pieces_cover_parameters(groups[k])}
     return trusted, frozenset(current - partial)
+
+
+def pieces_cover_parameters(group: FlatGroup) -> bool:
+    """True if this rank's pieces of ``group`` cover every element of its shard (``buffer``, flat
+    coordinates from ``shard_offset``) that holds a parameter: no frozen parameter, and none outside
+    the optimizer's param groups, has elements there (only padding is left uncovered)."""
+    lo, hi = group.shard_offset, group.shard_offset + group.buffer.numel()
+    held = sum(max(0, min(hi, s.offset + s.numel) - max(lo, s.offset)) for s in group.slots)
+    return held == sum(p.hi - p.lo for p in group.pieces)
 
 
 def unique_groups(groups: Iterable[FlatGroup]) -> list[FlatGroup]:
@@ -117,4 +130,4 @@ def unique_groups(groups: Iterable[FlatGroup]) -> list[FlatGroup]:
     return out
 
 
-__all__ = ["ShardAccess", "ShardWindow", "step_current_groups", "unique_groups"]
+__all__ = ["ShardAccess", "ShardWindow", "pieces_cover_parameters", "step_current_groups", "unique_groups"]

@@ -105,7 +105,7 @@ def open_rank_file(
     """Create ``base/zerodp_<job>/rank<rank>/<name>`` with ``needed`` bytes (config key ``key``), after
     the checks of :func:`check_swap_space` and :func:`zerodp.offload.swap_dir.check_stale`; the file
     is appended to ``files`` (removed with the directory on SIGTERM/SIGINT). Returns (directory, file);
-    if the allocation fails the directory is removed before the error propagates.
+    if creating or allocating the file fails, the directory is removed before the error propagates.
 
     Raises:
         OffloadError: as :func:`check_swap_space`, :func:`check_stale` and :func:`allocate_swap_file`.
@@ -113,11 +113,11 @@ def open_rank_file(
     check_swap_space(base, needed, key)
     check_stale(base, remove_stale, key, rank)
     rank_dir = make_rank_dir(base, job, rank, files)  # owner record; unlinked on SIGTERM/SIGINT
-    file = SwapFile(os.path.join(rank_dir, name))
-    files.append(file)
     try:
+        file = SwapFile(os.path.join(rank_dir, name))
+        files.append(file)
         allocate_swap_file(file, needed, fast_init, key, base)
-    except OffloadError:
+    except BaseException:
         remove_swap_dir(rank_dir, files)
         raise
     return rank_dir, file
