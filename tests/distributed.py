@@ -69,11 +69,14 @@ def run_worker(
         return [json.loads(f.read_text()) for f in files]
 
 
-def run_offload_worker(world_size: int, stages: str, scenarios: str, worker: Path) -> tuple[list[dict], list[str]]:
+def run_offload_worker(
+    world_size: int, stages: str, scenarios: str, worker: Path, torchrun: bool = False
+) -> tuple[list[dict], list[str]]:
     """:func:`run_worker` with ``--nvme DIR --ckpt DIR`` (fresh temporary directories); returns the
     per-rank results and what the workers left in the NVMe directory (should be nothing)."""
     with tempfile.TemporaryDirectory() as nvme, tempfile.TemporaryDirectory() as ckpt:
-        results = run_worker(world_size, stages, scenarios, worker=worker, extra_args=["--nvme", nvme, "--ckpt", ckpt])
+        args = ["--nvme", nvme, "--ckpt", ckpt]
+        results = run_worker(world_size, stages, scenarios, worker=worker, extra_args=args, torchrun=torchrun)
         return results, os.listdir(nvme)
 
 

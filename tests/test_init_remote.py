@@ -20,7 +20,7 @@ WORKER = Path(__file__).with_name("init_remote_worker.py")
 
 
 def test_init_to_nvme_keeps_peak_rss_below_model():
-    results, leftover = run_offload_worker(1, "3", "rss", WORKER)
+    results, leftover = run_offload_worker(1, "3", "rss", WORKER, torchrun=True)  # RSS of a fresh interpreter
     out = results[0]["rss"]
     assert out.pop("ok"), out.get("error")
     assert out["in_file"] >= out["model_bytes"] and out["live"] == 0, out  # every shard is in the file
