@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 import shutil
 import weakref
 from collections import deque
@@ -57,11 +56,10 @@ import torch.distributed as dist
 from zerodp.offload.aio import ALIGN, AsyncIO, IOHandle, SwapFile, align_up, aligned_buffer
 from zerodp.offload.config import AioConfig, OffloadParamConfig
 from zerodp.offload.stream import CopyStream
-from zerodp.offload.swap_dir import check_stale, make_rank_dir
 from zerodp.offload.swap_job import (
     OffloadError,
     agree_job_id,
-    check_swap_dir,
+    open_rank_file,
     raise_if_any_rank_failed,
     remove_swap_dir,
 )
@@ -187,13 +185,11 @@ class ParamSwapper:
     def _open(self, job: str) -> None:
         base = self.cfg.nvme_path
         assert base is not None
-        check_swap_dir(base, "offload_param.nvme_path")
-        check_stale(base, self.cfg.remove_stale_swap, "offload_param.nvme_path", self.rank)
         files: list[SwapFile | None] = []
-        self.dir = make_rank_dir(base, job, self.rank, files)  # owner record; unlinked on SIGTERM/SIGINT
+        # 0 bytes: the file grows as shards are added (add() checks the free space for each)
+        args = (0, False, self.cfg.remove_stale_swap, "offload_param.nvme_path", files)
+        self.dir, self.file = open_rank_file(base, job, self.rank, "params.swp", *args)
         self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir, files)
-        self.file = SwapFile(os.path.join(self.dir, "params.swp"))
-        files.append(self.file)
         self.io = AsyncIO(self.aio_cfg)
 
     @property
