@@ -19,7 +19,7 @@ from typing import Any
 from fork_launcher import ForkLauncher
 
 WORKER = Path(__file__).with_name("dist_worker.py")
-#: ``torchrun``: every worker run under torchrun (:func:`run_worker`)
+#: ``torchrun``: every worker run under torchrun (:func:`run_worker`); ``fork`` (the default): forked
 LAUNCHER_ENV = "ZERODP_TEST_LAUNCHER"
 FORK_LAUNCHER = ForkLauncher()
 TIMEOUT_S = 600
@@ -43,7 +43,10 @@ def run_worker(
     with tempfile.TemporaryDirectory() as out:
         argv = ["--out", out, "--stages", stages, "--scenarios", scenarios, *extra_args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        if torchrun or os.environ.get(LAUNCHER_ENV) == "torchrun":
+        launcher = os.environ.get(LAUNCHER_ENV, "fork")
+        if launcher not in ("fork", "torchrun"):
+            raise ValueError(f"{LAUNCHER_ENV}={launcher!r}: allowed are 'fork' (the default) and 'torchrun'")
+        if torchrun or launcher == "torchrun":
             launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
             proc = subprocess.run(
                 [*launch, str(worker), *argv], capture_output=True, text=True, timeout=TIMEOUT_S, env=env
