@@ -393,6 +393,29 @@ def test_report_attributes_time_per_phase_and_probes_the_disk_again() -> None:
     assert "after the run" not in infinity_run.report(every, plan, 2e9, 2e9, 1.0, "vda")
 
 
+def test_report_puts_each_step_against_its_per_phase_bound() -> None:
+    """Issue 31 item 4: each step is compared with the sum over phases of max(wall - wait, disk busy)
+    (the loop cannot start before the backward ends), so time lost to the phase order is told apart
+    from compute and I/O that failed to overlap inside a phase; no bound without io_ticks."""
+    assert infinity_run.phase_bound([[10.0, 1.0, 8.0], [12.0, 2.0, 12.0], [8.0, 3.0, 4.0]]) == 9.0 + 12.0 + 5.0
+    assert infinity_run.phase_bound([[10.0, 1.0, 8.0], [12.0, 2.0, -1.0]]) is None
+    assert infinity_run.phase_bound([]) is None
+    rec = {
+        "step": 3,
+        "loss": 5.0,
+        "seconds": 30.0,
+        "read": 10**9,
+        "written": 10**9,
+        "busy_s": 24.0,
+        "wait_s": 6.0,
+        "phases": [[10.0, 1.0, 8.0], [12.0, 2.0, 12.0], [8.0, 3.0, 4.0]],
+    }
+    plan = {"model": {"n_layer": 2, "d_model": 128}, "probe_bytes": 2**20}
+    text = infinity_run.report(one_rank(rec), plan, 2e9, 2e9, 1.0, "vda").splitlines()
+    line = next(x for x in text if x.startswith("  step 3: forward "))
+    assert line.endswith("; per-phase bound 26.0 s, step / bound 1.15"), line
+
+
 def test_phase_meter_sums_micro_batches_per_phase() -> None:
     """The meter adds each phase's wall time and I/O wait over micro-batches (disk busy -1 without a
     device) and keeps the phases apart."""

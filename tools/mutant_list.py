@@ -896,4 +896,11 @@ MUTANTS: list[Mutant] = [
         "",
         ["tests/unit/test_step_cast_reads.py::test_a_frozen_parameter_in_a_trained_unit_keeps_its_values"],
     ),
+    Mutant(
+        "phase_bound_sums_compute_only",
+        "src/zerodp/app/infinity_run.py",
+        "    return sum(max(t - w, b) for t, w, b in phases)",
+        "    return sum(t - w for t, w, b in phases)",
+        ["tests/test_infinity_preset.py::test_report_puts_each_step_against_its_per_phase_bound"],
+    ),
 ]

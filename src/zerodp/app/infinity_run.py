@@ -361,19 +361,35 @@ def end_probe_lines(raw_write: float, raw_read: float, raw_end: tuple[float, flo
     return lines
 
 
+def phase_bound(phases: list[list[float]] | tuple[tuple[float, float, float], ...]) -> float | None:
+    """Seconds: the sum over phases of max(compute, disk busy), compute = wall - I/O wait (rank 0), disk
+    busy from ``io_ticks``. The shortest the step could be with each phase's compute and disk time fully
+    overlapped and the phases in their order (the sub-group loop cannot start before the backward ends:
+    the ``gradient_clipping`` norm needs every gradient). None without ``io_ticks``."""
+    if not phases or any(b < 0 for _, _, b in phases):
+        return None
+    return sum(max(t - w, b) for t, w, b in phases)
+
+
 def phase_lines(every: list[dict]) -> list[str]:
     """Per step and phase (rank 0): wall s, I/O wait s and disk idle s (wall - disk busy: time in which
-    no transfer of any rank was in flight, compute not overlapped with I/O)."""
+    no transfer of any rank was in flight, compute not overlapped with I/O), and the step against its
+    per-phase bound (:func:`phase_bound`)."""
     recs = every[0]["records"]
     if not recs or not recs[0].get("phases"):
         return []
-    lines = ["per step and phase (rank 0; wall s / I/O wait s / disk idle s = wall - disk busy):"]
+    lines = [
+        "per step and phase (rank 0; wall s / I/O wait s / disk idle s = wall - disk busy; per-phase bound = "
+        "sum over phases of max(wall - wait, disk busy), the phases in sequence):"
+    ]
     for rec in recs:
         cells = []
         for name, (t, w, b) in zip(PHASES, rec["phases"], strict=True):
             idle = f"{max(0.0, t - b):.1f}" if b >= 0 else "n/a"
             cells.append(f"{name} {t:.1f} / {w:.1f} / {idle}")
-        lines.append(f"  step {rec['step']}: " + ", ".join(cells))
+        bound = phase_bound(rec["phases"])
+        tail = f"; per-phase bound {bound:.1f} s, step / bound {rec['seconds'] / bound:.2f}" if bound else ""
+        lines.append(f"  step {rec['step']}: " + ", ".join(cells) + tail)
     return lines
 
 
