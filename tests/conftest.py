@@ -15,6 +15,10 @@ import torch
 # on this CPU-only suite, offload_optimizer.device "cpu" still runs the host pipeline (zerodp.offload.build:
 # by default it is off when training runs on the CPU); tests of the default delete this variable
 os.environ.setdefault("ZERODP_HOST_OFFLOAD_ON_CPU", "1")
+# every worker process the tests start (torchrun, the fork launcher's zygote and its ranks, CLI runs)
+# dumps each thread's Python stack on a fatal signal (SIGSEGV, SIGABRT from a glibc heap check), so a
+# crash names the code that was running
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -903,4 +903,11 @@ MUTANTS: list[Mutant] = [
         "    return sum(t - w for t, w, b in phases)",
         ["tests/test_infinity_preset.py::test_report_puts_each_step_against_its_per_phase_bound"],
     ),
+    Mutant(
+        "param_pool_drops_a_buffer_under_a_copy",
+        "src/zerodp/offload/param_swap.py",
+        "                    self.copies.host_wait(self._reading.pop(id(small), None))\n",
+        "                    pass\n",
+        ["tests/unit/test_param_pool_buffers.py::test_a_dropped_small_buffer_waits_for_the_copy_still_reading_it"],
+    ),
 ]

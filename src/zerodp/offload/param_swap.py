@@ -354,6 +354,8 @@ class ParamSwapper:
                 return buf
             if self.free and len(self.pool) >= self.cfg.buffer_count:
                 small = self.free.pop()
+                if self.copies is not None:  # not freed while a copy into a device shard reads it
+                    self.copies.host_wait(self._reading.pop(id(small), None))
                 self.pool = [b for b in self.pool if b is not small]
             if len(self.pool) < self.cfg.buffer_count:
                 pin = bool(self.cfg.pin_memory)  # resolved by build_param_offload
