@@ -100,6 +100,9 @@ def main() -> None:
     directory, subgroups = sys.argv[1], int(sys.argv[2])
     elems = int(float(sys.argv[3])) if len(sys.argv) > 3 else 12_500_000
     compute_ms = float(sys.argv[4]) if len(sys.argv) > 4 else 50.0
+    unknown = set(sys.argv[5:]) - {"split", "optonly", "onepool"}
+    if unknown:
+        raise SystemExit(f"unknown option(s) {sorted(unknown)}: allowed are split, optonly, onepool")
     os.makedirs(directory, exist_ok=True)
     replay(
         directory,

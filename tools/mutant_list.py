@@ -906,8 +906,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "param_pool_drops_a_buffer_under_a_copy",
         "src/zerodp/offload/param_swap.py",
-        "                    self.copies.host_wait(self._reading.pop(id(small), None))\n",
-        "                    pass\n",
+        "                self._copied_out(small)  # not freed under the copy\n",
+        "",
         ["tests/unit/test_param_pool_buffers.py::test_a_dropped_small_buffer_waits_for_the_copy_still_reading_it"],
     ),
 ]

@@ -349,13 +349,11 @@ class ParamSwapper:
             fit = next((i for i, b in enumerate(self.free) if b.numel() >= nbytes), None)
             if fit is not None:
                 buf = self.free.pop(fit)
-                if self.copies is not None:  # a copy into a device shard may still read it
-                    self.copies.host_wait(self._reading.pop(id(buf), None))
+                self._copied_out(buf)
                 return buf
             if self.free and len(self.pool) >= self.cfg.buffer_count:
                 small = self.free.pop()
-                if self.copies is not None:  # not freed while a copy into a device shard reads it
-                    self.copies.host_wait(self._reading.pop(id(small), None))
+                self._copied_out(small)  # not freed under the copy
                 self.pool = [b for b in self.pool if b is not small]
             if len(self.pool) < self.cfg.buffer_count:
                 pin = bool(self.cfg.pin_memory)  # resolved by build_param_offload
@@ -363,6 +361,12 @@ class ParamSwapper:
                 self.pool.append(buf)
                 return buf
             self._complete(self.inflight.popleft())
+
+    def _copied_out(self, buf: torch.Tensor) -> None:
+        """Wait for the copy into a device shard that may still read free pool buffer ``buf`` (its
+        ticket; none on the CPU), before ``buf`` is reused or dropped."""
+        if self.copies is not None:
+            self.copies.host_wait(self._reading.pop(id(buf), None))
 
     def _pump(self) -> None:
         """Submit queued chunk reads while pool buffers are free (never waits)."""
