@@ -13,7 +13,7 @@ in flight 163, saved activations 140, autograd's weight-gradient temporaries of 
 
 Rows (per rank, summed over ranks): the runtime; the optimizer's sub-group buffers; the parameter swap
 pool and read-ahead budget (``max_in_cpu``: shards read ahead, or kept after the step's update for the
-next forward); the gradient swap (two read buffers of a sub-group, and the reduced partitions of at
+next forward); the gradient swap (a read buffer of a sub-group per optimizer buffer, and the reduced partitions of at
 most :data:`MAX_BUCKETS_IN_FLIGHT` reduce-scatters in flight plus :data:`MAX_WRITES_IN_FLIGHT` writes,
 each at most the largest coalesced group of units, 1/N of it per rank); then the largest of the phases
 that do not overlap:
@@ -42,10 +42,10 @@ from zerodp.offload.grad_swap import MAX_WRITES_IN_FLIGHT, NORM_BLOCK
 from zerodp.runtime.grad_reducer import MAX_BUCKETS_IN_FLIGHT
 from zerodp.stage3.sharding import REDUCE_GROUPS_PER_BACKWARD
 
-#: the gradient swap's RAM row: two read buffers of a sub-group, the partitions being reduced or
-#: written, and the 16 MiB scratch of the norm taken as they are written
+#: the gradient swap's RAM row: a read buffer of a sub-group per optimizer sub-group buffer, the
+#: partitions being reduced or written, and the 16 MiB scratch of the norm taken as they are written
 _GROUPS = MAX_BUCKETS_IN_FLIGHT + MAX_WRITES_IN_FLIGHT
-GRAD_SWAP_ROW = f"gradient swap: 2 reads + {_GROUPS} groups + norm scratch per rank"
+GRAD_SWAP_ROW = f"gradient swap: a read per sub-group buffer + {_GROUPS} groups + norm scratch per rank"
 
 GIB = 2**30
 
@@ -156,7 +156,7 @@ def ram_accounting(
         "optimizer sub-group buffers per rank": nproc * k.optimizer_buffers * -(-12 * s_ // align) * align,
         "parameter swap pool + read-ahead per rank": nproc
         * (k.param_buffer_count * k.param_buffer_size + min(k.max_in_cpu, -(-2 * p // nproc))),
-        GRAD_SWAP_ROW: nproc * (2 * (grad_bytes * s_ + 2**20) + 4 * NORM_BLOCK)
+        GRAD_SWAP_ROW: nproc * (k.optimizer_buffers * (grad_bytes * s_ + 2**20) + 4 * NORM_BLOCK)
         + (MAX_BUCKETS_IN_FLIGHT + MAX_WRITES_IN_FLIGHT) * grad_bytes * min(group, p),
         f"transients per rank: {larger}": sums[larger],
     }

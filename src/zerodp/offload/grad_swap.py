@@ -14,10 +14,12 @@ reduced in the micro-step, and drops it: the write is asynchronous and at most
 same accumulation reads the partition back (:meth:`get`), adds, and puts it again.
 
 The optimizer step reads the gradients of one sub-group at a time (:meth:`read_ranges`: the byte
-ranges of its spans, merged when contiguous, each read as its aligned superset) into one of two
-buffers, so the next sub-group's gradients are read while one is updated
-(:class:`zerodp.offload.nvme.NvmeOptimizerOffload`). Host memory: the partitions whose writes are in
-flight (a unit each) and the two read buffers (a sub-group each, plus 8 KiB per merged range).
+ranges of its spans, merged when contiguous, each read as its aligned superset) into one read buffer
+per sub-group buffer of the optimizer: the sub-group loop issues each sub-group's gradient read right
+behind its region's read, in the same I/O pool and at the same read-ahead depth
+(:class:`StepGradReads`, :class:`zerodp.offload.step_pipeline.SubGroupPipeline`). Host memory: the
+partitions whose writes are in flight (a unit each) and the read buffers (a sub-group each, plus 8
+KiB per merged range).
 
 The gradient norm needs every gradient before the first update. On the accumulation boundary's
 backward (:meth:`GradSwap.take_norms`, set by the offload) :meth:`GradSwap.put` takes the fp32 chunk
@@ -96,13 +98,22 @@ def _pages(t: torch.Tensor, nbytes: int) -> torch.Tensor:
 class GradSwap:
     """One rank's gradient swap file (module docstring). ``extents``: from :func:`plan_extents`."""
 
-    def __init__(self, io: AsyncIO, file: SwapFile, extents: dict[int, Extent], read_buffer_bytes: int) -> None:
+    def __init__(
+        self,
+        io: AsyncIO,
+        file: SwapFile,
+        extents: dict[int, Extent],
+        read_buffer_bytes: int,
+        read_buffer_count: int = 2,
+    ) -> None:
         self.io = io
         self.file = file
         self.extents = extents
         self.on_disk: set[int] = set()  # groups whose partition is in the file since the last forget()
         self._writes: list[tuple[int, IOHandle, torch.Tensor]] = []  # (group, write, its memory)
-        self.read_buffers = [aligned_buffer(read_buffer_bytes) for _ in range(2)] if read_buffer_bytes else []
+        self.read_buffers = (
+            [aligned_buffer(read_buffer_bytes) for _ in range(read_buffer_count)] if read_buffer_bytes else []
+        )
         self.bytes_written = 0
         self.bytes_read = 0
         #: group index -> spans ``(key, lo, hi)`` (elements of its partition) whose fp32 chunk norms
@@ -254,10 +265,11 @@ def open_grad_swap(
     subgroup_spans: list[list[tuple[int, int, int]]],
     rank: int,
     pg: dist.ProcessGroup | None,
+    read_buffer_count: int = 2,
 ) -> GradSwap:
     """Collective: create ``directory/gradients.swp`` for partitions of ``sizes`` (group index,
-    elements, dtype) and the :class:`GradSwap` reading it through two buffers of the largest
-    sub-group's ranges (``subgroup_spans``: per sub-group, (piece position, lo, hi); ``at``: per piece,
+    elements, dtype) and the :class:`GradSwap` reading it through ``read_buffer_count`` buffers of the
+    largest sub-group's ranges (``subgroup_spans``: per sub-group, (piece position, lo, hi); ``at``: per piece,
     (group index, offset in its partition)). The file is appended to ``files`` (removed with them).
 
     Raises:
@@ -294,15 +306,16 @@ def open_grad_swap(
         error = f"rank {rank}: {exc}"
     raise_if_any_rank_failed(error, pg)
     assert file is not None  # opened unless a rank failed, and then every rank raised just above
-    return GradSwap(io, file, extents, read)
+    return GradSwap(io, file, extents, read, read_buffer_count)
 
 
 class StepGradReads:
-    """One step's gradient reads: :meth:`take` waits for sub-group ``k``'s (issued by the call for
-    the sub-group before it) and issues the next one's into the other buffer. ``order``: sub-group
-    indices in update order; ``spans_of(index)``: (piece position, lo, hi) to read for it;
-    ``own_buffers``: each read into a buffer of its own instead of the two read buffers (reads larger
-    than a sub-group: the gradient-norm pass, a whole piece each)."""
+    """One step's gradient reads. ``order``: sub-group indices in update order; ``spans_of(index)``:
+    (piece position, lo, hi) to read for it. The sub-group loop calls :meth:`issue` for each
+    sub-group as it issues the read of its region (read buffer ``slot`` = the region's buffer slot,
+    so a read buffer is reused only after its sub-group was updated); :meth:`take` waits for it. With
+    ``own_buffers`` (reads larger than a sub-group: the gradient-norm pass, a whole piece each),
+    :meth:`take` issues the next sub-group's read, one ahead, into a buffer of its own."""
 
     def __init__(
         self,
@@ -316,7 +329,11 @@ class StepGradReads:
         self.own_buffers = own_buffers
         self.reads: dict[int, tuple[IOHandle, list[int], list[torch.Tensor]]] = {}
 
-    def _issue(self, index: int, slot: int | None) -> None:
+    def issue(self, index: int, slot: int | None) -> None:
+        """Start reading sub-group ``index``'s gradients into read buffer ``slot`` (None: a buffer of
+        its own), unless already started."""
+        if index in self.reads:
+            return
         spans = self.spans_of(index)
         handle, views = self.swap.read_ranges(
             [(self.at[i][0], self.at[i][1] + lo, self.at[i][1] + hi) for i, lo, hi in spans],
@@ -325,14 +342,14 @@ class StepGradReads:
         self.reads[index] = (handle, [i for i, _, _ in spans], views)
 
     def take(self, index: int) -> dict[int, torch.Tensor]:
-        """Piece position -> its span's gradient in sub-group ``index`` (valid until the next call)."""
-        pos = self.order.index(index) if index in self.order else -1
-        if index not in self.reads:
-            self._issue(index, pos % 2 if pos >= 0 else None)
+        """Piece position -> its span's gradient in sub-group ``index``, valid until its read buffer is
+        reused (a sub-group not issued ahead is read now, into a buffer of its own)."""
+        self.issue(index, None)
         handle, pieces, views = self.reads.pop(index)
         handle.wait()
+        pos = self.order.index(index) if self.own_buffers and index in self.order else -1
         if 0 <= pos < len(self.order) - 1:
-            self._issue(self.order[pos + 1], (pos + 1) % 2)
+            self.issue(self.order[pos + 1], None)
         return dict(zip(pieces, views, strict=False))
 
     def close(self) -> None:

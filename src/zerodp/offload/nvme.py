@@ -9,7 +9,7 @@ its own, as in DeepSpeed). Sub-group k is one contiguous region of the file (mas
 ``buffer_count`` buffers of the largest region, one ``step`` scalar per piece, and the gradients:
 
 - CPU training, stages 2-3 without loss scaling: the reduced gradients go to ``gradients.swp`` per
-  unit (:mod:`zerodp.offload.grad_swap`, through an I/O pool of its own), read back per sub-group.
+  unit (:mod:`zerodp.offload.grad_swap`), read back per sub-group behind the sub-group's region.
 - Otherwise on the CPU: no second copy (:mod:`zerodp.offload.deferred_grads`). The offload reads the
   reducer's partition (unchanged until the step) and records the engine's scale factors (loss
   unscaling, clipping) in order; a piece's fp32 gradient is made just in time in one scratch buffer of
@@ -101,7 +101,6 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         self.steps: dict[tuple[int, int], torch.Tensor] = {}  # (piece position, span lo) -> Adam's step
         self.buffers: list[torch.Tensor] = []
         self.io: AsyncIO | None = None
-        self.grad_io: AsyncIO | None = None  # the gradient swap file's pool (gradient_spill)
         self.file: SwapFile | None = None
         self.dir: str | None = None
         self.stats = SwapStats()
@@ -200,7 +199,8 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         args = (needed, self.cfg.fast_init, self.cfg.remove_stale_swap, key, self._files)
         self.dir, self.file = swap_job.open_rank_file(base, job, self.rank, "optimizer.swp", *args)
         self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir, self._files)
-        self.io = AsyncIO(self.aio_cfg)
+        swapper = getattr(self.shard_access, "swapper", None)  # params on NVMe: one pool for the rank's files
+        self.io = swapper.swap_io.share() if swapper is not None else AsyncIO(self.aio_cfg)
 
     def gradient_spill(self, reducer: SpillingGradReducer) -> GradSwap | None:
         """Collective: the gradient swap file for ``reducer``
@@ -212,18 +212,18 @@ class NvmeOptimizerOffload(DeferredGradOffload):
             (g.index, reducer.owned_offset(g, p.lo, p.hi)) for p, g in zip(self.pieces, self._group_of, strict=False)
         ]
         assert self.dir is not None and self.cfg.nvme_path is not None, "the swap file exists (checked above)"
-        self.grad_io = AsyncIO(self.aio_cfg)  # own pool: not queued behind the optimizer's read-ahead
         self.spill = open_grad_swap(
             self.dir,
             self.cfg.nvme_path,
             self.cfg.fast_init,
-            self.grad_io,
+            self.swap_io,  # one pool: each sub-group's gradient read is queued behind its region's
             self._files,
             reducer.owned_sizes,
             self._grad_at,
             [sg.spans for sg in self.subgroups],
             self.rank,
             self.pg,
+            read_buffer_count=len(self.buffers),
         )
         return self.spill
 
@@ -337,8 +337,10 @@ class NvmeOptimizerOffload(DeferredGradOffload):
             idle = [sg for sg in self.subgroups if not any(self._present[i] for i in sg.pieces)]
             fold_idle(self, self.span_prints, idle, self._edited)
         self._trusted, blank = step_current_groups(self.shard_access, self._group_of, self._present, not self.in_place)
+        reads = self._grad_reads  # each sub-group's gradient read is queued right behind its region's
+        on_read = None if reads is None else lambda sg, slot: reads.issue(sg.index, slot)
         loop = SubGroupPipeline(
-            self, optimizer, todo, lambda sg, buf: self._update(sg, buf, optimizer), self._loop_done, blank
+            self, optimizer, todo, lambda sg, buf: self._update(sg, buf, optimizer), self._loop_done, blank, on_read
         )
         self.stats = loop.stats
         self.pending = loop
@@ -484,10 +486,9 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         self.copies.close()
         if self.spill is not None:
             self.spill.drain()
-        for io in (self.grad_io, self.io):
-            if io is not None:
-                io.close()
-        self.grad_io = self.io = None
+        if self.io is not None:
+            self.io.close()
+            self.io = None
         if self._finalizer is not None:
             self._finalizer()
 

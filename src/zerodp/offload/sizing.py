@@ -122,15 +122,16 @@ def estimate_offload_bytes(
     """Host and NVMe bytes of one rank's NVMe optimizer offload as configured (CPU training), before
     padding to 4096 bytes per segment: ``host_buffers`` (the sub-group pool and gradient scratch, as
     :meth:`zerodp.offload.nvme.NvmeOptimizerOffload.attach` sizes them), ``host_gradient_reads`` (with
-    ``spill``: the gradient swap file's two read buffers of a sub-group), ``nvme_states`` (masters,
-    unless ``in_place``, and Adam moments) and ``nvme_gradients`` (with ``spill``)."""
+    ``spill``: the gradient swap file's read buffers, a sub-group's per sub-group buffer),
+    ``nvme_states`` (masters, unless ``in_place``, and Adam moments) and ``nvme_gradients`` (with
+    ``spill``)."""
     size, layout = configured_buffers(owned_numel, user_sub_group_size, buffer_count, budget_bytes, in_place, True)
     largest = min(size, owned_numel)
     return {
         "sub_group_size": size,
         "buffer_count": layout.count,
         "host_buffers": layout.host_bytes(largest),
-        "host_gradient_reads": 2 * grad_itemsize * largest if spill else 0,
+        "host_gradient_reads": layout.count * grad_itemsize * largest if spill else 0,
         "nvme_states": 4 * layout.segments * owned_numel,
         "nvme_gradients": grad_itemsize * owned_numel if spill else 0,
     }

@@ -96,7 +96,9 @@ class _Hyper:
 class SubGroupPipeline:
     """The sub-group loop of one step (module docstring). ``todo``: the sub-groups with a gradient,
     in update order; ``update(sg, buf)`` updates one in its buffer (``buf``: uint8, ``sg.nbytes``);
-    ``blank``: ids of the flat groups whose shards it overwrites whole (pinned without a read)."""
+    ``blank``: ids of the flat groups whose shards it overwrites whole (pinned without a read);
+    ``on_read(sg, slot)``: called right after sub-group ``sg``'s region read is issued into buffer
+    ``slot`` (the offload queues its gradient read there, behind it in the same pool)."""
 
     def __init__(
         self,
@@ -106,8 +108,10 @@ class SubGroupPipeline:
         update: Callable[[SubGroup, torch.Tensor], None],
         on_done: Callable[[], None],
         blank: frozenset[int] = frozenset(),
+        on_read: Callable[[SubGroup, int], None] | None = None,
     ) -> None:
         self.off = offload
+        self.on_read = on_read
         self.optimizer = optimizer
         self.todo = todo
         self.update = update
@@ -212,6 +216,8 @@ class SubGroupPipeline:
                 self._wait(self.writes.pop(slot), "write")
             sg = self.todo[self.issued]
             self.reads[self.issued] = self.off.read_region(self.off.buffers[slot][: sg.nbytes], sg.offset)
+            if self.on_read is not None:
+                self.on_read(sg, slot)
             self.issued += 1
 
     def _update_next(self) -> None:
