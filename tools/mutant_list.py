@@ -647,20 +647,6 @@ MUTANTS: list[Mutant] = [
         ["tests/unit/test_grad_swap_pool.py::test_each_gradient_read_is_queued_behind_its_regions_read_in_one_pool"],
     ),
     Mutant(
-        "params_swap_in_a_pool_of_their_own",
-        "src/zerodp/offload/nvme.py",
-        "swapper.swap_io.share() if swapper is not None else AsyncIO(self.aio_cfg)",
-        "AsyncIO(self.aio_cfg)",
-        ["tests/unit/test_grad_swap_pool.py::test_each_gradient_read_is_queued_behind_its_regions_read_in_one_pool"],
-    ),
-    Mutant(
-        "shared_pool_stops_at_the_first_close",
-        "src/zerodp/offload/aio.py",
-        "        self._holders -= 1\n",
-        "        self._holders = 0\n",
-        ["tests/unit/test_grad_swap_pool.py::test_a_shared_pool_stops_when_its_last_holder_closes"],
-    ),
-    Mutant(
         "state_dict_keeps_gathered_view",
         "src/zerodp/checkpoint/layout.py",
         "                    del v  # a view of the gathered storage",

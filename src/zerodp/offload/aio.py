@@ -97,13 +97,9 @@ class AsyncIO:
 
     ``busy_seconds``: wall time during which at least one request was in flight (the union of the
     requests' intervals), so ``bytes / busy_seconds`` is the bandwidth while transferring, apart from
-    the time the caller left the disk idle.
-
-    One rank's swap files share one pool (:meth:`share`): its threads take the calls in the order they
-    were submitted, so a sub-group's gradient read queued right behind its region's read lands with
-    it, instead of streams of several pools contending for the disk (issue 31: at ZeRO-Infinity's 3x
-    sizes the loop moved 1.3-1.4 GB/s through three pools, 1.6 through one). The threads stop when
-    every holder has called :meth:`close`."""
+    the time the caller left the disk idle. Its threads take the calls in the order they were
+    submitted: the NVMe optimizer offload queues each sub-group's gradient read (``gradients.swp``)
+    right behind its region's read in its pool, so the two land together."""
 
     def __init__(self, cfg: AioConfig) -> None:
         self.block = cfg.block_size
@@ -115,14 +111,6 @@ class AsyncIO:
         self._lock = threading.Lock()
         self._in_flight = 0
         self._busy_since = 0.0
-        self._holders = 1
-
-    def share(self) -> AsyncIO:
-        """This pool for one more holder, who calls :meth:`close` when done with it."""
-        if self._holders == 0:
-            raise RuntimeError("an I/O pool was shared after its last holder closed it")
-        self._holders += 1
-        return self
 
     def read(self, f: SwapFile, buf: torch.Tensor, offset: int) -> IOHandle:
         """Fill ``buf`` (aligned uint8 host tensor) from ``f`` at byte ``offset``."""
@@ -165,12 +153,7 @@ class AsyncIO:
                     self.busy_seconds += time.perf_counter() - self._busy_since
 
     def close(self) -> None:
-        """Let go of the pool; the last holder's call waits for the calls in flight and stops the threads."""
-        if self._holders == 0:
-            return
-        self._holders -= 1
-        if self._holders == 0:
-            self.pool.shutdown(wait=True)
+        self.pool.shutdown(wait=True)
 
 
 def _transfer(f: SwapFile, views: list[memoryview], offset: int, write: bool) -> None:

@@ -199,8 +199,7 @@ class NvmeOptimizerOffload(DeferredGradOffload):
         args = (needed, self.cfg.fast_init, self.cfg.remove_stale_swap, key, self._files)
         self.dir, self.file = swap_job.open_rank_file(base, job, self.rank, "optimizer.swp", *args)
         self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir, self._files)
-        swapper = getattr(self.shard_access, "swapper", None)  # params on NVMe: one pool for the rank's files
-        self.io = swapper.swap_io.share() if swapper is not None else AsyncIO(self.aio_cfg)
+        self.io = AsyncIO(self.aio_cfg)  # also gradients.swp's (gradient_spill); params.swp has its own
 
     def gradient_spill(self, reducer: SpillingGradReducer) -> GradSwap | None:
         """Collective: the gradient swap file for ``reducer``
