@@ -45,7 +45,7 @@ from zerodp.stage3.sharding import REDUCE_GROUPS_PER_BACKWARD
 #: the gradient swap's RAM row: a read buffer of a sub-group per optimizer sub-group buffer, the
 #: partitions being reduced or written, and the 16 MiB scratch of the norm taken as they are written
 _GROUPS = MAX_BUCKETS_IN_FLIGHT + MAX_WRITES_IN_FLIGHT
-GRAD_SWAP_ROW = f"gradient swap: a read per sub-group buffer + {_GROUPS} groups + norm scratch per rank"
+GRAD_SWAP_ROW = f"gradient swap: reads + {_GROUPS} groups + norm scratch per rank"
 
 GIB = 2**30
 
