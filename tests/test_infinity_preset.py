@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zerodp.app import infinity, infinity_run
+from zerodp.app import infinity, infinity_phases, infinity_run
 from zerodp.app.cli import main
 from zerodp.app.infinity_ram import GRAD_SWAP_ROW
 from zerodp.app.model import GPTConfig, count_parameters
@@ -397,9 +397,9 @@ def test_report_puts_each_step_against_its_per_phase_bound() -> None:
     """Issue 31 item 4: each step is compared with the sum over phases of max(wall - wait, disk busy)
     (the loop cannot start before the backward ends), so time lost to the phase order is told apart
     from compute and I/O that failed to overlap inside a phase; no bound without io_ticks."""
-    assert infinity_run.phase_bound([[10.0, 1.0, 8.0], [12.0, 2.0, 12.0], [8.0, 3.0, 4.0]]) == 9.0 + 12.0 + 5.0
-    assert infinity_run.phase_bound([[10.0, 1.0, 8.0], [12.0, 2.0, -1.0]]) is None
-    assert infinity_run.phase_bound([]) is None
+    assert infinity_phases.phase_bound([[10.0, 1.0, 8.0], [12.0, 2.0, 12.0], [8.0, 3.0, 4.0]]) == 9.0 + 12.0 + 5.0
+    assert infinity_phases.phase_bound([[10.0, 1.0, 8.0], [12.0, 2.0, -1.0]]) is None
+    assert infinity_phases.phase_bound([]) is None
     rec = {
         "step": 3,
         "loss": 5.0,
@@ -433,6 +433,35 @@ def test_phase_meter_sums_micro_batches_per_phase() -> None:
     assert f[0] >= 0 and b[0] >= 0 and s[0] >= 0 and len(meter.growth) == 3
 
 
+def test_phase_meter_counts_each_phases_swap_bytes_and_the_report_prints_them() -> None:
+    """Issue 31 item 4: the swap bytes of each phase, per file, summed over micro-batches (counters
+    injected), and one report line per step with them (a shard read twice in a step shows there)."""
+    clock = infinity_run.IOWaitClock()
+    counts = [0] * 6
+    meter = infinity_run.PhaseMeter(clock, None, lambda: tuple(counts))
+    for _ in range(2):
+        meter.start()
+        counts[0] += 10  # params.swp read in forward
+        meter.end(0)
+        counts[3] += 7  # gradients.swp written in backward
+        meter.end(1)
+        counts[4] += 100  # optimizer.swp read in step()
+        meter.end(2)
+    assert meter.swap_bytes == [[20, 0, 0, 0, 0, 0], [0, 0, 0, 14, 0, 0], [0, 0, 0, 0, 200, 0]]
+    rec = {"step": 2, "loss": 5.0, "seconds": 30.0, "read": 10**9, "written": 10**9, "busy_s": 20.0}
+    rec |= {"wait_s": 6.0, "swap_bytes": [[2 * 10**9, 0, 0, 0, 0, 0], [0, 0, 0, 10**9, 0, 0], [0] * 6]}
+    plan = {"model": {"n_layer": 2, "d_model": 128}, "probe_bytes": 2**20}
+    text = infinity_run.report(one_rank(rec), plan, 2e9, 2e9, 1.0, "vda").splitlines()
+    head = "swap bytes per step and phase (rank 0; read / written: params.swp, gradients.swp, optimizer.swp):"
+    line = text[text.index(head) + 1]
+    assert line.startswith("  step 2: forward 2.0 GB / 0 B, 0 B / 0 B, 0 B / 0 B; backward 0 B / 0 B, "), line
+    assert "backward 0 B / 0 B, 0 B / 1.0 GB, 0 B / 0 B; step() " in line, line
+    assert not any(
+        x.startswith("swap bytes")
+        for x in infinity_run.report(one_rank(rec | {"swap_bytes": []}), plan, 2e9, 2e9, 1.0, "vda").splitlines()
+    )
+
+
 def test_a_tiny_run_trains_reports_and_removes_its_swap_files(tmp_path: Path) -> None:
     """The worker end to end (``zerodp train --preset infinity`` at ``--assume-ram 64MB``): it trains
     2 steps with a falling loss, its report carries every part (per-step table, per-phase times, the
@@ -455,6 +484,8 @@ def test_a_tiny_run_trains_reports_and_removes_its_swap_files(tmp_path: Path) ->
     assert len(phases) == 2 and all(" step() " in line for line in phases)
     assert any(line.startswith("per rank: peak RSS / the plan's RAM rows") for line in lines)
     assert any(line.startswith("disk rate per 5 s window") for line in lines)
+    swap = lines[lines.index(next(x for x in lines if x.startswith("swap bytes per step"))) + 2]
+    assert swap.startswith("  step 2: forward ") and "; backward " in swap and "; step() " in swap, swap
     assert not any(p.is_file() for p in nvme.rglob("*")), sorted(map(str, nvme.rglob("*")))
 
 

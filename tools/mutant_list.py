@@ -905,7 +905,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "phase_bound_sums_compute_only",
-        "src/zerodp/app/infinity_run.py",
+        "src/zerodp/app/infinity_phases.py",
         "    return sum(max(t - w, b) for t, w, b in phases)",
         "    return sum(t - w for t, w, b in phases)",
         ["tests/test_infinity_preset.py::test_report_puts_each_step_against_its_per_phase_bound"],

@@ -24,7 +24,7 @@ import os
 import resource
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +33,7 @@ import torch.distributed as dist
 import zerodp
 from zerodp.app import data
 from zerodp.app.disk_rate import DiskRateSampler, diskstats, summary
+from zerodp.app.infinity_phases import PHASES, phase_lines, swap_counts, swap_lines
 from zerodp.app.model import GPT, GPTConfig
 from zerodp.offload import aio
 from zerodp.runtime.accounting import human_bytes
@@ -161,26 +162,31 @@ class StepRecord:
     phases: tuple[tuple[float, float, float], ...] = ()
     #: the disk's rate (bytes/s, every process) in each full sampling window of the step
     disk_windows: tuple[float, ...] = ()
-
-
-PHASES = ("forward", "backward", "step()")
+    #: per phase: this rank's swap bytes (:func:`zerodp.app.infinity_phases.swap_counts`)
+    swap_bytes: tuple[tuple[int, ...], ...] = ()
 
 
 class PhaseMeter:
     """Wall time, I/O wait (``clock``) and disk busy time (``io_ticks``) per phase of one step, summed
-    over its micro-batches, with the peak-RSS growth of each phase."""
+    over its micro-batches, with the peak-RSS growth of each phase and, given ``swap`` (byte counters,
+    :func:`zerodp.app.infinity_phases.swap_counts`), the swap bytes of each."""
 
-    def __init__(self, clock: IOWaitClock, device: str | None) -> None:
-        self.clock, self.device = clock, device
+    def __init__(
+        self, clock: IOWaitClock, device: str | None, swap: Callable[[], tuple[int, ...]] | None = None
+    ) -> None:
+        self.clock, self.device, self.swap = clock, device, swap
         self.sums = [[0.0, 0.0, 0.0] for _ in PHASES]
         self.growth = [0, 0, 0]
+        self.swap_bytes: list[list[int]] = [[] for _ in PHASES]
         self._mark = self._now()
+        self._swap_mark = swap() if swap is not None else ()
 
     def _now(self) -> tuple[float, float, int | None, int]:
         return time.perf_counter(), self.clock.seconds, disk_busy_ms(self.device), peak_rss_bytes()
 
     def start(self) -> None:
         self._mark = self._now()
+        self._swap_mark = self.swap() if self.swap is not None else ()
 
     def end(self, phase: int) -> None:
         """Add the time since :meth:`start` (or the previous :meth:`end`) to ``phase``."""
@@ -194,6 +200,11 @@ class PhaseMeter:
             row[2] += (now[2] - was[2]) / 1e3
         self.growth[phase] += now[3] - was[3]
         self._mark = now
+        if self.swap is not None:
+            counts = self.swap()
+            done = self.swap_bytes[phase] or [0] * len(counts)
+            self.swap_bytes[phase] = [d + c - m for d, c, m in zip(done, counts, self._swap_mark, strict=True)]
+            self._swap_mark = counts
 
     def phases(self) -> tuple[tuple[float, float, float], ...]:
         return tuple((t, w, b) for t, w, b in self.sums)
@@ -242,7 +253,7 @@ def run_worker(plan: dict, nvme_path: str) -> None:
             m0 = time.monotonic()
             # where time, I/O wait, disk busy time and the peak RSS go: forward, backward, step() (with
             # overlap_step the previous step's sub-group loop runs inside the forward)
-            meter = PhaseMeter(clock, device)
+            meter = PhaseMeter(clock, device, lambda: swap_counts(engine))
             for micro in range(accum):  # DeepSpeed's protocol: the optimizer steps at the K-th engine.step()
                 x, y = data.rank_slice(batches.batch(step * accum + micro), rank, world)
                 meter.start()
@@ -270,6 +281,7 @@ def run_worker(plan: dict, nvme_path: str) -> None:
                     (meter.growth[0], meter.growth[1], meter.growth[2]),
                     meter.phases(),
                     tuple(sampler.windows(m0, time.monotonic())),
+                    tuple(tuple(b) for b in meter.swap_bytes),
                 )
             )
             if rank == 0:
@@ -361,38 +373,6 @@ def end_probe_lines(raw_write: float, raw_read: float, raw_end: tuple[float, flo
     return lines
 
 
-def phase_bound(phases: list[list[float]] | tuple[tuple[float, float, float], ...]) -> float | None:
-    """Seconds: the sum over phases of max(compute, disk busy), compute = wall - I/O wait (rank 0), disk
-    busy from ``io_ticks``. The shortest the step could be with each phase's compute and disk time fully
-    overlapped and the phases in their order (the sub-group loop cannot start before the backward ends:
-    the ``gradient_clipping`` norm needs every gradient). None without ``io_ticks``."""
-    if not phases or any(b < 0 for _, _, b in phases):
-        return None
-    return sum(max(t - w, b) for t, w, b in phases)
-
-
-def phase_lines(every: list[dict]) -> list[str]:
-    """Per step and phase (rank 0): wall s, I/O wait s and disk idle s (wall - disk busy: time in which
-    no transfer of any rank was in flight, compute not overlapped with I/O), and the step against its
-    per-phase bound (:func:`phase_bound`)."""
-    recs = every[0]["records"]
-    if not recs or not recs[0].get("phases"):
-        return []
-    lines = [
-        "per step and phase (rank 0; wall s / I/O wait s / disk idle s = wall - disk busy; per-phase bound = "
-        "sum over phases of max(wall - wait, disk busy), the phases in sequence):"
-    ]
-    for rec in recs:
-        cells = []
-        for name, (t, w, b) in zip(PHASES, rec["phases"], strict=True):
-            idle = f"{max(0.0, t - b):.1f}" if b >= 0 else "n/a"
-            cells.append(f"{name} {t:.1f} / {w:.1f} / {idle}")
-        bound = phase_bound(rec["phases"])
-        tail = f"; per-phase bound {bound:.1f} s, step / bound {rec['seconds'] / bound:.2f}" if bound else ""
-        lines.append(f"  step {rec['step']}: " + ", ".join(cells) + tail)
-    return lines
-
-
 def report(
     every: list[dict],
     plan: dict,
@@ -453,6 +433,7 @@ def report(
         "sequence x ranks) / step time"
     )
     lines += phase_lines(every)
+    lines += swap_lines(every)
     if windows:
         lines.append(
             "disk rate per 5 s window (/proc/diskstats, every process; min / median / max, and windows below "
