@@ -363,7 +363,7 @@ def test_grad_accum_amortises_the_optimizer_and_swaps_fp32_gradients(
         )
         == 0
     )
-    assert "3 steps of 4 x 2 x 128 tokens per rank" in capsys.readouterr().out
+    assert "4 steps of 4 x 2 x 128 tokens per rank" in capsys.readouterr().out
 
 
 def test_report_attributes_time_per_phase_and_probes_the_disk_again() -> None:
@@ -460,6 +460,31 @@ def test_phase_meter_counts_each_phases_swap_bytes_and_the_report_prints_them() 
         x.startswith("swap bytes")
         for x in infinity_run.report(one_rank(rec | {"swap_bytes": []}), plan, 2e9, 2e9, 1.0, "vda").splitlines()
     )
+
+
+def test_report_names_the_steady_steps_and_their_ratios() -> None:
+    """Issue 31 item 4 asks for step/max(c, io) in steady state: steps 3 to N-1 (step 2's forward
+    carries the first loop, which reads and checks every shard; step N's step() runs the last loop),
+    their range printed, and none claimed among 3 steps."""
+
+    def rec(step: int, seconds: float, wait: float, busy: float) -> dict:
+        return {"step": step, "loss": 5.0, "seconds": seconds, "read": 10**9, "written": 10**9} | {
+            "busy_s": busy,
+            "wait_s": wait,
+            "phases": [[seconds / 2, wait, busy], [seconds / 2, 0.0, 0.0], [0.0, 0.0, 0.0]],
+        }
+
+    recs = [rec(1, 100.0, 10.0, 20.0), rec(2, 300.0, 100.0, 150.0), rec(3, 120.0, 20.0, 60.0)]
+    recs += [rec(4, 130.0, 30.0, 50.0), rec(5, 400.0, 300.0, 350.0)]
+    every = [{"rank": 0, "records": recs}]
+    (line,) = infinity_phases.steady_lines(every)
+    # step 3: 120 / max(100, 60) = 1.20, bound max(50, 60) + 60 = 120; step 4: 130 / 100, bound 50 + 65
+    assert line.startswith(
+        "steady state (steps 3 to 4): step/max(c, io) 1.20-1.30, step / per-phase bound 1.00-1.13;"
+    ), line
+    assert infinity_phases.steady_lines([{"rank": 0, "records": recs[:3]}]) == [
+        "steady state: none among 3 steps (steps 3 to N-1 are; --steps 4 or more)"
+    ]
 
 
 def test_a_tiny_run_trains_reports_and_removes_its_swap_files(tmp_path: Path) -> None:

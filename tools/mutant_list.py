@@ -917,4 +917,11 @@ MUTANTS: list[Mutant] = [
         "",
         ["tests/unit/test_param_pool_buffers.py::test_a_dropped_small_buffer_waits_for_the_copy_still_reading_it"],
     ),
+    Mutant(
+        "steady_state_counts_the_first_loop",
+        "src/zerodp/app/infinity_phases.py",
+        "    steady = recs[2:-1]",
+        "    steady = recs[1:-1]",
+        ["tests/test_infinity_preset.py::test_report_names_the_steady_steps_and_their_ratios"],
+    ),
 ]

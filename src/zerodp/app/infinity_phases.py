@@ -77,4 +77,33 @@ def swap_lines(every: list[dict]) -> list[str]:
     return lines
 
 
-__all__ = ["PHASES", "SWAP_FILES", "phase_bound", "phase_lines", "swap_counts", "swap_lines"]
+def steady_lines(every: list[dict]) -> list[str]:
+    """One line on the steady steps, 3 to N-1 of N: step 1 has no loop to overlap, step 2's forward
+    carries the first loop (which reads every parameter shard and checks it for in-place edits: no
+    shard holds a previous step's cast yet), and step N's ``step()`` runs the last loop with no
+    forward to hide it. Gives the range of step/max(c, io) (c = time - I/O wait, the largest over
+    ranks; io = disk busy) and of step / per-phase bound over those steps, or says there is none."""
+    recs = every[0]["records"]
+    steady = recs[2:-1]
+    if not steady:
+        return [f"steady state: none among {len(recs)} steps (steps 3 to N-1 are; --steps 4 or more)"]
+    ratios, bounds = [], []
+    for i, rec in enumerate(steady, start=2):
+        wait = max(r["records"][i]["wait_s"] for r in every)
+        t, busy = rec["seconds"], rec["busy_s"]
+        if busy:
+            ratios.append(t / max(t - wait, busy))
+        if (b := phase_bound(rec.get("phases") or [])) is not None:
+            bounds.append(t / b)
+
+    def span(xs: list[float]) -> str:
+        return "n/a" if not xs else f"{min(xs):.2f}" if len(xs) == 1 else f"{min(xs):.2f}-{max(xs):.2f}"
+
+    return [
+        f"steady state (steps 3 to {len(recs) - 1}): step/max(c, io) {span(ratios)}, step / per-phase bound "
+        f"{span(bounds)}; step 2's forward carries the first loop (every shard read and checked), step "
+        f"{len(recs)}'s step() the last"
+    ]
+
+
+__all__ = ["PHASES", "SWAP_FILES", "phase_bound", "phase_lines", "steady_lines", "swap_counts", "swap_lines"]

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import zerodp
 from zerodp.app import data
 from zerodp.app.disk_rate import DiskRateSampler, diskstats, summary
-from zerodp.app.infinity_phases import PHASES, phase_lines, swap_counts, swap_lines
+from zerodp.app.infinity_phases import PHASES, phase_lines, steady_lines, swap_counts, swap_lines
 from zerodp.app.model import GPT, GPTConfig
 from zerodp.offload import aio
 from zerodp.runtime.accounting import human_bytes
@@ -432,6 +432,7 @@ def report(
         "figures above; tokens/s: tokens of all ranks in the step (accumulation x micro-batch x "
         "sequence x ranks) / step time"
     )
+    lines += steady_lines(every)
     lines += phase_lines(every)
     lines += swap_lines(every)
     if windows:
