@@ -107,7 +107,7 @@ def test_span_norms_always_describe_what_the_file_holds(tmp_path):
     extents, nbytes = plan_extents([(0, 300, torch.bfloat16), (1, 100, torch.bfloat16)])
     file = SwapFile(str(tmp_path / "gradients.swp"))
     os.ftruncate(file.fd, nbytes)
-    swap = GradSwap(AsyncIO(AioConfig()), file, extents, 0)
+    swap = GradSwap(AsyncIO(AioConfig()), file, extents, 0, 0)
     swap.take_norms({0: [(7, 0, 200), (8, 200, 300)], 1: [(9, 0, 100)]})
     g = swap.empty(0).copy_(torch.linspace(-1, 1, 300))
     swap.put(0, g)

@@ -30,6 +30,11 @@ def swap_counts(engine: Any) -> tuple[int, ...]:
     return pr, pw, gr, gw, orr, ow
 
 
+def step_over_max(seconds: float, wait: float, busy: float) -> float:
+    """step / max(c, io): c = ``seconds`` - ``wait`` (compute), io = ``busy`` (disk busy seconds)."""
+    return seconds / max(seconds - wait, busy)
+
+
 def phase_bound(phases: list[list[float]] | tuple[tuple[float, float, float], ...]) -> float | None:
     """Seconds: the sum over phases of max(compute, disk busy), compute = wall - I/O wait (rank 0), disk
     busy from ``io_ticks``. The shortest the step could be with each phase's compute and disk time fully
@@ -92,7 +97,7 @@ def steady_lines(every: list[dict]) -> list[str]:
         wait = max(r["records"][i]["wait_s"] for r in every)
         t, busy = rec["seconds"], rec["busy_s"]
         if busy:
-            ratios.append(t / max(t - wait, busy))
+            ratios.append(step_over_max(t, wait, busy))
         if (b := phase_bound(rec.get("phases") or [])) is not None:
             bounds.append(t / b)
 
@@ -106,4 +111,13 @@ def steady_lines(every: list[dict]) -> list[str]:
     ]
 
 
-__all__ = ["PHASES", "SWAP_FILES", "phase_bound", "phase_lines", "steady_lines", "swap_counts", "swap_lines"]
+__all__ = [
+    "PHASES",
+    "SWAP_FILES",
+    "phase_bound",
+    "phase_lines",
+    "steady_lines",
+    "step_over_max",
+    "swap_counts",
+    "swap_lines",
+]

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import zerodp
 from zerodp.app import data
 from zerodp.app.disk_rate import DiskRateSampler, diskstats, summary
-from zerodp.app.infinity_phases import PHASES, phase_lines, steady_lines, swap_counts, swap_lines
+from zerodp.app.infinity_phases import PHASES, phase_lines, steady_lines, step_over_max, swap_counts, swap_lines
 from zerodp.app.model import GPT, GPTConfig
 from zerodp.offload import aio
 from zerodp.runtime.accounting import human_bytes
@@ -177,9 +177,9 @@ class PhaseMeter:
         self.clock, self.device, self.swap = clock, device, swap
         self.sums = [[0.0, 0.0, 0.0] for _ in PHASES]
         self.growth = [0, 0, 0]
-        self.swap_bytes: list[list[int]] = [[] for _ in PHASES]
         self._mark = self._now()
         self._swap_mark = swap() if swap is not None else ()
+        self.swap_bytes = [[0] * len(self._swap_mark) for _ in PHASES]
 
     def _now(self) -> tuple[float, float, int | None, int]:
         return time.perf_counter(), self.clock.seconds, disk_busy_ms(self.device), peak_rss_bytes()
@@ -202,7 +202,7 @@ class PhaseMeter:
         self._mark = now
         if self.swap is not None:
             counts = self.swap()
-            done = self.swap_bytes[phase] or [0] * len(counts)
+            done = self.swap_bytes[phase]
             self.swap_bytes[phase] = [d + c - m for d, c, m in zip(done, counts, self._swap_mark, strict=True)]
             self._swap_mark = counts
 
@@ -413,7 +413,7 @@ def report(
         ideal = read / raw_read + written / raw_write  # seconds the raw disk needs for this traffic
         if busy:
             eff, hidden = f"{ideal / busy:.2f}", f"{max(0.0, 1 - wait / busy):.0%}"
-            ratio = f"{t / max(t - wait, busy):.2f}"
+            ratio = f"{step_over_max(t, wait, busy):.2f}"
         else:
             eff = hidden = ratio = "n/a"
         achieved, raw, over = disk_throughput(read, written, busy, t, raw_read, raw_write)

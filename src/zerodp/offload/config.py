@@ -144,7 +144,9 @@ class AioConfig(_StrictModel):
 
     block_size: int = Field(1_048_576, gt=0, description="bytes per I/O request (multiple of 4096)")
     queue_depth: int = Field(8, gt=0, description="requests in flight per thread")
-    thread_count: int = Field(1, gt=0, description="I/O worker threads (one pool per rank, for all its swap files)")
+    thread_count: int = Field(
+        1, gt=0, description="I/O worker threads per pool (optimizer.swp and gradients.swp share one)"
+    )
     single_submit: bool = Field(False, description="submit requests one at a time")
     overlap_events: bool = Field(True, description="overlap reads/writes with the sub-group updates")
 

@@ -104,7 +104,7 @@ class GradSwap:
         file: SwapFile,
         extents: dict[int, Extent],
         read_buffer_bytes: int,
-        read_buffer_count: int = 2,
+        read_buffer_count: int,
     ) -> None:
         self.io = io
         self.file = file
@@ -265,7 +265,7 @@ def open_grad_swap(
     subgroup_spans: list[list[tuple[int, int, int]]],
     rank: int,
     pg: dist.ProcessGroup | None,
-    read_buffer_count: int = 2,
+    read_buffer_count: int,
 ) -> GradSwap:
     """Collective: create ``directory/gradients.swp`` for partitions of ``sizes`` (group index,
     elements, dtype) and the :class:`GradSwap` reading it through ``read_buffer_count`` buffers of the
