@@ -34,6 +34,7 @@ from torch import nn
 
 import zerodp
 from zerodp.runtime import comm, device
+from zerodp.stage3 import pool as pool_mod
 
 
 def _merge(into: dict[str, int], other: dict[str, int]) -> None:
@@ -207,6 +208,8 @@ def _train(stage: int, fake: FakeDeviceModule, monkeypatch: pytest.MonkeyPatch):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_collectives_are_ordered_against_the_compute_stream(world1, monkeypatch, stage):
+    if stage == 3 and not pool_mod.SWAPS_STORAGE:
+        pytest.skip(f"torch {torch.__version__} cannot swap storages: the pool keeps no slabs (the next test)")
     fake = FakeDeviceModule()
     monkeypatch.setattr(device, "device_handle", lambda d: fake)
     engine, layers, shard_of = _train(stage, fake, monkeypatch)
@@ -274,6 +277,25 @@ def test_collectives_are_ordered_against_the_compute_stream(world1, monkeypatch,
         engine(x)
     after = [e for e in fake.log if e[:2] == ("collective", "all_gather")]
     assert len(after) == len(layers) and all(e[6]["compute"] >= written for e in after)
+
+
+def test_without_storage_swaps_every_all_gather_waits_for_the_compute_stream(world1, monkeypatch):
+    """Torch before 2.12 (zerodp.stage3.pool.SWAPS_STORAGE false): each gather's memory is a fresh
+    allocation made on the compute stream, so every all-gather waits for the compute stream as it was
+    when the all-gather was issued (not only for a release event), and the layers' forwards still
+    come after their unit's all-gather."""
+    monkeypatch.setattr(pool_mod, "SWAPS_STORAGE", False)
+    fake = FakeDeviceModule()
+    monkeypatch.setattr(device, "device_handle", lambda d: fake)
+    engine, layers, shard_of = _train(3, fake, monkeypatch)
+    assert not engine.sharding.pool.swap_storage and engine.sharding.pool.free_bytes() == 0
+    gathers = [e for e in fake.log if e[:2] == ("collective", "all_gather") and e[2] == "all_gather"]
+    assert len(gathers) >= 3 * 2 * len(layers) // 4
+    for e in gathers:
+        assert e[6].get("compute", 0) >= e[5].get("compute", 0), "all-gather ran ahead of the compute stream"
+    assert not any(e[0] == "release" for e in fake.log)  # no slab kept, no release event
+    forwards = [e for e in fake.log if e[:2] == ("op", "forward")]
+    assert len(forwards) == 3 * len(layers)
 
 
 def test_cpu_run_uses_torch_cpu_no_op_streams(world1):

@@ -33,6 +33,13 @@ stream (the caching allocator may hand out memory whose last compute-stream read
 A slab lent for use on the compute stream itself (gradient staging, cast buffers) needs no wait.
 Slabs are allocated and freed on the compute stream (never while a side stream is current), after
 the compute stream waited for every side-stream use of them.
+
+Torch before 2.12 has no ``_swap_data_ptr_`` (:data:`SWAPS_STORAGE`): there the pool keeps no slabs,
+:meth:`GatherPool.lend` allocates the borrower's own storage (``resize_(need)``, the caching allocator
+reuses device memory) and :meth:`GatherPool.take_back` frees it (``resize_(0)``), FSDP2's way. The
+storage object still never changes, so autograd's saved views behave as above; a side-stream writer
+of a new allocation waits for the compute stream (less prefetch overlap, the same order). The choice
+is made once, at construction (``swap_storage``).
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+
+#: True where this torch can move memory between storage objects (``UntypedStorage._swap_data_ptr_``,
+#: torch >= 2.12); elsewhere the pool allocates and frees each borrower's storage (see the note above).
+SWAPS_STORAGE: bool = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 class Waiter(Protocol):
@@ -58,11 +69,24 @@ class GatherPool:
         limit_bytes: slabs are freed instead of kept when the pool (lent + free) would exceed this.
         release_event: returns an event recorded now on the compute stream (see the note above);
             None: no events (no side streams).
+        swap_storage: lend slabs by swapping their memory into the borrower's storage (default:
+            :data:`SWAPS_STORAGE`); False: allocate and free each borrower's storage, keeping no slabs.
     """
 
-    def __init__(self, limit_bytes: int, release_event: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        limit_bytes: int,
+        release_event: Callable[[], Any] | None = None,
+        swap_storage: bool | None = None,
+    ) -> None:
         if limit_bytes < 0:
             raise ValueError(f"GatherPool limit_bytes must be >= 0, got {limit_bytes}")
+        self.swap_storage = SWAPS_STORAGE if swap_storage is None else swap_storage
+        if self.swap_storage and not SWAPS_STORAGE:
+            raise RuntimeError(
+                f"GatherPool(swap_storage=True) needs UntypedStorage._swap_data_ptr_ (torch >= 2.12); "
+                f"torch {torch.__version__} has none"
+            )
         self.limit_bytes = limit_bytes
         self.release_event = release_event
         self._free: list[torch.UntypedStorage] = []  # slabs holding memory, not lent
@@ -90,6 +114,15 @@ class GatherPool:
             raise RuntimeError(
                 f"GatherPool.lend: the tensor's storage is not empty ({storage.nbytes()} bytes); release it first"
             )
+        if not self.swap_storage:
+            storage.resize_(need)
+            self.allocations += 1
+            if waiter is not None:
+                waiter.after_compute()
+            self._lent[key] = torch.UntypedStorage(0, device=device)  # a marker: nothing to hand back
+            self._lent_sizes[key] = need
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes())
+            return
         slab = self._take_free(need, device)
         if slab is None:
             slab = torch.UntypedStorage(need, device=device)
@@ -114,6 +147,9 @@ class GatherPool:
         if slab is None:
             return False
         self._lent_sizes.pop(storage._cdata)
+        if not self.swap_storage:
+            storage.resize_(0)  # freed on the compute stream, as a slab past the limit is below
+            return True
         storage._swap_data_ptr_(slab)  # type: ignore[attr-defined]  # torch-internal, not in the stubs
         if self.held_bytes() + slab.nbytes() <= self.limit_bytes:
             self._free.append(slab)
