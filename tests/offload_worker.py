@@ -204,10 +204,19 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
                 reports[device]["swap"] = [stats.bytes_read, stats.bytes_written]
                 reports[device]["subgroups"] = len(engine.optimizer_offload.subgroups)
         engine.close()
-    out = {"steps": STEPS, "equal": {d: _equal(runs["none"], runs[d]) for d in ("cpu", "nvme")}, "reports": reports}
+    out = {
+        "steps": STEPS,
+        "equal": {d: _equal(runs["none"], runs[d]) for d in ("cpu", "nvme")},
+        "ulps": {d: _ulps(runs["none"], runs[d]) for d in ("cpu", "nvme")},
+        "reports": reports,
+    }
     if frozen:  # right after the step without gradient: the edited masters, as without offload
         out["frozen"] = {
             what: {d: _equal(frozen["none"][what], frozen[d][what]) for d in ("cpu", "nvme")}
+            for what in ("after", "accessor", "loaded")
+        }
+        out["frozen_ulps"] = {
+            what: {d: _ulps(frozen["none"][what], frozen[d][what]) for d in ("cpu", "nvme")}
             for what in ("after", "accessor", "loaded")
         }
     if scenario in ("fp32", "edit", "edit_frozen"):
@@ -218,10 +227,33 @@ def run_scenario(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
     return out
 
 
+def _pairs(a, b) -> list:
+    return [(a[k], b[k]) for k in a] if isinstance(a, dict) else list(zip(a, b, strict=False))
+
+
 def _equal(a, b) -> bool:
     """Bitwise equality of two state dicts or two lists of tensors."""
-    pairs = [(a[k], b[k]) for k in a] if isinstance(a, dict) else list(zip(a, b, strict=False))
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in pairs)
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in _pairs(a, b))
+
+
+def _ulps(a, b) -> float:
+    """The largest difference of two state dicts or lists of tensors, per tensor in units of its dtype's
+    machine epsilon times its largest magnitude (0.0: bitwise equal; inf: a length or shape differs).
+    On a GPU the non-offloaded step runs there and the offloaded one on the host: the same arithmetic,
+    rounded differently, so the comparison there is within a few of these units, not bitwise."""
+    if len(a) != len(b):
+        return float("inf")
+    worst = 0.0
+    for x, y in _pairs(a, b):
+        if x.shape != y.shape:
+            return float("inf")
+        if not x.is_floating_point():
+            worst = max(worst, 0.0 if torch.equal(x, y) else float("inf"))
+            continue
+        x64, y64 = x.detach().double().cpu(), y.detach().to(x.device).double().cpu()
+        scale = torch.finfo(x.dtype).eps * max(x64.abs().max().item(), 1e-30)
+        worst = max(worst, (x64 - y64).abs().max().item() / scale)
+    return worst
 
 
 def deleted_swap_file(nvme: str) -> dict:

@@ -230,6 +230,11 @@ def test_train_compare_helper_on_cpu(tmp_path):
     for stage, entry in res["stages"].items():
         assert entry["engine_device"] == "cpu" and entry["max_rel_loss_diff"] <= 1e-5, (stage, entry)
         assert entry["first_last"][0] != entry["first_last"][1]  # it trained
+        # both sides' optimizer settings are recorded and agree (a default that differs, such as
+        # AdamW's weight_decay, 0 in zerodp's config and 0.01 in torch's, made the GPU run differ)
+        assert entry["hyperparameters"] == res["reference_hyperparameters"], entry
+        assert entry["hyperparameters"]["weight_decay"] == 0.0 and entry["hyperparameters"]["betas"] == [0.9, 0.95]
+        assert len(entry["losses"]) == len(res["reference_losses"]) == res["steps"]
 
 
 def _bench_record(**changes) -> dict:

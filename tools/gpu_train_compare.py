@@ -23,9 +23,24 @@ from zerodp.app import data
 from zerodp.app.model import GPT
 from zerodp.app.train import DEFAULTS, resolve_settings
 
+#: AdamW's hyperparameters as ``zerodp train`` sets them (zerodp.app.train_settings), given to both sides:
+#: zerodp's config AdamW without ``weight_decay`` gets DeepSpeed's 0, torch's AdamW 0.01
+BETAS = (0.9, 0.95)
+WEIGHT_DECAY = 0.0
 
-def plain_losses(model: torch.nn.Module, batches: list, lr: float, clip: float) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+#: the optimizer settings that must agree between the two sides
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+def hyperparameters(opt: torch.optim.Optimizer) -> dict:
+    """The first parameter group's :data:`HYPERPARAMETERS` (betas as a list, for JSON)."""
+    group = opt.param_groups[0]
+    return {k: list(group[k]) if isinstance(group[k], tuple) else group[k] for k in HYPERPARAMETERS if k in group}
+
+
+def plain_losses(model: torch.nn.Module, batches: list, lr: float, clip: float) -> tuple[list[float], dict]:
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
     out = []
     for x, y in batches:
         opt.zero_grad()
@@ -34,10 +49,10 @@ def plain_losses(model: torch.nn.Module, batches: list, lr: float, clip: float) 
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         out.append(loss.item())
-    return out
+    return out, hyperparameters(opt)
 
 
-def zerodp_losses(model: torch.nn.Module, config: dict, batches: list) -> tuple[list[float], str]:
+def zerodp_losses(model: torch.nn.Module, config: dict, batches: list) -> tuple[list[float], str, dict]:
     engine = zerodp.initialize(model, config)
     out = []
     for x, y in batches:
@@ -45,7 +60,7 @@ def zerodp_losses(model: torch.nn.Module, config: dict, batches: list) -> tuple[
         engine.backward(loss)
         engine.step()
         out.append(loss.item())
-    return out, str(engine.device)
+    return out, str(engine.device), hyperparameters(engine.optimizer)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     initial = GPT(mcfg).state_dict()
     ref_model = GPT(mcfg)
     ref_model.load_state_dict(initial)
-    ref = plain_losses(ref_model.to(device), batches, lr, clip)
+    ref, ref_hyper = plain_losses(ref_model.to(device), batches, lr, clip)
     result: dict = {
         "device": str(device),
         "steps": args.steps,
@@ -93,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": mcfg.__dict__,
         "micro_batch": micro,
         "reference_first_last": [ref[0], ref[-1]],
+        "reference_losses": ref,
+        "reference_hyperparameters": ref_hyper,
         "stages": {},
     }
     ok = True
@@ -104,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             "train_micro_batch_size_per_gpu": micro,
             "gradient_clipping": clip,
             "device": args.device,
-            "optimizer": {"type": "AdamW", "params": {"lr": lr}},
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": lr, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY},
+            },
             "zero_optimization": zc,
         }
         model = GPT(mcfg)
@@ -113,16 +133,19 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         try:
-            losses, engine_device = zerodp_losses(model, config, batches)
+            losses, engine_device, hyper = zerodp_losses(model, config, batches)
         except Exception as exc:  # recorded; the other stages still run
             result["stages"][str(stage)] = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
             ok = False
             continue
         rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref, strict=True))
         entry = {
-            "pass": rel <= args.rtol,
+            # the same optimizer settings on both sides, or the comparison measures the settings
+            "pass": rel <= args.rtol and hyper == ref_hyper,
+            "hyperparameters": hyper,
             "max_rel_loss_diff": rel,
             "first_last": [losses[0], losses[-1]],
+            "losses": losses,
             "seconds": time.perf_counter() - t0,
             "engine_device": engine_device,
         }
