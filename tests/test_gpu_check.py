@@ -64,7 +64,7 @@ def test_dry_run_writes_the_json(tmp_path):
         "offload_headline",
     }
     log = (tmp_path / "offload_headline.log").read_text()
-    assert "gpu_offload_headline.py --device cuda --budget-gib 8 --time-s 50" in log, log
+    assert "gpu_offload_headline.py --device cuda --budget-gib 8 --time-s 90" in log, log
     assert f"--out '{tmp_path}/offload_headline.json'" in log
     assert report["figures"]["offload_headline"] is None
 
@@ -435,3 +435,19 @@ def test_offload_headline_judges_the_gpu_records():
     except RuntimeError as wrapped:
         assert child.is_oom(wrapped)
     assert not child.is_oom(RuntimeError("NCCL error")) and not child.is_oom(None)
+
+
+def test_probed_budget_is_the_larger_reserved_peak_plus_a_margin():
+    """When time binds the cpu model on a GPU, the budget is measured from uncapped probe runs (the
+    formulas' budget ran both offload modes out of memory on the first GPU run); a failed probe is named."""
+    tool, _ = _headline_tool()
+    mib = 2**20
+    probes = {
+        "cpu": {"status": "trained", "peak_reserved_bytes": 300 * mib},
+        "nvme": {"status": "trained", "peak_reserved_bytes": 250 * mib},
+    }
+    budget = tool.probed_budget(probes)
+    assert budget == 330 * mib and budget % (2 * mib) == 0  # 300 MiB x 1.10, on a 2 MiB segment
+    probes["nvme"] = {"status": "oom", "error": "OutOfMemoryError: ..."}
+    with pytest.raises(RuntimeError, match="the uncapped nvme probe did not train: oom OutOfMemoryError"):
+        tool.probed_budget(probes)

@@ -13,7 +13,7 @@
 # checked by tools/gpu_bench_check.py (the rows ran, losses match DDP's, peak GPU memory per rank) and
 # kept as $OUT/bench_wsN/bench.json, and runs ZeRO-Offload's single-GPU headline (tools/gpu_offload_headline.py:
 # the largest GPT a memory-capped GPU trains with offload_optimizer cpu and with parameters and optimizer on
-# NVMe, the no-offload run of the same model out of memory). Each part has its own time box (370 s in all on one GPU
+# NVMe, the no-offload run of the same model out of memory). Each part has its own time box (400 s in all on one GPU
 # with --python; the install and the 2-rank parts add more, and the budget cuts what does not fit); the script goes on after a failing part, and a part that would start with less than
 # 10 s of the budget left is not started (recorded as budget_spent). Everything goes to $OUT (or ./gpu_check_out, or --out): one log per part, and gpu_check.json
 # with every figure and each part's status (tools/gpu_check_report.py). The last line is
@@ -182,7 +182,7 @@ two_gpus bench_ws2 && bench_part 2 45
 # one GPU capped to 8 GiB (lowered by the tool when its 50 s do not allow that model; the JSON says why):
 # offload_optimizer cpu, then offload_param + offload_optimizer nvme (swap files under $OUT), then the
 # cpu mode's model without offload, which must run out of memory; figures in $OUT/offload_headline.json
-part offload_headline 80 "'$PY' tools/gpu_offload_headline.py --device cuda --budget-gib 8 --time-s 50 \
+part offload_headline 110 "'$PY' tools/gpu_offload_headline.py --device cuda --budget-gib 8 --time-s 90 \
     --out '$OUT_DIR/offload_headline.json'"
 
 # ---- report ----------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ Steps: measure the host's rates (building parameters, fused CPU AdamW, page-lock
 I/O on ``--nvme-path``); size each mode's GPT from the budgets (tools/offload_headline_sizing.py: bytes
 per parameter per mode, activations, host memory and disk free, the time left; when time binds, the
 device budget is lowered to what the ``cpu`` mode's model needs, so the no-offload run is still past
-it); then run each mode in a child process (a fresh CUDA context, its own peak statistics) with
+it: on CUDA that need is measured, the ``cpu`` and ``nvme`` modes training that model uncapped first,
+:func:`probed_budget`); then run each mode in a child process (a fresh CUDA context, its own peak statistics) with
 ``torch.cuda.set_per_process_memory_fraction(budget / total)``:
 
 - ``none``: stage 2 without offload, the ``cpu`` mode's model: passes when it raises
@@ -138,6 +139,29 @@ def plan(
     return budget, {"none": none, "cpu": cpu, "nvme": nvme}, why
 
 
+#: margin over the probes' peak reserved memory when the budget is measured (see :func:`probed_budget`)
+PROBE_MARGIN = 1.10
+#: the caching allocator's rounding of large segments
+SEGMENT = 2 * 2**20
+
+
+def probed_budget(probes: dict[str, dict]) -> int:
+    """The device budget when time or host memory binds the ``cpu`` model: the largest peak reserved
+    memory (``torch.cuda.max_memory_reserved``, what the cap limits) of the uncapped probe runs of the
+    ``cpu`` and ``nvme`` modes on that model, plus :data:`PROBE_MARGIN`, rounded up to a 2 MiB segment.
+    The formulas' device bytes leave out the engine's buffers and the allocator's rounding (the first
+    GPU run, 2026-12-04: a 228 MiB budget from them ran both offload modes out of memory).
+
+    Raises:
+        RuntimeError: a probe did not train (its status and error are named).
+    """
+    for mode, rec in probes.items():
+        if rec.get("status") != "trained" or not rec.get("peak_reserved_bytes"):
+            raise RuntimeError(f"the uncapped {mode} probe did not train: {rec.get('status')} {rec.get('error', '')}")
+    need = max(rec["peak_reserved_bytes"] for rec in probes.values()) * PROBE_MARGIN
+    return int(-(-need // SEGMENT) * SEGMENT)
+
+
 def run_child(mode: str, spec: dict, timeout: float, workdir: Path) -> dict:
     """Run ``mode`` in a child process (``--child``) within ``timeout`` seconds; its JSON record."""
     spec_path, out_path = workdir / f"{mode}.spec.json", workdir / f"{mode}.result.json"
@@ -216,6 +240,18 @@ def main(argv: list[str] | None = None) -> int:
     return run(args, modes, int(budget_gib * GIB))
 
 
+def child_spec(args: argparse.Namespace, budget: int | None, choice: sizing.Choice, nvme_path: str) -> dict:
+    """What a child run needs (``budget`` None: uncapped, a probe)."""
+    return {
+        "device": args.device,
+        "budget_bytes": budget,
+        "model": choice.shape.model(),
+        "micro_batch": choice.shape.micro_batch,
+        "steps": args.steps,
+        "nvme_path": nvme_path,
+    }
+
+
 def run(args: argparse.Namespace, modes: list[str], requested: int) -> int:
     t0 = time.perf_counter()
     out = Path(args.out)
@@ -225,6 +261,9 @@ def run(args: argparse.Namespace, modes: list[str], requested: int) -> int:
     shape = sizing.Shape(2, 0, 32, 2) if args.tiny else sizing.Shape(12, 0, 256, 2)
     rates = calibrate(args.device, nvme_path, 1 << 18 if args.tiny else 1 << 22)
     left = args.time_s - (time.perf_counter() - t0)
+    # on CUDA a lowered budget is measured by running the cpu and nvme models uncapped first: the
+    # models are sized for a bit more than half of the time left
+    sizing_s = left * (0.55 if args.device == "cuda" else 1.0)
     disk = shutil.disk_usage(nvme_path).free
     report: dict[str, Any] = {
         "device": args.device,
@@ -240,25 +279,37 @@ def run(args: argparse.Namespace, modes: list[str], requested: int) -> int:
         "note": "written for CUDA; has not run on a GPU yet (docs/gpu.md)" if args.device != "cuda" else "",
     }
     try:
-        budget, choices, why = plan(requested, left, rates, report["host_available_bytes"], disk, shape, args.steps)
+        budget, choices, why = plan(requested, sizing_s, rates, report["host_available_bytes"], disk, shape, args.steps)
     except ValueError as exc:
         report["error"] = str(exc)
         return finish(report, out, made, nvme_path)
-    report.update(budget_bytes=budget, budget_lowered_because=why, sizes={m: c.record() for m, c in choices.items()})
     deadline = t0 + args.time_s
+    if why is not None and args.device == "cuda":
+        # the budget is measured, not computed: both offload modes train the cpu mode's model, uncapped
+        # first; the budget is their larger peak plus a margin, and all three modes then run under it
+        cpu = choices["cpu"]
+        choices["nvme"] = sizing.Choice("nvme", cpu.shape, cpu.params, cpu.device_bytes, {}, "the cpu mode's model")
+        probes = {}
+        for mode in ("cpu", "nvme"):
+            spec = child_spec(args, None, choices[mode], nvme_path)
+            probes[mode] = run_child(mode, spec, 0.25 * (deadline - time.perf_counter()), out.parent)
+        report["probes"] = probes
+        try:
+            budget = probed_budget(probes)
+        except RuntimeError as exc:
+            report["error"] = str(exc)
+            return finish(report, out, made, nvme_path)
+        why += (
+            f"; measured: the larger peak reserved memory of the uncapped cpu and nvme runs of that model "
+            f"plus {PROBE_MARGIN - 1:.0%}"
+        )
+    report.update(budget_bytes=budget, budget_lowered_because=why, sizes={m: c.record() for m, c in choices.items()})
     for mode in modes:
         if mode == "none" and args.device != "cuda":
             report["modes"][mode] = {"mode": mode, "status": "skipped", "pass": None, "why": NO_CAP_ON_CPU}
             continue
         c = choices[mode]
-        spec = {
-            "device": args.device,
-            "budget_bytes": budget,
-            "model": c.shape.model(),
-            "micro_batch": c.shape.micro_batch,
-            "steps": args.steps,
-            "nvme_path": nvme_path,
-        }
+        spec = child_spec(args, budget, c, nvme_path)
         # twice the estimate, or a share of what is left (the last mode: all of it), within the deadline
         left = deadline - time.perf_counter()
         share = {"none": 0.25, "cpu": 0.5, "nvme": 1.0}[mode]

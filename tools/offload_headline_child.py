@@ -156,6 +156,7 @@ def measure(engine: Any, device: torch.device, rec: dict) -> None:
     """Peak device memory, host RSS, copies alone, hidden shares, swap statistics."""
     if device.type == "cuda":
         rec["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+        rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)  # what the cap limits
     rec.update({f"host_{k}_bytes": v for k, v in rss().items()})
     try:
         alone = copies_alone(engine, device, rec)
@@ -188,9 +189,12 @@ def run(mode: str, spec: dict) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         total = torch.cuda.get_device_properties(device).total_memory
-        fraction = min(1.0, spec["budget_bytes"] / total)
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
-        rec.update(total_device_bytes=total, memory_fraction=fraction)
+        if spec["budget_bytes"] is None:  # a probe: uncapped, to measure what the model needs
+            rec.update(total_device_bytes=total, memory_fraction=None)
+        else:
+            fraction = min(1.0, spec["budget_bytes"] / total)
+            torch.cuda.set_per_process_memory_fraction(fraction, device)
+            rec.update(total_device_bytes=total, memory_fraction=fraction)
     else:
         rec["memory_cap"] = "skipped: no CUDA (set_per_process_memory_fraction caps CUDA's allocator)"
     stream.CopyStream.host_wait = _timed(stream.CopyStream.host_wait)  # type: ignore[method-assign]
@@ -211,6 +215,7 @@ def run(mode: str, spec: dict) -> dict:
             rec.update(status="oom", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
             if device.type == "cuda":
                 rec["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+                rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
         else:
             rec.update(
                 status="error", error=f"{type(exc).__name__}: {exc}"[:600], traceback=traceback.format_exc()[-2000:]
