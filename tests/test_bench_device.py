@@ -91,7 +91,9 @@ def test_cuda_choices_with_cuda_patched(tmp_path, fake_cuda, monkeypatch):
     assert bench_device.device_type("auto") == "cuda" and bench_device.device_type("cuda") == "cuda"
     assert bench_device.device_type("cpu") == "cpu"
     bench_args.check_arguments(_args(tmp_path, "--device", "cuda"))  # accepted
-    with pytest.raises(ValueError, match="--offload cannot run with --device cuda: offload is refused on a GPU"):
+    with pytest.raises(
+        ValueError, match="--offload cannot run with --device cuda: the bench's offload rows are refused on a GPU"
+    ):
         bench_args.check_arguments(_args(tmp_path, "--device", "cuda", "--offload"))
     bench_args.check_arguments(_args(tmp_path, "--device", "cpu", "--offload"))  # the CPU keeps offload
     # cuda:LOCAL_RANK, made current, when the group takes CUDA tensors
@@ -176,7 +178,7 @@ def test_zerodp_builders_get_the_cuda_device_and_offload_is_skipped(fake_cuda, r
         *offload_systems("/tmp/nvme", 4096).items(),
         *((n, SYSTEMS[n]) for n in SYSTEMS if "offload" in n and n.startswith("zerodp")),
     ]:
-        with pytest.raises(Skipped, match="offload is refused on a GPU.*--device cpu"):
+        with pytest.raises(Skipped, match="offload rows are refused on a GPU.*--device cpu"):
             build(CFG, 1e-3, False, device=CUDA1)
     assert len(configs) == 4  # the offload rows built nothing
 

@@ -24,7 +24,7 @@
 #   machine that reaches no package registry (this workplace's GPU machines), put src/ and zerodp's
 #   missing dependencies on PYTHONPATH and pass the image's python3 (docs/gpu.md, "Running the check").
 #
-# This script has not run on a GPU yet (docs/gpu.md).
+# It ran on one H200 on 2026-12-04 (docs/gpu_check.json); the 2-GPU parts have not run (docs/gpu.md).
 
 set -u
 cd "$(dirname "$0")/.."

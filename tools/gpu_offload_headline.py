@@ -26,7 +26,7 @@ has ``pass`` (exit status 0 when true, 1 otherwise; 2 for bad arguments).
 
 ``--device cpu`` runs the same lines with the host as the device (``ZERODP_HOST_OFFLOAD_ON_CPU=1`` so
 the host offload's pipeline runs): the memory cap and the OOM run are skipped, with the reason, in the
-JSON. This tool has not run on a GPU (docs/gpu.md).
+JSON. It ran on one H200 (docs/benchmarks/2026-12-04-first-gpu-run.md).
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ def run(args: argparse.Namespace, modes: list[str], requested: int) -> int:
         "disk_free_bytes": disk,
         "nvme_path": nvme_path,
         "modes": {},
-        "note": "written for CUDA; has not run on a GPU yet (docs/gpu.md)" if args.device != "cuda" else "",
+        "note": "the CPU rehearsal: no memory cap (on a GPU: docs/gpu.md)" if args.device != "cuda" else "",
     }
     try:
         budget, choices, why = plan(requested, sizing_s, rates, report["host_available_bytes"], disk, shape, args.steps)

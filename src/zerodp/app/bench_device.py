@@ -12,8 +12,8 @@ is ``torch.cuda.max_memory_allocated`` (bytes) after its probe, the counter bein
 built (:func:`reset_peak_memory`, :func:`peak_memory`); the offload rows are skipped (offload is refused
 on a GPU, docs/gpu.md) and so is the fresh-process RSS (a forked child cannot use CUDA).
 
-This module has not run on a GPU (docs/bench.md): its CUDA branches are tested with ``torch.cuda``
-patched.
+It ran on one H200 at one rank (docs/benchmarks/2026-12-04-first-gpu-run.md); its CUDA branches are
+tested on the CPU with ``torch.cuda`` patched.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ DEVICE_CHOICES = ("cpu", "cuda", "auto")
 
 #: the reason the offload rows give on a GPU
 OFFLOAD_ON_GPU = (
-    "offload is refused on a GPU (zerodp's offload runs on the CPU only, docs/gpu.md): "
-    "run with --device cpu to measure ZeRO-Offload"
+    "the bench's offload rows are refused on a GPU (they time the host pipeline with the host as the "
+    "device): run with --device cpu, or tools/gpu_offload_headline.py for offload from a GPU (docs/gpu.md)"
 )
 
 #: the reason the fresh-process RSS is not measured on a GPU
