@@ -265,6 +265,33 @@ def test_launcher_command() -> None:
     assert "--fp16" not in " ".join(cmd)
 
 
+def test_train_defaults_to_one_rank_per_gpu(monkeypatch) -> None:
+    """``zerodp train`` without --nproc: one rank per GPU on a CUDA machine (the engine's "auto" device is
+    cuda:LOCAL_RANK, so the old fixed 2 was refused on a one-GPU machine), 2 without CUDA; an explicit
+    --nproc, the infinity preset (CPU) and the other commands keep theirs."""
+    import torch
+
+    from zerodp.app import launch
+
+    def parsed(*argv: str) -> argparse.Namespace:
+        return cli.build_parser().parse_args(list(argv))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert launch.resolve_nproc(parsed("train"), per_gpu=True) == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert launch.resolve_nproc(parsed("train"), per_gpu=True) == 1
+    assert launch.resolve_nproc(parsed("train", "--nproc", "3"), per_gpu=True) == 3
+    assert launch.resolve_nproc(parsed("train"), per_gpu=False) == 2
+    cmd = cli.launcher_command(parsed("train"))  # torchrun_prefix alone resolves without the GPU count
+    assert cmd[4] == "2"
+    bench = parsed("bench")
+    assert bench.nproc is None and launch.resolve_nproc(bench, per_gpu=False) == 2
+    args = parsed("train", "--steps", "1")
+    args.nproc = launch.resolve_nproc(args, per_gpu=True)  # what _cmd_train does before launching
+    assert cli.launcher_command(args)[4] == "1"
+
+
 def test_bench_command_and_help(capsys) -> None:
     from zerodp.app import bench_args, bench_cmd
 

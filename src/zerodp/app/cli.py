@@ -30,7 +30,13 @@ from typing import get_args
 
 from zerodp.app import bench_cmd, checkpoint_cmds, clean_swap, estimate_cmd, launch, run_script
 from zerodp.app.arg_types import float_in, int_at_least
-from zerodp.app.launch import add_launcher_arguments, forward_flags, inside_torchrun, torchrun_prefix
+from zerodp.app.launch import (
+    add_launcher_arguments,
+    forward_flags,
+    inside_torchrun,
+    resolve_nproc,
+    torchrun_prefix,
+)
 from zerodp.app.train_settings import DEFAULTS
 from zerodp.config import ZeroConfig
 from zerodp.runtime import accounting
@@ -85,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small GPT on stdlib prose (or --data) with N ranks; print held-out loss "
         "before/after, per-rank memory vs the ZeRO formula, traffic vs 2 Psi and a sample.",
     )
-    add_launcher_arguments(tr)
+    add_launcher_arguments(tr, per_gpu=True)
 
     eng = tr.add_argument_group("engine (or give them all in --config)")
     eng.add_argument(
@@ -326,6 +332,8 @@ def launcher_command(args: argparse.Namespace) -> list[str]:
 def _cmd_train(args: argparse.Namespace) -> int:
     from zerodp.app import infinity, train
 
+    # one rank per GPU on a CUDA machine unless --nproc is given; the infinity preset runs on the CPU
+    args.nproc = resolve_nproc(args, per_gpu=args.preset != "infinity")
     if args.preset == "infinity":
         return infinity.command(args)
     if (

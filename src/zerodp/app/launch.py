@@ -192,16 +192,21 @@ LAUNCHER_FLAGS = {
 }
 
 
-def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--nproc`` and the rendezvous flags, in a group of their own (see :data:`LAUNCHER_FLAGS`)."""
+def add_launcher_arguments(parser: argparse.ArgumentParser, per_gpu: bool = False) -> None:
+    """``--nproc`` and the rendezvous flags, in a group of their own (see :data:`LAUNCHER_FLAGS`).
+    ``per_gpu``: an unset ``--nproc`` is one rank per GPU on a CUDA machine (:func:`resolve_nproc`)."""
     d = DEFAULTS
     launch = parser.add_argument_group("launcher (passed to torch.distributed.run)")
     launch.add_argument(
         "--nproc",
         metavar="N",
         type=int_at_least(1),
-        default=d.nproc,
-        help=f"ranks (processes) per node (default {d.nproc})",
+        default=None,
+        help=(
+            f"ranks (processes) per node (default: one per GPU on a CUDA machine, else {d.nproc})"
+            if per_gpu
+            else f"ranks (processes) per node (default {d.nproc})"
+        ),
     )
     launch.add_argument("--nnodes", metavar="N|MIN:MAX", help="number of nodes, or MIN:MAX (default 1)")
     launch.add_argument("--node-rank", metavar="R", type=int_at_least(0), help="this node's rank (static rendezvous)")
@@ -212,6 +217,20 @@ def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
     )
     launch.add_argument("--rdzv-backend", metavar="NAME", help="rendezvous backend, e.g. c10d or static")
     launch.add_argument("--rdzv-id", metavar="ID", help="job id shared by all nodes")
+
+
+def resolve_nproc(args: argparse.Namespace, per_gpu: bool) -> int:
+    """``--nproc`` as given; unset, the number of CUDA devices where ``per_gpu`` and there are some (as
+    DeepSpeed's launcher uses every GPU of the node: the engine's ``"auto"`` device is
+    ``cuda:LOCAL_RANK``, so more ranks than GPUs would be refused), else ``DEFAULTS.nproc``."""
+    if args.nproc is not None:
+        return int(args.nproc)
+    if per_gpu:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return torch.cuda.device_count()
+    return DEFAULTS.nproc
 
 
 def inside_torchrun() -> bool:
@@ -225,7 +244,7 @@ def torchrun_prefix(args: argparse.Namespace) -> list[str]:
     ``--standalone`` is added when the run is single-node (``--nnodes`` unset or 1) and no master or
     rendezvous flag is given.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(resolve_nproc(args, False))]
     launcher = {dest: getattr(args, dest) for dest in LAUNCHER_FLAGS if getattr(args, dest) is not None}
     single_node = str(launcher.get("nnodes", "1")) in ("1", "1:1")
     if single_node and not set(launcher) - {"nnodes"}:
