@@ -26,6 +26,7 @@ for step in range(args.steps):
     g = torch.Generator().manual_seed(step)
     starts = torch.randint(0, text.numel() - 33, (micro * engine.world_size,), generator=g)
     ids = torch.stack([text[s:s + 32] for s in starts])[engine.rank * micro:(engine.rank + 1) * micro]
+    ids = ids.to(engine.device)
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()
@@ -33,7 +34,8 @@ for step in range(args.steps):
         print(f"step {step} loss {loss.item():.4f}")
 
 engine.eval()
-out = engine.module.generate(text[:8].unsqueeze(0), max_new_tokens=8, do_sample=False)  # every rank calls it
+prompt = text[:8].unsqueeze(0).to(engine.device)
+out = engine.module.generate(prompt, max_new_tokens=8, do_sample=False)  # every rank calls it
 if engine.rank == 0:
     print("generated", out[0, 8:].tolist(), "expected", text[8:16].tolist())
 zerodp.shutdown_distributed()

@@ -28,10 +28,10 @@ with zerodp.zero.Init(config=config):  # each layer's shard goes to the swap fil
 engine = zerodp.initialize(model, config)
 
 micro = config["train_micro_batch_size_per_gpu"]
-w_true = torch.randn(32, generator=torch.Generator().manual_seed(1))
+w_true = torch.randn(32, generator=torch.Generator().manual_seed(1)).to(engine.device)
 for step in range(args.steps):
     x = torch.randn(micro * engine.world_size, 32, generator=torch.Generator().manual_seed(step))
-    x = x[engine.rank * micro:(engine.rank + 1) * micro]
+    x = x[engine.rank * micro:(engine.rank + 1) * micro].to(engine.device)
     loss = nn.functional.mse_loss(engine(x).squeeze(-1), torch.tanh(x @ w_true / 4))
     engine.backward(loss)
     engine.step()

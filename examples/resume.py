@@ -34,7 +34,7 @@ if args.resume:  # parameters, optimizer states, scheduler and RNG states; any s
 micro = config["train_micro_batch_size_per_gpu"]
 for step in range(start, args.steps):
     x = torch.randn(micro * engine.world_size, 16, generator=torch.Generator().manual_seed(step))
-    x = x[engine.rank * micro:(engine.rank + 1) * micro]
+    x = x[engine.rank * micro:(engine.rank + 1) * micro].to(engine.device)
     loss = nn.functional.mse_loss(engine(x), x.flip(-1))
     engine.backward(loss)
     engine.step()
@@ -42,7 +42,7 @@ for step in range(start, args.steps):
         engine.save_checkpoint(args.save_dir, client_state={"next_step": step + 1})
 
 state = engine.module_state_dict()  # full fp32 weights on every rank (a collective)
-digest = hashlib.sha256(b"".join(v.numpy().tobytes() for _, v in sorted(state.items()))).hexdigest()
+digest = hashlib.sha256(b"".join(v.cpu().numpy().tobytes() for _, v in sorted(state.items()))).hexdigest()
 if engine.rank == 0:
     print(f"step {args.steps} loss {loss.item():.6f} weights sha256 {digest[:16]}")
 zerodp.shutdown_distributed()

@@ -29,18 +29,18 @@ class Net(nn.Module):
         return self.head(self.body(x)).squeeze(-1)
 
 
-zerodp.init_distributed()  # the process group from torchrun's environment (gloo on CPU)
+zerodp.init_distributed()  # the process group from torchrun's environment (gloo; NCCL for CUDA tensors)
 torch.manual_seed(0)
 with zerodp.zero.Init(config=config, enabled=args.stage == 3):  # stage 3: partitioned while built
     model = Net()
 engine = zerodp.initialize(model, config)
 
 micro = config["train_micro_batch_size_per_gpu"]
-w_true = torch.randn(32, generator=torch.Generator().manual_seed(1))
+w_true = torch.randn(32, generator=torch.Generator().manual_seed(1)).to(engine.device)
 for step in range(args.steps):
     # one global batch per step, the same on every rank; each rank trains on its own rows of it
     x = torch.randn(micro * engine.world_size, 32, generator=torch.Generator().manual_seed(step))
-    x = x[engine.rank * micro:(engine.rank + 1) * micro]
+    x = x[engine.rank * micro:(engine.rank + 1) * micro].to(engine.device)  # where the model is
     loss = nn.functional.mse_loss(engine(x), torch.tanh(x @ w_true / 4))
     engine.backward(loss)  # averages the gradients over the ranks (reduce-scatter at stages 2-3)
     engine.step()

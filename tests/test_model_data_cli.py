@@ -290,6 +290,12 @@ def test_train_defaults_to_one_rank_per_gpu(monkeypatch) -> None:
     args = parsed("train", "--steps", "1")
     args.nproc = launch.resolve_nproc(args, per_gpu=True)  # what _cmd_train does before launching
     assert cli.launcher_command(args)[4] == "1"
+    # and the header says where the ranks train
+    from zerodp.app.train import _device_text
+
+    assert _device_text(torch.device("cuda", 0), 1) == "cuda:0"
+    assert _device_text(torch.device("cuda", 1), 2) == "cuda:LOCAL_RANK"
+    assert _device_text(torch.device("cpu"), 2) == _device_text(None, 2) == "cpu"
 
 
 def test_bench_command_and_help(capsys) -> None:

@@ -27,6 +27,7 @@ engine, optimizer, loader, scheduler = deepspeed.initialize(
 for epoch in range(args.epochs):
     loader.sampler.set_epoch(epoch)
     for x, y in loader:  # this rank's micro-batches of train_micro_batch_size_per_gpu samples
+        x, y = x.to(engine.device), y.to(engine.device)
         loss = nn.functional.cross_entropy(engine(x), y)
         engine.backward(loss)
         engine.step()  # an optimizer step every gradient_accumulation_steps micro-batches

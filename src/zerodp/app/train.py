@@ -204,6 +204,15 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_text(device: torch.device | None, world: int) -> str:
+    """Where the ranks train: ``cpu``, ``cuda:0`` (one rank), or ``cuda:LOCAL_RANK`` (None: cpu)."""
+    if device is None:
+        return "cpu"
+    if device.type == "cpu" or world == 1:
+        return str(device)
+    return f"{device.type}:LOCAL_RANK"
+
+
 def _precision_text(s: RunSettings) -> str:
     e = s.engine_config
     if e.bf16.enabled:
@@ -251,7 +260,8 @@ def _run(s: RunSettings, t_start: float) -> None:
     if rank == 0:
         schedule = f", {ecfg.scheduler.type} schedule" if ecfg.scheduler is not None else ""
         print(
-            f"zerodp train: {world} rank{'s' if world != 1 else ''}, ZeRO stage {ecfg.zero_optimization.stage}, "
+            f"zerodp train: {world} rank{'s' if world != 1 else ''} on {_device_text(engine.device, world)}, "
+            f"ZeRO stage {ecfg.zero_optimization.stage}, "
             f"{_precision_text(s)}{schedule}, "
             f"GPT {mcfg.n_layer} layers x d_model {mcfg.d_model} ({count_parameters(mcfg):,} params), "
             f"corpus {len(train_tokens):,} train + {len(heldout_tokens):,} held-out bytes, "
