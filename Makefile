@@ -1,6 +1,6 @@
 # Two entry points for a fresh machine (see README):
 #   make train   creates .venv, installs zerodp alone (`pip install -e .`), trains the default GPT on
-#                stdlib prose (2 ranks, ZeRO-2)
+#                stdlib prose (ZeRO-2; 2 CPU ranks, or one rank per GPU on a CUDA machine)
 #   make test    creates .venv, installs zerodp with its test dependencies (`.[dev]`), runs the test suite
 #   make gpu-check  on an NVIDIA GPU machine: tools/gpu_check.sh (installs a CUDA torch into .venv-gpu,
 #                runs the CUDA checks, writes gpu_check_out/gpu_check.json; see docs/gpu.md)

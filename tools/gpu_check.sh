@@ -4,7 +4,7 @@
 #   tools/gpu_check.sh [--dry-run] [--out DIR] [--budget-s SECONDS] [--python PYTHON]
 #   make gpu-check
 #
-# From a fresh clone, unattended (no prompts), in at most --budget-s seconds (default 480): installs
+# From a fresh clone, unattended (no prompts), in at most --budget-s seconds (default 560): installs
 # zerodp with a CUDA torch into .venv-gpu, prints nvidia-smi / torch / CUDA / NCCL versions, runs the
 # tests marked cuda and the device-following tests ($DEVICE_TESTS: each compares with plain PyTorch on
 # ZERODP_TEST_DEVICE=cuda) at world size 1, and 2 when there are 2+ GPUs (ZERODP_TEST_WORLD_SIZES), trains the default GPT at stages 0-3 on one GPU for 50 steps against plain PyTorch
@@ -13,7 +13,8 @@
 # checked by tools/gpu_bench_check.py (the rows ran, losses match DDP's, peak GPU memory per rank) and
 # kept as $OUT/bench_wsN/bench.json, and runs ZeRO-Offload's single-GPU headline (tools/gpu_offload_headline.py:
 # the largest GPT a memory-capped GPU trains with offload_optimizer cpu and with parameters and optimizer on
-# NVMe, the no-offload run of the same model out of memory). Each part has its own time box (400 s in all on one GPU
+# NVMe, the no-offload run of the same model out of memory), and the user-facing commands
+# (tools/gpu_cli_check.sh: zerodp train, a checkpoint saved and resumed, the examples). Each part has its own time box (530 s in all on one GPU
 # with --python; the install and the 2-rank parts add more, and the budget cuts what does not fit); the script goes on after a failing part, and a part that would start with less than
 # 10 s of the budget left is not started (recorded as budget_spent). Everything goes to $OUT (or ./gpu_check_out, or --out): one log per part, and gpu_check.json
 # with every figure and each part's status (tools/gpu_check_report.py). The last line is
@@ -30,7 +31,7 @@ set -u
 cd "$(dirname "$0")/.."
 
 DRY=0
-BUDGET_S=480
+BUDGET_S=560
 OUT_DIR="${OUT:-./gpu_check_out}"
 PY=""
 while [ $# -gt 0 ]; do
@@ -142,7 +143,7 @@ fi
 DEVICE_TESTS="tests/test_stages.py::test_matches_reference tests/test_stages.py::test_bf16_matches_mixed_precision_reference \
 tests/test_stages.py::test_fp16_overflow_on_one_rank_skips_on_all tests/test_grad_accumulation.py tests/test_clip_grad.py \
 tests/test_deprecations.py tests/test_offload.py::test_offload_equals_non_offloaded"
-part cuda_marked_tests 50 "'$PY' -m pytest -q -m cuda tests --junitxml='$OUT_DIR/cuda_marked.xml'"
+part cuda_marked_tests 45 "'$PY' -m pytest -q -m cuda tests --junitxml='$OUT_DIR/cuda_marked.xml'"
 # device_part N BOX: the device-following tests at world size N only (the others skip, naming why)
 device_part() {
     part "device_tests_ws$1" "$2" "ZERODP_TEST_DEVICE=cuda ZERODP_TEST_WORLD_SIZES=$1 '$PY' -m pytest -q $DEVICE_TESTS \
@@ -157,11 +158,11 @@ two_gpus() {
     record "$1" skipped 0 0 "$GPUS GPU(s); 2 ranks need 2 GPUs"
     return 1
 }
-device_part 1 90
+device_part 1 75
 two_gpus device_tests_ws2 && device_part 2 60
 
 # ---- training against plain PyTorch ------------------------------------------------------------------
-part train_compare 50 "'$PY' tools/gpu_train_compare.py --device cuda --steps 50 --out '$OUT_DIR/train_compare.json'"
+part train_compare 30 "'$PY' tools/gpu_train_compare.py --device cuda --steps 50 --out '$OUT_DIR/train_compare.json'"
 
 # ---- bench -----------------------------------------------------------------------------------------
 # zerodp bench --device cuda at N ranks (cuda:LOCAL_RANK each, NCCL); its JSON lands in $OUT/bench_wsN/;
@@ -175,15 +176,20 @@ bench_part() {
         '$PY' tools/gpu_bench_check.py '$OUT_DIR/bench_ws$n/bench.json'
     "
 }
-bench_part 1 70
+bench_part 1 45
 two_gpus bench_ws2 && bench_part 2 45
 
 # ---- ZeRO-Offload headline ---------------------------------------------------------------------------
-# one GPU capped to 8 GiB (lowered by the tool when its 50 s do not allow that model; the JSON says why):
+# one GPU capped to 8 GiB (lowered by the tool when its 90 s do not allow that model; the JSON says why):
 # offload_optimizer cpu, then offload_param + offload_optimizer nvme (swap files under $OUT), then the
 # cpu mode's model without offload, which must run out of memory; figures in $OUT/offload_headline.json
-part offload_headline 110 "'$PY' tools/gpu_offload_headline.py --device cuda --budget-gib 8 --time-s 90 \
+part offload_headline 100 "'$PY' tools/gpu_offload_headline.py --device cuda --budget-gib 8 --time-s 90 \
     --out '$OUT_DIR/offload_headline.json'"
+
+# ---- the user-facing commands ------------------------------------------------------------------------
+# zerodp train (defaults: one rank per GPU; stage 3 bf16 with a checkpoint saved and resumed) and the
+# examples, each time-boxed by tools/gpu_cli_check.sh; its logs and summary.tsv in $OUT/cli/
+part cli_commands 205 "bash tools/gpu_cli_check.sh --python '$PY' --out '$OUT_DIR/cli'"
 
 # ---- report ----------------------------------------------------------------------------------------
 "$HOST_PY" tools/gpu_check_report.py "$OUT_DIR" --dry-run="$DRY" --budget-s="$BUDGET_S" \

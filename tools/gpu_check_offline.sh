@@ -11,7 +11,7 @@
 # $OUT/gpu_check.json ($OUT unset: ./gpu_check_out only). Exit status: gpu_check.sh's.
 set -u
 cd "$(dirname "$0")/.."
-BUDGET_S=480
+BUDGET_S=560
 WHEELS=.whl
 PY=python3
 while [ $# -gt 0 ]; do

@@ -36,6 +36,7 @@ PARTS = (
     "bench_ws1",
     "bench_ws2",
     "offload_headline",
+    "cli_commands",
 )
 
 
@@ -49,6 +50,22 @@ def junit_counts(path: Path) -> dict[str, int] | None:
     total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
     total["passed"] = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
     return total
+
+
+def cli_summary(path: Path) -> list[dict[str, Any]] | None:
+    """tools/gpu_cli_check.sh's summary.tsv: per command its name, exit status, seconds and last log line
+    (None when the file is missing)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    rows = []
+    for line in lines:
+        name, rc, seconds, last = (line.split("\t", 3) + ["", "", ""])[:4]
+        rows.append(
+            {"name": name, "rc": int(rc) if rc.lstrip("-").isdigit() else None, "seconds": seconds, "last": last}
+        )
+    return rows
 
 
 def read_json(path: Path) -> Any:
@@ -101,6 +118,7 @@ def build(out: Path, dry: bool, budget_s: int, seconds: float) -> dict[str, Any]
             "status": "fail",
             "note": "offload_headline.json is missing or does not say pass",
         }
+    figures["cli_commands"] = cli_summary(out / "cli" / "summary.tsv")
     counted = [p for p in parts.values() if p["status"] in COUNTED]
     passed = sum(p["status"] == "pass" for p in counted)
     return {

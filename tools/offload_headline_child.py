@@ -6,7 +6,7 @@ median step seconds and tokens/s over the steps after the first, peak ``torch.cu
 (None on the CPU), host VmRSS / VmHWM, the host's waits for the offload's copies per step
 (``zerodp.offload.stream.CopyStream.host_wait`` timed), the same copies alone (each owned piece to its
 host gradient buffer and back, synchronised), the hidden shares, and the NVMe swap statistics.
-Not run on a GPU (docs/gpu.md).
+Ran on one H200 (docs/benchmarks/2026-12-04-first-gpu-run.md).
 """
 
 from __future__ import annotations

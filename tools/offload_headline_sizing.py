@@ -21,7 +21,9 @@ ZeRO-Offload section 4; ZeRO-Infinity section 5), as zerodp lays them out:
   gradient partition, held until the step (parameters: only the gathered window, in the activation
   margin); host 4 = fp32 host gradients (pinned); NVMe 14 = masters 4 + moments 8 + bf16 parameters 2.
 
-These are the formulas; the tool reports the measured peak device memory beside them. Not run on a GPU.
+These are the formulas; the tool reports the measured peak device memory beside them. On the H200 the
+cpu mode's formula budget (228 MiB for 21.5M parameters) was too small: on CUDA a lowered budget is
+now measured (gpu_offload_headline.probed_budget).
 """
 
 from __future__ import annotations

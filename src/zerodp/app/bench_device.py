@@ -9,8 +9,9 @@ calls ``torch.cuda.set_device``; the process group is :func:`zerodp.init_distrib
 On a device other than the CPU: timings synchronize the device before reading the clock
 (:func:`synchronize`, the device module's ``synchronize``), each system's peak device memory per rank
 is ``torch.cuda.max_memory_allocated`` (bytes) after its probe, the counter being reset before it is
-built (:func:`reset_peak_memory`, :func:`peak_memory`); the offload rows are skipped (offload is refused
-on a GPU, docs/gpu.md) and so is the fresh-process RSS (a forked child cannot use CUDA).
+built (:func:`reset_peak_memory`, :func:`peak_memory`); the offload rows are skipped (they time the host
+pipeline with the host as the device; offload from a GPU: tools/gpu_offload_headline.py) and so is the
+fresh-process RSS (a forked child cannot use CUDA).
 
 It ran on one H200 at one rank (docs/benchmarks/2026-12-04-first-gpu-run.md); its CUDA branches are
 tested on the CPU with ``torch.cuda`` patched.
@@ -58,7 +59,7 @@ def device_type(choice: str) -> str:
 
 def check_device(choice: str, offload: bool) -> None:
     """Refuse, before anything runs, a ``--device`` the machine cannot honour, and ``--offload`` with
-    ``--device cuda`` (offload runs on the CPU only).
+    ``--device cuda`` (the bench's offload rows run with the host as the device).
 
     Raises:
         ValueError: see :func:`device_type`; ``--offload`` with ``--device cuda``.

@@ -17,8 +17,8 @@ edits of the module's parameters are found by fingerprints instead of a copy of 
   ``offload_param`` NVMe shard, :attr:`NvmeOptimizerOffload.shard_access`) are not watched: they are
   compared in the sub-group's buffer as on the CPU (a device -> host copy of the span).
 
-Never run on a GPU (docs/gpu.md); tested on the CPU with the device decision patched
-(tests/unit/test_offload_device.py).
+Run on one H200 at one rank (docs/gpu.md: the offload tests, the offload headline); tested on the CPU
+with the device decision patched (tests/unit/test_offload_device.py).
 """
 
 from __future__ import annotations

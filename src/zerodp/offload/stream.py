@@ -28,8 +28,8 @@ ticket, copies run in submission order (a later copy of the same tensor overwrit
 - CPU engine, not ``threaded`` (the parameter offload's staging): the copy runs inline.
 
 The same calls run in every mode; on the CPU tests replace the device module
-(:func:`zerodp.runtime.device.device_handle`) to check the event order. The device mode has not run on
-a GPU (docs/gpu.md). A copy is exact (``copy_``, with the cast the synchronous copy makes), so results
+(:func:`zerodp.runtime.device.device_handle`) to check the event order. The device mode ran on one H200
+at one rank (docs/gpu.md). A copy is exact (``copy_``, with the cast the synchronous copy makes), so results
 do not depend on when it ran. Errors raised by a threaded copy are re-raised by the waits.
 """
 

@@ -20,7 +20,7 @@ collective does not wait for the compute kernels issued before it unless told to
 
 Streams and events come from the device's module (:func:`zerodp.runtime.device.device_handle`): on
 the CPU, ``torch.cpu``'s are no-ops and the same lines run (tests inject a recording stand-in to check
-the order). Never run on a GPU (docs/gpu.md).
+the order). Run on one H200 at one rank (docs/gpu.md); NCCL between GPUs has not run.
 """
 
 from __future__ import annotations
