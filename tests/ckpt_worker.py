@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import zerodp
+from devices import engine_config
 from dist_worker import Zoo, err, rank, world  # this file's folder is on sys.path when run as a script
 from zerodp import checkpoint
 from zerodp.checkpoint import consolidate, load_full_state_dict
@@ -142,14 +143,17 @@ def zoo_engine(
     tied: bool = False,
     hidden: int = 7,
     precision: str = "fp32",
+    on_test_device: bool = False,
 ) -> tuple[Zoo, zerodp.Engine]:
     """A Zoo engine (``tied``: a :class:`TiedZoo` with ``fc1.bias`` frozen; ``precision`` ``bf16`` or
-    ``fp16``: see :data:`PRECISION_EXTRA`)."""
+    ``fp16``: see :data:`PRECISION_EXTRA`; ``on_test_device``: on ``ZERODP_TEST_DEVICE``, tests/devices.py)."""
     torch.manual_seed(seed)
     model = TiedZoo() if tied else Zoo(hidden=hidden)
     if tied:
         model.fc1.bias.requires_grad_(False)
-    cfg = config(stage, micro, accum, **PRECISION_EXTRA.get(precision, {}))
+    cfg = config(
+        stage, micro, accum, **PRECISION_EXTRA.get(precision, {}), **(engine_config() if on_test_device else {})
+    )
     return model, zerodp.initialize(
         model, cfg, model_parameters=zoo_groups(model), lr_scheduler=step_lr if precision == "fp16" else None
     )
@@ -191,7 +195,8 @@ def engine_step(
 ) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch; returns the micro-batch losses.
     ``noise`` perturbs the inputs with the default (per-rank) RNG, which checkpoints must restore.
-    Inputs are cast to the module's dtype (bf16/fp16 engines); ``inf``: the last rank's first
+    Inputs are cast to the module's dtype (bf16/fp16 engines) and put on the engine's device (the
+    noise is drawn on the CPU, whose RNG state checkpoints restore); ``inf``: the last rank's first
     micro-batch holds an inf (its gradients overflow). The lr is decayed by hand unless the engine has
     a scheduler."""
     n, r = world(), rank()
@@ -203,7 +208,8 @@ def engine_step(
         xs, ys = x[lo : lo + micro], y[lo : lo + micro]
         if noise:
             xs = xs + 0.01 * torch.randn(xs.shape)
-        xs = xs.to(dtype)
+        device = engine.device if engine.device is not None else torch.device("cpu")
+        xs, ys = xs.to(device, dtype), ys.to(device)
         if inf and j == 0 and r == n - 1:
             xs[0, 0] = float("inf")
         loss = mse(engine(xs, step % 2 == 0).float(), ys)
@@ -272,7 +278,7 @@ def gathered_masters(engine: zerodp.Engine) -> dict[str, torch.Tensor]:
     """Full fp32 master value of every trained parameter, assembled by this test from every rank's
     pieces (all_gather_object; independent of zerodp's own assembly)."""
     mine = [
-        (p.slot.name, p.lo - p.slot.offset, p.hi - p.slot.offset, p.slot.shape, p.master.clone())
+        (p.slot.name, p.lo - p.slot.offset, p.hi - p.slot.offset, p.slot.shape, p.master.detach().cpu().clone())
         for g in engine.groups
         for p in g.pieces
     ]
@@ -304,7 +310,7 @@ def exact_resume(stage: int, ctx: Context) -> dict:
     tied = "tied" in flags
     precision = "bf16" if "bf16" in flags else "fp16" if "fp16" in flags else "fp32"
     d = ctx.ckpt_dir / (f"exact-w{world()}-s{stage}" + "".join(f"-{f}" for f in sorted(flags)))
-    model, engine = zoo_engine(stage, micro, accum, tied=tied, precision=precision)
+    model, engine = zoo_engine(stage, micro, accum, tied=tied, precision=precision, on_test_device=True)
     torch.manual_seed(100 + rank())  # per-rank noise streams
     for step in range(n_save):
         engine_step(engine, step, micro, accum, noise=True, inf=precision == "fp16" and step == 1)
@@ -342,7 +348,7 @@ def exact_resume(stage: int, ctx: Context) -> dict:
             # module_state_dict(): trained parameters are the fp32 masters; the rest keep the module dtype
             state_dict_is_masters=all(
                 state_dict_at_save[k].dtype == torch.float32
-                and torch.equal(state_dict_at_save[k], masters_at_save[canon[k]])
+                and torch.equal(state_dict_at_save[k].cpu(), masters_at_save[canon[k]])
                 for k in trained
             ),
             state_dict_rest_dtypes=sorted({str(v.dtype) for k, v in state_dict_at_save.items() if k not in trained}),
@@ -353,7 +359,9 @@ def exact_resume(stage: int, ctx: Context) -> dict:
             consolidated_keys_equal=sorted(cons) == sorted(state_dict_at_save),
             consolidated_dtypes=sorted({str(v.dtype) for v in cons.values()}),
             consolidated_is_masters=all(torch.equal(cons[k], masters_at_save[canon[k]]) for k in trained),
-            consolidated_equals_state_dict=all(torch.equal(cons[k], v.float()) for k, v in state_dict_at_save.items()),
+            consolidated_equals_state_dict=all(
+                torch.equal(cons[k], v.float().cpu()) for k, v in state_dict_at_save.items()
+            ),
         )
     losses = [engine_step(engine, step, micro, accum, noise=True) for step in range(n_save, n_total)]
     final, states, values = engine.module_state_dict(), piece_states(engine), piece_values(engine)
@@ -366,7 +374,7 @@ def exact_resume(stage: int, ctx: Context) -> dict:
     final_params = full_params(model)
     lrs = [g["lr"] for g in engine.optimizer.param_groups]
 
-    model2, engine2 = zoo_engine(stage, micro, accum, seed=999, tied=tied, precision=precision)  # fresh
+    model2, engine2 = zoo_engine(stage, micro, accum, seed=999, tied=tied, precision=precision, on_test_device=True)
     torch.manual_seed(5)  # a different RNG state: load must restore the saved one
     path, client_state = engine2.load_checkpoint(d)
     rng_restored = torch.equal(torch.get_rng_state(), rng_at_save)

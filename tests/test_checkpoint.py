@@ -31,6 +31,7 @@ from torch import nn
 
 import zerodp
 from ckpt_worker import TiedLM, Zoo, zoo_groups
+from devices import skip_beyond_devices
 from distributed import run_worker
 from zerodp.checkpoint import CheckpointError, consolidate, load_full_state_dict
 
@@ -86,7 +87,36 @@ EXACT_RESUME_CASES = [(s, "fp32") for s in (0, 1, 2, 3)] + [(s, "bf16") for s in
 
 @pytest.mark.parametrize("stage,precision", EXACT_RESUME_CASES)
 def test_exact_resume(launches: dict, stage: int, precision: str) -> None:
-    results = per_rank(launches, 2, exact_resume_key(stage, precision))
+    check_exact_resume(per_rank(launches, 2, exact_resume_key(stage, precision)), stage, precision)
+
+
+#: the exact resume on ``ZERODP_TEST_DEVICE`` (tests/devices.py) at world size 1, so that one GPU runs it
+#: (tools/gpu_check.sh); on the CPU it is the same check at one rank
+DEVICE_EXACT_RESUME_CASES = [(s, "fp32") for s in (0, 1, 2, 3)] + [(1, "bf16"), (3, "bf16"), (2, "fp16")]
+
+
+@pytest.fixture(scope="module")
+def device_launch(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    specs = [
+        "exact_resume@" + exact_resume_key(stage, precision).split("/stage")[1]
+        for stage, precision in DEVICE_EXACT_RESUME_CASES
+    ]
+    return run_worker(
+        1, "0", ",".join(specs), worker=WORKER, extra_args=["--ckpt-dir", str(tmp_path_factory.mktemp("ckpt1"))]
+    )
+
+
+@pytest.mark.parametrize("stage,precision", DEVICE_EXACT_RESUME_CASES)
+def test_exact_resume_on_the_test_device(request: pytest.FixtureRequest, stage: int, precision: str) -> None:
+    skip_beyond_devices(1)
+    results = [r[exact_resume_key(stage, precision)] for r in request.getfixturevalue("device_launch")]
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r} raised:\n{res.get('error')}"
+    check_exact_resume(results, stage, precision)
+
+
+def check_exact_resume(results: list[dict], stage: int, precision: str) -> None:
+    """A fresh engine loading the checkpoint saved after step 3 repeats steps 4-6 bit-identically."""
     for r, res in enumerate(results):
         assert res["path"] == res["saved_at"] and res["latest"] == "global_step3"
         assert res["client_state"] == {"step": 3, "data": [1, 2.5, "x"]}
