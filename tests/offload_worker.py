@@ -23,6 +23,7 @@ import zerodp
 import zerodp.offload.host
 import zerodp.offload.nvme
 from devices import engine_config, rank_device
+from tensor_compare import ulps
 
 # several step chunks even on this tiny model, so the chunked CPU step with overlapped parameter
 # copies is what the equality checks compare
@@ -237,23 +238,11 @@ def _equal(a, b) -> bool:
 
 
 def _ulps(a, b) -> float:
-    """The largest difference of two state dicts or lists of tensors, per tensor in units of its dtype's
-    machine epsilon times its largest magnitude (0.0: bitwise equal; inf: a length or shape differs).
-    On a GPU the non-offloaded step runs there and the offloaded one on the host: the same arithmetic,
-    rounded differently, so the comparison there is within a few of these units, not bitwise."""
+    """See :func:`tensor_compare.ulps` (dicts or lists of tensors, in this file's pairing)."""
+    pairs = _pairs(a, b)
     if len(a) != len(b):
         return float("inf")
-    worst = 0.0
-    for x, y in _pairs(a, b):
-        if x.shape != y.shape:
-            return float("inf")
-        if not x.is_floating_point():
-            worst = max(worst, 0.0 if torch.equal(x, y) else float("inf"))
-            continue
-        x64, y64 = x.detach().double().cpu(), y.detach().to(x.device).double().cpu()
-        scale = torch.finfo(x.dtype).eps * max(x64.abs().max().item(), 1e-30)
-        worst = max(worst, (x64 - y64).abs().max().item() / scale)
-    return worst
+    return max((ulps(x, y) for x, y in pairs), default=0.0)
 
 
 def deleted_swap_file(nvme: str) -> dict:
@@ -298,6 +287,7 @@ def checkpoints(stage: int, scenario: str, nvme: str, ckpt: str) -> dict:
         got = params(b)
         b.close()
         result[f"{src}->{dst}"] = all(torch.equal(want[k], got[k]) for k in want)
+        result[f"{src}->{dst} ulps"] = _ulps(want, got)
     return result
 
 

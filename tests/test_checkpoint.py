@@ -86,7 +86,9 @@ EXACT_RESUME_CASES = [(s, "fp32") for s in (0, 1, 2, 3)] + [(s, "bf16") for s in
 
 
 @pytest.mark.parametrize("stage,precision", EXACT_RESUME_CASES)
-def test_exact_resume(launches: dict, stage: int, precision: str) -> None:
+def test_exact_resume(request: pytest.FixtureRequest, stage: int, precision: str) -> None:
+    skip_beyond_devices(2)  # its engines follow ZERODP_TEST_DEVICE (tests/devices.py): skip before launching
+    launches = request.getfixturevalue("launches")
     check_exact_resume(per_rank(launches, 2, exact_resume_key(stage, precision)), stage, precision)
 
 

@@ -265,7 +265,7 @@ def test_launcher_command() -> None:
     assert "--fp16" not in " ".join(cmd)
 
 
-def test_train_defaults_to_one_rank_per_gpu(monkeypatch) -> None:
+def test_train_defaults_to_one_rank_per_gpu(monkeypatch, tmp_path) -> None:
     """``zerodp train`` without --nproc: one rank per GPU on a CUDA machine (the engine's "auto" device is
     cuda:LOCAL_RANK, so the old fixed 2 was refused on a one-GPU machine), 2 without CUDA; an explicit
     --nproc, the infinity preset (CPU) and the other commands keep theirs."""
@@ -290,6 +290,15 @@ def test_train_defaults_to_one_rank_per_gpu(monkeypatch) -> None:
     args = parsed("train", "--steps", "1")
     args.nproc = launch.resolve_nproc(args, per_gpu=True)  # what _cmd_train does before launching
     assert cli.launcher_command(args)[4] == "1"
+    # a --config that puts the engine on the CPU keeps 2 ranks on a CUDA machine
+    from zerodp.app import train as train_mod
+
+    cfg = tmp_path / "cpu.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "device": "cpu"}))
+    on_cpu = parsed("train", "--config", str(cfg))
+    assert cli.train_nproc(on_cpu, train_mod.resolve_settings(on_cpu)) == 2
+    plain = parsed("train")
+    assert cli.train_nproc(plain, train_mod.resolve_settings(plain)) == 1
     # and the header says where the ranks train
     from zerodp.app.train import _device_text
 

@@ -14,7 +14,7 @@
 # kept as $OUT/bench_wsN/bench.json, and runs ZeRO-Offload's single-GPU headline (tools/gpu_offload_headline.py:
 # the largest GPT a memory-capped GPU trains with offload_optimizer cpu and with parameters and optimizer on
 # NVMe, the no-offload run of the same model out of memory), and the user-facing commands
-# (tools/gpu_cli_check.sh: zerodp train, a checkpoint saved and resumed, the examples). Each part has its own time box (530 s in all on one GPU
+# (tools/gpu_cli_check.sh: zerodp train, a checkpoint saved and resumed, the examples). Each part has its own time box (540 s in all on one GPU
 # with --python; the install and the 2-rank parts add more, and the budget cuts what does not fit); the script goes on after a failing part, and a part that would start with less than
 # 10 s of the budget left is not started (recorded as budget_spent). Everything goes to $OUT (or ./gpu_check_out, or --out): one log per part, and gpu_check.json
 # with every figure and each part's status (tools/gpu_check_report.py). The last line is
@@ -190,7 +190,7 @@ part offload_headline 100 "'$PY' tools/gpu_offload_headline.py --device cuda --b
 # ---- the user-facing commands ------------------------------------------------------------------------
 # zerodp train (defaults: one rank per GPU; stage 3 bf16 with a checkpoint saved and resumed) and the
 # examples, each time-boxed by tools/gpu_cli_check.sh; its logs and summary.tsv in $OUT/cli/
-part cli_commands 205 "bash tools/gpu_cli_check.sh --python '$PY' --out '$OUT_DIR/cli'"
+part cli_commands 215 "bash tools/gpu_cli_check.sh --python '$PY' --out '$OUT_DIR/cli'"
 
 # ---- report ----------------------------------------------------------------------------------------
 "$HOST_PY" tools/gpu_check_report.py "$OUT_DIR" --dry-run="$DRY" --budget-s="$BUDGET_S" \

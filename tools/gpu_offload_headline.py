@@ -162,9 +162,12 @@ def probed_budget(probes: dict[str, dict]) -> int:
     return int(-(-need // SEGMENT) * SEGMENT)
 
 
-def run_child(mode: str, spec: dict, timeout: float, workdir: Path) -> dict:
-    """Run ``mode`` in a child process (``--child``) within ``timeout`` seconds; its JSON record."""
-    spec_path, out_path = workdir / f"{mode}.spec.json", workdir / f"{mode}.result.json"
+def run_child(mode: str, spec: dict, timeout: float, workdir: Path, tag: str = "") -> dict:
+    """Run ``mode`` in a child process (``--child``) within ``timeout`` seconds; its JSON record (an
+    ``error`` record when the child exits non-zero or writes none). ``tag``: a prefix of the child's
+    files (the probes' are ``probe_``), so that no run reads another's record."""
+    spec_path, out_path = workdir / f"{tag}{mode}.spec.json", workdir / f"{tag}{mode}.result.json"
+    out_path.unlink(missing_ok=True)  # a record left by an earlier run must not stand for this one
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "ZERODP_HOST_OFFLOAD_ON_CPU": "1" if spec["device"] == "cpu" else "0"}
     cmd = [sys.executable, __file__, "--child", mode, "--spec", str(spec_path), "--child-out", str(out_path)]
@@ -174,7 +177,7 @@ def run_child(mode: str, spec: dict, timeout: float, workdir: Path) -> dict:
     except subprocess.TimeoutExpired:
         return {"mode": mode, "status": "timeout", "note": f"stopped after {timeout:.0f} s"}
     seconds = time.perf_counter() - t
-    if out_path.exists():
+    if out_path.exists() and proc.returncode == 0:
         return {**json.loads(out_path.read_text()), "seconds": seconds}
     return {
         "mode": mode,
@@ -292,7 +295,7 @@ def run(args: argparse.Namespace, modes: list[str], requested: int) -> int:
         probes = {}
         for mode in ("cpu", "nvme"):
             spec = child_spec(args, None, choices[mode], nvme_path)
-            probes[mode] = run_child(mode, spec, 0.25 * (deadline - time.perf_counter()), out.parent)
+            probes[mode] = run_child(mode, spec, 0.25 * (deadline - time.perf_counter()), out.parent, "probe_")
         report["probes"] = probes
         try:
             budget = probed_budget(probes)

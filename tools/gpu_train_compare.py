@@ -23,12 +23,6 @@ from zerodp.app import data
 from zerodp.app.model import GPT
 from zerodp.app.train import DEFAULTS, resolve_settings
 
-#: AdamW's hyperparameters as ``zerodp train`` sets them (zerodp.app.train_settings), given to both sides:
-#: zerodp's config AdamW without ``weight_decay`` gets DeepSpeed's 0, torch's AdamW 0.01
-BETAS = (0.9, 0.95)
-WEIGHT_DECAY = 0.0
-
-
 #: the optimizer settings that must agree between the two sides
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
@@ -39,8 +33,10 @@ def hyperparameters(opt: torch.optim.Optimizer) -> dict:
     return {k: list(group[k]) if isinstance(group[k], tuple) else group[k] for k in HYPERPARAMETERS if k in group}
 
 
-def plain_losses(model: torch.nn.Module, batches: list, lr: float, clip: float) -> tuple[list[float], dict]:
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+def plain_losses(
+    model: torch.nn.Module, batches: list, lr: float, clip: float, betas: tuple[float, float], weight_decay: float
+) -> tuple[list[float], dict]:
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
     out = []
     for x, y in batches:
         opt.zero_grad()
@@ -95,12 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     glob = data.GlobalBatches(train_tokens, mcfg.seq_len, micro, 1, seed=DEFAULTS.seed)
     batches = [tuple(t.to(device) for t in glob.batch(i)) for i in range(args.steps)]
     lr, clip = DEFAULTS.lr, DEFAULTS.gradient_clipping
+    # AdamW's settings as ``zerodp train`` sets them, given to both sides (zerodp's config AdamW without
+    # ``weight_decay`` gets DeepSpeed's 0, torch's AdamW 0.01: the first GPU run compared those)
+    opt_params = settings.engine_config.optimizer.params
+    betas = (float(opt_params.betas[0]), float(opt_params.betas[1])) if opt_params.betas else (0.9, 0.999)
+    weight_decay = float(opt_params.weight_decay or 0.0)
 
     torch.manual_seed(DEFAULTS.seed)
     initial = GPT(mcfg).state_dict()
     ref_model = GPT(mcfg)
     ref_model.load_state_dict(initial)
-    ref, ref_hyper = plain_losses(ref_model.to(device), batches, lr, clip)
+    ref, ref_hyper = plain_losses(ref_model.to(device), batches, lr, clip, betas, weight_decay)
     result: dict = {
         "device": str(device),
         "steps": args.steps,
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": args.device,
             "optimizer": {
                 "type": "AdamW",
-                "params": {"lr": lr, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY},
+                "params": {"lr": lr, "betas": list(betas), "weight_decay": weight_decay},
             },
             "zero_optimization": zc,
         }

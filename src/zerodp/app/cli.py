@@ -26,7 +26,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import get_args
+from typing import Any, get_args
 
 from zerodp.app import bench_cmd, checkpoint_cmds, clean_swap, estimate_cmd, launch, run_script
 from zerodp.app.arg_types import float_in, int_at_least
@@ -329,12 +329,17 @@ def launcher_command(args: argparse.Namespace) -> list[str]:
     return torchrun_prefix(args) + ["-m", "zerodp.app.cli", "train"] + forward_flags(args, WORKER_FLAGS)
 
 
+def train_nproc(args: argparse.Namespace, settings: Any) -> int:
+    """``zerodp train``'s ranks per node: ``--nproc``; unset, one per GPU on a CUDA machine unless the
+    engine's ``device`` is ``"cpu"`` (``--config``), else 2 (:func:`zerodp.app.launch.resolve_nproc`)."""
+    return resolve_nproc(args, per_gpu=settings.engine_config.device != "cpu")
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from zerodp.app import infinity, train
 
-    # one rank per GPU on a CUDA machine unless --nproc is given; the infinity preset runs on the CPU
-    args.nproc = resolve_nproc(args, per_gpu=args.preset != "infinity")
-    if args.preset == "infinity":
+    if args.preset == "infinity":  # runs on the CPU: --nproc defaults to 2
+        args.nproc = resolve_nproc(args, per_gpu=False)
         return infinity.command(args)
     if (
         args.dry_run
@@ -347,6 +352,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # Fail fast, before any process starts, on settings that every worker would reject.
     try:
         settings = train.resolve_settings(args)
+        args.nproc = train_nproc(args, settings)
         if not inside_torchrun():
             from zerodp.app import data
 
