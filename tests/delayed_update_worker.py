@@ -12,7 +12,9 @@ Scenarios (each at the stages given on the command line):
   update of that weight; its Adam moments still take the gradients).
 
 Each reports whether the engine matches the delayed reference (rtol 1e-5, atol 1e-6, losses and final
-fp32 weights), how far it is from the undelayed reference, and how many updates were launched.
+fp32 weights), how far it is from the undelayed reference, and how many updates were launched. The
+engine, the batches and the reference follow ``ZERODP_TEST_DEVICE`` (tests/devices.py); on a GPU the
+engine's delayed Adam runs on the host and the reference's on the GPU (within the tolerances above).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerodp
+from devices import engine_config, rank_device
 from distributed import run_selected, worker_args
 
 STEPS, MICRO, WIDTH, LR = 6, 2, 16, 1e-2
@@ -35,13 +38,13 @@ def model_fn() -> nn.Module:
 
 def batch(step: int, micro: int, world: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + micro)
-    return torch.randn(MICRO * world, WIDTH, generator=g)
+    return torch.randn(MICRO * world, WIDTH, generator=g).to(rank_device())
 
 
 def reference(spec: dict, delayed: bool) -> tuple[list[float], dict]:
     """Plain PyTorch on the global batch; with ``delayed`` each step's (clipped) gradients are applied
     after the next step's backward, with the LR of the step that produced them."""
-    model = model_fn()
+    model = model_fn().to(rank_device())
     world = dist.get_world_size()
     opt_cls = torch.optim.AdamW if spec["opt"] == "AdamW" else torch.optim.Adam
     opt = opt_cls(model.parameters(), lr=LR, weight_decay=0.0)  # DeepSpeed's default decay for Adam/AdamW
@@ -90,6 +93,7 @@ def engine_run(spec: dict, stage: int) -> tuple[list[float], dict, dict]:
         "gradient_accumulation_steps": spec["gas"],
         "optimizer": {"type": spec["opt"], "params": {"lr": LR}},
         "zero_optimization": zc,
+        **engine_config(),
     }
     if spec["clip"]:
         cfg["gradient_clipping"] = spec["clip"]

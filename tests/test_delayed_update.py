@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import zerodp
+from devices import skip_beyond_devices
 from distributed import run_worker
 from zerodp.config import load_config
 
@@ -21,6 +22,7 @@ PLAN = [(1, "1,2,3", "plain,clip_sched_accum"), (2, "1,2,3", "plain,clip_sched_a
 
 @pytest.mark.parametrize("world,stages,scenarios", PLAN)
 def test_delayed_update_follows_stale_reference(world, stages, scenarios):
+    skip_beyond_devices(world)  # ZERODP_TEST_DEVICE (tests/devices.py): engine, batches and reference there
     results = run_worker(world, stages, scenarios, worker=WORKER)
     checked = 0
     for r, res in enumerate(results):

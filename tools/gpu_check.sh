@@ -143,7 +143,8 @@ fi
 DEVICE_TESTS="tests/test_stages.py::test_matches_reference tests/test_stages.py::test_bf16_matches_mixed_precision_reference \
 tests/test_stages.py::test_fp16_overflow_on_one_rank_skips_on_all tests/test_grad_accumulation.py tests/test_clip_grad.py \
 tests/test_deprecations.py tests/test_offload.py::test_offload_equals_non_offloaded \
-tests/test_checkpoint.py::test_exact_resume_on_the_test_device"
+tests/test_checkpoint.py::test_exact_resume_on_the_test_device \
+tests/test_delayed_update.py::test_delayed_update_follows_stale_reference"
 part cuda_marked_tests 45 "'$PY' -m pytest -q -m cuda tests --junitxml='$OUT_DIR/cuda_marked.xml'"
 # device_part N BOX: the device-following tests at world size N only (the others skip, naming why)
 device_part() {
