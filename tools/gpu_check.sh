@@ -160,7 +160,7 @@ two_gpus() {
     record "$1" skipped 0 0 "$GPUS GPU(s); 2 ranks need 2 GPUs"
     return 1
 }
-device_part 1 75
+device_part 1 85
 two_gpus device_tests_ws2 && device_part 2 60
 
 # ---- training against plain PyTorch ------------------------------------------------------------------
@@ -178,14 +178,14 @@ bench_part() {
         '$PY' tools/gpu_bench_check.py '$OUT_DIR/bench_ws$n/bench.json'
     "
 }
-bench_part 1 45
+bench_part 1 40
 two_gpus bench_ws2 && bench_part 2 45
 
 # ---- ZeRO-Offload headline ---------------------------------------------------------------------------
 # one GPU capped to 8 GiB (lowered by the tool when its 90 s do not allow that model; the JSON says why):
 # offload_optimizer cpu, then offload_param + offload_optimizer nvme (swap files under $OUT), then the
 # cpu mode's model without offload, which must run out of memory; figures in $OUT/offload_headline.json
-part offload_headline 100 "'$PY' tools/gpu_offload_headline.py --device cuda --budget-gib 8 --time-s 90 \
+part offload_headline 95 "'$PY' tools/gpu_offload_headline.py --device cuda --budget-gib 8 --time-s 90 \
     --out '$OUT_DIR/offload_headline.json'"
 
 # ---- the user-facing commands ------------------------------------------------------------------------
