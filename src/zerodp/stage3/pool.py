@@ -73,6 +73,9 @@ class GatherPool:
             :data:`SWAPS_STORAGE`); False: allocate and free each borrower's storage, keeping no slabs.
     """
 
+    #: the ``_lent`` entry of a borrower when the pool does not swap (one empty storage, shared)
+    _NO_SLAB = torch.UntypedStorage(0)
+
     def __init__(
         self,
         limit_bytes: int,
@@ -119,7 +122,7 @@ class GatherPool:
             self.allocations += 1
             if waiter is not None:
                 waiter.after_compute()
-            self._lent[key] = torch.UntypedStorage(0, device=device)  # a marker: nothing to hand back
+            self._lent[key] = self._NO_SLAB  # nothing to hand back: the memory is the storage's own
             self._lent_sizes[key] = need
             self.peak_bytes = max(self.peak_bytes, self.held_bytes())
             return
